@@ -1,0 +1,43 @@
+# Two entry points: `make demo` and `make test`. Both create .venv if missing.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# torch first: anything that depends on torch pulls a multi-GB CUDA build otherwise.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test bench docs lint clean
+
+$(VENV)/.torch:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	touch $@
+
+$(VENV)/.demo: $(VENV)/.torch pyproject.toml
+	$(PIP) install -q -e ".[loggers]"
+	touch $@
+
+$(VENV)/.test: $(VENV)/.torch pyproject.toml
+	$(PIP) install -q -e ".[ray,loggers,test,docs]"
+	touch $@
+
+demo: $(VENV)/.demo
+	$(PY) examples/demo.py
+
+test: $(VENV)/.test
+	$(PY) -m ruff check .
+	$(PY) -m pytest tests rl_observers -q
+	$(PY) -m pytest benchmarks -q --benchmark-disable -p no:randomly
+
+bench: $(VENV)/.test
+	$(PY) -m pytest benchmarks -q
+
+docs: $(VENV)/.test
+	$(PY) -m sphinx -W --keep-going -b html docs docs/_build/html
+
+lint: $(VENV)/.test
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf $(VENV) docs/_build runs .pytest_cache .benchmarks

@@ -1,0 +1,352 @@
+"""Observers, the ordered observer list of a source, handles and the error policy.
+
+An observer is any object with ``on_<event>`` methods; only the events it
+defines are wired. A plain callable is a ``post_collect`` receiver ``fn(batch)``.
+Everything about an observer (which events, how to call them, its error
+policy) is resolved once, when it is attached, so that emitting an event is a
+walk over a tuple.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+from torchrl._utils import logger as torchrl_logger
+
+from rl_observers import signals
+
+__all__ = ["ON_ERROR_POLICIES", "Observer", "ObserverHandle", "OnError"]
+
+OnError = Literal["warn", "raise", "ignore"]
+#: The accepted values of ``on_error``.
+ON_ERROR_POLICIES: tuple[str, ...] = ("warn", "raise", "ignore")
+
+_SIGNALS = {event: signals.signal_for(event) for event in signals.EVENT_PAYLOADS}
+# Attributes named ``on_*`` that are not events.
+_NOT_EVENTS = frozenset({"on_error"})
+
+
+class Observer:
+    """Optional base class for observers.
+
+    Subclassing is not required: any object with ``on_<event>`` methods is an
+    observer. The base class documents the protocol and gives no-op lifecycle
+    callbacks. Event methods take the source first, then the payload:
+
+    ==============================================  ===============================
+    method                                          called
+    ==============================================  ===============================
+    ``on_pre_collect(self, source)``                before each collector rollout
+    ``on_post_collect(self, source, batch)``        after each collected batch
+    ``on_shutdown(self, source)``                   once, when the source shuts down
+    ``on_post_add(self, source, data, index)``      after ``replay_buffer.add``
+    ``on_post_extend(self, source, data, index)``   after ``replay_buffer.extend``
+    ``on_post_sample(self, source, batch, info)``   after each sampled batch
+    ``on_empty(self, source)``                      after ``replay_buffer.empty()``
+    ==============================================  ===============================
+
+    Only the methods a class defines are called; defining none of the events
+    of a target is an error at attach time. Observers must be picklable to be
+    shipped to worker processes and Ray actors.
+
+    Examples:
+        >>> import torch
+        >>> import rl_observers
+        >>> from rl_observers import Observer
+        >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
+        >>> class CountWrites(Observer):
+        ...     def __init__(self):
+        ...         self.items = 0
+        ...     def on_post_extend(self, source, data, index):
+        ...         self.items += len(index)
+        >>> rb = ReplayBuffer(storage=LazyTensorStorage(100))
+        >>> counter = CountWrites()
+        >>> with rb.add_observer(counter):
+        ...     _ = rb.extend(torch.arange(10))
+        >>> counter.items
+        10
+    """
+
+    def attached(self, source: Any) -> None:
+        """Called once when the observer is attached to ``source``, in the process where it runs."""
+
+    def detached(self, source: Any) -> None:
+        """Called once when the observer is removed from ``source``."""
+
+
+def _event_methods(observer: Any) -> dict[str, Callable[..., Any]]:
+    """Returns every bound event method of ``observer``, checking names and signatures."""
+    known = signals.EVENT_PAYLOADS
+    methods: dict[str, Callable[..., Any]] = {}
+    for attr in dir(type(observer)):
+        if not attr.startswith("on_") or attr in _NOT_EVENTS:
+            continue
+        method = getattr(observer, attr, None)
+        if not callable(method):
+            continue
+        event = attr[3:]
+        if event not in known:
+            close = difflib.get_close_matches(event, sorted(known), n=1)
+            hint = f" Did you mean 'on_{close[0]}'?" if close else ""
+            raise ValueError(
+                f"{type(observer).__name__}.{attr} is not an event method: events are "
+                f"{', '.join('on_' + e for e in sorted(known))}.{hint}"
+            )
+        _check_signature(observer, attr, method, 1 + len(known[event]))
+        methods[event] = method
+    return methods
+
+
+def _check_signature(owner: Any, attr: str, fn: Callable[..., Any], nargs: int) -> None:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without a signature: trust them
+        return
+    try:
+        signature.bind(*range(nargs))
+    except TypeError:
+        names = ", ".join(
+            ["source", *signals.EVENT_PAYLOADS.get(attr[3:], ("batch",))][:nargs]
+        )
+        raise TypeError(
+            f"{type(owner).__name__}.{attr} must accept ({names}), "
+            f"got a method with signature {signature}."
+        ) from None
+
+
+class _CallablePostCollect:
+    """Adapts a plain callable ``fn(batch)`` to the ``(source, batch)`` event signature."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, source: Any, batch: Any) -> None:
+        self.fn(batch)
+
+
+class _Entry:
+    """One attached observer: its resolved event calls and its error state."""
+
+    __slots__ = ("calls", "failing", "observer", "on_error", "stats")
+
+    def __init__(self, observer: Any, calls: dict[str, Callable[..., Any]], on_error: str):
+        self.observer = observer
+        self.calls = calls
+        self.on_error = on_error
+        self.failing = False
+        stats = getattr(observer, "stats", None)
+        self.stats: Callable[[], Any] | None = stats if callable(stats) else None
+
+    def failed(self, error: Exception, event: str) -> None:
+        if self.on_error == "raise":
+            raise error
+        if self.on_error == "warn" and not self.failing:
+            torchrl_logger.warning(
+                f"rl_observers: observer {self.observer!r} raised in on_{event} "
+                f"({type(error).__name__}: {error}); the source goes on, and this is "
+                "reported once until the observer succeeds again."
+            )
+        self.failing = True
+
+
+def resolve_observer(
+    observer: Any, events: tuple[str, ...], target_name: str, on_error: str | None
+) -> _Entry:
+    """Validates ``observer`` for a target emitting ``events`` and resolves its calls.
+
+    All checks happen here, at attach time, never on the event path.
+    """
+    if on_error is None:
+        own = getattr(observer, "on_error", None)
+        on_error = own if isinstance(own, str) else "warn"
+    if on_error not in ON_ERROR_POLICIES:
+        raise ValueError(f"on_error must be one of 'warn', 'raise' or 'ignore', got {on_error!r}.")
+    every = _event_methods(observer)
+    methods = {event: fn for event, fn in every.items() if event in events}
+    if not every:
+        if not callable(observer):
+            raise TypeError(
+                "an observer must define on_<event> methods or be a callable receiving "
+                f"the post_collect batch, got {observer!r} of type {type(observer).__name__}."
+            )
+        if isinstance(observer, type):
+            raise TypeError(
+                f"add_observer expects an observer instance, got the class {observer.__name__}; "
+                f"did you mean {observer.__name__}()?"
+            )
+        _check_signature(observer, "on_post_collect", observer, 1)
+        if "post_collect" not in events:
+            raise TypeError(
+                f"a plain callable is a post_collect receiver, which a {target_name} does not "
+                f"emit ({', '.join(events)}); define on_<event> methods instead, got {observer!r}."
+            )
+        methods = {"post_collect": _CallablePostCollect(observer)}
+    elif not methods:
+        raise TypeError(
+            f"{type(observer).__name__} observes {', '.join(sorted(every))}, none of which a "
+            f"{target_name} emits ({', '.join(events)})."
+        )
+    return _Entry(observer, methods, on_error)
+
+
+class ObserverList:
+    """The ordered observers of one source, and the emitters the source calls.
+
+    Lives on an observed source as ``source._rl_observers``. Emitting walks a
+    tuple built at registration; a registration replaces the tuple, so an
+    event in flight finishes over the snapshot it started with.
+    """
+
+    def __init__(self, source: Any, events: tuple[str, ...], target_name: str) -> None:
+        self.source = source
+        self.events = events
+        self.target_name = target_name
+        self.entries: tuple[_Entry, ...] = ()
+        self._calls: dict[str, tuple[tuple[Callable[..., Any], _Entry], ...]] = {
+            event: () for event in events
+        }
+        self._lock = threading.RLock()
+        self._shut_down = False
+
+    # -- registration ---------------------------------------------------------------------------
+
+    def add(self, observer: Any, on_error: str | None = None) -> _Entry:
+        entry = resolve_observer(observer, self.events, self.target_name, on_error)
+        with self._lock:
+            if any(e.observer is observer for e in self.entries):
+                raise ValueError(
+                    f"{observer!r} is already attached to this {self.target_name}; "
+                    "an observer is attached at most once per source."
+                )
+            self.entries = (*self.entries, entry)
+            self._rebuild()
+        return entry
+
+    def remove(self, observer: Any) -> _Entry | None:
+        with self._lock:
+            kept = tuple(e for e in self.entries if e.observer is not observer)
+            if len(kept) == len(self.entries):
+                return None
+            (removed,) = (e for e in self.entries if e.observer is observer)
+            self.entries = kept
+            self._rebuild()
+        return removed
+
+    def _rebuild(self) -> None:
+        self._calls = {
+            event: tuple((e.calls[event], e) for e in self.entries if event in e.calls)
+            for event in self.events
+        }
+
+    @property
+    def observers(self) -> tuple[Any, ...]:
+        return tuple(e.observer for e in self.entries)
+
+    # -- emitting -------------------------------------------------------------------------------
+
+    def emit(self, event: str, *payload: Any) -> None:
+        """Calls the observers of ``event`` in order, then the signal's receivers."""
+        source = self.source
+        for fn, entry in self._calls[event]:
+            try:
+                fn(source, *payload)
+            except Exception as error:
+                entry.failed(error, event)
+            else:
+                if entry.failing:
+                    entry.failing = False
+        signal = _SIGNALS[event]
+        if signal.receivers:
+            signal.send(source, **dict(zip(signals.EVENT_PAYLOADS[event], payload)))
+
+    def contribute_stats(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """Adds the entries observers contribute to the source's ``stats()``."""
+        for entry in self.entries:
+            if entry.stats is not None:
+                try:
+                    stats.update(entry.stats())
+                except Exception as error:
+                    entry.failed(error, "stats")
+        return stats
+
+    def shutdown(self) -> None:
+        """Emits ``shutdown`` once, however often the source shuts down."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        self.emit("shutdown")
+
+    # -- pickling: observers travel with their source ------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "events": self.events,
+            "target_name": self.target_name,
+            "attached": [(e.observer, e.on_error) for e in self.entries],
+            "shut_down": self._shut_down,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["source"], state["events"], state["target_name"])  # type: ignore[misc]
+        self._shut_down = state["shut_down"]
+        for observer, on_error in state["attached"]:
+            self.entries = (*self.entries, resolve_observer(observer, self.events, self.target_name, on_error))
+        self._rebuild()
+
+
+class ObserverHandle:
+    """What ``add_observer`` returns: removes the observer, also as a context manager.
+
+    The handle holds its target weakly, so keeping a handle does not keep a
+    collector or replay buffer alive. Removing twice is harmless.
+
+    Examples:
+        >>> import torch
+        >>> import rl_observers
+        >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
+        >>> rb = ReplayBuffer(storage=LazyTensorStorage(10))
+        >>> seen = []
+        >>> class Seen:
+        ...     def on_post_sample(self, source, batch, info):
+        ...         seen.append(len(batch))
+        >>> _ = rb.extend(torch.arange(10))
+        >>> with rb.add_observer(Seen()) as handle:
+        ...     _ = rb.sample(4)
+        >>> _ = rb.sample(4)  # removed at the end of the block
+        >>> seen, rb.observers
+        ([4], ())
+    """
+
+    __slots__ = ("__weakref__", "_target", "observer")
+
+    def __init__(self, target: Any, observer: Any) -> None:
+        self._target = weakref.ref(target)
+        self.observer = observer
+
+    @property
+    def target(self) -> Any | None:
+        """The observed source, or ``None`` once it has been garbage-collected."""
+        return self._target()
+
+    def remove(self) -> None:
+        """Detaches the observer from its target (no-op if already detached)."""
+        target = self._target()
+        if target is not None and any(o is self.observer for o in target.observers):
+            target.remove_observer(self.observer)
+
+    def __enter__(self) -> ObserverHandle:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(observer={self.observer!r}, target={self.target!r})"

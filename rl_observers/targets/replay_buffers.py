@@ -1,0 +1,74 @@
+"""How replay buffers emit events.
+
+An observed buffer's ``add`` / ``extend`` emit after torchrl wrote the data,
+with the index torchrl returned; ``_sample`` emits with the batch and the
+sampler's info dict (whether or not the caller asked for it), so sampling is
+observed where the batch is made: in the calling thread, or in the prefetch
+thread when the buffer prefetches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchrl.data import ReplayBuffer
+
+from rl_observers.observer import ObserverList
+from rl_observers.signals import REPLAY_BUFFER_EVENTS
+from rl_observers.targets._observed import register_mixin
+
+__all__ = ["ObservedReplayBuffer", "ReplayBufferObservers"]
+
+
+class ReplayBufferObservers(ObserverList):
+    """The observers of one in-process replay buffer."""
+
+    def __init__(
+        self,
+        source: Any,
+        events: tuple[str, ...] = REPLAY_BUFFER_EVENTS,
+        target_name: str = "replay buffer",
+    ) -> None:
+        super().__init__(source, events, target_name)
+
+
+class ObservedReplayBuffer:
+    """Mixin of observed replay buffers (see :mod:`rl_observers.targets._observed`)."""
+
+    _rl_base: type
+
+    _rl_observers: ReplayBufferObservers
+
+    def add(self, data: Any, *args: Any, **kwargs: Any) -> Any:
+        index = self._rl_base.add(self, data, *args, **kwargs)  # type: ignore[misc]
+        self._rl_observers.emit("post_add", data, index)
+        return index
+
+    def extend(self, data: Any, *args: Any, **kwargs: Any) -> Any:
+        index = self._rl_base.extend(self, data, *args, **kwargs)  # type: ignore[misc]
+        self._rl_observers.emit("post_extend", data, index)
+        return index
+
+    def _sample(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        result = self._rl_base._sample(self, *args, **kwargs)  # type: ignore[misc]
+        self._rl_observers.emit("post_sample", result[0], result[1])
+        return result
+
+    def empty(self, *args: Any, **kwargs: Any) -> None:
+        self._rl_base.empty(self, *args, **kwargs)  # type: ignore[misc]
+        self._rl_observers.emit("empty")
+
+    def shutdown(self, *args: Any, **kwargs: Any) -> None:
+        self._rl_observers.shutdown()
+        self._rl_base.shutdown(self, *args, **kwargs)  # type: ignore[misc]
+
+    def stats(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        stats = self._rl_base.stats(self, *args, **kwargs)  # type: ignore[misc]
+        return self._rl_observers.contribute_stats(stats)
+
+
+def _is_local_replay_buffer(cls: type) -> bool:
+    return issubclass(cls, ReplayBuffer)
+
+
+register_mixin(_is_local_replay_buffer, ObservedReplayBuffer)
