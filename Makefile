@@ -15,11 +15,13 @@ $(VENV)/.torch:
 	touch $@
 
 $(VENV)/.demo: $(VENV)/.torch pyproject.toml
-	$(PIP) install -q -e ".[loggers]"
+	$(PIP) install -q -e ".[loggers]" ninja
+	$(PY) scripts/build_torchrl_extension.py
 	touch $@
 
 $(VENV)/.test: $(VENV)/.torch pyproject.toml
 	$(PIP) install -q -e ".[ray,loggers,test,docs]"
+	$(PY) scripts/build_torchrl_extension.py
 	touch $@
 
 demo: $(VENV)/.demo

@@ -39,10 +39,8 @@ def observed_class(base: type) -> type:
         return cls
     if base.__dict__.get("_rl_base") is not None:
         return base
-    for predicate, mixin in _MIXINS:
-        if predicate(base):
-            break
-    else:
+    mixin = next((mixin for predicate, mixin in _MIXINS if predicate(base)), None)
+    if mixin is None:
         raise TypeError(f"rl_observers cannot observe instances of {base.__qualname__}.")
     # The mixin's methods are copied into a single-inheritance subclass: a second base
     # would change the instance layout and forbid the ``__class__`` switch.

@@ -1,0 +1,108 @@
+"""Observers for tests: they record what they see and can be pickled to workers.
+
+Examples:
+    >>> import torch
+    >>> import rl_observers
+    >>> from rl_observers.testing import EventRecorder
+    >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
+    >>> rb = ReplayBuffer(storage=LazyTensorStorage(10))
+    >>> recorder = EventRecorder()
+    >>> _ = rb.add_observer(recorder)
+    >>> _ = rb.extend(torch.arange(4))
+    >>> _ = rb.sample(2)
+    >>> recorder.events
+    ['post_extend', 'post_sample']
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+__all__ = ["EventRecorder"]
+
+
+def _size(value: Any) -> int | None:
+    numel = getattr(value, "numel", None)
+    if callable(numel):
+        return int(numel())
+    try:
+        return len(value)
+    except TypeError:
+        return None
+
+
+class EventRecorder:
+    """Records every event it receives, in order, with the size of its payload.
+
+    Thread-safe: several threads may emit at once. Holds sizes, not payloads,
+    so it never keeps batches alive. It has an ``on_<event>`` method for every
+    event, so it fits any source.
+
+    Keyword Args:
+        keep_payloads (bool, optional): also keep the payload objects
+            themselves (for identity checks). Defaults to ``False``.
+
+    Attributes:
+        events (list[str]): event names, in the order received.
+        sizes (list[int | None]): ``numel()`` or ``len()`` of each event's
+            first payload (``None`` without payload).
+        payloads (list[tuple]): the payloads, when ``keep_payloads``.
+        pid (int | None): the process of the last event.
+    """
+
+    def __init__(self, *, keep_payloads: bool = False) -> None:
+        self.keep_payloads = keep_payloads
+        self.events: list[str] = []
+        self.sizes: list[int | None] = []
+        self.payloads: list[tuple[Any, ...]] = []
+        self.pid: int | None = None
+        self._lock = threading.Lock()
+
+    def _record(self, event: str, *payload: Any) -> None:
+        size = _size(payload[0]) if payload else None
+        with self._lock:
+            self.events.append(event)
+            self.sizes.append(size)
+            if self.keep_payloads:
+                self.payloads.append(payload)
+            self.pid = os.getpid()
+
+    def count(self, event: str) -> int:
+        """Returns how many ``event`` events were recorded."""
+        return self.events.count(event)
+
+    def on_pre_collect(self, source: Any) -> None:
+        self._record("pre_collect")
+
+    def on_post_collect(self, source: Any, batch: Any) -> None:
+        self._record("post_collect", batch)
+
+    def on_shutdown(self, source: Any) -> None:
+        self._record("shutdown")
+
+    def on_post_add(self, source: Any, data: Any, index: Any) -> None:
+        self._record("post_add", data, index)
+
+    def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
+        self._record("post_extend", data, index)
+
+    def on_post_sample(self, source: Any, batch: Any, info: Any) -> None:
+        self._record("post_sample", batch, info)
+
+    def on_empty(self, source: Any) -> None:
+        self._record("empty")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"EventRecorder(events={len(self.events)})"
+

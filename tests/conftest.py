@@ -1,0 +1,49 @@
+"""Shared fixtures: small real torchrl objects."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RL_WARNINGS", "0")
+
+import rl_observers  # noqa: E402,F401  (installs add_observer on torchrl's classes)
+
+
+@pytest.fixture
+def counting_env():
+    from torchrl.testing.mocking_classes import CountingEnv
+
+    return CountingEnv(max_steps=7)
+
+
+@pytest.fixture
+def make_collector():
+    """Builds real ``Collector`` objects and shuts them down after the test."""
+    from torchrl.collectors import Collector
+    from torchrl.envs.utils import RandomPolicy
+
+    made = []
+
+    def make(env, frames_per_batch=16, total_frames=64, **kwargs):
+        collector = Collector(
+            env,
+            RandomPolicy(env.action_spec),
+            frames_per_batch=frames_per_batch,
+            total_frames=total_frames,
+            **kwargs,
+        )
+        made.append(collector)
+        return collector
+
+    yield make
+    for collector in made:
+        collector.shutdown(raise_on_error=False)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
