@@ -1,23 +1,59 @@
 """rl_observers: event observers and data metrics for TorchRL collectors and replay buffers.
 
-``import rl_observers`` adds ``add_observer``, ``remove_observer`` and
-``observers`` to every torchrl collector and replay buffer.
+``import rl_observers`` adds ``add_observer``, ``remove_observer``,
+``observers`` and ``attach_logger`` to every torchrl collector and replay
+buffer, and makes ``collector.enable_profile()`` attach a
+:class:`ProfilerObserver`.
+
+The flow of one number: a source (collector or replay buffer, in any
+process) emits events → its observers fold them next to the data
+(:mod:`~rl_observers.metrics`, :mod:`~rl_observers.reducers`) → a
+:class:`LoggerObserver` submits due windows to a :class:`MetricsChannel` →
+the channel's thread calls the torchrl logger.
 """
 
 from __future__ import annotations
 
+from torchrl.record.loggers.monitoring import Every
+
 from rl_observers import signals
+from rl_observers.channel import MetricsChannel, MetricsHandle
+from rl_observers.logger_observer import LoggerObserver, default_metrics
+from rl_observers.logger_observer import install_attach_logger as _install_attach_logger
+from rl_observers.metrics import CollectorBatchMetrics, MetricSet, SampleMetrics, WriteMetrics
 from rl_observers.observer import ON_ERROR_POLICIES, Observer, ObserverHandle, OnError
+from rl_observers.profiler import ProfilerObserver
+from rl_observers.profiler import install_profiling as _install_profiling
+from rl_observers.reducers import Count, Moments, Partial, ReducerBank
+from rl_observers.sources import SourceInfo, source_info
 from rl_observers.targets import install as _install
 
 _install()
+_install_attach_logger()
+_install_profiling()
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ON_ERROR_POLICIES",
+    "CollectorBatchMetrics",
+    "Count",
+    "Every",
+    "LoggerObserver",
+    "MetricSet",
+    "MetricsChannel",
+    "MetricsHandle",
+    "Moments",
     "Observer",
     "ObserverHandle",
     "OnError",
+    "Partial",
+    "ProfilerObserver",
+    "ReducerBank",
+    "SampleMetrics",
+    "SourceInfo",
+    "WriteMetrics",
+    "default_metrics",
     "signals",
+    "source_info",
 ]

@@ -51,7 +51,9 @@ class Observer:
     ==============================================  ===============================
 
     Only the methods a class defines are called; defining none of the events
-    of a target is an error at attach time. Observers must be picklable to be
+    of a target is an error at attach time. An observer whose class defines
+    more event methods than an instance needs may narrow them with an
+    ``observed_events`` attribute (a tuple of event names), read at attach time. Observers must be picklable to be
     shipped to worker processes and Ray actors.
 
     Examples:
@@ -169,6 +171,15 @@ def resolve_observer(
     if on_error not in ON_ERROR_POLICIES:
         raise ValueError(f"on_error must be one of 'warn', 'raise' or 'ignore', got {on_error!r}.")
     every = _event_methods(observer)
+    wanted = getattr(observer, "observed_events", None)
+    if wanted is not None:  # an observer may narrow the events it defines methods for
+        unknown = set(wanted) - set(every)
+        if unknown:
+            raise ValueError(
+                f"{type(observer).__name__}.observed_events names {sorted(unknown)}, for which it has no "
+                f"on_<event> method; it defines {sorted(every)}."
+            )
+        every = {event: fn for event, fn in every.items() if event in wanted}
     methods = {event: fn for event, fn in every.items() if event in events}
     if not every:
         if not callable(observer):
@@ -196,6 +207,12 @@ def resolve_observer(
     return _Entry(observer, methods, on_error)
 
 
+#: One event's observer calls, in order: ``(call(source, *payload), entry)`` pairs.
+Calls = tuple[tuple[Callable[..., Any], _Entry], ...]
+#: Rewrites an event's :data:`Calls` at registration time (see :meth:`ObserverList.set_call_transform`).
+CallTransform = Callable[[str, Calls], Iterable[tuple[Callable[..., Any], _Entry]]]
+
+
 class ObserverList:
     """The ordered observers of one source, and the emitters the source calls.
 
@@ -214,6 +231,7 @@ class ObserverList:
         }
         self._lock = threading.RLock()
         self._shut_down = False
+        self._call_transform: CallTransform | None = None
 
     # -- registration ---------------------------------------------------------------------------
 
@@ -239,11 +257,34 @@ class ObserverList:
             self._rebuild()
         return removed
 
+    def set_call_transform(self, transform: CallTransform | None) -> CallTransform | None:
+        """Installs ``transform(event, calls) -> calls``, or removes it with ``None``.
+
+        The transform rewrites the ``(call, entry)`` tuple of each event when the
+        tuples are built: now, and at every later registration. It can wrap calls
+        (``ProfilerObserver(record_observers=True)`` times each observer) or move
+        them, and it costs nothing per event: emitting stays a tuple walk. A
+        list holds one transform; the previous one is returned. Not pickled.
+        """
+        with self._lock:
+            previous, self._call_transform = self._call_transform, transform
+            self._rebuild()
+        return previous
+
+    @property
+    def call_transform(self) -> CallTransform | None:
+        """The installed call transform, or ``None``."""
+        return self._call_transform
+
     def _rebuild(self) -> None:
-        self._calls = {
+        calls = {
             event: tuple((e.calls[event], e) for e in self.entries if event in e.calls)
             for event in self.events
         }
+        transform = self._call_transform
+        if transform is not None:
+            calls = {event: tuple(transform(event, c)) for event, c in calls.items()}
+        self._calls = calls
 
     @property
     def observers(self) -> tuple[Any, ...]:

@@ -31,6 +31,32 @@ class ReplayBufferObservers(ObserverList):
     ) -> None:
         super().__init__(source, events, target_name)
 
+    # A shared buffer may have copies in the workers of running multiprocessing collectors:
+    # changes are mirrored there (rl_observers.targets._multiprocess).
+
+    def add(self, observer: Any, on_error: str | None = None) -> Any:
+        entry = super().add(observer, on_error)
+        if self.source.__dict__.get("shared"):
+            from rl_observers.targets._multiprocess import propagate_to_shared_copies
+
+            try:
+                propagate_to_shared_copies(
+                    self.source, "add", observer, entry.on_error, len(self.entries) - 1
+                )
+            except BaseException:
+                super().remove(observer)
+                raise
+        return entry
+
+    def remove(self, observer: Any) -> Any:
+        if self.source.__dict__.get("shared"):
+            position = next((i for i, e in enumerate(self.entries) if e.observer is observer), None)
+            if position is not None:
+                from rl_observers.targets._multiprocess import propagate_to_shared_copies
+
+                propagate_to_shared_copies(self.source, "remove", observer, "", position)
+        return super().remove(observer)
+
 
 class ObservedReplayBuffer:
     """Mixin of observed replay buffers (see :mod:`rl_observers.targets._observed`)."""

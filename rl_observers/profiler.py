@@ -1,0 +1,601 @@
+"""ProfilerObserver: ``torch.profiler`` over chosen rollouts, stacked with any observers.
+
+torchrl's ``collector.enable_profile()`` drives the profiler from the single
+``post_collect_hook`` slot, so it evicts a user hook and is evicted by one.
+:class:`ProfilerObserver` drives the same profiler, with the same
+:class:`~torchrl.collectors.ProfileConfig` semantics, as one observer among
+others; :func:`install_profiling` (run by ``import rl_observers``) makes
+``enable_profile()`` / ``disable_profile()`` attach and detach one.
+
+**What one profiler step is.** Step ``k`` is rollout ``k`` (counted from 0 in
+the process that collects) and everything done about it: it starts when
+every observer is done with batch ``k - 1`` and ends when every observer is
+done with batch ``k``. So a step holds, in order: the consumer's work on
+batch ``k - 1`` (the training loop between two batches), the ``pre_collect``
+hook and observers, the whole rollout (including torchrl's ``Collector.rollout``
+range when ``TORCHRL_PROFILING=1``), the user's ``post_collect_hook`` and every
+``post_collect`` observer, whether registered before or after the profiler.
+The step boundary is the profiler's own ``post_collect`` call, which it moves
+behind the other observers of its source when it starts (see
+:meth:`~rl_observers.observer.ObserverList.set_call_transform`); in lists
+without that seam it stays at its registration position. Steps
+``warmup_rollouts .. num_rollouts - 1`` are recorded, as with torchrl's hook,
+and the trace is exported as soon as step ``num_rollouts - 1`` ends.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.autograd.profiler import record_function
+from torch.profiler import ProfilerAction
+from torchrl._utils import accept_remote_rref_invocation
+from torchrl._utils import logger as torchrl_logger
+from torchrl.collectors import BaseCollector, ProfileConfig
+
+from rl_observers.observer import Observer
+
+__all__ = ["ProfileConfig", "ProfilerObserver", "install_profiling"]
+
+_IDLE, _RUNNING, _DONE = "idle", "running", "done"
+_UNSET: Any = object()
+# enable_profile's keywords, with torchrl's defaults (``None`` means "torchrl's default list").
+_CONFIG_DEFAULTS: dict[str, Any] = {
+    "workers": None,
+    "num_rollouts": 3,
+    "warmup_rollouts": 1,
+    "save_path": None,
+    "activities": None,
+    "record_shapes": True,
+    "profile_memory": False,
+    "with_stack": True,
+    "with_flops": False,
+    "on_trace_ready": None,
+}
+
+
+def _make_config(values: dict[str, Any]) -> ProfileConfig:
+    """Builds a :class:`ProfileConfig` exactly as ``BaseCollector.enable_profile`` does."""
+    values = dict(values)
+    if values["workers"] is None:
+        values["workers"] = [0]
+    if values["activities"] is None:
+        values["activities"] = ["cpu", "cuda"]
+    return ProfileConfig(**values)
+
+
+def _worker_index(source: Any) -> int | None:
+    """The index of ``source`` among the workers of a multi-process or Ray collector.
+
+    ``None`` for a collector that is nobody's worker. Asks
+    :func:`rl_observers.sources.source_info`, then the ``worker_idx`` torchrl
+    gives the inner collectors of its workers.
+    """
+    try:
+        from rl_observers.sources import source_info
+    except ImportError:  # a package without remote sources: torchrl's attribute is enough
+        source_info = None
+    if source_info is not None:
+        worker = source_info(source).worker
+        if worker is not None:
+            return worker
+    idx = getattr(source, "worker_idx", None)
+    return idx if isinstance(idx, int) else None
+
+
+class _RolloutSchedule:
+    """``torch.profiler`` schedule: skip, one warm-up step, then record until ``num_rollouts``.
+
+    Unlike ``torch.profiler.schedule(warmup=0)`` it does not warn, and it warms
+    the profiler up during the last skipped rollout, so that the first recorded
+    rollout does not pay for starting the trace.
+    """
+
+    __slots__ = ("last", "skip")
+
+    def __init__(self, config: ProfileConfig) -> None:
+        self.skip = config.warmup_rollouts
+        self.last = config.num_rollouts - 1
+
+    def __call__(self, step: int) -> ProfilerAction:
+        if step < self.skip - 1 or step > self.last:
+            return ProfilerAction.NONE
+        if step < self.skip:
+            return ProfilerAction.WARMUP
+        return ProfilerAction.RECORD if step < self.last else ProfilerAction.RECORD_AND_SAVE
+
+
+def _range_name(observer: Any, event: str) -> str:
+    # an observer object is named after its class, a plain function after itself
+    name = getattr(observer, "__name__", None) or type(observer).__name__
+    return f"rl_observers/{name}.on_{event}"
+
+
+def _recorded(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    def call(source: Any, *payload: Any) -> Any:
+        with record_function(name):
+            return fn(source, *payload)
+
+    return call
+
+
+class ProfilerObserver(Observer):
+    """Profiles whole collector rollouts with :mod:`torch.profiler`, next to any other observers.
+
+    The observer does what torchrl's ``enable_profile()`` does, with the same
+    :class:`~torchrl.collectors.ProfileConfig` (and its validation), but as an
+    observer: it never takes the ``post_collect_hook`` slot, so a user hook,
+    other observers and the profiler all run on every batch. It runs in the
+    process where collection runs: a pickled copy (sent to a worker process or
+    a Ray actor) builds its own profiler there, on the first event it receives,
+    and learns its worker index from its source. Only the workers in
+    ``config.workers`` profile; a collector that is nobody's worker (a plain
+    ``Collector``) is worker ``0`` and, as with torchrl, is profiled whatever
+    ``workers`` says.
+
+    Rollouts are counted from the first one the observer sees: rollouts
+    ``0 .. warmup_rollouts - 1`` are skipped (the last of them warms the
+    profiler up), rollouts ``warmup_rollouts .. num_rollouts - 1`` are
+    recorded, one profiler step (``ProfilerStep#k`` in the trace) each, and
+    the trace is written as soon as every observer is done with rollout
+    ``num_rollouts - 1``. A profiler step covers the rollout, the
+    ``pre_collect`` / ``post_collect`` hooks and every observer's work on it
+    (also observers registered after this one), and the consumer's work on
+    the previous batch. Shutting the collector down or detaching the observer
+    stops the profiler early, writing what was recorded so far.
+
+    Args:
+        config (ProfileConfig, optional): a ready-made torchrl profiling
+            configuration. Give either this or the keyword arguments below,
+            which build one exactly as ``enable_profile()`` does.
+
+    Keyword Args:
+        workers (list[int], optional): worker indices to profile. Defaults to ``[0]``.
+        num_rollouts (int, optional): rollouts to run the profiler for,
+            warm-up included. Defaults to ``3``.
+        warmup_rollouts (int, optional): rollouts skipped before recording.
+            Defaults to ``1``.
+        save_path (str or Path, optional): where to write the Chrome trace;
+            ``{worker_idx}`` is replaced by the worker index. Defaults to
+            ``"./collector_profile_{worker_idx}.json"``.
+        activities (list[str], optional): ``"cpu"`` and/or ``"cuda"`` (CUDA
+            only where available). Defaults to ``["cpu", "cuda"]``.
+        record_shapes (bool, optional): record tensor shapes. Defaults to ``True``.
+        profile_memory (bool, optional): profile memory. Defaults to ``False``.
+        with_stack (bool, optional): record Python stacks. Defaults to ``True``.
+        with_flops (bool, optional): estimate FLOPs. Defaults to ``False``.
+        on_trace_ready (Callable, optional): called with the profiler instead
+            of writing ``save_path``. Defaults to ``None``.
+        record_observers (bool, optional): while the profiler runs, time each
+            other observer of the source in a range named
+            ``rl_observers/<ObserverClass>.on_<event>`` (a plain callable is
+            named after its ``__qualname__``), to see which observer costs
+            what. Defaults to ``False``.
+
+    Raises:
+        TypeError: if ``config`` is not a :class:`ProfileConfig`, or is given
+            together with configuration keywords.
+        ValueError: as :class:`ProfileConfig` does, if ``num_rollouts <=
+            warmup_rollouts`` or ``warmup_rollouts < 0``.
+
+    Examples:
+        >>> import json, tempfile
+        >>> import rl_observers
+        >>> from rl_observers import ProfilerObserver
+        >>> from torchrl.collectors import Collector
+        >>> from torchrl.envs.utils import RandomPolicy
+        >>> from torchrl.testing.mocking_classes import CountingEnv
+        >>> env = CountingEnv()
+        >>> collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=8, total_frames=40)
+        >>> path = tempfile.mkdtemp() + "/trace_{worker_idx}.json"
+        >>> profiler = ProfilerObserver(
+        ...     num_rollouts=3, warmup_rollouts=1, save_path=path,
+        ...     activities=["cpu"], with_stack=False, record_observers=True,
+        ... )
+        >>> class Frames:
+        ...     frames = 0
+        ...     def on_post_collect(self, source, batch):
+        ...         self.frames += batch.numel()
+        >>> _ = collector.add_observer(profiler)
+        >>> _ = collector.add_observer(Frames())  # runs inside the profiled steps
+        >>> for batch in collector:
+        ...     pass
+        >>> profiler.trace_path.name
+        'trace_0.json'
+        >>> events = json.loads(profiler.trace_path.read_text())["traceEvents"]
+        >>> sorted({e["name"] for e in events if e["name"].startswith(("ProfilerStep", "rl_observers"))})
+        ['ProfilerStep#1', 'ProfilerStep#2', 'rl_observers/Frames.on_post_collect']
+        >>> collector.shutdown()
+    """
+
+    def __init__(
+        self,
+        config: ProfileConfig | None = None,
+        *,
+        workers: list[int] | None = _UNSET,
+        num_rollouts: int = _UNSET,
+        warmup_rollouts: int = _UNSET,
+        save_path: str | Path | None = _UNSET,
+        activities: list[str] | None = _UNSET,
+        record_shapes: bool = _UNSET,
+        profile_memory: bool = _UNSET,
+        with_stack: bool = _UNSET,
+        with_flops: bool = _UNSET,
+        on_trace_ready: Callable[[Any], None] | None = _UNSET,
+        record_observers: bool = False,
+    ) -> None:
+        given = {
+            name: value
+            for name, value in (
+                ("workers", workers),
+                ("num_rollouts", num_rollouts),
+                ("warmup_rollouts", warmup_rollouts),
+                ("save_path", save_path),
+                ("activities", activities),
+                ("record_shapes", record_shapes),
+                ("profile_memory", profile_memory),
+                ("with_stack", with_stack),
+                ("with_flops", with_flops),
+                ("on_trace_ready", on_trace_ready),
+            )
+            if value is not _UNSET
+        }
+        if config is None:
+            config = _make_config({**_CONFIG_DEFAULTS, **given})
+        elif not isinstance(config, ProfileConfig):
+            raise TypeError(
+                f"ProfilerObserver expects a torchrl ProfileConfig as config, got {config!r} "
+                f"of type {type(config).__name__}."
+            )
+        elif given:
+            raise TypeError(
+                "ProfilerObserver takes either a ProfileConfig or configuration keywords, "
+                f"not both; got a config and {', '.join(sorted(given))}."
+            )
+        self.config = config
+        self.record_observers = bool(record_observers)
+        self._reset()
+
+    def _reset(self) -> None:
+        """The per-process state: nothing started (also what a pickled copy starts from)."""
+        self._lock = threading.Lock()
+        self._state = _IDLE
+        self._profiler: torch.profiler.profile | None = None
+        self._observers: Any = None  # the source's observer list, while our transform is in it
+        self._steps = 0
+        self._worker_idx: int | None = None
+        self._trace_path: Path | None = None
+
+    # -- what users read ---------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        """Whether this copy's profiler is running (recording or about to)."""
+        return self._state == _RUNNING
+
+    @property
+    def trace_path(self) -> Path | None:
+        """The trace this copy wrote (``None`` before, or with ``on_trace_ready``)."""
+        return self._trace_path
+
+    def stop(self) -> None:
+        """Stops this copy's profiler now, writing what it recorded; later rollouts are not profiled.
+
+        Idempotent. Called on ``shutdown`` and when the observer is detached.
+        """
+        with self._lock:
+            self._finish()
+
+    # -- events ------------------------------------------------------------------------------
+
+    def on_pre_collect(self, source: Any) -> None:
+        if self._state == _IDLE:
+            self._start(source)
+
+    def on_post_collect(self, source: Any, batch: Any) -> None:
+        state = self._state
+        if state == _RUNNING:
+            with self._lock:
+                if self._state != _RUNNING:
+                    return
+                self._steps += 1
+                if self._steps >= self.config.num_rollouts:
+                    self._finish()
+                else:
+                    self._profiler.step()  # type: ignore[union-attr]
+        elif state == _IDLE:  # attached between a pre_collect and its batch
+            self._start(source)
+
+    def on_shutdown(self, source: Any) -> None:
+        self.stop()
+
+    def detached(self, source: Any) -> None:
+        self.stop()
+
+    # -- the profiler ------------------------------------------------------------------------
+
+    def _start(self, source: Any) -> None:
+        with self._lock:
+            if self._state != _IDLE:
+                return
+            self._state = _DONE  # unless everything below succeeds
+            idx = _worker_index(source)
+            if idx is not None and not self.config.should_profile_worker(idx):
+                return
+            self._worker_idx = 0 if idx is None else idx
+            activities = self.config.get_activities()
+            if not activities:
+                torchrl_logger.warning(
+                    f"ProfilerObserver [worker {self._worker_idx}]: none of the activities "
+                    f"{self.config.activities!r} is available here; not profiling."
+                )
+                return
+            profiler = torch.profiler.profile(
+                activities=activities,
+                schedule=_RolloutSchedule(self.config),
+                on_trace_ready=self.config.on_trace_ready or self._export,
+                record_shapes=self.config.record_shapes,
+                profile_memory=self.config.profile_memory,
+                with_stack=self.config.with_stack,
+                with_flops=self.config.with_flops,
+            )
+            profiler.start()
+            self._profiler = profiler
+            self._steps = 0
+            self._state = _RUNNING
+            self._install_transform(source)
+
+    def _finish(self) -> None:
+        """Stops the profiler (writing its trace if it recorded) and restores the call tuples."""
+        if self._state == _DONE:
+            return
+        self._state = _DONE
+        profiler, self._profiler = self._profiler, None
+        try:
+            if profiler is not None:
+                profiler.stop()
+        finally:
+            self._uninstall_transform()
+
+    def _export(self, profiler: torch.profiler.profile) -> None:
+        path = self.config.get_save_path(self._worker_idx or 0)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(path))
+        self._trace_path = path
+        torchrl_logger.info(f"Profiler [worker {self._worker_idx}]: trace saved to {path}")
+
+    # -- the observer-list seam --------------------------------------------------------------
+
+    def _install_transform(self, source: Any) -> None:
+        from rl_observers.targets import observers_of
+
+        observers = observers_of(source)
+        set_transform = getattr(observers, "set_call_transform", None)
+        if set_transform is None:
+            return
+        if observers.call_transform is not None:
+            torchrl_logger.warning(
+                f"ProfilerObserver: {type(source).__name__} already has a call transform "
+                f"({observers.call_transform!r}); profiler steps end at the profiler's "
+                "registration position and observers are not recorded."
+            )
+            return
+        set_transform(self._transform)
+        self._observers = observers
+
+    def _uninstall_transform(self) -> None:
+        observers, self._observers = self._observers, None
+        if observers is not None and observers.call_transform == self._transform:
+            observers.set_call_transform(None)
+
+    def _transform(
+        self, event: str, calls: tuple[tuple[Callable[..., Any], Any], ...]
+    ) -> Iterable[tuple[Callable[..., Any], Any]]:
+        """Moves this observer's step boundary last and, if asked, times the other observers."""
+        out = []
+        boundary = []
+        for fn, entry in calls:
+            if entry.observer is self:
+                (boundary if event == "post_collect" else out).append((fn, entry))
+            elif self.record_observers:
+                out.append((_recorded(fn, _range_name(entry.observer, event)), entry))
+            else:
+                out.append((fn, entry))
+        return out + boundary
+
+    # -- pickling: a copy starts from scratch in its new process -------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"config": self.config, "record_observers": self.record_observers}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.config = state["config"]
+        self.record_observers = state["record_observers"]
+        self._reset()
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"{type(self).__name__}(workers={c.workers!r}, num_rollouts={c.num_rollouts}, "
+            f"warmup_rollouts={c.warmup_rollouts}, save_path={c.save_path!r}, state={self._state!r})"
+        )
+
+
+# -- enable_profile / disable_profile on torchrl's collectors ----------------------------------------
+
+_ORIGINALS: dict[str, Any] = {}
+_INSTALL_LOCK = threading.Lock()
+
+
+def enable_profile(
+    self: BaseCollector,
+    *,
+    workers: list[int] | None = None,
+    num_rollouts: int = 3,
+    warmup_rollouts: int = 1,
+    save_path: str | Path | None = None,
+    activities: list[str] | None = None,
+    record_shapes: bool = True,
+    profile_memory: bool = False,
+    with_stack: bool = True,
+    with_flops: bool = False,
+    on_trace_ready: Callable[[Any], None] | None = None,
+) -> None:
+    """Enables profiling of collector rollouts by attaching a :class:`ProfilerObserver`.
+
+    Same arguments, errors and ``profile_config`` as torchrl's
+    ``BaseCollector.enable_profile``; the difference is that the profiler is
+    an observer instead of the ``post_collect_hook``, so it never evicts a
+    user hook or another observer, and is not evicted by setting one. For
+    multi-process and Ray collectors, the observer runs in the workers. Calling
+    it again replaces the previous profiler.
+
+    Args:
+        workers: worker indices to profile. Defaults to ``[0]``; ignored by a
+            single-process collector.
+        num_rollouts: rollouts to run the profiler for, warm-up included.
+            Defaults to ``3``.
+        warmup_rollouts: rollouts skipped before recording. Defaults to ``1``.
+        save_path: trace path, ``{worker_idx}`` is replaced by the worker
+            index. Defaults to ``"./collector_profile_{worker_idx}.json"``.
+        activities: ``"cpu"`` and/or ``"cuda"``. Defaults to ``["cpu", "cuda"]``.
+        record_shapes: record tensor shapes. Defaults to ``True``.
+        profile_memory: profile memory. Defaults to ``False``.
+        with_stack: record Python stacks. Defaults to ``True``.
+        with_flops: estimate FLOPs. Defaults to ``False``.
+        on_trace_ready: called with the profiler instead of writing
+            ``save_path``. Defaults to ``None``.
+
+    Raises:
+        RuntimeError: if iteration over the collector has started, or the
+            workers of a multi-process collector are not running.
+        ValueError: if ``num_rollouts <= warmup_rollouts`` or ``warmup_rollouts < 0``.
+
+    Examples:
+        >>> import tempfile
+        >>> import rl_observers
+        >>> from torchrl.collectors import Collector
+        >>> from torchrl.envs.utils import RandomPolicy
+        >>> from torchrl.testing.mocking_classes import CountingEnv
+        >>> env = CountingEnv()
+        >>> collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=8, total_frames=32)
+        >>> sizes = []
+        >>> collector.post_collect_hook = lambda batch: sizes.append(batch.numel())
+        >>> collector.enable_profile(
+        ...     num_rollouts=2, warmup_rollouts=1, activities=["cpu"], with_stack=False,
+        ...     save_path=tempfile.mkdtemp() + "/trace_{worker_idx}.json",
+        ... )
+        >>> [type(observer).__name__ for observer in collector.observers]
+        ['ProfilerObserver']
+        >>> for batch in collector:
+        ...     pass
+        >>> sizes  # the user's hook ran on every batch, profiled or not
+        [8, 8, 8, 8]
+        >>> collector.disable_profile()
+        >>> collector.observers, collector.post_collect_hook is not None
+        ((), True)
+        >>> collector.shutdown()
+    """
+    if getattr(self, "_iteration_started", False):
+        raise RuntimeError(
+            "Cannot enable profiling after iteration has started. "
+            "Call enable_profile() before iterating over the collector."
+        )
+    config = _make_config(
+        {
+            "workers": workers,
+            "num_rollouts": num_rollouts,
+            "warmup_rollouts": warmup_rollouts,
+            "save_path": save_path,
+            "activities": activities,
+            "record_shapes": record_shapes,
+            "profile_memory": profile_memory,
+            "with_stack": with_stack,
+            "with_flops": with_flops,
+            "on_trace_ready": on_trace_ready,
+        }
+    )
+    if _is_multiprocess(self) and (not hasattr(self, "pipes") or getattr(self, "closed", True)):
+        raise RuntimeError(
+            "MultiCollector workers are not running; call enable_profile() "
+            "before close()/shutdown()."
+        )
+    _detach_profiler(self)
+    observer = ProfilerObserver(config)
+    self.add_observer(observer)  # type: ignore[attr-defined]
+    self._rl_profiler = observer  # type: ignore[attr-defined]
+    self._profile_config = config
+
+
+def disable_profile(self: BaseCollector) -> None:
+    """Stops profiling and detaches the profiler; user hooks and other observers stay.
+
+    Safe to call when profiling was never enabled (a no-op). When the profiler
+    already stopped after ``num_rollouts`` rollouts, this only detaches it.
+    """
+    if self._profile_config is None:
+        return
+    try:
+        _detach_profiler(self)
+    finally:
+        self._profile_config = None
+
+
+def _detach_profiler(collector: BaseCollector) -> None:
+    observer = collector.__dict__.pop("_rl_profiler", None)
+    if observer is not None and any(o is observer for o in collector.observers):  # type: ignore[attr-defined]
+        collector.remove_observer(observer)  # type: ignore[attr-defined]
+
+
+def _is_multiprocess(collector: BaseCollector) -> bool:
+    from torchrl.collectors import MultiCollector
+
+    return isinstance(collector, MultiCollector)
+
+
+def _wraps(fn: Any, target: Any) -> bool:
+    """Whether ``fn`` is ``target`` or a ``functools.wraps`` chain ending at it."""
+    while fn is not None:
+        if fn is target:
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
+def _subclasses(cls: type) -> list[type]:
+    found, todo = [], [cls]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in found:
+                found.append(sub)
+                todo.append(sub)
+    return found
+
+
+def install_profiling() -> None:
+    """Makes ``enable_profile()`` / ``disable_profile()`` of every torchrl collector use observers.
+
+    Called by ``import rl_observers``; calling it again is harmless. Only
+    these two methods are replaced, never a method on the collection path.
+    torchrl copies public methods into ``Collector``, ``MultiSyncCollector``,
+    ``MultiAsyncCollector`` and ``AsyncCollector`` (to accept RPC references),
+    so those copies are replaced too, keeping that wrapper.
+    """
+    with _INSTALL_LOCK:
+        if _ORIGINALS:
+            return
+        replacements = {"enable_profile": enable_profile, "disable_profile": disable_profile}
+        originals = {name: BaseCollector.__dict__[name] for name in replacements}
+        for cls in (BaseCollector, *_subclasses(BaseCollector)):
+            for name, replacement in replacements.items():
+                own = cls.__dict__.get(name)
+                if own is None or not _wraps(own, originals[name]):
+                    continue  # inherited, or the class's own override: leave it alone
+                if own is not originals[name]:
+                    replacement = accept_remote_rref_invocation(replacement)
+                setattr(cls, name, replacement)
+        _ORIGINALS.update(originals)

@@ -1,0 +1,203 @@
+"""Where a source runs: its kind, its worker index, its process.
+
+An observer attached to a multiprocessing or Ray collector runs as a copy in
+every worker; an observer of a shared replay buffer runs in every process
+that writes into it. :func:`source_info` tells such an observer which copy it
+is, so that it can namespace its metrics per worker, from the ``source`` its
+event methods receive.
+
+Examples:
+    >>> import os
+    >>> import rl_observers
+    >>> from rl_observers.sources import source_info
+    >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
+    >>> info = source_info(ReplayBuffer(storage=LazyTensorStorage(10)))
+    >>> info.kind, info.worker, info.num_workers, info.remote, info.process == os.getpid()
+    ('replay_buffer', None, None, False, True)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["SourceInfo", "source_info"]
+
+# The process that first imported rl_observers in a process tree is the driver; the
+# variable is inherited by fork and spawn workers (and by a local Ray cluster started
+# after the import), so they know they are not it.
+_DRIVER_PID_ENV = "RL_OBSERVERS_DRIVER_PID"
+os.environ.setdefault(_DRIVER_PID_ENV, str(os.getpid()))
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    """Where one source runs, as seen from the process it runs in.
+
+    Attributes:
+        kind: ``"collector"`` or ``"replay_buffer"``.
+        worker: the index of the worker this source is, among the workers of a
+            multiprocessing collector or the remote collectors of a
+            ``RayCollector``; ``None`` for a source that is not a worker (a
+            local collector or buffer, a Ray replay buffer's actor). A shared
+            replay buffer written in a collector worker reports that worker.
+        num_workers: how many such workers there are, when known, else ``None``.
+        process: the id of the process the source runs in.
+        remote: whether that process is a worker process or a Ray actor rather
+            than the driver, where observers were attached.
+    """
+
+    kind: str
+    worker: int | None = None
+    num_workers: int | None = None
+    process: int = 0
+    remote: bool = False
+
+
+class _Placement:
+    """What the process that attached an observer copy told the source about itself."""
+
+    __slots__ = ("num_workers", "remote", "worker")
+
+    def __init__(self, worker: int | None, num_workers: int | None, remote: bool) -> None:
+        self.worker = worker
+        self.num_workers = num_workers
+        self.remote = remote
+
+
+class IdentityMap:
+    """A mapping keyed by object identity that does not keep its keys alive.
+
+    Collectors and replay buffers are not guaranteed to be hashable, so a
+    ``WeakKeyDictionary`` is not an option.
+    """
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[weakref.ref[Any], Any]] = {}
+        self._lock = threading.RLock()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        item = self._items.get(id(key))
+        if item is None or item[0]() is not key:
+            return default
+        return item[1]
+
+    def set(self, key: Any, value: Any) -> None:
+        ident, items = id(key), self._items
+
+        def forget(ref: weakref.ref[Any]) -> None:
+            current = items.get(ident)
+            if current is not None and current[0] is ref:
+                del items[ident]
+
+        with self._lock:
+            items[ident] = (weakref.ref(key, forget), value)
+
+    def setdefault(self, key: Any, factory: Any) -> Any:
+        """Returns the value of ``key``, first setting it to ``factory()`` if it has none."""
+        with self._lock:
+            value = self.get(key)
+            if value is None:
+                value = factory()
+                self.set(key, value)
+            return value
+
+
+_PLACEMENTS = IdentityMap()
+# The collector worker this process is, once rl_observers has been told: (worker, num_workers).
+_PROCESS_WORKER: tuple[int, int | None] | None = None
+
+
+def place(source: Any, worker: int | None, num_workers: int | None, remote: bool = True) -> None:
+    """Records where ``source`` runs; called where observer copies are attached.
+
+    A worker index also becomes the index of this process, so that a shared
+    replay buffer written here reports the same worker.
+    """
+    global _PROCESS_WORKER
+    _PLACEMENTS.set(source, _Placement(worker, num_workers, remote))
+    if worker is not None:
+        _PROCESS_WORKER = (worker, num_workers)
+
+
+def _kind(source: Any) -> str:
+    from torchrl.collectors import BaseCollector
+
+    return "collector" if isinstance(source, BaseCollector) else "replay_buffer"
+
+
+def _in_ray_worker() -> bool:
+    ray = sys.modules.get("ray")
+    if ray is None:
+        return False
+    try:
+        worker = ray._private.worker.global_worker
+        return worker.connected and worker.mode == ray.WORKER_MODE
+    except Exception:
+        return False
+
+
+def _torchrl_worker_index() -> int | None:
+    """The index of the torchrl collector worker whose loop is on this thread's stack.
+
+    A shared replay buffer written by a worker loop learns its worker index
+    here, without anything registered; ``None`` outside such a loop.
+    """
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "_main_async_collector_impl":
+            idx = frame.f_locals.get("worker_idx", frame.f_locals.get("idx"))
+            return idx if isinstance(idx, int) else None
+        frame = frame.f_back
+    return None
+
+
+def source_info(source: Any) -> SourceInfo:
+    """Returns where ``source`` runs: its kind, worker index and process.
+
+    Works in the driver, in multiprocessing workers and in Ray actors, on the
+    ``source`` an observer's event methods receive. Call it once (for
+    example in :meth:`~rl_observers.Observer.attached` or at the first event)
+    and keep the result: it looks things up.
+
+    Args:
+        source: a torchrl collector or replay buffer.
+
+    Returns:
+        A :class:`SourceInfo`. In a multiprocessing worker, ``source`` is the
+        worker's inner collector and ``worker`` its index; in a remote Ray
+        collector, ``worker`` is the index of the remote collector; a shared
+        replay buffer written in a collector worker reports that worker.
+
+    Examples:
+        >>> import rl_observers
+        >>> from rl_observers.sources import source_info
+        >>> from torchrl.collectors import Collector
+        >>> from torchrl.envs.utils import RandomPolicy
+        >>> from torchrl.testing.mocking_classes import CountingEnv
+        >>> env = CountingEnv()
+        >>> collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=4, total_frames=8)
+        >>> source_info(collector).kind, source_info(collector).worker
+        ('collector', None)
+        >>> collector.shutdown()
+    """
+    kind = _kind(source)
+    pid = os.getpid()
+    placement = _PLACEMENTS.get(source)
+    if placement is not None:
+        return SourceInfo(kind, placement.worker, placement.num_workers, pid, placement.remote)
+    remote = _in_ray_worker() or str(pid) != os.environ.get(_DRIVER_PID_ENV)
+    worker: int | None = None
+    num_workers: int | None = None
+    if remote:
+        if _PROCESS_WORKER is not None:
+            worker, num_workers = _PROCESS_WORKER
+        elif kind == "collector":
+            worker = source.__dict__.get("_worker_idx")
+        else:
+            worker = _torchrl_worker_index()
+    return SourceInfo(kind, worker, num_workers, pid, remote)

@@ -1,0 +1,305 @@
+"""Observers inside Ray actors: remote collectors and the replay-buffer actor.
+
+``actor.__ray_call__.remote(fn, *args)`` runs ``fn(actor_instance, *args)``
+inside any Ray actor, between two of its calls. Attaching sends one such
+call per actor with the pickled observer:
+
+* ``RayCollector``: the instance in each remote collector actor is a plain
+  torchrl collector, which becomes an observed collector exactly as in
+  process (a ``MultiSyncCollector`` inside the actor forwards the copy to its
+  own workers). The observer runs on every batch the actor collects,
+  including the batches an asynchronous ``RayCollector`` prefetches and then
+  discards when it stops: sources may collect more frames than the driver
+  receives.
+* ``RayReplayBuffer``: Ray calls the actor's public methods (``extend``,
+  ``add``, ``sample``) through functions captured when the actor class was
+  made, so overriding them on the instance's class has no effect. The
+  ``"ray_actor"`` observed classes override what those methods look up
+  through ``self`` instead: ``_add`` / ``_extend`` / ``_sample`` for
+  ``ReplayBuffer`` and ``PrioritizedReplayBuffer``, and for
+  ``TensorDictReplayBuffer`` and its prioritized variant, whose ``add`` /
+  ``extend`` reach ``_add`` / ``_extend`` through ``super()`` (not
+  interceptable), ``_set_index_in_td``, which both call once with the index
+  just written. Each remote call emits its event exactly once; the data an
+  observer receives is the data as written, after the buffer's inverse
+  transforms.
+
+The driver makes no extra call per write, sample or batch: events happen in
+the actor. Only the calls that already are one round trip and need the
+observers change, and stay one round trip: ``stats()`` (observer entries
+merged in the actor), ``empty()`` (emits ``empty`` in the actor). Before
+``RayCollector.shutdown()`` / ``RayReplayBuffer.close()`` kill the actors,
+one call per actor emits ``shutdown`` there.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import ray
+from torchrl._utils import logger as torchrl_logger
+from torchrl.data import ReplayBuffer, TensorDictReplayBuffer
+
+from rl_observers.signals import COLLECTOR_EVENTS, REPLAY_BUFFER_EVENTS
+from rl_observers.targets._observed import base_class, observed_class, register_mixin
+from rl_observers.targets.remote import (
+    RemoteAttachError,
+    RemoteKind,
+    attach_here,
+    detach_here,
+    kind_of,
+)
+
+__all__ = ["RAY_COLLECTOR", "RAY_REPLAY_BUFFER"]
+
+#: The context of the observed classes used inside a Ray actor.
+ACTOR = "ray_actor"
+#: The context of the observed classes of the driver-side Ray objects.
+DRIVER = "ray_driver"
+# Seconds to wait for the actors to emit ``shutdown`` before torchrl kills them.
+_SHUTDOWN_TIMEOUT = 30.0
+
+
+def _gather(refs: list[Any], action: str, target: Any) -> list[Any]:
+    """``ray.get`` of every ref, raising the first error once all have finished."""
+    results: list[Any] = []
+    for ref in refs:
+        try:
+            results.append(ray.get(ref))
+        except Exception as error:
+            results.append(error)
+    errors = [(idx, r) for idx, r in enumerate(results) if isinstance(r, BaseException)]
+    if errors:
+        idx, error = errors[0]
+        cause = getattr(error, "cause", None) or error
+        raise RemoteAttachError(f"{action} {type(target).__name__} actor {idx} failed: {cause}") from None
+    return results
+
+
+class RayCollectorKind(RemoteKind):
+    """Observers of a ``RayCollector``: a copy in every remote collector actor."""
+
+    target_name = "collector"
+    events = COLLECTOR_EVENTS
+    where = "in its remote collector actors"
+
+    def is_running(self, target: Any) -> bool:
+        return bool(getattr(target, "_remote_collectors", None))
+
+    def check(self, target: Any, action: str) -> None:
+        if not self.is_running(target):
+            raise RuntimeError(
+                f"cannot {action} a {type(target).__name__} without remote collectors "
+                "(is it shut down?)."
+            )
+
+    def attach_remote(self, target: Any, payload: bytes, on_error: str, token: int) -> None:
+        actors = list(target.remote_collectors)
+        n = len(actors)
+        refs = [
+            actor.__ray_call__.remote(attach_here, payload, on_error, token, idx, n)
+            for idx, actor in enumerate(actors)
+        ]
+        try:
+            _gather(refs, "attaching an observer to", target)
+        except Exception:
+            _gather([a.__ray_call__.remote(detach_here, token) for a in actors], "undoing", target)
+            raise
+
+    def detach_remote(self, target: Any, token: int) -> None:
+        actors = list(target.remote_collectors)
+        _gather([a.__ray_call__.remote(detach_here, token) for a in actors], "detaching an observer from", target)
+
+    def first_added(self, target: Any) -> None:
+        target.__class__ = observed_class(type(target), DRIVER)
+
+    def last_removed(self, target: Any) -> None:
+        target.__class__ = base_class(type(target))
+
+
+class RayReplayBufferKind(RemoteKind):
+    """Observers of a ``RayReplayBuffer``: a copy inside the buffer's actor."""
+
+    target_name = "replay buffer"
+    events = REPLAY_BUFFER_EVENTS
+    where = "inside its Ray actor"
+
+    def is_running(self, target: Any) -> bool:
+        return hasattr(target, "_rb")
+
+    def check(self, target: Any, action: str) -> None:
+        if not self.is_running(target):
+            raise RuntimeError(f"cannot {action} a {type(target).__name__} that is closed.")
+        if target.transport_kind != "ray":
+            raise NotImplementedError(
+                f"cannot {action} a {type(target).__name__} with "
+                f"transport={target.transport_kind!r}: only the 'ray' transport is observed."
+            )
+
+    def attach_remote(self, target: Any, payload: bytes, on_error: str, token: int) -> None:
+        ref = target._rb.__ray_call__.remote(attach_here, payload, on_error, token, None, None, ACTOR)
+        _gather([ref], "attaching an observer to", target)
+
+    def detach_remote(self, target: Any, token: int) -> None:
+        _gather([target._rb.__ray_call__.remote(detach_here, token)], "detaching an observer from", target)
+
+    def first_added(self, target: Any) -> None:
+        target.__class__ = observed_class(type(target), DRIVER)
+
+    def last_removed(self, target: Any) -> None:
+        target.__class__ = base_class(type(target))
+
+
+RAY_COLLECTOR = RayCollectorKind()
+RAY_REPLAY_BUFFER = RayReplayBufferKind()
+
+
+# -- run inside the actors -------------------------------------------------------------------------
+
+
+def _collector_shutdown_here(collector: Any) -> None:
+    observers = collector.__dict__.get("_rl_observers")
+    if observers is not None:
+        observers.shutdown()
+    elif kind_of(collector) is not None:
+        # A multiprocessing collector in the actor: closing it makes its workers emit.
+        collector.shutdown()
+
+
+def _buffer_stats_here(buffer: Any) -> dict[str, Any]:
+    stats = buffer.stats()
+    observers = buffer.__dict__.get("_rl_observers")
+    return observers.contribute_stats(stats) if observers is not None else stats
+
+
+def _buffer_empty_here(buffer: Any, empty_write_count: bool) -> None:
+    buffer.empty(empty_write_count=empty_write_count)
+    observers = buffer.__dict__.get("_rl_observers")
+    if observers is not None:
+        observers.emit("empty")
+
+
+def _buffer_shutdown_here(buffer: Any) -> None:
+    observers = buffer.__dict__.get("_rl_observers")
+    if observers is not None:
+        observers.shutdown()
+
+
+def _emit_shutdown(actors: list[Any], fn: Any) -> None:
+    refs = [actor.__ray_call__.remote(fn) for actor in actors]
+    try:
+        ray.get(refs, timeout=_SHUTDOWN_TIMEOUT)
+    except Exception as error:  # the actors are being killed anyway
+        torchrl_logger.warning(f"rl_observers: could not emit 'shutdown' in Ray actors: {error}")
+
+
+# -- the driver-side observed classes --------------------------------------------------------------
+
+
+class _DriverObservedRayCollector:
+    """Driver-side ``RayCollector`` with observers: lets the actors emit ``shutdown`` first."""
+
+    _rl_base: type
+
+    def stop_remote_collectors(self) -> None:
+        actors = list(getattr(self, "_remote_collectors", ()))
+        if actors:
+            _emit_shutdown(actors, _collector_shutdown_here)
+        return self._rl_base.stop_remote_collectors(self)  # type: ignore[attr-defined]
+
+
+class _DriverObservedRayReplayBuffer:
+    """Driver-side ``RayReplayBuffer`` with observers: one round trip for what touches them."""
+
+    _rl_base: type
+    _rb: Any
+
+    def stats(self) -> dict[str, Any]:
+        return ray.get(self._rb.__ray_call__.remote(_buffer_stats_here))
+
+    def empty(self, empty_write_count: bool = True) -> None:
+        return ray.get(self._rb.__ray_call__.remote(_buffer_empty_here, empty_write_count))
+
+    def close(self) -> None:
+        if hasattr(self, "_rb"):
+            _emit_shutdown([self._rb], _buffer_shutdown_here)
+        return self._rl_base.close(self)  # type: ignore[attr-defined]
+
+
+def _is_ray_collector(cls: type) -> bool:
+    module = sys.modules.get("torchrl.collectors.distributed.ray")
+    return module is not None and issubclass(cls, module.RayCollector)
+
+
+def _is_ray_replay_buffer(cls: type) -> bool:
+    from torchrl.data import RayReplayBuffer
+
+    return issubclass(cls, RayReplayBuffer)
+
+
+register_mixin(_is_ray_collector, _DriverObservedRayCollector, context=DRIVER)
+register_mixin(_is_ray_replay_buffer, _DriverObservedRayReplayBuffer, context=DRIVER)
+
+
+# -- the actor-side observed classes ---------------------------------------------------------------
+
+
+class _ActorObservedReplayBuffer:
+    """``ReplayBuffer`` / ``PrioritizedReplayBuffer`` inside a Ray actor."""
+
+    _rl_base: type
+    _rl_observers: Any
+
+    def _add(self, data: Any) -> Any:
+        index = self._rl_base._add(self, data)  # type: ignore[attr-defined]
+        self._rl_observers.emit("post_add", data, index)
+        return index
+
+    def _extend(self, data: Any, *args: Any, **kwargs: Any) -> Any:
+        index = self._rl_base._extend(self, data, *args, **kwargs)  # type: ignore[attr-defined]
+        self._rl_observers.emit("post_extend", data, index)
+        return index
+
+    def _sample(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        result = self._rl_base._sample(self, *args, **kwargs)  # type: ignore[attr-defined]
+        self._rl_observers.emit("post_sample", result[0], result[1])
+        return result
+
+
+_WRITE_EVENTS = {"add": "post_add", "extend": "post_extend"}
+
+
+class _ActorObservedTensorDictReplayBuffer:
+    """``TensorDictReplayBuffer`` and its prioritized variant inside a Ray actor.
+
+    Their ``add`` / ``extend`` write through ``super()._add`` / ``_extend``,
+    then call ``self._set_index_in_td(data, index)`` once: that call, named
+    after the method that made it, is the event.
+    """
+
+    _rl_base: type
+    _rl_observers: Any
+
+    def _set_index_in_td(self, tensordict: Any, index: Any) -> None:
+        self._rl_base._set_index_in_td(self, tensordict, index)  # type: ignore[attr-defined]
+        event = _WRITE_EVENTS.get(sys._getframe(1).f_code.co_name)
+        if event is not None:
+            self._rl_observers.emit(event, tensordict, index)
+
+    def _sample(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        result = self._rl_base._sample(self, *args, **kwargs)  # type: ignore[attr-defined]
+        self._rl_observers.emit("post_sample", result[0], result[1])
+        return result
+
+
+def _is_tensordict_buffer(cls: type) -> bool:
+    return issubclass(cls, TensorDictReplayBuffer)
+
+
+def _is_buffer(cls: type) -> bool:
+    return issubclass(cls, ReplayBuffer)
+
+
+register_mixin(_is_tensordict_buffer, _ActorObservedTensorDictReplayBuffer, context=ACTOR)
+register_mixin(_is_buffer, _ActorObservedReplayBuffer, context=ACTOR)

@@ -1,0 +1,1186 @@
+"""Tests of rl_observers.channel: real torchrl loggers and recording fakes of a sink."""
+
+from __future__ import annotations
+
+import csv
+import gc
+import glob
+import json
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torchrl._utils import logger as torchrl_logger
+from torchrl.record.loggers import CSVLogger
+from torchrl.record.loggers.common import Logger
+
+from rl_observers.channel import MetricsChannel, MetricsHandle, _rebuild_handle
+
+# ---------------------------------------------------------------------------
+# recording fakes
+# ---------------------------------------------------------------------------
+
+
+class RecordingLogger(Logger):
+    """A torchrl Logger that records every ``log_metrics`` call.
+
+    It can be made slow (``delay``), hung (``gate``, an Event it waits on) or
+    broken (``broken = True`` makes every call raise).
+    """
+
+    def __init__(self, *, delay: float = 0.0, gate: threading.Event | None = None) -> None:
+        self.calls: list[tuple[dict[str, Any], int | None]] = []
+        self.attempts = 0
+        self.delay = delay
+        self.gate = gate
+        self.broken = False
+        self.shutdown_calls = 0
+        super().__init__(exp_name="recording", log_dir="")
+
+    def _create_experiment(self) -> None:
+        return None
+
+    def log_metrics(self, metrics, step=None, **kwargs):  # noqa: D401
+        self.attempts += 1
+        if self.gate is not None:
+            self.gate.wait()
+        if self.delay:
+            time.sleep(self.delay)
+        if self.broken:
+            raise RuntimeError(f"sink failure #{self.attempts}")
+        self.calls.append((dict(metrics), step))
+        return metrics
+
+    def log_scalar(self, name, value, step=None):
+        self.log_metrics({name: value}, step)
+
+    def shutdown(self, timeout=None):
+        self.shutdown_calls += 1
+
+    def log_video(self, name, video, step=None, **kwargs):
+        raise NotImplementedError
+
+    def log_hparams(self, cfg):
+        raise NotImplementedError
+
+    def log_histogram(self, name, data, **kwargs):
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return "RecordingLogger()"
+
+    def user_calls(self) -> list[tuple[dict[str, Any], int | None]]:
+        """The calls that are not the channel's own health reports."""
+        return [(m, s) for m, s in self.calls if not any(k.startswith("channel/") for k in m)]
+
+    def health_calls(self) -> list[tuple[dict[str, Any], int | None]]:
+        return [(m, s) for m, s in self.calls if any(k.startswith("channel/") for k in m)]
+
+    def series(self) -> dict[str, list[tuple[int | None, Any]]]:
+        out: dict[str, list[tuple[int | None, Any]]] = {}
+        for metrics, step in self.calls:
+            for name, value in metrics.items():
+                out.setdefault(name, []).append((step, value))
+        return out
+
+
+class ScalarSink:
+    """Not a torchrl Logger: only ``log_scalar``."""
+
+    def __init__(self) -> None:
+        self.scalars: list[tuple[str, Any, int | None]] = []
+
+    def log_scalar(self, name, value, step=None):
+        self.scalars.append((name, value, step))
+
+
+class ListPartial:
+    """An exact mergeable partial: it keeps every value, so a merge is the union."""
+
+    def __init__(self, name: str, values=()) -> None:
+        self.name = name
+        self.values = tuple(values)
+        self.finalized = 0
+
+    def merge(self, other: ListPartial) -> ListPartial:
+        return ListPartial(self.name, self.values + other.values)
+
+    def finalize(self) -> dict[str, float]:
+        self.finalized += 1
+        return {
+            f"{self.name}_count": float(len(self.values)),
+            f"{self.name}_sum": float(sum(self.values)),
+        }
+
+
+class BadMergePartial(ListPartial):
+    def merge(self, other):
+        raise ValueError("cannot merge")
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def assert_balanced(health: dict[str, int]) -> None:
+    assert health["submitted"] == (
+        health["logged"]
+        + health["pending"]
+        + health["coalesced"]
+        + health["dropped"]
+        + health["sink_errors"]
+    ), health
+
+
+@pytest.fixture
+def gate():
+    """An Event a hung logger waits on; released at teardown so its thread ends."""
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+@pytest.fixture
+def warnings_seen():
+    """Messages of the warnings sent through torchrl's logger (it does not propagate)."""
+    messages: list[str] = []
+
+    class _Handler(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    handler = _Handler(level=logging.WARNING)
+    torchrl_logger.addHandler(handler)
+    yield messages
+    torchrl_logger.removeHandler(handler)
+
+
+def sync_channel(logger, **kwargs) -> MetricsChannel:
+    kwargs.setdefault("health_interval", None)
+    return MetricsChannel(logger, background=False, **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# construction and validation
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("capacity", [0, -1, 2.5, True])
+def test_capacity_must_be_a_positive_int(capacity):
+    with pytest.raises(ValueError, match="capacity must be an int >= 1"):
+        MetricsChannel(RecordingLogger(), capacity=capacity, background=False)
+
+
+def test_on_error_must_be_a_known_policy():
+    with pytest.raises(ValueError, match="'warn', 'raise' or 'ignore', got 'loud'"):
+        MetricsChannel(RecordingLogger(), on_error="loud", background=False)
+
+
+def test_logger_needs_a_log_method():
+    with pytest.raises(TypeError, match="log_metrics.*got 42"):
+        MetricsChannel(42, background=False)
+
+
+def test_submit_rejects_what_is_not_a_flat_mapping_of_names():
+    channel = sync_channel(RecordingLogger())
+    with pytest.raises(TypeError, match=r"expected a mapping .* got \[1, 2\]"):
+        channel.submit_metrics([1, 2])
+    with pytest.raises(TypeError, match=r"names of type str, got 3 \(int\)"):
+        channel.submit_metrics({3: 1.0})
+    with pytest.raises(TypeError, match="str namespace, got 7"):
+        channel.submit_metrics({"a": 1.0}, namespace=7)
+    assert channel.health()["submitted"] == 0
+    channel.close()
+
+
+# ---------------------------------------------------------------------------
+# delivery: names, steps, partials
+# ---------------------------------------------------------------------------
+
+
+def test_one_logger_call_per_entry_with_names_and_steps_per_namespace():
+    logger = RecordingLogger()
+    channel = sync_channel(logger)
+    channel.submit_metrics({"x": 1.0})
+    channel.submit_metrics({"y": 2, "z": 3.5}, step=10, namespace="collector")
+    channel.submit_metrics({"w": 4.0}, step=7, namespace="replay_buffer")
+    assert logger.calls == []  # nothing reaches the logger from submit
+    assert channel.step() == 3
+    assert logger.calls == [
+        ({"x": 1.0}, None),
+        ({"collector/y": 2, "collector/z": 3.5}, 10),
+        ({"replay_buffer/w": 4.0}, 7),
+    ]
+    assert channel.close()
+
+
+def test_partials_expand_into_their_finalized_names_at_logging_time():
+    logger = RecordingLogger()
+    channel = sync_channel(logger)
+    partial = ListPartial("reward", [1.0, 2.0, 3.0])
+    channel.submit_metrics({"reward": partial, "frames": 300}, step=300, namespace="collector")
+    assert partial.finalized == 0
+    channel.step()
+    assert partial.finalized == 1
+    assert logger.calls == [
+        (
+            {
+                "collector/reward_count": 3.0,
+                "collector/reward_sum": 6.0,
+                "collector/frames": 300,
+            },
+            300,
+        )
+    ]
+    channel.close()
+
+
+def test_a_sink_with_only_log_scalar_is_accepted():
+    sink = ScalarSink()
+    channel = sync_channel(sink)
+    channel.submit_metrics({"a": 1.0, "b": ListPartial("r", [2.0])}, step=4, namespace="ns")
+    channel.step()
+    assert sorted(sink.scalars) == [
+        ("ns/a", 1.0, 4),
+        ("ns/r_count", 1.0, 4),
+        ("ns/r_sum", 2.0, 4),
+    ]
+    channel.close()
+
+
+def test_the_submitted_mapping_is_copied():
+    logger = RecordingLogger()
+    channel = sync_channel(logger)
+    metrics = {"a": 1.0}
+    channel.submit_metrics(metrics)
+    metrics["a"] = 2.0
+    metrics["b"] = 3.0
+    channel.step()
+    assert logger.calls == [({"a": 1.0}, None)]
+    channel.close()
+
+
+def test_meta_travels_with_the_entry_to_the_delivery_seam(monkeypatch):
+    logger = RecordingLogger()
+    channel = sync_channel(logger)
+    core = channel._core
+    seen = []
+    original = core._deliver
+
+    def deliver(entry):
+        seen.append((entry.namespace, entry.meta))
+        original(entry)
+
+    monkeypatch.setattr(core, "_deliver", deliver)
+    channel.submit_metrics({"a": 1.0}, namespace="w", meta={"worker": 3})
+    channel.handle(meta={"worker": 1, "source": "collector"}).submit_metrics(
+        {"a": 2.0}, namespace="w", meta={"worker": 2}
+    )
+    channel.step()
+    assert seen == [("w", {"worker": 3}), ("w", {"worker": 2, "source": "collector"})]
+    channel.close()
+
+
+# ---------------------------------------------------------------------------
+# bounded queue: coalescing and dropping
+# ---------------------------------------------------------------------------
+
+
+def test_overflow_coalesces_into_the_newest_entry_of_the_namespace_exactly():
+    logger = RecordingLogger()
+    channel = sync_channel(logger, capacity=2)
+    channel.submit_metrics({"r": ListPartial("r", [1.0]), "g": 1.0}, step=1, namespace="a")
+    channel.submit_metrics({"q": 5.0}, step=1, namespace="b")
+    # queue full: these merge into the pending "a" entry
+    channel.submit_metrics({"r": ListPartial("r", [2.0, 3.0]), "g": 2.0}, step=2, namespace="a")
+    channel.submit_metrics(
+        {"r": ListPartial("r", [4.0]), "g": 3.0, "h": 9.0}, step=3, namespace="a"
+    )
+    health = channel.health()
+    assert health["pending"] == 2 and health["coalesced"] == 2 and health["dropped"] == 0
+    assert_balanced(health)
+    channel.step()
+    assert logger.calls == [
+        ({"a/r_count": 4.0, "a/r_sum": 10.0, "a/g": 3.0, "a/h": 9.0}, 3),
+        ({"b/q": 5.0}, 1),
+    ]
+    health = channel.health()
+    assert health["logged"] == 2
+    assert_balanced(health)
+    channel.close()
+
+
+def test_overflow_drops_the_oldest_entry_when_the_namespace_has_none_pending():
+    logger = RecordingLogger()
+    channel = sync_channel(logger, capacity=2)
+    channel.submit_metrics({"x": 1.0}, step=1, namespace="a")
+    channel.submit_metrics({"x": 2.0}, step=1, namespace="b")
+    channel.submit_metrics({"x": 3.0}, step=1, namespace="c")
+    # "a" left the queue: a new "a" drops "b" instead of merging
+    channel.submit_metrics({"x": 4.0}, step=2, namespace="a")
+    health = channel.health()
+    assert health["dropped"] == 2 and health["coalesced"] == 0 and health["pending"] == 2
+    channel.step()
+    assert logger.calls == [({"c/x": 3.0}, 1), ({"a/x": 4.0}, 2)]
+    assert_balanced(channel.health())
+    channel.close()
+
+
+def test_a_failing_merge_keeps_the_newest_value_and_is_reported(warnings_seen):
+    logger = RecordingLogger()
+    channel = sync_channel(logger, capacity=1)
+    channel.submit_metrics({"r": BadMergePartial("r", [1.0])}, namespace="a")
+    channel.submit_metrics({"r": BadMergePartial("r", [2.0])}, namespace="a")
+    channel.step()
+    assert logger.calls == [({"a/r_count": 1.0, "a/r_sum": 2.0}, None)]
+    assert len(warnings_seen) == 1 and "could not merge" in warnings_seen[0]
+    channel.close()
+
+
+@pytest.mark.timeout(30)
+def test_the_queue_stays_bounded_under_a_flood_with_a_hung_logger(gate):
+    logger = RecordingLogger(gate=gate)
+    channel = MetricsChannel(logger, capacity=64, health_interval=None)
+    namespaces = [f"ns{i}" for i in range(200)]
+    for i in range(20_000):
+        channel.submit_metrics({"v": float(i)}, step=i, namespace=namespaces[i % 200])
+        if i % 1000 == 0:
+            assert channel.health()["pending"] <= 64 + 1  # + the entry being logged
+    health = channel.health()
+    assert health["submitted"] == 20_000
+    assert health["pending"] <= 65
+    assert health["dropped"] + health["coalesced"] >= 20_000 - 65
+    assert_balanced(health)
+    gate.set()
+    assert channel.close(timeout=10)
+    assert_balanced(channel.health())
+
+
+def test_coalescing_with_the_reducers_partials_equals_the_union():
+    reducers = pytest.importorskip("rl_observers.reducers")
+    stats = ("count", "mean", "std", "min", "max")
+    batches = [[1.0, 2.0], [3.0], [4.0, 5.0, 6.0], [-1.0]]
+    union = [v for batch in batches for v in batch]
+    expected = reducers.Moments.from_values("reward", union, stats=stats).finalize()
+
+    logger = RecordingLogger()
+    channel = sync_channel(logger, capacity=1)
+    for i, batch in enumerate(batches):
+        channel.submit_metrics(
+            {
+                "reward": reducers.Moments.from_values("reward", batch, stats=stats),
+                "dones": reducers.Count("dones", 1),
+                "frames": 100 * (i + 1),
+            },
+            step=i,
+            namespace="collector",
+        )
+    assert channel.health()["coalesced"] == 3
+    channel.step()
+    ((logged, step),) = logger.calls
+    assert step == 3
+    assert logged == {
+        **{f"collector/{k}": pytest.approx(v) for k, v in expected.items()},
+        "collector/dones": 4.0,
+        "collector/frames": 400,
+    }
+    channel.close()
+
+
+def test_reducers_partials_cross_the_socket():
+    reducers = pytest.importorskip("rl_observers.reducers")
+    logger = RecordingLogger()
+    channel = sync_channel(logger)
+    handle = _remote_handle(channel)
+    handle.submit_metrics(
+        {"ret": reducers.Moments.from_values("episode_return", [1.0, 3.0])}, step=2, namespace="w"
+    )
+    channel.step()
+    assert logger.calls == [
+        (
+            {
+                "w/episode_return_mean": 2.0,
+                "w/episode_return_std": 1.0,
+                "w/episode_return_min": 1.0,
+                "w/episode_return_max": 3.0,
+            },
+            2,
+        )
+    ]
+    channel.close()
+
+
+# ---------------------------------------------------------------------------
+# the owner's thread: real logger, slow, hung, raising, flaky
+# ---------------------------------------------------------------------------
+
+
+def _read_csv(path: Path) -> list[tuple[int, float]]:
+    with open(path) as f:
+        return [(int(s), float(v)) for s, v in csv.reader(f)]
+
+
+@pytest.mark.timeout(30)
+def test_csv_logger_receives_everything_after_flush(tmp_path):
+    logger = CSVLogger(exp_name="exp", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger)
+    for i in range(5):
+        channel.submit_metrics({"loss": 1.0 / (i + 1), "lr": 0.1}, step=i, namespace="train")
+    channel.submit_metrics({"write_count": 42}, step=42, namespace="rb")
+    assert channel.flush(timeout=10)
+    scalars = tmp_path / "exp" / "scalars"
+    assert _read_csv(scalars / "train" / "loss.csv") == [(i, 1.0 / (i + 1)) for i in range(5)]
+    assert _read_csv(scalars / "rb" / "write_count.csv") == [(42, 42.0)]
+    assert channel.close(timeout=10)
+    # the channel never shuts the logger down
+    logger.log_scalar("after_close", 1.0, step=0)
+    assert _read_csv(scalars / "after_close.csv") == [(0, 1.0)]
+    # health was logged under the channel's namespace at close
+    assert (scalars / "channel" / "logged.csv").exists()
+
+
+@pytest.mark.timeout(30)
+def test_a_slow_logger_does_not_slow_submit_down():
+    logger = RecordingLogger(delay=0.2)
+    channel = MetricsChannel(logger, health_interval=None)
+    start = time.perf_counter()
+    for i in range(200):
+        channel.submit_metrics({"x": float(i)}, step=i, namespace="a")
+    elapsed = time.perf_counter() - start
+    assert elapsed < 0.2  # all 200 submits take less than one logger call
+    assert not channel.flush(timeout=0.05)
+    channel.close(timeout=0)  # leave it draining in the background
+
+
+@pytest.mark.timeout(30)
+def test_a_hung_logger_bounds_flush_and_close_by_their_timeouts(gate):
+    logger = RecordingLogger(gate=gate)
+    channel = MetricsChannel(logger, capacity=16, name="hung")
+    for i in range(1000):
+        channel.submit_metrics({"x": float(i)}, step=i)
+    start = time.monotonic()
+    assert channel.flush(timeout=0.2) is False
+    assert time.monotonic() - start < 2.0
+    start = time.monotonic()
+    assert channel.close(timeout=0.2) is False
+    assert time.monotonic() - start < 2.0
+    assert channel.closed
+    assert channel.close(timeout=0.1) is False  # idempotent, still bounded
+    channel.submit_metrics({"late": 1.0})  # no exception: dropped and counted
+    health = channel.health()
+    assert health["submitted"] == 1001
+    assert_balanced(health)
+    # when the logger comes back, the left-behind thread finishes the job and exits
+    gate.set()
+    assert wait_for(
+        lambda: not any(t.name == "MetricsChannel[hung]" for t in threading.enumerate())
+    )
+    health = channel.health()
+    assert health["pending"] == 0 and health["logged"] >= 1
+    assert_balanced(health)
+    assert logger.calls[-1][0].keys() >= {"hung/dropped", "hung/coalesced"}  # final health
+
+
+def test_warn_once_per_failure_streak_and_resume_on_recovery(warnings_seen):
+    logger = RecordingLogger()
+    channel = sync_channel(logger, name="flaky")
+    logger.broken = True
+    for i in range(3):
+        channel.submit_metrics({"x": float(i)}, step=i, namespace="a")
+    channel.step()
+    assert channel.health()["sink_errors"] == 3
+    assert len(warnings_seen) == 1
+    assert "'flaky'" in warnings_seen[0] and "sink failure" in warnings_seen[0]
+    logger.broken = False
+    channel.submit_metrics({"x": 10.0}, step=10, namespace="a")
+    channel.step()
+    assert logger.calls == [({"a/x": 10.0}, 10)]
+    logger.broken = True
+    channel.submit_metrics({"x": 11.0}, step=11, namespace="a")
+    channel.step()
+    assert len(warnings_seen) == 2  # a new streak warns again
+    health = channel.health()
+    assert health["sink_errors"] == 4 and health["logged"] == 1
+    assert_balanced(health)
+    channel.close()
+
+
+@pytest.mark.timeout(30)
+def test_raise_policy_surfaces_the_error_from_flush_then_close(warnings_seen):
+    logger = RecordingLogger()
+    channel = MetricsChannel(logger, on_error="raise", health_interval=None)
+    logger.broken = True
+    channel.submit_metrics({"x": 1.0})
+    with pytest.raises(RuntimeError, match="sink failure #1"):
+        channel.flush(timeout=10)
+    assert channel.flush(timeout=10)  # raised once
+    logger.broken = False
+    channel.submit_metrics({"x": 2.0})
+    assert channel.flush(timeout=10)
+    assert logger.calls == [({"x": 2.0}, None)]
+    logger.broken = True
+    channel.submit_metrics({"x": 3.0})
+    with pytest.raises(RuntimeError, match="sink failure"):
+        channel.close(timeout=10)
+    assert warnings_seen == []
+    assert channel.health()["sink_errors"] == 2
+
+
+def test_raise_policy_in_sync_mode_raises_from_step():
+    logger = RecordingLogger()
+    channel = sync_channel(logger, on_error="raise")
+    logger.broken = True
+    channel.submit_metrics({"x": 1.0})
+    channel.submit_metrics({"x": 2.0}, namespace="b")
+    with pytest.raises(RuntimeError, match="sink failure #1"):
+        channel.step()
+    assert channel.health()["sink_errors"] == 2  # the step went through all entries
+    channel.close()
+
+
+def test_ignore_policy_only_counts(warnings_seen):
+    logger = RecordingLogger()
+    channel = sync_channel(logger, on_error="ignore")
+    logger.broken = True
+    channel.submit_metrics({"x": 1.0})
+    assert channel.step() == 1
+    assert channel.close()
+    assert warnings_seen == []
+    assert channel.health()["sink_errors"] == 1
+
+
+def test_close_is_idempotent_never_shuts_the_logger_down_and_drops_late_submits():
+    logger = RecordingLogger()
+    channel = MetricsChannel(logger, health_interval=None)
+    channel.submit_metrics({"x": 1.0})
+    assert channel.close(timeout=10)
+    assert channel.close(timeout=10)
+    assert logger.calls == [({"x": 1.0}, None)]
+    assert logger.shutdown_calls == 0
+    channel.submit_metrics({"x": 2.0})
+    health = channel.health()
+    assert health["dropped"] == 1 and health["logged"] == 1
+    assert_balanced(health)
+    with pytest.raises(RuntimeError, match="closed"):
+        channel.handle()
+
+
+def test_step_is_for_channels_without_a_thread():
+    channel = MetricsChannel(RecordingLogger())
+    with pytest.raises(RuntimeError, match="background=False"):
+        channel.step()
+    channel.close(timeout=10)
+
+
+def test_context_manager_closes():
+    logger = RecordingLogger()
+    with MetricsChannel(logger, health_interval=None) as channel:
+        channel.submit_metrics({"x": 1.0})
+    assert channel.closed
+    assert logger.calls == [({"x": 1.0}, None)]
+
+
+# ---------------------------------------------------------------------------
+# health
+# ---------------------------------------------------------------------------
+
+
+def test_health_is_logged_when_it_changed_and_at_close():
+    logger = RecordingLogger()
+    channel = MetricsChannel(logger, background=False, health_interval=0.0)
+    channel.step()
+    assert logger.calls == []  # nothing changed yet
+    channel.submit_metrics({"x": 1.0}, namespace="a")
+    channel.step()
+    assert logger.user_calls() == [({"a/x": 1.0}, None)]
+    ((health, step),) = logger.health_calls()
+    assert step == 0
+    assert health == {
+        "channel/submitted": 1,
+        "channel/logged": 1,
+        "channel/pending": 0,
+        "channel/coalesced": 0,
+        "channel/dropped": 0,
+        "channel/sink_errors": 0,
+        "channel/remote_dropped": 0,
+        "channel/remote_coalesced": 0,
+    }
+    channel.step()
+    assert len(logger.health_calls()) == 1  # unchanged: not logged again
+    channel.close()
+    assert [s for _, s in logger.health_calls()] == [0, 1]  # once more at close
+
+
+def test_health_reports_are_rate_limited():
+    logger = RecordingLogger()
+    channel = MetricsChannel(logger, background=False, health_interval=3600.0, name="ch")
+    for i in range(3):
+        channel.submit_metrics({"x": float(i)})
+        channel.step()
+    assert not any(k.startswith("ch/") for m, _ in logger.calls for k in m)
+    channel.close()
+    assert logger.calls[-1] == (
+        {
+            "ch/submitted": 3,
+            "ch/logged": 3,
+            "ch/pending": 0,
+            "ch/coalesced": 0,
+            "ch/dropped": 0,
+            "ch/sink_errors": 0,
+            "ch/remote_dropped": 0,
+            "ch/remote_coalesced": 0,
+        },
+        0,
+    )
+
+
+@pytest.mark.timeout(30)
+def test_background_health_reports_come_from_the_thread():
+    logger = RecordingLogger()
+    channel = MetricsChannel(logger, health_interval=0.05)
+    channel.submit_metrics({"x": 1.0})
+    assert wait_for(
+        lambda: logger.health_calls() and logger.health_calls()[-1][0]["channel/logged"] == 1
+    )
+    channel.close(timeout=10)
+
+
+# ---------------------------------------------------------------------------
+# sharing and lifetime
+# ---------------------------------------------------------------------------
+
+
+def test_for_logger_shares_one_channel_per_logger():
+    logger, other = RecordingLogger(), RecordingLogger()
+    channel = MetricsChannel.for_logger(logger, background=False)
+    assert MetricsChannel.for_logger(logger) is channel
+    assert MetricsChannel.for_logger(other, background=False) is not channel
+    channel.close()
+    fresh = MetricsChannel.for_logger(logger, background=False)
+    assert fresh is not channel
+    ref = __import__("weakref").ref(fresh)
+    del fresh
+    gc.collect()
+    assert ref() is None  # the registry does not keep a channel alive
+    assert MetricsChannel.for_logger(logger, background=False) is not None
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.timeout(30)
+def test_an_unreferenced_channel_delivers_what_is_pending_and_stops_its_threads():
+    logger = RecordingLogger()
+    channel = MetricsChannel(logger, name="orphan", health_interval=None)
+    remote = _remote_handle(channel)  # what another process holds: no reference
+    path = channel._core.path
+    channel.submit_metrics({"x": 1.0})
+    del channel
+    gc.collect()
+    assert wait_for(
+        lambda: not any(t.name.startswith("MetricsChannel[orphan]") for t in threading.enumerate())
+    )
+    assert logger.calls == [({"x": 1.0}, None)]
+    assert not os.path.exists(path)
+    remote.submit_metrics({"x": 2.0})  # the owner is gone: dropped, no exception
+    assert remote.dropped == 1
+
+
+@pytest.mark.timeout(30)
+def test_a_local_handle_keeps_its_channel_alive_without_owning_it():
+    logger = RecordingLogger()
+    handle = MetricsChannel.for_logger(logger, health_interval=None).handle()
+    gc.collect()
+    shared = MetricsChannel.for_logger(logger)  # still the same, kept alive by the handle
+    handle.submit_metrics({"x": 1.0})
+    assert handle.flush(timeout=10)
+    assert logger.calls == [({"x": 1.0}, None)]
+    assert shared.health()["logged"] == 1
+    assert not shared.closed
+    assert shared.close(timeout=10)
+
+
+def test_close_callbacks_submit_their_last_window_before_the_final_flush(warnings_seen):
+    logger = RecordingLogger()
+    channel = sync_channel(logger)
+
+    class Producer:
+        def __init__(self, value):
+            self.value = value
+
+        def close_window(self):
+            channel.submit_metrics({"last": self.value}, namespace="p")
+
+    kept, dropped = Producer(1.0), Producer(2.0)
+    channel.add_close_callback(kept.close_window)
+    channel.add_close_callback(dropped.close_window)  # bound methods are held weakly
+    del dropped
+    gc.collect()
+
+    def broken():
+        raise ValueError("callback failure")
+
+    channel.add_close_callback(broken)
+    channel.add_close_callback(lambda: channel.submit_metrics({"other": 3.0}))
+    assert channel.close()
+    assert logger.calls == [({"p/last": 1.0}, None), ({"other": 3.0}, None)]
+    assert len(warnings_seen) == 1 and "callback failure" in warnings_seen[0]
+    assert channel.close()  # callbacks run once
+
+
+_EXIT_SCRIPT = """
+import sys, threading, time
+from torchrl.record import CSVLogger
+import rl_observers.channel
+from rl_observers.channel import MetricsChannel
+
+rl_observers.channel._EXIT_TIMEOUT = 2.0
+
+class SlowCSV(CSVLogger):
+    def log_metrics(self, metrics, step=None, **kwargs):
+        time.sleep(0.05)
+        return super().log_metrics(metrics, step=step, **kwargs)
+
+logger = SlowCSV(exp_name="exit", log_dir=sys.argv[1])
+channel = MetricsChannel(logger)
+channel.handle()
+channel.add_close_callback(lambda: channel.submit_metrics({"last": 9.0}, step=9))
+for i in range(3):
+    channel.submit_metrics({"x": float(i)}, step=i)
+print(channel._core.path)
+
+class Hung:
+    def log_metrics(self, metrics, step=None):
+        threading.Event().wait()
+
+stuck = MetricsChannel(Hung(), background=False)
+stuck.submit_metrics({"never": 1.0})
+# no close(): the interpreter's exit closes both channels, within _EXIT_TIMEOUT
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_live_channels_deliver_at_interpreter_exit(tmp_path):
+    import subprocess
+    import sys
+
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - start < 30  # the hung logger did not hold the exit
+    scalars = tmp_path / "exit" / "scalars"
+    assert _read_csv(scalars / "x.csv") == [(0, 0.0), (1, 1.0), (2, 2.0)]
+    assert _read_csv(scalars / "last.csv") == [(9, 9.0)]
+    assert not os.path.exists(done.stdout.strip())  # the socket file is gone too
+
+
+# ---------------------------------------------------------------------------
+# handles and the datagram transport
+# ---------------------------------------------------------------------------
+
+
+def test_a_handle_unpickled_in_the_same_process_submits_directly():
+    logger = RecordingLogger()
+    channel = sync_channel(logger)
+    handle = pickle.loads(pickle.dumps(channel.handle()))
+    assert isinstance(handle, MetricsHandle)
+    handle.submit_metrics({"x": 1.0}, step=5, namespace="w")
+    assert channel.health()["pending"] == 1  # no transport in between
+    assert handle.flush(timeout=10)  # the channel's flush
+    assert logger.calls == [({"w/x": 1.0}, 5)]
+    with pytest.raises(TypeError, match="mapping"):
+        handle.submit_metrics(None)
+    channel.close()
+
+
+def _remote_handle(channel: MetricsChannel, meta=None) -> MetricsHandle:
+    """A handle as another process sees it: the channel is not in its registry."""
+    channel.handle()
+    return _rebuild_handle("token-of-another-process", channel._core.path, meta)
+
+
+def test_remote_handle_sends_datagrams_to_the_owner():
+    logger = RecordingLogger()
+    channel = sync_channel(logger)
+    handle = _remote_handle(channel, meta={"worker": 7})
+    assert "socket=" in repr(handle)
+    handle.submit_metrics({"x": 1.0, "r": ListPartial("r", [1.0, 2.0])}, step=3, namespace="w")
+    assert channel.health()["submitted"] == 0  # still in the socket
+    assert channel.step() == 1
+    assert logger.calls == [({"w/x": 1.0, "w/r_count": 2.0, "w/r_sum": 3.0}, 3)]
+    with pytest.raises(TypeError, match="str namespace"):
+        handle.submit_metrics({"x": 1.0}, namespace=None)
+    channel.close()
+
+
+@pytest.mark.timeout(30)
+def test_remote_payloads_are_coalesced_not_lost_when_the_socket_queue_is_full():
+    logger = RecordingLogger()
+    channel = sync_channel(logger)  # nobody reads the socket until step()
+    handle = _remote_handle(channel)
+    sent = {f"ns{i}": [] for i in range(4)}
+    for i in range(2000):  # more than any net.unix.max_dgram_qlen
+        namespace = f"ns{i % 4}"
+        sent[namespace].append(float(i))
+        handle.submit_metrics(
+            {"r": ListPartial("r", [float(i)]), "last": float(i)}, step=i, namespace=namespace
+        )
+    assert handle.coalesced > 0 and handle.dropped == 0
+    for _ in range(1000):
+        channel.step()
+        if handle.flush(timeout=0):
+            break
+    channel.step()
+    series = logger.series()
+    for namespace, values in sent.items():
+        assert sum(v for _, v in series[f"{namespace}/r_count"]) == len(values)
+        assert sum(v for _, v in series[f"{namespace}/r_sum"]) == sum(values)
+        assert series[f"{namespace}/last"][-1] == (
+            len(values) * 4 - 4 + int(namespace[2:]),
+            values[-1],
+        )
+    health = channel.health()
+    assert health["remote_coalesced"] == handle.coalesced
+    assert health["remote_dropped"] == 0
+    channel.close()
+
+
+def test_closing_removes_the_socket_and_remote_senders_drop_and_count():
+    channel = MetricsChannel(RecordingLogger(), health_interval=None)
+    handle = _remote_handle(channel)
+    path = channel._core.path
+    assert os.path.exists(path)
+    assert channel.close(timeout=10)
+    assert not os.path.exists(path) and not os.path.exists(os.path.dirname(path))
+    handle.submit_metrics({"x": 1.0})  # never raises
+    assert handle.dropped == 1
+
+
+def test_unreadable_datagrams_are_counted_and_ignored():
+    logger = RecordingLogger()
+    channel = sync_channel(logger)
+    channel.handle()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.sendto(b"not a pickle", channel._core.path)
+        sock.sendto(pickle.dumps(("ns", {1: 2.0}, None, None, (0, 0))), channel._core.path)
+    channel.submit_metrics({"x": 1.0})
+    channel.step()
+    assert logger.calls == [({"x": 1.0}, None)]
+    health = channel.health()
+    assert health["dropped"] == 2
+    assert_balanced(health)
+    channel.close()
+
+
+def test_unpicklable_or_oversized_payloads_are_dropped_by_the_sender(warnings_seen):
+    channel = sync_channel(RecordingLogger())
+    handle = _remote_handle(channel)
+    handle.submit_metrics({"x": threading.Lock()})
+    handle.submit_metrics({f"k{i}": float(i) for i in range(10_000)})
+    assert handle.dropped == 2
+    assert len(warnings_seen) == 1 and "pickle" in warnings_seen[0]
+    handle.submit_metrics({"x": 1.0})
+    channel.step()
+    assert channel.health()["remote_dropped"] == 2  # reported with the next datagram
+    channel.close()
+
+
+_CHILD_SUBMITS = """
+for i in range(5):
+    handle.submit_metrics({"x": float(i)}, step=i, namespace=namespace)
+assert handle.flush(timeout=10)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_handle_submits_from_a_spawned_process():
+    logger = RecordingLogger()
+    channel = MetricsChannel(logger, health_interval=None)
+    ctx = mp.get_context("spawn")
+    # exec is picklable by reference, so the child needs no test module
+    child = ctx.Process(
+        target=exec,
+        args=(
+            _CHILD_SUBMITS,
+            {"handle": channel.handle(meta={"worker": 0}), "namespace": "spawned"},
+        ),
+    )
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    assert channel.flush(timeout=10)
+    assert logger.series()["spawned/x"] == [(i, float(i)) for i in range(5)]
+    assert channel.close(timeout=10)
+
+
+_FORKED_CHILD = """
+import pickle
+for i in range(3):
+    inherited.submit_metrics({"x": float(i)}, step=i, namespace="inherited")
+    pickle.loads(pickled).submit_metrics({"x": float(i)}, step=i, namespace="pickled")
+    channel.submit_metrics({"x": float(i)}, step=i, namespace="channel_in_child")
+assert inherited.flush(timeout=10) and channel.flush(timeout=10)
+assert channel.close(timeout=1)  # closes the child's stand-in only
+"""
+
+
+@pytest.mark.timeout(60)
+def test_handles_and_the_channel_itself_submit_from_a_forked_process():
+    logger = RecordingLogger()
+    channel = MetricsChannel(logger, health_interval=None)
+    handle = channel.handle()
+    path = channel._core.path
+    ctx = mp.get_context("fork")
+    child = ctx.Process(
+        target=exec,
+        args=(
+            _FORKED_CHILD,
+            {"inherited": handle, "pickled": pickle.dumps(handle), "channel": channel},
+        ),
+    )
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    assert os.path.exists(path)  # the child did not remove the owner's socket
+    assert channel.flush(timeout=10)
+    series = logger.series()
+    for namespace in ("inherited", "pickled", "channel_in_child"):
+        assert series[f"{namespace}/x"] == [(i, float(i)) for i in range(3)], namespace
+    channel.submit_metrics({"y": 1.0})  # the owner keeps working
+    assert channel.flush(timeout=10)
+    assert channel.close(timeout=10)
+
+
+_KILLED_CHILD = """
+import os, signal
+for i in range(3):
+    handle.submit_metrics({"x": float(i)}, step=i, namespace="doomed")
+handle.flush(timeout=10)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_sender_that_dies_does_not_hurt_the_owner():
+    logger = RecordingLogger()
+    channel = MetricsChannel(logger, health_interval=None)
+    handle = channel.handle()
+    child = mp.get_context("fork").Process(target=exec, args=(_KILLED_CHILD, {"handle": handle}))
+    child.start()
+    child.join(30)
+    assert child.exitcode == -9
+    handle.submit_metrics({"y": 1.0}, namespace="alive")
+    channel.submit_metrics({"y": 2.0}, namespace="alive")
+    assert channel.flush(timeout=10)
+    series = logger.series()
+    assert series["doomed/x"] == [(i, float(i)) for i in range(3)]
+    assert series["alive/y"] == [(None, 1.0), (None, 2.0)]
+    assert channel.close(timeout=10)
+
+
+# ---------------------------------------------------------------------------
+# real logger backends
+# ---------------------------------------------------------------------------
+
+
+def _submit_losses(channel: MetricsChannel) -> None:
+    for i in range(3):
+        channel.submit_metrics(
+            {"loss": 1.0 / (i + 1), "r": ListPartial("reward", [float(i), 1.0])},
+            step=10 * i,
+            namespace="train",
+        )
+
+
+_EXPECTED_LOSS = [(0, 1.0), (10, 0.5), (20, 1.0 / 3)]
+
+
+@pytest.mark.timeout(60)
+def test_tensorboard_logger(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torchrl.record.loggers.tensorboard import TensorboardLogger
+
+    logger = TensorboardLogger(exp_name="tb", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger)
+    _submit_losses(channel)
+    assert channel.close(timeout=30)
+    logger.experiment.flush()
+    events = EventAccumulator(logger.log_dir)
+    events.Reload()
+    loss = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert loss == [(s, pytest.approx(v)) for s, v in _EXPECTED_LOSS]
+    assert [e.value for e in events.Scalars("train/reward_sum")] == [1.0, 2.0, 3.0]
+    assert "channel/logged" in events.Tags()["scalars"]
+    logger.experiment.close()
+
+
+def _wandb_history(run_file: str) -> list[dict[str, Any]]:
+    """History rows of an offline W&B run file (LevelDB-log framing, protobuf records)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(run_file).read_bytes()
+    rows, pos, chunk = [], 7, b""  # 7-byte ":W&B" header
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:
+            pos += left
+            continue
+        length = int.from_bytes(data[pos + 4 : pos + 6], "little")
+        kind = data[pos + 6]
+        if kind == 0:
+            break
+        chunk += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # full or last fragment
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunk)
+            chunk = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append(
+                    {
+                        item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                        for item in record.history.item
+                    }
+                )
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_wandb_logger_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from torchrl.record.loggers.wandb import WandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = WandbLogger(
+        exp_name="wb",
+        offline=True,
+        save_dir=str(tmp_path),
+        project="channel",
+        log_env_packages=False,
+    )
+    channel = MetricsChannel(logger)
+    _submit_losses(channel)
+    assert channel.close(timeout=30)
+    logger.experiment.finish()
+    (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "*.wandb"))
+    # the run file is written by wandb's own service process, possibly after finish()
+    assert wait_for(lambda: any("train/loss" in row for row in _wandb_history(run_file)))
+    rows = [row for row in _wandb_history(run_file) if "train/loss" in row]
+    assert [(row["train/step"], row["train/loss"]) for row in rows] == [
+        (s, pytest.approx(v)) for s, v in _EXPECTED_LOSS
+    ]
+    assert [row["train/reward_count"] for row in rows] == [2.0, 2.0, 2.0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_mlflow_logger_sqlite(tmp_path):
+    mlflow = pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+    from torchrl.record.loggers.mlflow import MLFlowLogger
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    logger = MLFlowLogger(exp_name="channel", tracking_uri=uri)
+    try:
+        channel = MetricsChannel(logger)
+        _submit_losses(channel)
+        assert channel.close(timeout=30)
+        client = MlflowClient(uri)
+        run_id = logger.experiment.info.run_id
+        loss = [(m.step, m.value) for m in client.get_metric_history(run_id, "train/loss")]
+        assert sorted(loss) == [(s, pytest.approx(v)) for s, v in _EXPECTED_LOSS]
+        assert client.get_metric_history(run_id, "channel/logged")
+    finally:
+        mlflow.end_run()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_trackio_logger_local(tmp_path, monkeypatch):
+    pytest.importorskip("trackio")
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path))
+    import trackio
+    import trackio.sqlite_storage
+    import trackio.utils
+    from torchrl.record.loggers.trackio import TrackioLogger
+
+    for module in (trackio, trackio.utils, trackio.sqlite_storage):
+        monkeypatch.setattr(module, "TRACKIO_DIR", tmp_path, raising=False)
+    logger = TrackioLogger("run", "channel", auto_log_cpu=False, auto_log_gpu=False)
+    channel = MetricsChannel(logger)
+    _submit_losses(channel)
+    assert channel.close(timeout=30)
+    logger.experiment.finish()
+    logs = trackio.sqlite_storage.SQLiteStorage.get_logs("channel", "run")
+    loss = [(row["step"], row["train/loss"]) for row in logs if "train/loss" in row]
+    assert loss == [(s, pytest.approx(v)) for s, v in _EXPECTED_LOSS]
+    assert list(tmp_path.glob("channel*.db"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_process_logger_service(tmp_path):
+    logger = CSVLogger(exp_name="svc", log_dir=str(tmp_path), service_backend="process")
+    try:
+        channel = MetricsChannel(logger.client())
+        _submit_losses(channel)
+        assert channel.close(timeout=60)
+        logger.flush(timeout=30)
+        loss = _read_csv(tmp_path / "svc" / "scalars" / "train" / "loss.csv")
+        assert loss == [(s, pytest.approx(v)) for s, v in _EXPECTED_LOSS]
+        assert logger.is_alive  # the channel did not stop the service
+    finally:
+        logger.shutdown(timeout=30)
+
+
+_RAY_TASK = """
+def send(handle):
+    for i in range(3):
+        handle.submit_metrics({"x": float(i)}, step=i, namespace="ray_task")
+    return handle.flush(timeout=10)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_ray_logger_service_and_a_handle_in_a_ray_worker(tmp_path, monkeypatch):
+    ray = pytest.importorskip("ray")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        logger = CSVLogger(exp_name="ray", log_dir=str(tmp_path), service_backend="ray")
+        channel = MetricsChannel(logger.client())
+        _submit_losses(channel)
+        # a function from a module Ray workers cannot import is shipped by value
+        namespace: dict[str, Any] = {"__name__": "channel_test_ray_task"}
+        exec(_RAY_TASK, namespace)
+        assert ray.get(ray.remote(namespace["send"]).remote(channel.handle()), timeout=120)
+        assert channel.close(timeout=60)
+        logger.flush(timeout=30)
+        scalars = tmp_path / "ray" / "scalars"
+        loss = _read_csv(scalars / "train" / "loss.csv")
+        assert loss == [(s, pytest.approx(v)) for s, v in _EXPECTED_LOSS]
+        assert _read_csv(scalars / "ray_task" / "x.csv") == [(i, float(i)) for i in range(3)]
+        logger.shutdown(timeout=30)
+    finally:
+        ray.shutdown()

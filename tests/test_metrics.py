@@ -1,0 +1,834 @@
+"""Metric sets against ground truth computed in plain python from the real batches."""
+
+from __future__ import annotations
+
+import math
+import pickle
+import statistics
+import warnings
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torchrl.collectors import Collector
+from torchrl.data import (
+    Bounded,
+    Composite,
+    LazyTensorStorage,
+    ListStorage,
+    PrioritizedReplayBuffer,
+    ReplayBuffer,
+    RoundRobinWriter,
+    TensorDictReplayBuffer,
+    Unbounded,
+)
+from torchrl.envs import EnvBase, GymEnv, RewardSum, SerialEnv, StepCounter, TransformedEnv
+from torchrl.envs.utils import RandomPolicy
+
+from rl_observers.metrics import (
+    CollectorBatchMetrics,
+    MetricSet,
+    SampleMetrics,
+    WriteMetrics,
+    _ObservedCounters,
+)
+from rl_observers.reducers import Count, Moments
+
+# -- a real torchrl env with random rewards and random terminations ------------------
+
+
+class RandomRewardEnv(EnvBase):
+    """Gaussian rewards; each step terminates with probability ``p_done``."""
+
+    def __init__(self, p_done: float = 0.12, batch_size=(), seed: int = 0) -> None:
+        super().__init__(batch_size=torch.Size(batch_size))
+        bs = self.batch_size
+        self.observation_spec = Composite(observation=Unbounded(shape=(*bs, 1)), shape=bs)
+        self.action_spec = Bounded(-1.0, 1.0, shape=(*bs, 1))
+        self.reward_spec = Unbounded(shape=(*bs, 1))
+        self.p_done = p_done
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def _reset(self, tensordict):
+        bs = self.batch_size
+        false = torch.zeros(*bs, 1, dtype=torch.bool)
+        return TensorDict(
+            {"observation": torch.zeros(*bs, 1), "done": false, "terminated": false.clone()}, bs
+        )
+
+    def _step(self, tensordict):
+        bs = self.batch_size
+        reward = torch.randn(*bs, 1, generator=self.rng)
+        terminated = torch.rand(*bs, 1, generator=self.rng) < self.p_done
+        return TensorDict(
+            {
+                "observation": tensordict["observation"] + 1,
+                "reward": reward,
+                "done": terminated.clone(),
+                "terminated": terminated,
+            },
+            bs,
+        )
+
+    def _set_seed(self, seed):
+        self.rng.manual_seed(seed)
+
+
+def make_env(batch_size=(), max_steps=7, reward_sum=False, seed=0):
+    env = TransformedEnv(RandomRewardEnv(batch_size=batch_size, seed=seed), StepCounter(max_steps))
+    if reward_sum:
+        env.append_transform(RewardSum())
+    return env
+
+
+def collect(env, frames_per_batch, total_frames, **kwargs) -> list[TensorDict]:
+    collector = Collector(
+        env,
+        RandomPolicy(env.action_spec),
+        frames_per_batch=frames_per_batch,
+        total_frames=total_frames,
+        **kwargs,
+    )
+    try:
+        return [batch.clone() for batch in collector]
+    finally:
+        collector.shutdown()
+
+
+# -- ground truth: a step-by-step python loop over the batches ------------------------
+
+
+def _rows(batch, key, default=None):
+    """``[*B, T, ...]`` -> python list of rows of per-step values."""
+    value = batch.get(key, None)
+    if value is None:
+        return default
+    steps = batch.batch_size[-1]
+    return value.reshape(-1, steps, value[(0,) * batch.batch_dims].numel()).tolist()
+
+
+class Truth:
+    """Episodes completed per batch, computed one step at a time.
+
+    An episode is a trajectory (``("collector", "traj_ids")``, or the row when
+    the batch has no ids): its return and length add up every valid step of
+    that trajectory, in whatever batch and row it appears, and it completes
+    at a step where done, terminated or truncated is set. A trajectory that
+    never reaches such a step (interrupted by a reset) never completes.
+    """
+
+    def __init__(self, batches):
+        self.rewards: list[list[float]] = []  # valid per-step rewards, per batch
+        self.episodes: list[list[tuple[float, int]]] = []  # (return, length) per batch
+        self.spanning = 0  # episodes that ended in a later batch than they started
+        self.truncations = 0  # closed by truncated, not terminated
+        self.dones = []
+        running: dict[object, tuple[float, int, int]] = {}  # trajectory -> (return, length, start)
+        for b_index, batch in enumerate(batches):
+            steps = batch.batch_size[-1]
+            rows = math.prod(batch.batch_size[:-1])
+            reward = _rows(batch, ("next", "reward"))
+            done, terminated, truncated = (
+                _rows(batch, ("next", key), [[[False]] * steps] * rows)
+                for key in ("done", "terminated", "truncated")
+            )
+            mask = _rows(batch, ("collector", "mask"), [[[True]] * steps] * rows)
+            traj = _rows(batch, ("collector", "traj_ids"))
+            kept, closed, dones = [], [], 0
+            for e in range(rows):
+                for t in range(steps):
+                    if not mask[e][t][0]:
+                        continue
+                    key = traj[e][t][0] if traj is not None else ("row", e)
+                    ret, length, start = running.get(key, (0.0, 0, b_index))
+                    ret += reward[e][t][0]
+                    length += 1
+                    kept.append(reward[e][t][0])
+                    dones += bool(done[e][t][0])
+                    if done[e][t][0] or terminated[e][t][0] or truncated[e][t][0]:
+                        closed.append((ret, length))
+                        self.spanning += start != b_index
+                        self.truncations += bool(truncated[e][t][0] and not terminated[e][t][0])
+                        running.pop(key, None)
+                    else:
+                        running[key] = (ret, length, start)
+            self.rewards.append(kept)
+            self.episodes.append(closed)
+            self.dones.append(dones)
+
+    def window(self, start: int, stop: int) -> dict[str, float]:
+        rewards = [r for b in self.rewards[start:stop] for r in b]
+        episodes = [e for b in self.episodes[start:stop] for e in b]
+        out = {"dones": float(sum(self.dones[start:stop])), "episodes": float(len(episodes))}
+        if rewards:
+            out.update(
+                reward_mean=statistics.fmean(rewards),
+                reward_std=statistics.pstdev(rewards),
+                reward_min=min(rewards),
+                reward_max=max(rewards),
+            )
+        if episodes:
+            returns = [r for r, _ in episodes]
+            lengths = [n for _, n in episodes]
+            out.update(
+                episode_return_mean=statistics.fmean(returns),
+                episode_return_std=statistics.pstdev(returns),
+                episode_return_min=min(returns),
+                episode_return_max=max(returns),
+                episode_length_mean=statistics.fmean(lengths),
+                episode_length_min=float(min(lengths)),
+                episode_length_max=float(max(lengths)),
+            )
+        return out
+
+
+def finalized(payload) -> dict[str, float]:
+    out = {}
+    for key, value in payload.items():
+        if key in ("frames", "batches", "episodes_total"):
+            continue
+        out.update(value.finalize())
+    return out
+
+
+def assert_window(got: dict[str, float], want: dict[str, float]) -> None:
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        # float32 rewards (and RewardSum's float32 running sums) vs python floats
+        assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
+
+
+def run_per_batch(metrics, batches, truth):
+    for i, batch in enumerate(batches):
+        metrics.on_post_collect(None, batch)
+        assert_window(finalized(metrics.pull()), truth.window(i, i + 1))
+
+
+# -- CollectorBatchMetrics: exactness --------------------------------------------------
+
+
+ENV_CASES = {
+    "single": dict(batch_size=()),
+    "single_one_step_batches": dict(batch_size=(), steps=1),
+    "single_rewardsum": dict(batch_size=(), reward_sum=True),
+    "batched_3": dict(batch_size=(3,)),
+    "batched_2x2_rewardsum": dict(batch_size=(2, 2), reward_sum=True),
+}
+
+
+@pytest.mark.parametrize("case", list(ENV_CASES))
+def test_episodes_exact_across_batches(case):
+    kwargs = dict(ENV_CASES[case])
+    steps = kwargs.pop("steps", 5)
+    env = make_env(**kwargs)
+    n_envs = max(1, math.prod(kwargs["batch_size"]))
+    batches = collect(env, frames_per_batch=steps * n_envs, total_frames=160 * n_envs)
+    assert batches[0].batch_size[-1] == steps
+    truth = Truth(batches)
+    assert truth.spanning > 5 and truth.truncations > 2  # the test exercises both
+    has_sum = ("next", "episode_reward") in batches[0].keys(True)
+    assert has_sum == kwargs.get("reward_sum", False)
+    run_per_batch(CollectorBatchMetrics(), batches, truth)
+
+
+def test_rewardsum_and_running_sums_agree_and_match_truth():
+    batches = collect(make_env(batch_size=(2,), reward_sum=True), 6, 240)
+    truth = Truth(batches)
+    with_keys = CollectorBatchMetrics()
+    running = CollectorBatchMetrics(episode_reward_key=None, step_count_key=None)
+    for batch in batches:
+        with_keys.on_post_collect(None, batch)
+        running.on_post_collect(None, batch)
+    want = truth.window(0, len(batches))
+    assert_window(finalized(with_keys.pull()), want)
+    assert_window(finalized(running.pull()), want)
+
+
+def test_serial_env():
+    env = SerialEnv(2, lambda: TransformedEnv(RandomRewardEnv(), StepCounter(6)))
+    batches = collect(env, frames_per_batch=8, total_frames=200)
+    assert batches[0].batch_size == torch.Size([2, 4])
+    truth = Truth(batches)
+    assert truth.spanning > 0
+    run_per_batch(CollectorBatchMetrics(), batches, truth)
+
+
+@pytest.mark.filterwarnings("ignore:split_trajs=True produces:UserWarning")
+def test_split_trajs_with_rewardsum_and_stepcounter():
+    # split_trajs rows are trajectory fragments, not envs: RewardSum/StepCounter
+    # give the full return and length of episodes that span batches.
+    batches = collect(make_env(batch_size=(2,), reward_sum=True), 10, 200, split_trajs=True)
+    assert ("collector", "mask") in batches[0].keys(True)
+    truth = Truth(batches)
+    assert truth.spanning > 5
+    run_per_batch(CollectorBatchMetrics(), batches, truth)
+
+
+@pytest.mark.parametrize("traj_format", ["padded", "cat"])
+def test_trajs_per_batch(traj_format):
+    env = make_env(batch_size=(2,), max_steps=9)
+    batches = collect(env, 8, 300, trajs_per_batch=3, traj_format=traj_format)
+    if traj_format == "padded":
+        assert ("collector", "mask") in batches[0].keys(True)
+        assert any(not b["collector", "mask"].all() for b in batches)  # real padding
+    truth = Truth(batches)
+    metrics = CollectorBatchMetrics()
+    run_per_batch(metrics, batches, truth)
+    assert metrics.counters()["frames"] == sum(len(r) for r in truth.rewards)
+    assert metrics.counters()["episodes"] == 3 * len(batches)
+
+
+def test_reset_at_each_iter_drops_interrupted_episodes():
+    env = make_env(max_steps=50)  # long episodes: most are interrupted by the reset
+    batches = collect(env, 6, 180, reset_at_each_iter=True)
+    truth = Truth(batches)
+    metrics = CollectorBatchMetrics()
+    run_per_batch(metrics, batches, truth)
+    # Without the trajectory ids the carry would leak into the next episode.
+    leaky = CollectorBatchMetrics(traj_ids_key=None)
+    for batch in batches:
+        leaky.on_post_collect(None, batch)
+    assert finalized(leaky.pull()) != pytest.approx(truth.window(0, len(batches)))
+
+
+def test_gym_cartpole_and_pendulum():
+    cartpole = TransformedEnv(GymEnv("CartPole-v1"), StepCounter())
+    cartpole.set_seed(0)
+    batches = collect(cartpole, 64, 1024)
+    truth = Truth(batches)
+    assert truth.spanning > 0
+    metrics = CollectorBatchMetrics()
+    for batch in batches:
+        metrics.on_post_collect(None, batch)
+    payload = metrics.pull()
+    assert_window(finalized(payload), truth.window(0, len(batches)))
+    assert payload["frames"] == 1024 and payload["batches"] == 16
+
+    pendulum = TransformedEnv(GymEnv("Pendulum-v1"), StepCounter(max_steps=13))
+    pendulum.set_seed(0)
+    batches = collect(pendulum, 10, 200)
+    truth = Truth(batches)
+    assert truth.truncations == 15
+    run_per_batch(CollectorBatchMetrics(), batches, truth)
+
+
+def test_counters_and_gauges():
+    batches = collect(make_env(batch_size=(3,)), 12, 240)
+    truth = Truth(batches)
+    metrics = CollectorBatchMetrics()
+    for i, batch in enumerate(batches):
+        metrics.on_post_collect(None, batch)
+        completed = sum(len(e) for e in truth.episodes[: i + 1])
+        assert metrics.counters() == {
+            "frames": 12 * (i + 1),
+            "batches": i + 1,
+            "episodes": completed,
+        }
+    payload = metrics.pull()
+    assert payload["frames"] == 240.0 and payload["batches"] == 20.0
+    assert payload["episodes_total"] == sum(len(e) for e in truth.episodes)
+    assert isinstance(payload["episodes"], Count) and isinstance(payload["reward"], Moments)
+    # pull resets the window, never the cumulative gauges
+    again = metrics.pull()
+    assert again["frames"] == 240.0 and finalized(again) == {"dones": 0.0, "episodes": 0.0}
+
+
+def test_resume_from_state_dict_neither_loses_nor_double_counts():
+    batches = collect(make_env(batch_size=(2,)), 6, 300)
+    truth = Truth(batches)
+    cut = 17
+    first = CollectorBatchMetrics()
+    for batch in batches[:cut]:
+        first.on_post_collect(None, batch)
+    head = first.pull()
+    state = pickle.loads(pickle.dumps(first.state_dict()))
+    resumed = CollectorBatchMetrics()
+    resumed.load_state_dict(state)
+    for batch in batches[cut:]:
+        resumed.on_post_collect(None, batch)
+    tail = resumed.pull()
+    merged = {k: head[k].merge(tail[k]) for k in head if not isinstance(head[k], float)}
+    assert_window(finalized(merged), truth.window(0, len(batches)))
+    assert tail["frames"] == 300 and tail["batches"] == 50
+    assert tail["episodes_total"] == sum(len(e) for e in truth.episodes)
+    # episodes in flight at the cut were carried over, with their full return
+    assert_window(finalized(tail), truth.window(cut, len(batches)))
+
+
+def test_pickled_set_continues_where_it_was():
+    batches = collect(make_env(), 5, 100)
+    truth = Truth(batches)
+    metrics = CollectorBatchMetrics()
+    for batch in batches[:7]:
+        metrics.on_post_collect(None, batch)
+    clone = pickle.loads(pickle.dumps(metrics))
+    for batch in batches[7:]:
+        clone.on_post_collect(None, batch)
+    assert_window(finalized(clone.pull()), truth.window(0, len(batches)))
+
+
+def test_workers_merge_to_the_union():
+    worker_batches = [collect(make_env(seed=s), 7, 140) for s in (1, 2)]
+    payloads = []
+    for batches in worker_batches:
+        metrics = CollectorBatchMetrics()
+        for batch in batches:
+            metrics.on_post_collect(None, batch)
+        payloads.append(metrics.pull())
+    merged = {
+        k: v.merge(payloads[1][k]) for k, v in payloads[0].items() if not isinstance(v, float)
+    }
+    truths = [Truth(b) for b in worker_batches]
+    union = Truth([])
+    for t in truths:
+        union.rewards += [[r for b in t.rewards for r in b]]
+        union.episodes += [[e for b in t.episodes for e in b]]
+        union.dones += [sum(t.dones)]
+    assert_window(finalized(merged), union.window(0, 2))
+
+
+def test_options_disable_metrics():
+    batches = collect(make_env(), 10, 40)
+    metrics = CollectorBatchMetrics(episode_return=False, episode_length=False, done_key=None)
+    for batch in batches:
+        metrics.on_post_collect(None, batch)
+    payload = metrics.pull()
+    assert set(payload) == {"frames", "batches", "episodes_total", "reward", "episodes"}
+    only_reward = CollectorBatchMetrics(
+        done_key=None,
+        terminated_key=None,
+        truncated_key=None,
+        episode_return=False,
+        episode_length=False,
+    )
+    only_reward.on_post_collect(None, batches[0])
+    assert set(only_reward.pull()) == {"frames", "batches", "episodes_total", "reward"}
+
+
+def test_missing_key_names_key_and_keys_present():
+    batch = collect(make_env(), 4, 4)[0]
+    metrics = CollectorBatchMetrics(reward_key=("next", "rwd"))
+    with pytest.raises(KeyError) as info:
+        metrics.on_post_collect(None, batch)
+    message = str(info.value)
+    assert "('next', 'rwd')" in message and "('next', 'reward')" in message
+    assert "reward_key" in message
+    del batch["next", "done"]
+    with pytest.raises(KeyError, match="done_key"):
+        CollectorBatchMetrics().on_post_collect(None, batch)
+
+
+def test_configuration_is_validated():
+    with pytest.raises(TypeError, match="reward_key must be"):
+        CollectorBatchMetrics(reward_key=["next", "reward"])
+    with pytest.raises(TypeError, match="episode_return must be a bool"):
+        CollectorBatchMetrics(episode_return=1)
+    with pytest.raises(ValueError, match="at least one of done_key"):
+        CollectorBatchMetrics(done_key=None, terminated_key=None, truncated_key=None)
+    with pytest.raises(ValueError, match="needs reward_key or episode_reward_key"):
+        CollectorBatchMetrics(reward_key=None, episode_reward_key=None)
+    with pytest.raises(TypeError, match="priority_weight must be a bool"):
+        SampleMetrics(priority_weight="yes")
+    with pytest.raises(TypeError, match="reward_key must be"):
+        WriteMetrics(reward_key=3)
+
+
+def test_non_scalar_step_reward_needs_episode_reward():
+    batch = TensorDict(
+        {"next": {"reward": torch.ones(4, 2), "done": torch.zeros(4, 1, dtype=torch.bool)}}, [4]
+    )
+    with pytest.raises(ValueError, match="one reward_key value per step"):
+        CollectorBatchMetrics().on_post_collect(None, batch)
+    metrics = CollectorBatchMetrics(episode_return=False)
+    metrics.on_post_collect(None, batch)
+    assert metrics.pull()["reward"].count == 8
+
+
+def test_collector_fold_never_reads_a_value_on_the_host():
+    # Meta tensors have no data: .item(), bool(), .tolist(), nonzero and boolean
+    # indexing all raise. Folding real batches moved to meta must still work.
+    plain = collect(make_env(batch_size=(2,)), 6, 24)
+    padded = collect(make_env(batch_size=(2,)), 8, 120, trajs_per_batch=2, traj_format="padded")
+    for batches, kwargs in ((plain, {}), (plain, {"episode_reward_key": None}), (padded, {})):
+        metrics = CollectorBatchMetrics(**kwargs)
+        for batch in batches:
+            metrics.on_post_collect(None, batch.to("meta"))
+        assert metrics.counters()["batches"] == len(batches)
+        with pytest.raises((NotImplementedError, RuntimeError)):
+            metrics.pull()  # the one place values are read
+
+
+def test_observed_counters_lag_until_the_copy_completes():
+    class Event:  # stands in for torch.cuda.Event on a CPU-only machine
+        def __init__(self):
+            self.done = False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.done = True
+
+    counters = _ObservedCounters(("frames", "episodes"))
+    first, second = Event(), Event()
+    counters._pending.append((("episodes",), torch.tensor([3]), first))
+    counters._pending.append((("frames", "episodes"), torch.tensor([10, 1]), second))
+    counters.add("frames", 5)
+    assert counters.poll() == {"frames": 5, "episodes": 0}
+    second.done = True
+    assert counters.poll() == {"frames": 5, "episodes": 0}  # in order: waits for the first
+    first.done = True
+    assert counters.poll() == {"frames": 15, "episodes": 4}
+    counters._pending.append((("episodes",), torch.tensor([2]), Event()))
+    assert counters.drain() == {"frames": 15, "episodes": 6}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_batches_fold_without_sync():
+    batches = collect(make_env(batch_size=(4,)), 16, 320)
+    truth = Truth(batches)
+    metrics = CollectorBatchMetrics()
+    cuda_batches = [b.to("cuda") for b in batches]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for batch in cuda_batches:
+            metrics.on_post_collect(None, batch)
+        counters = metrics.counters()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert counters["frames"] == 320 and counters["batches"] == 20
+    assert counters["episodes"] <= sum(len(e) for e in truth.episodes)  # observed, may lag
+    assert_window(finalized(metrics.pull()), truth.window(0, len(batches)))
+    assert metrics.counters()["episodes"] == sum(len(e) for e in truth.episodes)
+
+
+# -- SampleMetrics -----------------------------------------------------------------
+
+
+def _expected_ages(ids: list[int], written: int) -> dict[str, float]:
+    # the item with id k was the (k + 1)-th item written; age = items written after it
+    ages = [written - 1 - k for k in ids]
+    return {
+        "sample_age_mean": statistics.fmean(ages),
+        "sample_age_min": float(min(ages)),
+        "sample_age_max": float(max(ages)),
+    }
+
+
+def test_sample_age_with_wrapping_writes_and_adds():
+    rb = ReplayBuffer(storage=LazyTensorStorage(10))
+    metrics = SampleMetrics()
+    written = 0
+    for size in (4, 7, 1, 12, 3):  # the 12-item extend wraps around the whole storage
+        if size == 1:
+            index = rb.add(torch.tensor(written))
+            metrics.on_post_add(rb, None, index)
+        else:
+            data = torch.arange(written, written + size)
+            metrics.on_post_extend(rb, data, rb.extend(data))
+        written += size
+        for _ in range(2):
+            batch, info = rb.sample(6, return_info=True)
+            metrics.on_post_sample(rb, batch, info)
+            payload = metrics.pull()
+            assert payload["sample_age"].finalize() == pytest.approx(
+                _expected_ages(batch.tolist(), written)
+            )
+    assert written == rb.write_count
+    assert payload["sample_calls"] == 10 and payload["samples_returned"] == 60
+    assert payload["batch_size"] == 6
+    assert metrics.counters() == {"sample_calls": 10, "samples_returned": 60}
+    assert metrics.stats() == {"sample_calls": 10, "samples_returned": 60}
+
+
+def test_sample_age_over_many_samples_in_one_window():
+    rb = TensorDictReplayBuffer(
+        storage=LazyTensorStorage(16), writer=RoundRobinWriter(track_generations=True)
+    )
+    metrics = SampleMetrics()
+    seen, written = [], 0
+    for size in (5, 9, 20, 6):
+        data = TensorDict({"id": torch.arange(written, written + size)}, [size])
+        metrics.on_post_extend(rb, data, rb.extend(data))
+        written += size
+        batch, info = rb.sample(8, return_info=True)
+        assert "index_generation" in info
+        metrics.on_post_sample(rb, batch, info)
+        seen += [written - 1 - k for k in batch["id"].tolist()]
+    got = metrics.pull()["sample_age"].finalize()
+    assert got == pytest.approx(
+        {
+            "sample_age_mean": statistics.fmean(seen),
+            "sample_age_min": min(seen),
+            "sample_age_max": max(seen),
+        }
+    )
+
+
+def test_sample_age_with_unbounded_list_storage():
+    rb = ReplayBuffer(storage=ListStorage())
+    metrics = SampleMetrics()
+    written = 0
+    for size in (3, 2000):  # grows the stamps past their first allocation
+        data = [torch.tensor(k) for k in range(written, written + size)]
+        metrics.on_post_extend(rb, data, rb.extend(data))
+        written += size
+    batch, info = rb.sample(50, return_info=True)
+    metrics.on_post_sample(rb, batch, info)
+    assert metrics.pull()["sample_age"].finalize() == pytest.approx(
+        _expected_ages(batch.tolist(), written)
+    )
+
+
+def test_items_written_before_observing_have_no_age():
+    rb = ReplayBuffer(storage=LazyTensorStorage(10))
+    rb.extend(torch.arange(5))  # not observed
+    metrics = SampleMetrics()
+    data = torch.arange(5, 8)
+    metrics.on_post_extend(rb, data, rb.extend(data))
+    batch, info = rb.sample(40, return_info=True)
+    metrics.on_post_sample(rb, batch, info)
+    observed = [k for k in batch.tolist() if k >= 5]
+    age = metrics.pull()["sample_age"]
+    assert age.count == len(observed) < 40
+    assert age.finalize() == pytest.approx(
+        {k: v for k, v in _expected_ages([k - 5 for k in observed], 3).items()}
+    )
+
+
+def test_sample_metrics_on_a_multi_dim_storage():
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(12, ndim=2))
+    writes = WriteMetrics()
+    samples = SampleMetrics()
+    for _ in range(4):
+        data = TensorDict({"x": torch.zeros(3, 2)}, [3, 2])
+        index = rb.extend(data)
+        writes.on_post_extend(rb, data, index)
+        samples.on_post_extend(rb, data, index)
+    assert writes.counters()["items_written"] == rb.write_count
+    batch, info = rb.sample(5, return_info=True)
+    samples.on_post_sample(rb, batch, info)
+    payload = samples.pull()
+    assert payload["samples_returned"] == 5
+    age = payload["sample_age"]
+    assert age.count == 5 and 0 <= age.min <= age.max < rb.write_count
+
+
+def test_priority_weights_from_the_sampler_info():
+    rb = ReplayBuffer(storage=LazyTensorStorage(10))
+    data = torch.arange(6)
+    metrics = SampleMetrics(age=False)
+    metrics.on_post_extend(rb, data, rb.extend(data))
+    batch, info = rb.sample(4, return_info=True)
+    weights = torch.tensor([0.5, 1.0, 0.25, 1.0])
+    info["priority_weight"] = weights  # the key torchrl's PrioritizedSampler sets
+    metrics.on_post_sample(rb, batch, info)
+    payload = metrics.pull()
+    assert "sample_age" not in payload
+    assert payload["priority_weight"].finalize() == {
+        "priority_weight_mean": 0.6875,
+        "priority_weight_min": 0.25,
+        "priority_weight_max": 1.0,
+    }
+
+
+def _prioritized_available() -> bool:
+    try:
+        PrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=LazyTensorStorage(4))
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(
+    not _prioritized_available(), reason="torchrl's C++ segment trees are not available"
+)
+def test_prioritized_replay_buffer_weights():
+    rb = PrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=LazyTensorStorage(10))
+    metrics = SampleMetrics()
+    data = torch.arange(8)
+    metrics.on_post_extend(rb, data, rb.extend(data))
+    rb.update_priority(torch.arange(8), torch.arange(1.0, 9.0))
+    batch, info = rb.sample(16, return_info=True)
+    metrics.on_post_sample(rb, batch, info)
+    w = torch.as_tensor(info["priority_weight"]).double()
+    got = metrics.pull()["priority_weight"].finalize()
+    assert got == pytest.approx(
+        {
+            "priority_weight_mean": w.mean().item(),
+            "priority_weight_min": w.min().item(),
+            "priority_weight_max": w.max().item(),
+        }
+    )
+
+
+def test_sample_without_info_counts_the_batch():
+    metrics = SampleMetrics()
+    metrics.on_post_sample(None, TensorDict({"a": torch.zeros(7)}, [7]), None)
+    metrics.on_post_sample(None, torch.zeros(3, 4), None)
+    payload = metrics.pull()
+    assert payload["sample_calls"] == 2 and payload["samples_returned"] == 10
+    assert payload["batch_size"] == 3
+    assert payload["sample_age"].count == 0 and payload["priority_weight"].count == 0
+
+
+def test_sample_metrics_state_dict_round_trip():
+    rb = ReplayBuffer(storage=LazyTensorStorage(8))
+    metrics = SampleMetrics()
+    data = torch.arange(6)
+    metrics.on_post_extend(rb, data, rb.extend(data))
+    metrics.on_post_sample(rb, *rb.sample(2, return_info=True))
+    resumed = SampleMetrics()
+    resumed.load_state_dict(pickle.loads(pickle.dumps(metrics.state_dict())))
+    data = torch.arange(6, 9)
+    resumed.on_post_extend(rb, data, rb.extend(data))
+    batch, info = rb.sample(10, return_info=True)
+    resumed.on_post_sample(rb, batch, info)
+    payload = resumed.pull()
+    assert payload["sample_calls"] == 2 and payload["samples_returned"] == 12
+    assert payload["sample_age"].finalize() == pytest.approx(_expected_ages(batch.tolist(), 9))
+
+
+def test_sample_fold_never_reads_a_value_on_the_host():
+    # A buffer whose storage lives on the meta device (torchrl itself cannot
+    # extend it: its writer reads the cursor). Stamps follow the storage, so
+    # stamping and sampling run on meta tensors, where any host read raises.
+    rb = ReplayBuffer(storage=LazyTensorStorage(8, device="meta"))
+    metrics = SampleMetrics()
+    writes = WriteMetrics(reward_key="r")
+    data = TensorDict({"r": torch.ones(6, 1)}, [6]).to("meta")
+    index = torch.arange(6, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # sample_age must not be disabled
+        metrics.on_post_extend(rb, data, index)
+        writes.on_post_extend(rb, data, index)
+        metrics.on_post_sample(
+            rb, data, {"index": index[:4], "priority_weight": torch.ones(4, device="meta")}
+        )
+    assert metrics.counters() == {"sample_calls": 1, "samples_returned": 4}
+    assert writes.counters()["items_written"] == 6
+    for metric_set in (metrics, writes):
+        with pytest.raises((NotImplementedError, RuntimeError)):
+            metric_set.pull()
+
+
+# -- WriteMetrics ------------------------------------------------------------------
+
+
+def test_write_metrics_counts_and_rewards():
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(20))
+    metrics = WriteMetrics(reward_key=("next", "reward"))
+    rewards = []
+    for size in (5, 1, 8, 30):
+        data = TensorDict({"next": {"reward": torch.randn(size, 1)}}, [size])
+        rewards += data["next", "reward"].flatten().tolist()
+        metrics.on_post_extend(rb, data, rb.extend(data))
+    single = TensorDict({"next": {"reward": torch.tensor([2.5])}}, [])
+    metrics.on_post_add(rb, single, rb.add(single))
+    rewards.append(2.5)
+    assert metrics.counters() == {"write_count": 45, "writes": 5, "items_written": 45}
+    assert rb.write_count == 45
+    stats = metrics.stats()
+    assert stats["writes"] == 5 and 0 <= stats["seconds_since_last_write"] < 60
+    payload = metrics.pull()
+    assert payload["writes"] == 5.0 and payload["items_written"] == 45.0
+    assert payload["reward"].finalize() == pytest.approx(
+        {
+            "reward_mean": statistics.fmean(rewards),
+            "reward_std": statistics.pstdev(rewards),
+            "reward_min": min(rewards),
+            "reward_max": max(rewards),
+        }
+    )
+    assert metrics.pull()["reward"].finalize() == {}
+
+
+def test_write_metrics_masked_trajectories_and_missing_keys():
+    metrics = WriteMetrics(reward_key=("next", "reward"))
+    data = TensorDict(
+        {
+            "next": {"reward": torch.tensor([[1.0], [2.0], [9.0]])},
+            "collector": {"mask": torch.tensor([True, True, False])},
+        },
+        [3],
+    )
+    metrics.on_post_extend(None, data, None)
+    assert metrics.pull()["reward"].finalize()["reward_max"] == 2.0
+    with pytest.raises(KeyError, match=r"reward_key=\('next', 'reward'\).*'a'"):
+        metrics.on_post_extend(None, TensorDict({"a": torch.zeros(2)}, [2]), None)
+    with pytest.raises(TypeError, match="needs TensorDict data"):
+        metrics.on_post_extend(None, torch.zeros(2), None)
+    assert WriteMetrics().stats() == {"writes": 0, "items_written": 0}
+
+
+def test_write_metrics_state_dict_and_pickle():
+    metrics = WriteMetrics()
+    rb = ReplayBuffer(storage=LazyTensorStorage(8))
+    data = torch.arange(5)
+    metrics.on_post_extend(rb, data, rb.extend(data))
+    clone = pickle.loads(pickle.dumps(metrics))
+    resumed = WriteMetrics()
+    resumed.load_state_dict(metrics.state_dict())
+    for m in (clone, resumed):
+        m.on_post_extend(rb, data, rb.extend(data))
+        assert m.counters() == {"write_count": 10, "writes": 2, "items_written": 10}
+
+
+def test_metric_sets_declare_their_events():
+    assert CollectorBatchMetrics.events == ("post_collect",)
+    assert SampleMetrics.events == ("post_add", "post_extend", "post_sample")
+    assert WriteMetrics.events == ("post_add", "post_extend")
+    for cls in (CollectorBatchMetrics, SampleMetrics, WriteMetrics):
+        assert issubclass(cls, MetricSet)
+        defined = {name[3:] for name in dir(cls) if name.startswith("on_")}
+        assert defined == set(cls.events)
+
+
+def test_warnings_are_not_emitted_on_the_normal_path():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rb = ReplayBuffer(storage=LazyTensorStorage(4))
+        metrics = SampleMetrics()
+        data = torch.arange(3)
+        metrics.on_post_extend(rb, data, rb.extend(data))
+        metrics.on_post_sample(rb, *rb.sample(2, return_info=True))
+        metrics.pull()
+
+
+def test_terminated_or_truncated_close_an_episode_even_without_done():
+    def batch(reward, done, terminated, truncated):
+        flag = lambda v: torch.tensor(v).unsqueeze(-1)  # noqa: E731
+        return TensorDict(
+            {
+                "next": {
+                    "reward": flag(reward).float(),
+                    "done": flag(done),
+                    "terminated": flag(terminated),
+                    "truncated": flag(truncated),
+                }
+            },
+            [len(reward)],
+        )
+
+    metrics = CollectorBatchMetrics()
+    f, t = False, True
+    metrics.on_post_collect(
+        None, batch([1.0, 2.0, 4.0, 8.0], [f, f, f, f], [f, t, f, f], [f, f, f, t])
+    )
+    metrics.on_post_collect(None, batch([16.0, 32.0], [f, t], [f, f], [f, f]))
+    got = finalized(metrics.pull())
+    assert got["episodes"] == 3 and got["dones"] == 1
+    assert (got["episode_return_min"], got["episode_return_max"]) == (3.0, 48.0)
+    assert got["episode_return_mean"] == pytest.approx((3.0 + 12.0 + 48.0) / 3)
+    assert (got["episode_length_min"], got["episode_length_max"]) == (2.0, 2.0)
+
+
+def test_sample_age_is_disabled_rather_than_syncing_for_unbounded_device_storages():
+    rb = ReplayBuffer(storage=ListStorage())  # unbounded: stamps would need the largest index
+    metrics = SampleMetrics()
+    with pytest.warns(UserWarning, match="sample_age is disabled"):
+        metrics.on_post_extend(rb, None, torch.arange(3, device="meta"))
+    metrics.on_post_extend(rb, None, torch.arange(3, 6, device="meta"))  # warns once
+    metrics.on_post_sample(rb, None, {"index": torch.arange(2, device="meta")})
+    assert metrics.pull()["sample_age"].count == 0

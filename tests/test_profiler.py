@@ -1,0 +1,542 @@
+"""ProfilerObserver and the observer-based ``enable_profile()``, on real collectors and traces."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.profiler import record_function
+from torchrl.collectors import BaseCollector, Collector, MultiSyncCollector, ProfileConfig
+from torchrl.envs.utils import RandomPolicy
+from torchrl.testing.mocking_classes import CountingEnv
+
+import rl_observers
+from rl_observers import Observer, ProfilerObserver
+from rl_observers.profiler import install_profiling
+from rl_observers.targets import observers_of
+
+REPO = Path(__file__).resolve().parents[1]
+# Small, fast traces: Python stacks make traces ~10x larger.
+FAST = {"activities": ["cpu"], "with_stack": False, "record_shapes": False}
+
+
+def make_collector(frames_per_batch: int = 8, batches: int = 6, **kwargs) -> Collector:
+    env = CountingEnv(max_steps=5)
+    return Collector(
+        env,
+        RandomPolicy(env.action_spec),
+        frames_per_batch=frames_per_batch,
+        total_frames=frames_per_batch * batches,
+        **kwargs,
+    )
+
+
+@pytest.fixture
+def collectors():
+    made: list[BaseCollector] = []
+
+    def make(*args, **kwargs):
+        collector = make_collector(*args, **kwargs)
+        made.append(collector)
+        return collector
+
+    yield make
+    for collector in made:
+        collector.shutdown(raise_on_error=False)
+
+
+def trace_events(path: Path) -> list[dict]:
+    with open(path) as file:
+        trace = json.load(file)  # a valid Chrome trace is a JSON object with traceEvents
+    return [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+
+
+def named(events: list[dict], prefix: str) -> list[dict]:
+    return sorted((e for e in events if e["name"].startswith(prefix)), key=lambda e: e["ts"])
+
+
+def steps(events: list[dict]) -> list[str]:
+    return [e["name"] for e in named(events, "ProfilerStep#")]
+
+
+def step_of(event: dict, events: list[dict]) -> str | None:
+    """The profiler step whose range contains ``event``."""
+    for step in named(events, "ProfilerStep#"):
+        if step["ts"] <= event["ts"] and event["ts"] + event["dur"] <= step["ts"] + step["dur"]:
+            return step["name"]
+    return None
+
+
+class Marker(Observer):
+    """Emits a record_function range per event, named after the rollout it sees."""
+
+    def __init__(self, calls: list | None = None, label: str = "marker") -> None:
+        self.calls = calls if calls is not None else []
+        self.label = label
+        self.rollout = 0
+
+    def on_pre_collect(self, source):
+        with record_function(f"{self.label}/pre#{self.rollout}"):
+            self.calls.append((f"{self.label}.pre", self.rollout))
+
+    def on_post_collect(self, source, batch):
+        with record_function(f"{self.label}/post#{self.rollout}"):
+            self.calls.append((f"{self.label}.post", self.rollout))
+        self.rollout += 1
+
+
+# -- configuration ---------------------------------------------------------------------------------
+
+
+def test_keywords_build_torchrl_profile_config():
+    observer = ProfilerObserver(num_rollouts=5, warmup_rollouts=2, save_path="t_{worker_idx}.json")
+    assert isinstance(observer.config, ProfileConfig)
+    assert observer.config.workers == [0]
+    assert observer.config.activities == ["cpu", "cuda"]
+    assert observer.config.get_save_path(3) == Path("t_3.json")
+    config = ProfileConfig(workers=[1], num_rollouts=2, warmup_rollouts=0)
+    assert ProfilerObserver(config, record_observers=True).config is config
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"num_rollouts": 2, "warmup_rollouts": 2}, ValueError),
+        ({"num_rollouts": 3, "warmup_rollouts": -1}, ValueError),
+        ({"config": ProfileConfig(), "num_rollouts": 4}, TypeError),
+        ({"config": {"num_rollouts": 4}}, TypeError),
+    ],
+)
+def test_invalid_configuration_raises(kwargs, error):
+    with pytest.raises(error):
+        ProfilerObserver(**kwargs)
+
+
+# -- one collector, end to end ---------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_traces_whole_rollouts_and_writes_after_the_last(collectors, tmp_path):
+    collector = collectors(batches=6)
+    profiler = ProfilerObserver(
+        num_rollouts=4,
+        warmup_rollouts=1,
+        save_path=tmp_path / "traces" / "rollouts_{worker_idx}.json",
+        activities=["cpu"],
+        with_stack=True,  # Python stacks: the collector's ``rollout`` frames are in the trace
+    )
+    collector.add_observer(profiler)
+    written_after = None
+    for i, _ in enumerate(collector):
+        if written_after is None and profiler.trace_path is not None:
+            written_after = i
+    assert written_after == 3  # the trace is out as soon as rollout num_rollouts - 1 is done
+    assert profiler.trace_path == tmp_path / "traces" / "rollouts_0.json"
+    assert not profiler.active
+    events = trace_events(profiler.trace_path)
+    assert steps(events) == ["ProfilerStep#1", "ProfilerStep#2", "ProfilerStep#3"]
+    rollouts = [
+        e
+        for e in events
+        if e.get("cat") == "python_function" and "collectors/_single.py" in e["name"]
+        and e["name"].endswith(": rollout")
+    ]
+    # one whole rollout per recorded step (a step boundary never cuts a rollout)
+    by_step = sorted(step_of(e, events) for e in rollouts if step_of(e, events))
+    assert sorted(set(by_step)) == ["ProfilerStep#1", "ProfilerStep#2", "ProfilerStep#3"]
+    assert all(
+        e["dur"] < next(s for s in named(events, step_of(e, events)))["dur"] for e in rollouts
+    )
+
+
+@pytest.mark.timeout(60)
+def test_profiling_does_not_change_collected_data(collectors, tmp_path):
+    def collect(with_profiler: bool) -> list:
+        torch.manual_seed(0)
+        collector = collectors(batches=4)
+        if with_profiler:
+            collector.add_observer(
+                ProfilerObserver(num_rollouts=3, warmup_rollouts=1, save_path=tmp_path / "t.json", **FAST)
+            )
+        return [batch.clone() for batch in collector]
+
+    plain, profiled = collect(False), collect(True)
+    assert (tmp_path / "t.json").exists()
+    assert len(plain) == len(profiled) == 4
+    for a, b in zip(plain, profiled):
+        assert (a == b).all()
+
+
+@pytest.mark.timeout(60)
+def test_stacked_with_observers_and_user_hook(collectors, tmp_path):
+    """Profiler + another observer + a user hook + a plain callable: all run, in order, traced."""
+    calls: list = []
+    collector = collectors(batches=5)
+    collector.post_collect_hook = lambda batch: calls.append(("user_hook", batch.numel()))
+    before = Marker(calls, label="before")  # registered before the profiler
+    profiler = ProfilerObserver(num_rollouts=4, warmup_rollouts=1, save_path=tmp_path / "t.json", **FAST)
+    after = Marker(calls)  # registered after it: its work must be in the profiled steps
+
+    def plain(batch):
+        with record_function("plain_callable"):
+            calls.append(("plain", batch.numel()))
+
+    collector.add_observer(before)
+    collector.add_observer(profiler)
+    collector.add_observer(after)
+    collector.add_observer(plain)
+    assert collector.observers == (before, profiler, after, plain)
+    for _ in collector:
+        pass
+
+    # every batch, registration order (the user's own hook first), profiled or not
+    expected = []
+    for i in range(5):
+        expected += [("before.pre", i), ("marker.pre", i)]
+        expected += [("user_hook", 8), ("before.post", i), ("marker.post", i), ("plain", 8)]
+    assert calls == expected
+    assert before.rollout == 5
+
+    events = trace_events(tmp_path / "t.json")
+    assert steps(events) == ["ProfilerStep#1", "ProfilerStep#2", "ProfilerStep#3"]
+    for rollout in (1, 2, 3):  # each recorded rollout: its observers' work is in its own step
+        for name in (f"{label}/{event}#{rollout}" for label in ("before", "marker") for event in ("pre", "post")):
+            (event,) = named(events, name)
+            assert step_of(event, events) == f"ProfilerStep#{rollout}", name
+    # including the later observers' work on the last recorded rollout
+    assert len(named(events, "plain_callable")) == 3
+    for rollout in (0, 4):  # not recorded: warm-up, and after the window
+        assert not named(events, f"marker/post#{rollout}")
+
+
+@pytest.mark.timeout(60)
+def test_record_observers_times_each_other_observer(collectors, tmp_path):
+    collector = collectors(batches=5)
+    profiler = ProfilerObserver(
+        num_rollouts=3, warmup_rollouts=1, save_path=tmp_path / "t.json", record_observers=True, **FAST
+    )
+    seen = []
+
+    def count_frames(batch):
+        seen.append(batch.numel())
+
+    collector.add_observer(profiler)
+    collector.add_observer(Marker())
+    collector.add_observer(count_frames)
+    for _ in collector:
+        pass
+    events = trace_events(tmp_path / "t.json")
+    for name in (
+        "rl_observers/Marker.on_pre_collect",
+        "rl_observers/Marker.on_post_collect",
+        "rl_observers/count_frames.on_post_collect",
+    ):
+        ranges = named(events, name)
+        assert [step_of(e, events) for e in ranges] == ["ProfilerStep#1", "ProfilerStep#2"], name
+    # the observer's own range is inside the one recorded for it
+    (post,) = named(events, "marker/post#2")
+    outer = [e for e in named(events, "rl_observers/Marker.on_post_collect") if e["ts"] <= post["ts"]][-1]
+    assert post["ts"] + post["dur"] <= outer["ts"] + outer["dur"]
+    assert not named(events, "rl_observers/ProfilerObserver")
+    assert seen == [8] * 5
+    # once the profiler is done, observers are called directly again: no wrapper left
+    observers = observers_of(collector)
+    assert observers.call_transform is None
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_stops_early_and_writes_what_was_recorded(collectors, tmp_path):
+    collector = collectors(batches=10)
+    profiler = ProfilerObserver(num_rollouts=8, warmup_rollouts=1, save_path=tmp_path / "t.json", **FAST)
+    collector.add_observer(profiler)
+    for i, _ in enumerate(collector):
+        if i == 2:
+            break
+    assert profiler.active and profiler.trace_path is None
+    collector.shutdown()
+    assert not profiler.active
+    # rollouts 1 and 2, and step 3 that had begun: the consumer's work on batch 2
+    events = trace_events(tmp_path / "t.json")
+    assert steps(events) == ["ProfilerStep#1", "ProfilerStep#2", "ProfilerStep#3"]
+
+
+@pytest.mark.timeout(60)
+def test_removing_the_observer_stops_it(collectors, tmp_path):
+    collector = collectors(batches=6)
+    profiler = ProfilerObserver(num_rollouts=5, warmup_rollouts=0, save_path=tmp_path / "t.json", **FAST)
+    with collector.add_observer(profiler):
+        for i, _ in enumerate(collector):
+            if i == 1:
+                break
+    assert not profiler.active
+    assert steps(trace_events(tmp_path / "t.json")) == ["ProfilerStep#0", "ProfilerStep#1", "ProfilerStep#2"]
+    for _ in collector:  # goes on without the profiler
+        pass
+    assert collector.observers == ()
+    assert type(collector) is Collector
+
+
+@pytest.mark.timeout(60)
+def test_profiles_only_selected_workers(collectors, tmp_path):
+    """A worker's collector (``worker_idx`` set) profiles only if selected; paths use its index."""
+    path = tmp_path / "t_{worker_idx}.json"
+    skipped = ProfilerObserver(workers=[0], num_rollouts=2, warmup_rollouts=1, save_path=path, **FAST)
+    chosen = ProfilerObserver(workers=[0, 1], num_rollouts=2, warmup_rollouts=1, save_path=path, **FAST)
+    worker = collectors(batches=3, worker_idx=1)
+    worker.add_observer(skipped)
+    for _ in worker:
+        pass
+    assert skipped.trace_path is None and not (tmp_path / "t_1.json").exists()
+    worker = collectors(batches=3, worker_idx=1)
+    worker.add_observer(chosen)
+    for _ in worker:
+        pass
+    assert chosen.trace_path == tmp_path / "t_1.json"
+    # a collector that is nobody's worker is worker 0, profiled whatever ``workers`` says (torchrl)
+    single = collectors(batches=3)
+    alone = ProfilerObserver(workers=[1], num_rollouts=2, warmup_rollouts=1, save_path=path, **FAST)
+    single.add_observer(alone)
+    for _ in single:
+        pass
+    assert alone.trace_path == tmp_path / "t_0.json"
+
+
+@pytest.mark.timeout(60)
+def test_custom_on_trace_ready(collectors, tmp_path):
+    ready = []
+    collector = collectors(batches=3)
+    collector.add_observer(
+        ProfilerObserver(num_rollouts=2, warmup_rollouts=1, on_trace_ready=ready.append, **FAST)
+    )
+    for _ in collector:
+        pass
+    assert len(ready) == 1 and isinstance(ready[0], torch.profiler.profile)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_no_available_activity_profiles_nothing(collectors, tmp_path):
+    collector = collectors(batches=3)
+    sizes = []
+    collector.add_observer(
+        ProfilerObserver(num_rollouts=2, warmup_rollouts=0, activities=["cuda"], save_path=tmp_path / "c.json")
+    )
+    collector.add_observer(lambda batch: sizes.append(batch.numel()))
+    for _ in collector:
+        pass
+    assert sizes == [8] * 3
+    assert not (tmp_path / "c.json").exists()
+
+
+@pytest.mark.timeout(60)
+def test_pickled_copy_starts_from_scratch(collectors, tmp_path):
+    profiler = ProfilerObserver(num_rollouts=2, warmup_rollouts=1, save_path=tmp_path / "t_{worker_idx}.json", **FAST)
+    collector = collectors(batches=3)
+    collector.add_observer(profiler)
+    for _ in collector:
+        pass
+    assert profiler.trace_path is not None
+    copy = pickle.loads(pickle.dumps(profiler))
+    assert copy.config == profiler.config and copy.trace_path is None and not copy.active
+    (tmp_path / "t_0.json").unlink()
+    other = collectors(batches=3)
+    other.add_observer(copy)
+    for _ in other:
+        pass
+    assert copy.trace_path == tmp_path / "t_0.json"
+
+
+# -- enable_profile / disable_profile -------------------------------------------------------------
+
+
+def test_install_profiling_is_idempotent():
+    install_profiling()
+    install_profiling()
+    from rl_observers import profiler
+
+    for cls in (BaseCollector, Collector, MultiSyncCollector):
+        assert getattr(cls.enable_profile, "__wrapped__", cls.enable_profile) is profiler.enable_profile
+        assert getattr(cls.disable_profile, "__wrapped__", cls.disable_profile) is profiler.disable_profile
+
+
+def _enable(collector, tmp_path, **kwargs):
+    collector.enable_profile(
+        num_rollouts=3, warmup_rollouts=1, save_path=tmp_path / "t_{worker_idx}.json", **FAST, **kwargs
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("order", ["hook_then_profile", "profile_then_hook"])
+def test_enable_profile_keeps_the_user_hook(collectors, tmp_path, order):
+    collector = collectors(batches=5)
+    sizes = []
+
+    def hook(batch):
+        sizes.append(batch.numel())
+
+    if order == "hook_then_profile":
+        collector.post_collect_hook = hook
+        _enable(collector, tmp_path)
+    else:
+        _enable(collector, tmp_path)
+        collector.post_collect_hook = hook  # torchrl: this silently removed the profiler
+    assert collector.profile_config is not None and collector.profile_config.num_rollouts == 3
+    (profiler,) = collector.observers
+    assert isinstance(profiler, ProfilerObserver) and profiler.config is collector.profile_config
+    for _ in collector:
+        pass
+    assert sizes == [8] * 5  # torchrl: 0 runs while profiling
+    assert steps(trace_events(tmp_path / "t_0.json")) == ["ProfilerStep#1", "ProfilerStep#2"]
+    collector.disable_profile()
+    assert collector.profile_config is None and collector.observers == ()
+    assert collector.post_collect_hook is hook  # torchrl: dropped by disable_profile
+    assert type(collector) is Collector
+
+
+@pytest.mark.timeout(60)
+def test_disable_then_hook_and_observers_survive(collectors, tmp_path):
+    collector = collectors(batches=4)
+    sizes = []
+    collector.post_collect_hook = sizes.append
+    other = Marker()
+    collector.add_observer(other)
+    _enable(collector, tmp_path)
+    collector.disable_profile()
+    assert collector.observers == (other,)
+    assert collector.post_collect_hook is not None
+    for _ in collector:
+        pass
+    assert len(sizes) == 4 and other.rollout == 4
+    assert not (tmp_path / "t_0.json").exists()
+    collector.disable_profile()  # a no-op the second time, and without profiling
+    collectors(batches=1).disable_profile()
+
+
+@pytest.mark.timeout(60)
+def test_enable_profile_again_replaces_the_profiler(collectors, tmp_path):
+    collector = collectors(batches=4)
+    _enable(collector, tmp_path / "first")
+    _enable(collector, tmp_path / "second")
+    assert len(collector.observers) == 1
+    for _ in collector:
+        pass
+    assert not (tmp_path / "first").exists()
+    assert (tmp_path / "second" / "t_0.json").exists()
+
+
+def test_enable_profile_keeps_torchrl_errors(collectors, tmp_path):
+    collector = collectors(batches=3)
+    with pytest.raises(ValueError, match="must be greater than"):
+        collector.enable_profile(num_rollouts=1, warmup_rollouts=1)
+    assert collector.observers == () and collector.profile_config is None
+    next(iter(collector))
+    with pytest.raises(RuntimeError, match="after iteration has started"):
+        _enable(collector, tmp_path)
+    assert collector.observers == ()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_enable_profile_on_a_closed_multi_collector_raises():
+    env_maker = CountingEnv
+    collector = MultiSyncCollector(
+        [env_maker], RandomPolicy(CountingEnv().action_spec), frames_per_batch=8, total_frames=8
+    )
+    collector.shutdown()
+    with pytest.raises(RuntimeError, match="not running"):
+        collector.enable_profile()
+
+
+# -- multi-process collectors ------------------------------------------------------------------------
+
+def _multi_sync(batches: int = 5) -> MultiSyncCollector:
+    return MultiSyncCollector(
+        [CountingEnv, CountingEnv],
+        RandomPolicy(CountingEnv().action_spec),
+        frames_per_batch=16,
+        total_frames=16 * batches,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_multi_sync_profiles_in_the_selected_workers(tmp_path):
+    """``enable_profile`` and a ProfilerObserver, each in its own worker, with a hook and an observer."""
+    collector = _multi_sync(batches=5)  # 2 workers, 8 frames each per batch
+    hook_log = tmp_path / "hook.log"
+    try:
+        # the hook runs in the workers: it leaves its mark in a file
+        collector.post_collect_hook = lambda batch: hook_log.open("a").write(f"{batch.numel()}\n")
+        _enable(collector, tmp_path, workers=[1])
+        profiler = ProfilerObserver(
+            workers=[0],
+            num_rollouts=3,
+            warmup_rollouts=1,
+            save_path=tmp_path / "w_{worker_idx}.json",
+            record_observers=True,
+            **FAST,
+        )
+        marker = Marker()
+        collector.add_observer(profiler)
+        collector.add_observer(marker)
+        for _ in collector:
+            pass
+        collector.disable_profile()
+        assert collector.observers == (profiler, marker)
+    finally:
+        collector.shutdown()
+    assert hook_log.read_text().split() == ["8"] * 10  # profiled or not, every batch of both workers
+    # enable_profile(workers=[1]): a trace from worker 1 only
+    assert not (tmp_path / "t_0.json").exists()
+    assert steps(trace_events(tmp_path / "t_1.json")) == ["ProfilerStep#1", "ProfilerStep#2"]
+    # the observer (workers=[0]): a trace from worker 0 only, timing the other observer there
+    assert not (tmp_path / "w_1.json").exists()
+    events = trace_events(tmp_path / "w_0.json")
+    assert steps(events) == ["ProfilerStep#1", "ProfilerStep#2"]
+    ranges = named(events, "rl_observers/Marker.on_post_collect")
+    assert [step_of(e, events) for e in ranges] == ["ProfilerStep#1", "ProfilerStep#2"]
+    assert [step_of(e, events) for e in named(events, "marker/post#")] == ["ProfilerStep#1", "ProfilerStep#2"]
+
+
+# -- the example ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_example_profile_and_log(tmp_path):
+    spec = importlib.util.spec_from_file_location("profile_and_log", REPO / "examples" / "profile_and_log.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    result = example.main(tmp_path, frames_per_batch=50, total_frames=300, num_rollouts=3)
+    assert result["hook_frames"] == result["logged_frames"] == 300
+    events = trace_events(result["trace"])
+    assert steps(events) == ["ProfilerStep#1", "ProfilerStep#2"]
+    assert len(named(events, "rl_observers/BatchRewardLogger.on_post_collect")) == 2
+    assert list(result["log_dir"].rglob("*.csv"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_example_with_torchrl_ranges_has_one_rollout_range_per_step(tmp_path):
+    """With ``TORCHRL_PROFILING=1`` every recorded step holds one whole ``Collector.rollout``."""
+    env = {**os.environ, "TORCHRL_PROFILING": "1"}
+    subprocess.run(
+        [sys.executable, str(REPO / "examples" / "profile_and_log.py"), str(tmp_path)],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=80,
+    )
+    events = trace_events(tmp_path / "profile" / "trace_0.json")
+    rollouts = named(events, "Collector.rollout")
+    assert [step_of(e, events) for e in rollouts] == ["ProfilerStep#1", "ProfilerStep#2", "ProfilerStep#3"]
+
+
+def test_package_exports_profiler_observer():
+    assert "ProfilerObserver" in rl_observers.__all__
+    assert rl_observers.ProfilerObserver is ProfilerObserver

@@ -1,0 +1,341 @@
+"""Reducers: device folds + host merges equal the statistic over the union."""
+
+from __future__ import annotations
+
+import math
+import pickle
+import random
+import statistics
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rl_observers.reducers import (
+    MOMENT_STATS,
+    Count,
+    Moments,
+    Partial,
+    ReducerBank,
+)
+
+ALL_STATS = ("count", "mean", "std", "var", "min", "max")
+_finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, allow_infinity=False)
+
+
+def _split(values: list, cuts: list[int]) -> list[list]:
+    cuts = sorted({c % (len(values) + 1) for c in cuts})
+    bounds = [0, *cuts, len(values)]
+    return [values[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def _merge_randomly(partials: list[Partial], rng: random.Random) -> Partial:
+    """Merges in a random order and a random grouping (a random binary tree)."""
+    pool = list(partials)
+    rng.shuffle(pool)
+    while len(pool) > 1:
+        i = rng.randrange(len(pool) - 1)
+        a, b = pool[i], pool[i + 1]
+        merged = a.merge(b) if rng.random() < 0.5 else b.merge(a)
+        pool[i : i + 2] = [merged]
+    return pool[0]
+
+
+def _fold_chunks(chunks: list[list[float]], dtype: torch.dtype, masks=None) -> list[Partial]:
+    """Device side: one bank, one pull per chunk (what a worker does per window)."""
+    bank = ReducerBank()
+    moments = bank.moments("x", stats=ALL_STATS)
+    count = bank.count("n")
+    out = []
+    for i, chunk in enumerate(chunks):
+        values = torch.tensor(chunk, dtype=dtype)
+        if masks is None:
+            moments.fold(values)
+            count.add(len(chunk))
+        else:
+            mask = torch.tensor(masks[i], dtype=torch.bool)
+            moments.fold(values, mask)
+            count.fold_true(mask)
+        pulled = bank.pull()
+        out.append((pulled["x"], pulled["n"]))
+    return out
+
+
+def _expected(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"x_count": 0.0}
+    return {
+        "x_count": float(len(values)),
+        "x_mean": statistics.fmean(values),
+        "x_std": statistics.pstdev(values),
+        "x_var": statistics.pvariance(values),
+        "x_min": min(values),
+        "x_max": max(values),
+    }
+
+
+def _assert_close(got: dict[str, float], want: dict[str, float], scale: float) -> None:
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        tol = 1e-9 * max(scale, 1.0)
+        if key.endswith("var"):
+            tol *= max(scale, 1.0)
+        assert got[key] == pytest.approx(value, rel=1e-9, abs=tol), key
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    values=st.lists(_finite, max_size=60),
+    cuts=st.lists(st.integers(min_value=0, max_value=60), max_size=8),
+    seed=st.integers(0, 2**16),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.int64]),
+)
+def test_folded_and_merged_equals_union(values, cuts, seed, dtype):
+    values = torch.tensor(values, dtype=torch.float64).to(dtype).tolist()  # what the device holds
+    chunks = _split(values, cuts)
+    pairs = _fold_chunks(chunks, dtype)
+    rng = random.Random(seed)
+    moments = _merge_randomly([m for m, _ in pairs], rng)
+    count = _merge_randomly([c for _, c in pairs], rng)
+    scale = max((abs(v) for v in values), default=1.0)
+    _assert_close(moments.finalize(), _expected(values), scale)
+    assert count.finalize() == {"n": float(len(values))}
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    data=st.lists(st.tuples(_finite, st.booleans()), max_size=50),
+    cuts=st.lists(st.integers(min_value=0, max_value=50), max_size=6),
+    seed=st.integers(0, 2**16),
+)
+def test_masked_folds_equal_union_of_kept_values(data, cuts, seed):
+    chunks = _split(data, cuts)
+    pairs = _fold_chunks(
+        [[v for v, _ in c] for c in chunks],
+        torch.float64,
+        masks=[[m for _, m in c] for c in chunks],
+    )
+    rng = random.Random(seed)
+    kept = [v for v, m in data if m]
+    scale = max((abs(v) for v in kept), default=1.0)
+    _assert_close(_merge_randomly([m for m, _ in pairs], rng).finalize(), _expected(kept), scale)
+    assert _merge_randomly([c for _, c in pairs], rng).finalize() == {"n": float(len(kept))}
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    data=st.lists(st.tuples(_finite, st.booleans()), max_size=60),
+    cuts=st.lists(st.integers(min_value=0, max_value=60), max_size=12),
+    rows=st.integers(2, 4),
+)
+def test_many_folds_in_one_window_are_combined_on_the_device(data, cuts, rows):
+    # More folds than rows: the rows are combined on the device (Chan, vectorised).
+    bank = ReducerBank()
+    plain = bank.moments("x", stats=ALL_STATS, rows=rows)
+    masked = bank.moments("m", stats=ALL_STATS, rows=rows)
+    for chunk in _split(data, cuts):
+        plain.fold(torch.tensor([v for v, _ in chunk], dtype=torch.float64))
+        masked.fold(
+            torch.tensor([v for v, _ in chunk], dtype=torch.float64),
+            torch.tensor([m for _, m in chunk], dtype=torch.bool),
+        )
+    out = bank.pull()
+    values = [v for v, _ in data]
+    kept = [v for v, m in data if m]
+    scale = max((abs(v) for v in values), default=1.0)
+    _assert_close(out["x"].finalize(), _expected(values), scale)
+    _assert_close(out["m"].finalize(), _expected_named(kept, "m"), scale)
+
+
+@settings(max_examples=100, deadline=None)
+@given(values=st.lists(_finite, max_size=30), seed=st.integers(0, 2**16))
+def test_host_partials_merge_like_device_folds(values, seed):
+    rng = random.Random(seed)
+    singles = [Moments.from_values("x", [v], stats=ALL_STATS) for v in values]
+    empties = [Moments("x", stats=ALL_STATS) for _ in range(3)]
+    merged = _merge_randomly(singles + empties, rng)
+    scale = max((abs(v) for v in values), default=1.0)
+    _assert_close(merged.finalize(), _expected(values), scale)
+
+
+@settings(max_examples=100, deadline=None)
+@given(values=st.lists(_finite, min_size=1, max_size=20))
+def test_empty_partials_are_identities(values):
+    full = Moments.from_values("x", values, stats=ALL_STATS)
+    empty = Moments("x", stats=ALL_STATS)
+    for merged in (full.merge(empty), empty.merge(full)):
+        assert merged is not full
+        assert (merged.count, merged.mean, merged.m2, merged.min, merged.max) == (
+            full.count,
+            full.mean,
+            full.m2,
+            full.min,
+            full.max,
+        )
+    assert Count("n", len(values)).merge(Count("n")).finalize() == {"n": float(len(values))}
+    assert Count("n").merge(Count("n", 3)).n == 3.0
+
+
+def test_merge_is_exactly_commutative():
+    a = Moments.from_values("x", [0.1, 0.7, 1e6])
+    b = Moments.from_values("x", [3.3, -2.0])
+    ab, ba = a.merge(b), b.merge(a)
+    assert (ab.count, ab.mean, ab.m2, ab.min, ab.max) == (ba.count, ba.mean, ba.m2, ba.min, ba.max)
+
+
+def test_merge_leaves_operands_untouched():
+    a = Moments.from_values("x", [1.0, 2.0])
+    b = Moments.from_values("x", [10.0])
+    a.merge(b)
+    assert (a.count, a.mean, a.max) == (2.0, 1.5, 2.0)
+    assert (b.count, b.mean) == (1.0, 10.0)
+
+
+def test_std_is_the_population_std():
+    values = torch.tensor([1.0, 2.0, 4.0, 8.0], dtype=torch.float64)
+    bank = ReducerBank()
+    bank.moments("x", stats=("std",)).fold(values)
+    got = bank.pull()["x"].finalize()["x_std"]
+    assert got == pytest.approx(values.std(correction=0).item(), rel=1e-12)
+    assert got != pytest.approx(values.std().item(), rel=1e-3)
+
+
+def test_float32_input_is_accumulated_in_float64():
+    # 2**24 + 1 is not a float32: a float32 accumulator would lose every +1.
+    values = torch.tensor([2.0**24] + [1.0] * 999, dtype=torch.float32)
+    bank = ReducerBank()
+    bank.moments("x", stats=("count", "mean")).fold(values)
+    out = bank.pull()["x"].finalize()
+    assert out["x_count"] * out["x_mean"] == pytest.approx(2.0**24 + 999, abs=1e-6)
+
+
+def test_integer_and_bool_inputs_fold():
+    bank = ReducerBank()
+    lengths = bank.moments("len", stats=("mean", "min", "max"))
+    flags = bank.count("flags")
+    lengths.fold(torch.tensor([3, 5, 10]))
+    flags.fold_true(
+        torch.tensor([[True, False], [True, True]]), torch.tensor([[True, True], [False, True]])
+    )
+    out = bank.pull()
+    assert out["len"].finalize() == {"len_mean": 6.0, "len_min": 3.0, "len_max": 10.0}
+    assert out["flags"].finalize() == {"flags": 2.0}
+
+
+def test_finalize_names_and_empty_partials():
+    assert Moments("reward").finalize() == {}
+    assert Moments("reward", stats=("count", "mean")).finalize() == {"reward_count": 0.0}
+    assert Count("dones").finalize() == {"dones": 0.0}
+    m = Moments.from_values("episode_return", [1.0, 3.0], stats=MOMENT_STATS)
+    assert list(m.finalize()) == [f"episode_return_{s}" for s in MOMENT_STATS]
+    assert Moments.from_values("", [2.0], stats=("mean",)).finalize() == {"mean": 2.0}
+
+
+def test_pull_resets_the_window_and_before_any_fold_is_empty():
+    bank = ReducerBank()
+    r = bank.moments("r")
+    n = bank.count("n")
+    assert bank.device is None
+    pulled = bank.pull()
+    assert pulled["r"].count == 0 and pulled["n"].n == 0
+    r.fold(torch.tensor([1.0, 2.0]))
+    n.add(2)
+    assert bank.device == torch.device("cpu")
+    assert bank.pull()["r"].count == 2
+    again = bank.pull()
+    assert again["r"].finalize() == {} and again["n"].finalize() == {"n": 0.0}
+    r.fold(torch.tensor([5.0]))
+    assert bank.pull()["r"].finalize()["r_min"] == 5.0  # min was reset to +inf
+
+
+def test_empty_tensors_and_fully_masked_folds_change_nothing():
+    bank = ReducerBank()
+    r = bank.moments("r", stats=ALL_STATS)
+    r.fold(torch.tensor([]))
+    r.fold(torch.tensor([7.0, 8.0]), torch.tensor([False, False]))
+    r.fold(torch.tensor([1.0, 3.0]))
+    r.fold(torch.tensor([9.0]), torch.tensor([False]))
+    assert bank.pull()["r"].finalize() == _expected_named([1.0, 3.0], "r")
+
+
+def _expected_named(values, name):
+    return {k.replace("x_", f"{name}_"): v for k, v in _expected(values).items()}
+
+
+def test_partials_pickle_round_trip():
+    bank = ReducerBank()
+    reward = bank.moments("reward", stats=ALL_STATS)
+    dones = bank.count("dones")
+    reward.fold(torch.randn(100))
+    dones.add(torch.tensor(4))
+    for partial in bank.pull().values():
+        clone = pickle.loads(pickle.dumps(partial))
+        assert type(clone) is type(partial)
+        assert clone.finalize() == partial.finalize()
+        assert not hasattr(clone, "__dict__")  # __slots__
+
+
+def test_bank_pickles_with_its_window():
+    bank = ReducerBank()
+    r = bank.moments("r")
+    r.fold(torch.tensor([1.0, 2.0]))
+    clone = pickle.loads(pickle.dumps(bank))
+    clone._reducers[0].fold(torch.tensor([3.0]))
+    assert clone.pull()["r"].finalize()["r_mean"] == 2.0
+    assert bank.pull()["r"].finalize()["r_mean"] == 1.5
+
+
+def test_fold_never_reads_a_value_on_the_host():
+    # Meta tensors carry no data: any .item(), bool(), .tolist(), nonzero or
+    # boolean-mask indexing raises. Folding must work; pulling must not.
+    bank = ReducerBank()
+    r = bank.moments("r", stats=ALL_STATS)
+    n = bank.count("n")
+    values = torch.empty(5, 3, device="meta")
+    mask = torch.empty(5, 1, dtype=torch.bool, device="meta")
+    r.fold(values)
+    r.fold(values, mask)
+    n.fold_true(mask)
+    n.add(torch.empty((), dtype=torch.int64, device="meta"))
+    n.add(3)
+    assert bank.device == torch.device("meta")
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        bank.pull()
+
+
+def test_validation_errors():
+    with pytest.raises(ValueError, match="stats must be"):
+        Moments("x", stats=("median",))
+    with pytest.raises(ValueError, match="stats must be"):
+        Moments("x", stats=())
+    with pytest.raises(TypeError, match="stats must be a sequence"):
+        Moments("x", stats="mean")
+    with pytest.raises(TypeError, match="prefix must be a str"):
+        Moments(3)
+    with pytest.raises(ValueError, match="count must be non-negative"):
+        Moments("x", count=-1)
+    with pytest.raises(ValueError, match="cannot merge"):
+        Moments("x").merge(Moments("y"))
+    with pytest.raises(ValueError, match="cannot merge"):
+        Moments("x", stats=("mean",)).merge(Moments("x"))
+    with pytest.raises(ValueError, match="cannot merge"):
+        Count("a").merge(Count("b"))
+    with pytest.raises(ValueError, match="cannot merge"):
+        Count("a").merge(Moments("a"))
+    bank = ReducerBank()
+    bank.count("n")
+    with pytest.raises(ValueError, match="already registered"):
+        bank.moments("n")
+    bank.count("m").add(1)
+    with pytest.raises(RuntimeError, match="before the bank's first fold"):
+        bank.count("late")
+    with pytest.raises(ValueError, match="rows must be an int >= 2"):
+        ReducerBank().moments("x", rows=1)
+
+
+def test_min_max_of_infinite_values():
+    bank = ReducerBank()
+    r = bank.moments("r", stats=("min", "max"))
+    r.fold(torch.tensor([-math.inf, 0.0, math.inf]))
+    assert bank.pull()["r"].finalize() == {"r_min": -math.inf, "r_max": math.inf}

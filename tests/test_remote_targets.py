@@ -1,0 +1,542 @@
+"""Observers where the data lives: multiprocessing workers, shared buffers, Ray actors.
+
+Real worker processes (``fork`` and ``spawn``) and a real local Ray cluster.
+Observer copies cannot be read back from their processes, so the observers of
+these tests (``tests/_remote_observers.py``) append one line per event to a
+file, with the process and worker they ran in.
+
+Which counter means what:
+
+* multiprocessing collectors: the frames the workers' observers saw are the
+  frames the driver received (``collector.stats()["frames"]``) when iterating;
+  a collector running free after ``start()`` may drop a rollout that a control
+  message interrupted, so its observers may see more frames than were written.
+* asynchronous ``RayCollector``: each remote collector prefetches one batch
+  that the driver discards when it stops, so the sources' observers see
+  ``num_collectors`` more batches than the driver received.
+* shared replay buffers: the buffer's observers in the workers see exactly
+  the items counted by ``rb.write_count``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import multiprocessing
+import os
+import sys
+import threading
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import pytest
+import torch
+from tensordict import TensorDict
+from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector
+from torchrl.data import (
+    LazyTensorStorage,
+    PrioritizedReplayBuffer,
+    ReplayBuffer,
+    TensorDictPrioritizedReplayBuffer,
+    TensorDictReplayBuffer,
+)
+from torchrl.envs.utils import RandomPolicy
+from torchrl.testing.mocking_classes import CountingEnv
+
+import rl_observers  # noqa: F401
+from rl_observers.sources import SourceInfo, source_info
+from rl_observers.targets._observed import observed_class
+from rl_observers.targets.remote import RemoteAttachError, attach_here, detach_here, kind_of
+
+HERE = Path(__file__).parent
+DRIVER = os.getpid()
+
+
+# -- fixtures and helpers --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def helpers() -> Iterator[Any]:
+    """The recording observers, importable by name in ``spawn`` workers, shipped by value to Ray."""
+    sys.path.insert(0, str(HERE))
+    module = importlib.import_module("_remote_observers")
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        yield module
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+        with contextlib.suppress(ValueError):
+            sys.path.remove(str(HERE))
+
+
+@contextlib.contextmanager
+def start_method(method: str) -> Iterator[None]:
+    """torchrl picks the global start method (``spawn`` if unset) when workers start."""
+    context = multiprocessing.context._default_context
+    previous = context._actual_context
+    multiprocessing.set_start_method(method, force=True)
+    try:
+        yield
+    finally:
+        context._actual_context = previous
+
+
+def make_multi(cls: type, method: str, **kwargs: Any) -> Any:
+    env = CountingEnv()
+    with start_method(method):
+        return cls([CountingEnv, CountingEnv], RandomPolicy(env.action_spec), **kwargs)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        time.sleep(0.05)
+
+
+def totals(lines: list[Any], tag: str, event: str) -> Counter[int]:
+    """Sum of the counts of ``tag``'s ``event`` lines, per worker index."""
+    out: Counter[int] = Counter()
+    for line in lines:
+        if line.tag == tag and line.event == event:
+            out[line.worker] += line.count
+    return out
+
+
+def events(lines: list[Any], tag: str, event: str) -> Counter[int]:
+    """Number of ``tag``'s ``event`` lines, per worker index."""
+    return Counter(line.worker for line in lines if line.tag == tag and line.event == event)
+
+
+def remote_lines(lines: list[Any]) -> list[Any]:
+    return [line for line in lines if line.pid != DRIVER]
+
+
+# -- multiprocessing collectors --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_multisync_observers_run_in_every_worker(helpers, tmp_path, method):
+    log = tmp_path / "events.txt"
+    # 5 batches of 20 frames: 10 frames from each of the 2 workers per batch.
+    collector = make_multi(MultiSyncCollector, method, frames_per_batch=20, total_frames=100)
+    kept = helpers.CollectorLog(log, "kept")
+    removed = helpers.CollectorLog(log, "removed")
+    late = helpers.CollectorLog(log, "late")
+    try:
+        collector.pre_collect_hook = helpers.HookLog(log, "user_pre")  # set before the observers
+        handle = collector.add_observer(kept)
+        collector.add_observer(removed)
+        collector.post_collect_hook = helpers.HookLog(log, "user_post")  # set after: evicts nothing
+        assert collector.observers == (kept, removed)
+        received = 0
+        for i, batch in enumerate(collector):
+            received += batch.numel()
+            if i == 1:  # between two batches
+                collector.remove_observer(removed)
+                collector.add_observer(late)
+                assert collector.observers == (kept, late)
+        frames = collector.stats()["frames"]
+    finally:
+        collector.shutdown()
+
+    lines = helpers.read_lines(log)
+    kept_lines = [line for line in lines if line.tag == "kept"]
+    pids = {line.pid for line in kept_lines}
+    assert len(pids) == 2 and DRIVER not in pids
+    assert {(line.worker, line.num_workers, line.remote) for line in kept_lines} == {(0, 2, True), (1, 2, True)}
+    # every frame the driver received was seen by the observer of the worker that made it
+    assert received == frames == 100
+    assert totals(lines, "kept", "post_collect") == {0: 50, 1: 50}
+    assert events(lines, "kept", "pre_collect") == {0: 5, 1: 5}
+    assert events(lines, "removed", "post_collect") == {0: 2, 1: 2}
+    assert events(lines, "late", "post_collect") == {0: 3, 1: 3}
+    # the user's hooks ran in the same workers, on every batch, next to the observers
+    hook_pids = Counter(line.pid for line in lines if line.tag == "user_pre")
+    assert set(hook_pids) == pids and set(hook_pids.values()) == {5}
+    assert sum(line.count for line in lines if line.tag == "user_post") == 100
+    # closing the workers emitted shutdown in each, once, for the observers still attached
+    assert events(lines, "kept", "shutdown") == {0: 1, 1: 1}
+    assert events(lines, "late", "shutdown") == {0: 1, 1: 1}
+    assert events(lines, "removed", "shutdown") == {}
+    # the driver's originals never ran: copies did
+    assert kept.events_seen == 0
+    handle.remove()  # after shutdown: only the driver's record is dropped
+    assert collector.observers == (late,)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_shared_buffer_observers_see_writes_from_every_process(helpers, tmp_path, method):
+    log = tmp_path / "events.txt"
+    rb = ReplayBuffer(storage=LazyTensorStorage(200_000), shared=True)
+    before = helpers.BufferLog(log, "before")
+    rb.add_observer(before)  # travels to the workers with the buffer
+    collector = make_multi(
+        MultiAsyncCollector, method, frames_per_batch=20, total_frames=-1, replay_buffer=rb
+    )
+
+    def worker_items(tag: str) -> int:
+        return sum(totals(remote_lines(helpers.read_lines(log)), tag, "post_extend").values())
+
+    try:
+        collector.start()
+        wait_until(lambda: rb.write_count >= 200)
+        with collector.pause():
+            first = rb.write_count
+            assert worker_items("before") == first
+            after = helpers.BufferLog(log, "after")
+            rb.add_observer(after)  # propagated to the buffer copies in the running workers
+        watcher = helpers.CollectorLog(log, "watcher")
+        collector.add_observer(watcher)  # while the collector runs free
+        collector.post_collect_hook = helpers.HookLog(log, "user_post")  # and a user hook next to it
+        wait_until(lambda: worker_items("after") >= 400 and len(events(helpers.read_lines(log), "watcher", "post_collect")) == 2)
+        with collector.pause():
+            second = rb.write_count
+            assert worker_items("before") == second
+            assert worker_items("after") == second - first
+            rb.remove_observer(before)  # removed from every copy too
+        assert rb.observers == (after,)
+        wait_until(lambda: rb.write_count >= second + 200)
+        with collector.pause():
+            third = rb.write_count
+            assert worker_items("before") == second
+            assert worker_items("after") == third - first
+    finally:
+        collector.shutdown()
+
+    lines = helpers.read_lines(log)
+    workers = remote_lines(lines)
+    assert {line.worker for line in workers if line.tag in ("before", "after")} == {0, 1}
+    assert all(line.remote for line in workers)
+    # both workers collected for the watcher and ran the user's hook; at least what was written
+    assert set(events(lines, "watcher", "post_collect")) == {0, 1}
+    assert sum(line.count for line in lines if line.tag == "user_post") > 0
+    assert events(lines, "watcher", "shutdown") == {0: 1, 1: 1}
+    # on the driver, torchrl initialises the lazy storage with one fake write, then empties it
+    driver = [(line.tag, line.event) for line in lines if line.pid == DRIVER]
+    assert driver == [("before", "post_extend"), ("before", "empty")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_iterated_multiasync_refuses_observers(helpers, tmp_path):
+    collector = make_multi(MultiAsyncCollector, "fork", frames_per_batch=10, total_frames=60)
+    try:
+        batches = iter(collector)
+        next(batches)
+        with pytest.raises(RuntimeError, match="while it is being iterated"):
+            collector.add_observer(helpers.CollectorLog(tmp_path / "log.txt", "late"))
+        assert collector.observers == ()
+        assert sum(batch.numel() for batch in batches) == 50  # the collection went on untouched
+    finally:
+        collector.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_profiler_user_hook_and_observers_coexist_in_workers(helpers, tmp_path):
+    log = tmp_path / "events.txt"
+    collector = make_multi(MultiSyncCollector, "fork", frames_per_batch=20, total_frames=100)
+    try:
+        collector.post_collect_hook = helpers.HookLog(log, "user_post")
+        observer = helpers.CollectorLog(log, "observer")
+        collector.add_observer(observer)
+        collector.enable_profile(
+            workers=[0],
+            num_rollouts=2,
+            warmup_rollouts=1,
+            activities=["cpu"],
+            with_stack=False,
+            save_path=str(tmp_path / "trace_{worker_idx}.json"),
+        )
+        for _ in collector:
+            pass
+        collector.disable_profile()
+        assert collector.observers == (observer,)
+    finally:
+        collector.shutdown()
+    lines = helpers.read_lines(log)
+    assert events(lines, "observer", "post_collect") == {0: 5, 1: 5}
+    assert sorted(Counter(line.pid for line in lines if line.tag == "user_post").values()) == [5, 5]
+    assert sorted(p.name for p in tmp_path.glob("trace_*.json")) == ["trace_0.json"]
+
+
+class _Unpicklable:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def on_post_collect(self, source, batch):
+        pass
+
+
+class _SamplesOnly:
+    def on_post_sample(self, source, batch, info):
+        pass
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_attach_errors_are_raised_on_the_driver(helpers, tmp_path):
+    log = tmp_path / "events.txt"
+    collector = make_multi(MultiSyncCollector, "fork", frames_per_batch=20, total_frames=60)
+    try:
+        with pytest.raises(TypeError, match="must be picklable"):
+            collector.add_observer(_Unpicklable())
+        with pytest.raises(TypeError, match="none of which a collector emits"):
+            collector.add_observer(_SamplesOnly())
+        with pytest.raises(RemoteAttachError, match="worker 1 refuses this observer"):
+            collector.add_observer(helpers.FailsToAttach(log, "failing", failing_worker=1))
+        with pytest.raises(ValueError, match="not attached"):
+            collector.remove_observer(_SamplesOnly())
+        # a plain callable, the one-line migration from post_collect_hook, runs in the workers too
+        path = str(log)
+        plain = lambda batch: open(path, "a").write(f"plain post_collect {os.getpid()} None None True {batch.numel()}\n")  # noqa: E731
+        collector.add_observer(plain)
+        with pytest.raises(ValueError, match="already attached"):
+            collector.add_observer(plain)
+        assert collector.observers == (plain,)
+        assert sum(batch.numel() for batch in collector) == 60  # the workers survived it all
+    finally:
+        collector.shutdown()
+    lines = helpers.read_lines(log)
+    assert [line for line in lines if line.tag == "failing"] == []  # undone in worker 0 as well
+    plain_pids = Counter(line.pid for line in lines if line.tag == "plain")
+    assert len(plain_pids) == 2 and DRIVER not in plain_pids and set(plain_pids.values()) == {3}
+    with pytest.raises(RuntimeError, match="shut down"):
+        collector.add_observer(helpers.CollectorLog(log, "too_late"))
+
+
+# -- replay buffers inside a Ray actor, without Ray ------------------------------------------------
+
+_BUFFERS = {
+    "ReplayBuffer": (ReplayBuffer, {}),
+    "TensorDictReplayBuffer": (TensorDictReplayBuffer, {}),
+    "PrioritizedReplayBuffer": (PrioritizedReplayBuffer, {"alpha": 0.7, "beta": 0.5}),
+    "PrioritizedReplayBuffer-async": (PrioritizedReplayBuffer, {"alpha": 0.7, "beta": 0.5, "sync": False}),
+    "TensorDictPrioritizedReplayBuffer": (TensorDictPrioritizedReplayBuffer, {"alpha": 0.7, "beta": 0.5}),
+    "TensorDictPrioritizedReplayBuffer-async": (
+        TensorDictPrioritizedReplayBuffer,
+        {"alpha": 0.7, "beta": 0.5, "sync": False},
+    ),
+}
+
+
+class _Record:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int]] = []
+
+    def on_post_add(self, source, data, index):
+        self.seen.append(("add", 1))
+
+    def on_post_extend(self, source, data, index):
+        self.seen.append(("extend", len(index)))
+
+    def on_post_sample(self, source, batch, info):
+        self.seen.append(("sample", len(batch)))
+
+
+@pytest.mark.parametrize("name", list(_BUFFERS))
+def test_actor_side_buffers_emit_once_per_public_call(name):
+    """Calls the public methods the way a Ray actor does: the class's own functions."""
+    cls, kwargs = _BUFFERS[name]
+    rb = cls(storage=LazyTensorStorage(100), batch_size=4, **kwargs)
+    attach_here(rb, cloudpickle.dumps(_Record()), "raise", 7, None, None, "ray_actor")
+    assert type(rb) is observed_class(cls, "ray_actor")
+    assert type(rb) is not observed_class(cls)  # the in-process classes are another family
+    (copy,) = rb.observers
+    cls.extend(rb, TensorDict({"a": torch.arange(10)}, [10]))
+    cls.add(rb, TensorDict({"a": torch.tensor(3)}, []))
+    cls.sample(rb)
+    assert copy.seen == [("extend", 10), ("add", 1), ("sample", 4)]
+    assert source_info(rb) == SourceInfo("replay_buffer", None, None, os.getpid(), True)
+    detach_here(rb, 7)
+    assert type(rb) is cls and rb.observers == ()
+
+
+def test_kinds():
+    env = CountingEnv()
+    collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=4, total_frames=4)
+    assert kind_of(collector) is None and kind_of(ReplayBuffer()) is None
+    assert source_info(collector) == SourceInfo("collector", None, None, DRIVER, False)
+    collector.shutdown()
+
+
+# -- Ray -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(helpers) -> Iterator[Any]:
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Ray pickles what torchrl hands it (a user hook) with its own copy of cloudpickle.
+    ray.cloudpickle.register_pickle_by_value(helpers)
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(helpers)
+        if started:
+            ray.shutdown()
+
+
+class CountingHandle:
+    """Stands for a Ray actor handle on the driver and counts the remote calls made through it."""
+
+    def __init__(self, handle: Any, counts: Counter[str]) -> None:
+        self._handle = handle
+        self._counts = counts
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._handle, name)
+        counts = self._counts
+
+        class _Method:
+            @staticmethod
+            def remote(*args: Any, **kwargs: Any) -> Any:
+                counts[name] += 1
+                return method.remote(*args, **kwargs)
+
+        return _Method
+
+
+@contextlib.contextmanager
+def counting_rpcs(rb: Any) -> Iterator[Counter[str]]:
+    """Counts every call the driver makes to ``rb``'s actor, through the buffer or its client."""
+    counts: Counter[str] = Counter()
+    handle = rb._rb
+    rb._rb = rb._client._actor = CountingHandle(handle, counts)
+    try:
+        yield counts
+    finally:
+        rb._rb = rb._client._actor = handle
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("buffer_cls", [ReplayBuffer, TensorDictReplayBuffer])
+def test_ray_replay_buffer_observers_run_in_its_actor(ray_cluster, helpers, tmp_path, buffer_cls):
+    from torchrl.data import RayReplayBuffer
+
+    log = tmp_path / "events.txt"
+    rb = RayReplayBuffer(
+        storage=partial(LazyTensorStorage, 1000),
+        batch_size=8,
+        replay_buffer_cls=buffer_cls,
+        remote_config={"num_cpus": 0},
+    )
+    data = TensorDict({"obs": torch.arange(10)}, [10])
+    try:
+        rb.extend(data)
+        with counting_rpcs(rb) as bare:
+            for _ in range(20):
+                rb.extend(data)
+            rb.add(TensorDict({"obs": torch.tensor(1)}, []))
+            for _ in range(5):
+                rb.sample()
+            rb.stats()
+        observer = helpers.BufferLog(log, "rb")
+        handle = rb.add_observer(observer)
+        assert rb.observers == (observer,)
+        with counting_rpcs(rb) as observed:
+            for _ in range(20):
+                rb.extend(data)
+            rb.add(TensorDict({"obs": torch.tensor(1)}, []))
+            for _ in range(5):
+                rb.sample()
+            stats = rb.stats()
+        # no extra call per write or sample; stats stays one round trip, now with the observer's entries
+        assert bare == Counter(extend=20, add=1, sample=5, stats=1)
+        assert observed == Counter(extend=20, add=1, sample=5, __ray_call__=1)
+        assert stats["rb/items_written"] == 201 and stats["write_count"] == 10 + 2 * 201
+        lines = helpers.read_lines(log)
+        assert {(line.worker, line.remote) for line in lines} == {(None, True)}
+        assert len({line.pid for line in lines}) == 1 and lines[0].pid != DRIVER
+        assert [line.count for line in lines if line.event == "post_extend"] == [10] * 20
+        assert [line.event for line in lines].count("post_add") == 1
+        assert [line.count for line in lines if line.event == "post_sample"] == [8] * 5
+        rb.empty()
+        assert helpers.read_lines(log)[-1].event == "empty" and rb.stats()["write_count"] == 0
+        handle.remove()
+        assert type(rb) is RayReplayBuffer and rb.observers == ()
+        rb.extend(data)
+        assert len(helpers.read_lines(log)) == len(lines) + 1  # only the empty
+        assert "rb/items_written" not in rb.stats()
+        rb.add_observer(helpers.BufferLog(log, "closing"))
+    finally:
+        rb.close()
+    assert [(line.tag, line.event) for line in helpers.read_lines(log)][-1] == ("closing", "shutdown")
+    with pytest.raises(RuntimeError, match="closed"):
+        rb.add_observer(helpers.BufferLog(log, "too_late"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_ray_collector_observers_run_in_each_remote_collector(ray_cluster, helpers, tmp_path, sync):
+    from torchrl.collectors.distributed import RayCollector
+
+    log = tmp_path / "events.txt"
+    env = CountingEnv()
+    # async: one 10-frame batch from either actor per iteration; sync: 10 frames from each
+    frames_per_batch = 20 if sync else 10
+    with warnings.catch_warnings():  # a non-module policy has no weights to synchronise
+        warnings.simplefilter("ignore", UserWarning)
+        collector = RayCollector(
+            [CountingEnv, CountingEnv],
+            RandomPolicy(env.action_spec),
+            frames_per_batch=frames_per_batch,
+            total_frames=100,
+            sync=sync,
+            remote_configs={"num_cpus": 1},
+            post_collect_hook=helpers.HookLog(log, "user_post"),  # forwarded to the actors by torchrl
+        )
+    kept = helpers.CollectorLog(log, "kept")
+    removed = helpers.CollectorLog(log, "removed")
+    try:
+        collector.add_observer(kept)
+        handle = collector.add_observer(removed)
+        assert collector.observers == (kept, removed)
+        received = 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            for i, batch in enumerate(collector):
+                received += batch.numel()
+                if i == 1:
+                    handle.remove()  # reaches each actor after its batch in flight
+                    assert collector.observers == (kept,)
+    finally:
+        collector.shutdown()
+
+    lines = helpers.read_lines(log)
+    kept_lines = [line for line in lines if line.tag == "kept"]
+    pids = {line.pid for line in kept_lines}
+    assert len(pids) == 2 and DRIVER not in pids
+    assert {(line.worker, line.num_workers, line.remote) for line in kept_lines} == {(0, 2, True), (1, 2, True)}
+    # sync: the sources collected what the driver received; async: each remote collector
+    # also prefetched one 10-frame batch that the driver never received
+    assert received == 100
+    assert sum(totals(lines, "kept", "post_collect").values()) == received + (0 if sync else 2 * 10)
+    assert events(lines, "kept", "pre_collect") == events(lines, "kept", "post_collect")
+    hooks = Counter(line.pid for line in lines if line.tag == "user_post")
+    assert hooks == Counter(line.pid for line in kept_lines if line.event == "post_collect")
+    removed_batches = sum(events(lines, "removed", "post_collect").values())
+    assert 0 < removed_batches < sum(events(lines, "kept", "post_collect").values())
+    # the actors emitted shutdown before torchrl killed them
+    assert events(lines, "kept", "shutdown") == {0: 1, 1: 1}
+    assert events(lines, "removed", "shutdown") == {}
+    assert type(collector) is not RayCollector  # still observed: only the driver's record remains
+    with pytest.raises(RuntimeError, match="without remote collectors"):
+        collector.add_observer(helpers.CollectorLog(log, "too_late"))
