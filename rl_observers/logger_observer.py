@@ -277,6 +277,8 @@ class LoggerObserver(Observer):
                 )
         if self.step_key is None:
             self.step_key = key or next(iter(counters), None)
+        if key is not None:
+            self._clock.due(counters[key])  # primes the schedule at the counters' current value
         if self.name is None:
             self.name = self._unique_name(type(source).__name__.lower())
         if self.log_on_close:

@@ -1,0 +1,298 @@
+"""LoggerObserver end to end: real collectors and buffers, real loggers, values checked against the data."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torchrl.collectors import Collector
+from torchrl.data import LazyTensorStorage, ReplayBuffer, TensorDictReplayBuffer
+from torchrl.envs import GymEnv
+from torchrl.envs.utils import RandomPolicy
+from torchrl.record import CSVLogger, TensorboardLogger
+from torchrl.record.loggers.monitoring import LoggerMonitor
+
+from rl_observers import (
+    CollectorBatchMetrics,
+    Every,
+    LoggerObserver,
+    MetricsChannel,
+    SampleMetrics,
+    WriteMetrics,
+)
+
+
+@pytest.fixture
+def logger(tmp_path):
+    return CSVLogger(exp_name="test", log_dir=str(tmp_path))
+
+
+@pytest.fixture
+def channel(logger):
+    channel = MetricsChannel(logger, health_interval=None)
+    yield channel
+    channel.close(timeout=10)
+
+
+def scalars(logger, name):
+    return logger.experiment.scalars.get(name, [])
+
+
+def pendulum_collector(frames_per_batch=150, total_frames=900):
+    env = GymEnv("Pendulum-v1")
+    env.set_seed(0)
+    return Collector(env, RandomPolicy(env.action_spec), frames_per_batch=frames_per_batch, total_frames=total_frames)
+
+
+def episodes_of(batches):
+    """Ground truth: every completed episode's (return, length), walking frames in order."""
+    episodes, running, length = [], 0.0, 0
+    for batch in batches:
+        rewards = batch["next", "reward"].reshape(-1).tolist()
+        dones = batch["next", "done"].reshape(-1).tolist()
+        for reward, done in zip(rewards, dones):
+            running += reward
+            length += 1
+            if done:
+                episodes.append((running, length))
+                running, length = 0.0, 0
+    return episodes
+
+
+def test_collector_metrics_match_the_batches(logger, channel):
+    collector = pendulum_collector()
+    collector.add_observer(LoggerObserver(channel, metrics=CollectorBatchMetrics()))  # every batch
+    batches = [batch.clone() for batch in collector]
+    collector.shutdown()
+    assert channel.flush(timeout=30)
+    frames = [step for step, _ in scalars(logger, "collector/frames")]
+    assert frames == [150 * (i + 1) for i in range(6)]
+    reward_means = [value for _, value in scalars(logger, "collector/reward_mean")]
+    expected = [batch["next", "reward"].double().mean().item() for batch in batches]
+    assert reward_means == pytest.approx(expected, rel=1e-6)
+    reward_max = [value for _, value in scalars(logger, "collector/reward_max")]
+    assert reward_max == pytest.approx([b["next", "reward"].max().item() for b in batches], rel=1e-6)
+    # Pendulum truncates at 200 steps: episodes span batches (150 frames each)
+    truth = episodes_of(batches)
+    assert [length for _, length in truth] == [200, 200, 200, 200]
+    logged_returns = [value for _, value in scalars(logger, "collector/episode_return_mean")]
+    logged_counts = [value for _, value in scalars(logger, "collector/episodes")]
+    assert sum(logged_counts) == len(truth) == 4
+    assert sorted(logged_returns) == pytest.approx(sorted(r for r, _ in truth), rel=1e-6)
+    assert {v for _, v in scalars(logger, "collector/episode_length_mean")} == {200.0}
+
+
+def test_counter_schedule_and_log_on_close(logger, channel):
+    collector = pendulum_collector(frames_per_batch=100, total_frames=1000)
+    observer = LoggerObserver(channel, schedule=Every.counter("frames", 300))
+    collector.add_observer(observer)
+    batches = [batch.clone() for batch in collector]
+    collector.shutdown()  # log_on_close: the last partial window (frames 901..1000)
+    assert channel.flush(timeout=30)
+    steps = [step for step, _ in scalars(logger, "collector/frames")]
+    assert steps == [300, 600, 900, 1000]
+    # every batch was folded: the windows' reward means weighted by frames give the overall mean
+    means = [v for _, v in scalars(logger, "collector/reward_mean")]
+    overall = sum(m * n for m, n in zip(means, [300, 300, 300, 100])) / 1000
+    truth = torch.cat([b["next", "reward"].reshape(-1) for b in batches]).double().mean().item()
+    assert overall == pytest.approx(truth, rel=1e-6)
+
+
+def test_schedule_none_emits_every_write_and_sample(logger, channel):
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(100))
+    rb.add_observer(LoggerObserver(channel, metrics=[WriteMetrics(), SampleMetrics()]))
+    for i in range(3):
+        rb.extend(TensorDict(obs=torch.arange(10.0), batch_size=[10]))
+        rb.sample(4)
+    assert channel.flush(timeout=10)
+    assert [s for s, _ in scalars(logger, "tensordictreplaybuffer/items_written")] == [10, 10, 20, 20, 30, 30]
+    assert [v for _, v in scalars(logger, "tensordictreplaybuffer/samples_returned")] == [0, 4, 4, 8, 8, 12]
+
+
+def test_namespaces_keep_their_own_steps(logger, channel):
+    collector = pendulum_collector(frames_per_batch=100, total_frames=300)
+    rb = ReplayBuffer(storage=LazyTensorStorage(1000))
+    collector.add_observer(LoggerObserver(channel, schedule=Every.counter("frames", 100)))
+    rb.add_observer(LoggerObserver(channel, schedule=Every.counter("sample_calls", 2), metrics=SampleMetrics()))
+    rb.add_observer(LoggerObserver(channel, schedule=Every.counter("write_count", 100), metrics=WriteMetrics()))
+    for batch in collector:
+        rb.extend(batch)
+        for _ in range(2):
+            rb.sample(8)
+    collector.shutdown()
+    assert channel.flush(timeout=30)
+    assert [s for s, _ in scalars(logger, "collector/frames")] == [100, 200, 300]
+    assert [s for s, _ in scalars(logger, "replaybuffer/sample_calls")] == [2, 4, 6]
+    assert [s for s, _ in scalars(logger, "replaybuffer_1/items_written")] == [100, 200, 300]
+
+
+def test_seconds_schedule_and_log_on_start(logger, channel, monkeypatch):
+    rb = ReplayBuffer(storage=LazyTensorStorage(100))
+    observer = LoggerObserver(
+        channel, schedule=Every.seconds(3600), metrics=WriteMetrics(), log_on_start=True, log_on_close=False
+    )
+    rb.add_observer(observer)
+    for _ in range(5):
+        rb.extend(torch.arange(4))
+    assert channel.flush(timeout=10)
+    # log_on_start emitted once (the step is write_count); the hour has not passed since
+    assert scalars(logger, "replaybuffer/writes") == [(4, 1.0)]
+    observer._clock.last_time -= 3601  # an hour later
+    rb.extend(torch.arange(4))
+    assert channel.flush(timeout=10)
+    assert scalars(logger, "replaybuffer/writes") == [(4, 1.0), (24, 6.0)]
+
+
+def test_removal_and_channel_close_emit_the_last_window(logger):
+    channel = MetricsChannel(logger, health_interval=None)
+    rb = ReplayBuffer(storage=LazyTensorStorage(100))
+    first = rb.add_observer(LoggerObserver(channel, schedule=Every.counter("write_count", 1000), metrics=WriteMetrics(), name="a"))
+    rb.add_observer(LoggerObserver(channel, schedule=Every.counter("write_count", 1000), metrics=WriteMetrics(), name="b"))
+    rb.extend(torch.arange(7))
+    first.remove()
+    rb.extend(torch.arange(3))
+    channel.close(timeout=10)
+    assert scalars(logger, "a/items_written") == [(7, 7.0)]
+    assert scalars(logger, "b/items_written") == [(10, 10.0)]
+
+
+def test_counter_going_backwards_rebaselines(logger, channel):
+    rb = ReplayBuffer(storage=LazyTensorStorage(1000))
+    observer = LoggerObserver(channel, schedule=Every.counter("write_count", 10), metrics=WriteMetrics(), log_on_close=False)
+    rb.add_observer(observer)
+    rb.extend(torch.arange(25))  # 25 crosses 10 (primed at 0 when attached)
+    rb.extend(torch.arange(6))  # 31 crosses 30
+    saved = observer.state_dict()
+    rb.extend(torch.arange(10))  # 41 crosses 40
+    observer.load_state_dict(saved)  # counters go back to 31
+    rb.extend(torch.arange(2))  # 33: re-baselines, no garbage emission
+    rb.extend(torch.arange(8))  # 41 crosses 40 again
+    assert channel.flush(timeout=10)
+    steps = [s for s, _ in scalars(logger, "replaybuffer/items_written")]
+    assert steps == [25, 31, 41, 41]
+    assert all(v >= 0 for _, v in scalars(logger, "replaybuffer/items_written"))
+
+
+def test_checkpoint_resume_neither_loses_nor_double_counts_an_episode(tmp_path):
+    """A run split in two with state_dict/load_state_dict logs the same episodes as one run."""
+
+    def run(split):
+        torch.manual_seed(0)
+        logger = CSVLogger(exp_name=f"split{split}", log_dir=str(tmp_path))
+        channel = MetricsChannel(logger, health_interval=None)
+        collector = pendulum_collector(frames_per_batch=150, total_frames=900)
+        observer = LoggerObserver(channel, metrics=CollectorBatchMetrics())
+        handle = collector.add_observer(observer)
+        for i, _ in enumerate(collector):
+            if split and i == 1:  # mid-episode: 300 frames in, episode 2 has 100 steps
+                state = observer.state_dict()
+                handle.remove()
+                observer = LoggerObserver(channel, metrics=CollectorBatchMetrics(), name="collector_resumed")
+                handle = collector.add_observer(observer)
+                observer.load_state_dict(state)
+        collector.shutdown()
+        channel.close(timeout=10)
+        counts = [v for _, v in scalars(logger, "collector/episodes") + scalars(logger, "collector_resumed/episodes")]
+        returns = [v for _, v in scalars(logger, "collector/episode_return_mean") + scalars(logger, "collector_resumed/episode_return_mean")]
+        return sum(counts), sorted(returns)
+
+    whole, split = run(False), run(True)
+    assert whole[0] == split[0] == 4
+    assert split[1] == pytest.approx(whole[1], rel=1e-9)
+
+
+def test_missing_key_error_names_the_key(logger, channel, caplog):
+    collector = pendulum_collector(frames_per_batch=50, total_frames=100)
+    observer = LoggerObserver(channel, metrics=CollectorBatchMetrics(reward_key=("next", "rewrd")))
+    collector.add_observer(observer, on_error="raise")
+    with pytest.raises(KeyError, match=r"rewrd.*reward"):
+        next(iter(collector))
+    collector = pendulum_collector(frames_per_batch=50, total_frames=100)
+    collector.add_observer(LoggerObserver(channel, metrics=CollectorBatchMetrics(reward_key="nope")))
+    with caplog.at_level(logging.WARNING, logger="torchrl"):
+        assert sum(b.numel() for b in collector) == 100  # warn: collection goes on
+    assert len([r for r in caplog.records if "nope" in r.getMessage()]) == 1
+    collector.shutdown()
+
+
+def test_bad_arguments_fail_early(logger):
+    with pytest.raises(TypeError, match="schedule must be an Every"):
+        LoggerObserver(logger, schedule=10)
+    with pytest.raises(ValueError, match="scope must be one of"):
+        LoggerObserver(logger, scope="global")
+    with pytest.raises(TypeError, match="metrics must be a MetricSet"):
+        LoggerObserver(logger, metrics=[42])
+    with pytest.raises(TypeError, match="expects a torchrl Logger"):
+        LoggerObserver("runs/")
+    rb = ReplayBuffer(storage=LazyTensorStorage(10))
+    with pytest.raises(ValueError, match="counter 'frames' is not one its metrics see"):
+        rb.add_observer(LoggerObserver(logger, schedule=Every.counter("frames", 10)))
+    assert rb.observers == ()
+
+
+def test_one_observer_per_source(logger):
+    observer = LoggerObserver(logger, metrics=WriteMetrics())
+    first = ReplayBuffer(storage=LazyTensorStorage(10))
+    first.add_observer(observer)
+    other = ReplayBuffer(storage=LazyTensorStorage(10))
+    with pytest.raises(ValueError, match="one LoggerObserver per"):
+        other.add_observer(observer)
+    assert other.observers == () and first.observers == (observer,)
+
+
+def test_attach_logger_is_add_observer(logger):
+    rb = ReplayBuffer(storage=LazyTensorStorage(100))
+    handle = rb.attach_logger(logger, schedule=Every.counter("sample_calls", 1))
+    (observer,) = rb.observers
+    assert isinstance(observer, LoggerObserver) and handle.observer is observer
+    assert [type(m).__name__ for m in observer.metrics] == ["WriteMetrics", "SampleMetrics"]
+    collector = pendulum_collector(frames_per_batch=50, total_frames=50)
+    collector.attach_logger(logger)
+    assert [type(m).__name__ for m in collector.observers[0].metrics] == ["CollectorBatchMetrics"]
+    collector.shutdown()
+
+
+def test_pull_monitor_and_observers_share_one_logger(logger):
+    """LoggerMonitor derives samples_per_second from the observer's stats() entries."""
+    rb = ReplayBuffer(storage=LazyTensorStorage(1000))
+    rb.attach_logger(logger, schedule=Every.counter("sample_calls", 10))
+    collector = pendulum_collector(frames_per_batch=100, total_frames=300)
+    collector.attach_logger(logger)
+    monitor = LoggerMonitor(logger, background=False)
+    monitor.watch(rb, name="rb_monitor", log_on_start=True)
+    monitor.watch(collector, name="collector_monitor", log_on_start=True)
+    monitor.step()
+    for batch in collector:
+        rb.extend(batch)
+        for _ in range(10):
+            rb.sample(16)
+    logged = monitor.step()
+    collector.shutdown()
+    MetricsChannel.for_logger(logger).flush(timeout=30)
+    assert logged["rb_monitor"]["rb_monitor/sample_calls"] == 30
+    assert logged["rb_monitor"]["rb_monitor/samples_per_second"] > 0
+    assert "rb_monitor/seconds_since_last_write" in logged["rb_monitor"]
+    assert [s for s, _ in scalars(logger, "replaybuffer/sample_calls")] == [10, 20, 30]
+    assert scalars(logger, "collector/frames")[-1][0] == 300
+
+
+def test_tensorboard_files_read_back(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = TensorboardLogger(exp_name="tb", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger, health_interval=None)
+    collector = pendulum_collector(frames_per_batch=200, total_frames=600)
+    collector.add_observer(LoggerObserver(channel, schedule=Every.counter("frames", 200)))
+    for _ in collector:
+        pass
+    collector.shutdown()
+    channel.close(timeout=10)
+    logger.experiment.flush()
+    accumulator = EventAccumulator(str(logger.experiment.log_dir))
+    accumulator.Reload()
+    events = accumulator.Scalars("collector/episode_return_mean")
+    assert [e.step for e in events] == [200, 400, 600]
+    assert all(math.isfinite(e.value) and e.value < 0 for e in events)  # Pendulum rewards are negative
