@@ -27,12 +27,6 @@ from typing import Any
 
 __all__ = ["SourceInfo", "source_info"]
 
-# The process that first imported rl_observers in a process tree is the driver; the
-# variable is inherited by fork and spawn workers (and by a local Ray cluster started
-# after the import), so they know they are not it.
-_DRIVER_PID_ENV = "RL_OBSERVERS_DRIVER_PID"
-os.environ.setdefault(_DRIVER_PID_ENV, str(os.getpid()))
-
 
 @dataclass(frozen=True)
 class SourceInfo:
@@ -47,8 +41,8 @@ class SourceInfo:
             replay buffer written in a collector worker reports that worker.
         num_workers: how many such workers there are, when known, else ``None``.
         process: the id of the process the source runs in.
-        remote: whether that process is a worker process or a Ray actor rather
-            than the driver, where observers were attached.
+        remote: whether the source runs in a collector worker process or a Ray
+            actor rather than in the process that built it.
     """
 
     kind: str
@@ -147,7 +141,10 @@ def _torchrl_worker_index() -> int | None:
     A shared replay buffer written by a worker loop learns its worker index
     here, without anything registered; ``None`` outside such a loop.
     """
-    frame = sys._getframe(2)
+    try:
+        frame = sys._getframe(2)
+    except ValueError:  # called from the top of a stack
+        return None
     while frame is not None:
         if frame.f_code.co_name == "_main_async_collector_impl":
             idx = frame.f_locals.get("worker_idx", frame.f_locals.get("idx"))
@@ -190,14 +187,10 @@ def source_info(source: Any) -> SourceInfo:
     placement = _PLACEMENTS.get(source)
     if placement is not None:
         return SourceInfo(kind, placement.worker, placement.num_workers, pid, placement.remote)
-    remote = _in_ray_worker() or str(pid) != os.environ.get(_DRIVER_PID_ENV)
-    worker: int | None = None
-    num_workers: int | None = None
-    if remote:
-        if _PROCESS_WORKER is not None:
-            worker, num_workers = _PROCESS_WORKER
-        elif kind == "collector":
-            worker = source.__dict__.get("_worker_idx")
-        else:
-            worker = _torchrl_worker_index()
-    return SourceInfo(kind, worker, num_workers, pid, remote)
+    if _PROCESS_WORKER is not None:  # this process is a collector worker
+        worker, num_workers = _PROCESS_WORKER
+        return SourceInfo(kind, worker, num_workers, pid, True)
+    worker = _torchrl_worker_index()
+    if worker is not None:
+        return SourceInfo(kind, worker, None, pid, True)
+    return SourceInfo(kind, None, None, pid, _in_ray_worker())

@@ -127,3 +127,10 @@ class FailsToAttach(CollectorLog):
     def attached(self, source: Any) -> None:
         if source_info(source).worker == self.failing_worker:
             raise RuntimeError(f"worker {self.failing_worker} refuses this observer")
+
+
+class BufferRefusesToAttach(BufferLog):
+    """Raises in ``attached``, where it runs: the attach must fail on the driver, leaving nothing."""
+
+    def attached(self, source: Any) -> None:
+        raise RuntimeError(f"process {os.getpid()} refuses this observer")

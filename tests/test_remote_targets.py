@@ -280,6 +280,14 @@ class _Unpicklable:
         pass
 
 
+class _UnpicklableBufferObserver:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def on_post_extend(self, source, data, index):
+        pass
+
+
 class _SamplesOnly:
     def on_post_sample(self, source, batch, info):
         pass
@@ -447,6 +455,11 @@ def test_ray_replay_buffer_observers_run_in_its_actor(ray_cluster, helpers, tmp_
             for _ in range(5):
                 rb.sample()
             rb.stats()
+        with pytest.raises(TypeError, match="must be picklable"):
+            rb.add_observer(_UnpicklableBufferObserver())
+        with pytest.raises(RemoteAttachError, match="refuses this observer"):
+            rb.add_observer(helpers.BufferRefusesToAttach(log, "refused"))
+        assert type(rb) is RayReplayBuffer and rb.observers == ()
         observer = helpers.BufferLog(log, "rb")
         handle = rb.add_observer(observer)
         assert rb.observers == (observer,)

@@ -30,6 +30,7 @@ such a message would stall; attaching to it then raises.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
 import threading
@@ -52,27 +53,31 @@ __all__ = ["MULTIPROCESS_COLLECTOR", "MultiprocessCollectorKind", "propagate_to_
 def _call_workers(collector: Any, calls: list[tuple[Any, ...]], action: str) -> list[Any]:
     """Runs ``fn(inner_collector, *args)`` in each worker, one ``(fn, *args)`` per worker.
 
-    Every worker's answer is read before any error is raised, so the control
-    pipes stay in step. Returns the results, or raises the first error.
+    Every worker that got the message is answered for before any error is
+    raised, so the control pipes stay in step. Returns the results, or raises
+    the first error.
     """
-    pipes = collector.pipes
-    for pipe, call in zip(pipes, calls):
-        pipe.send((("_rl_observers_call", call, {}), "cascade_execute"))
-    results: list[Any] = []
-    for idx, pipe in enumerate(pipes[: len(calls)]):
+    results: list[Any] = [None] * len(calls)
+    sent = []
+    for idx, (pipe, call) in enumerate(zip(collector.pipes, calls)):
         try:
-            result, msg = collector._recv_and_check(pipe, worker_idx=idx)
+            pipe.send((("_rl_observers_call", call, {}), "cascade_execute"))
+            sent.append(idx)
+        except Exception as error:  # a dead worker
+            results[idx] = error
+    for idx in sent:
+        try:
+            result, msg = collector._recv_and_check(collector.pipes[idx], worker_idx=idx)
         except Exception as error:  # a dead worker: nothing left to keep in step with
             result, msg = error, "cascade_execute"
         if msg != "cascade_execute":
             result = RuntimeError(f"expected the answer to 'cascade_execute', got {msg!r}")
-        results.append(result)
-    errors = [(idx, r) for idx, r in enumerate(results) if isinstance(r, BaseException)]
-    if errors:
-        idx, error = errors[0]
-        raise RemoteAttachError(
-            f"{action} {type(collector).__name__} worker {idx} failed: {error}"
-        ) from (None if isinstance(error, RemoteAttachError) else error)
+        results[idx] = result
+    for idx, error in enumerate(results):
+        if isinstance(error, BaseException):
+            raise RemoteAttachError(
+                f"{action} {type(collector).__name__} worker {idx} failed: {error}"
+            ) from (None if isinstance(error, RemoteAttachError) else error)
     return results
 
 
@@ -107,10 +112,8 @@ class MultiprocessCollectorKind(RemoteKind):
             _call_workers(target, calls, "attaching an observer to")
         except Exception:
             # Undo the workers that attached it; those that failed have no copy.
-            try:
+            with contextlib.suppress(Exception):
                 _call_workers(target, [(detach_here, token)] * n, "detaching an observer from")
-            except Exception:
-                pass
             raise
 
     def detach_remote(self, target: Any, token: int) -> None:

@@ -34,6 +34,7 @@ one call per actor emits ``shutdown`` there.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -104,7 +105,9 @@ class RayCollectorKind(RemoteKind):
         try:
             _gather(refs, "attaching an observer to", target)
         except Exception:
-            _gather([a.__ray_call__.remote(detach_here, token) for a in actors], "undoing", target)
+            # Undo the actors that attached it; those that failed have no copy.
+            with contextlib.suppress(Exception):
+                _gather([a.__ray_call__.remote(detach_here, token) for a in actors], "undoing", target)
             raise
 
     def detach_remote(self, target: Any, token: int) -> None:

@@ -23,7 +23,19 @@ How each kind is reached (torchrl 0.14.1):
   between two batches (see :mod:`rl_observers.targets._multiprocess`);
 * Ray collectors and replay buffers: ``actor.__ray_call__.remote(fn, ...)``
   runs ``fn(actor_instance, ...)`` inside the actor (see
-  :mod:`rl_observers.targets._ray`).
+  :mod:`rl_observers.targets._ray`);
+* shared replay buffers (``shared=True``, written by the workers of a
+  multiprocessing collector) are in-process sources whose copies in the
+  workers carry the observers they had when the workers started; later
+  changes are mirrored to those copies (see
+  :mod:`rl_observers.targets._multiprocess`).
+
+Errors surface on the driver, at ``add_observer``: an invalid observer
+(``TypeError`` / ``ValueError``, before anything is sent), an unpicklable one
+(``TypeError``), a source that is shut down (``RuntimeError``), or a failure
+where the copy runs, for example in its ``attached`` method
+(:class:`RemoteAttachError`, with the remote traceback; the copies already
+attached elsewhere are removed again).
 
 Examples:
     >>> import rl_observers
