@@ -1,4 +1,4 @@
-"""Profile a few rollouts while logging every batch and keeping your own hook.
+"""Profile a few rollouts while logging metrics and keeping your own hook.
 
 With plain torchrl, ``collector.enable_profile()`` takes the collector's single
 ``post_collect_hook`` slot: your hook stops running while the profiler is on,
@@ -9,10 +9,12 @@ batch of one CartPole collector, in this order:
 1. your own ``post_collect_hook`` (counts frames),
 2. a :class:`~rl_observers.ProfilerObserver` that records rollouts 1 to 3
    (rollout 0 warms up) into a Chrome trace, timing each other observer,
-3. a small logging observer that writes the batch's mean reward to a CSV log.
+3. a ``LoggerObserver`` that folds reward and episode metrics at the source
+   and logs them to a CSV logger every 400 frames, through a channel that
+   never blocks collection.
 
 The logging observer's work on each profiled rollout is inside the trace, as
-``rl_observers/BatchRewardLogger.on_post_collect``. Open the trace in
+``rl_observers/LoggerObserver.on_post_collect``. Open the trace in
 https://ui.perfetto.dev or chrome://tracing; set ``TORCHRL_PROFILING=1`` to also
 see torchrl's own ranges (``Collector.rollout``, ``EnvBase.step``, ...).
 
@@ -33,21 +35,13 @@ from torchrl.envs import GymEnv
 from torchrl.envs.utils import RandomPolicy
 from torchrl.record.loggers import CSVLogger
 
-import rl_observers  # noqa: F401  (adds add_observer to torchrl's collectors)
-from rl_observers import Observer, ProfilerObserver
-
-
-class BatchRewardLogger(Observer):
-    """Logs the frame count and the mean reward of each batch to a torchrl logger."""
-
-    def __init__(self, logger: Any) -> None:
-        self.logger = logger
-        self.frames = 0
-
-    def on_post_collect(self, source: Any, batch: Any) -> None:
-        self.frames += batch.numel()
-        reward = batch["next", "reward"].float().mean().item()
-        self.logger.log_scalar("collector/reward_mean", reward, step=self.frames)
+from rl_observers import (
+    CollectorBatchMetrics,
+    Every,
+    LoggerObserver,
+    MetricsChannel,
+    ProfilerObserver,
+)
 
 
 def main(
@@ -55,6 +49,7 @@ def main(
     *,
     frames_per_batch: int = 200,
     total_frames: int = 1_600,
+    log_every: int = 400,
     num_rollouts: int = 4,
     warmup_rollouts: int = 1,
 ) -> dict[str, Any]:
@@ -67,14 +62,15 @@ def main(
     Keyword Args:
         frames_per_batch (int, optional): frames per batch. Defaults to ``200``.
         total_frames (int, optional): frames to collect. Defaults to ``1_600``.
+        log_every (int, optional): frames between two logged windows. Defaults to ``400``.
         num_rollouts (int, optional): rollouts the profiler runs for, warm-up
             included. Defaults to ``4``.
         warmup_rollouts (int, optional): rollouts before recording. Defaults to ``1``.
 
     Returns:
         A dict with the ``trace`` path, the ``log_dir``, the frames the
-        user hook counted (``hook_frames``) and the frames the logging
-        observer saw (``logged_frames``).
+        user hook counted (``hook_frames``) and the last ``collector/frames``
+        value the logger received (``logged_frames``).
     """
     out_dir = Path(out_dir)
     torch.manual_seed(0)
@@ -99,22 +95,30 @@ def main(
         save_path=out_dir / "profile" / "trace_{worker_idx}.json",
         activities=["cpu", "cuda"],  # CUDA where available
         with_stack=False,  # smaller traces; True adds Python stacks
-        record_observers=True,
+        record_observers=True,  # one range per observer call: who costs what
     )
     logger = CSVLogger("profile_and_log", log_dir=str(out_dir / "logs"))
-    reward_logger = BatchRewardLogger(logger)
+    channel = MetricsChannel(logger)  # logs from its own thread
     collector.add_observer(profiler)
-    collector.add_observer(reward_logger)
+    collector.add_observer(
+        LoggerObserver(
+            channel,
+            schedule=Every.counter("frames", log_every),
+            metrics=CollectorBatchMetrics(episode_return=True),
+        )
+    )
     try:
         for _ in collector:
             pass  # train here: the time spent here is part of the next profiled step
     finally:
         collector.shutdown()
+        channel.close()  # flushes what is pending; the logger stays ours
+    frames = logger.experiment.scalars.get("collector/frames", [])
     return {
         "trace": profiler.trace_path,
         "log_dir": out_dir / "logs" / "profile_and_log",
         "hook_frames": hook_frames,
-        "logged_frames": reward_logger.frames,
+        "logged_frames": int(frames[-1][1]) if frames else 0,
     }
 
 
@@ -122,4 +126,4 @@ if __name__ == "__main__":
     result = main(sys.argv[1] if len(sys.argv) > 1 else "runs")
     print(f"trace: {result['trace']}")
     print(f"logs: {result['log_dir']}")
-    print(f"frames seen by the hook / the logger: {result['hook_frames']} / {result['logged_frames']}")
+    print(f"frames seen by the hook / logged: {result['hook_frames']} / {result['logged_frames']}")

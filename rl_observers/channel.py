@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import numbers
 import os
 import pickle
 import select
@@ -35,6 +36,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from torchrl._utils import logger as torchrl_logger
+
+from rl_observers.aggregate import Aggregate
 
 __all__ = ["MetricsChannel", "MetricsHandle"]
 
@@ -52,8 +55,12 @@ _BACKLOG_NAMESPACES = 64
 _RETRY_ERRNOS = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS, errno.ENOMEM})
 # The most seconds the interpreter's exit waits for live channels to deliver.
 _EXIT_TIMEOUT = 5.0
+# The most seconds close() without a timeout waits for a logger call that does not return.
+_CLOSE_STALL_TIMEOUT = 30.0
 _MISSING = object()
 _GAUGE_TYPES = (float, int)
+# Value classes already known to be loggable as they are: numbers and partial classes.
+_LOGGABLE_CLASSES: set[type] = {float, int, bool}
 
 # Process-local registry of live channels, by token: an unpickled handle whose
 # token is found here resolves to the channel itself (same process).
@@ -64,6 +71,34 @@ _SHARED: weakref.WeakValueDictionary[int, MetricsChannel] = weakref.WeakValueDic
 _REGISTRY_LOCK = threading.Lock()
 
 
+def _loggable(value: Any) -> bool:
+    """Whether ``value`` is a real number, a one-element tensor or array, or a mergeable partial."""
+    cls = value.__class__
+    if isinstance(value, numbers.Real) or (
+        callable(getattr(cls, "merge", None)) and callable(getattr(cls, "finalize", None))
+    ):
+        _LOGGABLE_CLASSES.add(cls)
+        return True
+    numel = getattr(value, "numel", None)  # a torch tensor: the logger reads its one element
+    if callable(numel):
+        return numel() == 1 and not getattr(value, "is_complex", lambda: False)()
+    size = getattr(value, "size", None)  # a numpy array
+    return isinstance(size, int) and size == 1 and getattr(value, "dtype", None) is not None
+
+
+def _value_error(key: str, value: Any, who: str) -> TypeError:
+    if isinstance(value, Mapping):
+        hint = f" Flatten nested metrics into names such as '{key}/<name>'."
+    elif callable(getattr(value, "numel", None)) or hasattr(value, "shape"):
+        hint = " Reduce it to one number first (or submit a mergeable partial)."
+    else:
+        hint = ""
+    return TypeError(
+        f"{who}.submit_metrics expected metric values that are real numbers, one-element "
+        f"tensors or mergeable partials, got {value!r} ({type(value).__name__}) for {key!r}.{hint}"
+    )
+
+
 def _check_metrics(metrics: Any, namespace: Any, who: str) -> dict[str, Any]:
     """Validates a payload cheaply and returns a private copy of it."""
     if metrics.__class__ is not dict and not isinstance(metrics, Mapping):
@@ -72,12 +107,14 @@ def _check_metrics(metrics: Any, namespace: Any, who: str) -> dict[str, Any]:
             f"or mergeable partials, got {metrics!r}."
         )
     copy = dict(metrics)
-    for key in copy:
+    for key, value in copy.items():
         if key.__class__ is not str and not isinstance(key, str):
             raise TypeError(
                 f"{who}.submit_metrics expected metric names of type str, got {key!r} "
                 f"({type(key).__name__}) in {metrics!r}."
             )
+        if value.__class__ not in _LOGGABLE_CLASSES and not _loggable(value):
+            raise _value_error(key, value, who)
     if namespace.__class__ is not str and not isinstance(namespace, str):
         raise TypeError(f"{who}.submit_metrics expected a str namespace, got {namespace!r}.")
     return copy
@@ -117,6 +154,16 @@ def _expand(namespace: str, metrics: Mapping[str, Any]) -> dict[str, Any]:
                 continue
         out[prefix + key] = value
     return out
+
+
+def _check_alive(logger: Any) -> None:
+    """Refuses a torchrl logger (or logger service) that was already shut down."""
+    if getattr(logger, "is_alive", True) is False:
+        raise ValueError(
+            f"MetricsChannel expected a running logger, got a {type(logger).__name__} that is "
+            "shut down (its is_alive is False): metrics sent to it would be lost. Create the "
+            "channel before shutting the logger down, or start a new logger."
+        )
 
 
 class _StrongRef:
@@ -176,6 +223,7 @@ class _ChannelCore:
                 "MetricsChannel expected a torchrl Logger or an object with "
                 f"log_metrics(metrics, step=None) or log_scalar(name, value, step), got {logger!r}."
             )
+        _check_alive(logger)
         if capacity.__class__ is bool or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be an int >= 1, got {capacity!r}.")
         if on_error not in _ON_ERROR_POLICIES:
@@ -211,9 +259,12 @@ class _ChannelCore:
         self._remote_dropped = 0
         self._remote_coalesced = 0
         self.closed = False
+        self._closed_warned = False
         self._close_requested = False
         self._stopping = False
         self._close_callbacks: list[Callable[[], Any]] = []
+        # observers' aggregates by name, touched only by whoever delivers
+        self.aggregates: dict[str, Aggregate] = {}
         # health report when the thread stops: "always" (close) or "changed" (exit)
         self._final_health = "always"
 
@@ -264,6 +315,11 @@ class _ChannelCore:
         namespace: str,
         meta: Mapping[str, Any] | None,
     ) -> None:
+        if not metrics and not meta:  # nothing to log: not queued, not counted
+            return
+        if self.closed:  # re-checked under the lock below
+            self._drop_after_close()
+            return
         error = None
         with self._lock:
             self._submitted += 1
@@ -295,6 +351,18 @@ class _ChannelCore:
             self._wake.set()
         if error is not None:
             self._report(error, f"could not merge a partial of namespace {namespace!r}")
+
+    def _drop_after_close(self) -> None:
+        with self._lock:
+            self._submitted += 1
+            self._dropped += 1
+            warn = not self._closed_warned and self.on_error != "ignore"
+            self._closed_warned = True
+        if warn:
+            torchrl_logger.warning(
+                f"MetricsChannel {self.name!r} is closed: metrics submitted after close() are "
+                "dropped and counted in health()['dropped']. This is reported once."
+            )
 
     # ---------------------------------------------------------------- delivery
     def _bind_logger_to_thread(self) -> None:
@@ -335,6 +403,7 @@ class _ChannelCore:
                         break
                 continue
             self._maybe_log_health()
+        self._finish_aggregates()
         self._maybe_log_health(when=self._final_health)
 
     def _drain(self) -> int:
@@ -367,16 +436,49 @@ class _ChannelCore:
             count += 1
 
     def _deliver(self, entry: _Entry) -> None:
-        """Turns one entry into one logger call.
+        """Turns one entry into logger calls.
 
         This is the seam where entries become logger calls: partials are
         finalized, names get their namespace and the entry's step is passed
-        on. ``entry.meta`` (for instance ``{"worker": 3}``) is available here
-        for cross-worker aggregation.
+        on. An entry whose ``meta`` names an ``"aggregate"`` is a worker's
+        contribution: it is folded into that observer's
+        :class:`~rl_observers.aggregate.Aggregate`, which returns the rows
+        now due.
         """
+        meta = entry.meta
+        if meta and "aggregate" in meta:
+            for namespace, metrics, step in self._contribute(meta, entry.metrics):
+                payload = _expand(namespace, metrics)
+                if payload:
+                    self._write(payload, step)
+            return
         payload = _expand(entry.namespace, entry.metrics)
         if payload:
             self._write(payload, entry.step)
+
+    def _contribute(self, meta: Mapping[str, Any], metrics: dict[str, Any]) -> list[Any]:
+        name = meta["aggregate"]
+        aggregate = self.aggregates.get(name)
+        if aggregate is None:
+            aggregate = self.aggregates[name] = Aggregate.from_meta(name, meta)
+        rows = []
+        if metrics or meta.get("counters"):
+            rows = aggregate.contribute(meta.get("worker"), metrics, meta.get("counters") or {})
+        if meta.get("finish"):
+            rows.extend(aggregate.finish())
+            del self.aggregates[name]
+        return rows
+
+    def _finish_aggregates(self) -> None:
+        """Logs every aggregate's last partial windows (at close)."""
+        for name in list(self.aggregates):
+            try:
+                for namespace, metrics, step in self._contribute({"aggregate": name, "finish": True}, {}):
+                    payload = _expand(namespace, metrics)
+                    if payload:
+                        self._write(payload, step)
+            except Exception as err:
+                self._report(err, f"failed to log the last window of {name!r}")
 
     def _write(self, payload: dict[str, Any], step: int | None) -> None:
         if self._log_metrics is not None:
@@ -492,6 +594,7 @@ class _ChannelCore:
     def _final_delivery(self) -> None:
         with self._deliver_lock:
             self._drain()
+            self._finish_aggregates()
             self._maybe_log_health(when=self._final_health)
 
     def add_close_callback(self, callback: Callable[[], Any]) -> None:
@@ -541,10 +644,41 @@ class _ChannelCore:
         done = True
         thread = self._thread
         if thread is not None:
-            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            done = not thread.is_alive()
+            if deadline is not None:
+                thread.join(max(0.0, deadline - time.monotonic()))
+                done = not thread.is_alive()
+            else:
+                done = self._join_while_progressing(thread)
         self._raise_stored_error()
         return done
+
+    def _join_while_progressing(self, thread: threading.Thread) -> bool:
+        """Joins the delivery thread while the logger makes progress.
+
+        Gives up, warns and returns ``False`` when one logger call has not
+        returned for ``_CLOSE_STALL_TIMEOUT`` seconds: ``close()`` never hangs
+        on a hung logger.
+        """
+        seen, since = -1, time.monotonic()
+        while True:
+            thread.join(0.05)
+            if not thread.is_alive():
+                return True
+            with self._lock:
+                progress = self._logged + self._sink_errors
+                pending = len(self._pending) + (self._in_flight is not None)
+            now = time.monotonic()
+            if progress != seen:
+                seen, since = progress, now
+            elif now - since >= _CLOSE_STALL_TIMEOUT:
+                if self.on_error != "ignore":
+                    torchrl_logger.warning(
+                        f"MetricsChannel {self.name!r}: its logger has not returned from a call "
+                        f"for {_CLOSE_STALL_TIMEOUT:g} seconds; close() gives up with {pending} "
+                        "entries not delivered. The channel's daemon thread is left behind and "
+                        "delivers them if the logger ever returns."
+                    )
+                return False
 
     def release(self) -> None:
         """Stops the owner's threads without waiting: the channel was garbage-collected.
@@ -1010,7 +1144,9 @@ class MetricsChannel:
             or ``"ray"``) or its ``client()``, or any object with
             ``log_metrics(metrics, step=None)`` or ``log_scalar(name, value, step)``.
             MLflow keeps its active run per thread, so the channel's thread
-            resumes an ``MLFlowLogger``'s run (it never ends it).
+            resumes an ``MLFlowLogger``'s run (it never ends it). A logger
+            that is already shut down (``is_alive`` is ``False``) is refused
+            with a ``ValueError``.
 
     Keyword Args:
         capacity (int, optional): the most entries waiting in the queue (the
@@ -1112,6 +1248,7 @@ class MetricsChannel:
             >>> MetricsChannel.for_logger(logger, background=False) is channel
             False
         """
+        _check_alive(logger)
         with _REGISTRY_LOCK:
             channel = _SHARED.get(id(logger))
             if channel is not None and channel.logger is logger and not channel.closed:
@@ -1131,7 +1268,17 @@ class MetricsChannel:
         """Queues one payload for logging and returns at once.
 
         Never blocks and never calls the logger. After :meth:`close` the
-        payload is dropped and counted.
+        payload is dropped and counted (and a warning says so, once).
+
+        Values are real numbers (``NaN`` and ``inf`` are logged as they
+        are), one-element tensors or arrays (converted by the logger, in the
+        channel's thread) or mergeable partials; anything else (a string, a
+        nested mapping, a multi-element tensor, ``None``) is refused at once.
+        Names are passed to the logger unchanged: a name the logger cannot
+        store (too long for a file name, say) makes that entry's logger call
+        fail, which is counted in ``sink_errors`` and handled by
+        ``on_error``; the channel goes on. An empty mapping without ``meta``
+        logs nothing and is ignored.
 
         Args:
             metrics (Mapping[str, float | int | partial]): metric names
@@ -1149,8 +1296,8 @@ class MetricsChannel:
                 to the channel's thread. Defaults to ``None``.
 
         Raises:
-            TypeError: if ``metrics`` is not a mapping with ``str`` keys or
-                ``namespace`` is not a ``str``.
+            TypeError: if ``metrics`` is not a mapping from ``str`` names to
+                the values above, or ``namespace`` is not a ``str``.
         """
         self._core.submit_metrics(metrics, step, namespace, meta)
 
@@ -1192,6 +1339,41 @@ class MetricsChannel:
         """
         return self._core.step()
 
+    def has_aggregate(self, name: str) -> bool:
+        """Whether workers have contributed windows for the observer named ``name``.
+
+        See :mod:`rl_observers.aggregate`. Always ``False`` in a process that
+        does not own the channel.
+        """
+        core = self._core
+        if not isinstance(core, _ChannelCore):
+            return False
+        if name in core.aggregates:
+            return True
+        core._poll_socket(time.monotonic() + 0.1)  # contributions already sent count too
+        with core._lock:
+            return any(
+                entry.meta is not None and entry.meta.get("aggregate") == name
+                for entry in (*core._pending, core._in_flight)
+                if entry is not None
+            )
+
+    def finish_aggregate(self, name: str) -> None:
+        """Logs the last windows of the aggregate ``name`` after every contribution sent so far.
+
+        Reads what handles in other processes already sent, then queues a
+        marker behind it: once a later :meth:`flush` returns, the aggregate's
+        last partial windows (for ``log_on_close`` observers) have reached the
+        logger. Used when an observer whose copies contribute is removed.
+
+        Args:
+            name (str): the observer's namespace.
+        """
+        core = self._core
+        if isinstance(core, _ChannelCore):
+            core._poll_socket(time.monotonic() + 5.0)
+        self.submit_metrics({}, namespace=name, meta={"aggregate": name, "finish": True})
+
     def close(self, timeout: float | None = None) -> bool:
         """Runs the close callbacks, flushes, logs the health counters once more and stops.
 
@@ -1201,13 +1383,16 @@ class MetricsChannel:
         submissions (local or remote) are dropped and counted. The logger is
         left running. If the logger hangs, ``close`` returns after
         ``timeout`` and leaves the daemon thread behind, to finish the
-        delivery if the logger ever returns. With ``background=False`` the
+        delivery if the logger ever returns. Without a ``timeout`` it waits
+        as long as the logger makes progress, but gives up (with a warning)
+        once one logger call has not returned for 30 seconds, so ``close``
+        never hangs on a hung logger. With ``background=False`` the
         last entries are delivered in the calling thread, and ``timeout`` does
         not bound the logger calls.
 
         Args:
             timeout (float, optional): the most seconds to wait. Defaults to
-                ``None`` (wait as long as it takes).
+                ``None`` (as long as the logger makes progress).
 
         Returns:
             ``True`` if everything was delivered and the thread stopped,
@@ -1396,12 +1581,12 @@ class MetricsHandle:
     ) -> None:
         """Submits one payload to the channel; returns at once.
 
-        Same arguments as :meth:`MetricsChannel.submit_metrics`. The
-        handle's own ``meta`` is merged under ``meta``.
+        Same arguments and values as :meth:`MetricsChannel.submit_metrics`.
+        The handle's own ``meta`` is merged under ``meta``.
 
         Raises:
-            TypeError: if ``metrics`` is not a mapping with ``str`` keys or
-                ``namespace`` is not a ``str``.
+            TypeError: if ``metrics`` is not a mapping from ``str`` names to
+                loggable values, or ``namespace`` is not a ``str``.
         """
         if self._meta is not None:
             meta = self._meta if meta is None else {**self._meta, **meta}
@@ -1435,7 +1620,7 @@ class MetricsHandle:
 
     @property
     def dropped(self) -> int:
-        """Payloads this handle dropped in transit: owner gone, payload unpicklable or too large.
+        """Payloads this handle dropped in transit (owner gone, payload unpicklable or too large).
 
         Always ``0`` in the channel's own process, where the channel counts its drops.
         """
@@ -1456,7 +1641,9 @@ class MetricsHandle:
 
 def _rebuild_handle(token: str, path: str | None, meta: Mapping[str, Any] | None) -> MetricsHandle:
     channel = _CHANNELS.get(token)
-    if channel is not None:
+    # A forked child holds a forwarding copy of the channel, which may predate the
+    # owner's socket: the handle's path is the one to send to.
+    if channel is not None and isinstance(channel._core, _ChannelCore):
         return MetricsHandle(token, path, meta, channel=channel)
     return MetricsHandle(token, path, meta)
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing.util
+import os
+import pickle
 import threading
 import time
 import weakref
@@ -11,9 +15,12 @@ from typing import Any, Literal
 from torchrl.collectors import BaseCollector
 from torchrl.record.loggers.monitoring import Every
 
+from rl_observers.aggregate import AggregateSpec
 from rl_observers.channel import MetricsChannel, MetricsHandle
 from rl_observers.metrics import CollectorBatchMetrics, MetricSet, SampleMetrics, WriteMetrics
 from rl_observers.observer import ON_ERROR_POLICIES, Observer
+from rl_observers.schedule import ScheduleClock
+from rl_observers.sources import source_info
 
 __all__ = ["LoggerObserver", "attach_logger", "default_metrics", "install_attach_logger"]
 
@@ -23,6 +30,42 @@ _DATA_EVENTS = ("post_collect", "post_add", "post_extend", "post_sample")
 # Names already given per channel, so two observers on one logger never share a namespace.
 _NAMES: weakref.WeakKeyDictionary[MetricsChannel, set[str]] = weakref.WeakKeyDictionary()
 _NAMES_LOCK = threading.Lock()
+# Every LoggerObserver of this process: a forked child resolves their mode again.
+_LIVE: weakref.WeakSet[LoggerObserver] = weakref.WeakSet()
+
+
+def _forget_modes_after_fork() -> None:
+    global _EXIT_REPORT
+    _EXIT_REPORT = False
+    for observer in list(_LIVE):
+        observer._mode = None
+
+
+os.register_at_fork(after_in_child=_forget_modes_after_fork)
+
+# Whether this process sends the contributors' last windows when it exits.
+_EXIT_REPORT = False
+
+
+def _report_at_exit() -> None:
+    """Sends every contributing copy's last window: worker processes exit without shutdown events."""
+    for observer in list(_LIVE):
+        if observer._mode == "contribute":
+            try:
+                if observer.log_on_close:
+                    observer._close_window()
+                observer._sink.flush(timeout=2.0)
+            except Exception:  # the process is going away; never fail its exit
+                pass
+
+
+def _report_contributors_at_exit() -> None:
+    global _EXIT_REPORT
+    if not _EXIT_REPORT:
+        _EXIT_REPORT = True
+        # multiprocessing children run these finalizers but not ``atexit``; other processes the reverse
+        multiprocessing.util.Finalize(None, _report_at_exit, exitpriority=100)
+        atexit.register(_report_at_exit)
 
 
 def default_metrics(target: Any) -> tuple[MetricSet, ...]:
@@ -41,57 +84,6 @@ def default_metrics(target: Any) -> tuple[MetricSet, ...]:
     if isinstance(target, BaseCollector):
         return (CollectorBatchMetrics(),)
     return (WriteMetrics(), SampleMetrics())
-
-
-class _ScheduleClock:
-    """When an :class:`Every` schedule is due, with ``LoggerMonitor``'s semantics.
-
-    Counter schedules fire when the counter crosses the next multiple of the
-    interval (once, however many multiples it jumped); a counter that goes
-    down re-baselines instead of firing.
-    """
-
-    __slots__ = ("last_counter", "last_time", "next_threshold", "schedule")
-
-    def __init__(self, schedule: Every | None) -> None:
-        self.schedule = schedule
-        self.next_threshold: float | None = None
-        self.last_counter: float | None = None
-        self.last_time = time.monotonic()
-
-    def due(self, counter: float | None) -> bool:
-        schedule = self.schedule
-        if schedule is None:
-            return True
-        if schedule.kind == "seconds":
-            return time.monotonic() - self.last_time >= schedule.interval
-        if counter is None:
-            return False
-        if self.next_threshold is None or (
-            self.last_counter is not None and counter < self.last_counter
-        ):
-            self._rebase(counter)
-            return False
-        self.last_counter = counter
-        if counter >= self.next_threshold:
-            self._rebase(counter)
-            return True
-        return False
-
-    def _rebase(self, counter: float) -> None:
-        interval = self.schedule.interval  # type: ignore[union-attr]
-        self.next_threshold = (counter // interval + 1) * interval
-        self.last_counter = counter
-
-    def fired(self) -> None:
-        self.last_time = time.monotonic()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"next_threshold": self.next_threshold, "last_counter": self.last_counter}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.next_threshold = state.get("next_threshold")
-        self.last_counter = state.get("last_counter")
 
 
 def _as_sink(logger_or_channel: Any) -> tuple[MetricsHandle, MetricsChannel | None]:
@@ -151,7 +143,9 @@ class LoggerObserver(Observer):
             ``episodes``, ``write_count``, ``items_written``,
             ``sample_calls``, ``samples_returned``) or ``Every.seconds(s)``.
             ``None`` (default) emits after every data event (each batch,
-            write or sample).
+            write or sample). ``Every`` refuses intervals ``<= 0``; a NaN
+            interval is refused here; an infinite one never fires (only
+            ``log_on_start`` / ``log_on_close`` emit).
         metrics (MetricSet | Sequence[MetricSet], optional): what to fold.
             Defaults to :func:`default_metrics` for the target: batch
             metrics on a collector, write and sample metrics on a buffer.
@@ -172,6 +166,12 @@ class LoggerObserver(Observer):
             closes. Defaults to ``True``.
         on_error (str, optional): the default error policy when attached
             (``"warn"``, ``"raise"`` or ``"ignore"``). Defaults to ``"warn"``.
+        report_interval (float, optional): copies running away from the
+            channel (workers, actors) send their window to the channel's
+            owner at least this often in seconds, and whenever their own
+            schedule counter advanced by an interval; the owner applies the
+            schedule and the scope (see :mod:`rl_observers.aggregate`).
+            Defaults to ``0.5``.
 
     Examples:
         >>> import tempfile
@@ -211,12 +211,16 @@ class LoggerObserver(Observer):
         log_on_start: bool = False,
         log_on_close: bool = True,
         on_error: str = "warn",
+        report_interval: float = 0.5,
     ) -> None:
         if schedule is not None and not isinstance(schedule, Every):
             raise TypeError(
                 "schedule must be an Every (Every.counter(key, n) or Every.seconds(s)) or None, "
                 f"got {schedule!r}."
             )
+        if schedule is not None and not schedule.interval == schedule.interval:
+            # torchrl's Every refuses intervals <= 0 but lets NaN through: it would never fire.
+            raise ValueError(f"schedule interval must be a number > 0, got {schedule!r}.")
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of 'aggregate', 'per_worker' or 'both', got {scope!r}.")
         if on_error not in ON_ERROR_POLICIES:
@@ -233,18 +237,26 @@ class LoggerObserver(Observer):
         self.log_on_start = log_on_start
         self.log_on_close = log_on_close
         self.on_error = on_error
-        self._clock = _ScheduleClock(schedule)
+        self._clock = ScheduleClock(schedule)
         self._lock = threading.Lock()
         self._folds: dict[str, tuple[Any, ...]] = {}
         self._source: weakref.ref[Any] | None = None
         self._fresh = False  # data folded since the last emission
         self._emitted = False
+        self._pristine: bytes | None = None
+        self.report_interval = report_interval
+        self._home_pid = os.getpid()
+        self._mode: str | None = None  # "local" or "contribute", resolved at the first event
+        self._worker: Any = None
+        self._last_report = 0.0
+        self._last_report_counter = 0.0
+        _LIVE.add(self)
 
     # -- wiring, resolved once when attached ------------------------------------------------
 
     @property
     def observed_events(self) -> tuple[str, ...]:
-        """The events this observer is wired to: those its metric sets fold, and shutdown."""
+        """The events this observer is wired to (those its metric sets fold, and shutdown)."""
         sets = self._sets or (CollectorBatchMetrics, WriteMetrics, SampleMetrics)
         folded = {event for m in sets for event in m.events}
         return (*sorted(folded), "shutdown")
@@ -261,12 +273,39 @@ class LoggerObserver(Observer):
                 "or replay buffer."
             )
         self._source = weakref.ref(source)
+        self._bind(source)
+        if self.log_on_close:
+            channel = self._channel()
+            if channel is not None:
+                channel.add_close_callback(self._close_window)
+
+    def detached(self, source: Any) -> None:
+        if self.log_on_close:
+            self._close_window()
+        if self._mode == "contribute":
+            self._sink.flush(timeout=5.0)
+
+    def prepare_copies(self, target: Any) -> None:
+        """Called on the original, in the driver, before copies go where ``target``'s data is.
+
+        Fixes what every copy must share: the metric sets (chosen for
+        ``target``), the namespace and the step counter.
+        """
+        self._bind(target)
+
+    def copies_removed(self, target: Any) -> None:
+        """Called on the original once every copy was detached: logs the last aggregate windows."""
+        channel = self._channel()
+        if channel is not None and self.name is not None:
+            channel.finish_aggregate(self.name)
+
+    def _bind(self, source: Any) -> None:
+        """Resolves defaults, names and counters once, for ``source`` (a local one or a remote one)."""
         if self._sets is None:
             self._sets = default_metrics(source)
-        self._folds = {
-            event: tuple(getattr(m, "on_" + event) for m in self._sets if event in m.events)
-            for event in _DATA_EVENTS
-        }
+        if self._pristine is None:  # what a copy restarts from where it runs (see _resolve_mode)
+            self._pristine = pickle.dumps(self._sets)
+        self._wire()
         counters = self._counters()
         key = self.schedule.key if self.schedule is not None and self.schedule.kind == "counter" else None
         for wanted in (key, self.step_key):
@@ -281,14 +320,15 @@ class LoggerObserver(Observer):
             self._clock.due(counters[key])  # primes the schedule at the counters' current value
         if self.name is None:
             self.name = self._unique_name(type(source).__name__.lower())
-        if self.log_on_close:
-            channel = self._channel_ref() if self._channel_ref is not None else None
-            if channel is not None:
-                channel.add_close_callback(self._close_window)
 
-    def detached(self, source: Any) -> None:
-        if self.log_on_close:
-            self._close_window()
+    def _wire(self) -> None:
+        self._folds = {
+            event: tuple(getattr(m, "on_" + event) for m in self._sets or () if event in m.events)
+            for event in _DATA_EVENTS
+        }
+
+    def _channel(self) -> MetricsChannel | None:
+        return self._channel_ref() if self._channel_ref is not None else None
 
     def _unique_name(self, base: str) -> str:
         channel = self._channel_ref() if self._channel_ref is not None else None
@@ -314,7 +354,11 @@ class LoggerObserver(Observer):
     def _after(self) -> None:
         with self._lock:
             self._fresh = True
-            counters = self._counters() if self.schedule is not None or self.step_key else {}
+            if self._mode == "contribute":
+                if self._report_due():
+                    self._contribute()
+                return
+            counters = self._counters()
             key = self.schedule.key if self.schedule is not None else None
             due = self._clock.due(counters.get(key) if key else None)
             if not due and self.log_on_start and not self._emitted:
@@ -322,13 +366,24 @@ class LoggerObserver(Observer):
             if due:
                 self._emit(counters)
 
-    def _emit(self, counters: Mapping[str, float]) -> None:
+    def _pull(self) -> dict[str, Any]:
         payload: dict[str, Any] = {}
         for metric_set in self._sets or ():
             payload.update(metric_set.pull())
-        step = counters.get(self.step_key) if self.step_key else None
-        self._clock.fired()
         self._fresh = False
+        return payload
+
+    def _emit(self, counters: Mapping[str, float]) -> None:
+        channel = self._channel()
+        if channel is not None and channel.has_aggregate(self.name or ""):
+            # copies elsewhere contribute to this name: this instance becomes one more contributor
+            self._mode = "contribute"
+            self._worker = "main"
+            self._contribute()
+            return
+        step = counters.get(self.step_key) if self.step_key else None
+        payload = self._pull()
+        self._clock.fired()
         self._emitted = True
         self._sink.submit_metrics(
             payload, None if step is None else int(step), namespace=self.name or ""
@@ -336,25 +391,80 @@ class LoggerObserver(Observer):
 
     def _close_window(self) -> None:
         with self._lock:
-            if self._fresh:
+            if not self._fresh:
+                return
+            if self._mode == "contribute":
+                self._contribute()
+            else:
                 self._emit(self._counters())
 
+    # -- copies away from the channel contribute to an aggregate at the owner ------------------
+
+    def _resolve_mode(self, source: Any) -> None:
+        """Local where the channel lives, contributor anywhere else (a worker, an actor, a fork)."""
+        info = source_info(source)
+        away = os.getpid() != self._home_pid or info.remote
+        self._mode = "contribute" if away else "local"
+        if away:
+            if os.getpid() != self._home_pid and self._pristine is not None:
+                # a copy counts what its own process sees, not what the original had seen
+                self._sets = pickle.loads(self._pristine)
+                self._wire()
+                self._home_pid = os.getpid()
+            self._worker = info.worker if info.worker is not None else 0
+            self._last_report = time.monotonic()
+            _report_contributors_at_exit()
+
+    def _report_due(self) -> bool:
+        schedule = self.schedule
+        if schedule is None:
+            return True
+        if time.monotonic() - self._last_report >= self.report_interval:
+            return True
+        if schedule.kind == "counter":
+            counter = self._counters().get(schedule.key, 0)
+            return counter - self._last_report_counter >= schedule.interval
+        return False
+
+    def _contribute(self) -> None:
+        counters = self._counters()
+        latest = tuple(g for m in self._sets or () for g in getattr(m, "latest_gauges", ()))
+        meta = {
+            "aggregate": self.name,
+            "worker": self._worker,
+            "counters": counters,
+            **AggregateSpec(self.schedule, self.step_key, self.scope, self.log_on_close, latest).as_meta(),
+        }
+        payload = self._pull()
+        self._last_report = time.monotonic()
+        if self.schedule is not None and self.schedule.kind == "counter":
+            self._last_report_counter = counters.get(self.schedule.key, 0)
+        self._sink.submit_metrics(payload, namespace=f"{self.name}/worker_{self._worker}", meta=meta)
+
     def on_post_collect(self, source: Any, batch: Any) -> None:
+        if self._mode is None:
+            self._resolve_mode(source)
         for fold in self._folds["post_collect"]:
             fold(source, batch)
         self._after()
 
     def on_post_add(self, source: Any, data: Any, index: Any) -> None:
+        if self._mode is None:
+            self._resolve_mode(source)
         for fold in self._folds["post_add"]:
             fold(source, data, index)
         self._after()
 
     def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
+        if self._mode is None:
+            self._resolve_mode(source)
         for fold in self._folds["post_extend"]:
             fold(source, data, index)
         self._after()
 
     def on_post_sample(self, source: Any, batch: Any, info: Any) -> None:
+        if self._mode is None:
+            self._resolve_mode(source)
         for fold in self._folds["post_sample"]:
             fold(source, batch, info)
         self._after()
@@ -362,6 +472,8 @@ class LoggerObserver(Observer):
     def on_shutdown(self, source: Any) -> None:
         if self.log_on_close:
             self._close_window()
+        if self._mode == "contribute":  # the process may end right after
+            self._sink.flush(timeout=5.0)
 
     # -- pull interop and checkpoints ----------------------------------------------------------
 
@@ -403,6 +515,8 @@ class LoggerObserver(Observer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._mode = None  # a copy: resolved again where it runs
+        _LIVE.add(self)
 
     def __repr__(self) -> str:
         sets = ", ".join(type(m).__name__ for m in self._sets or ())

@@ -43,7 +43,7 @@ import torch
 from tensordict import is_tensor_collection, unravel_key
 from torch.utils._pytree import tree_leaves
 
-from .reducers import Partial, ReducerBank
+from .reducers import Count, Partial, ReducerBank
 
 __all__ = ["CollectorBatchMetrics", "MetricSet", "SampleMetrics", "WriteMetrics"]
 
@@ -125,6 +125,9 @@ class _ObservedCounters:
 
     def _apply(self, names: tuple[str, ...], amounts: torch.Tensor) -> None:
         values = self.values
+        if not amounts.ndim:
+            values[names[0]] += int(amounts)
+            return
         for name, amount in zip(names, amounts.tolist()):
             values[name] += int(amount)
 
@@ -174,6 +177,8 @@ class MetricSet:
 
     #: Events this set folds; the observer subscribes to these only.
     events: tuple[str, ...] = ()
+    #: Attributes rebuilt on demand (scratch buffers), not pickled.
+    _transient: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
@@ -208,6 +213,8 @@ class MetricSet:
             self._drain()  # CUDA events do not pickle; pending amounts are applied first
             state = self.__dict__.copy()
         del state["_lock"]
+        for name in self._transient:
+            state[name] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -227,6 +234,7 @@ class _CollectorPlan:
         "step_count",
         "traj_ids",
         "running",
+        "episode_sources",
     )
 
     def __init__(self, **fields: Any) -> None:
@@ -240,6 +248,83 @@ def _flags(value: torch.Tensor, rows: int, steps: int) -> torch.Tensor:
         value = value.reshape(rows, steps)
         return value if value.dtype is torch.bool else value.to(torch.bool)
     return value.reshape(rows, steps, -1).to(torch.bool).any(-1)
+
+
+# Batches folded with running episode sums are kept in a ring of up to this many batches
+# (and this many steps in all) and summed together: the cost of the running sums is paid
+# once per ring, not once per batch.
+_RING_BATCHES = 16
+_RING_STEPS = 2**15
+
+
+class _EpisodeRing:
+    """Batches waiting for their running episode sums, laid out ``[rows, batches, steps]``.
+
+    Each batch is copied into the next slot (rewards as float64, closing flags,
+    and what else the sums need); :meth:`CollectorBatchMetrics._flush` sums the
+    used slots as one timeline per env. The buffers the sums work in are kept
+    here too, sized for a full ring.
+    """
+
+    __slots__ = (
+        "key",
+        "size",
+        "used",
+        "reward",
+        "closing",
+        "done",
+        "mask",
+        "traj",
+        "from_keys",
+        "sums",
+        "positions",
+        "step_numbers",
+        "no_step",
+        "no_carry",
+        "_views",
+    )
+
+    def __init__(
+        self,
+        key: tuple[Any, ...],
+        rows: int,
+        steps: int,
+        device: torch.device,
+        *,
+        reward: bool,
+        done: bool,
+        mask: bool,
+        traj_dtype: torch.dtype | None,
+        from_keys: Sequence[int],
+    ) -> None:
+        self.key = key
+        size = self.size = max(1, min(_RING_BATCHES, _RING_STEPS // max(1, rows * steps)))
+        self.used = 0
+        f64, shape = torch.float64, (rows, size, steps)
+        self.reward = torch.zeros(shape, dtype=f64, device=device) if reward else None
+        self.closing = torch.zeros(shape, dtype=torch.bool, device=device)
+        self.done = torch.zeros(shape, dtype=torch.bool, device=device) if done else None
+        self.mask = torch.zeros(shape, dtype=torch.bool, device=device) if mask else None
+        self.traj = None if traj_dtype is None else torch.zeros(shape, dtype=traj_dtype, device=device)
+        # Per row of the sums (0: return, 1: length) read from a batch key instead.
+        self.from_keys = {row: torch.zeros(shape, dtype=f64, device=device) for row in from_keys}
+        timeline = size * steps
+        self.sums = torch.zeros((2, rows, timeline + 1), dtype=f64, device=device)
+        if not mask:  # every step counts: the cumulative lengths are 1, 2, ...
+            self.sums[1, :, 1:] = torch.arange(1, timeline + 1, dtype=f64, device=device)
+        self.positions = torch.zeros((rows, timeline + 1), dtype=torch.int64, device=device)
+        self.step_numbers = torch.arange(1, timeline + 1, dtype=torch.int64, device=device)
+        self.no_step = torch.zeros((), dtype=torch.int64, device=device)
+        self.no_carry = torch.zeros((), dtype=f64, device=device)
+        self._views: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def slot(self, buffer: torch.Tensor, name: str, shape: torch.Size) -> torch.Tensor:
+        """The current slot of ``buffer`` viewed with a batch entry's ``shape`` (cached)."""
+        key = (name, self.used, shape)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = buffer[:, self.used].view(shape)
+        return view
 
 
 class CollectorBatchMetrics(MetricSet):
@@ -344,6 +429,7 @@ class CollectorBatchMetrics(MetricSet):
     """
 
     events = ("post_collect",)
+    _transient = ("_ring", "_stacked")
 
     def __init__(
         self,
@@ -387,19 +473,21 @@ class CollectorBatchMetrics(MetricSet):
         self._reward = bank.moments("reward") if self.reward_key is not None else None
         self._dones = bank.count("dones") if self.done_key is not None else None
         self._episodes = bank.count("episodes") if any(k is not None for k in closing) else None
-        self._episode_return = (
-            bank.moments("episode_return", stats=("mean", "std", "min", "max"))
-            if episode_return
-            else None
-        )
-        self._episode_length = (
-            bank.moments("episode_length", stats=("mean", "min", "max")) if episode_length else None
-        )
+        # Returns and lengths share their mask (the closing steps): folded together.
+        specs = []
+        if episode_return:
+            specs.append(("episode_return", ("mean", "std", "min", "max")))
+        if episode_length:
+            specs.append(("episode_length", ("mean", "min", "max")))
+        self._episode = bank.moments_group(specs) if specs else None
         self._counters = _ObservedCounters(("frames", "batches", "episodes"))
         self._plan: _CollectorPlan | None = None
-        # In-flight episodes: [envs, 2] float64 (return, length) and [envs] trajectory ids.
-        self._carry: torch.Tensor | None = None
+        # In-flight episodes: [2, envs] float64, minus the (return, length) so far, and
+        # [envs] trajectory ids.
+        self._neg_carry: torch.Tensor | None = None
         self._carry_traj: torch.Tensor | None = None
+        self._ring: _EpisodeRing | None = None
+        self._stacked: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         return (
@@ -455,6 +543,13 @@ class CollectorBatchMetrics(MetricSet):
                     f"{owner}: episode metrics need one {what} value per step, got {key!r} with "
                     f"shape {list(batch.get(key).shape)} for batch_size {list(batch.batch_size)}."
                 )
+        # Per quantity of the episode group: its row of the running sums (0: return,
+        # 1: length) and the batch key it is read from at closing steps, if any.
+        episode_sources = []
+        if self.episode_return:
+            episode_sources.append((0, episode_reward))
+        if self.episode_length:
+            episode_sources.append((1, step_count))
         return _CollectorPlan(
             reward=reward,
             done=done,
@@ -464,6 +559,7 @@ class CollectorBatchMetrics(MetricSet):
             step_count=step_count,
             traj_ids=optional(self.traj_ids_key),
             running=running,
+            episode_sources=tuple(episode_sources),
         )
 
     # -- events ---------------------------------------------------------------------
@@ -484,101 +580,228 @@ class CollectorBatchMetrics(MetricSet):
             )
         steps = batch_size[-1]
         rows = math.prod(batch_size[:-1])
+        get = batch.get
         counters = self._counters
-        counters.add("batches", 1)
+        counts = counters.values
+        counts["batches"] += 1
         mask = None
         if plan.mask is not None:
-            mask = _flags(batch.get(plan.mask), rows, steps)
+            mask = _flags(get(plan.mask), rows, steps)
 
-        if plan.reward is not None:
-            reward = batch.get(plan.reward)
-            reward_mask = None
-            if mask is not None:
-                reward_mask = mask.reshape(*batch_size, *(1,) * (reward.ndim - len(batch_size)))
-            self._reward.fold(reward, reward_mask)
-
+        reward = get(plan.reward) if plan.reward is not None else None
         if not plan.closing:
+            if reward is not None:
+                self._fold_reward(reward, mask, batch_size)
             if mask is None:
-                counters.add("frames", batch_size.numel())
+                counts["frames"] += batch_size.numel()
             else:
                 counters.add_observed(("frames",), mask.sum().reshape(1))
             return
 
+        if plan.running:
+            self._fold_into_ring(plan, batch, rows, steps, mask, reward)
+            return
+        if reward is not None:
+            self._fold_reward(reward, mask, batch_size)
         closing = None
         for key in plan.closing:
-            flags = _flags(batch.get(key), rows, steps)
+            value = _flags(get(key), rows, steps)
             if mask is not None:
-                flags = flags & mask
+                value = value & mask
             if key == plan.done:
-                self._dones.fold_true(flags)
-            closing = flags if closing is None else closing | flags
+                self._dones.fold_true(value)
+            closing = value if closing is None else closing | value
         n_closed = closing.sum()
+        self._count_frames_and_episodes(n_closed, mask, batch_size)
         self._episodes.add(n_closed)
-        if mask is None:
-            counters.add("frames", batch_size.numel())
-            counters.add_observed(("episodes",), n_closed.reshape(1))
-        else:
-            counters.add_observed(("frames", "episodes"), torch.stack((mask.sum(), n_closed)))
+        if self._episode is not None:
+            # Read at the closing steps, stacked straight into float64 (exact step counts
+            # whatever the reward's dtype).
+            sources = plan.episode_sources
+            values = self._stacked
+            shape = (len(sources), rows, steps)
+            if values is None or values.shape != shape or values.device != closing.device:
+                values = self._stacked = closing.new_empty(shape, dtype=torch.float64)
+            torch.stack([get(key).reshape(rows, steps) for _, key in sources], out=values)
+            self._episode.fold(values, closing)
 
-        if plan.episode_reward is not None:
-            returns = batch.get(plan.episode_reward).reshape(rows, steps)
-            self._episode_return.fold(returns, closing)
-        if plan.step_count is not None:
-            lengths = batch.get(plan.step_count).reshape(rows, steps)
-            self._episode_length.fold(lengths, closing)
-        if plan.running:
-            self._fold_running(plan, batch, closing, mask, rows, steps)
-
-    def _fold_running(
+    def _fold_into_ring(
         self,
         plan: _CollectorPlan,
         batch: Any,
-        closing: torch.Tensor,
-        mask: torch.Tensor | None,
         rows: int,
         steps: int,
+        mask: torch.Tensor | None,
+        reward: torch.Tensor | None,
     ) -> None:
-        device = closing.device
-        f64 = torch.float64
-        # Per-step (reward, 1), zero on padded steps.
-        if plan.reward is not None and self.episode_return and plan.episode_reward is None:
-            reward = batch.get(plan.reward).reshape(rows, steps).to(device, f64)
+        """Copies what the episode sums need into the ring's next slot (a few copies)."""
+        get = batch.get
+        batch_size = batch.batch_size
+        cells = rows * steps
+        flags = []
+        for key in plan.closing:
+            value = get(key)
+            if value.dtype is not torch.bool or value.numel() != cells:
+                value = _flags(value, rows, steps)
+            if mask is not None:
+                value = value & mask.view(value.shape)
+            flags.append(value)
+        ring = self._ring_for(plan, batch, rows, steps, mask, flags[0].device)
+        if reward is not None and ring.reward is None:
+            self._fold_reward(reward, mask, batch_size)  # else folded from the ring
+        if ring.done is not None:
+            done = flags[plan.closing.index(plan.done)]
+            ring.slot(ring.done, "done", done.shape).copy_(done)
+        shape = flags[0].shape
+        closing = ring.slot(ring.closing, "closing", shape)
+        if len(flags) == 1:
+            closing.copy_(flags[0])
         else:
-            reward = torch.zeros((rows, steps), dtype=f64, device=device)
+            torch.bitwise_or(flags[0], flags[1].reshape(shape), out=closing)
+            for value in flags[2:]:
+                closing |= value.reshape(shape)
+        self._count_frames_and_episodes(closing.sum(), mask, batch_size)
+        if ring.reward is not None:
+            ring.slot(ring.reward, "reward", reward.shape).copy_(reward)
+        if ring.mask is not None:
+            ring.slot(ring.mask, "mask", mask.shape).copy_(mask)
+        if ring.traj is not None:
+            traj = get(plan.traj_ids)
+            ring.slot(ring.traj, "traj", traj.shape).copy_(traj)
+        for row, key in plan.episode_sources:
+            if key is not None:
+                value = get(key)
+                ring.slot(ring.from_keys[row], f"from_keys_{row}", value.shape).copy_(value)
+        ring.used += 1
+        if ring.used == ring.size:
+            self._flush()
+
+    def _count_frames_and_episodes(
+        self, n_closed: torch.Tensor, mask: torch.Tensor | None, batch_size: torch.Size
+    ) -> None:
+        counters = self._counters
         if mask is None:
-            ones = torch.ones((rows, steps), dtype=f64, device=device)
+            counters.values["frames"] += batch_size.numel()
+            counters.add_observed(("episodes",), n_closed)
         else:
-            reward = torch.where(mask, reward, 0.0)
-            ones = mask.to(f64)
-        # Segment of each step: closings strictly before it, in [0, steps - 1].
-        closes = closing.to(torch.int64)
-        segment = closes.cumsum(-1) - closes
-        sums = torch.zeros((rows, steps + 1, 2), dtype=f64, device=device)
-        sums.scatter_add_(
-            1, segment.unsqueeze(-1).expand(rows, steps, 2), torch.stack((reward, ones), -1)
+            counters.add_observed(("frames", "episodes"), torch.stack((mask.sum(), n_closed)))
+
+    def _fold_reward(
+        self, reward: torch.Tensor, mask: torch.Tensor | None, batch_size: torch.Size
+    ) -> None:
+        if mask is None:
+            self._reward.fold(reward)
+        else:
+            extra = (1,) * (reward.ndim - len(batch_size))
+            self._reward.fold(reward, mask.reshape(*batch_size, *extra))
+
+    def _ring_for(
+        self,
+        plan: _CollectorPlan,
+        batch: Any,
+        rows: int,
+        steps: int,
+        mask: torch.Tensor | None,
+        device: torch.device,
+    ) -> _EpisodeRing:
+        """The ring for batches of this shape (a batch of another shape flushes the ring)."""
+        ring = self._ring
+        key = (rows, steps, device, mask is None)
+        if ring is not None and ring.key == key:
+            return ring
+        self._flush()
+        traj_dtype = None if plan.traj_ids is None else batch.get(plan.traj_ids).dtype
+        ring = self._ring = _EpisodeRing(
+            key,
+            rows,
+            steps,
+            device,
+            reward=plan.reward is not None
+            and self.episode_return
+            and plan.episode_reward is None,
+            done=plan.done is not None and plan.closing != (plan.done,),
+            mask=mask is not None,
+            traj_dtype=traj_dtype,
+            from_keys=[row for row, key in plan.episode_sources if key is not None],
         )
-        carry = self._carry
-        if carry is None or carry.shape != (rows, 2):
-            carry = torch.zeros((rows, 2), dtype=f64, device=device)
+        return ring
+
+    def _drain(self) -> None:
+        self._flush()
+        super()._drain()
+
+    def _flush(self) -> None:
+        """Sums the batches in the ring: episodes that closed, and the new carry.
+
+        The used slots form one timeline per env, across batches. Within it,
+        the cumulative sums of (reward, 1) are prefixed with minus the carry
+        of the episode in flight; an episode closing at step ``t`` is the
+        cumulative sum at ``t`` minus the one at the previous segment start
+        (found with a running maximum of closing positions), or minus the
+        prefix when none. Between two batches whose trajectory ids do not
+        continue, the episode in flight is dropped (a segment start that
+        closes no episode). What follows the last closing is the new carry.
+        Tensor operations only: no host read, no data-dependent shape.
+        """
+        ring = self._ring
+        if ring is None or not ring.used:
+            return
+        used, ring.used = ring.used, 0
+        rows, _, steps = ring.closing.shape
+        length = used * steps
+
+        def timeline(x: torch.Tensor) -> torch.Tensor:
+            return x[:, :used].reshape(rows, length)
+
+        closing = timeline(ring.closing)
+        mask = None if ring.mask is None else timeline(ring.mask)
+        if ring.reward is not None:  # per-step rewards: their moments are folded from here
+            self._reward.fold(timeline(ring.reward), mask)
+        # The window's episode count is the count of the episode moments (see pull).
+        if ring.done is not None:
+            self._dones.add(timeline(ring.done).sum())  # type: ignore[union-attr]
+        device = closing.device
+        sums = ring.sums[..., : length + 1]
+        if ring.reward is not None:
+            torch.cumsum(timeline(ring.reward), -1, out=sums[0, :, 1:])
+        if mask is not None:
+            torch.cumsum(mask, -1, dtype=torch.float64, out=sums[1, :, 1:])
+        # sums[:, :, 0]: minus the episode in flight, unless its trajectory does not continue.
+        neg_carry = self._neg_carry
+        traj = ring.traj
+        if neg_carry is None or neg_carry.shape != (2, rows):
+            sums[:, :, 0].zero_()
         else:
-            carry = carry.to(device)
-        if plan.traj_ids is not None:
-            traj = batch.get(plan.traj_ids).reshape(rows, steps)
+            if neg_carry.device != device:
+                neg_carry = neg_carry.to(device)
             previous = self._carry_traj
-            if previous is not None and previous.shape == (rows,):
-                continues = traj[:, 0] == previous.to(device)
-                carry = torch.where(continues.unsqueeze(-1), carry, 0.0)
-            self._carry_traj = traj[:, -1].clone()
-        # The first segment of each row continues the episode in flight.
-        sums[:, 0] += carry
-        n_closed = closes.sum(-1)
-        closed = torch.arange(steps + 1, device=device) < n_closed.unsqueeze(-1)
-        if self._episode_return is not None and plan.episode_reward is None:
-            self._episode_return.fold(sums[..., 0], closed)
-        if self._episode_length is not None and plan.step_count is None:
-            self._episode_length.fold(sums[..., 1], closed)
-        # The segment after the last closing is the new carry.
-        self._carry = sums.gather(1, n_closed.view(rows, 1, 1).expand(rows, 1, 2)).squeeze(1)
+            if traj is not None and previous is not None and previous.shape == (rows,):
+                continues = traj[:, 0, 0] == previous.to(device)
+                torch.where(continues, neg_carry, ring.no_carry, out=sums[:, :, 0])
+            else:
+                sums[:, :, 0].copy_(neg_carry)
+        starts = closing
+        if traj is not None:
+            self._carry_traj = traj[:, used - 1, -1].clone()
+            if used > 1:  # a trajectory that does not continue in the next batch is dropped
+                breaks = traj.new_zeros((rows, used, steps), dtype=torch.bool)
+                breaks[:, :-1, -1] = traj[:, 1:used, 0] != traj[:, : used - 1, -1]
+                starts = closing | breaks.view(rows, length)
+        # positions[:, j]: 1 + the last segment end before step j (0: none), j in [0, length].
+        positions = ring.positions[:, : length + 1]
+        torch.where(starts, ring.step_numbers[:length], ring.no_step, out=positions[:, 1:])
+        start = positions.cummax(-1).values
+        at_start = sums.gather(-1, start.expand(2, rows, length + 1))
+        self._neg_carry = at_start[..., length] - sums[..., length]
+        values = sums[..., 1:] - at_start[..., :length]
+        sources = self._plan.episode_sources  # type: ignore[union-attr]
+        for row, key in sources:
+            if key is not None:
+                values[row].copy_(timeline(ring.from_keys[row]))
+        if len(sources) == 1:
+            row = sources[0][0]
+            values = values[row : row + 1]
+        self._episode.fold(values, closing)
 
     # -- host side ------------------------------------------------------------------
 
@@ -595,7 +818,16 @@ class CollectorBatchMetrics(MetricSet):
         device-to-host transfer; resets the window, not the episodes in flight.
         """
         with self._lock:
+            self._flush()
             partials = self._bank.pull()
+            plan = self._plan
+            if plan is not None and plan.running:
+                # Episodes closed in the ring's batches are the count of their moments (and
+                # the dones, when done is the only closing key).
+                counted = Count("episodes", partials[self._episode.prefixes[0]].count)  # type: ignore[union-attr,attr-defined]
+                partials["episodes"] = counted
+                if plan.closing == (plan.done,):
+                    partials["dones"] = Count("dones", counted.n)
             values = self._counters.drain()  # copies are complete after the transfer
             out: dict[str, float | Partial] = {
                 "frames": float(values["frames"]),
@@ -608,10 +840,12 @@ class CollectorBatchMetrics(MetricSet):
     def state_dict(self) -> dict[str, Any]:
         """Cumulative counters and the per-env episodes in flight."""
         with self._lock:
+            self._flush()
             values = self._counters.drain()
+            neg_carry = self._neg_carry
             return {
                 "counters": dict(values),
-                "carry": None if self._carry is None else self._carry.clone(),
+                "carry": None if neg_carry is None else neg_carry.neg().T.contiguous(),
                 "carry_traj_ids": None if self._carry_traj is None else self._carry_traj.clone(),
             }
 
@@ -625,7 +859,8 @@ class CollectorBatchMetrics(MetricSet):
                     f"got {list(carry.shape)}."
                 )
             self._counters.load(state_dict["counters"])
-            self._carry = None if carry is None else carry.clone()
+            self._ring = None  # batches not summed yet belong to the replaced state
+            self._neg_carry = None if carry is None else carry.to(torch.float64).T.neg()
             traj = state_dict.get("carry_traj_ids")
             self._carry_traj = None if traj is None else traj.clone()
             self._bank.reset()

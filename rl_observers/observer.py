@@ -80,6 +80,18 @@ class Observer:
     def detached(self, source: Any) -> None:
         """Called once when the observer is removed from ``source``."""
 
+    def prepare_copies(self, target: Any) -> None:
+        """Called on the original, in the driver, before copies are shipped where ``target`` runs.
+
+        Sources whose data lives elsewhere (multiprocessing workers, Ray
+        actors) run copies of their observers; ``attached``/``detached`` are
+        called on the copies. This is the original's chance to fix what all
+        copies must share.
+        """
+
+    def copies_removed(self, target: Any) -> None:
+        """Called on the original, in the driver, once every copy was detached from ``target``."""
+
 
 def _event_methods(observer: Any) -> dict[str, Callable[..., Any]]:
     """Returns every bound event method of ``observer``, checking names and signatures."""
@@ -134,7 +146,13 @@ class _CallablePostCollect:
 
 
 class _Entry:
-    """One attached observer: its resolved event calls and its error state."""
+    """One attached observer: its resolved event calls and its error state.
+
+    ``failing`` holds the events whose last call raised. A failure streak
+    starts when the set stops being empty (warned once) and ends when every
+    failing event has succeeded again, so an observer broken in one event is
+    not reported again each time another of its events succeeds.
+    """
 
     __slots__ = ("calls", "failing", "observer", "on_error", "stats")
 
@@ -142,7 +160,7 @@ class _Entry:
         self.observer = observer
         self.calls = calls
         self.on_error = on_error
-        self.failing = False
+        self.failing: set[str] = set()
         stats = getattr(observer, "stats", None)
         self.stats: Callable[[], Any] | None = stats if callable(stats) else None
 
@@ -153,9 +171,9 @@ class _Entry:
             torchrl_logger.warning(
                 f"rl_observers: observer {self.observer!r} raised in on_{event} "
                 f"({type(error).__name__}: {error}); the source goes on, and this is "
-                "reported once until the observer succeeds again."
+                f"reported once until on_{event} succeeds again."
             )
-        self.failing = True
+        self.failing.add(event)
 
 
 def resolve_observer(
@@ -302,7 +320,7 @@ class ObserverList:
                 entry.failed(error, event)
             else:
                 if entry.failing:
-                    entry.failing = False
+                    entry.failing.discard(event)
         signal = _SIGNALS[event]
         if signal.receivers:
             signal.send(source, **dict(zip(signals.EVENT_PAYLOADS[event], payload)))
@@ -315,14 +333,36 @@ class ObserverList:
                     stats.update(entry.stats())
                 except Exception as error:
                     entry.failed(error, "stats")
+                else:
+                    entry.failing.discard("stats")
         return stats
 
     def shutdown(self) -> None:
-        """Emits ``shutdown`` once, however often the source shuts down."""
+        """Emits ``shutdown`` once, however often the source shuts down.
+
+        Every observer receives it, even after one raised with
+        ``on_error="raise"`` (its last window is not lost because of another
+        observer); the first such error is raised once all have run.
+        """
         if self._shut_down:
             return
         self._shut_down = True
-        self.emit("shutdown")
+        source, first_error = self.source, None
+        for fn, entry in self._calls.get("shutdown", ()):
+            try:
+                fn(source)
+            except Exception as error:
+                try:
+                    entry.failed(error, "shutdown")
+                except Exception as raised:
+                    first_error = first_error or raised
+            else:
+                entry.failing.discard("shutdown")
+        signal = _SIGNALS["shutdown"]
+        if signal.receivers:
+            signal.send(source)
+        if first_error is not None:
+            raise first_error
 
     # -- pickling: observers travel with their source ------------------------------------------
 

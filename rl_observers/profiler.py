@@ -20,11 +20,20 @@ behind the other observers of its source when it starts (see
 :meth:`~rl_observers.observer.ObserverList.set_call_transform`); in lists
 without that seam it stays at its registration position. Steps
 ``warmup_rollouts .. num_rollouts - 1`` are recorded, as with torchrl's hook,
-and the trace is exported as soon as step ``num_rollouts - 1`` ends.
+and the trace is exported as soon as step ``num_rollouts - 1`` ends. The
+profiler starts at the first event it sees, inside rollout 0: with
+``warmup_rollouts=0`` the first recorded step misses the start of that rollout.
+
+Boundaries at ``post_collect`` keep every rollout whole inside one step
+(``ProfilerStep#k`` contains ``Collector.rollout`` #k) and let the trace be
+written right after the last profiled batch; boundaries at ``pre_collect``
+would cut each rollout range in two and delay the trace until the next
+rollout starts.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -39,9 +48,13 @@ from torchrl.collectors import BaseCollector, ProfileConfig
 
 from rl_observers.observer import Observer
 
-__all__ = ["ProfileConfig", "ProfilerObserver", "install_profiling"]
+__all__ = ["ProfilerObserver", "install_profiling"]
 
 _IDLE, _RUNNING, _DONE = "idle", "running", "done"
+# torch.profiler supports one profile per process (two at once crash Kineto): the
+# (process id, observer) profiling here, if any. The pid makes a forked copy free.
+_PROCESS_SLOT: list[tuple[int, Any] | None] = [None]
+_PROCESS_SLOT_LOCK = threading.Lock()
 _UNSET: Any = object()
 # enable_profile's keywords, with torchrl's defaults (``None`` means "torchrl's default list").
 _CONFIG_DEFAULTS: dict[str, Any] = {
@@ -148,6 +161,10 @@ class ProfilerObserver(Observer):
     the previous batch. Shutting the collector down or detaching the observer
     stops the profiler early, writing what was recorded so far.
 
+    ``torch.profiler`` runs one profile per process: while a profiler (this
+    one on another collector, or one the user started) runs in a process, a
+    ProfilerObserver starting there warns and does not profile.
+
     Args:
         config (ProfileConfig, optional): a ready-made torchrl profiling
             configuration. Give either this or the keyword arguments below,
@@ -172,9 +189,9 @@ class ProfilerObserver(Observer):
             of writing ``save_path``. Defaults to ``None``.
         record_observers (bool, optional): while the profiler runs, time each
             other observer of the source in a range named
-            ``rl_observers/<ObserverClass>.on_<event>`` (a plain callable is
-            named after its ``__qualname__``), to see which observer costs
-            what. Defaults to ``False``.
+            ``rl_observers/<ObserverClass>.on_<event>`` (a plain function is
+            named after itself), to see which observer costs what. Defaults
+            to ``False``.
 
     Raises:
         TypeError: if ``config`` is not a :class:`ProfileConfig`, or is given
@@ -334,16 +351,22 @@ class ProfilerObserver(Observer):
                     f"{self.config.activities!r} is available here; not profiling."
                 )
                 return
-            profiler = torch.profiler.profile(
-                activities=activities,
-                schedule=_RolloutSchedule(self.config),
-                on_trace_ready=self.config.on_trace_ready or self._export,
-                record_shapes=self.config.record_shapes,
-                profile_memory=self.config.profile_memory,
-                with_stack=self.config.with_stack,
-                with_flops=self.config.with_flops,
-            )
-            profiler.start()
+            if not self._claim_process():
+                return
+            try:
+                profiler = torch.profiler.profile(
+                    activities=activities,
+                    schedule=_RolloutSchedule(self.config),
+                    on_trace_ready=self.config.on_trace_ready or self._export,
+                    record_shapes=self.config.record_shapes,
+                    profile_memory=self.config.profile_memory,
+                    with_stack=self.config.with_stack,
+                    with_flops=self.config.with_flops,
+                )
+                profiler.start()
+            except BaseException:
+                self._release_process()
+                raise
             self._profiler = profiler
             self._steps = 0
             self._state = _RUNNING
@@ -359,7 +382,32 @@ class ProfilerObserver(Observer):
             if profiler is not None:
                 profiler.stop()
         finally:
+            self._release_process()
             self._uninstall_transform()
+
+    def _claim_process(self) -> bool:
+        """Takes this process's profiler slot; warns and returns False if another profiler has it."""
+        pid = os.getpid()
+        with _PROCESS_SLOT_LOCK:
+            holder = _PROCESS_SLOT[0]
+            other = repr(holder[1]) if holder is not None and holder[0] == pid else None
+            if other is None and torch.autograd._profiler_enabled():
+                other = "a torch profiler started outside rl_observers"
+            if other is None:
+                _PROCESS_SLOT[0] = (pid, self)
+                return True
+        torchrl_logger.warning(
+            f"ProfilerObserver [worker {self._worker_idx}]: {other} is already profiling in "
+            "this process, and torch.profiler runs one profile per process; this one does not "
+            "profile. Profile one collector per process at a time."
+        )
+        return False
+
+    def _release_process(self) -> None:
+        with _PROCESS_SLOT_LOCK:
+            holder = _PROCESS_SLOT[0]
+            if holder is not None and holder[1] is self:
+                _PROCESS_SLOT[0] = None
 
     def _export(self, profiler: torch.profiler.profile) -> None:
         path = self.config.get_save_path(self._worker_idx or 0)

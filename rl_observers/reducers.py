@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -48,6 +48,7 @@ __all__ = [
     "CountReducer",
     "MOMENT_STATS",
     "Moments",
+    "MomentsGroupReducer",
     "MomentsReducer",
     "Partial",
     "ReducerBank",
@@ -106,6 +107,18 @@ class Partial:
     def finalize(self) -> dict[str, float]:
         """Returns ``{metric name: value}`` for this partial."""
         raise NotImplementedError
+
+
+def _chan(
+    na: float, mean_a: float, m2_a: float, nb: float, mean_b: float, m2_b: float
+) -> tuple[float, float, float]:
+    """Count, mean and M2 of the union of two non-empty parts (Chan et al.)."""
+    n = na + nb
+    delta = mean_b - mean_a
+    # Symmetric in (a, b), so a merge is exactly commutative.
+    mean = (na * mean_a + nb * mean_b) / n
+    m2 = m2_a + m2_b + delta * delta * (na * nb / n)
+    return n, mean, m2
 
 
 class Moments(Partial):
@@ -205,30 +218,42 @@ class Moments(Partial):
             return self._copy()
         if not na:
             return other._copy()
-        n = na + nb
-        delta = other.mean - self.mean
-        # Symmetric in (self, other), so the merge is exactly commutative.
-        mean = (na * self.mean + nb * other.mean) / n
-        m2 = self.m2 + other.m2 + delta * delta * (na * nb / n)
-        return Moments(
+        n, mean, m2 = _chan(na, self.mean, self.m2, nb, other.mean, other.m2)
+        return Moments._trusted(
             self.prefix,
-            stats=self.stats,
-            count=n,
-            mean=mean,
-            m2=m2,
-            min=min(self.min, other.min),
-            max=max(self.max, other.max),
+            self.stats,
+            n,
+            mean,
+            m2,
+            min(self.min, other.min),
+            max(self.max, other.max),
         )
 
+    @classmethod
+    def _trusted(
+        cls,
+        prefix: str,
+        stats: tuple[str, ...],
+        count: float,
+        mean: float,
+        m2: float,
+        min: float,
+        max: float,
+    ) -> Moments:
+        """Builds a partial from validated ``prefix``/``stats`` and a positive ``count``."""
+        self = object.__new__(cls)
+        self.prefix = prefix
+        self.stats = stats
+        self.count = float(count)
+        self.mean = float(mean)
+        self.m2 = float(m2)
+        self.min = float(min)
+        self.max = float(max)
+        return self
+
     def _copy(self) -> Moments:
-        return Moments(
-            self.prefix,
-            stats=self.stats,
-            count=self.count,
-            mean=self.mean,
-            m2=self.m2,
-            min=self.min,
-            max=self.max,
+        return Moments._trusted(
+            self.prefix, self.stats, self.count, self.mean, self.m2, self.min, self.max
         )
 
     def finalize(self) -> dict[str, float]:
@@ -294,36 +319,271 @@ class Count(Partial):
 
 
 class _Reducer:
-    """A reducer owns ``width`` consecutive slots of its bank's state tensor."""
+    """A reducer owns ``width`` consecutive slots of its bank's state tensor.
 
-    __slots__ = ("_bank", "_offset", "key")
+    The view of those slots is made at the first fold and kept: the bank
+    zeroes its state in place, so the view stays valid. Views are not pickled
+    (a pickled view would own a copy of the state); they are made again.
+    """
+
+    __slots__ = ("_bank", "_offset", "key", "_view")
+    _transient: tuple[str, ...] = ("_view",)
     width = 0
 
     def __init__(self, bank: ReducerBank, offset: int, key: str) -> None:
         self._bank = bank
         self._offset = offset
         self.key = key
+        self._view: torch.Tensor | None = None
 
-    def _partial(self, values: Sequence[float]) -> Partial:
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The keys of the partials this reducer is pulled as."""
+        return (self.key,)
+
+    def _partials(self, values: Sequence[float]) -> dict[str, Partial]:
+        """The partials of this reducer's slots of ``values`` (the bank's whole state)."""
         raise NotImplementedError
 
-    def _empty(self) -> Partial:
+    def _empties(self) -> dict[str, Partial]:
         raise NotImplementedError
 
     def _reset(self) -> None:
         """Host-side bookkeeping of a window reset (the bank zeroes the state)."""
 
     def _state(self, device: torch.device) -> torch.Tensor:
-        return self._bank._state_on(device).narrow(0, self._offset, self.width)
+        view = self._view
+        if view is None:
+            view = self._bank._state_on(device).narrow(0, self._offset, self.width)
+            self._view = view
+            self._made_view(view)
+        return view
+
+    def _made_view(self, view: torch.Tensor) -> None:
+        """Derives further cached views from the state's (see :meth:`_state`)."""
+
+    def _flush(self) -> None:
+        """Reduces folds still staged into the state (see :class:`MomentsReducer`)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        self._flush()
+        transient = self._transient
+        return {
+            name: getattr(self, name)
+            for cls in type(self).__mro__
+            for name in cls.__dict__.get("__slots__", ())
+            if name not in transient and hasattr(self, name)
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name in self._transient:
+            setattr(self, name, None)
+        for name, value in state.items():
+            setattr(self, name, value)
 
 
-def _as_f64(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if x.dtype is torch.float64 and x.device == device:
-        return x
-    return x.to(device, torch.float64)
+_F64 = torch.float64
+_BOOL = torch.bool
+# Small folds are staged: copied into a buffer of equally sized folds and reduced
+# together, _STAGE_FOLDS at a time (or when the window closes), so a fold of a small
+# tensor costs one copy instead of a dozen operations. Folds of more than _STAGE_ENTRIES
+# values (over all quantities), whose cost is in the data, are reduced at once.
+_STAGE_FOLDS = 16
+_STAGE_ENTRIES = 4096
+# Masked reductions of CPU tensors skip the masking when all entries count and select the
+# entries first when few do (tests turn this off to check the device path's values).
+_CPU_MASK_SHORTCUTS = True
 
 
-class MomentsReducer(_Reducer):
+class _MomentsTable(_Reducer):
+    """Count, mean, M2, min and max of ``K`` quantities, folded row by row on the device.
+
+    The slots are a ``[rows, K, 5]`` table. Each fold writes the statistics
+    of its values (a handful of reductions over the last dimension, no
+    combination with the window) into the next row. When the rows are used
+    up, they are combined on the device into the first row (Chan's parallel
+    formulas, vectorised over the rows), so the cost of combining is paid
+    once every ``rows`` folds. At pull time the used rows reach the host with
+    the rest of the bank and are merged there in plain floats.
+    """
+
+    __slots__ = (
+        "prefixes",
+        "stats_of",
+        "rows",
+        "_used",
+        "_row_views",
+        "_stage",
+        "_stage_mask",
+        "_staged",
+    )
+    _transient = ("_view", "_row_views", "_stage", "_stage_mask")
+
+    def __init__(
+        self,
+        bank: ReducerBank,
+        offset: int,
+        specs: Sequence[tuple[str, Sequence[str]]],
+        rows: int,
+    ) -> None:
+        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 2:
+            raise ValueError(f"rows must be an int >= 2, got {rows!r} (for {specs[0][0]!r}).")
+        super().__init__(bank, offset, specs[0][0])
+        self.prefixes = tuple(prefix for prefix, _ in specs)
+        self.stats_of = tuple(_check_stats(stats, prefix) for prefix, stats in specs)
+        self.rows = rows
+        self._used = 0
+        self._row_views: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        self._stage: torch.Tensor | None = None  # [K, folds, N] float64
+        self._stage_mask: torch.Tensor | None = None  # [folds, N] bool, for masked folds
+        self._staged = 0
+
+    @property
+    def width(self) -> int:  # type: ignore[override]
+        return 5 * self.rows * len(self.prefixes)  # rows of K x (count, mean, m2, min, max)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return self.prefixes
+
+    def _made_view(self, view: torch.Tensor) -> None:
+        table = view.view(self.rows, len(self.prefixes), 5)
+        # Per row: the whole row, its counts and the rest, made once instead of at every fold.
+        self._row_views = [(row, row[:, 0], row[:, 1:]) for row in table.unbind(0)]
+
+    def _empties(self) -> dict[str, Partial]:
+        return {
+            prefix: Moments._trusted(prefix, stats, 0.0, 0.0, 0.0, math.inf, -math.inf)
+            for prefix, stats in zip(self.prefixes, self.stats_of)
+        }
+
+    def _reset(self) -> None:
+        self._used = 0
+        self._staged = 0
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._staged = 0  # flushed before pickling
+
+    def _partials(self, values: Sequence[float]) -> dict[str, Partial]:
+        out: dict[str, Partial] = {}
+        channels = len(self.prefixes)
+        for k, (prefix, stats) in enumerate(zip(self.prefixes, self.stats_of)):
+            n, mean, m2, lo, hi = 0.0, 0.0, 0.0, math.inf, -math.inf
+            for i in range(self._used):
+                j = self._offset + 5 * (i * channels + k)
+                count = values[j]
+                if not count:
+                    continue
+                if n:
+                    n, mean, m2 = _chan(n, mean, m2, count, values[j + 1], values[j + 2])
+                    lo = min(lo, values[j + 3])
+                    hi = max(hi, values[j + 4])
+                else:
+                    n, mean, m2, lo, hi = values[j : j + 5]
+            # With no count, these are still the empty partial's values.
+            out[prefix] = Moments._trusted(prefix, stats, n, mean, m2, lo, hi)
+        return out
+
+    def _compact(self) -> None:
+        """Combines every row into the first one, on the device."""
+        table = self._view.view(self.rows, len(self.prefixes), 5)  # type: ignore[union-attr]
+        n_i, mean_i, m2_i, lo_i, hi_i = table.unbind(-1)  # each [rows, K]
+        n = n_i.sum(0)
+        mean = (n_i * mean_i).sum(0) / n.clamp(min=1.0)
+        spread = mean_i - mean
+        m2 = m2_i.sum(0) + (n_i * spread * spread).sum(0)
+        torch.stack((n, mean, m2, lo_i.amin(0), hi_i.amax(0)), -1, out=table[0])
+        self._used = 1
+
+    def _fold_rows(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """Folds each row of ``x`` (``[K, N]``, ``N > 0``) into its quantity.
+
+        ``mask`` is ``None`` or a ``[N]`` tensor (true: the entry counts). A
+        small fold is staged (one copy); others are reduced at once.
+        """
+        view = self._view
+        if view is None:
+            view = self._state(x.device)
+        stage = self._stage
+        n = x.shape[-1]
+        if stage is not None:
+            if stage.shape[-1] == n and (mask is None) is (self._stage_mask is None):
+                slot = self._staged
+                stage[:, slot].copy_(x)
+                if mask is not None:
+                    self._stage_mask[slot].copy_(mask)  # type: ignore[index]
+                self._staged = slot + 1
+                if self._staged == stage.shape[1]:
+                    self._flush()
+                return
+            self._flush()
+            self._stage = self._stage_mask = None
+        channels = x.shape[0]
+        if channels * n > _STAGE_ENTRIES:
+            self._reduce(x, mask)
+            return
+        device = view.device
+        folds = _STAGE_FOLDS
+        self._stage = torch.empty((channels, folds, n), dtype=_F64, device=device)
+        if mask is not None:
+            self._stage_mask = torch.empty((folds, n), dtype=_BOOL, device=device)
+        self._fold_rows(x, mask)
+
+    def _flush(self) -> None:
+        staged = self._staged
+        if not staged:
+            return
+        self._staged = 0
+        stage = self._stage
+        x = stage[:, :staged].reshape(stage.shape[0], -1)  # type: ignore[index]
+        mask = self._stage_mask
+        self._reduce(x, None if mask is None else mask[:staged].reshape(-1))
+
+    def _reduce(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """Writes the statistics of each row of ``x`` (``[K, N]``) into the next row.
+
+        Off the CPU: tensor operations only, no host read, no data-dependent shape.
+        """
+        device = self._view.device  # type: ignore[union-attr]
+        if x.dtype is not _F64 or x.device != device:
+            x = x.to(device, _F64)
+        if mask is not None and (mask.dtype is not _BOOL or mask.device != device):
+            mask = mask.to(device, _BOOL)
+        if mask is not None and device.type == "cpu" and _CPU_MASK_SHORTCUTS:
+            # On the CPU, reading the mask waits for no device: keep only the entries that count
+            # when they are few (or all), which is exact and spares passes over the others.
+            kept = int(mask.sum())
+            if not kept:
+                return
+            if kept == mask.shape[-1]:
+                mask = None
+            elif 4 * kept <= mask.shape[-1]:
+                x = x[:, mask]
+                mask = None
+        if self._used == self.rows:
+            self._compact()
+        row, count, tail = self._row_views[self._used]  # type: ignore[index]
+        if mask is None:
+            n = x.shape[-1]
+            mean = x.sum(-1) / n
+            dev = x - mean.unsqueeze(-1)
+            count.fill_(n)
+            torch.stack(
+                (mean, torch.linalg.vecdot(dev, dev), x.amin(-1), x.amax(-1)), -1, out=tail
+            )
+        else:
+            n = mask.sum(-1, dtype=_F64)
+            mean = torch.where(mask, x, 0.0).sum(-1) / n.clamp(min=1.0)
+            dev = torch.where(mask, x - mean.unsqueeze(-1), 0.0)
+            lo = torch.where(mask, x, math.inf).amin(-1)
+            hi = torch.where(mask, x, -math.inf).amax(-1)
+            m2 = torch.linalg.vecdot(dev, dev)
+            torch.stack((n.expand_as(mean), mean, m2, lo, hi), -1, out=row)
+        self._used += 1
+
+
+class MomentsReducer(_MomentsTable):
     """Folds tensors into count, mean, M2, min and max on their device.
 
     Created by :meth:`ReducerBank.moments`; pulled as a :class:`Moments`.
@@ -347,49 +607,22 @@ class MomentsReducer(_Reducer):
         {'reward_count': 2.0, 'reward_mean': 1.5, 'reward_max': 2.0}
     """
 
-    __slots__ = ("prefix", "stats", "rows", "_used")
+    __slots__ = ()
 
     def __init__(
         self, bank: ReducerBank, offset: int, prefix: str, stats: Sequence[str], rows: int
     ) -> None:
-        super().__init__(bank, offset, prefix)
-        if not isinstance(rows, int) or rows < 2:
-            raise ValueError(f"rows must be an int >= 2, got {rows!r} (for {prefix!r}).")
-        self.prefix = prefix
-        self.stats = _check_stats(stats, prefix)
-        self.rows = rows
-        self._used = 0
+        super().__init__(bank, offset, ((prefix, stats),), rows)
 
     @property
-    def width(self) -> int:  # type: ignore[override]
-        return 5 * self.rows  # rows of (count, mean, m2, min, max)
+    def prefix(self) -> str:
+        """Output names are ``f"{prefix}_{stat}"``."""
+        return self.prefixes[0]
 
-    def _empty(self) -> Moments:
-        return Moments(self.prefix, stats=self.stats)
-
-    def _reset(self) -> None:
-        self._used = 0
-
-    def _partial(self, values: Sequence[float]) -> Moments:
-        out = self._empty()
-        for i in range(0, 5 * self._used, 5):
-            count, mean, m2, lo, hi = values[i : i + 5]
-            if count:
-                row = Moments(
-                    self.prefix, stats=self.stats, count=count, mean=mean, m2=m2, min=lo, max=hi
-                )
-                out = out.merge(row)
-        return out
-
-    def _compact(self, table: torch.Tensor) -> None:
-        """Combines every row into the first one, on the device."""
-        n_i, mean_i, m2_i, lo_i, hi_i = table.unbind(1)
-        n = n_i.sum()
-        mean = n_i.dot(mean_i) / n.clamp(min=1.0)
-        spread = mean_i - mean
-        m2 = m2_i.sum() + n_i.dot(spread * spread)
-        torch.stack((n, mean, m2, lo_i.amin(), hi_i.amax()), out=table[0])
-        self._used = 1
+    @property
+    def stats(self) -> tuple[str, ...]:
+        """The statistics the pulled :class:`Moments` emits."""
+        return self.stats_of[0]
 
     def fold(self, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Folds ``values`` (those where ``mask`` is true) into the window.
@@ -405,32 +638,63 @@ class MomentsReducer(_Reducer):
         """
         if values.numel() == 0:
             return
-        table = self._state(values.device).view(self.rows, 5)
-        if self._used == self.rows:
-            self._compact(table)
-        row = table[self._used]
-        x = values.detach()
+        if values.requires_grad:
+            values = values.detach()
         if mask is None:
-            x = _as_f64(x.reshape(-1), table.device)
-            var, mean = torch.var_mean(x, correction=0)
-            lo, hi = torch.aminmax(x)
-            row[0].fill_(x.numel())
-            torch.stack((mean, var * x.numel(), lo, hi), out=row[1:])
-        else:
-            mask = mask.detach()
-            if mask.shape != x.shape:
-                x, mask = torch.broadcast_tensors(x, mask)
-            x = _as_f64(x.reshape(-1), table.device)
+            self._fold_rows(values.reshape(1, -1), None)
+            return
+        if mask.shape != values.shape:
+            values, mask = torch.broadcast_tensors(values, mask)
+        self._fold_rows(values.reshape(1, -1), mask.reshape(-1))
+
+
+class MomentsGroupReducer(_MomentsTable):
+    """Folds ``K`` quantities sharing a mask at once; pulled as ``K`` :class:`Moments`.
+
+    Created by :meth:`ReducerBank.moments_group`. One fold costs about what
+    one :meth:`MomentsReducer.fold` costs, whatever ``K``: the reductions run
+    over a ``[K, N]`` tensor and write one ``[K, 5]`` row.
+
+    Examples:
+        >>> import torch
+        >>> from rl_observers.reducers import ReducerBank
+        >>> bank = ReducerBank()
+        >>> episodes = bank.moments_group(
+        ...     [("episode_return", ("mean", "max")), ("episode_length", ("mean",))]
+        ... )
+        >>> returns_and_lengths = torch.tensor([[1.0, 5.0, 3.0], [10.0, 20.0, 30.0]])
+        >>> episodes.fold(returns_and_lengths, mask=torch.tensor([True, True, False]))
+        >>> pulled = bank.pull()
+        >>> pulled["episode_return"].finalize(), pulled["episode_length"].finalize()
+        ({'episode_return_mean': 3.0, 'episode_return_max': 5.0}, {'episode_length_mean': 15.0})
+    """
+
+    __slots__ = ()
+
+    def fold(self, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Folds ``values[k]`` into the ``k``-th quantity (entries where ``mask`` is true).
+
+        Args:
+            values (torch.Tensor): ``[K, *S]``, any real dtype.
+            mask (torch.Tensor, optional): boolean, broadcastable to ``S``.
+                Defaults to ``None`` (all entries count).
+        """
+        channels = len(self.prefixes)
+        if values.ndim == 0 or values.shape[0] != channels:
+            raise ValueError(
+                f"{type(self).__name__} of {self.prefixes!r} expects values of shape "
+                f"[{channels}, ...], got {list(values.shape)}."
+            )
+        if values.numel() == 0:
+            return
+        if values.requires_grad:
+            values = values.detach()
+        if mask is not None:
+            shape = values.shape[1:]
+            if mask.shape != shape:
+                mask = mask.expand(shape)
             mask = mask.reshape(-1)
-            if mask.dtype is not torch.bool or mask.device != table.device:
-                mask = mask.to(table.device, torch.bool)
-            n = mask.sum(dtype=torch.float64)
-            mean = torch.where(mask, x, 0.0).sum() / n.clamp(min=1.0)
-            dev = torch.where(mask, x - mean, 0.0)
-            lo = torch.where(mask, x, math.inf).amin()
-            hi = torch.where(mask, x, -math.inf).amax()
-            torch.stack((n, mean, dev.dot(dev), lo, hi), out=row)
-        self._used += 1
+        self._fold_rows(values.reshape(channels, -1), mask)
 
 
 class CountReducer(_Reducer):
@@ -456,11 +720,11 @@ class CountReducer(_Reducer):
         super().__init__(bank, offset, name)
         self.name = name
 
-    def _empty(self) -> Count:
-        return Count(self.name)
+    def _empties(self) -> dict[str, Partial]:
+        return {self.name: Count(self.name)}
 
-    def _partial(self, values: Sequence[float]) -> Count:
-        return Count(self.name, values[0])
+    def _partials(self, values: Sequence[float]) -> dict[str, Partial]:
+        return {self.name: Count(self.name, values[self._offset])}
 
     def add(self, amount: torch.Tensor | float, *, device: torch.device | None = None) -> None:
         """Adds ``amount`` (a number or a one-element tensor) to the window count.
@@ -473,34 +737,42 @@ class CountReducer(_Reducer):
                 state if this is its first fold and ``amount`` is a number.
                 Defaults to the bank's device, or CPU.
         """
+        view = self._view
         if isinstance(amount, torch.Tensor):
-            state = self._state(amount.device)
-            if amount.device != state.device:
-                amount = amount.to(state.device)
-            state.add_(amount.detach().reshape(()))
+            if view is None:
+                view = self._state(amount.device)
+            if amount.device != view.device:
+                amount = amount.to(view.device)
+            if amount.ndim:
+                amount = amount.reshape(())
+            if amount.requires_grad:
+                amount = amount.detach()
+            view.add_(amount)
         else:
-            self._state(device or self._bank.device or torch.device("cpu")).add_(amount)
+            if view is None:
+                view = self._state(device or self._bank.device or torch.device("cpu"))
+            view.add_(amount)
 
     def fold_true(self, flags: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Counts the true entries of ``flags`` (where ``mask`` is true)."""
         if flags.numel() == 0:
             return
-        flags = flags.detach()
-        if flags.dtype is not torch.bool:
-            flags = flags.to(torch.bool)
+        if flags.dtype is not _BOOL:
+            flags = flags.to(_BOOL)
         if mask is not None:
-            flags = flags & mask.detach().to(flags.device, torch.bool)
+            flags = flags & mask.to(flags.device, _BOOL)
         self.add(flags.sum())
 
 
 class ReducerBank:
     """Holds the window state of several reducers in one ``float64`` tensor.
 
-    Register reducers first (:meth:`moments`, :meth:`count`); the state tensor
-    is allocated on the device of the first tensor folded, and a tensor on
-    another device is moved to it. :meth:`pull` copies the whole state to the
-    host in one transfer, resets the window and returns one partial per
-    reducer, keyed by :attr:`~MomentsReducer.prefix` or :attr:`~CountReducer.name`.
+    Register reducers first (:meth:`moments`, :meth:`moments_group`,
+    :meth:`count`); the state tensor is allocated on the device of the first
+    tensor folded, and a tensor on another device is moved to it.
+    :meth:`pull` copies the whole state to the host in one transfer, resets
+    the window and returns one partial per key (a :class:`Moments` per
+    prefix, a :class:`Count` per name).
 
     Examples:
         >>> import torch
@@ -529,7 +801,7 @@ class ReducerBank:
     @property
     def keys(self) -> tuple[str, ...]:
         """The keys :meth:`pull` returns, in registration order."""
-        return tuple(r.key for r in self._reducers)
+        return tuple(key for r in self._reducers for key in r.keys)
 
     def moments(
         self, prefix: str, *, stats: Sequence[str] = _DEFAULT_MOMENT_STATS, rows: int = 32
@@ -542,6 +814,28 @@ class ReducerBank:
         prefix = _check_name(prefix, "prefix")
         return self._register(MomentsReducer(self, self._width, prefix, stats, rows))
 
+    def moments_group(
+        self, specs: Sequence[tuple[str, Sequence[str]]], *, rows: int = 32
+    ) -> MomentsGroupReducer:
+        """Registers a :class:`MomentsGroupReducer` of quantities folded together.
+
+        Args:
+            specs (sequence of (str, sequence of str)): ``(prefix, stats)``
+                per quantity, in the order of the first dimension of what
+                :meth:`MomentsGroupReducer.fold` takes; each is pulled as
+                ``Moments(prefix, stats=stats)``.
+
+        Keyword Args:
+            rows (int, optional): as for :meth:`moments`. Defaults to ``32``.
+        """
+        specs = tuple(specs)
+        if not specs or not all(isinstance(s, tuple) and len(s) == 2 for s in specs):
+            raise TypeError(
+                f"specs must be a non-empty sequence of (prefix, stats) pairs, got {specs!r}."
+            )
+        specs = tuple((_check_name(prefix, "prefix"), stats) for prefix, stats in specs)
+        return self._register(MomentsGroupReducer(self, self._width, specs, rows))
+
     def count(self, name: str) -> CountReducer:
         """Registers a :class:`CountReducer` pulled as ``Count(name)``."""
         return self._register(CountReducer(self, self._width, _check_name(name, "name")))
@@ -549,11 +843,22 @@ class ReducerBank:
     def _register(self, reducer: _R) -> _R:
         if self._state is not None:
             raise RuntimeError("reducers must be registered before the bank's first fold.")
-        if reducer.key in self.keys:
-            raise ValueError(f"a reducer with key {reducer.key!r} is already registered.")
+        taken = self.keys
+        for key in reducer.keys:
+            if key in taken or reducer.keys.count(key) > 1:
+                raise ValueError(f"a reducer with key {key!r} is already registered.")
         self._reducers.append(reducer)
         self._width += reducer.width
         return reducer
+
+    def __getstate__(self) -> dict[str, Any]:
+        for reducer in self._reducers:
+            reducer._flush()  # staged folds reach the state before it is pickled
+        return {"_reducers": self._reducers, "_width": self._width, "_state": self._state}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
 
     def _state_on(self, device: torch.device) -> torch.Tensor:
         state = self._state
@@ -564,15 +869,22 @@ class ReducerBank:
 
     def empty(self) -> dict[str, Partial]:
         """Returns the empty partial of every reducer (no transfer, no reset)."""
-        return {r.key: r._empty() for r in self._reducers}
+        out: dict[str, Partial] = {}
+        for reducer in self._reducers:
+            out.update(reducer._empties())
+        return out
 
     def pull(self) -> dict[str, Partial]:
         """Closes the window: one device-to-host transfer, then a reset on the device."""
         state = self._state
         if state is None:
             return self.empty()
+        for reducer in self._reducers:
+            reducer._flush()
         values = state.tolist()  # the one transfer (and sync) of a window
-        out = {r.key: r._partial(values[r._offset : r._offset + r.width]) for r in self._reducers}
+        out: dict[str, Partial] = {}
+        for reducer in self._reducers:
+            out.update(reducer._partials(values))
         self.reset()
         return out
 

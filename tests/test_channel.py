@@ -891,7 +891,9 @@ def test_unreadable_datagrams_are_counted_and_ignored():
 def test_unpicklable_or_oversized_payloads_are_dropped_by_the_sender(warnings_seen):
     channel = sync_channel(RecordingLogger())
     handle = _remote_handle(channel)
-    handle.submit_metrics({"x": threading.Lock()})
+    unpicklable = ListPartial("x", [1.0])
+    unpicklable.lock = threading.Lock()  # a partial that cannot travel
+    handle.submit_metrics({"x": unpicklable})
     handle.submit_metrics({f"k{i}": float(i) for i in range(10_000)})
     assert handle.dropped == 2
     assert len(warnings_seen) == 1 and "pickle" in warnings_seen[0]

@@ -104,7 +104,7 @@ def test_counter_schedule_and_log_on_close(logger, channel):
 def test_schedule_none_emits_every_write_and_sample(logger, channel):
     rb = TensorDictReplayBuffer(storage=LazyTensorStorage(100))
     rb.add_observer(LoggerObserver(channel, metrics=[WriteMetrics(), SampleMetrics()]))
-    for i in range(3):
+    for _ in range(3):
         rb.extend(TensorDict(obs=torch.arange(10.0), batch_size=[10]))
         rb.sample(4)
     assert channel.flush(timeout=10)

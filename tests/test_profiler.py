@@ -8,6 +8,7 @@ import os
 import pickle
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -335,6 +336,41 @@ def test_no_available_activity_profiles_nothing(collectors, tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_one_profile_per_process(collectors, tmp_path):
+    """Two profilers at once would crash torch's Kineto: the second one stands down."""
+    first, second = collectors(batches=4), collectors(batches=4)
+    one = ProfilerObserver(num_rollouts=3, warmup_rollouts=1, save_path=tmp_path / "one.json", **FAST)
+    two = ProfilerObserver(num_rollouts=3, warmup_rollouts=1, save_path=tmp_path / "two.json", **FAST)
+    first.add_observer(one)
+    second.add_observer(two)
+    sizes = []
+    second.add_observer(lambda batch: sizes.append(batch.numel()))
+    for _ in zip(first, second):
+        pass
+    assert one.trace_path == tmp_path / "one.json"
+    assert two.trace_path is None and not two.active and sizes == [8] * 4
+    # once the first is done, the process is free again
+    third = ProfilerObserver(num_rollouts=2, warmup_rollouts=0, save_path=tmp_path / "three.json", **FAST)
+    collector = collectors(batches=2)
+    collector.add_observer(third)
+    for _ in collector:
+        pass
+    assert third.trace_path == tmp_path / "three.json"
+
+
+@pytest.mark.timeout(60)
+def test_stands_down_inside_a_user_profiler(collectors, tmp_path):
+    collector = collectors(batches=3)
+    observer = ProfilerObserver(num_rollouts=2, warmup_rollouts=0, save_path=tmp_path / "t.json", **FAST)
+    collector.add_observer(observer)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as user_profiler:
+        for _ in collector:
+            pass
+    assert observer.trace_path is None and not observer.active
+    assert any(e.key.startswith("aten::") for e in user_profiler.key_averages())  # the user's still works
+
+
+@pytest.mark.timeout(60)
 def test_pickled_copy_starts_from_scratch(collectors, tmp_path):
     profiler = ProfilerObserver(num_rollouts=2, warmup_rollouts=1, save_path=tmp_path / "t_{worker_idx}.json", **FAST)
     collector = collectors(batches=3)
@@ -350,6 +386,27 @@ def test_pickled_copy_starts_from_scratch(collectors, tmp_path):
     for _ in other:
         pass
     assert copy.trace_path == tmp_path / "t_0.json"
+
+
+def test_observer_list_call_transform_seam(collectors):
+    """The seam record_observers uses: applied at every registration, free once removed."""
+    collector = collectors(batches=2)
+    calls: list = []
+    first = Marker(calls, label="first")
+    collector.add_observer(first)
+    observers = observers_of(collector)
+
+    def reverse(event, event_calls):
+        return reversed(event_calls)
+
+    assert observers.set_call_transform(reverse) is None and observers.call_transform is reverse
+    second = Marker(calls, label="second")
+    collector.add_observer(second)  # registered after the transform: transformed too
+    next(iter(collector))
+    assert calls == [("second.pre", 0), ("first.pre", 0), ("second.post", 0), ("first.post", 0)]
+    assert observers.set_call_transform(None) is reverse
+    # without a transform the call tuple holds the observers' own bound methods, in order
+    assert [fn for fn, _ in observers._calls["post_collect"]] == [first.on_post_collect, second.on_post_collect]
 
 
 # -- enable_profile / disable_profile -------------------------------------------------------------
@@ -504,6 +561,50 @@ def test_multi_sync_profiles_in_the_selected_workers(tmp_path):
     assert [step_of(e, events) for e in named(events, "marker/post#")] == ["ProfilerStep#1", "ProfilerStep#2"]
 
 
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        if started:
+            ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_ray_collector_enable_profile_traces_the_selected_remote_collector(ray_cluster, tmp_path):
+    from torchrl.collectors.distributed import RayCollector
+
+    with warnings.catch_warnings():  # a non-module policy has no weights to synchronise
+        warnings.simplefilter("ignore", UserWarning)
+        collector = RayCollector(
+            [CountingEnv, CountingEnv],
+            RandomPolicy(CountingEnv().action_spec),
+            frames_per_batch=16,
+            total_frames=16 * 4,
+            sync=True,
+            remote_configs={"num_cpus": 1},
+        )
+    try:
+        _enable(collector, tmp_path, workers=[1])
+        assert [type(o) for o in collector.observers] == [ProfilerObserver]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            frames = sum(batch.numel() for batch in collector)
+        collector.disable_profile()
+        assert collector.observers == () and collector.profile_config is None
+    finally:
+        collector.shutdown()
+    assert frames == 64
+    assert not (tmp_path / "t_0.json").exists()
+    assert steps(trace_events(tmp_path / "t_1.json")) == ["ProfilerStep#1", "ProfilerStep#2"]
+
+
 # -- the example ---------------------------------------------------------------------------------------
 
 
@@ -512,11 +613,12 @@ def test_example_profile_and_log(tmp_path):
     spec = importlib.util.spec_from_file_location("profile_and_log", REPO / "examples" / "profile_and_log.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    result = example.main(tmp_path, frames_per_batch=50, total_frames=300, num_rollouts=3)
+    result = example.main(tmp_path, frames_per_batch=50, total_frames=300, log_every=100, num_rollouts=3)
     assert result["hook_frames"] == result["logged_frames"] == 300
     events = trace_events(result["trace"])
     assert steps(events) == ["ProfilerStep#1", "ProfilerStep#2"]
-    assert len(named(events, "rl_observers/BatchRewardLogger.on_post_collect")) == 2
+    ranges = named(events, "rl_observers/LoggerObserver.on_post_collect")
+    assert [step_of(e, events) for e in ranges] == ["ProfilerStep#1", "ProfilerStep#2"]
     assert list(result["log_dir"].rglob("*.csv"))
 
 

@@ -110,6 +110,8 @@ def add_observer(self: Any, observer: Any, *, on_error: str | None = None) -> Ob
             events this source emits.
         ValueError: for an ``on_*`` method that is not an event, an unknown
             ``on_error``, or an observer that is already attached.
+        Exception: whatever the observer's ``attached`` method raises; the
+            observer is then not attached.
 
     Examples:
         >>> import rl_observers
@@ -140,7 +142,14 @@ def add_observer(self: Any, observer: Any, *, on_error: str | None = None) -> Ob
                 raise
         attached = getattr(observer, "attached", None)
         if callable(attached):
-            attached(self)
+            try:
+                attached(self)
+            except BaseException:
+                # An observer that refuses its source is not left attached half-way.
+                with _ATTACH_LOCK:
+                    observers.remove(observer)
+                    _release_if_idle(self)
+                raise
     return ObserverHandle(self, observer)
 
 

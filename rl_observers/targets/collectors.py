@@ -62,10 +62,15 @@ class ObservedCollector:
         self._rl_base.post_collect_hook.fset(self, hook)  # type: ignore[attr-defined]
 
     def shutdown(self, *args: Any, **kwargs: Any) -> Any:
+        # The collector shuts down even if an observer raises (on_error="raise"): the
+        # error is raised once torchrl's shutdown has run.
         observers = self.__dict__.get("_rl_observers")
-        if observers is not None:
-            observers.shutdown()
-        return self._rl_base.shutdown(self, *args, **kwargs)  # type: ignore[misc]
+        try:
+            if observers is not None:
+                observers.shutdown()
+        finally:
+            result = self._rl_base.shutdown(self, *args, **kwargs)  # type: ignore[misc]
+        return result
 
     def stats(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         stats = self._rl_base.stats(self, *args, **kwargs)  # type: ignore[misc]

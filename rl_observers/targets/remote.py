@@ -169,6 +169,9 @@ class RemoteKind:
                     "an observer is attached at most once per source."
                 )
             entry = resolve_observer(observer, self.events, self.target_name, on_error)
+            prepare = getattr(observer, "prepare_copies", None)
+            if callable(prepare):
+                prepare(target)
             payload = ship(observer, target, self.where)
             self.check(target, "attach an observer to")
             attached = _Attached(observer, entry.on_error, next(_TOKENS))
@@ -191,6 +194,9 @@ class RemoteKind:
             state.entries = tuple(a for a in state.entries if a is not found)
             if not state.entries:
                 self.last_removed(target)
+        removed = getattr(observer, "copies_removed", None)
+        if callable(removed):
+            removed(target)
 
     def observers(self, target: Any) -> tuple[Any, ...]:
         state = _REMOTE.get(target)

@@ -5,12 +5,19 @@ with the index torchrl returned; ``_sample`` emits with the batch and the
 sampler's info dict (whether or not the caller asked for it), so sampling is
 observed where the batch is made: in the calling thread, or in the prefetch
 thread when the buffer prefetches.
+
+Observers always run eagerly, outside any ``torch.compile``d region: a
+compiled function that writes to or samples from an observed buffer gets
+the graphs (and graph breaks) it gets without observers, and observer code
+is never traced, specialised or recompiled. The cost is one
+``torch.compiler.disable`` boundary per event (a fraction of a microsecond).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torchrl.data import ReplayBuffer
 
 from rl_observers.observer import ObserverList
@@ -18,6 +25,12 @@ from rl_observers.signals import REPLAY_BUFFER_EVENTS
 from rl_observers.targets._observed import register_mixin
 
 __all__ = ["ObservedReplayBuffer", "ReplayBufferObservers"]
+
+
+@torch.compiler.disable
+def _emit_eagerly(observers: ObserverList, event: str, *payload: Any) -> None:
+    """``observers.emit``, with dynamo off for the observers' frames: never traced nor compiled."""
+    observers.emit(event, *payload)
 
 
 class ReplayBufferObservers(ObserverList):
@@ -67,17 +80,17 @@ class ObservedReplayBuffer:
 
     def add(self, data: Any, *args: Any, **kwargs: Any) -> Any:
         index = self._rl_base.add(self, data, *args, **kwargs)  # type: ignore[misc]
-        self._rl_observers.emit("post_add", data, index)
+        _emit_eagerly(self._rl_observers, "post_add", data, index)
         return index
 
     def extend(self, data: Any, *args: Any, **kwargs: Any) -> Any:
         index = self._rl_base.extend(self, data, *args, **kwargs)  # type: ignore[misc]
-        self._rl_observers.emit("post_extend", data, index)
+        _emit_eagerly(self._rl_observers, "post_extend", data, index)
         return index
 
     def _sample(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         result = self._rl_base._sample(self, *args, **kwargs)  # type: ignore[misc]
-        self._rl_observers.emit("post_sample", result[0], result[1])
+        _emit_eagerly(self._rl_observers, "post_sample", result[0], result[1])
         return result
 
     def empty(self, *args: Any, **kwargs: Any) -> None:
@@ -85,8 +98,11 @@ class ObservedReplayBuffer:
         self._rl_observers.emit("empty")
 
     def shutdown(self, *args: Any, **kwargs: Any) -> None:
-        self._rl_observers.shutdown()
-        self._rl_base.shutdown(self, *args, **kwargs)  # type: ignore[misc]
+        # The buffer shuts down even if an observer raises (on_error="raise").
+        try:
+            self._rl_observers.shutdown()
+        finally:
+            self._rl_base.shutdown(self, *args, **kwargs)  # type: ignore[misc]
 
     def stats(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         stats = self._rl_base.stats(self, *args, **kwargs)  # type: ignore[misc]

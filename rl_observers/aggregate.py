@@ -1,0 +1,252 @@
+"""Merging what several workers report into one view, at the channel's owner.
+
+A :class:`~rl_observers.LoggerObserver` copy that runs away from its channel
+(in a multiprocessing worker, a Ray actor, a process writing into a shared
+buffer) does not decide when to log: it *contributes* its window (mergeable
+partials and its cumulative counters) every so often. The channel's owner
+keeps one :class:`Aggregate` per observer name and decides, on its own
+thread:
+
+- ``scope="aggregate"``: partials from all workers merge exactly, cumulative
+  counters add up across workers, and the schedule runs on that global
+  counter (observed at contribution time, not exact); rows go to
+  ``<name>/<metric>`` with ``workers_reporting`` and ``workers``;
+- ``scope="per_worker"``: each worker's window goes to
+  ``<name>/worker_<i>/<metric>`` on that worker's own counter;
+- ``scope="both"``: both.
+
+The aggregate knows nothing of RL: a contribution is a flat mapping of
+gauges and partials plus ``meta`` saying which worker it comes from, its
+counters, and the observer's schedule.
+
+Examples:
+    >>> from rl_observers.aggregate import Aggregate
+    >>> from rl_observers.reducers import Count
+    >>> from torchrl.record.loggers.monitoring import Every
+    >>> agg = Aggregate("collector", schedule=Every.counter("frames", 100), step_key="frames")
+    >>> agg.contribute(0, {"frames": 60.0, "dones": Count("dones", 2)}, {"frames": 60})
+    []
+    >>> rows = agg.contribute(1, {"frames": 50.0, "dones": Count("dones", 1)}, {"frames": 50})
+    >>> [(namespace, step, metrics["frames"], metrics["dones"].n) for namespace, metrics, step in rows]
+    [('collector', 110, 110.0, 3.0)]
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from torchrl.record.loggers.monitoring import Every
+
+from rl_observers.schedule import ScheduleClock
+
+__all__ = ["Aggregate", "AggregateSpec", "Row"]
+
+#: One logger call: ``(namespace, metrics, step)``.
+Row = tuple[str, dict[str, Any], "int | None"]
+#: Seconds without a contribution after which a worker no longer counts as reporting.
+STALE_AFTER = 10.0
+
+
+def _is_partial(value: Any) -> bool:
+    return hasattr(value, "merge") and hasattr(value, "finalize")
+
+
+def _merge_window(window: dict[str, Any], metrics: Mapping[str, Any]) -> None:
+    for key, value in metrics.items():
+        previous = window.get(key)
+        window[key] = previous.merge(value) if _is_partial(value) and previous is not None else value
+
+
+class AggregateSpec:
+    """What the owner needs to know about one observer's contributions (travels in ``meta``)."""
+
+    __slots__ = ("latest", "log_on_close", "schedule", "scope", "step_key")
+
+    def __init__(
+        self,
+        schedule: Every | None,
+        step_key: str | None,
+        scope: str = "aggregate",
+        log_on_close: bool = True,
+        latest: tuple[str, ...] = (),
+    ) -> None:
+        self.schedule = schedule
+        self.step_key = step_key
+        self.scope = scope
+        self.log_on_close = log_on_close
+        self.latest = latest
+
+    def as_meta(self) -> dict[str, Any]:
+        schedule = self.schedule
+        return {
+            "schedule": None if schedule is None else (schedule.kind, schedule.interval, schedule.key),
+            "step_key": self.step_key,
+            "scope": self.scope,
+            "log_on_close": self.log_on_close,
+            "latest": self.latest,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> AggregateSpec:
+        raw = meta.get("schedule")
+        schedule = None if raw is None else Every(kind=raw[0], interval=raw[1], key=raw[2])
+        return cls(
+            schedule,
+            meta.get("step_key"),
+            meta.get("scope", "aggregate"),
+            bool(meta.get("log_on_close", True)),
+            tuple(meta.get("latest", ())),
+        )
+
+
+class _Worker:
+    __slots__ = ("clock", "counters", "gauges", "last_seen", "window")
+
+    def __init__(self, schedule: Every | None) -> None:
+        self.clock = ScheduleClock(schedule)
+        self.counters: dict[str, float] = {}
+        self.gauges: dict[str, Any] = {}
+        self.window: dict[str, Any] = {}
+        self.last_seen = time.monotonic()
+
+
+class Aggregate:
+    """The owner-side view of one observer's contributions from all workers.
+
+    Args:
+        name (str): the observer's namespace.
+
+    Keyword Args:
+        schedule (Every, optional): when rows are due; ``None`` logs at every
+            contribution. Defaults to ``None``.
+        step_key (str, optional): the counter used as step. Defaults to the
+            schedule's counter.
+        scope (str, optional): ``"aggregate"``, ``"per_worker"`` or
+            ``"both"``. Defaults to ``"aggregate"``.
+        log_on_close (bool, optional): whether :meth:`finish` logs the last
+            partial windows. Defaults to ``True``.
+        latest (tuple of str, optional): gauges that are not cumulative
+            counters (e.g. ``batch_size``): the newest value is kept instead
+            of the sum over workers. Defaults to ``()``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        schedule: Every | None = None,
+        step_key: str | None = None,
+        scope: str = "aggregate",
+        log_on_close: bool = True,
+        latest: tuple[str, ...] = (),
+    ) -> None:
+        if step_key is None and schedule is not None and schedule.kind == "counter":
+            step_key = schedule.key
+        self.name = name
+        self.spec = AggregateSpec(schedule, step_key, scope, log_on_close, latest)
+        self.clock = ScheduleClock(schedule)
+        key = schedule.key if schedule is not None and schedule.kind == "counter" else None
+        if key is not None:
+            self.clock.due(0)  # counters start at zero
+        self._key = key
+        self._workers: dict[Any, _Worker] = {}
+        self._window: dict[str, Any] = {}
+        self._fresh = False
+
+    @classmethod
+    def from_meta(cls, name: str, meta: Mapping[str, Any]) -> Aggregate:
+        spec = AggregateSpec.from_meta(meta)
+        return cls(
+            name,
+            schedule=spec.schedule,
+            step_key=spec.step_key,
+            scope=spec.scope,
+            log_on_close=spec.log_on_close,
+            latest=spec.latest,
+        )
+
+    @property
+    def per_worker(self) -> bool:
+        return self.spec.scope in ("per_worker", "both")
+
+    @property
+    def aggregate(self) -> bool:
+        return self.spec.scope in ("aggregate", "both")
+
+    def contribute(
+        self, worker: Any, metrics: Mapping[str, Any], counters: Mapping[str, float]
+    ) -> list[Row]:
+        """Folds one worker's window in; returns the rows now due."""
+        state = self._workers.get(worker)
+        if state is None:
+            state = self._workers[worker] = _Worker(self.spec.schedule)
+            if self._key is not None:
+                state.clock.due(0)
+        state.last_seen = time.monotonic()
+        state.counters = dict(counters)
+        gauges = {k: v for k, v in metrics.items() if not _is_partial(v)}
+        partials = {k: v for k, v in metrics.items() if _is_partial(v)}
+        state.gauges.update(gauges)
+        rows: list[Row] = []
+        if self.per_worker:
+            _merge_window(state.window, partials)
+            counter = counters.get(self._key) if self._key else None
+            if state.clock.due(counter):
+                rows.append(self._worker_row(worker, state))
+        if self.aggregate:
+            _merge_window(self._window, partials)
+            self._fresh = True
+            total = self._total(self._key) if self._key else None
+            if self.clock.due(total):
+                rows.append(self._aggregate_row())
+        return rows
+
+    def finish(self) -> list[Row]:
+        """The last partial windows (if ``log_on_close``); the state is reset."""
+        rows: list[Row] = []
+        if self.spec.log_on_close:
+            if self.per_worker:
+                rows.extend(self._worker_row(w, s) for w, s in self._workers.items() if s.window)
+            if self.aggregate and self._fresh:
+                rows.append(self._aggregate_row())
+        return rows
+
+    # -- rows -------------------------------------------------------------------------------------
+
+    def _total(self, key: str) -> float:
+        return sum(w.counters.get(key, 0) for w in self._workers.values())
+
+    def _step(self, counters: Mapping[str, float]) -> int | None:
+        key = self.spec.step_key
+        value = counters.get(key) if key else None
+        return None if value is None else int(value)
+
+    def _worker_row(self, worker: Any, state: _Worker) -> Row:
+        metrics = {**state.gauges, **state.window}
+        state.window = {}
+        state.clock.fired()
+        return f"{self.name}/worker_{worker}", metrics, self._step(state.counters)
+
+    def _aggregate_row(self) -> Row:
+        workers = self._workers.values()
+        gauges: dict[str, Any] = {}
+        for state in workers:
+            for key, value in state.gauges.items():
+                if key in self.spec.latest:
+                    gauges[key] = value
+                else:
+                    gauges[key] = gauges.get(key, 0) + value
+        now = time.monotonic()
+        gauges["workers"] = len(self._workers)
+        gauges["workers_reporting"] = sum(now - s.last_seen < STALE_AFTER for s in workers)
+        totals: dict[str, float] = {}
+        for state in workers:
+            for key, value in state.counters.items():
+                totals[key] = totals.get(key, 0) + value
+        metrics = {**gauges, **self._window}
+        self._window = {}
+        self._fresh = False
+        self.clock.fired()
+        return self.name, metrics, self._step(totals)

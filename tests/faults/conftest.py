@@ -1,0 +1,195 @@
+"""Shared pieces of the fault-tolerance tests.
+
+A recording torchrl logger that can be slow, hung or broken on demand, the
+warnings the user is shown, and one seeded collection loop (a real
+``Collector`` writing into a real replay buffer and sampling from it) whose
+data is compared with and without faulty observers or sinks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torchrl._utils import logger as torchrl_logger
+from torchrl.collectors import Collector
+from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+from torchrl.envs.utils import RandomPolicy
+from torchrl.record.loggers.common import Logger
+from torchrl.testing.mocking_classes import CountingEnv
+
+
+class FaultyLogger(Logger):
+    """A torchrl Logger recording every ``log_metrics`` call, misbehaving on demand.
+
+    Keyword Args:
+        delay: seconds each call takes (a slow sink).
+        gate: an Event each call waits on (a hung sink until it is set).
+        fail: ``fail(attempt) -> bool``; the calls for which it holds raise.
+    """
+
+    def __init__(
+        self,
+        *,
+        delay: float = 0.0,
+        gate: threading.Event | None = None,
+        fail: Callable[[int], bool] | None = None,
+    ) -> None:
+        self.calls: list[tuple[dict[str, Any], int | None]] = []
+        self.attempts = 0
+        self.delay = delay
+        self.gate = gate
+        self.fail = fail
+        self._lock = threading.Lock()
+        super().__init__(exp_name="faulty", log_dir="")
+
+    def _create_experiment(self) -> None:
+        return None
+
+    def log_metrics(self, metrics, step=None, **kwargs):
+        with self._lock:
+            self.attempts += 1
+            attempt = self.attempts
+        if self.gate is not None:
+            self.gate.wait()
+        if self.delay:
+            time.sleep(self.delay)
+        if self.fail is not None and self.fail(attempt):
+            raise RuntimeError(f"sink failure on call #{attempt}")
+        with self._lock:
+            self.calls.append((dict(metrics), step))
+        return metrics
+
+    def log_scalar(self, name, value, step=None):
+        self.log_metrics({name: value}, step)
+
+    def log_video(self, name, video, step=None, **kwargs):
+        raise NotImplementedError
+
+    def log_hparams(self, cfg):
+        raise NotImplementedError
+
+    def log_histogram(self, name, data, **kwargs):
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return "FaultyLogger()"
+
+    def series(self, name: str) -> list[tuple[int | None, Any]]:
+        """``(step, value)`` of every logged value of ``name``, in logging order."""
+        with self._lock:
+            return [(step, m[name]) for m, step in self.calls if name in m]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return bool(predicate())
+
+
+def assert_balanced(health: dict[str, int]) -> None:
+    """Every submission is accounted for exactly once."""
+    assert health["submitted"] == (
+        health["logged"]
+        + health["pending"]
+        + health["coalesced"]
+        + health["dropped"]
+        + health["sink_errors"]
+    ), health
+
+
+def window_total(logger: FaultyLogger, name: str) -> float:
+    """Sum of a window metric over every logged window: the total when nothing was lost."""
+    return sum(value for _, value in logger.series(name))
+
+
+@pytest.fixture
+def gate():
+    """An Event a hung logger waits on; released at teardown so its thread can end."""
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+@pytest.fixture
+def told():
+    """What the user is told: torchrl logger warnings and ``warnings`` messages, in order."""
+    messages: list[str] = []
+
+    class _Handler(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    handler = _Handler(level=logging.WARNING)
+    torchrl_logger.addHandler(handler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield messages
+    torchrl_logger.removeHandler(handler)
+    messages.extend(str(w.message) for w in caught)
+
+
+# -- one seeded collection loop: collect, write, sample --------------------------------------------
+
+FRAMES_PER_BATCH = 16
+TOTAL_FRAMES = 96
+BATCHES = TOTAL_FRAMES // FRAMES_PER_BATCH
+
+
+def make_collector(total_frames: int = TOTAL_FRAMES) -> Collector:
+    env = CountingEnv(max_steps=7)
+    return Collector(
+        env, RandomPolicy(env.action_spec), frames_per_batch=FRAMES_PER_BATCH, total_frames=total_frames
+    )
+
+
+def make_buffer() -> TensorDictReplayBuffer:
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(1000), batch_size=8)
+    rb.set_rng(torch.Generator().manual_seed(1))
+    return rb
+
+
+def run_loop(attach: Callable[[Collector, TensorDictReplayBuffer], Any] | None = None):
+    """Collects, writes every batch and samples after each write; returns the data seen.
+
+    ``attach(collector, rb)`` attaches observers before the loop. Returns the
+    batches, the samples, the storage contents and the global RNG state.
+    """
+    torch.manual_seed(0)
+    collector = make_collector()
+    rb = make_buffer()
+    if attach is not None:
+        attach(collector, rb)
+    batches, samples = [], []
+    try:
+        for batch in collector:
+            batches.append(batch.clone())
+            rb.extend(batch)
+            samples.append(rb.sample().clone())
+    finally:
+        collector.shutdown()
+    return batches, samples, rb[:].clone(), torch.random.get_rng_state()
+
+
+def assert_same_data(reference, observed) -> None:
+    """The collected batches, samples, storage and RNG are identical."""
+    assert len(reference[0]) == len(observed[0]) == BATCHES
+    for a, b in zip(reference[0] + reference[1], observed[0] + observed[1]):
+        assert (a == b).all()
+    assert (reference[2] == observed[2]).all()
+    assert torch.equal(reference[3], observed[3])
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The loop's data without any observer."""
+    return run_loop()

@@ -1,0 +1,135 @@
+"""Floods and concurrency: a million submissions into a hung sink; a buffer hammered by threads
+while observers come and go."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import psutil
+import pytest
+import torch
+from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+from rl_observers import LoggerObserver, MetricsChannel
+from rl_observers.testing import EventRecorder
+from tests.faults.conftest import FaultyLogger, assert_balanced
+
+SUBMITS = 1_000_000
+THREADS = 8
+CAPACITY = 1024
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_million_submissions_from_eight_threads_into_a_hung_sink(gate):
+    logger = FaultyLogger(gate=gate)
+    channel = MetricsChannel(logger, capacity=CAPACITY, name="flood", health_interval=None)
+    handle = channel.handle(meta={"worker": 0})  # the local handle takes the same path
+    errors: list[BaseException] = []
+    process = psutil.Process()
+    for i in range(10_000):  # warm up: queue full, allocator settled
+        channel.submit_metrics({"x": float(i)}, step=i, namespace=f"warm{i % 64}")
+    gc.collect()
+    rss_before = process.memory_info().rss
+
+    def flood(thread: int) -> None:
+        submit = channel.submit_metrics if thread % 2 else handle.submit_metrics
+        # odd threads reuse 16 namespaces (coalescing), even ones never repeat one (dropping)
+        reuse = thread % 2 == 1
+        try:
+            for i in range(SUBMITS // THREADS):
+                namespace = f"t{thread}/{i % 16}" if reuse else f"t{thread}/{i}"
+                submit({"x": float(i), "n": i}, step=i, namespace=namespace)
+        except BaseException as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=flood, args=(t,)) for t in range(THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    gc.collect()
+    growth = process.memory_info().rss - rss_before
+    assert errors == []
+    assert growth < 50 * 2**20, f"RSS grew by {growth / 2**20:.1f} MiB"
+    health = channel.health()
+    assert health["submitted"] == SUBMITS + 10_000
+    assert health["pending"] <= CAPACITY + 1
+    assert health["coalesced"] > 0 and health["dropped"] > 0
+    assert_balanced(health)
+    gate.set()  # the sink comes back: what is pending is delivered, bounded
+    assert channel.close(timeout=60)
+    assert channel.health()["pending"] == 0
+    assert_balanced(channel.health())
+
+
+PER_THREAD = 1000
+
+
+@pytest.mark.timeout(90)
+def test_threads_writing_and_sampling_while_observers_come_and_go():
+    rb = ReplayBuffer(storage=LazyTensorStorage(100_000), batch_size=8)
+    rb.extend(torch.arange(100))
+    logger = FaultyLogger()
+    channel = MetricsChannel(logger, health_interval=None)
+    steady = EventRecorder()
+    steady_logger = LoggerObserver(channel, name="steady")
+    rb.add_observer(steady)
+    rb.add_observer(steady_logger)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    churned: list[EventRecorder] = []
+
+    def guarded(fn):
+        def run():
+            try:
+                fn()
+            except BaseException as error:  # pragma: no cover - reported below
+                errors.append(error)
+
+        return run
+
+    @guarded
+    def writer():
+        for _ in range(PER_THREAD):
+            rb.extend(torch.arange(5))
+
+    @guarded
+    def sampler():
+        for _ in range(PER_THREAD):
+            rb.sample()
+
+    @guarded
+    def churn():
+        while not stop.is_set():
+            recorder = EventRecorder()
+            handle = rb.add_observer(recorder)
+            churned.append(recorder)
+            rb.sample()  # this thread's own events too
+            handle.remove()
+
+    churner = threading.Thread(target=churn)
+    churner.start()
+    workers = [threading.Thread(target=f) for f in (writer, writer, sampler, sampler)]
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join()
+    stop.set()
+    churner.join()
+    assert errors == []
+    assert rb.observers == (steady, steady_logger)
+    churn_samples = len(churned)
+    # observers attached throughout saw every event exactly once
+    assert steady.count("post_extend") == 2 * PER_THREAD
+    assert steady.count("post_sample") == 2 * PER_THREAD + churn_samples
+    assert channel.flush(timeout=30)
+    assert logger.series("steady/items_written")[-1][1] == 2 * PER_THREAD * 5
+    assert logger.series("steady/sample_calls")[-1][1] == 2 * PER_THREAD + churn_samples
+    # observers that came and went saw at most what happened while they were attached
+    assert churn_samples > 0
+    for recorder in churned:
+        assert recorder.count("post_sample") >= 1  # their own sample, at least
+        assert recorder.count("post_extend") <= 2 * PER_THREAD
+    assert channel.close(timeout=10)

@@ -1,0 +1,219 @@
+"""Lifecycle orders: things closed, shut down, removed, added or collected at awkward moments."""
+
+from __future__ import annotations
+
+import csv
+import gc
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+from rl_observers import Every, LoggerObserver, MetricsChannel, WriteMetrics
+from rl_observers.testing import EventRecorder
+from tests.faults.conftest import (
+    BATCHES,
+    FaultyLogger,
+    assert_balanced,
+    assert_same_data,
+    make_collector,
+    run_loop,
+)
+
+
+@pytest.mark.timeout(60)
+def test_closing_the_channel_while_sources_run_drops_and_counts(reference, told):
+    logger = FaultyLogger()
+    channel = MetricsChannel(logger, name="early", health_interval=None)
+
+    class ClosesTheChannelAtBatch3:
+        batches = 0
+
+        def on_post_collect(self, source, batch):
+            self.batches += 1
+            if self.batches == 3:
+                assert channel.close(timeout=10)
+
+    def attach(collector, rb):
+        collector.add_observer(LoggerObserver(channel))
+        collector.add_observer(ClosesTheChannelAtBatch3())
+        rb.add_observer(LoggerObserver(channel))
+
+    assert_same_data(reference, run_loop(attach))  # no exception reached the loop
+    health = channel.health()
+    assert health["dropped"] == (BATCHES - 3) + 2 * (BATCHES - 2)  # collector and buffer windows
+    assert_balanced(health)
+    assert [s for s, _ in logger.series("collector/frames")] == [16, 32, 48]
+    closed = [m for m in told if "is closed" in m]
+    assert len(closed) == 1 and "'early'" in closed[0] and "dropped" in closed[0]
+
+
+@pytest.mark.timeout(60)
+def test_shutting_a_source_down_while_its_observers_and_the_channel_run():
+    logger = FaultyLogger()
+    channel = MetricsChannel(logger, health_interval=None)
+    rbs = [ReplayBuffer(storage=LazyTensorStorage(100)) for _ in range(2)]
+    observers = [
+        LoggerObserver(channel, schedule=Every.counter("write_count", 1000), metrics=WriteMetrics(), name=f"rb{i}")
+        for i in range(2)
+    ]
+    for rb, observer in zip(rbs, observers):
+        rb.add_observer(observer)
+        rb.extend(torch.arange(5))
+    rbs[0].shutdown()  # its last window is logged; the channel goes on
+    assert channel.flush(timeout=10)
+    assert logger.series("rb0/items_written") == [(5, 5.0)]
+    rbs[1].extend(torch.arange(5))
+    rbs[0].remove_observer(observers[0])  # after shutdown: nothing left to log, no error
+    assert rbs[0].observers == ()
+    assert not channel.closed
+    assert channel.close(timeout=10)
+    assert logger.series("rb0/items_written") == [(5, 5.0)]
+    assert logger.series("rb1/items_written") == [(10, 10.0)]
+
+
+class RemovesItself(EventRecorder):
+    def on_post_extend(self, source, data, index):
+        super().on_post_extend(source, data, index)
+        source.remove_observer(self)
+
+
+def test_an_observer_removing_itself_during_its_own_event():
+    rb = ReplayBuffer(storage=LazyTensorStorage(100))
+    leaving, staying = RemovesItself(), EventRecorder()
+    rb.add_observer(leaving)
+    rb.add_observer(staying)
+    index = rb.extend(torch.arange(4))
+    assert index.tolist() == [0, 1, 2, 3]
+    rb.extend(torch.arange(4))
+    assert leaving.events == ["post_extend"]
+    assert staying.events == ["post_extend", "post_extend"]  # the walk went on after the removal
+    assert rb.observers == (staying,)
+    # alone, it leaves a plain torchrl buffer behind, from inside the observed call
+    alone = ReplayBuffer(storage=LazyTensorStorage(100))
+    alone.add_observer(RemovesItself())
+    assert alone.extend(torch.arange(3)).tolist() == [0, 1, 2]
+    assert type(alone) is ReplayBuffer and alone.observers == ()
+    assert alone.extend(torch.arange(3)).tolist() == [3, 4, 5]
+
+
+@pytest.mark.timeout(60)
+def test_a_plain_callable_removing_itself_mid_collection():
+    collector = make_collector()
+    seen = []
+
+    def once(batch):
+        seen.append(batch.numel())
+        collector.remove_observer(once)
+
+    collector.add_observer(once)
+    try:
+        assert sum(batch.numel() for batch in collector) == 96
+    finally:
+        collector.shutdown()
+    assert seen == [16] and collector.observers == ()
+
+
+def test_an_observer_removed_by_another_still_gets_the_event_in_flight():
+    """An event in flight finishes over the observers it started with (a snapshot)."""
+    rb = ReplayBuffer(storage=LazyTensorStorage(100))
+    removed = EventRecorder()
+
+    class RemovesTheNext:
+        def on_post_extend(self, source, data, index):
+            if removed in source.observers:
+                source.remove_observer(removed)
+
+    rb.add_observer(RemovesTheNext())
+    rb.add_observer(removed)
+    rb.extend(torch.arange(2))
+    rb.extend(torch.arange(2))
+    assert removed.events == ["post_extend"]
+
+
+def test_an_observer_added_during_another_observers_event_starts_with_the_next_event():
+    rb = ReplayBuffer(storage=LazyTensorStorage(100))
+    late = EventRecorder()
+
+    class AddsALateObserver:
+        def on_post_extend(self, source, data, index):
+            if late not in source.observers:
+                source.add_observer(late)
+
+    rb.add_observer(AddsALateObserver())
+    rb.extend(torch.arange(2))
+    assert late.events == []  # not the event in flight
+    rb.extend(torch.arange(2))
+    rb.sample(2)
+    assert late.events == ["post_extend", "post_sample"]
+
+
+@pytest.mark.timeout(60)
+def test_a_collector_garbage_collected_without_shutdown_logs_its_last_window():
+    logger = FaultyLogger()
+    channel = MetricsChannel(logger, health_interval=None)
+    collector = make_collector()
+    recorder = EventRecorder()
+    collector.add_observer(LoggerObserver(channel, schedule=Every.counter("frames", 10_000)))
+    collector.add_observer(recorder)
+    batches = iter(collector)
+    next(batches)
+    next(batches)
+    ref = weakref.ref(collector)
+    del batches, collector
+    gc.collect()
+    assert ref() is None  # observers did not keep it alive
+    assert recorder.events[-1] == "shutdown"  # torchrl's __del__ shut it down, observed
+    assert channel.flush(timeout=10)
+    assert logger.series("collector/frames") == [(32, 32.0)]
+    assert channel.close(timeout=10)
+
+
+_EXIT_SCRIPT = """
+import sys
+import torch
+import rl_observers
+from rl_observers import Every
+from torchrl.collectors import Collector
+from torchrl.data import LazyTensorStorage, ReplayBuffer
+from torchrl.envs.utils import RandomPolicy
+from torchrl.record import CSVLogger
+from torchrl.testing.mocking_classes import CountingEnv
+
+logger = CSVLogger(exp_name="exit", log_dir=sys.argv[1])
+rb = ReplayBuffer(storage=LazyTensorStorage(100))
+rb.attach_logger(logger, schedule=Every.counter("write_count", 1000))
+env = CountingEnv()
+collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=8, total_frames=-1)
+collector.attach_logger(logger, schedule=Every.counter("frames", 10_000))
+batches = iter(collector)
+for _ in range(3):
+    rb.extend(next(batches)["observation"])
+print("pending windows, no close, no shutdown: exiting", flush=True)
+"""
+
+
+def _read_csv(path: Path) -> list[tuple[int, float]]:
+    with open(path) as file:
+        return [(int(step), float(value)) for step, value in csv.reader(file)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_interpreter_exit_delivers_pending_windows(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=80,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "exiting" in done.stdout
+    scalars = tmp_path / "exit" / "scalars"
+    assert _read_csv(scalars / "replaybuffer" / "items_written.csv") == [(24, 24.0)]
+    assert _read_csv(scalars / "collector" / "frames.csv") == [(24, 24.0)]
+    assert "Traceback" not in done.stderr

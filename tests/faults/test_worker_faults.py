@@ -1,0 +1,247 @@
+"""Worker faults: a multiprocessing collector worker SIGKILLed, a Ray collector actor killed.
+
+Observer copies run in the workers and send their windows to the driver's
+channel. When a worker dies:
+
+* an iterated ``MultiSyncCollector`` / ``MultiAsyncCollector`` notices it
+  within torchrl's health-check interval, *terminates the other workers*
+  (``SIGTERM``, torchrl's policy) and raises: the driver is not stuck, what
+  the workers submitted before is logged, and the survivors' last partial
+  windows are lost with them;
+* a collector running free after ``start()`` keeps collecting with the
+  survivors, whose metrics keep flowing into the aggregate, and a later
+  ``shutdown()`` lets the survivors' observers close their windows;
+* a ``RayCollector`` whose actor is killed raises ``ActorDiedError`` from its
+  iterator, and its shutdown is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import cloudpickle
+import pytest
+from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector
+from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+import tests._remote_observers as remote_observers
+from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel
+from tests.faults.conftest import FaultyLogger, wait_for
+from tests.test_remote_targets import make_multi
+
+pytestmark = pytest.mark.slow
+
+
+def lines_of(log: Path, tag: str, event: str) -> Counter[int]:
+    """Events of ``tag`` recorded in ``log``, counted per worker."""
+    return Counter(
+        line.worker for line in remote_observers.read_lines(log) if line.tag == tag and line.event == event
+    )
+
+
+def frames_logged(logger: FaultyLogger) -> list[float]:
+    return [value for _, value in logger.series("workers/frames")]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("cls", [MultiSyncCollector, MultiAsyncCollector], ids=["sync", "async"])
+def test_a_worker_killed_while_the_collector_is_iterated(tmp_path, cls):
+    log = tmp_path / "events.txt"
+    logger = FaultyLogger()
+    channel = MetricsChannel(logger, health_interval=None)
+    collector = make_multi(cls, "fork", frames_per_batch=20, total_frames=20_000)
+    received = 0
+    try:
+        collector.add_observer(remote_observers.CollectorLog(log, "rec"))
+        collector.add_observer(LoggerObserver(channel, metrics=CollectorBatchMetrics(), name="workers"))
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"worker 0 \(exit code -9\)"):
+            for i, batch in enumerate(collector):
+                received += batch.numel()
+                if i == 3:
+                    os.kill(collector.procs[0].pid, signal.SIGKILL)
+        assert time.monotonic() - start < 30  # noticed, not hung
+    finally:
+        start = time.monotonic()
+        collector.shutdown()
+        assert time.monotonic() - start < 30
+    assert set(lines_of(log, "rec", "post_collect")) == {0, 1}  # both collected before the kill
+    assert channel.flush(timeout=30)
+    assert frames_logged(logger) and max(frames_logged(logger)) > 0  # what was sent is logged
+    channel.submit_metrics({"after": 1.0})  # the channel is unaffected
+    assert channel.flush(timeout=10) and logger.series("after") == [(None, 1.0)]
+    assert channel.close(timeout=10)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_killed_while_the_collector_runs_free(tmp_path, monkeypatch):
+    import rl_observers.aggregate as aggregate
+
+    if hasattr(aggregate, "STALE_AFTER"):
+        monkeypatch.setattr(aggregate, "STALE_AFTER", 1.0)
+    log = tmp_path / "events.txt"
+    logger = FaultyLogger()
+    channel = MetricsChannel(logger, health_interval=None)
+    rb = ReplayBuffer(storage=LazyTensorStorage(500_000), shared=True)
+    collector = make_multi(MultiSyncCollector, "fork", frames_per_batch=20, total_frames=-1, replay_buffer=rb)
+    try:
+        collector.add_observer(remote_observers.CollectorLog(log, "rec"))
+        collector.add_observer(
+            LoggerObserver(channel, schedule=Every.counter("frames", 200), metrics=CollectorBatchMetrics(), name="workers")
+        )
+        collector.start()
+        assert wait_for(lambda: channel.flush(timeout=5) and len(frames_logged(logger)) >= 3, timeout=60)
+        os.kill(collector.procs[0].pid, signal.SIGKILL)
+        time.sleep(0.5)
+        channel.flush(timeout=10)
+        at_kill = frames_logged(logger)[-1]
+        survivor = lines_of(log, "rec", "post_collect")[1]
+        # the survivor goes on: its batches are observed and the aggregate keeps growing
+        assert wait_for(lambda: lines_of(log, "rec", "post_collect")[1] > survivor + 10, timeout=30)
+        assert wait_for(lambda: channel.flush(timeout=5) and frames_logged(logger)[-1] > at_kill + 200, timeout=30)
+        if hasattr(aggregate, "STALE_AFTER"):  # the user sees that one worker stopped reporting
+            assert wait_for(
+                lambda: channel.flush(timeout=5)
+                and logger.series("workers/workers_reporting")[-1][1] == 1,
+                timeout=30,
+            )
+    finally:
+        start = time.monotonic()
+        collector.shutdown()
+        assert time.monotonic() - start < 30
+    assert lines_of(log, "rec", "shutdown") == {1: 1}  # the survivor closed its window
+    assert channel.close(timeout=10)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(
+    strict=False,
+    reason="remove_observer on a multiprocessing collector with a dead worker raises "
+    "RemoteAttachError('[Errno 32] Broken pipe') from the first pipe send, after the surviving "
+    "workers may already have dropped their copy, and leaves the observer listed in "
+    "collector.observers (rl_observers.targets._multiprocess._call_workers / RemoteKind.remove).",
+)
+def test_removing_an_observer_after_a_worker_died_leaves_a_consistent_state(tmp_path):
+    log = tmp_path / "events.txt"
+    rb = ReplayBuffer(storage=LazyTensorStorage(500_000), shared=True)
+    collector = make_multi(MultiSyncCollector, "fork", frames_per_batch=20, total_frames=-1, replay_buffer=rb)
+    observer = remote_observers.CollectorLog(log, "rec")
+    try:
+        collector.add_observer(observer)
+        collector.start()
+        assert wait_for(lambda: len(lines_of(log, "rec", "post_collect")) == 2, timeout=60)
+        os.kill(collector.procs[0].pid, signal.SIGKILL)
+        assert wait_for(lambda: not collector.procs[0].is_alive(), timeout=10)
+        start = time.monotonic()
+        try:
+            collector.remove_observer(observer)
+        except Exception as error:  # a clear error is fine, an inconsistent state is not
+            assert "worker 0" in str(error)
+        assert time.monotonic() - start < 30
+        assert collector.observers == ()  # the driver's record matches the survivors
+        seen = lines_of(log, "rec", "post_collect")[1]
+        time.sleep(1.0)
+        assert lines_of(log, "rec", "post_collect")[1] <= seen + 1  # the survivor's copy is gone
+    finally:
+        collector.shutdown()
+
+
+# -- Ray -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def ray_cluster(monkeypatch):
+    ray = pytest.importorskip("ray")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    module = sys.modules[remote_observers.__name__]
+    cloudpickle.register_pickle_by_value(module)
+    ray.cloudpickle.register_pickle_by_value(module)
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+        ray.cloudpickle.unregister_pickle_by_value(module)
+        if started:
+            ray.shutdown()
+
+
+def _ray_collector():
+    from torchrl.collectors.distributed import RayCollector
+    from torchrl.envs.utils import RandomPolicy
+    from torchrl.testing.mocking_classes import CountingEnv
+
+    env = CountingEnv()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return RayCollector(
+            [CountingEnv, CountingEnv],
+            RandomPolicy(env.action_spec),
+            frames_per_batch=10,
+            total_frames=20_000,
+            remote_configs={"num_cpus": 1},
+        )
+
+
+def _kill_actor_at_batch_3(ray, collector) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        for i, _ in enumerate(collector):
+            if i == 3:
+                ray.kill(collector.remote_collectors[0], no_restart=True)
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_ray_collector_actor(ray_cluster, tmp_path, told):
+    from ray.exceptions import RayActorError
+
+    log = tmp_path / "events.txt"
+    logger = FaultyLogger()
+    channel = MetricsChannel(logger, health_interval=None)
+    collector = _ray_collector()
+    try:
+        collector.add_observer(remote_observers.CollectorLog(log, "rec"))
+        collector.add_observer(LoggerObserver(channel, metrics=CollectorBatchMetrics(), name="workers"))
+        start = time.monotonic()
+        with pytest.raises(RayActorError):
+            _kill_actor_at_batch_3(ray_cluster, collector)
+        assert time.monotonic() - start < 60
+    finally:
+        start = time.monotonic()
+        collector.shutdown()
+        assert time.monotonic() - start < 60
+    assert set(lines_of(log, "rec", "post_collect")) == {0, 1}
+    assert channel.flush(timeout=30)
+    assert frames_logged(logger) and max(frames_logged(logger)) > 0
+    assert len([m for m in told if "could not emit 'shutdown'" in m]) <= 1
+    assert channel.close(timeout=10)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.xfail(
+    strict=False,
+    reason="when one remote collector is dead, RayCollector shutdown gives up on emitting "
+    "'shutdown' at the first ActorDiedError (rl_observers.targets._ray._emit_shutdown: one "
+    "ray.get over all refs) and torchrl then kills the surviving actors, whose observers may "
+    "never close their last window.",
+)
+def test_surviving_ray_actors_close_their_windows_when_another_actor_died(ray_cluster, tmp_path):
+    from ray.exceptions import RayActorError
+
+    log = tmp_path / "events.txt"
+    collector = _ray_collector()
+    try:
+        collector.add_observer(remote_observers.CollectorLog(log, "rec"))
+        with pytest.raises(RayActorError):
+            _kill_actor_at_batch_3(ray_cluster, collector)
+    finally:
+        collector.shutdown()
+    assert lines_of(log, "rec", "shutdown") == {1: 1}

@@ -1,0 +1,209 @@
+"""LoggerObserver across processes: copies contribute, the channel's owner aggregates exactly."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import warnings
+from functools import partial
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torchrl.collectors import MultiSyncCollector
+from torchrl.data import LazyTensorStorage, ReplayBuffer
+from torchrl.envs import GymEnv
+from torchrl.envs.utils import RandomPolicy
+from torchrl.record import CSVLogger
+
+from rl_observers import (
+    CollectorBatchMetrics,
+    Every,
+    LoggerObserver,
+    MetricsChannel,
+    SampleMetrics,
+    WriteMetrics,
+)
+
+NEVER = Every.counter("frames", 10**12)
+
+
+@contextlib.contextmanager
+def start_method(method):
+    context = multiprocessing.context._default_context
+    previous = context._actual_context
+    multiprocessing.set_start_method(method, force=True)
+    try:
+        yield
+    finally:
+        context._actual_context = previous
+
+
+def pendulum_multisync(method, frames_per_batch=200, total_frames=1200):
+    env = GymEnv("Pendulum-v1")
+    with start_method(method):
+        return MultiSyncCollector(
+            [partial(GymEnv, "Pendulum-v1")] * 2,
+            RandomPolicy(env.action_spec),
+            frames_per_batch=frames_per_batch,
+            total_frames=total_frames,
+        )
+
+
+def scalars(logger, name):
+    return logger.experiment.scalars.get(name, [])
+
+
+def episodes_per_worker(batches):
+    """Ground truth from every frame the driver received: batches are [workers, time]."""
+    episodes = []
+    for worker in range(batches[0].shape[0]):
+        running = 0.0
+        for batch in batches:
+            rewards = batch["next", "reward"][worker].reshape(-1).tolist()
+            dones = batch["next", "done"][worker].reshape(-1).tolist()
+            for reward, done in zip(rewards, dones):
+                running += reward
+                if done:
+                    episodes.append(running)
+                    running = 0.0
+    return episodes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_multisync_aggregate_is_exact_over_every_frame(tmp_path, method):
+    logger = CSVLogger(exp_name="agg", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger, health_interval=None)
+    collector = pendulum_multisync(method)
+    # a schedule that never fires: the run still ends with one aggregate row over all the data
+    collector.add_observer(LoggerObserver(channel, schedule=NEVER, scope="both", name="mp"))
+    batches = [batch.clone() for batch in collector]
+    collector.shutdown()
+    assert channel.close(timeout=60)
+    assert batches[0].shape[0] == 2
+
+    rewards = torch.cat([b["next", "reward"].reshape(-1) for b in batches]).double()
+    (row_mean,) = scalars(logger, "mp/reward_mean")
+    assert row_mean == (1200, pytest.approx(rewards.mean().item(), rel=1e-9))
+    assert scalars(logger, "mp/reward_min")[0][1] == pytest.approx(rewards.min().item())
+    assert scalars(logger, "mp/reward_std")[0][1] == pytest.approx(rewards.std(unbiased=False).item(), rel=1e-6)
+    truth = episodes_per_worker(batches)
+    assert len(truth) == 6  # three 200-step episodes per worker, each spanning two batches
+    assert scalars(logger, "mp/episodes") == [(1200, 6.0)]
+    assert scalars(logger, "mp/episode_return_mean")[0][1] == pytest.approx(sum(truth) / 6, rel=1e-9)
+    assert scalars(logger, "mp/episode_return_min")[0][1] == pytest.approx(min(truth), rel=1e-9)
+    assert scalars(logger, "mp/workers")[0][1] == 2
+    # per worker: each worker's own step
+    for worker in (0, 1):
+        assert scalars(logger, f"mp/worker_{worker}/frames") == [(600, 600.0)]
+        worker_rewards = torch.cat([b["next", "reward"][worker].reshape(-1) for b in batches]).double()
+        assert scalars(logger, f"mp/worker_{worker}/reward_mean")[0][1] == pytest.approx(
+            worker_rewards.mean().item(), rel=1e-9
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_global_counter_schedule_and_removal_flush(tmp_path):
+    logger = CSVLogger(exp_name="sched", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger, health_interval=None)
+    collector = pendulum_multisync("fork", total_frames=1600)
+    observer = LoggerObserver(channel, schedule=Every.counter("frames", 400), name="mp")
+    collector.add_observer(observer)
+    received = 0
+    for i, batch in enumerate(collector):
+        received += batch.numel()
+        if i == 5:  # 1200 frames in
+            collector.remove_observer(observer)
+            assert channel.flush(timeout=30)
+            # everything the copies produced, their last windows included, reached the logger
+            assert scalars(logger, "mp/frames")[-1] == (1200, 1200.0)
+    collector.shutdown()
+    channel.close(timeout=30)
+    steps = [step for step, _ in scalars(logger, "mp/frames")]
+    assert steps[-1] == 1200 and steps == sorted(steps)
+    assert all(step % 400 == 0 for step in steps)  # thresholds on the global (summed) counter
+    assert received == 1600
+
+
+def _rows(n):
+    return TensorDict(obs=torch.arange(n, dtype=torch.float32), batch_size=[n])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_shared_buffer_writes_from_every_worker_are_aggregated(tmp_path):
+    logger = CSVLogger(exp_name="shared", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger, health_interval=None)
+    rb = ReplayBuffer(storage=LazyTensorStorage(10_000), shared=True)
+    rb.add_observer(LoggerObserver(channel, schedule=Every.counter("write_count", 10**9), metrics=WriteMetrics(), name="rb"))
+    rb.extend(_rows(4))  # a shared storage is initialised before it travels
+    env = GymEnv("Pendulum-v1")
+    with start_method("fork"):
+        collector = MultiSyncCollector(
+            [partial(GymEnv, "Pendulum-v1")] * 2,
+            RandomPolicy(env.action_spec),
+            frames_per_batch=100,
+            total_frames=600,
+            replay_buffer=rb,
+        )
+    for _ in collector:
+        pass
+    collector.shutdown()
+    assert channel.close(timeout=60)
+    # the driver's own write (4 items) and both workers' writes: one aggregate row
+    assert scalars(logger, "rb/items_written") == [(rb.write_count, float(rb.write_count))]
+    assert rb.write_count == 604
+    assert scalars(logger, "rb/workers")[0][1] == 3  # two workers and the driver
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_ray_collector_into_ray_buffer_one_logger(ray_cluster, tmp_path):
+    from torchrl.collectors.distributed import RayCollector
+    from torchrl.data import RayReplayBuffer
+
+    logger = CSVLogger(exp_name="ray", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger, health_interval=None)
+    rb = RayReplayBuffer(storage=partial(LazyTensorStorage, 10_000), batch_size=32, remote_config={"num_cpus": 0})
+    env = GymEnv("Pendulum-v1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        collector = RayCollector(
+            [partial(GymEnv, "Pendulum-v1")] * 2,
+            RandomPolicy(env.action_spec),
+            frames_per_batch=200,
+            total_frames=800,
+            sync=True,
+            remote_configs={"num_cpus": 1},
+        )
+    collector.add_observer(LoggerObserver(channel, schedule=NEVER, metrics=CollectorBatchMetrics(), name="ray_collector"))
+    rb.add_observer(
+        LoggerObserver(channel, schedule=Every.counter("sample_calls", 10**9), metrics=[WriteMetrics(), SampleMetrics()], name="ray_rb")
+    )
+    written = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        for batch in collector:
+            rb.extend(batch.reshape(-1))
+            written += batch.numel()
+            rb.sample()
+    collector.shutdown()
+    rb.close()
+    assert channel.close(timeout=60)
+    assert scalars(logger, "ray_collector/frames") == [(800, 800.0)]
+    assert scalars(logger, "ray_collector/workers")[0][1] == 2
+    assert scalars(logger, "ray_rb/items_written")[0][1] == written
+    assert scalars(logger, "ray_rb/sample_calls")[0][1] == 4
