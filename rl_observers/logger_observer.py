@@ -304,7 +304,10 @@ class LoggerObserver(Observer):
         if self._sets is None:
             self._sets = default_metrics(source)
         if self._pristine is None:  # what a copy restarts from where it runs (see _resolve_mode)
-            self._pristine = pickle.dumps(self._sets)
+            try:
+                self._pristine = pickle.dumps(self._sets)
+            except Exception:  # sets that cannot pickle cannot travel either: only forks copy them
+                self._pristine = b""
         self._wire()
         counters = self._counters()
         key = self.schedule.key if self.schedule is not None and self.schedule.kind == "counter" else None
@@ -406,7 +409,7 @@ class LoggerObserver(Observer):
         away = os.getpid() != self._home_pid or info.remote
         self._mode = "contribute" if away else "local"
         if away:
-            if os.getpid() != self._home_pid and self._pristine is not None:
+            if os.getpid() != self._home_pid and self._pristine:
                 # a copy counts what its own process sees, not what the original had seen
                 self._sets = pickle.loads(self._pristine)
                 self._wire()
