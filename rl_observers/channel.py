@@ -603,7 +603,11 @@ class _ChannelCore:
         else:
             ref = _StrongRef(callback)
         with self._lock:
-            self._close_callbacks.append(ref)
+            # Forget the callbacks of objects already gone: observers attached and
+            # removed over and over do not make the list grow.
+            live = [r for r in self._close_callbacks if r() is not None]
+            live.append(ref)
+            self._close_callbacks = live
 
     def _run_close_callbacks(self) -> None:
         with self._lock:

@@ -95,8 +95,11 @@ def add_observer(self: Any, observer: Any, *, on_error: str | None = None) -> Ob
 
     Keyword Args:
         on_error (str, optional): what happens when the observer raises:
-            ``"warn"`` logs one warning per failure streak and goes on,
-            ``"raise"`` propagates the error to the caller, ``"ignore"`` goes
+            ``"warn"`` logs one warning per failure streak (from the first
+            failing event until every failing event succeeded again) and
+            goes on, ``"raise"`` propagates the error to the caller (the
+            observers after it miss that event; ``shutdown`` still reaches
+            them all and the source still shuts down), ``"ignore"`` goes
             on silently. Defaults to the observer's own ``on_error`` attribute
             if it has one, else ``"warn"``.
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
-from rl_observers import LoggerObserver, MetricsChannel
+from rl_observers import LoggerObserver, MetricsChannel, WriteMetrics
 from rl_observers.testing import EventRecorder
 from tests.faults.conftest import FaultyLogger, assert_balanced
 
@@ -133,3 +133,17 @@ def test_threads_writing_and_sampling_while_observers_come_and_go():
         assert recorder.count("post_sample") >= 1  # their own sample, at least
         assert recorder.count("post_extend") <= 2 * PER_THREAD
     assert channel.close(timeout=10)
+
+
+def test_logger_observers_attached_and_removed_over_and_over_leave_no_callbacks_behind():
+    channel = MetricsChannel(FaultyLogger(), background=False, health_interval=None)
+    rb = ReplayBuffer(storage=LazyTensorStorage(10))
+    for _ in range(2000):
+        rb.add_observer(LoggerObserver(channel, metrics=WriteMetrics())).remove()
+    kept = LoggerObserver(channel, metrics=WriteMetrics(), name="kept")
+    rb.add_observer(kept)
+    gc.collect()
+    assert len(channel._core._close_callbacks) <= 2  # the removed observers' callbacks are gone
+    rb.extend(torch.arange(3))
+    assert channel.close()
+    assert channel.logger.series("kept/items_written")[-1][1] == 3

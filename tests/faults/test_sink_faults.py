@@ -174,7 +174,7 @@ def test_a_flaky_sink_recovers_and_logging_resumes(told):
     streaks = [m for m in sink_warnings(told) if "'flaky'" in m]
     assert len(streaks) == 2 and "sink failure" in streaks[0]
     # the channel's health, logged once the sink is back, reports the errors
-    assert logger.series("flaky/sink_errors")[-1][1] == health["sink_errors"]
+    assert wait_for(lambda: (logger.series("flaky/sink_errors") or [(0, -1)])[-1][1] == health["sink_errors"])
     assert channel.close(timeout=10)
 
 
