@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import os
+import pickle
 import threading
 import weakref
 from collections.abc import Callable, Iterable
+from multiprocessing.context import get_spawning_popen
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Literal
 
 from torchrl._utils import logger as torchrl_logger
@@ -54,7 +58,11 @@ class Observer:
     of a target is an error at attach time. An observer whose class defines
     more event methods than an instance needs may narrow them with an
     ``observed_events`` attribute (a tuple of event names), read at attach time. Observers must be picklable to be
-    shipped to worker processes and Ray actors.
+    shipped to worker processes and Ray actors. The observers of a shared
+    replay buffer travel inside the buffer's pickle to ``spawn`` workers; one
+    that cannot be unpickled there is left behind in that worker, with one
+    warning naming it and the error, and the buffer and its other observers
+    work as usual.
 
     Examples:
         >>> import torch
@@ -237,6 +245,17 @@ class ObserverList:
     Lives on an observed source as ``source._rl_observers``. Emitting walks a
     tuple built at registration; a registration replaces the tuple, so an
     event in flight finishes over the snapshot it started with.
+
+    The list pickles with its source. When it is pickled for a new process
+    (``spawn`` / ``forkserver`` workers of a multiprocessing collector
+    receiving a shared replay buffer), each observer is pickled on its own:
+    one that fails to unpickle in the new process is left behind there, with
+    one warning through torchrl's logger naming it and the error, whatever
+    its ``on_error``; the source and the other observers go on. It keeps its
+    place in the list as a stand-in that receives no event, so positions
+    match across processes. Observers that reach their own list again (an
+    observer holding its source) are pickled inline, as is any list pickled
+    elsewhere (Ray, ``copy.deepcopy``, ``pickle``).
     """
 
     def __init__(self, source: Any, events: tuple[str, ...], target_name: str) -> None:
@@ -364,23 +383,109 @@ class ObserverList:
         if first_error is not None:
             raise first_error
 
-    # -- pickling: observers travel with their source ------------------------------------------
+    # -- pickling: observers travel with their source (see the class docstring) -----------------
 
     def __getstate__(self) -> dict[str, Any]:
-        return {
+        attached = [(e.observer, e.on_error) for e in self.entries]
+        state = {
             "source": self.source,
             "events": self.events,
             "target_name": self.target_name,
-            "attached": [(e.observer, e.on_error) for e in self.entries],
+            "attached": attached,
             "shut_down": self._shut_down,
         }
+        if attached and get_spawning_popen() is not None:
+            apart = _pickle_apart(self, attached)
+            if apart is not None:
+                state["attached"], state["attached_apart"] = [], apart
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["source"], state["events"], state["target_name"])  # type: ignore[misc]
         self._shut_down = state["shut_down"]
-        for observer, on_error in state["attached"]:
-            self.entries = (*self.entries, resolve_observer(observer, self.events, self.target_name, on_error))
+        entries = [
+            resolve_observer(observer, self.events, self.target_name, on_error)
+            for observer, on_error in state["attached"]
+        ]
+        for payload, on_error, description in state.get("attached_apart", ()):
+            try:
+                observer = pickle.loads(payload)
+            except Exception as error:
+                torchrl_logger.warning(
+                    f"rl_observers: observer {description} of a {self.target_name} could not be "
+                    f"unpickled in process {os.getpid()} ({type(error).__name__}: {error}); it is left "
+                    f"behind: the {self.target_name} and its other observers go on without it here."
+                )
+                entries.append(_Entry(_ObserverLeftBehind(description, error), {}, on_error))
+            else:
+                entries.append(resolve_observer(observer, self.events, self.target_name, on_error))
+        self.entries = tuple(entries)
         self._rebuild()
+
+
+# The observer lists being pickled apart, per thread: an observer that pickles its own source
+# reaches its list again, which is then pickled inline instead.
+_APART = threading.local()
+
+
+class _PickledInline(Exception):
+    """An observer list met itself while pickling its observers apart."""
+
+
+def _pickle_apart(observers: ObserverList, attached: list[tuple[Any, str]]) -> list[tuple[bytes, str, str]] | None:
+    """Each ``(observer, on_error)`` pickled on its own, or ``None`` to pickle them inline.
+
+    Inline when an observer cannot be pickled on its own (the enclosing
+    pickle then reports the error as it would without this), or reaches its
+    own list again (it holds its source: pickled apart, it would copy the
+    source, and recurse).
+    """
+    busy: set[int] = _APART.__dict__.setdefault("busy", set())
+    if id(observers) in busy:
+        raise _PickledInline
+    busy.add(id(observers))
+    try:
+        return [
+            (bytes(ForkingPickler.dumps(observer)), on_error, _describe(observer))
+            for observer, on_error in attached
+        ]
+    except Exception:
+        return None
+    finally:
+        busy.discard(id(observers))
+
+
+def _describe(observer: Any) -> str:
+    """``repr(observer)`` and its class, to name an observer where it could not be unpickled."""
+    cls = type(observer)
+    try:
+        text = repr(observer)
+    except Exception:
+        text = f"<{cls.__qualname__}>"
+    return f"{text} ({cls.__module__}.{cls.__qualname__})"
+
+
+class _ObserverLeftBehind:
+    """Stands for an observer that could not be unpickled in this process: it receives no event.
+
+    Keeps the observer's place in its list, so that positions stay the same
+    in every process.
+    """
+
+    __slots__ = ("description", "error")
+
+    def __init__(self, description: str, error: BaseException) -> None:
+        self.description = description
+        self.error = f"{type(error).__name__}: {error}"
+
+    def __getstate__(self) -> tuple[str, str]:
+        return self.description, self.error
+
+    def __setstate__(self, state: tuple[str, str]) -> None:
+        self.description, self.error = state
+
+    def __repr__(self) -> str:
+        return f"<observer {self.description}, left behind: {self.error}>"
 
 
 class ObserverHandle:

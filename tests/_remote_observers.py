@@ -134,3 +134,10 @@ class BufferRefusesToAttach(BufferLog):
 
     def attached(self, source: Any) -> None:
         raise RuntimeError(f"process {os.getpid()} refuses this observer")
+
+
+class RaisesOnSample:
+    """Raises in ``on_post_sample``, where it runs."""
+
+    def on_post_sample(self, source: Any, batch: Any, info: Any) -> None:
+        raise RuntimeError(f"process {os.getpid()} refuses this sample")

@@ -303,6 +303,9 @@ def test_attach_errors_are_raised_on_the_driver(helpers, tmp_path):
             collector.add_observer(_Unpicklable())
         with pytest.raises(TypeError, match="none of which a collector emits"):
             collector.add_observer(_SamplesOnly())
+        # raising in a worker would kill it: the driver would never see the observer's error
+        with pytest.raises(ValueError, match="on_error='raise' cannot be honoured .* MultiSyncCollector"):
+            collector.add_observer(helpers.CollectorLog(log, "raising"), on_error="raise")
         with pytest.raises(RemoteAttachError, match="worker 1 refuses this observer"):
             collector.add_observer(helpers.FailsToAttach(log, "failing", failing_worker=1))
         with pytest.raises(ValueError, match="not attached"):
@@ -487,6 +490,12 @@ def test_ray_replay_buffer_observers_run_in_its_actor(ray_cluster, helpers, tmp_
         rb.extend(data)
         assert len(helpers.read_lines(log)) == len(lines) + 1  # only the empty
         assert "rb/items_written" not in rb.stats()
+        # in the actor, "raise" reaches the caller (Ray forwards the error; the actor lives on)
+        raising = rb.add_observer(helpers.RaisesOnSample(), on_error="raise")
+        with pytest.raises(RuntimeError, match="refuses this sample"):
+            rb.sample()
+        raising.remove()
+        assert len(rb.sample()) == 8
         rb.add_observer(helpers.BufferLog(log, "closing"))
     finally:
         rb.close()
@@ -519,6 +528,9 @@ def test_ray_collector_observers_run_in_each_remote_collector(ray_cluster, helpe
     kept = helpers.CollectorLog(log, "kept")
     removed = helpers.CollectorLog(log, "removed")
     try:
+        # raising in a remote collector kills the actor: the driver would see ActorDiedError only
+        with pytest.raises(ValueError, match="on_error='raise' cannot be honoured .* RayCollector"):
+            collector.add_observer(helpers.CollectorLog(log, "raising"), on_error="raise")
         collector.add_observer(kept)
         handle = collector.add_observer(removed)
         assert collector.observers == (kept, removed)

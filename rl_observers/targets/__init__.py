@@ -101,7 +101,10 @@ def add_observer(self: Any, observer: Any, *, on_error: str | None = None) -> Ob
             observers after it miss that event; ``shutdown`` still reaches
             them all and the source still shuts down), ``"ignore"`` goes
             on silently. Defaults to the observer's own ``on_error`` attribute
-            if it has one, else ``"warn"``.
+            if it has one, else ``"warn"``. Multiprocessing and Ray
+            collectors refuse ``"raise"``: their observers run in worker
+            processes or actors, where raising kills the worker and the
+            error never reaches the caller.
 
     Returns:
         An :class:`~rl_observers.ObserverHandle`; ``handle.remove()`` (or
@@ -112,7 +115,10 @@ def add_observer(self: Any, observer: Any, *, on_error: str | None = None) -> Ob
             an event method with the wrong signature, or observes none of the
             events this source emits.
         ValueError: for an ``on_*`` method that is not an event, an unknown
-            ``on_error``, or an observer that is already attached.
+            ``on_error``, ``on_error="raise"`` on a multiprocessing or Ray
+            collector, or an observer that is already attached.
+        RuntimeError: if the source is shut down, or one of its worker
+            processes is dead (nothing is attached).
         Exception: whatever the observer's ``attached`` method raises; the
             observer is then not attached.
 
@@ -160,13 +166,20 @@ def remove_observer(self: Any, observer: Any) -> None:
     """Detaches ``observer`` from this collector or replay buffer.
 
     Once the last observer is removed the source runs exactly torchrl's own
-    code again.
+    code again. On a multiprocessing collector with a dead worker, the
+    observer is removed from every live worker and from ``observers``, and
+    the dead worker is reported once with a warning.
 
     Args:
         observer: an observer previously given to :meth:`add_observer`.
 
     Raises:
         ValueError: if ``observer`` is not attached to this source.
+        RuntimeError: if a ``MultiAsyncCollector`` is being iterated (nothing
+            is removed).
+        RemoteAttachError: if detaching a copy failed where it runs (for
+            example in its ``detached`` method); the observer is removed
+            from ``observers`` all the same.
     """
     kind = _remote_kind(self)
     if kind is not None:

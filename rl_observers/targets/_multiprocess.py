@@ -13,9 +13,19 @@ run on that worker's batches, and coexist with the user's
 the same inner collector with ``"setattr"`` messages: they land in the hook
 slot, the observers stay).
 
+Dead workers: each message is sent only to workers that are alive, and
+only the workers a message reached are waited for (each checked for its own
+health, never torchrl's check that terminates every worker once one died),
+so the control pipes stay in step. Attaching to a collector with a dead
+worker raises a ``RuntimeError`` naming it, and attaches nothing anywhere;
+removing detaches from every live worker and warns once per dead worker.
+
 Shared replay buffers: a buffer passed as ``replay_buffer=`` to a
 multiprocessing collector is copied into every worker (inherited by
-``fork``, pickled by ``spawn``) together with the observers it had then.
+``fork``, pickled by ``spawn``) together with the observers it had then;
+an observer that cannot be unpickled in a ``spawn`` worker is left behind
+there with one warning, instead of killing the worker at start-up (see
+:class:`rl_observers.observer.ObserverList`).
 Observers attached to the buffer *later* are propagated to the copies of the
 buffer in the workers of every running multiprocessing collector that
 writes into it, and removals likewise, so a buffer's observers always see
@@ -34,11 +44,15 @@ import contextlib
 import gc
 import multiprocessing
 import threading
+from collections.abc import Mapping
 from typing import Any
 
+from torchrl._utils import logger as torchrl_logger
 from torchrl.collectors import MultiCollector
 
+from rl_observers.observer import _ObserverLeftBehind
 from rl_observers.signals import COLLECTOR_EVENTS
+from rl_observers.sources import IdentityMap
 from rl_observers.targets.remote import (
     RemoteAttachError,
     RemoteKind,
@@ -50,35 +64,114 @@ from rl_observers.targets.remote import (
 __all__ = ["MULTIPROCESS_COLLECTOR", "MultiprocessCollectorKind", "propagate_to_shared_copies"]
 
 
-def _call_workers(collector: Any, calls: list[tuple[Any, ...]], action: str) -> list[Any]:
-    """Runs ``fn(inner_collector, *args)`` in each worker, one ``(fn, *args)`` per worker.
+# How often to check that a worker is still alive while waiting for its answer, in seconds.
+_HEALTH_INTERVAL = 0.5
+# The dead workers already reported, per collector: a dead worker is reported once.
+_REPORTED_DEAD = IdentityMap()
 
-    Every worker that got the message is answered for before any error is
-    raised, so the control pipes stay in step. Returns the results, or raises
-    the first error.
+
+class _WorkerDied(Exception):
+    """A worker died before it answered."""
+
+
+def _worker_death(collector: Any, idx: int) -> str | None:
+    """How worker ``idx`` died (``"exit code -9"``), or ``None`` while it is alive."""
+    procs = getattr(collector, "procs", None) or ()
+    if idx >= len(procs):
+        return None
+    proc = procs[idx]
+    try:
+        if proc.is_alive():
+            return None
+        return f"exit code {proc.exitcode}"
+    except ValueError:  # torchrl closes the process objects of workers it terminated
+        return "closed"
+
+
+def _dead_workers(collector: Any) -> dict[int, str]:
+    """The dead workers of ``collector``, by index, with how they died."""
+    dead = {idx: _worker_death(collector, idx) for idx in range(len(collector.pipes))}
+    return {idx: death for idx, death in dead.items() if death is not None}
+
+
+def _receive(collector: Any, idx: int) -> Any:
+    """The next message from worker ``idx``; raises :class:`_WorkerDied` if it died first.
+
+    Waits as long as the worker lives, like torchrl's own control messages,
+    but checks only *this* worker's health: torchrl's ``_recv_and_check``
+    terminates every worker once any of them is dead, survivors included.
     """
-    results: list[Any] = [None] * len(calls)
-    sent = []
-    for idx, (pipe, call) in enumerate(zip(collector.pipes, calls)):
-        try:
-            pipe.send((("_rl_observers_call", call, {}), "cascade_execute"))
-            sent.append(idx)
-        except Exception as error:  # a dead worker
-            results[idx] = error
+    pipe = collector.pipes[idx]
+    try:
+        while not pipe.poll(_HEALTH_INTERVAL):
+            if _worker_death(collector, idx) is not None and not pipe.poll(0):
+                raise _WorkerDied
+        return pipe.recv()
+    except (EOFError, OSError) as error:  # the worker's end of the pipe is closed
+        raise _WorkerDied from error
+
+
+def _call_workers(collector: Any, calls: Mapping[int, tuple[Any, ...]]) -> tuple[dict[int, Any], dict[int, str]]:
+    """Runs ``fn(inner_collector, *args)`` in the workers of ``calls`` (``{worker: (fn, *args)}``).
+
+    Returns ``(answers, dead)``: ``answers`` maps each worker that answered to
+    its result or to the exception it raised; ``dead`` maps each worker that
+    is dead (found dead, unreachable, or died before answering) to how it
+    died. Only the workers a message reached are waited for, each once, so
+    the control pipes stay in step whatever happens; nothing is raised here.
+    """
+    answers: dict[int, Any] = {}
+    dead: dict[int, str] = {}
+    sent: list[int] = []
+    for idx, call in calls.items():
+        death = _worker_death(collector, idx)
+        if death is None:
+            try:
+                collector.pipes[idx].send((("_rl_observers_call", call, {}), "cascade_execute"))
+            except (OSError, EOFError, ValueError):  # the worker died since (broken pipe)
+                death = _worker_death(collector, idx) or "unreachable"
+            else:
+                sent.append(idx)
+                continue
+        dead[idx] = death
     for idx in sent:
         try:
-            result, msg = collector._recv_and_check(collector.pipes[idx], worker_idx=idx)
-        except Exception as error:  # a dead worker: nothing left to keep in step with
-            result, msg = error, "cascade_execute"
+            result, msg = _receive(collector, idx)
+        except _WorkerDied:
+            dead[idx] = _worker_death(collector, idx) or "unreachable"
+            continue
         if msg != "cascade_execute":
             result = RuntimeError(f"expected the answer to 'cascade_execute', got {msg!r}")
-        results[idx] = result
-    for idx, error in enumerate(results):
+        answers[idx] = result
+    return answers, dead
+
+
+def _raise_first_error(collector: Any, answers: Mapping[int, Any], action: str) -> None:
+    """Raises a :class:`RemoteAttachError` for the first worker whose answer is an error."""
+    for idx in sorted(answers):
+        error = answers[idx]
         if isinstance(error, BaseException):
             raise RemoteAttachError(
                 f"{action} {type(collector).__name__} worker {idx} failed: {error}"
             ) from (None if isinstance(error, RemoteAttachError) else error)
-    return results
+
+
+def _describe_dead(dead: Mapping[int, str]) -> str:
+    """``"worker 0 (exit code -9) is dead"``, or several workers that ``are dead``."""
+    workers = " and ".join(f"worker {idx} ({death})" for idx, death in sorted(dead.items()))
+    return f"{workers} {'is' if len(dead) == 1 else 'are'} dead"
+
+
+def _warn_dead_once(collector: Any, dead: Mapping[int, str], action: str) -> None:
+    """Warns once per dead worker of ``collector`` that ``action`` skipped it."""
+    reported = _REPORTED_DEAD.setdefault(collector, set)
+    new = {idx: death for idx, death in dead.items() if idx not in reported}
+    if new:
+        reported.update(new)
+        torchrl_logger.warning(
+            f"rl_observers: {type(collector).__name__} {_describe_dead(new)}: {action} the live "
+            "workers only (the observer copies of a dead worker died with it)."
+        )
 
 
 class MultiprocessCollectorKind(RemoteKind):
@@ -87,6 +180,8 @@ class MultiprocessCollectorKind(RemoteKind):
     target_name = "collector"
     events = COLLECTOR_EVENTS
     where = "in its worker processes"
+    # An observer raising in a worker kills it: torchrl then reports only "worker <i> failed".
+    raise_reaches_caller = False
 
     def is_running(self, target: Any) -> bool:
         return hasattr(target, "pipes") and not getattr(target, "closed", True)
@@ -107,17 +202,33 @@ class MultiprocessCollectorKind(RemoteKind):
 
     def attach_remote(self, target: Any, payload: bytes, on_error: str, token: int) -> None:
         n = target.num_workers
-        calls = [(attach_here, payload, on_error, token, idx, n) for idx in range(n)]
-        try:
-            _call_workers(target, calls, "attaching an observer to")
-        except Exception:
-            # Undo the workers that attached it; those that failed have no copy.
-            with contextlib.suppress(Exception):
-                _call_workers(target, [(detach_here, token)] * n, "detaching an observer from")
-            raise
+        dead = _dead_workers(target)
+        if dead:  # nothing is sent: an observer is attached to every worker or to none
+            raise RuntimeError(
+                f"cannot attach an observer to a {type(target).__name__}: {_describe_dead(dead)}; "
+                "nothing was attached."
+            )
+        calls = {idx: (attach_here, payload, on_error, token, idx, n) for idx in range(n)}
+        answers, dead = _call_workers(target, calls)
+        attached = [idx for idx, result in answers.items() if not isinstance(result, BaseException)]
+        if len(attached) == n:
+            return
+        # Undo the workers that attached it; those that failed or died have no copy.
+        with contextlib.suppress(Exception):
+            _call_workers(target, {idx: (detach_here, token) for idx in attached})
+        if dead:
+            raise RuntimeError(
+                f"cannot attach an observer to a {type(target).__name__}: {_describe_dead(dead)} "
+                "(it died while the observer was being attached); nothing was attached."
+            )
+        _raise_first_error(target, answers, "attaching an observer to")
 
     def detach_remote(self, target: Any, token: int) -> None:
-        _call_workers(target, [(detach_here, token)] * target.num_workers, "detaching an observer from")
+        """Detaches the copies from the live workers; a dead worker is warned about, once."""
+        answers, dead = _call_workers(target, dict.fromkeys(range(target.num_workers), (detach_here, token)))
+        if dead:
+            _warn_dead_once(target, dead, "observers are removed from")
+        _raise_first_error(target, answers, "detaching an observer from")
 
 
 MULTIPROCESS_COLLECTOR = MultiprocessCollectorKind()
@@ -179,7 +290,9 @@ def _detach_from_worker_buffer(collector: Any, position: int, type_name: str) ->
 
     try:
         observers = collector.replay_buffer.observers
-        if position >= len(observers) or type(observers[position]).__qualname__ != type_name:
+        found = observers[position] if position < len(observers) else None
+        # One left behind when the worker started (it could not be unpickled there) keeps its place.
+        if not isinstance(found, _ObserverLeftBehind) and type(found).__qualname__ != type_name:
             raise RuntimeError(
                 f"the worker's copy of the replay buffer has observers {observers!r}, "
                 f"expected a {type_name} at position {position}"
@@ -202,9 +315,13 @@ def propagate_to_shared_copies(buffer: Any, action: str, observer: Any, on_error
     in the same order, and every later change is mirrored in order, so a
     position on the driver is the same position in every copy.
 
+    A dead worker writes nothing more into the buffer: it is skipped, with
+    one warning. A change that a live worker fails to apply raises; an
+    ``add`` is then undone in the workers that applied it.
+
     Raises:
         TypeError: if an observer to add cannot be pickled.
-        RemoteAttachError: if a worker could not apply the change.
+        RemoteAttachError: if a live worker could not apply the change.
     """
     if getattr(_LOCAL, "applying", False):
         return  # this is a worker applying a mirrored change
@@ -216,6 +333,19 @@ def propagate_to_shared_copies(buffer: Any, action: str, observer: Any, on_error
         call: tuple[Any, ...] = (_attach_to_worker_buffer, payload, on_error)
     else:
         call = (_detach_from_worker_buffer, position, type(observer).__qualname__)
-    for collector in collectors:
-        MULTIPROCESS_COLLECTOR.check(collector, f"{action} an observer of its replay buffer on")
-        _call_workers(collector, [call] * collector.num_workers, f"mirroring {action} on")
+    applied: list[tuple[Any, list[int]]] = []
+    try:
+        for collector in collectors:
+            MULTIPROCESS_COLLECTOR.check(collector, f"{action} an observer of its replay buffer on")
+            answers, dead = _call_workers(collector, dict.fromkeys(range(collector.num_workers), call))
+            applied.append((collector, [i for i, r in answers.items() if not isinstance(r, BaseException)]))
+            if dead:
+                _warn_dead_once(collector, dead, f"replay buffer observers are mirrored ({action}) to")
+            _raise_first_error(collector, answers, f"mirroring {action} on")
+    except BaseException:
+        if action == "add":  # the driver does not keep it: neither may any worker
+            undo = (_detach_from_worker_buffer, position, type(observer).__qualname__)
+            for collector, workers in applied:
+                with contextlib.suppress(Exception):
+                    _call_workers(collector, dict.fromkeys(workers, undo))
+        raise

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from typing import Any
 
 import ray
@@ -60,6 +61,8 @@ ACTOR = "ray_actor"
 DRIVER = "ray_driver"
 # Seconds to wait for the actors to emit ``shutdown`` before torchrl kills them.
 _SHUTDOWN_TIMEOUT = 30.0
+# Seconds each actor is waited for at least, once the shared deadline has passed.
+_MIN_WAIT = 1.0
 
 
 def _gather(refs: list[Any], action: str, target: Any) -> list[Any]:
@@ -84,6 +87,8 @@ class RayCollectorKind(RemoteKind):
     target_name = "collector"
     events = COLLECTOR_EVENTS
     where = "in its remote collector actors"
+    # An observer raising in a collector actor kills the actor: the driver gets ActorDiedError.
+    raise_reaches_caller = False
 
     def is_running(self, target: Any) -> bool:
         return bool(getattr(target, "_remote_collectors", None))
@@ -190,11 +195,28 @@ def _buffer_shutdown_here(buffer: Any) -> None:
 
 
 def _emit_shutdown(actors: list[Any], fn: Any) -> None:
+    """Runs ``fn`` in every actor before they are killed, waiting for each one on its own.
+
+    A dead or hung actor does not stop the others: every actor is called at
+    once, and each answer is awaited separately within one shared deadline
+    (at least ``_MIN_WAIT`` seconds each), so the survivors emit
+    ``shutdown`` and close their last windows. The actors that could not are
+    reported in one warning.
+    """
     refs = [actor.__ray_call__.remote(fn) for actor in actors]
-    try:
-        ray.get(refs, timeout=_SHUTDOWN_TIMEOUT)
-    except Exception as error:  # the actors are being killed anyway
-        torchrl_logger.warning(f"rl_observers: could not emit 'shutdown' in Ray actors: {error}")
+    deadline = time.monotonic() + _SHUTDOWN_TIMEOUT
+    failed = []
+    for idx, ref in enumerate(refs):
+        try:
+            ray.get(ref, timeout=max(deadline - time.monotonic(), _MIN_WAIT))
+        except Exception as error:  # the actors are being killed anyway
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            failed.append(f"actor {idx} ({type(error).__name__}: {first_line})")
+    if failed:
+        torchrl_logger.warning(
+            f"rl_observers: could not emit 'shutdown' in {len(failed)} of {len(refs)} Ray actors: "
+            f"{', '.join(failed)}."
+        )
 
 
 # -- the driver-side observed classes --------------------------------------------------------------

@@ -32,10 +32,23 @@ How each kind is reached (torchrl 0.14.1):
 
 Errors surface on the driver, at ``add_observer``: an invalid observer
 (``TypeError`` / ``ValueError``, before anything is sent), an unpicklable one
-(``TypeError``), a source that is shut down (``RuntimeError``), or a failure
-where the copy runs, for example in its ``attached`` method
-(:class:`RemoteAttachError`, with the remote traceback; the copies already
-attached elsewhere are removed again).
+(``TypeError``), a source that is shut down or has a dead worker
+(``RuntimeError``), or a failure where the copy runs, for example in its
+``attached`` method (:class:`RemoteAttachError`, with the remote traceback;
+the copies already attached elsewhere are removed again).
+
+``on_error="raise"`` is refused (``ValueError``) where an error raised by a
+copy cannot reach the caller (``RemoteKind.raise_reaches_caller``):
+in the workers of a multiprocessing collector it kills the worker, in a
+``RayCollector``'s actor it kills the actor, and the driver only learns that
+a worker failed. In a ``RayReplayBuffer``'s actor Ray hands the error to the
+caller and the actor lives on, so ``"raise"`` is kept there.
+
+``remove_observer`` always leaves the driver's record consistent: once the
+copies were asked to detach, the observer is forgotten on the driver even if
+detaching failed somewhere (a copy is dropped before its ``detached`` runs,
+and a dead worker took its copy with it); the error, if any, is raised
+afterwards.
 
 Examples:
     >>> import rl_observers
@@ -159,6 +172,8 @@ class RemoteKind:
     events: tuple[str, ...] = ()
     #: Where the copies run, for error messages.
     where = "in other processes"
+    #: Whether an observer raising where it runs reaches the caller (else ``on_error="raise"`` is refused).
+    raise_reaches_caller = True
 
     def add(self, target: Any, observer: Any, on_error: str | None) -> None:
         state = _REMOTE.setdefault(target, _RemoteObservers)
@@ -169,6 +184,13 @@ class RemoteKind:
                     "an observer is attached at most once per source."
                 )
             entry = resolve_observer(observer, self.events, self.target_name, on_error)
+            if entry.on_error == "raise" and not self.raise_reaches_caller:
+                raise ValueError(
+                    f"on_error='raise' cannot be honoured for an observer of a {type(target).__name__}: "
+                    f"its copies run {self.where}, where an error cannot reach the caller (it would "
+                    "kill the worker, and the driver would only learn that a worker failed). Use "
+                    f"on_error='warn' (the default) or 'ignore' for {observer!r}."
+                )
             prepare = getattr(observer, "prepare_copies", None)
             if callable(prepare):
                 prepare(target)
@@ -187,16 +209,25 @@ class RemoteKind:
         )
         if found is None:
             raise ValueError(f"{observer!r} is not attached to this {type(target).__name__}.")
+        error = None
         with state.lock:
-            if self.is_running(target):
-                self.check(target, "remove an observer from")
-                self.detach_remote(target, found.token)
+            running = self.is_running(target)
+            if running:
+                self.check(target, "remove an observer from")  # raises before anything is sent
+                try:
+                    self.detach_remote(target, found.token)
+                except Exception as raised:
+                    # Forgotten all the same: a copy whose detaching raised was dropped first
+                    # (``detach_here``), and a dead worker or actor took its copy with it.
+                    error = raised
             state.entries = tuple(a for a in state.entries if a is not found)
             if not state.entries:
                 self.last_removed(target)
         removed = getattr(observer, "copies_removed", None)
         if callable(removed):
             removed(target)
+        if error is not None:
+            raise error
 
     def observers(self, target: Any) -> tuple[Any, ...]:
         state = _REMOTE.get(target)
