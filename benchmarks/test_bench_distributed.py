@@ -8,8 +8,6 @@ machine noise spreads evenly, and the ratio of the medians is asserted.
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
 import tempfile
 from functools import partial
 
@@ -22,22 +20,12 @@ from torchrl.record import CSVLogger
 import rl_observers  # noqa: F401
 from benchmarks._timing import compare
 from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel
-
-
-@contextlib.contextmanager
-def fork_start_method():
-    context = multiprocessing.context._default_context
-    previous = context._actual_context
-    multiprocessing.set_start_method("fork", force=True)
-    try:
-        yield
-    finally:
-        context._actual_context = previous
+from tests.helpers import start_method
 
 
 def _collector():
     env = GymEnv("CartPole-v1")
-    with fork_start_method():
+    with start_method("fork"):
         return MultiSyncCollector(
             [partial(GymEnv, "CartPole-v1")] * 2,
             RandomPolicy(env.action_spec),

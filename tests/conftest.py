@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 
 import pytest
 import torch
+from torchrl._utils import logger as torchrl_logger
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RL_WARNINGS", "0")
@@ -47,3 +50,26 @@ def make_collector():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def gate():
+    """An Event a hung logger waits on; released at teardown so its thread ends."""
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+@pytest.fixture
+def warnings_seen():
+    """Messages of the warnings sent through torchrl's logger (it does not propagate)."""
+    messages: list[str] = []
+
+    class _Handler(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    handler = _Handler(level=logging.WARNING)
+    torchrl_logger.addHandler(handler)
+    yield messages
+    torchrl_logger.removeHandler(handler)

@@ -6,7 +6,6 @@ import csv
 import gc
 import glob
 import json
-import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -17,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from torchrl._utils import logger as torchrl_logger
 from torchrl.record.loggers import CSVLogger
 from torchrl.record.loggers.common import Logger
 
@@ -142,29 +140,6 @@ def assert_balanced(health: dict[str, int]) -> None:
         + health["dropped"]
         + health["sink_errors"]
     ), health
-
-
-@pytest.fixture
-def gate():
-    """An Event a hung logger waits on; released at teardown so its thread ends."""
-    event = threading.Event()
-    yield event
-    event.set()
-
-
-@pytest.fixture
-def warnings_seen():
-    """Messages of the warnings sent through torchrl's logger (it does not propagate)."""
-    messages: list[str] = []
-
-    class _Handler(logging.Handler):
-        def emit(self, record):
-            messages.append(record.getMessage())
-
-    handler = _Handler(level=logging.WARNING)
-    torchrl_logger.addHandler(handler)
-    yield messages
-    torchrl_logger.removeHandler(handler)
 
 
 def sync_channel(logger, **kwargs) -> MetricsChannel:

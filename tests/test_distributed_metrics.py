@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
 import os
 import warnings
 from functools import partial
@@ -25,19 +23,9 @@ from rl_observers import (
     SampleMetrics,
     WriteMetrics,
 )
+from tests.helpers import scalars, start_method
 
 NEVER = Every.counter("frames", 10**12)
-
-
-@contextlib.contextmanager
-def start_method(method):
-    context = multiprocessing.context._default_context
-    previous = context._actual_context
-    multiprocessing.set_start_method(method, force=True)
-    try:
-        yield
-    finally:
-        context._actual_context = previous
 
 
 def pendulum_multisync(method, frames_per_batch=200, total_frames=1200):
@@ -49,10 +37,6 @@ def pendulum_multisync(method, frames_per_batch=200, total_frames=1200):
             frames_per_batch=frames_per_batch,
             total_frames=total_frames,
         )
-
-
-def scalars(logger, name):
-    return logger.experiment.scalars.get(name, [])
 
 
 def episodes_per_worker(batches):

@@ -23,6 +23,7 @@ from rl_observers import (
     SampleMetrics,
     WriteMetrics,
 )
+from tests.helpers import scalars
 
 
 @pytest.fixture
@@ -35,10 +36,6 @@ def channel(logger):
     channel = MetricsChannel(logger, health_interval=None)
     yield channel
     channel.close(timeout=10)
-
-
-def scalars(logger, name):
-    return logger.experiment.scalars.get(name, [])
 
 
 def pendulum_collector(frames_per_batch=150, total_frames=900):

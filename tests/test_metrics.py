@@ -25,6 +25,8 @@ from torchrl.data import (
 from torchrl.envs import EnvBase, GymEnv, RewardSum, SerialEnv, StepCounter, TransformedEnv
 from torchrl.envs.utils import RandomPolicy
 
+from rl_observers import metrics as metrics_module
+from rl_observers import reducers as reducers_module
 from rl_observers.metrics import (
     CollectorBatchMetrics,
     MetricSet,
@@ -291,6 +293,79 @@ def test_reset_at_each_iter_drops_interrupted_episodes():
     assert finalized(leaky.pull()) != pytest.approx(truth.window(0, len(batches)))
 
 
+@pytest.fixture(params=["cpu_shortcuts", "device_path"])
+def shortcuts(request, monkeypatch):
+    """Runs a test with the CPU-only shortcuts, then with the path other devices take."""
+    enabled = request.param == "cpu_shortcuts"
+    monkeypatch.setattr(metrics_module, "_CPU_SHORTCUTS", enabled)
+    monkeypatch.setattr(reducers_module, "_CPU_MASK_SHORTCUTS", enabled)
+    return enabled
+
+
+WINDOW_CASES = {
+    # name: (env kwargs, frames per batch, total frames, collector kwargs, metric set kwargs)
+    "single": (dict(), 5, 400, {}, {}),
+    "batched_3": (dict(batch_size=(3,)), 15, 600, {}, {}),
+    "batched_long_episodes": (dict(batch_size=(2,), max_steps=40), 6, 600, {}, {}),
+    "rewardsum_keys": (dict(batch_size=(2,), reward_sum=True), 6, 480, {}, {}),
+    "rewardsum_running_return": (
+        dict(batch_size=(2,), reward_sum=True), 6, 480, {}, dict(episode_reward_key=None)
+    ),
+    "stepcounter_running_length": (
+        dict(batch_size=(2,), reward_sum=True), 6, 480, {}, dict(step_count_key=None)
+    ),
+    "return_only": (dict(batch_size=(2,)), 6, 480, {}, dict(episode_length=False)),
+    "reset_at_each_iter": (dict(max_steps=50), 6, 360, dict(reset_at_each_iter=True), {}),
+    "trajs_padded": (
+        dict(batch_size=(2,), max_steps=9), 8, 400, dict(trajs_per_batch=3, traj_format="padded"), {}
+    ),
+    "trajs_cat": (
+        dict(batch_size=(2,), max_steps=9), 8, 400, dict(trajs_per_batch=3, traj_format="cat"), {}
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(WINDOW_CASES))
+def test_windows_of_many_batches(case, shortcuts):
+    # Windows of 4, 16 (a full ring of running sums) and 23 batches, and a last partial one:
+    # episodes are exact whatever the window, across rings and trajectory cuts.
+    env_kwargs, frames, total, collector_kwargs, metric_kwargs = WINDOW_CASES[case]
+    batches = collect(make_env(**env_kwargs), frames, total, **collector_kwargs)
+    truth = Truth(batches)
+    metrics = CollectorBatchMetrics(**metric_kwargs)
+    start = 0
+    for window in (4, 16, 23, len(batches)):
+        stop = min(start + window, len(batches))
+        for batch in batches[start:stop]:
+            metrics.on_post_collect(None, batch)
+        got = finalized(metrics.pull())
+        want = truth.window(start, stop)
+        for missing in ("episode_length", "episode_return"):
+            if not getattr(metrics, missing):
+                want = {k: v for k, v in want.items() if not k.startswith(missing)}
+        assert_window(got, want)
+        start = stop
+    assert start == len(batches)
+    assert metrics.counters()["episodes"] == sum(len(e) for e in truth.episodes)
+
+
+@pytest.mark.parametrize("step_counter", [True, False])
+def test_episodes_that_span_many_rings(shortcuts, step_counter):
+    # Episodes of hundreds of steps over 2-step batches: most rings of 16 batches see no
+    # episode close, and an episode's return (and length) is carried across several of them.
+    env = RandomRewardEnv(p_done=0.003, batch_size=(2,))
+    if step_counter:
+        env = TransformedEnv(env, StepCounter(300))
+    batches = collect(env, 4, 2400)
+    truth = Truth(batches)
+    assert truth.spanning > 5 and sum(map(len, truth.episodes)) < 20
+    metrics = CollectorBatchMetrics()
+    for start in range(0, len(batches), 37):
+        for batch in batches[start : start + 37]:
+            metrics.on_post_collect(None, batch)
+        assert_window(finalized(metrics.pull()), truth.window(start, start + 37))
+
+
 def test_gym_cartpole_and_pendulum():
     cartpole = TransformedEnv(GymEnv("CartPole-v1"), StepCounter())
     cartpole.set_seed(0)
@@ -458,6 +533,23 @@ def test_collector_fold_never_reads_a_value_on_the_host():
             metrics.pull()  # the one place values are read
 
 
+def test_rings_of_batches_never_read_a_value_on_the_host():
+    # More batches than a ring holds: the running sums of full rings are computed inside
+    # on_post_collect, for plain, padded and RewardSum/StepCounter batches, on meta tensors.
+    plain = collect(make_env(batch_size=(2,)), 6, 240)
+    padded = collect(make_env(batch_size=(2,)), 8, 320, trajs_per_batch=2, traj_format="padded")
+    summed = collect(make_env(batch_size=(2,), reward_sum=True), 6, 240)
+    cases = ((plain, {}), (padded, {}), (summed, {"episode_reward_key": None}), (summed, {}))
+    for batches, kwargs in cases:
+        assert len(batches) > metrics_module._RING_BATCHES
+        metrics = CollectorBatchMetrics(**kwargs)
+        for batch in batches:
+            metrics.on_post_collect(None, batch.to("meta"))
+        assert metrics.counters()["batches"] == len(batches)
+        with pytest.raises((NotImplementedError, RuntimeError)):
+            metrics.pull()
+
+
 def test_observed_counters_lag_until_the_copy_completes():
     class Event:  # stands in for torch.cuda.Event on a CPU-only machine
         def __init__(self):
@@ -564,6 +656,52 @@ def test_sample_age_over_many_samples_in_one_window():
             "sample_age_max": max(seen),
         }
     )
+
+
+def test_sample_age_over_many_staged_samples():
+    # More samples than are staged at once, of changing sizes, writes in between, a pull,
+    # a state_dict and a pickle in the middle of a stage.
+    rb = ReplayBuffer(storage=LazyTensorStorage(50))
+    metrics = SampleMetrics()
+    seen, written = [], 0
+    for step in range(70):
+        if step % 3 == 0:
+            data = torch.arange(written, written + 7)
+            metrics.on_post_extend(rb, data, rb.extend(data))
+            written += 7
+        batch, info = rb.sample(9 if step % 11 == 0 else 5, return_info=True)
+        metrics.on_post_sample(rb, batch, info)
+        seen += [written - 1 - k for k in batch.tolist()]
+        if step == 40:
+            metrics = pickle.loads(pickle.dumps(metrics))
+        if step == 50:
+            state = metrics.state_dict()
+        if step in (25, 50, 69):
+            got = metrics.pull()["sample_age"].finalize()
+            assert got == pytest.approx(
+                {
+                    "sample_age_mean": statistics.fmean(seen),
+                    "sample_age_min": min(seen),
+                    "sample_age_max": max(seen),
+                }
+            )
+            seen = []
+    resumed = SampleMetrics()
+    resumed.load_state_dict(state)
+    assert resumed.counters() == {"sample_calls": 51, "samples_returned": 51 * 5 + 5 * 4}
+    assert metrics.counters()["sample_calls"] == 70
+
+
+def test_staged_samples_never_read_a_value_on_the_host():
+    rb = ReplayBuffer(storage=LazyTensorStorage(64, device="meta"))
+    metrics = SampleMetrics()
+    index = torch.arange(64, device="meta")
+    metrics.on_post_extend(rb, None, index)
+    for step in range(3 * 16):  # the stamps of full stages are folded inside on_post_sample
+        metrics.on_post_sample(rb, None, {"index": index[: 8 if step % 20 else 4]})
+    assert metrics.counters()["sample_calls"] == 48
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        metrics.pull()
 
 
 def test_sample_age_with_unbounded_list_storage():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import pickle
 import random
@@ -12,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rl_observers import reducers
 from rl_observers.reducers import (
     MOMENT_STATS,
     Count,
@@ -339,3 +341,141 @@ def test_min_max_of_infinite_values():
     r = bank.moments("r", stats=("min", "max"))
     r.fold(torch.tensor([-math.inf, 0.0, math.inf]))
     assert bank.pull()["r"].finalize() == {"r_min": -math.inf, "r_max": math.inf}
+
+
+# -- staged folds, groups and the CPU shortcuts ----------------------------------------
+
+
+@contextlib.contextmanager
+def cpu_mask_shortcuts(enabled: bool):
+    """Turns the CPU-only masked-reduction shortcuts on or off (off: the device path)."""
+    previous = reducers._CPU_MASK_SHORTCUTS
+    reducers._CPU_MASK_SHORTCUTS = enabled
+    try:
+        yield
+    finally:
+        reducers._CPU_MASK_SHORTCUTS = previous
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    data=st.lists(st.tuples(_finite, st.booleans()), max_size=50),
+    cuts=st.lists(st.integers(min_value=0, max_value=50), max_size=6),
+    seed=st.integers(0, 2**16),
+)
+def test_masked_folds_on_the_device_path_equal_union(data, cuts, seed):
+    # The where-based reduction that non-CPU devices run, checked for its values on the CPU.
+    with cpu_mask_shortcuts(False):
+        test_masked_folds_equal_union_of_kept_values.hypothesis.inner_test(data, cuts, seed)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    data=st.lists(st.tuples(_finite, st.booleans()), max_size=400),
+    size=st.integers(1, 9),
+    rows=st.integers(2, 4),
+    masked=st.booleans(),
+    shortcuts=st.booleans(),
+)
+def test_staged_folds_equal_union(data, size, rows, masked, shortcuts):
+    # Equal-sized small folds are staged and reduced 16 at a time; a shorter last fold
+    # flushes the stage early; with 2 to 4 rows the table is also compacted on the device.
+    bank = ReducerBank()
+    r = bank.moments("x", stats=ALL_STATS, rows=rows)
+    kept = []
+    with cpu_mask_shortcuts(shortcuts):
+        for start in range(0, len(data), size):
+            chunk = data[start : start + size]
+            values = torch.tensor([v for v, _ in chunk], dtype=torch.float64)
+            if masked:
+                r.fold(values, torch.tensor([m for _, m in chunk]))
+                kept += [v for v, m in chunk if m]
+            else:
+                r.fold(values)
+                kept += [v for v, _ in chunk]
+        out = bank.pull()["x"].finalize()
+    scale = max((abs(v) for v in kept), default=1.0)
+    _assert_close(out, _expected(kept), scale)
+
+
+@pytest.mark.parametrize("shortcuts", [True, False])
+def test_moments_group_folds_like_one_reducer_per_quantity(shortcuts):
+    bank = ReducerBank()
+    group = bank.moments_group([("a", ALL_STATS), ("b", ("mean", "max"))], rows=2)
+    assert bank.keys == ("a", "b")
+    rng = torch.Generator().manual_seed(0)
+    a_kept, b_kept = [], []
+    with cpu_mask_shortcuts(shortcuts):
+        for n, p in ((5, 0.5), (5, 0.5), (3000, 0.02), (3000, 1.0), (7, 0.0), (5, 0.5)):
+            values = torch.randn(2, n, generator=rng, dtype=torch.float64) * 100
+            mask = torch.rand(n, generator=rng) < p  # sparse, full and empty masks
+            group.fold(values, mask)
+            a_kept += values[0][mask].tolist()
+            b_kept += values[1][mask].tolist()
+        group.fold(torch.ones(2, 4, 3), torch.tensor([True, False, True, False]).unsqueeze(-1))
+        a_kept += [1.0] * 6
+        b_kept += [1.0] * 6
+        out = bank.pull()
+    _assert_close(out["a"].finalize(), _expected_named(a_kept, "a"), 300.0)
+    assert out["b"].finalize() == pytest.approx(
+        {"b_mean": statistics.fmean(b_kept), "b_max": max(b_kept)}, rel=1e-12
+    )
+    assert bank.pull()["b"].finalize() == {}
+
+
+def test_moments_group_validation():
+    bank = ReducerBank()
+    with pytest.raises(TypeError, match="specs must be a non-empty sequence"):
+        bank.moments_group([])
+    with pytest.raises(TypeError, match="specs must be a non-empty sequence"):
+        bank.moments_group(["a"])
+    with pytest.raises(ValueError, match="stats must be"):
+        bank.moments_group([("a", ("median",))])
+    group = bank.moments_group([("a", ("mean",)), ("b", ("mean",))])
+    with pytest.raises(ValueError, match="already registered"):
+        bank.moments_group([("b", ("mean",))])
+    with pytest.raises(ValueError, match="already registered"):
+        ReducerBank().moments_group([("c", ("mean",)), ("c", ("max",))])
+    with pytest.raises(ValueError, match=r"expects values of shape \[2, ...\], got \[3, 4\]"):
+        group.fold(torch.zeros(3, 4))
+
+
+def test_staged_and_compacted_folds_never_read_a_value_on_the_host():
+    # Staged folds are reduced when their stage fills (inside fold), the table is compacted
+    # when its rows are used up, and large folds are reduced at once: all on meta tensors.
+    bank = ReducerBank()
+    r = bank.moments("r", stats=ALL_STATS, rows=2)
+    group = bank.moments_group([("a", ("mean",)), ("b", ("max",))], rows=2)
+    small = torch.empty(7, device="meta")
+    small_mask = torch.empty(7, dtype=torch.bool, device="meta")
+    for _ in range(16 * 5):
+        r.fold(small, small_mask)
+        group.fold(torch.empty(2, 7, device="meta"), small_mask)
+    for _ in range(16 * 5):
+        r.fold(small)
+    for _ in range(5):
+        r.fold(torch.empty(5000, device="meta"))
+        r.fold(torch.empty(5000, device="meta"), torch.empty(5000, dtype=torch.bool, device="meta"))
+        group.fold(torch.empty(2, 5000, device="meta"), torch.empty(5000, dtype=torch.bool, device="meta"))
+    r._flush()
+    group._flush()
+    assert bank.device == torch.device("meta")
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        bank.pull()
+
+
+def test_bank_pickles_with_folds_still_staged():
+    bank = ReducerBank()
+    r = bank.moments("r", stats=ALL_STATS)
+    values = [float(v) for v in range(40)]
+    for start in range(0, 20, 2):  # ten staged folds of two values
+        r.fold(torch.tensor(values[start : start + 2]))
+    assert r._staged == 10
+    clone = pickle.loads(pickle.dumps(bank))
+    for reducer, other in ((bank._reducers[0], clone._reducers[0]),):
+        for start in range(20, 40, 2):
+            reducer.fold(torch.tensor(values[start : start + 2]))
+            other.fold(torch.tensor(values[start : start + 2]))
+    want = _expected_named(values, "r")
+    _assert_close(bank.pull()["r"].finalize(), want, 40.0)
+    _assert_close(clone.pull()["r"].finalize(), want, 40.0)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import multiprocessing
 import os
 import sys
 import threading
@@ -53,6 +52,7 @@ import rl_observers  # noqa: F401
 from rl_observers.sources import SourceInfo, source_info
 from rl_observers.targets._observed import observed_class
 from rl_observers.targets.remote import RemoteAttachError, attach_here, detach_here, kind_of
+from tests.helpers import start_method
 
 HERE = Path(__file__).parent
 DRIVER = os.getpid()
@@ -73,18 +73,6 @@ def helpers() -> Iterator[Any]:
         cloudpickle.unregister_pickle_by_value(module)
         with contextlib.suppress(ValueError):
             sys.path.remove(str(HERE))
-
-
-@contextlib.contextmanager
-def start_method(method: str) -> Iterator[None]:
-    """torchrl picks the global start method (``spawn`` if unset) when workers start."""
-    context = multiprocessing.context._default_context
-    previous = context._actual_context
-    multiprocessing.set_start_method(method, force=True)
-    try:
-        yield
-    finally:
-        context._actual_context = previous
 
 
 def make_multi(cls: type, method: str, **kwargs: Any) -> Any:

@@ -8,7 +8,6 @@ data is compared with and without faulty observers or sinks.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import warnings
@@ -17,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-from torchrl._utils import logger as torchrl_logger
 from torchrl.collectors import Collector
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 from torchrl.envs.utils import RandomPolicy
@@ -113,29 +111,12 @@ def window_total(logger: FaultyLogger, name: str) -> float:
 
 
 @pytest.fixture
-def gate():
-    """An Event a hung logger waits on; released at teardown so its thread can end."""
-    event = threading.Event()
-    yield event
-    event.set()
-
-
-@pytest.fixture
-def told():
+def told(warnings_seen):
     """What the user is told: torchrl logger warnings and ``warnings`` messages, in order."""
-    messages: list[str] = []
-
-    class _Handler(logging.Handler):
-        def emit(self, record):
-            messages.append(record.getMessage())
-
-    handler = _Handler(level=logging.WARNING)
-    torchrl_logger.addHandler(handler)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        yield messages
-    torchrl_logger.removeHandler(handler)
-    messages.extend(str(w.message) for w in caught)
+        yield warnings_seen
+    warnings_seen.extend(str(w.message) for w in caught)
 
 
 # -- one seeded collection loop: collect, write, sample --------------------------------------------
