@@ -54,6 +54,10 @@ NestedKey = str | tuple[str, ...]
 # so it is only done for indices that live on the CPU).
 _STAMPS_EAGER_LIMIT = 2**24
 _STAMPS_MIN_ALLOC = 1024
+# The stamps of up to this many samples (and this many sampled items) are kept and their
+# ages folded together.
+_AGE_SAMPLES = 16
+_AGE_ENTRIES = 2**16
 
 
 def _check_key(value: Any, what: str, owner: str) -> NestedKey | None:
@@ -255,6 +259,10 @@ def _flags(value: torch.Tensor, rows: int, steps: int) -> torch.Tensor:
 # once per ring, not once per batch.
 _RING_BATCHES = 16
 _RING_STEPS = 2**15
+# CPU batches need no device sync to be read: the ring counts their closed episodes on the
+# host, and a flush with none (and no trajectory cut) only moves the carries. Tests turn
+# this off to check the values of the device path on the CPU.
+_CPU_SHORTCUTS = True
 
 
 class _EpisodeRing:
@@ -282,6 +290,8 @@ class _EpisodeRing:
         "no_step",
         "no_carry",
         "_views",
+        "_timelines",
+        "closed",
     )
 
     def __init__(
@@ -317,6 +327,21 @@ class _EpisodeRing:
         self.no_step = torch.zeros((), dtype=torch.int64, device=device)
         self.no_carry = torch.zeros((), dtype=f64, device=device)
         self._views: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._timelines: dict[int, _Timeline] = {}
+        # Episodes closed in the used slots, when known on the host (CPU batches), else None.
+        self.closed: int | None = self.empty_count()
+
+    def empty_count(self) -> int | None:
+        return 0 if self.closing.device.type == "cpu" and _CPU_SHORTCUTS else None
+
+    def timeline(self, used: int) -> _Timeline:
+        """The views and buffers a flush of ``used`` slots works with (made once per ``used``)."""
+        timeline = self._timelines.get(used)
+        if timeline is None:
+            if len(self._timelines) >= 4:  # flushes come at a few fill levels at most
+                self._timelines.pop(next(iter(self._timelines)))
+            timeline = self._timelines[used] = _Timeline(self, used)
+        return timeline
 
     def slot(self, buffer: torch.Tensor, name: str, shape: torch.Size) -> torch.Tensor:
         """The current slot of ``buffer`` viewed with a batch entry's ``shape`` (cached)."""
@@ -325,6 +350,89 @@ class _EpisodeRing:
         if view is None:
             view = self._views[key] = buffer[:, self.used].view(shape)
         return view
+
+
+class _Timeline:
+    """The first ``used`` slots of a ring as one timeline per env: views and work buffers.
+
+    ``copies`` are the (source, destination) pairs that lay the slots out as
+    ``[rows, used * steps]`` when the ring is not full (a full ring already is).
+    """
+
+    __slots__ = (
+        "length",
+        "copies",
+        "closing",
+        "reward",
+        "reward_copy",
+        "mask",
+        "from_keys",
+        "done",
+        "sums",
+        "cum_reward",
+        "cum_length",
+        "carry",
+        "sums_end",
+        "sums_tail",
+        "positions",
+        "positions_tail",
+        "step_numbers",
+        "start",
+        "start_indices",
+        "start_index",
+        "at_start",
+        "at_end",
+        "at_head",
+        "values",
+        "traj_first",
+        "traj_last",
+        "traj_next_first",
+        "traj_prev_last",
+    )
+
+    def __init__(self, ring: _EpisodeRing, used: int) -> None:
+        rows, size, steps = ring.closing.shape
+        length = self.length = used * steps
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def laid_out(buffer: torch.Tensor | None) -> Any:
+            """``buffer``'s timeline and, when the ring is not full, the copy that makes it."""
+            if buffer is None:
+                return None, None
+            source = buffer[:, :used]
+            if used == size:
+                return source.view(rows, length), None
+            target = torch.empty_like(source, memory_format=torch.contiguous_format)
+            self.copies.append((source, target))
+            return target.view(rows, length), (source, target)
+
+        self.closing, _ = laid_out(ring.closing)
+        self.reward, self.reward_copy = laid_out(ring.reward)
+        self.mask, _ = laid_out(ring.mask)
+        self.from_keys = {row: laid_out(buffer)[0] for row, buffer in ring.from_keys.items()}
+        self.done = None if ring.done is None else ring.done[:, :used]
+        sums = self.sums = ring.sums[..., : length + 1]
+        self.cum_reward = sums[0, :, 1:]
+        self.cum_length = sums[1, :, 1:]
+        self.carry = sums[:, :, 0]
+        self.sums_end = sums[..., length]
+        self.sums_tail = sums[..., 1:]
+        self.positions = ring.positions[:, : length + 1]
+        self.positions_tail = self.positions[:, 1:]
+        self.step_numbers = ring.step_numbers[:length]
+        self.start = torch.empty_like(self.positions)
+        self.start_indices = torch.empty_like(self.positions)
+        self.start_index = self.start.expand(2, rows, length + 1)
+        self.at_start = torch.empty_like(sums)
+        self.at_end = self.at_start[..., length]
+        self.at_head = self.at_start[..., :length]
+        self.values = sums.new_empty((2, rows, length))
+        traj = ring.traj
+        if traj is not None:
+            self.traj_first = traj[:, 0, 0]
+            self.traj_last = traj[:, used - 1, -1]
+            self.traj_next_first = traj[:, 1:used, 0]
+            self.traj_prev_last = traj[:, : used - 1, -1]
 
 
 class CollectorBatchMetrics(MetricSet):
@@ -341,9 +449,11 @@ class CollectorBatchMetrics(MetricSet):
     next episode. Its return and length are taken from ``episode_reward_key``
     (:class:`~torchrl.envs.RewardSum`) and ``step_count_key``
     (:class:`~torchrl.envs.StepCounter`) at that step when the batch has them;
-    otherwise from per-env running sums carried across batches (a segmented
-    sum over each batch plus the carry: vectorised, no loop over time, no
-    sync). Either way an episode spanning several batches is counted once,
+    otherwise from per-env running sums carried across batches (cumulative
+    sums over the batches' steps plus the carry: vectorised, no loop over
+    time, no sync; the batches are copied into a ring and summed 16 at a
+    time, or when the window closes). Either way an episode spanning several
+    batches is counted once,
     in the window where it ends, with its full return. When the batch has
     ``traj_ids_key``, a carry whose trajectory id does not continue in the
     next batch (``reset_at_each_iter``, a ``trajs_per_batch`` row) is
@@ -595,7 +705,7 @@ class CollectorBatchMetrics(MetricSet):
             if mask is None:
                 counts["frames"] += batch_size.numel()
             else:
-                counters.add_observed(("frames",), mask.sum().reshape(1))
+                counters.add_observed(("frames",), torch.count_nonzero(mask).reshape(1))
             return
 
         if plan.running:
@@ -611,7 +721,7 @@ class CollectorBatchMetrics(MetricSet):
             if key == plan.done:
                 self._dones.fold_true(value)
             closing = value if closing is None else closing | value
-        n_closed = closing.sum()
+        n_closed = torch.count_nonzero(closing)
         self._count_frames_and_episodes(n_closed, mask, batch_size)
         self._episodes.add(n_closed)
         if self._episode is not None:
@@ -660,7 +770,15 @@ class CollectorBatchMetrics(MetricSet):
             torch.bitwise_or(flags[0], flags[1].reshape(shape), out=closing)
             for value in flags[2:]:
                 closing |= value.reshape(shape)
-        self._count_frames_and_episodes(closing.sum(), mask, batch_size)
+        n_closed = torch.count_nonzero(closing)
+        if ring.closed is not None and mask is None:  # CPU: read at once, no device to wait for
+            closed = int(n_closed)
+            ring.closed += closed
+            self._counters.values["frames"] += batch_size.numel()
+            self._counters.values["episodes"] += closed
+        else:
+            ring.closed = None
+            self._count_frames_and_episodes(n_closed, mask, batch_size)
         if ring.reward is not None:
             ring.slot(ring.reward, "reward", reward.shape).copy_(reward)
         if ring.mask is not None:
@@ -684,7 +802,9 @@ class CollectorBatchMetrics(MetricSet):
             counters.values["frames"] += batch_size.numel()
             counters.add_observed(("episodes",), n_closed)
         else:
-            counters.add_observed(("frames", "episodes"), torch.stack((mask.sum(), n_closed)))
+            counters.add_observed(
+                ("frames", "episodes"), torch.stack((torch.count_nonzero(mask), n_closed))
+            )
 
     def _fold_reward(
         self, reward: torch.Tensor, mask: torch.Tensor | None, batch_size: torch.Size
@@ -741,63 +861,81 @@ class CollectorBatchMetrics(MetricSet):
         prefix when none. Between two batches whose trajectory ids do not
         continue, the episode in flight is dropped (a segment start that
         closes no episode). What follows the last closing is the new carry.
-        Tensor operations only: no host read, no data-dependent shape.
+        Off the CPU: tensor operations only, no host read, no data-dependent
+        shape (on the CPU, see ``_CPU_SHORTCUTS``).
         """
         ring = self._ring
         if ring is None or not ring.used:
             return
         used, ring.used = ring.used, 0
-        rows, _, steps = ring.closing.shape
-        length = used * steps
-
-        def timeline(x: torch.Tensor) -> torch.Tensor:
-            return x[:, :used].reshape(rows, length)
-
-        closing = timeline(ring.closing)
-        mask = None if ring.mask is None else timeline(ring.mask)
-        if ring.reward is not None:  # per-step rewards: their moments are folded from here
-            self._reward.fold(timeline(ring.reward), mask)
-        # The window's episode count is the count of the episode moments (see pull).
-        if ring.done is not None:
-            self._dones.add(timeline(ring.done).sum())  # type: ignore[union-attr]
-        device = closing.device
-        sums = ring.sums[..., : length + 1]
-        if ring.reward is not None:
-            torch.cumsum(timeline(ring.reward), -1, out=sums[0, :, 1:])
-        if mask is not None:
-            torch.cumsum(mask, -1, dtype=torch.float64, out=sums[1, :, 1:])
-        # sums[:, :, 0]: minus the episode in flight, unless its trajectory does not continue.
+        closed, ring.closed = ring.closed, ring.empty_count()
+        line = ring.timeline(used)
+        rows = ring.closing.shape[0]
+        device = ring.closing.device
+        length = line.length
+        # The window's episode count is the count of the episode moments (see pull); done
+        # steps are among the closing ones, so when none closed there is none to count.
+        if line.done is not None and closed != 0:
+            self._dones.add(torch.count_nonzero(line.done))  # type: ignore[union-attr]
+        # The carry column: minus the episode in flight, unless its trajectory does not continue.
         neg_carry = self._neg_carry
         traj = ring.traj
         if neg_carry is None or neg_carry.shape != (2, rows):
-            sums[:, :, 0].zero_()
+            line.carry.zero_()
         else:
             if neg_carry.device != device:
                 neg_carry = neg_carry.to(device)
             previous = self._carry_traj
             if traj is not None and previous is not None and previous.shape == (rows,):
-                continues = traj[:, 0, 0] == previous.to(device)
-                torch.where(continues, neg_carry, ring.no_carry, out=sums[:, :, 0])
+                if previous.device != device:
+                    previous = previous.to(device)
+                continues = line.traj_first == previous
+                torch.where(continues, neg_carry, ring.no_carry, out=line.carry)
             else:
-                sums[:, :, 0].copy_(neg_carry)
-        starts = closing
+                line.carry.copy_(neg_carry)
+        cut = None
         if traj is not None:
-            self._carry_traj = traj[:, used - 1, -1].clone()
+            self._carry_traj = line.traj_last.clone()
             if used > 1:  # a trajectory that does not continue in the next batch is dropped
-                breaks = traj.new_zeros((rows, used, steps), dtype=torch.bool)
-                breaks[:, :-1, -1] = traj[:, 1:used, 0] != traj[:, : used - 1, -1]
-                starts = closing | breaks.view(rows, length)
+                cut = line.traj_next_first != line.traj_prev_last
+                # (On the CPU, reading whether any was cut waits for no device.)
+                if closed is not None and not cut.any():
+                    cut = None
+        if closed == 0 and cut is None:
+            # CPU batches where no episode closed and every trajectory went on: nothing to
+            # fold but the rewards; each env's carry grows by its totals.
+            neg_carry = line.carry.clone()
+            neg_carry[1].sub_(length)
+            if line.reward is not None:
+                if line.reward_copy is not None:
+                    line.reward_copy[1].copy_(line.reward_copy[0])
+                self._reward.fold(line.reward)
+                neg_carry[0].sub_(line.reward.sum(-1))
+            self._neg_carry = neg_carry
+            return
+        for source, target in line.copies:  # the used slots as one timeline per env
+            target.copy_(source)
+        closing, mask = line.closing, line.mask
+        if line.reward is not None:
+            self._reward.fold(line.reward, mask)  # per-step rewards: their moments are folded here
+            torch.cumsum(line.reward, -1, out=line.cum_reward)
+        if mask is not None:
+            torch.cumsum(mask, -1, dtype=torch.float64, out=line.cum_length)
+        starts = closing
+        if cut is not None:
+            breaks = ring.closing.new_zeros((rows, used, ring.closing.shape[-1]))
+            breaks[:, :-1, -1] = cut
+            starts = closing | breaks.view(rows, length)
         # positions[:, j]: 1 + the last segment end before step j (0: none), j in [0, length].
-        positions = ring.positions[:, : length + 1]
-        torch.where(starts, ring.step_numbers[:length], ring.no_step, out=positions[:, 1:])
-        start = positions.cummax(-1).values
-        at_start = sums.gather(-1, start.expand(2, rows, length + 1))
-        self._neg_carry = at_start[..., length] - sums[..., length]
-        values = sums[..., 1:] - at_start[..., :length]
+        torch.where(starts, line.step_numbers, ring.no_step, out=line.positions_tail)
+        torch.cummax(line.positions, -1, out=(line.start, line.start_indices))
+        torch.gather(line.sums, -1, line.start_index, out=line.at_start)
+        self._neg_carry = line.at_end - line.sums_end
+        values = torch.sub(line.sums_tail, line.at_head, out=line.values)
         sources = self._plan.episode_sources  # type: ignore[union-attr]
         for row, key in sources:
             if key is not None:
-                values[row].copy_(timeline(ring.from_keys[row]))
+                values[row].copy_(line.from_keys[row])
         if len(sources) == 1:
             row = sources[0][0]
             values = values[row : row + 1]
@@ -886,6 +1024,8 @@ def _dim0_slots(index: Any, storage: Any, *, per_item: bool = False) -> torch.Te
         index = index[0]
     if not isinstance(index, torch.Tensor):
         index = torch.as_tensor(index)
+    elif index.ndim == 1 and index.dtype is torch.int64:
+        return index  # slots already (a cell index has two dimensions)
     ndim = getattr(storage, "ndim", 1) or 1
     if ndim > 1 and index.ndim >= 2 and index.shape[-1] == ndim:
         index = index[..., 0]
@@ -997,6 +1137,7 @@ class SampleMetrics(MetricSet):
     """
 
     events = ("post_add", "post_extend", "post_sample")
+    _transient = ("_sampled",)
 
     def __init__(self, *, priority_weight: bool = True, age: bool = True) -> None:
         super().__init__()
@@ -1016,6 +1157,9 @@ class SampleMetrics(MetricSet):
         self._stamps: torch.Tensor | None = None  # per dim-0 slot; 0 = never seen written
         self._stamps_fixed = False  # sized to the storage's capacity
         self._stamps_off = False
+        # Stamps of the last samples and the item count at each (see _stage_ages).
+        self._sampled: torch.Tensor | None = None
+        self._sampled_written: list[int] = []
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(priority_weight={self.priority_weight}, age={self.age})"
@@ -1105,15 +1249,48 @@ class SampleMetrics(MetricSet):
                 if slots.device != stamps.device:
                     slots = slots.to(stamps.device)
                 if self._stamps_fixed:  # sized to the storage: every sampled slot is inside
-                    stamp = stamps.index_select(0, slots)
-                    valid = stamp > 0
+                    self._stage_ages(stamps, slots)
                 else:
                     size = stamps.numel()
                     stamp = stamps.index_select(0, slots.clamp(0, size - 1))
                     valid = (stamp > 0) & (slots < size)
-                self._ages.fold(self._written - stamp, valid)
+                    self._ages.fold(self._written - stamp, valid)
+
+    def _stage_ages(self, stamps: torch.Tensor, slots: torch.Tensor) -> None:
+        """Keeps the stamps of a sample (one gather) until _AGE_SAMPLES samples of its size."""
+        sampled = self._sampled
+        n = slots.numel()
+        if sampled is None or sampled.shape[1] != n or sampled.device != stamps.device:
+            self._fold_ages()
+            rows = max(1, min(_AGE_SAMPLES, _AGE_ENTRIES // n))
+            sampled = self._sampled = stamps.new_empty((rows, n))
+        written = self._sampled_written
+        torch.index_select(stamps, 0, slots, out=sampled[len(written)])
+        written.append(self._written)
+        if len(written) == sampled.shape[0]:
+            self._fold_ages()
+
+    def _fold_ages(self) -> None:
+        """Folds the ages of the staged samples: items written since each sampled item."""
+        written = self._sampled_written
+        if not written:
+            return
+        stamp = self._sampled[: len(written)]  # type: ignore[index]
+        counts = torch.tensor(written, dtype=torch.int64)
+        device = stamp.device
+        if device.type == "cuda":  # pinned and asynchronous: no wait for the device
+            counts = counts.pin_memory().to(device, non_blocking=True)
+        elif device.type != "cpu":
+            counts = counts.to(device, non_blocking=True)
+        self._sampled_written = []
+        # A stamp of 0: written before this set saw any write, no age.
+        self._ages.fold(counts.unsqueeze(1) - stamp, stamp > 0)  # type: ignore[union-attr]
 
     # -- host side ------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        self._fold_ages()
+        super()._drain()
 
     def counters(self) -> dict[str, float]:
         """``sample_calls`` and ``samples_returned`` (cumulative)."""
@@ -1128,6 +1305,7 @@ class SampleMetrics(MetricSet):
         """Gauges ``sample_calls``, ``samples_returned``, ``batch_size``; partials
         ``"priority_weight"`` and ``"sample_age"`` (those configured)."""
         with self._lock:
+            self._fold_ages()
             partials = self._bank.pull()
             values = self._counters.drain()
             out: dict[str, float | Partial] = {
@@ -1141,6 +1319,7 @@ class SampleMetrics(MetricSet):
     def state_dict(self) -> dict[str, Any]:
         """Counters, the running item count and the per-slot stamps."""
         with self._lock:
+            self._fold_ages()
             return {
                 "counters": dict(self._counters.drain()),
                 "batch_size": self._batch_size,
@@ -1158,6 +1337,7 @@ class SampleMetrics(MetricSet):
             stamps = state_dict.get("stamps")
             self._stamps = None if stamps is None else stamps.clone()
             self._stamps_fixed = bool(state_dict.get("stamps_fixed", False))
+            self._sampled, self._sampled_written = None, []
             self._bank.reset()
 
 

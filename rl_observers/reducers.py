@@ -7,7 +7,9 @@ A statistic lives in two places:
   its reducers. A :class:`MomentsReducer` or :class:`CountReducer` folds a
   tensor into its slice of that tensor in place, with tensor operations only:
   no ``.item()``, no ``bool(tensor)``, no data-dependent shapes, so folding
-  never waits for the device. :meth:`ReducerBank.pull` moves the whole state
+  never waits for the device (CPU tensors, which need no wait, may take
+  exact shortcuts such as dropping masked-out entries first).
+  :meth:`ReducerBank.pull` moves the whole state
   to the host in **one** transfer, turns it into partials and resets the
   window.
 * **On the host**, as :class:`Partial` objects (:class:`Moments`,
@@ -389,7 +391,7 @@ _BOOL = torch.bool
 # tensor costs one copy instead of a dozen operations. Folds of more than _STAGE_ENTRIES
 # values (over all quantities), whose cost is in the data, are reduced at once.
 _STAGE_FOLDS = 16
-_STAGE_ENTRIES = 4096
+_STAGE_ENTRIES = 2048
 # Masked reductions of CPU tensors skip the masking when all entries count and select the
 # entries first when few do (tests turn this off to check the device path's values).
 _CPU_MASK_SHORTCUTS = True
@@ -553,7 +555,7 @@ class _MomentsTable(_Reducer):
         if mask is not None and device.type == "cpu" and _CPU_MASK_SHORTCUTS:
             # On the CPU, reading the mask waits for no device: keep only the entries that count
             # when they are few (or all), which is exact and spares passes over the others.
-            kept = int(mask.sum())
+            kept = int(torch.count_nonzero(mask))
             if not kept:
                 return
             if kept == mask.shape[-1]:
@@ -591,11 +593,14 @@ class MomentsReducer(_MomentsTable):
 
     Each fold writes the statistics of its tensor (count, mean, M2, min, max:
     a handful of reductions, no combination with the window) into the next of
-    ``rows`` rows of the bank's state. When the rows are used up, they are
-    combined on the device into the first row (Chan's parallel formulas,
-    vectorised over the rows), so the cost of combining is paid once every
-    ``rows`` folds. At pull time the used rows reach the host with the rest
-    of the bank and are merged there.
+    ``rows`` rows of the bank's state. A small fold (up to 2048 values) is
+    first staged, copied next to the previous folds of its size, and those
+    are reduced together, 16 at a time or when the window closes: a fold then
+    costs one copy. When the rows are used up, they are combined on the
+    device into the first row (Chan's parallel formulas, vectorised over the
+    rows), so the cost of combining is paid once every ``rows`` reductions.
+    At pull time the used rows reach the host with the rest of the bank and
+    are merged there.
 
     Examples:
         >>> import torch
@@ -761,7 +766,7 @@ class CountReducer(_Reducer):
             flags = flags.to(_BOOL)
         if mask is not None:
             flags = flags & mask.to(flags.device, _BOOL)
-        self.add(flags.sum())
+        self.add(torch.count_nonzero(flags))
 
 
 class ReducerBank:
