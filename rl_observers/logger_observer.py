@@ -431,7 +431,7 @@ class LoggerObserver(Observer):
 
     def _contribute(self) -> None:
         counters = self._counters()
-        latest = tuple(g for m in self._sets or () for g in getattr(m, "latest_gauges", ()))
+        latest = tuple(g for m in self._sets or () for g in m.latest_gauges)
         meta = {
             "aggregate": self.name,
             "worker": self._worker,

@@ -181,6 +181,9 @@ class MetricSet:
 
     #: Events this set folds; the observer subscribes to these only.
     events: tuple[str, ...] = ()
+    #: Gauges of :meth:`pull` that are not cumulative counters (across workers, the newest
+    #: value is kept instead of the sum).
+    latest_gauges: tuple[str, ...] = ()
     #: Attributes rebuilt on demand (scratch buffers), not pickled.
     _transient: tuple[str, ...] = ()
 
@@ -1137,6 +1140,8 @@ class SampleMetrics(MetricSet):
     """
 
     events = ("post_add", "post_extend", "post_sample")
+    #: Gauges that are not cumulative counters: merged across workers by keeping the newest.
+    latest_gauges: tuple[str, ...] = ("batch_size",)
     _transient = ("_sampled",)
 
     def __init__(self, *, priority_weight: bool = True, age: bool = True) -> None:
