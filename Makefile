@@ -15,12 +15,12 @@ $(VENV)/.torch:
 	touch $@
 
 $(VENV)/.demo: $(VENV)/.torch pyproject.toml
-	$(PIP) install -q -e ".[loggers]" ninja
+	$(PIP) install -q -e ".[loggers,examples]" ninja
 	$(PY) scripts/build_torchrl_extension.py
 	touch $@
 
 $(VENV)/.test: $(VENV)/.torch pyproject.toml
-	$(PIP) install -q -e ".[ray,loggers,test,docs]"
+	$(PIP) install -q -e ".[ray,loggers,examples,test,docs]"
 	$(PY) scripts/build_torchrl_extension.py
 	touch $@
 
