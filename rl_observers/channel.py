@@ -627,6 +627,9 @@ class _ChannelCore:
             first = not self._close_requested
             self._close_requested = True
         if first:
+            # contributions already sent by other processes are read first, so that close
+            # callbacks see which observers have copies elsewhere (MetricsChannel.has_aggregate)
+            self._poll_socket(time.monotonic() + 1.0)
             self._run_close_callbacks()
             if at_exit:
                 self._final_health = "changed"
@@ -1354,8 +1357,7 @@ class MetricsChannel:
             return False
         if name in core.aggregates:
             return True
-        core._poll_socket(time.monotonic() + 0.1)  # contributions already sent count too
-        with core._lock:
+        with core._lock:  # contributions received but not delivered yet count too
             return any(
                 entry.meta is not None and entry.meta.get("aggregate") == name
                 for entry in (*core._pending, core._in_flight)

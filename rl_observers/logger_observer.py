@@ -361,13 +361,17 @@ class LoggerObserver(Observer):
                 if self._report_due():
                     self._contribute()
                 return
-            counters = self._counters()
-            key = self.schedule.key if self.schedule is not None else None
-            due = self._clock.due(counters.get(key) if key else None)
+            schedule = self.schedule
+            counters = None
+            if schedule is not None and schedule.kind == "counter":
+                counters = self._counters()
+                due = self._clock.due(counters.get(schedule.key))
+            else:  # no schedule or a time one: counters are read only when a window is emitted
+                due = self._clock.due(None)
             if not due and self.log_on_start and not self._emitted:
                 due = True
             if due:
-                self._emit(counters)
+                self._emit(self._counters() if counters is None else counters)
 
     def _pull(self) -> dict[str, Any]:
         payload: dict[str, Any] = {}

@@ -47,6 +47,7 @@ from torchrl._utils import logger as torchrl_logger
 from torchrl.collectors import BaseCollector, ProfileConfig
 
 from rl_observers.observer import Observer
+from rl_observers.sources import source_info
 
 __all__ = ["ProfilerObserver", "install_profiling"]
 
@@ -88,14 +89,9 @@ def _worker_index(source: Any) -> int | None:
     :func:`rl_observers.sources.source_info`, then the ``worker_idx`` torchrl
     gives the inner collectors of its workers.
     """
-    try:
-        from rl_observers.sources import source_info
-    except ImportError:  # a package without remote sources: torchrl's attribute is enough
-        source_info = None
-    if source_info is not None:
-        worker = source_info(source).worker
-        if worker is not None:
-            return worker
+    worker = source_info(source).worker
+    if worker is not None:
+        return worker
     idx = getattr(source, "worker_idx", None)
     return idx if isinstance(idx, int) else None
 

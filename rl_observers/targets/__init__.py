@@ -17,7 +17,6 @@ from torchrl.collectors import BaseCollector
 from torchrl.data import ReplayBuffer
 
 from rl_observers import signals
-from rl_observers import sources as _sources  # noqa: F401  (records the driver process first)
 from rl_observers.observer import ObserverHandle, ObserverList
 from rl_observers.targets._observed import base_class, observed_class
 from rl_observers.targets.collectors import CollectorObservers

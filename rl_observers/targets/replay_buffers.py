@@ -22,15 +22,24 @@ from torchrl.data import ReplayBuffer
 
 from rl_observers.observer import ObserverList
 from rl_observers.signals import REPLAY_BUFFER_EVENTS
-from rl_observers.targets._observed import register_mixin
+from rl_observers.targets._observed import base_class, register_mixin
 
 __all__ = ["ObservedReplayBuffer", "ReplayBufferObservers"]
 
 
 @torch.compiler.disable
-def _emit_eagerly(observers: ObserverList, event: str, *payload: Any) -> None:
-    """``observers.emit``, with dynamo off for the observers' frames: never traced nor compiled."""
-    observers.emit(event, *payload)
+def _emit_eagerly(source: Any, event: str, *payload: Any) -> None:
+    """Emits ``event`` from ``source``, with dynamo off for the observers' frames: never traced nor compiled.
+
+    The observer list is read from the instance's ``__dict__``: a call bound while the
+    buffer was observed can run after its last observer was removed (a prefetched
+    ``_sample`` queued in the executor, a write from a collector thread), and then
+    emits nothing instead of raising ``AttributeError`` (which is also why the mixin's
+    methods find torchrl's class with :func:`base_class` rather than ``self._rl_base``).
+    """
+    observers = source.__dict__.get("_rl_observers")
+    if observers is not None:
+        observers.emit(event, *payload)
 
 
 class ReplayBufferObservers(ObserverList):
@@ -79,23 +88,23 @@ class ObservedReplayBuffer:
     _rl_observers: ReplayBufferObservers
 
     def add(self, data: Any, *args: Any, **kwargs: Any) -> Any:
-        index = self._rl_base.add(self, data, *args, **kwargs)  # type: ignore[misc]
-        _emit_eagerly(self._rl_observers, "post_add", data, index)
+        index = base_class(type(self)).add(self, data, *args, **kwargs)
+        _emit_eagerly(self, "post_add", data, index)
         return index
 
     def extend(self, data: Any, *args: Any, **kwargs: Any) -> Any:
-        index = self._rl_base.extend(self, data, *args, **kwargs)  # type: ignore[misc]
-        _emit_eagerly(self._rl_observers, "post_extend", data, index)
+        index = base_class(type(self)).extend(self, data, *args, **kwargs)
+        _emit_eagerly(self, "post_extend", data, index)
         return index
 
     def _sample(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        result = self._rl_base._sample(self, *args, **kwargs)  # type: ignore[misc]
-        _emit_eagerly(self._rl_observers, "post_sample", result[0], result[1])
+        result = base_class(type(self))._sample(self, *args, **kwargs)
+        _emit_eagerly(self, "post_sample", result[0], result[1])
         return result
 
     def empty(self, *args: Any, **kwargs: Any) -> None:
-        self._rl_base.empty(self, *args, **kwargs)  # type: ignore[misc]
-        self._rl_observers.emit("empty")
+        base_class(type(self)).empty(self, *args, **kwargs)
+        _emit_eagerly(self, "empty")
 
     def shutdown(self, *args: Any, **kwargs: Any) -> None:
         # The buffer shuts down even if an observer raises (on_error="raise").
