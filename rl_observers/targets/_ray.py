@@ -52,6 +52,7 @@ from rl_observers.targets.remote import (
     detach_here,
     kind_of,
 )
+from rl_observers.targets.replay_buffers import _emit_eagerly
 
 __all__ = ["RAY_COLLECTOR", "RAY_REPLAY_BUFFER"]
 
@@ -273,22 +274,19 @@ register_mixin(_is_ray_replay_buffer, _DriverObservedRayReplayBuffer, context=DR
 class _ActorObservedReplayBuffer:
     """``ReplayBuffer`` / ``PrioritizedReplayBuffer`` inside a Ray actor."""
 
-    _rl_base: type
-    _rl_observers: Any
-
     def _add(self, data: Any) -> Any:
-        index = self._rl_base._add(self, data)  # type: ignore[attr-defined]
-        self._rl_observers.emit("post_add", data, index)
+        index = base_class(type(self))._add(self, data)  # type: ignore[attr-defined]
+        _emit_eagerly(self, "post_add", data, index)
         return index
 
     def _extend(self, data: Any, *args: Any, **kwargs: Any) -> Any:
-        index = self._rl_base._extend(self, data, *args, **kwargs)  # type: ignore[attr-defined]
-        self._rl_observers.emit("post_extend", data, index)
+        index = base_class(type(self))._extend(self, data, *args, **kwargs)  # type: ignore[attr-defined]
+        _emit_eagerly(self, "post_extend", data, index)
         return index
 
     def _sample(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        result = self._rl_base._sample(self, *args, **kwargs)  # type: ignore[attr-defined]
-        self._rl_observers.emit("post_sample", result[0], result[1])
+        result = base_class(type(self))._sample(self, *args, **kwargs)  # type: ignore[attr-defined]
+        _emit_eagerly(self, "post_sample", result[0], result[1])
         return result
 
 
@@ -303,18 +301,15 @@ class _ActorObservedTensorDictReplayBuffer:
     after the method that made it, is the event.
     """
 
-    _rl_base: type
-    _rl_observers: Any
-
     def _set_index_in_td(self, tensordict: Any, index: Any) -> None:
-        self._rl_base._set_index_in_td(self, tensordict, index)  # type: ignore[attr-defined]
+        base_class(type(self))._set_index_in_td(self, tensordict, index)  # type: ignore[attr-defined]
         event = _WRITE_EVENTS.get(sys._getframe(1).f_code.co_name)
         if event is not None:
-            self._rl_observers.emit(event, tensordict, index)
+            _emit_eagerly(self, event, tensordict, index)
 
     def _sample(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        result = self._rl_base._sample(self, *args, **kwargs)  # type: ignore[attr-defined]
-        self._rl_observers.emit("post_sample", result[0], result[1])
+        result = base_class(type(self))._sample(self, *args, **kwargs)  # type: ignore[attr-defined]
+        _emit_eagerly(self, "post_sample", result[0], result[1])
         return result
 
 
