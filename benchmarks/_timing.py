@@ -16,17 +16,18 @@ def per_call_seconds(fn: Callable[[], object], calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def compare(
+def alternating_samples(
     candidates: dict[str, Callable[[], object]],
     *,
     calls: int,
     blocks: int = 15,
     warmup: int = 2,
-) -> dict[str, float]:
-    """Median seconds per call of each candidate, measured in alternating blocks.
+) -> dict[str, list[float]]:
+    """Seconds per call of each candidate, one sample per block, blocks alternating.
 
     Alternating the candidates block by block spreads machine noise evenly
-    over them, so the ratios of the medians are meaningful within one run.
+    over them; the ``i``-th samples of two candidates were measured side by
+    side. The garbage collector is off while measuring.
     """
     samples: dict[str, list[float]] = {name: [] for name in candidates}
     gc_was_enabled = gc.isenabled()
@@ -40,4 +41,40 @@ def compare(
     finally:
         if gc_was_enabled:
             gc.enable()
+    return samples
+
+
+def compare(
+    candidates: dict[str, Callable[[], object]],
+    *,
+    calls: int,
+    blocks: int = 15,
+    warmup: int = 2,
+) -> dict[str, float]:
+    """Median seconds per call of each candidate, measured in alternating blocks.
+
+    The ratios of the medians are meaningful within one run (see
+    :func:`alternating_samples`).
+    """
+    samples = alternating_samples(candidates, calls=calls, blocks=blocks, warmup=warmup)
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def paired_slowdowns(
+    candidates: dict[str, Callable[[], object]],
+    reference: str,
+    *,
+    calls: int,
+    blocks: int = 15,
+    warmup: int = 2,
+) -> dict[str, float]:
+    """Per candidate, the median over blocks of its time divided by ``reference``'s time in that block.
+
+    Neighbouring blocks share the machine's load, so this ratio shrugs off load
+    that comes and goes during the run (other processes, leftover threads).
+    """
+    samples = alternating_samples(candidates, calls=calls, blocks=blocks, warmup=warmup)
+    base = samples[reference]
+    return {
+        name: statistics.median(v / b for v, b in zip(values, base)) for name, values in samples.items()
+    }

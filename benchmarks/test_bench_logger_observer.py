@@ -35,7 +35,6 @@ assertions with ``--benchmark-disable``.
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -53,7 +52,7 @@ from torchrl.record import CSVLogger
 from torchrl.testing.mocking_classes import CountingEnv
 
 import rl_observers  # noqa: F401
-from benchmarks._timing import per_call_seconds
+from benchmarks._timing import alternating_samples
 from rl_observers import (
     CollectorBatchMetrics,
     Every,
@@ -148,18 +147,7 @@ def paired_compare(
     share the machine's load, so this ratio shrugs off load that comes and
     goes, which a ratio of medians over the whole run does not.
     """
-    samples: dict[str, list[float]] = {name: [] for name in candidates}
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        for block in range(warmup + blocks):
-            for name, fn in candidates.items():
-                seconds = per_call_seconds(fn, calls)
-                if block >= warmup:
-                    samples[name].append(seconds)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+    samples = alternating_samples(candidates, calls=calls, blocks=blocks, warmup=warmup)
     bare = samples["bare"]
     medians = {name: statistics.median(values) for name, values in samples.items()}
     ratios = {

@@ -10,7 +10,6 @@ runs the same assertions once.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections import Counter
@@ -24,6 +23,7 @@ from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
 import rl_observers  # noqa: F401
+from tests.helpers import counting_rpcs
 
 WRITES = 1000
 SAMPLES = 100
@@ -44,37 +44,6 @@ class CountWrites:
 
     def stats(self) -> dict[str, int]:
         return {"bench/items": self.items, "bench/samples": self.samples}
-
-
-class _CountingHandle:
-    """Stands for the actor handle on the driver and counts the remote calls made through it."""
-
-    def __init__(self, handle: Any, counts: Counter[str]) -> None:
-        self._handle = handle
-        self._counts = counts
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._handle, name)
-        counts = self._counts
-
-        class _Method:
-            @staticmethod
-            def remote(*args: Any, **kwargs: Any) -> Any:
-                counts[name] += 1
-                return method.remote(*args, **kwargs)
-
-        return _Method
-
-
-@contextlib.contextmanager
-def _counting(rb: Any) -> Iterator[Counter[str]]:
-    counts: Counter[str] = Counter()
-    handle = rb._rb
-    rb._rb = rb._client._actor = _CountingHandle(handle, counts)
-    try:
-        yield counts
-    finally:
-        rb._rb = rb._client._actor = handle
 
 
 @pytest.fixture(scope="module")
@@ -116,11 +85,11 @@ def test_ray_replay_buffer_rpcs_per_1000_writes(benchmark, ray_buffer):
 
     rb.extend(data)  # warm up: storage initialisation, first round trips
     rb.sample()
-    with _counting(rb) as bare:
+    with counting_rpcs(rb) as bare:
         bare_seconds = workload()
     observer = CountWrites()
     with rb.add_observer(observer):
-        with _counting(rb) as observed:
+        with counting_rpcs(rb) as observed:
             observed_seconds = benchmark.pedantic(workload, rounds=1, iterations=1)
             stats = rb.stats()
     extra = sum(observed.values()) - sum(bare.values()) - 1  # the one stats() call

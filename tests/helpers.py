@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,3 +24,35 @@ def start_method(method: str) -> Iterator[None]:
 def scalars(logger: Any, name: str) -> list[tuple[int, float]]:
     """The ``(step, value)`` pairs a torchrl ``CSVLogger`` logged under ``name``."""
     return logger.experiment.scalars.get(name, [])
+
+
+class CountingHandle:
+    """Stands for a Ray actor handle on the driver and counts the remote calls made through it."""
+
+    def __init__(self, handle: Any, counts: Counter[str]) -> None:
+        self._handle = handle
+        self._counts = counts
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._handle, name)
+        counts = self._counts
+
+        class _Method:
+            @staticmethod
+            def remote(*args: Any, **kwargs: Any) -> Any:
+                counts[name] += 1
+                return method.remote(*args, **kwargs)
+
+        return _Method
+
+
+@contextlib.contextmanager
+def counting_rpcs(rb: Any) -> Iterator[Counter[str]]:
+    """Counts every call the driver makes to ``rb``'s actor, through the buffer or its client."""
+    counts: Counter[str] = Counter()
+    handle = rb._rb
+    rb._rb = rb._client._actor = CountingHandle(handle, counts)
+    try:
+        yield counts
+    finally:
+        rb._rb = rb._client._actor = handle

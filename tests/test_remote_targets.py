@@ -52,7 +52,7 @@ import rl_observers  # noqa: F401
 from rl_observers.sources import SourceInfo, source_info
 from rl_observers.targets._observed import observed_class
 from rl_observers.targets.remote import RemoteAttachError, attach_here, detach_here, kind_of
-from tests.helpers import start_method
+from tests.helpers import counting_rpcs, start_method
 
 HERE = Path(__file__).parent
 DRIVER = os.getpid()
@@ -389,38 +389,6 @@ def ray_cluster(helpers) -> Iterator[Any]:
         ray.cloudpickle.unregister_pickle_by_value(helpers)
         if started:
             ray.shutdown()
-
-
-class CountingHandle:
-    """Stands for a Ray actor handle on the driver and counts the remote calls made through it."""
-
-    def __init__(self, handle: Any, counts: Counter[str]) -> None:
-        self._handle = handle
-        self._counts = counts
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._handle, name)
-        counts = self._counts
-
-        class _Method:
-            @staticmethod
-            def remote(*args: Any, **kwargs: Any) -> Any:
-                counts[name] += 1
-                return method.remote(*args, **kwargs)
-
-        return _Method
-
-
-@contextlib.contextmanager
-def counting_rpcs(rb: Any) -> Iterator[Counter[str]]:
-    """Counts every call the driver makes to ``rb``'s actor, through the buffer or its client."""
-    counts: Counter[str] = Counter()
-    handle = rb._rb
-    rb._rb = rb._client._actor = CountingHandle(handle, counts)
-    try:
-        yield counts
-    finally:
-        rb._rb = rb._client._actor = handle
 
 
 @pytest.mark.slow
