@@ -6,6 +6,7 @@ import contextlib
 import multiprocessing
 from collections import Counter
 from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
 
@@ -56,3 +57,27 @@ def counting_rpcs(rb: Any) -> Iterator[Counter[str]]:
         yield counts
     finally:
         rb._rb = rb._client._actor = handle
+
+
+@contextlib.contextmanager
+def local_ray(*by_value: ModuleType) -> Iterator[Any]:
+    """A local Ray cluster (2 CPUs, no dashboard) for the block, unless one already runs.
+
+    ``by_value`` modules are shipped to Ray's workers by value: Ray pickles what it is
+    handed with its own copy of cloudpickle. Skips the test when Ray is not installed.
+    """
+    import pytest
+
+    ray = pytest.importorskip("ray")
+    for module in by_value:
+        ray.cloudpickle.register_pickle_by_value(module)
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        for module in by_value:
+            ray.cloudpickle.unregister_pickle_by_value(module)
+        if started:
+            ray.shutdown()

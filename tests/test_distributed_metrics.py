@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 from functools import partial
 
@@ -23,7 +22,7 @@ from rl_observers import (
     SampleMetrics,
     WriteMetrics,
 )
-from tests.helpers import scalars, start_method
+from tests.helpers import local_ray, scalars, start_method
 
 NEVER = Every.counter("frames", 10**12)
 
@@ -146,11 +145,8 @@ def test_shared_buffer_writes_from_every_worker_are_aggregated(tmp_path):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    with local_ray() as ray:
+        yield ray
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ import rl_observers
 from rl_observers import Observer, ProfilerObserver
 from rl_observers.profiler import install_profiling
 from rl_observers.targets import observers_of
+from tests.helpers import local_ray
 
 REPO = Path(__file__).resolve().parents[1]
 # Small, fast traces: Python stacks make traces ~10x larger.
@@ -563,16 +564,8 @@ def test_multi_sync_profiles_in_the_selected_workers(tmp_path):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
+    with local_ray() as ray:
         yield ray
-    finally:
-        if started:
-            ray.shutdown()
 
 
 @pytest.mark.slow

@@ -52,7 +52,7 @@ import rl_observers  # noqa: F401
 from rl_observers.sources import SourceInfo, source_info
 from rl_observers.targets._observed import observed_class
 from rl_observers.targets.remote import RemoteAttachError, attach_here, detach_here, kind_of
-from tests.helpers import counting_rpcs, start_method
+from tests.helpers import counting_rpcs, local_ray, start_method
 
 HERE = Path(__file__).parent
 DRIVER = os.getpid()
@@ -376,19 +376,8 @@ def test_kinds():
 
 @pytest.fixture(scope="module")
 def ray_cluster(helpers) -> Iterator[Any]:
-    ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    # Ray pickles what torchrl hands it (a user hook) with its own copy of cloudpickle.
-    ray.cloudpickle.register_pickle_by_value(helpers)
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
+    with local_ray(helpers) as ray:  # the user hooks torchrl hands to Ray travel by value
         yield ray
-    finally:
-        ray.cloudpickle.unregister_pickle_by_value(helpers)
-        if started:
-            ray.shutdown()
 
 
 @pytest.mark.slow

@@ -37,6 +37,7 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer
 import tests._remote_observers as remote_observers
 from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel
 from tests.faults.conftest import FaultyLogger, wait_for
+from tests.helpers import local_ray
 from tests.test_remote_targets import make_multi
 
 pytestmark = pytest.mark.slow
@@ -163,22 +164,14 @@ def test_removing_an_observer_after_a_worker_died_leaves_a_consistent_state(tmp_
 
 
 @pytest.fixture
-def ray_cluster(monkeypatch):
-    ray = pytest.importorskip("ray")
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+def ray_cluster():
     module = sys.modules[remote_observers.__name__]
     cloudpickle.register_pickle_by_value(module)
-    ray.cloudpickle.register_pickle_by_value(module)
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        yield ray
+        with local_ray(module) as ray:
+            yield ray
     finally:
         cloudpickle.unregister_pickle_by_value(module)
-        ray.cloudpickle.unregister_pickle_by_value(module)
-        if started:
-            ray.shutdown()
 
 
 def _ray_collector():
