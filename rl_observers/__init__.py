@@ -18,8 +18,8 @@ from torchrl.record.loggers.monitoring import Every
 
 from rl_observers import signals
 from rl_observers.channel import MetricsChannel, MetricsHandle
-from rl_observers.logger_observer import LoggerObserver, default_metrics
-from rl_observers.logger_observer import install_attach_logger as _install_attach_logger
+from rl_observers.logging.observer import LoggerObserver, default_metrics
+from rl_observers.logging.observer import install_attach_logger as _install_attach_logger
 from rl_observers.metrics import CollectorBatchMetrics, MetricSet, SampleMetrics, WriteMetrics
 from rl_observers.observer import ON_ERROR_POLICIES, Observer, ObserverHandle, OnError
 from rl_observers.profiler import ProfilerObserver

@@ -19,7 +19,7 @@ import pytest
 from torchrl.record.loggers import CSVLogger
 from torchrl.record.loggers.common import Logger
 
-from rl_observers.channel import MetricsChannel, MetricsHandle, _rebuild_handle
+from rl_observers.channel import MetricsChannel, MetricsHandle
 
 # ---------------------------------------------------------------------------
 # recording fakes
@@ -247,18 +247,20 @@ def test_the_submitted_mapping_is_copied():
     channel.close()
 
 
-def test_meta_travels_with_the_entry_to_the_delivery_seam(monkeypatch):
+def test_meta_travels_with_the_entry_to_a_router():
     logger = RecordingLogger()
     channel = sync_channel(logger)
-    core = channel._core
     seen = []
-    original = core._deliver
 
-    def deliver(entry):
-        seen.append((entry.namespace, entry.meta))
-        original(entry)
+    class Recorder:
+        def route(self, namespace, metrics, step, meta):
+            seen.append((namespace, meta))
+            return [(namespace, metrics, step)]
 
-    monkeypatch.setattr(core, "_deliver", deliver)
+        def finish(self):
+            return []
+
+    channel.add_router("worker", Recorder())
     channel.submit_metrics({"a": 1.0}, namespace="w", meta={"worker": 3})
     channel.handle(meta={"worker": 1, "source": "collector"}).submit_metrics(
         {"a": 2.0}, namespace="w", meta={"worker": 2}
@@ -658,7 +660,7 @@ def test_an_unreferenced_channel_delivers_what_is_pending_and_stops_its_threads(
     logger = RecordingLogger()
     channel = MetricsChannel(logger, name="orphan", health_interval=None)
     remote = _remote_handle(channel)  # what another process holds: no reference
-    path = channel._core.path
+    path = remote.address
     channel.submit_metrics({"x": 1.0})
     del channel
     gc.collect()
@@ -719,7 +721,7 @@ from torchrl.record import CSVLogger
 import rl_observers.channel
 from rl_observers.channel import MetricsChannel
 
-rl_observers.channel._EXIT_TIMEOUT = 2.0
+rl_observers.channel.channel._EXIT_TIMEOUT = 2.0
 
 class SlowCSV(CSVLogger):
     def log_metrics(self, metrics, step=None, **kwargs):
@@ -732,7 +734,7 @@ channel.handle()
 channel.add_close_callback(lambda: channel.submit_metrics({"last": 9.0}, step=9))
 for i in range(3):
     channel.submit_metrics({"x": float(i)}, step=i)
-print(channel._core.path)
+print(channel.handle(transport="socket").address)
 
 class Hung:
     def log_metrics(self, metrics, step=None):
@@ -785,16 +787,16 @@ def test_a_handle_unpickled_in_the_same_process_submits_directly():
 
 
 def _remote_handle(channel: MetricsChannel, meta=None) -> MetricsHandle:
-    """A handle as another process sees it: the channel is not in its registry."""
-    channel.handle()
-    return _rebuild_handle("token-of-another-process", channel._core.path, meta)
+    """A handle that sends through the socket, as it does in another process."""
+    return channel.handle(meta=meta, transport="socket")
 
 
 def test_remote_handle_sends_datagrams_to_the_owner():
     logger = RecordingLogger()
     channel = sync_channel(logger)
     handle = _remote_handle(channel, meta={"worker": 7})
-    assert "socket=" in repr(handle)
+    assert handle.transport == "socket"
+    assert repr(handle) == f"MetricsHandle(transport='socket', address={handle.address!r})"
     handle.submit_metrics({"x": 1.0, "r": ListPartial("r", [1.0, 2.0])}, step=3, namespace="w")
     assert channel.health()["submitted"] == 0  # still in the socket
     assert channel.step() == 1
@@ -839,7 +841,7 @@ def test_remote_payloads_are_coalesced_not_lost_when_the_socket_queue_is_full():
 def test_closing_removes_the_socket_and_remote_senders_drop_and_count():
     channel = MetricsChannel(RecordingLogger(), health_interval=None)
     handle = _remote_handle(channel)
-    path = channel._core.path
+    path = handle.address
     assert os.path.exists(path)
     assert channel.close(timeout=10)
     assert not os.path.exists(path) and not os.path.exists(os.path.dirname(path))
@@ -850,10 +852,10 @@ def test_closing_removes_the_socket_and_remote_senders_drop_and_count():
 def test_unreadable_datagrams_are_counted_and_ignored():
     logger = RecordingLogger()
     channel = sync_channel(logger)
-    channel.handle()
+    path = _remote_handle(channel).address
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.sendto(b"not a pickle", channel._core.path)
-        sock.sendto(pickle.dumps(("ns", {1: 2.0}, None, None, (0, 0))), channel._core.path)
+        sock.sendto(b"not a pickle", path)
+        sock.sendto(pickle.dumps(("ns", {1: 2.0}, None, None, (0, 0))), path)
     channel.submit_metrics({"x": 1.0})
     channel.step()
     assert logger.calls == [({"x": 1.0}, None)]
@@ -923,7 +925,7 @@ def test_handles_and_the_channel_itself_submit_from_a_forked_process():
     logger = RecordingLogger()
     channel = MetricsChannel(logger, health_interval=None)
     handle = channel.handle()
-    path = channel._core.path
+    path = channel.handle(transport="socket").address
     ctx = mp.get_context("fork")
     child = ctx.Process(
         target=exec,

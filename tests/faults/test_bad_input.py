@@ -27,7 +27,7 @@ from rl_observers import (
     SampleMetrics,
     WriteMetrics,
 )
-from rl_observers.channel import MetricsHandle, _rebuild_handle
+from rl_observers.channel import MetricsHandle
 from tests.faults.conftest import FaultyLogger, assert_balanced
 
 
@@ -37,8 +37,7 @@ def sync_channel(logger, **kwargs) -> MetricsChannel:
 
 def remote_handle(channel: MetricsChannel) -> MetricsHandle:
     """A handle as another process sees it: it sends datagrams."""
-    channel.handle()
-    return _rebuild_handle("token-of-another-process", channel._core.path, None)
+    return channel.handle(transport="socket")
 
 
 def read_csv(path: Path) -> list[tuple[int, float]]:

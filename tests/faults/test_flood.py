@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import weakref
 
 import psutil
 import pytest
@@ -138,12 +139,16 @@ def test_threads_writing_and_sampling_while_observers_come_and_go():
 def test_logger_observers_attached_and_removed_over_and_over_leave_no_callbacks_behind():
     channel = MetricsChannel(FaultyLogger(), background=False, health_interval=None)
     rb = ReplayBuffer(storage=LazyTensorStorage(10))
+    removed = []
     for _ in range(2000):
-        rb.add_observer(LoggerObserver(channel, metrics=WriteMetrics())).remove()
+        observer = LoggerObserver(channel, metrics=WriteMetrics())
+        rb.add_observer(observer).remove()
+        removed.append(weakref.ref(observer))
+        del observer
     kept = LoggerObserver(channel, metrics=WriteMetrics(), name="kept")
     rb.add_observer(kept)
     gc.collect()
-    assert len(channel._core._close_callbacks) <= 2  # the removed observers' callbacks are gone
+    assert not any(ref() for ref in removed)  # the channel's close callbacks keep none alive
     rb.extend(torch.arange(3))
     assert channel.close()
     assert channel.logger.series("kept/items_written")[-1][1] == 3

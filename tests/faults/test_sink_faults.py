@@ -20,7 +20,7 @@ import pytest
 import torch
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
-import rl_observers.channel as channel_module
+import rl_observers.channel.delivery as delivery_module
 from rl_observers import LoggerObserver, MetricsChannel
 from tests.faults.conftest import (
     BATCHES,
@@ -101,7 +101,7 @@ def test_a_hung_sink_blocks_nothing_and_delivers_once_released(reference, gate, 
 
 @pytest.mark.timeout(30)
 def test_close_without_timeout_gives_up_on_a_hung_sink_and_says_so(gate, told, monkeypatch):
-    monkeypatch.setattr(channel_module, "_CLOSE_STALL_TIMEOUT", 0.3)
+    monkeypatch.setattr(delivery_module, "CLOSE_STALL_TIMEOUT", 0.3)
     channel = MetricsChannel(FaultyLogger(gate=gate), name="stuck", health_interval=None)
     channel.submit_metrics({"x": 1.0})
     channel.submit_metrics({"x": 2.0}, namespace="other")

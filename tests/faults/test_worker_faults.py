@@ -86,7 +86,7 @@ def test_a_worker_killed_while_the_collector_is_iterated(tmp_path, cls):
 
 @pytest.mark.timeout(120)
 def test_a_worker_killed_while_the_collector_runs_free(tmp_path, monkeypatch):
-    import rl_observers.aggregate as aggregate
+    import rl_observers.logging.aggregate as aggregate
 
     if hasattr(aggregate, "STALE_AFTER"):
         monkeypatch.setattr(aggregate, "STALE_AFTER", 1.0)

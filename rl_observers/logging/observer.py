@@ -1,13 +1,19 @@
-"""LoggerObserver: metric sets folded at the source, emitted on a schedule into a channel."""
+"""LoggerObserver: metric sets folded at the source, submitted on a schedule into a channel.
+
+Step of the flow: **observer → channel** (source → observer → channel →
+logger). The observer's metric sets fold events next to the data; when its
+schedule (:mod:`~rl_observers.logging.schedule`) is due, it pulls their
+partials and submits them to a :class:`~rl_observers.MetricsChannel`. Copies
+running away from the channel contribute windows instead
+(:mod:`~rl_observers.logging.contributions`), which the owner merges
+(:mod:`~rl_observers.logging.aggregate`).
+"""
 
 from __future__ import annotations
 
-import atexit
-import multiprocessing.util
 import os
 import pickle
 import threading
-import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
@@ -15,12 +21,12 @@ from typing import Any, Literal
 from torchrl.collectors import BaseCollector
 from torchrl.record.loggers.monitoring import Every
 
-from rl_observers.aggregate import AggregateSpec
 from rl_observers.channel import MetricsChannel, MetricsHandle
+from rl_observers.logging.aggregate import finish_aggregate, has_aggregate
+from rl_observers.logging.contributions import LIVE, Contributor
+from rl_observers.logging.schedule import ScheduleClock
 from rl_observers.metrics import CollectorBatchMetrics, MetricSet, SampleMetrics, WriteMetrics
 from rl_observers.observer import ON_ERROR_POLICIES, Observer
-from rl_observers.schedule import ScheduleClock
-from rl_observers.sources import source_info
 
 __all__ = ["LoggerObserver", "attach_logger", "default_metrics", "install_attach_logger"]
 
@@ -30,44 +36,6 @@ _DATA_EVENTS = ("post_collect", "post_add", "post_extend", "post_sample")
 # Names already given per channel, so two observers on one logger never share a namespace.
 _NAMES: weakref.WeakKeyDictionary[MetricsChannel, set[str]] = weakref.WeakKeyDictionary()
 _NAMES_LOCK = threading.Lock()
-# Every LoggerObserver of this process: a forked child resolves their mode again.
-_LIVE: weakref.WeakSet[LoggerObserver] = weakref.WeakSet()
-
-
-def _forget_modes_after_fork() -> None:
-    global _EXIT_REPORT
-    _EXIT_REPORT = False
-    for observer in list(_LIVE):
-        observer._mode = None
-
-
-os.register_at_fork(after_in_child=_forget_modes_after_fork)
-
-# Whether this process sends the contributors' last windows when it exits.
-_EXIT_REPORT = False
-
-
-def _report_at_exit() -> None:
-    """Sends every contributing copy's last window: worker processes exit without shutdown events."""
-    for observer in list(_LIVE):
-        if observer._mode == "contribute":
-            try:
-                if observer.log_on_close:
-                    observer._close_window()
-                observer._sink.flush(timeout=2.0)
-            except Exception:  # the process is going away; never fail its exit
-                pass
-
-
-def _report_contributors_at_exit() -> None:
-    global _EXIT_REPORT
-    if not _EXIT_REPORT:
-        _EXIT_REPORT = True
-        # multiprocessing children run these finalizers but not ``atexit``; other processes the reverse
-        multiprocessing.util.Finalize(None, _report_at_exit, exitpriority=100)
-        atexit.register(_report_at_exit)
-
-
 def default_metrics(target: Any) -> tuple[MetricSet, ...]:
     """The metric sets a :class:`LoggerObserver` uses when given none.
 
@@ -115,7 +83,7 @@ def _as_metric_sets(metrics: Any) -> tuple[MetricSet, ...] | None:
     return sets
 
 
-class LoggerObserver(Observer):
+class LoggerObserver(Contributor, Observer):
     """Folds what a source sees into metrics and logs them on a schedule.
 
     The metric sets fold every batch, write or sample into mergeable partial
@@ -170,7 +138,7 @@ class LoggerObserver(Observer):
             channel (workers, actors) send their window to the channel's
             owner at least this often in seconds, and whenever their own
             schedule counter advanced by an interval; the owner applies the
-            schedule and the scope (see :mod:`rl_observers.aggregate`).
+            schedule and the scope (see :mod:`rl_observers.logging.aggregate`).
             Defaults to ``0.5``.
 
     Examples:
@@ -250,7 +218,7 @@ class LoggerObserver(Observer):
         self._worker: Any = None
         self._last_report = 0.0
         self._last_report_counter = 0.0
-        _LIVE.add(self)
+        LIVE.add(self)
 
     # -- wiring, resolved once when attached ------------------------------------------------
 
@@ -297,7 +265,7 @@ class LoggerObserver(Observer):
         """Called on the original once every copy was detached: logs the last aggregate windows."""
         channel = self._channel()
         if channel is not None and self.name is not None:
-            channel.finish_aggregate(self.name)
+            finish_aggregate(channel, self.name)
 
     def _bind(self, source: Any) -> None:
         """Resolves defaults, names and counters once, for ``source`` (a local one or a remote one)."""
@@ -382,7 +350,7 @@ class LoggerObserver(Observer):
 
     def _emit(self, counters: Mapping[str, float]) -> None:
         channel = self._channel()
-        if channel is not None and channel.has_aggregate(self.name or ""):
+        if channel is not None and has_aggregate(channel, self.name or ""):
             # copies elsewhere contribute to this name: this instance becomes one more contributor
             self._mode = "contribute"
             self._worker = "main"
@@ -404,49 +372,6 @@ class LoggerObserver(Observer):
                 self._contribute()
             else:
                 self._emit(self._counters())
-
-    # -- copies away from the channel contribute to an aggregate at the owner ------------------
-
-    def _resolve_mode(self, source: Any) -> None:
-        """Local where the channel lives, contributor anywhere else (a worker, an actor, a fork)."""
-        info = source_info(source)
-        away = os.getpid() != self._home_pid or info.remote
-        self._mode = "contribute" if away else "local"
-        if away:
-            if os.getpid() != self._home_pid and self._pristine:
-                # a copy counts what its own process sees, not what the original had seen
-                self._sets = pickle.loads(self._pristine)
-                self._wire()
-                self._home_pid = os.getpid()
-            self._worker = info.worker if info.worker is not None else 0
-            self._last_report = time.monotonic()
-            _report_contributors_at_exit()
-
-    def _report_due(self) -> bool:
-        schedule = self.schedule
-        if schedule is None:
-            return True
-        if time.monotonic() - self._last_report >= self.report_interval:
-            return True
-        if schedule.kind == "counter":
-            counter = self._counters().get(schedule.key, 0)
-            return counter - self._last_report_counter >= schedule.interval
-        return False
-
-    def _contribute(self) -> None:
-        counters = self._counters()
-        latest = tuple(g for m in self._sets or () for g in m.latest_gauges)
-        meta = {
-            "aggregate": self.name,
-            "worker": self._worker,
-            "counters": counters,
-            **AggregateSpec(self.schedule, self.step_key, self.scope, self.log_on_close, latest).as_meta(),
-        }
-        payload = self._pull()
-        self._last_report = time.monotonic()
-        if self.schedule is not None and self.schedule.kind == "counter":
-            self._last_report_counter = counters.get(self.schedule.key, 0)
-        self._sink.submit_metrics(payload, namespace=f"{self.name}/worker_{self._worker}", meta=meta)
 
     def on_post_collect(self, source: Any, batch: Any) -> None:
         if self._mode is None:
@@ -523,7 +448,7 @@ class LoggerObserver(Observer):
         self.__dict__.update(state)
         self._lock = threading.Lock()
         self._mode = None  # a copy: resolved again where it runs
-        _LIVE.add(self)
+        LIVE.add(self)
 
     def __repr__(self) -> str:
         sets = ", ".join(type(m).__name__ for m in self._sets or ())

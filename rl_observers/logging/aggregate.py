@@ -1,5 +1,10 @@
 """Merging what several workers report into one view, at the channel's owner.
 
+Step of the flow: **channel → logger**, at the owner (source → observer →
+channel → logger). :class:`AggregationRouter` is registered as the channel's
+router for payloads whose ``meta`` holds ``"aggregate"``: the channel hands
+them over on its delivery thread and logs the rows the router returns.
+
 A :class:`~rl_observers.LoggerObserver` copy that runs away from its channel
 (in a multiprocessing worker, a Ray actor, a process writing into a shared
 buffer) does not decide when to log: it *contributes* its window (mergeable
@@ -20,7 +25,7 @@ gauges and partials plus ``meta`` saying which worker it comes from, its
 counters, and the observer's schedule.
 
 Examples:
-    >>> from rl_observers.aggregate import Aggregate
+    >>> from rl_observers.logging.aggregate import Aggregate
     >>> from rl_observers.reducers import Count
     >>> from torchrl.record.loggers.monitoring import Every
     >>> agg = Aggregate("collector", schedule=Every.counter("frames", 100), step_key="frames")
@@ -39,24 +44,30 @@ from typing import Any
 
 from torchrl.record.loggers.monitoring import Every
 
-from rl_observers.schedule import ScheduleClock
+from rl_observers.channel import MetricsChannel, register_router
+from rl_observers.channel.delivery import Row
+from rl_observers.channel.payload import coalesce, is_partial
+from rl_observers.logging.schedule import ScheduleClock
 
-__all__ = ["Aggregate", "AggregateSpec", "Row"]
+__all__ = [
+    "Aggregate",
+    "AggregateSpec",
+    "AggregationRouter",
+    "Row",
+    "finish_aggregate",
+    "has_aggregate",
+]
 
-#: One logger call: ``(namespace, metrics, step)``.
-Row = tuple[str, dict[str, Any], "int | None"]
+#: The ``meta`` key that sends a payload to the aggregation router.
+META_KEY = "aggregate"
 #: Seconds without a contribution after which a worker no longer counts as reporting.
 STALE_AFTER = 10.0
 
 
-def _is_partial(value: Any) -> bool:
-    return hasattr(value, "merge") and hasattr(value, "finalize")
-
-
-def _merge_window(window: dict[str, Any], metrics: Mapping[str, Any]) -> None:
-    for key, value in metrics.items():
-        previous = window.get(key)
-        window[key] = previous.merge(value) if _is_partial(value) and previous is not None else value
+def _merge_window(window: dict[str, Any], partials: Mapping[str, Any]) -> None:
+    error = coalesce(window, partials)
+    if error is not None:
+        raise error
 
 
 class AggregateSpec:
@@ -186,8 +197,8 @@ class Aggregate:
                 state.clock.due(0)
         state.last_seen = time.monotonic()
         state.counters = dict(counters)
-        gauges = {k: v for k, v in metrics.items() if not _is_partial(v)}
-        partials = {k: v for k, v in metrics.items() if _is_partial(v)}
+        gauges = {k: v for k, v in metrics.items() if not is_partial(v)}
+        partials = {k: v for k, v in metrics.items() if is_partial(v)}
         state.gauges.update(gauges)
         rows: list[Row] = []
         if self.per_worker:
@@ -250,3 +261,65 @@ class Aggregate:
         self._fresh = False
         self.clock.fired()
         return self.name, metrics, self._step(totals)
+
+
+class AggregationRouter:
+    """The channel's router for workers' contributions: one :class:`Aggregate` per observer name.
+
+    A contribution's ``meta`` names the observer (``"aggregate"``), the
+    worker, its cumulative counters and the observer's
+    :class:`AggregateSpec`; ``"finish": True`` logs that observer's last
+    windows and forgets it.
+    """
+
+    def __init__(self) -> None:
+        self.aggregates: dict[str, Aggregate] = {}
+
+    def route(
+        self, namespace: str, metrics: dict[str, Any], step: int | None, meta: Mapping[str, Any]
+    ) -> list[Row]:
+        name = meta[META_KEY]
+        aggregate = self.aggregates.get(name)
+        if aggregate is None:
+            aggregate = self.aggregates[name] = Aggregate.from_meta(name, meta)
+        rows: list[Row] = []
+        if metrics or meta.get("counters"):
+            rows = aggregate.contribute(meta.get("worker"), metrics, meta.get("counters") or {})
+        if meta.get("finish"):
+            rows.extend(aggregate.finish())
+            del self.aggregates[name]
+        return rows
+
+    def finish(self) -> list[Row]:
+        rows: list[Row] = []
+        for name in list(self.aggregates):
+            rows.extend(self.aggregates.pop(name).finish())
+        return rows
+
+
+register_router(META_KEY, AggregationRouter)
+
+
+def has_aggregate(channel: MetricsChannel, name: str) -> bool:
+    """Whether workers have contributed windows for the observer named ``name``.
+
+    Contributions received but not delivered yet count too. Always ``False``
+    in a process that does not own the channel.
+    """
+    router = channel.router(META_KEY)
+    if isinstance(router, AggregationRouter) and name in router.aggregates:
+        return True
+    return channel.has_pending(META_KEY, name)
+
+
+def finish_aggregate(channel: MetricsChannel, name: str) -> None:
+    """Logs the last windows of the aggregate ``name`` after every contribution sent so far.
+
+    Reads what handles in other processes already sent, then queues a
+    marker behind it: once a later ``channel.flush()`` returns, the
+    aggregate's last partial windows (for ``log_on_close`` observers) have
+    reached the logger. Used when an observer whose copies contribute is
+    removed.
+    """
+    channel.receive(timeout=5.0)
+    channel.submit_metrics({}, namespace=name, meta={META_KEY: name, "finish": True})

@@ -1,0 +1,853 @@
+"""MetricsChannel: the owner of a bounded, never-blocking way from observers to a logger.
+
+Step of the flow: **channel** (source → observer → channel → logger).
+Observers (directly, or through a :class:`~.handle.MetricsHandle` in another
+process) *submit* payloads; the channel puts them in its
+:class:`~.queue.PendingQueue`, receives what handles in other processes send
+through its transports' receivers (:mod:`~.transport`), and its
+:class:`~.delivery.Delivery` writes them to the logger from its own thread.
+
+The channel knows nothing about reinforcement learning nor about
+aggregation: entries whose ``meta`` asks for owner-side handling go to a
+router added with :meth:`MetricsChannel.add_router` (or registered for every
+channel with :func:`~.delivery.register_router`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torchrl._utils import logger as torchrl_logger
+
+from rl_observers.channel.delivery import Delivery, Router
+from rl_observers.channel.handle import OWNERS, MetricsHandle
+from rl_observers.channel.payload import check_metrics
+from rl_observers.channel.queue import PendingQueue
+from rl_observers.channel.transport import Receiver, make_sender, transports
+from rl_observers.channel.transport import transport as find_transport
+from rl_observers.observer import ON_ERROR_POLICIES, OnError
+
+__all__ = ["MetricsChannel"]
+
+# The most seconds the interpreter's exit waits for live channels to deliver.
+_EXIT_TIMEOUT = 5.0
+
+# Process-local registry of live channels, by token (closed at exit, told about forks).
+_CHANNELS: weakref.WeakValueDictionary[str, MetricsChannel] = weakref.WeakValueDictionary()
+# Shared channels of MetricsChannel.for_logger, by id(logger). A channel holds
+# its logger, so the id cannot be reused while the entry lives.
+_SHARED: weakref.WeakValueDictionary[int, MetricsChannel] = weakref.WeakValueDictionary()
+_REGISTRY_LOCK = threading.Lock()
+
+
+def _check_alive(logger: Any) -> None:
+    """Refuses a torchrl logger (or logger service) that was already shut down."""
+    if getattr(logger, "is_alive", True) is False:
+        raise ValueError(
+            f"MetricsChannel expected a running logger, got a {type(logger).__name__} that is "
+            "shut down (its is_alive is False): metrics sent to it would be lost. Create the "
+            "channel before shutting the logger down, or start a new logger."
+        )
+
+
+class _StrongRef:
+    """A strong reference with the call interface of a weak one."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __call__(self) -> Any:
+        return self.obj
+
+
+class _Owner:
+    """What a channel owns in its own process: queue, delivery, receivers, close callbacks.
+
+    Threads reference this object, never the public :class:`MetricsChannel`,
+    so a channel nobody references any more is garbage-collected and its
+    finalizer stops the threads.
+    """
+
+    def __init__(
+        self,
+        logger: Any,
+        token: str,
+        *,
+        capacity: int,
+        on_error: str,
+        name: str,
+        background: bool,
+        health_interval: float | None,
+    ) -> None:
+        if not callable(getattr(logger, "log_metrics", None)) and not callable(
+            getattr(logger, "log_scalar", None)
+        ):
+            raise TypeError(
+                "MetricsChannel expected a torchrl Logger or an object with "
+                f"log_metrics(metrics, step=None) or log_scalar(name, value, step), got {logger!r}."
+            )
+        _check_alive(logger)
+        if capacity.__class__ is bool or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity must be an int >= 1, got {capacity!r}.")
+        if on_error not in ON_ERROR_POLICIES:
+            raise ValueError(
+                f"on_error must be one of 'warn', 'raise' or 'ignore', got {on_error!r}."
+            )
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty str, got {name!r}.")
+        if health_interval is not None and not health_interval >= 0:
+            raise ValueError(f"health_interval must be >= 0 or None, got {health_interval!r}.")
+        self.logger = logger
+        self.token = token
+        self.capacity = capacity
+        self.on_error = on_error
+        self.name = name
+        self.background = background
+        self.pid = os.getpid()
+        self.queue = PendingQueue(capacity)
+        self.closed = False
+        self._closed_warned = False
+        self.close_requested = False
+        self._close_callbacks: list[Callable[[], Any]] = []
+        self._lock = threading.Lock()
+        self._receivers: dict[str, Receiver] = {}
+        self._receivers_started = False
+        self._receivers_lock = threading.Lock()
+        self.delivery = Delivery(
+            logger,
+            self.queue,
+            on_error=on_error,
+            name=name,
+            background=background,
+            health_interval=health_interval,
+            poll=self.poll_remote,
+        )
+
+    # ------------------------------------------------------------------ submit
+    def submit_metrics(
+        self,
+        metrics: Mapping[str, Any],
+        step: int | None,
+        namespace: str,
+        meta: Mapping[str, Any] | None,
+    ) -> None:
+        self._put(check_metrics(metrics, namespace, "MetricsChannel"), step, namespace, meta)
+
+    def _put(
+        self,
+        metrics: dict[str, Any],
+        step: int | None,
+        namespace: str,
+        meta: Mapping[str, Any] | None,
+    ) -> None:
+        if not metrics and not meta:  # nothing to log: not queued, not counted
+            return
+        if self.closed:  # the queue checks again under its lock
+            self._drop_after_close()
+            return
+        error = self.queue.put(namespace, metrics, step, meta)
+        self.delivery.wake()
+        if error is not None:
+            self.delivery.report(error, f"could not merge a partial of namespace {namespace!r}")
+
+    def _drop_after_close(self) -> None:
+        self.queue.count_dropped()
+        with self._lock:
+            warn = not self._closed_warned and self.on_error != "ignore"
+            self._closed_warned = True
+        if warn:
+            torchrl_logger.warning(
+                f"MetricsChannel {self.name!r} is closed: metrics submitted after close() are "
+                "dropped and counted in health()['dropped']. This is reported once."
+            )
+
+    def _accept(
+        self,
+        namespace: Any,
+        metrics: Any,
+        step: Any,
+        meta: Any,
+        counts: Any,
+    ) -> None:
+        """Queues one message from another process like a local submission, once checked."""
+        try:
+            lost, coalesced = counts
+            valid = (
+                namespace.__class__ is str
+                and metrics.__class__ is dict
+                and all(key.__class__ is str for key in metrics)
+                and (meta is None or isinstance(meta, Mapping))
+                and lost.__class__ is int
+                and coalesced.__class__ is int
+            )
+        except Exception:
+            valid = False
+        if not valid:
+            self.queue.count_dropped()
+            return
+        if lost or coalesced:
+            self.queue.count_remote(lost, coalesced)
+        self._put(metrics, step, namespace, meta)
+
+    # -------------------------------------------------------------- receivers
+    def addresses(self) -> dict[str, Any]:
+        """Starts every registered transport's receiver on first use; returns their addresses."""
+        with self._receivers_lock:
+            if not self._receivers_started and not self.close_requested:
+                self._receivers_started = True
+                for candidate in transports():
+                    receiver = candidate.make_receiver(self.token, self.name)
+                    if receiver is not None:
+                        receiver.start(self._accept, self.queue.count_dropped, self.background)
+                        self._receivers[candidate.name] = receiver
+            return {name: r.address() for name, r in self._receivers.items()}
+
+    def poll_remote(self, deadline: float | None) -> None:
+        for receiver in list(self._receivers.values()):
+            receiver.poll(deadline)
+
+    def _close_receivers(self, deadline: float | None) -> None:
+        with self._receivers_lock:
+            self._receivers_started = True
+            for receiver in self._receivers.values():
+                receiver.close(deadline)
+
+    # ------------------------------------------------------------ flush/close
+    def flush(self, timeout: float | None) -> bool:
+        return self.delivery.flush(None if timeout is None else time.monotonic() + timeout)
+
+    def step(self) -> int:
+        return self.delivery.step()
+
+    def health(self) -> dict[str, int]:
+        return self.queue.counts()
+
+    def add_close_callback(self, callback: Callable[[], Any]) -> None:
+        if getattr(callback, "__self__", None) is not None and hasattr(callback, "__func__"):
+            ref: Callable[[], Any] = weakref.WeakMethod(callback)  # type: ignore[arg-type]
+        else:
+            ref = _StrongRef(callback)
+        with self._lock:
+            # Forget the callbacks of objects already gone: observers attached and
+            # removed over and over do not make the list grow.
+            live = [r for r in self._close_callbacks if r() is not None]
+            live.append(ref)
+            self._close_callbacks = live
+
+    def _run_close_callbacks(self) -> None:
+        with self._lock:
+            callbacks, self._close_callbacks = self._close_callbacks, []
+        for ref in callbacks:
+            callback = ref()
+            if callback is None:
+                continue
+            try:
+                callback()
+            except Exception as err:
+                self.delivery.report(err, f"close callback {callback!r} raised")
+
+    def close(self, timeout: float | None = None, *, at_exit: bool = False) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            first = not self.close_requested
+            self.close_requested = True
+        if first:
+            # what other processes already sent is read first, so that close callbacks
+            # see it (a router may decide from it, e.g. which observers have copies elsewhere)
+            self.poll_remote(time.monotonic() + 1.0)
+            self._run_close_callbacks()
+            self._close_receivers(deadline)
+            self.closed = True
+            self.queue.close()
+            self.delivery.stop(at_exit)
+        done = self.delivery.join(deadline)
+        self.delivery.raise_stored_error()
+        return done
+
+    def release(self) -> None:
+        """Stops the owner's threads without waiting: the channel was garbage-collected.
+
+        Runs in whichever thread collected the channel, so it takes no lock.
+        The delivery thread drains what is pending and exits within a second.
+        """
+        if os.getpid() != self.pid or self.close_requested:
+            return
+        self.close_requested = True
+        self.delivery.release()
+        for receiver in list(self._receivers.values()):
+            receiver.release()
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: close the inherited receivers' copies, never the parent's files."""
+        self.close_requested = True
+        self.closed = True
+        self.delivery.release()
+        for receiver in self._receivers.values():
+            receiver.forget_after_fork()
+
+
+class _Forwarder:
+    """A channel's stand-in in a forked child process: it forwards to the parent's owner."""
+
+    def __init__(self, owner: _Owner, addresses: Mapping[str, Any]) -> None:
+        self.logger = owner.logger
+        self.name = owner.name
+        self.capacity = owner.capacity
+        self.on_error = owner.on_error
+        self.background = owner.background
+        self.closed = owner.closed
+        self.queue = None
+        self._sender = make_sender({} if owner.closed else addresses)
+        self._dropped_after_close = 0
+        self._close_callbacks: list[Callable[[], Any]] = []
+
+    def submit_metrics(
+        self,
+        metrics: Mapping[str, Any],
+        step: int | None,
+        namespace: str,
+        meta: Mapping[str, Any] | None,
+    ) -> None:
+        metrics = check_metrics(metrics, namespace, "MetricsChannel")
+        if self.closed:
+            self._dropped_after_close += 1
+            return
+        self._sender.send(metrics, step, namespace, meta)
+
+    def flush(self, timeout: float | None) -> bool:
+        return self._sender.flush(timeout)
+
+    def step(self) -> int:
+        self._sender.flush(0)
+        return 0
+
+    def add_close_callback(self, callback: Callable[[], Any]) -> None:
+        self._close_callbacks.append(callback)
+
+    def close(self, timeout: float | None = None, *, at_exit: bool = False) -> bool:
+        callbacks, self._close_callbacks = self._close_callbacks, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception as err:
+                torchrl_logger.warning(
+                    f"MetricsChannel close callback {callback!r} raised: {err!r}."
+                )
+        done = self._sender.flush(timeout)
+        self.closed = True
+        return done
+
+    def health(self) -> dict[str, int]:
+        sender = self._sender
+        extra = self._dropped_after_close
+        return {
+            "submitted": sender.submitted + extra,
+            "logged": 0,
+            "pending": sender.pending(),
+            "coalesced": sender.coalesced,
+            "dropped": sender.dropped + extra,
+            "sink_errors": 0,
+            "remote_dropped": 0,
+            "remote_coalesced": 0,
+        }
+
+    def release(self) -> None:
+        pass
+
+
+class MetricsChannel:
+    """A bounded, never-blocking channel from metric producers to a torchrl logger.
+
+    :meth:`submit_metrics` only appends to an in-memory queue and returns in
+    microseconds, whatever the logger does (slow, hung, raising, a dead
+    logger service). The channel's own daemon thread performs the blocking
+    ``logger.log_metrics(metrics, step=step)`` calls, one per pending entry.
+
+    A payload is a flat mapping from metric names to numbers ("gauges") or to
+    mergeable partial statistics: objects with ``merge(other)`` returning a
+    new partial (exact and associative) and ``finalize()`` returning a
+    ``dict[str, float]`` of metric names relative to the namespace. Partials
+    are finalized on the channel's thread, when the entry is logged. Metrics
+    are logged as ``"<namespace>/<name>"`` (``"<name>"`` with an empty
+    namespace), and each namespace keeps its own step.
+
+    At most ``capacity`` entries are pending. On overflow a new payload is
+    coalesced into the newest pending entry of the same namespace (partials
+    merge exactly, gauges keep the newest value, the step becomes the newest);
+    if that namespace has no pending entry, the oldest pending entry is
+    dropped. Both are counted, so memory stays flat under any flood.
+
+    The channel never takes ownership of the logger: :meth:`close` stops the
+    channel's thread and leaves the logger running; shutting it down remains
+    the caller's responsibility. Workers in other processes use a picklable,
+    non-owning :meth:`handle`. A channel that nobody references any more
+    (neither the user nor a handle in its process) delivers what is pending
+    and stops its threads; at interpreter exit, live channels are closed
+    (close callbacks, pending entries) within 5 seconds in all.
+
+    Health counters (see :meth:`health`) are also logged under the channel's
+    own namespace (``name``), at most once per ``health_interval`` when one
+    of them changed, and once more at :meth:`close`.
+
+    Args:
+        logger (Logger): the sink: any torchrl
+            :class:`~torchrl.record.loggers.common.Logger` (``CSVLogger``,
+            ``TensorboardLogger``, ``WandbLogger``, ``MLFlowLogger``,
+            ``TrackioLogger``), a logger service (``service_backend="process"``
+            or ``"ray"``) or its ``client()``, or any object with
+            ``log_metrics(metrics, step=None)`` or ``log_scalar(name, value, step)``.
+            MLflow keeps its active run per thread, so the channel's thread
+            resumes an ``MLFlowLogger``'s run (it never ends it). A logger
+            that is already shut down (``is_alive`` is ``False``) is refused
+            with a ``ValueError``.
+
+    Keyword Args:
+        capacity (int, optional): the most entries waiting in the queue (the
+            one being logged aside). Must be at least 1. Defaults to ``1024``.
+        on_error (str, optional): what to do when the logger raises (or a
+            partial fails to merge or finalize): ``"warn"`` (default) logs a
+            warning once per failure streak through the torchrl logger,
+            ``"raise"`` stores the first error and raises it from the next
+            :meth:`flush`, :meth:`step` or :meth:`close`, ``"ignore"`` only
+            counts it. Logging resumes as soon as the logger recovers.
+        name (str, optional): the namespace of the channel's health metrics.
+            Defaults to ``"channel"``.
+        background (bool, optional): if ``True`` (default), a daemon thread
+            delivers entries as they come. If ``False``, nothing runs in the
+            background: :meth:`step` and :meth:`flush` deliver in the calling
+            thread, which keeps tests deterministic (and blocks on a blocking
+            logger).
+        health_interval (float, optional): the least number of seconds between
+            two health reports; ``None`` turns health reports off. Defaults to
+            ``1.0``.
+
+    Examples:
+        >>> import tempfile
+        >>> from torchrl.record import CSVLogger
+        >>> from rl_observers import MetricsChannel
+        >>> logger = CSVLogger(exp_name="channel_demo", log_dir=tempfile.mkdtemp())
+        >>> channel = MetricsChannel(logger, background=False)
+        >>> channel.submit_metrics({"loss": 0.5, "lr": 1e-3}, step=10, namespace="train")
+        >>> channel.step()
+        1
+        >>> logger.experiment.scalars["train/loss"]
+        [(10, 0.5)]
+        >>> channel.close()
+        True
+
+        With the default background thread, :meth:`flush` waits for delivery:
+
+        >>> with MetricsChannel(logger) as channel:
+        ...     channel.submit_metrics({"reward": 1.0}, step=3, namespace="collector")
+        ...     channel.flush(timeout=10.0)
+        True
+        >>> logger.experiment.scalars["collector/reward"]
+        [(3, 1.0)]
+    """
+
+    __slots__ = ("__weakref__", "_addresses", "_finalizer", "_state", "_token")
+
+    def __init__(
+        self,
+        logger: Any,
+        *,
+        capacity: int = 1024,
+        on_error: OnError = "warn",
+        name: str = "channel",
+        background: bool = True,
+        health_interval: float | None = 1.0,
+    ) -> None:
+        self._token = uuid.uuid4().hex
+        owner = _Owner(
+            logger,
+            self._token,
+            capacity=capacity,
+            on_error=on_error,
+            name=name,
+            background=background,
+            health_interval=health_interval,
+        )
+        self._state: _Owner | _Forwarder = owner
+        self._addresses: dict[str, Any] = {}
+        self._finalizer = weakref.finalize(self, owner.release)
+        self._finalizer.atexit = False
+        _CHANNELS[self._token] = self
+        OWNERS[self._token] = self
+
+    @classmethod
+    def for_logger(cls, logger: Any, **kwargs: Any) -> MetricsChannel:
+        """Returns the channel shared by everything that logs to ``logger``.
+
+        The first call creates the channel with ``kwargs``; later calls with
+        the same logger object return that channel (their ``kwargs`` are
+        ignored) until it is closed or no longer referenced (by the caller or
+        by one of its handles: the registry itself holds it weakly). Several
+        observers writing to one logger thus share one queue and one thread.
+
+        Args:
+            logger (Logger): the sink, as for :class:`MetricsChannel`.
+
+        Keyword Args:
+            **kwargs: keyword arguments of :class:`MetricsChannel`, used when
+                the shared channel is created.
+
+        Examples:
+            >>> import tempfile
+            >>> from torchrl.record import CSVLogger
+            >>> from rl_observers import MetricsChannel
+            >>> logger = CSVLogger(exp_name="shared", log_dir=tempfile.mkdtemp())
+            >>> channel = MetricsChannel.for_logger(logger, background=False)
+            >>> MetricsChannel.for_logger(logger) is channel
+            True
+            >>> channel.close()
+            True
+            >>> MetricsChannel.for_logger(logger, background=False) is channel
+            False
+        """
+        _check_alive(logger)
+        with _REGISTRY_LOCK:
+            channel = _SHARED.get(id(logger))
+            if channel is not None and channel.logger is logger and not channel.closed:
+                return channel
+            channel = cls(logger, **kwargs)
+            _SHARED[id(logger)] = channel
+            return channel
+
+    def submit_metrics(
+        self,
+        metrics: Mapping[str, Any],
+        step: int | None = None,
+        *,
+        namespace: str = "",
+        meta: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Queues one payload for logging and returns at once.
+
+        Never blocks and never calls the logger. After :meth:`close` the
+        payload is dropped and counted (and a warning says so, once).
+
+        Values are real numbers (``NaN`` and ``inf`` are logged as they
+        are), one-element tensors or arrays (converted by the logger, in the
+        channel's thread) or mergeable partials; anything else (a string, a
+        nested mapping, a multi-element tensor, ``None``) is refused at once.
+        Names are passed to the logger unchanged: a name the logger cannot
+        store (too long for a file name, say) makes that entry's logger call
+        fail, which is counted in ``sink_errors`` and handled by
+        ``on_error``; the channel goes on. An empty mapping without ``meta``
+        logs nothing and is ignored.
+
+        Args:
+            metrics (Mapping[str, float | int | partial]): metric names
+                (relative to ``namespace``) to numbers or mergeable partials.
+                The mapping is copied; partials must not be mutated afterwards.
+            step (int, optional): the namespace's logical step, passed to the
+                logger. Defaults to ``None`` (the logger's own step handling).
+
+        Keyword Args:
+            namespace (str, optional): prefix of the logged names
+                (``"<namespace>/<name>"``); also the unit of coalescing.
+                Defaults to ``""`` (no prefix).
+            meta (Mapping, optional): information about the payload's origin
+                (for example ``{"worker": 3}``), carried along with the entry
+                to the channel's thread. Defaults to ``None``.
+
+        Raises:
+            TypeError: if ``metrics`` is not a mapping from ``str`` names to
+                the values above, or ``namespace`` is not a ``str``.
+        """
+        self._state.submit_metrics(metrics, step, namespace, meta)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until everything submitted before this call reached the logger.
+
+        Payloads that handles in other processes sent before the call are
+        included. "Reached" means delivered, failed (counted in
+        ``sink_errors``) or dropped on overflow. With ``background=False``
+        the entries are delivered in the calling thread, and ``timeout`` does
+        not bound the logger calls.
+
+        Args:
+            timeout (float, optional): the most seconds to wait. Defaults to
+                ``None`` (wait as long as it takes).
+
+        Returns:
+            ``True`` if everything submitted before the call was processed,
+            ``False`` if the timeout expired first (the logger is slow or hung).
+
+        Raises:
+            Exception: with ``on_error="raise"``, the first logger error
+                stored since the last raise.
+        """
+        return self._state.flush(timeout)
+
+    def step(self) -> int:
+        """Delivers every pending entry in the calling thread (``background=False`` only).
+
+        Also reads what handles in other processes sent, and logs the health
+        counters when due. This mirrors ``LoggerMonitor(background=False).step()``.
+
+        Returns:
+            The number of entries processed.
+
+        Raises:
+            RuntimeError: if the channel has a background thread.
+            Exception: with ``on_error="raise"``, a stored logger error.
+        """
+        return self._state.step()
+
+    def add_router(self, key: str, router: Router) -> None:
+        """Hands entries whose ``meta`` holds ``key`` to ``router`` instead of the logger.
+
+        The router runs where entries are delivered (the channel's thread):
+        ``router.route(namespace, metrics, step, meta)`` returns the rows
+        ``(namespace, metrics, step)`` to log now, and ``router.finish()``
+        the last ones when the channel closes. This is how owner-side
+        handling plugs in (the logging package registers its worker
+        aggregation for every channel with
+        :func:`~rl_observers.channel.delivery.register_router`). Does nothing
+        in a process that does not own the channel.
+
+        Args:
+            key (str): the ``meta`` key that selects the router.
+            router (Router): an object with ``route`` and ``finish``.
+        """
+        state = self._state
+        if isinstance(state, _Owner):
+            state.delivery.add_router(key, router)
+
+    def router(self, key: str) -> Router | None:
+        """The router that handles entries whose ``meta`` holds ``key`` (``None`` if none or not the owner)."""
+        state = self._state
+        return state.delivery.router(key) if isinstance(state, _Owner) else None
+
+    def has_pending(self, key: str, value: Any) -> bool:
+        """Whether an entry with ``meta[key] == value`` waits for delivery (or is being delivered).
+
+        Payloads that handles in other processes sent are not read by this
+        call (see :meth:`receive`). Always ``False`` in a process that does
+        not own the channel.
+        """
+        state = self._state
+        return isinstance(state, _Owner) and state.queue.has_meta(key, value)
+
+    def receive(self, timeout: float | None = None) -> None:
+        """Queues what handles in other processes have sent so far, without delivering it.
+
+        Args:
+            timeout (float, optional): the most seconds to wait for a receiver
+                busy in another thread. Defaults to ``None``.
+        """
+        state = self._state
+        if isinstance(state, _Owner):
+            state.poll_remote(None if timeout is None else time.monotonic() + timeout)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Runs the close callbacks, flushes, logs the health counters once more and stops.
+
+        Idempotent. The close callbacks (:meth:`add_close_callback`) run
+        first, in the calling thread, so what they submit is still logged.
+        Then the socket used by handles in other processes is removed; later
+        submissions (local or remote) are dropped and counted. The logger is
+        left running. If the logger hangs, ``close`` returns after
+        ``timeout`` and leaves the daemon thread behind, to finish the
+        delivery if the logger ever returns. Without a ``timeout`` it waits
+        as long as the logger makes progress, but gives up (with a warning)
+        once one logger call has not returned for 30 seconds, so ``close``
+        never hangs on a hung logger. With ``background=False`` the
+        last entries are delivered in the calling thread, and ``timeout`` does
+        not bound the logger calls.
+
+        Args:
+            timeout (float, optional): the most seconds to wait. Defaults to
+                ``None`` (as long as the logger makes progress).
+
+        Returns:
+            ``True`` if everything was delivered and the thread stopped,
+            ``False`` if the timeout expired first.
+
+        Raises:
+            Exception: with ``on_error="raise"``, a stored logger error.
+        """
+        with _REGISTRY_LOCK:
+            state = self._state
+            if _SHARED.get(id(state.logger)) is self:
+                del _SHARED[id(state.logger)]
+        return state.close(timeout)
+
+    def add_close_callback(self, callback: Callable[[], Any]) -> None:
+        """Registers ``callback()`` to run once when the channel closes, before its final flush.
+
+        Producers use it to submit their last, partial window (an observer's
+        ``log_on_close``). Callbacks run in the thread that calls
+        :meth:`close` (or at interpreter exit), in registration order; an
+        error is handled by the channel's ``on_error`` policy. A bound method
+        is held weakly, so registering does not keep its object alive.
+
+        Args:
+            callback (Callable[[], Any]): called with no argument.
+
+        Examples:
+            >>> from rl_observers import MetricsChannel
+            >>> from torchrl.record import CSVLogger
+            >>> import tempfile
+            >>> logger = CSVLogger(exp_name="close_demo", log_dir=tempfile.mkdtemp())
+            >>> channel = MetricsChannel(logger, background=False)
+            >>> channel.add_close_callback(lambda: channel.submit_metrics({"last": 1.0}))
+            >>> channel.close()
+            True
+            >>> logger.experiment.scalars["last"]
+            [(0, 1.0)]
+        """
+        self._state.add_close_callback(callback)
+
+    def health(self) -> dict[str, int]:
+        """Returns the channel's counters.
+
+        - ``submitted``: payloads accepted by :meth:`submit_metrics` (and
+          received from handles in other processes);
+        - ``logged``: entries delivered to the logger (one logger call each);
+        - ``pending``: entries not yet logged (queued or being logged);
+        - ``coalesced``: payloads merged into a pending entry on overflow;
+        - ``dropped``: entries dropped on overflow, after :meth:`close`, or
+          unreadable datagrams;
+        - ``sink_errors``: entries whose logger call raised;
+        - ``remote_dropped`` / ``remote_coalesced``: what handles in other
+          processes dropped or coalesced before sending (as far as they
+          could report it).
+
+        ``submitted == logged + pending + coalesced + dropped + sink_errors``.
+        """
+        return self._state.health()
+
+    def handle(
+        self, meta: Mapping[str, Any] | None = None, *, transport: str | None = None
+    ) -> MetricsHandle:
+        """Returns a picklable, non-owning handle to this channel for workers and actors.
+
+        The first call starts the channel's receivers (the socket that
+        handles in other processes on this machine send to). Unpickled in this process, the handle submits to the channel
+        directly; in another process on the same machine, it sends datagrams
+        to the channel's socket, without ever blocking.
+
+        Args:
+            meta (Mapping, optional): default ``meta`` of every payload sent
+                through the handle (for example ``{"worker": 3}``); a
+                ``meta`` given to :meth:`MetricsHandle.submit_metrics` is
+                merged over it. Defaults to ``None``.
+
+        Keyword Args:
+            transport (str, optional): the transport the handle sends
+                through (``"socket"``, or another registered one), even in
+                this process. Defaults to ``None``: in this process the
+                channel itself, elsewhere the first reachable transport.
+
+        Raises:
+            RuntimeError: if the channel is closed.
+            ValueError: if ``transport`` names no registered transport.
+
+        Examples:
+            >>> import pickle
+            >>> import tempfile
+            >>> from torchrl.record import CSVLogger
+            >>> from rl_observers import MetricsChannel
+            >>> logger = CSVLogger(exp_name="handle_demo", log_dir=tempfile.mkdtemp())
+            >>> channel = MetricsChannel(logger, background=False)
+            >>> handle = pickle.loads(pickle.dumps(channel.handle(meta={"worker": 0})))
+            >>> handle.submit_metrics({"frames": 100}, step=1, namespace="worker_0")
+            >>> channel.step()
+            1
+            >>> logger.experiment.scalars["worker_0/frames"]
+            [(1, 100.0)]
+            >>> channel.close()
+            True
+        """
+        if transport is not None:
+            find_transport(transport)  # refuses an unknown name
+        state = self._state
+        if state.closed:
+            raise RuntimeError(f"MetricsChannel {self.name!r} is closed; it gives no new handles.")
+        if isinstance(state, _Owner):
+            self._addresses = state.addresses()
+        channel = self if isinstance(state, _Owner) else None
+        return MetricsHandle(self._token, self._addresses, meta, channel=channel, transport=transport)
+
+    @property
+    def logger(self) -> Any:
+        """The logger this channel writes to (not owned by the channel)."""
+        return self._state.logger
+
+    @property
+    def name(self) -> str:
+        """The namespace of the channel's health metrics."""
+        return self._state.name
+
+    @property
+    def capacity(self) -> int:
+        """The most entries pending at once."""
+        return self._state.capacity
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._state.closed
+
+    def __enter__(self) -> MetricsChannel:
+        return self
+
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = self._state
+        return (
+            f"{type(self).__name__}(name={state.name!r}, logger={type(state.logger).__name__}, "
+            f"capacity={state.capacity}, closed={state.closed})"
+        )
+
+    def _after_fork_in_child(self) -> None:
+        state = self._state
+        OWNERS.pop(self._token, None)
+        if isinstance(state, _Owner):
+            self._finalizer.detach()
+            self._state = _Forwarder(state, self._addresses)
+            state.forget_after_fork()
+
+
+def _close_at_exit() -> None:
+    """Gives live channels of this process a bounded chance to deliver before exit.
+
+    Their threads are daemons, which the interpreter would otherwise stop with
+    entries still pending. Close callbacks run, pending entries are delivered,
+    and health is logged only if it changed, within ``_EXIT_TIMEOUT`` seconds
+    in all.
+    """
+    deadline = time.monotonic() + _EXIT_TIMEOUT
+    for channel in list(_CHANNELS.values()):
+        state = channel._state
+        if not isinstance(state, _Owner) or state.pid != os.getpid() or state.close_requested:
+            continue
+        try:
+            state.close(max(0.0, deadline - time.monotonic()), at_exit=True)
+        except Exception:  # on_error="raise": nobody is left to catch it
+            pass
+
+
+def _after_fork_in_child() -> None:
+    global _REGISTRY_LOCK
+    _REGISTRY_LOCK = threading.Lock()
+    for channel in list(_CHANNELS.values()):
+        channel._after_fork_in_child()
+
+
+atexit.register(_close_at_exit)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

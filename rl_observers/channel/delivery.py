@@ -1,0 +1,360 @@
+"""The owner's delivery: the one place where pending payloads become logger calls.
+
+Step of the flow: **channel → logger** (source → observer → channel → logger).
+:class:`Delivery` takes entries from the :class:`~.queue.PendingQueue`, in
+its own daemon thread (or in the caller's, with ``background=False``), and
+*writes* them: partials are finalized (:func:`~.payload.expand`), names get
+their namespace and ``logger.log_metrics(payload, step=step)`` is called. It
+applies the ``on_error`` policy, logs the channel's health, and carries
+flush / step / close.
+
+An entry whose ``meta`` holds a key a :class:`Router` was added for is
+handed to that router instead, which returns the rows to write: that is how
+owner-side handling (the logging package's worker aggregation) plugs in,
+without the channel knowing about it. :func:`register_router` makes a router
+part of every channel (created lazily per channel).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
+
+from torchrl._utils import logger as torchrl_logger
+
+from rl_observers.channel.payload import expand
+from rl_observers.channel.queue import PendingEntry, PendingQueue
+
+__all__ = ["Delivery", "Router", "Row", "register_router"]
+
+#: One logger call: ``(namespace, metrics, step)``.
+Row = tuple[str, dict[str, Any], "int | None"]
+# The most seconds close() without a timeout waits for a logger call that does not return.
+CLOSE_STALL_TIMEOUT = 30.0
+
+
+class Router(Protocol):
+    """Owner-side handling of the entries whose ``meta`` holds the router's key.
+
+    Both methods run where entries are delivered (the channel's thread),
+    one call at a time.
+    """
+
+    def route(
+        self, namespace: str, metrics: dict[str, Any], step: int | None, meta: Mapping[str, Any]
+    ) -> Iterable[Row]:
+        """Takes one entry; returns the rows now due."""
+
+    def finish(self) -> Iterable[Row]:
+        """The last rows, when the channel closes."""
+
+
+_ROUTER_FACTORIES: dict[str, Callable[[], Router]] = {}
+
+
+def register_router(key: str, factory: Callable[[], Router]) -> None:
+    """Gives every channel a router for entries whose ``meta`` holds ``key``.
+
+    ``factory()`` is called once per channel, at the first such entry (or
+    when :meth:`Delivery.router` asks for it).
+    """
+    _ROUTER_FACTORIES[key] = factory
+
+
+class Delivery:
+    """Writes a queue's entries to a logger, with the channel's error policy and health.
+
+    Args:
+        logger (Any): the sink (``log_metrics`` or ``log_scalar``).
+        queue (PendingQueue): where entries come from.
+
+    Keyword Args:
+        on_error (str): ``"warn"``, ``"raise"`` or ``"ignore"``.
+        name (str): the channel's name (health namespace, thread name, warnings).
+        background (bool): whether a daemon thread delivers.
+        health_interval (float | None): seconds between health reports; ``None``: none.
+        poll (Callable): ``poll(deadline)`` hands over what other processes sent.
+    """
+
+    def __init__(
+        self,
+        logger: Any,
+        queue: PendingQueue,
+        *,
+        on_error: str,
+        name: str,
+        background: bool,
+        health_interval: float | None,
+        poll: Callable[[float | None], None],
+    ) -> None:
+        log_metrics = getattr(logger, "log_metrics", None)
+        self.logger = logger
+        self._log_metrics = log_metrics if callable(log_metrics) else None
+        self._log_scalar = getattr(logger, "log_scalar", None)
+        self.queue = queue
+        self.on_error = on_error
+        self.name = name
+        self._poll = poll
+        self._health_interval = health_interval
+        self._routers: dict[str, Router] = {}
+        self._failing = False
+        self._error: BaseException | None = None
+        self._error_lock = threading.Lock()
+        self._health_time = time.monotonic()
+        self._health_counts = queue.counts()
+        self._health_step = 0
+        # health report when the thread stops: "always" (close) or "changed" (exit)
+        self.final_health = "always"
+        self._stopping = False
+        self._lock = threading.Lock()  # one deliverer at a time without a thread
+        self._wake = threading.Event()
+        self.thread: threading.Thread | None = None
+        if background:
+            self.thread = threading.Thread(target=self._run, name=f"MetricsChannel[{name}]", daemon=True)
+            self.thread.start()
+
+    # ---------------------------------------------------------------- routers
+    def add_router(self, key: str, router: Router) -> None:
+        self._routers[key] = router
+
+    def router(self, key: str) -> Router | None:
+        """The router of ``key`` (created from a registered factory if needed)."""
+        router = self._routers.get(key)
+        if router is None and key in _ROUTER_FACTORIES:
+            router = self._routers.setdefault(key, _ROUTER_FACTORIES[key]())
+        return router
+
+    def _routed(self, meta: Mapping[str, Any] | None) -> Router | None:
+        if not meta:
+            return None
+        for key in (*self._routers, *_ROUTER_FACTORIES):
+            if key in meta:
+                return self.router(key)
+        return None
+
+    # -------------------------------------------------------------- delivery
+    def wake(self) -> None:
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def _bind_logger_to_thread(self) -> None:
+        """Makes the logger's per-thread state current in the channel's thread.
+
+        MLflow keeps its active run per thread, and ``MLFlowLogger`` logs through
+        that fluent API: from another thread it would open a new run. The
+        channel's thread therefore resumes the logger's run (without ever
+        ending it).
+        """
+        experiment = getattr(self.logger, "experiment", None)
+        if not type(experiment).__module__.startswith("mlflow"):
+            return
+        run_id = getattr(getattr(experiment, "info", None), "run_id", None)
+        if run_id is None:
+            return
+        import mlflow
+
+        active = mlflow.active_run()
+        if active is None or active.info.run_id != run_id:
+            mlflow.start_run(run_id=run_id)
+
+    def _run(self) -> None:
+        try:
+            self._bind_logger_to_thread()
+        except Exception as err:
+            self.report(err, "could not bind its logger to the channel's thread")
+        timeout = 1.0
+        if self._health_interval is not None:
+            timeout = min(timeout, max(self._health_interval, 0.01))
+        while True:
+            self._wake.wait(timeout)
+            self._wake.clear()
+            self.drain()
+            if self._stopping:
+                if self.queue.empty():
+                    break
+                continue
+            self._log_health()
+        self._finish_routers()
+        self._log_health(when=self.final_health)
+
+    def drain(self) -> int:
+        """Delivers pending entries until none is left; returns how many."""
+        count = 0
+        queue = self.queue
+        while True:
+            entry = queue.take()
+            if entry is None:
+                return count
+            try:
+                self._deliver(entry)
+            except Exception as err:
+                delivered = False
+                self.report(err, f"failed to log namespace {entry.namespace!r}")
+            else:
+                delivered = True
+                self._failing = False
+            queue.done(entry, delivered)
+            count += 1
+
+    def _deliver(self, entry: PendingEntry) -> None:
+        """Turns one entry into logger calls (through its router, if its meta asks for one)."""
+        router = self._routed(entry.meta)
+        if router is not None:
+            self._write_rows(router.route(entry.namespace, entry.metrics, entry.step, entry.meta))
+            return
+        payload = expand(entry.namespace, entry.metrics)
+        if payload:
+            self.write(payload, entry.step)
+
+    def _write_rows(self, rows: Iterable[Row]) -> None:
+        for namespace, metrics, step in rows:
+            payload = expand(namespace, metrics)
+            if payload:
+                self.write(payload, step)
+
+    def _finish_routers(self) -> None:
+        """Writes every router's last rows (at close)."""
+        for key, router in list(self._routers.items()):
+            try:
+                self._write_rows(router.finish())
+            except Exception as err:
+                self.report(err, f"failed to log the last rows of router {key!r}")
+
+    def write(self, payload: dict[str, Any], step: int | None) -> None:
+        """One logger call."""
+        if self._log_metrics is not None:
+            self._log_metrics(payload, step=step)
+        else:
+            for name, value in payload.items():
+                self._log_scalar(name, value, step)
+
+    # ----------------------------------------------------------- error policy
+    def report(self, err: BaseException, what: str) -> None:
+        """Applies the ``on_error`` policy to a failure of the sink or of a partial."""
+        if self.on_error == "raise":
+            with self._error_lock:
+                if self._error is None:
+                    self._error = err
+        elif self.on_error == "warn" and not self._failing:
+            torchrl_logger.warning(
+                f"MetricsChannel {self.name!r} {what}: {err!r}. Further errors will be "
+                "silent until the logger recovers."
+            )
+        self._failing = True
+
+    def raise_stored_error(self) -> None:
+        if self._error is None:
+            return
+        with self._error_lock:
+            err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    # ----------------------------------------------------------------- health
+    def _log_health(self, when: str = "due") -> None:
+        """Logs the health counters: ``"due"`` (changed, interval elapsed), ``"changed"``, ``"always"``."""
+        if self._health_interval is None:
+            return
+        now = time.monotonic()
+        if when == "due" and now - self._health_time < self._health_interval:
+            return
+        counts = self.queue.counts()
+        if when != "always" and counts == self._health_counts:
+            return
+        self._health_time = now
+        self._health_counts = counts
+        payload = {f"{self.name}/{key}": value for key, value in counts.items()}
+        step, self._health_step = self._health_step, self._health_step + 1
+        try:
+            self.write(payload, step)
+        except Exception as err:
+            self.report(err, "failed to log its health")
+
+    # ------------------------------------------------------- flush/step/close
+    def flush(self, deadline: float | None) -> bool:
+        self._poll(deadline)
+        if self.thread is None:
+            with self._lock:
+                self.drain()
+            done = True
+        else:
+            done = self.queue.wait_processed(deadline)
+        self.raise_stored_error()
+        return done
+
+    def step(self) -> int:
+        if self.thread is not None:
+            raise RuntimeError(
+                "MetricsChannel.step() drives a channel created with background=False; "
+                "this channel has its own thread, use flush() to wait for it."
+            )
+        with self._lock:
+            self._poll(None)
+            count = self.drain()
+            self._log_health()
+        self.raise_stored_error()
+        return count
+
+    def _final_delivery(self) -> None:
+        with self._lock:
+            self.drain()
+            self._finish_routers()
+            self._log_health(when=self.final_health)
+
+    def stop(self, at_exit: bool) -> None:
+        """Asks the thread to deliver what is left and stop (or delivers it here)."""
+        if at_exit:
+            self.final_health = "changed"
+        self._stopping = True
+        self._wake.set()
+        if self.thread is None:
+            if not at_exit:
+                self._final_delivery()
+            else:  # never hang the interpreter's exit on a blocking logger
+                self.thread = threading.Thread(
+                    target=self._final_delivery, name=f"MetricsChannel[{self.name}].exit", daemon=True
+                )
+                self.thread.start()
+
+    def release(self) -> None:
+        """Lets the thread stop once it has drained (no lock: runs in a finalizer)."""
+        self._stopping = True
+
+    def join(self, deadline: float | None) -> bool:
+        """Waits for the thread to stop (see :meth:`MetricsChannel.close`)."""
+        thread = self.thread
+        if thread is None:
+            return True
+        if deadline is not None:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            return not thread.is_alive()
+        return self._join_while_progressing(thread)
+
+    def _join_while_progressing(self, thread: threading.Thread) -> bool:
+        """Joins the delivery thread while the logger makes progress.
+
+        Gives up, warns and returns ``False`` when one logger call has not
+        returned for ``CLOSE_STALL_TIMEOUT`` seconds: ``close()`` never hangs
+        on a hung logger.
+        """
+        seen, since = -1, time.monotonic()
+        while True:
+            thread.join(0.05)
+            if not thread.is_alive():
+                return True
+            counts = self.queue.counts()
+            progress = counts["logged"] + counts["sink_errors"]
+            now = time.monotonic()
+            if progress != seen:
+                seen, since = progress, now
+            elif now - since >= CLOSE_STALL_TIMEOUT:
+                if self.on_error != "ignore":
+                    torchrl_logger.warning(
+                        f"MetricsChannel {self.name!r}: its logger has not returned from a call "
+                        f"for {CLOSE_STALL_TIMEOUT:g} seconds; close() gives up with "
+                        f"{counts['pending']} entries not delivered. The channel's daemon thread "
+                        "is left behind and delivers them if the logger ever returns."
+                    )
+                return False

@@ -1,0 +1,172 @@
+"""MetricsHandle: a picklable, non-owning way to submit to a channel from anywhere.
+
+Step of the flow: **observer → channel** (source → observer → channel →
+logger), for observers running away from the channel's owner. In the
+owner's process a handle submits to the channel directly; elsewhere it
+sends through a transport (:mod:`rl_observers.channel.transport`) chosen
+when it is first used.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from rl_observers.channel.payload import check_metrics
+from rl_observers.channel.transport import Sender, make_sender
+
+if TYPE_CHECKING:
+    from rl_observers.channel.channel import MetricsChannel
+
+__all__ = ["MetricsHandle"]
+
+# Channels owned by this process, by token: an unpickled handle whose token is
+# found here submits to the channel itself. A forked child forgets them.
+OWNERS: weakref.WeakValueDictionary[str, MetricsChannel] = weakref.WeakValueDictionary()
+
+
+class MetricsHandle:
+    """A picklable, non-owning reference to a :class:`~rl_observers.MetricsChannel`.
+
+    Get one from :meth:`MetricsChannel.handle` and send it to workers:
+    multiprocessing workers (fork or spawn), Ray actors on the same machine.
+    It has the channel's :meth:`submit_metrics` signature and never blocks
+    nor raises because of the transport.
+
+    - In the channel's process, it submits to the channel directly and keeps
+      the channel alive (it never closes it: a channel referenced by nobody
+      but its handles is still usable, and is stopped when the last one goes).
+    - In another process, it sends through the first reachable transport
+      of its channel (:attr:`transport`), chosen at its first use there.
+      With the Unix-datagram socket, it pickles ``(namespace, metrics, step,
+      meta)`` into one datagram sent without blocking. If the owner's socket
+      queue is full, the payload is coalesced into a small per-namespace
+      backlog that is sent first on the next submission or by :meth:`flush`;
+      if the owner is gone, or the payload cannot be pickled or exceeds
+      64 KiB, it is dropped and counted in :attr:`dropped`.
+
+    A handle made with ``channel.handle(transport=name)`` always sends
+    through that transport, even in the channel's own process.
+
+    The handle never closes the channel. A forked child that inherited the
+    channel itself (not a handle) may use it too: there it behaves like a
+    handle. Unix-domain sockets only reach processes on the same machine.
+    """
+
+    __slots__ = ("__weakref__", "_addresses", "_channel", "_forced", "_meta", "_sender", "_token")
+
+    def __init__(
+        self,
+        token: str,
+        addresses: Mapping[str, Any],
+        meta: Mapping[str, Any] | None = None,
+        *,
+        channel: MetricsChannel | None = None,
+        transport: str | None = None,
+    ) -> None:
+        self._token = token
+        self._addresses = dict(addresses)
+        self._meta = dict(meta) if meta else None
+        self._forced = transport
+        self._channel = channel if transport is None else None
+        self._sender: Sender | None = None
+
+    def _send_through(self) -> Sender:
+        sender = self._sender
+        if sender is None:
+            sender = self._sender = make_sender(self._addresses, self._forced)
+        return sender
+
+    def submit_metrics(
+        self,
+        metrics: Mapping[str, Any],
+        step: int | None = None,
+        *,
+        namespace: str = "",
+        meta: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Submits one payload to the channel; returns at once.
+
+        Same arguments and values as :meth:`MetricsChannel.submit_metrics`.
+        The handle's own ``meta`` is merged under ``meta``.
+
+        Raises:
+            TypeError: if ``metrics`` is not a mapping from ``str`` names to
+                loggable values, or ``namespace`` is not a ``str``.
+        """
+        if self._meta is not None:
+            meta = self._meta if meta is None else {**self._meta, **meta}
+        channel = self._channel
+        if channel is not None:
+            channel.submit_metrics(metrics, step, namespace=namespace, meta=meta)
+            return
+        metrics = check_metrics(metrics, namespace, "MetricsHandle")
+        self._send_through().send(metrics, step, namespace, meta)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Pushes what the handle holds towards the channel.
+
+        In the channel's process, this is :meth:`MetricsChannel.flush`. In
+        another process, it retries what the transport holds back (the
+        socket's backlog while the owner's queue was full); it does not wait
+        for the owner to log (a worker cannot see that), so call it before a
+        worker exits.
+
+        Args:
+            timeout (float, optional): the most seconds to wait. Defaults to
+                ``None`` (until the backlog is sent).
+
+        Returns:
+            ``True`` if nothing is left in the handle.
+        """
+        if self._channel is not None:
+            return self._channel.flush(timeout)
+        if self._sender is None:
+            return True
+        return self._sender.flush(timeout)
+
+    @property
+    def transport(self) -> str:
+        """How payloads travel: ``"local"`` in the channel's process, else the transport's name."""
+        if self._channel is not None:
+            return "local"
+        return self._send_through().name
+
+    @property
+    def address(self) -> Any:
+        """The address the handle's transport sends to (``None`` in the channel's process)."""
+        if self._channel is not None:
+            return None
+        return self._addresses.get(self.transport)
+
+    @property
+    def dropped(self) -> int:
+        """Payloads this handle dropped in transit (owner gone, payload unpicklable or too large).
+
+        Always ``0`` in the channel's own process, where the channel counts its drops.
+        """
+        return self._sender.dropped if self._sender is not None else 0
+
+    @property
+    def coalesced(self) -> int:
+        """Payloads merged into the handle's backlog while the owner's queue was full."""
+        return self._sender.coalesced if self._sender is not None else 0
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_handle, (self._token, self._addresses, self._meta, self._forced))
+
+    def __repr__(self) -> str:
+        transport = self.transport
+        if transport == "local":
+            return f"{type(self).__name__}(transport='local')"
+        return f"{type(self).__name__}(transport={transport!r}, address={self.address!r})"
+
+
+def _rebuild_handle(
+    token: str,
+    addresses: Mapping[str, Any],
+    meta: Mapping[str, Any] | None,
+    transport: str | None = None,
+) -> MetricsHandle:
+    return MetricsHandle(token, addresses, meta, channel=OWNERS.get(token), transport=transport)

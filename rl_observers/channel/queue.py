@@ -1,0 +1,220 @@
+"""The owner's bounded queue of pending payloads, and its counters.
+
+Step of the flow: **channel** (source → observer → channel → logger). Every
+submission (local, or received from a handle in another process) is *put*
+here; the delivery thread *takes* entries one at a time and marks them
+*done*. At most ``capacity`` entries wait: on overflow a payload coalesces
+into the newest pending entry of its namespace (:func:`~.payload.coalesce`)
+or, if that namespace has none, the oldest entry is dropped. Everything is
+counted, under one lock, so that ``submitted == logged + pending + coalesced +
+dropped + sink_errors`` holds at any moment.
+
+Examples:
+    >>> from rl_observers.channel.queue import PendingQueue
+    >>> queue = PendingQueue(capacity=1)
+    >>> queue.put("a", {"x": 1.0}, 1, None), queue.put("a", {"x": 2.0}, 2, None)
+    (None, None)
+    >>> entry = queue.take()
+    >>> entry.metrics, entry.step
+    ({'x': 2.0}, 2)
+    >>> queue.done(entry, delivered=True)
+    >>> queue.counts()["coalesced"], queue.counts()["logged"]
+    (1, 1)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+from rl_observers.channel.payload import coalesce
+
+__all__ = ["PendingEntry", "PendingQueue"]
+
+
+class PendingEntry:
+    """One pending payload of one namespace; ``seq`` is its first submission number."""
+
+    __slots__ = ("meta", "metrics", "namespace", "seq", "step")
+
+    def __init__(
+        self,
+        namespace: str,
+        metrics: dict[str, Any],
+        step: int | None,
+        meta: Mapping[str, Any] | None,
+        seq: int,
+    ) -> None:
+        self.namespace = namespace
+        self.metrics = metrics
+        self.step = step
+        self.meta = meta
+        self.seq = seq
+
+
+class PendingQueue:
+    """A bounded, coalescing FIFO of :class:`PendingEntry` with the channel's counters.
+
+    Args:
+        capacity (int): the most entries waiting (the one being delivered aside).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._progress = threading.Condition(self._lock)
+        self._pending: deque[PendingEntry] = deque()
+        self._newest: dict[str, PendingEntry] = {}
+        self._in_flight: PendingEntry | None = None
+        self._waiters = 0
+        self._submitted = 0
+        self._logged = 0
+        self._coalesced = 0
+        self._dropped = 0
+        self._sink_errors = 0
+        self._remote_dropped = 0
+        self._remote_coalesced = 0
+        self.closed = False
+
+    # ------------------------------------------------------------------ put
+    def put(
+        self,
+        namespace: str,
+        metrics: dict[str, Any],
+        step: int | None,
+        meta: Mapping[str, Any] | None,
+    ) -> Exception | None:
+        """Queues one payload (or coalesces or drops on overflow).
+
+        Returns the error of a partial that failed to merge, if any. A payload
+        put after :meth:`close` is counted as dropped.
+        """
+        error = None
+        with self._lock:
+            self._submitted += 1
+            if self.closed:
+                self._dropped += 1
+                return None
+            pending = self._pending
+            if len(pending) < self.capacity:
+                entry = PendingEntry(namespace, metrics, step, meta, self._submitted)
+                pending.append(entry)
+                self._newest[namespace] = entry
+            else:
+                entry = self._newest.get(namespace)
+                if entry is not None:
+                    error = coalesce(entry.metrics, metrics)
+                    entry.step = step
+                    if meta is not None:
+                        entry.meta = meta
+                    self._coalesced += 1
+                else:
+                    oldest = pending.popleft()
+                    if self._newest.get(oldest.namespace) is oldest:
+                        del self._newest[oldest.namespace]
+                    self._dropped += 1
+                    entry = PendingEntry(namespace, metrics, step, meta, self._submitted)
+                    pending.append(entry)
+                    self._newest[namespace] = entry
+        return error
+
+    def count_dropped(self) -> None:
+        """Counts one submission dropped before it was queued (after close, unreadable)."""
+        with self._lock:
+            self._submitted += 1
+            self._dropped += 1
+
+    def count_remote(self, dropped: int, coalesced: int) -> None:
+        """Adds what a sender in another process dropped or coalesced before sending."""
+        with self._lock:
+            self._remote_dropped += dropped
+            self._remote_coalesced += coalesced
+
+    def close(self) -> None:
+        """From now on, :meth:`put` drops (and counts) what it is given."""
+        with self._lock:
+            self.closed = True
+
+    # ---------------------------------------------------------------- take
+    def take(self) -> PendingEntry | None:
+        """Removes the oldest entry and marks it in flight; ``None`` when empty."""
+        with self._lock:
+            if not self._pending:
+                return None
+            entry = self._pending.popleft()
+            if self._newest.get(entry.namespace) is entry:
+                del self._newest[entry.namespace]
+            self._in_flight = entry
+            return entry
+
+    def done(self, entry: PendingEntry, delivered: bool) -> None:
+        """Marks the in-flight ``entry`` as logged (or as a sink error) and wakes waiters."""
+        with self._lock:
+            self._in_flight = None
+            if delivered:
+                self._logged += 1
+            else:
+                self._sink_errors += 1
+            if self._waiters:
+                self._progress.notify_all()
+
+    # --------------------------------------------------------------- views
+    def empty(self) -> bool:
+        """Whether no entry is waiting (one may be in flight)."""
+        with self._lock:
+            return not self._pending
+
+    def counts(self) -> dict[str, int]:
+        """The counters, read together (see :meth:`MetricsChannel.health`)."""
+        with self._lock:
+            return {
+                "submitted": self._submitted,
+                "logged": self._logged,
+                "pending": len(self._pending) + (self._in_flight is not None),
+                "coalesced": self._coalesced,
+                "dropped": self._dropped,
+                "sink_errors": self._sink_errors,
+                "remote_dropped": self._remote_dropped,
+                "remote_coalesced": self._remote_coalesced,
+            }
+
+    def has_meta(self, key: str, value: Any) -> bool:
+        """Whether a pending or in-flight entry has ``meta[key] == value``."""
+        with self._lock:
+            return any(
+                entry.meta is not None and entry.meta.get(key) == value
+                for entry in (*self._pending, self._in_flight)
+                if entry is not None
+            )
+
+    # --------------------------------------------------------------- flush
+    def _through_locked(self, target: int) -> bool:
+        pending = self._pending
+        in_flight = self._in_flight
+        return (not pending or pending[0].seq > target) and (
+            in_flight is None or in_flight.seq > target
+        )
+
+    def wait_processed(self, deadline: float | None) -> bool:
+        """Waits until every submission counted so far was delivered, failed or dropped.
+
+        Returns ``False`` if ``deadline`` (a ``time.monotonic()`` value) passed first.
+        """
+        with self._lock:
+            target = self._submitted
+            self._waiters += 1
+            try:
+                while not self._through_locked(target):
+                    if deadline is None:
+                        self._progress.wait()
+                    else:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            break
+                        self._progress.wait(remaining)
+                return self._through_locked(target)
+            finally:
+                self._waiters -= 1

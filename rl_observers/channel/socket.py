@@ -1,0 +1,401 @@
+"""The Unix-datagram transport: processes on the owner's machine send to its socket.
+
+Step of the flow: **channel** (source → observer → channel → logger). The
+owner binds a datagram socket in a private (0700) temporary directory
+(:class:`SocketReceiver`); a handle in another process on the same machine
+pickles each payload into one datagram and sends it without ever blocking
+(:class:`SocketSender`). Unix-domain sockets reach only the owner's machine:
+:func:`reachable` is ``False`` where the socket file does not exist.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import select
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torchrl._utils import logger as torchrl_logger
+
+from rl_observers.channel.payload import coalesce
+from rl_observers.channel.transport import Accept, register_transport
+
+__all__ = ["SocketReceiver", "SocketSender", "reachable"]
+
+# The largest payload a handle sends in one datagram (pickled), in bytes.
+MAX_DATAGRAM = 1 << 16
+# How many datagrams the receiver reads in one go before releasing its lock.
+_RECEIVE_BATCH = 4096
+# How many namespaces a sender keeps in its backlog while the owner's socket queue is full.
+BACKLOG_NAMESPACES = 64
+# Errors meaning "the owner's socket queue is full right now": retry later.
+_RETRY_ERRNOS = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS, errno.ENOMEM})
+
+
+def reachable(address: Any) -> bool:
+    """Whether the owner's socket file exists here (same machine, owner alive)."""
+    return isinstance(address, str) and os.path.exists(address)
+
+
+class SocketSender:
+    """Sends payloads to an owner's socket from another process; never blocks.
+
+    When the owner's socket queue is full (``EAGAIN``), the payload joins a
+    small per-namespace backlog (coalesced with
+    :func:`~rl_observers.channel.payload.coalesce`) that is sent first on the
+    next submission or by :meth:`flush`. Any other error (owner gone, payload
+    too large or not picklable) drops the payload. ``path=None`` drops all.
+    """
+
+    name = "socket"
+    _sockets: tuple[int, socket.socket] | None = None
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.submitted = 0
+        self.dropped = 0
+        self.coalesced = 0
+        self._unreported_dropped = 0
+        self._unreported_coalesced = 0
+        self._backlog: dict[str, list[Any]] = {}
+        self._lock = threading.Lock()
+        self._warned = False
+
+    @classmethod
+    def _socket(cls) -> socket.socket:
+        pid = os.getpid()
+        entry = cls._sockets
+        if entry is None or entry[0] != pid:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            sock.setblocking(False)
+            cls._sockets = entry = (pid, sock)
+        return entry[1]
+
+    def send(
+        self,
+        metrics: dict[str, Any],
+        step: int | None,
+        namespace: str,
+        meta: Mapping[str, Any] | None,
+    ) -> None:
+        with self._lock:
+            self.submitted += 1
+            if self.path is None:
+                self.drop()
+                return
+            if self._backlog and not self._send_backlog_locked():
+                self._backlog_locked(namespace, metrics, step, meta)
+                return
+            status = self._send_locked(namespace, metrics, step, meta)
+            if status == "retry":
+                self._backlog_locked(namespace, metrics, step, meta)
+
+    def flush(self, timeout: float | None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.0005
+        while True:
+            with self._lock:
+                if not self._backlog or self._send_backlog_locked():
+                    return True
+            if deadline is not None and time.monotonic() + delay > deadline:
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def pending(self) -> int:
+        """Namespaces held in the backlog."""
+        return len(self._backlog)
+
+    def drop(self, count: int = 1) -> None:
+        """Counts ``count`` payloads dropped (and reports them with the next datagram)."""
+        self.dropped += count
+        self._unreported_dropped += count
+
+    def _send_backlog_locked(self) -> bool:
+        """Sends the backlog, oldest first; returns whether it is now empty."""
+        backlog = self._backlog
+        while backlog:
+            namespace = next(iter(backlog))
+            metrics, step, meta = backlog[namespace]
+            if self._send_locked(namespace, metrics, step, meta) == "retry":
+                return False
+            del backlog[namespace]
+        return True
+
+    def _backlog_locked(
+        self,
+        namespace: str,
+        metrics: dict[str, Any],
+        step: int | None,
+        meta: Mapping[str, Any] | None,
+    ) -> None:
+        held = self._backlog.get(namespace)
+        if held is not None:
+            error = coalesce(held[0], metrics)
+            if error is not None:
+                self._warn_once(f"could not merge a partial of namespace {namespace!r}: {error!r}")
+            held[1] = step
+            if meta is not None:
+                held[2] = meta
+            self.coalesced += 1
+            self._unreported_coalesced += 1
+        elif len(self._backlog) < BACKLOG_NAMESPACES:
+            self._backlog[namespace] = [metrics, step, meta]
+        else:
+            self.drop()
+
+    def _send_locked(
+        self,
+        namespace: str,
+        metrics: dict[str, Any],
+        step: int | None,
+        meta: Mapping[str, Any] | None,
+    ) -> str:
+        """Sends one payload; returns ``"sent"``, ``"retry"`` or ``"dropped"``."""
+        counts = (self._unreported_dropped, self._unreported_coalesced)
+        try:
+            data = pickle.dumps(
+                (namespace, metrics, step, meta, counts), protocol=pickle.HIGHEST_PROTOCOL
+            )
+        except Exception as err:
+            self.drop()
+            self._warn_once(f"could not pickle a payload of namespace {namespace!r}: {err!r}")
+            return "dropped"
+        if len(data) > MAX_DATAGRAM:
+            self.drop()
+            self._warn_once(
+                f"dropped a payload of namespace {namespace!r}: {len(data)} bytes pickled, "
+                f"more than the {MAX_DATAGRAM} a datagram carries"
+            )
+            return "dropped"
+        try:
+            self._socket().sendto(data, self.path)
+        except OSError as err:
+            if err.errno in _RETRY_ERRNOS:
+                return "retry"
+            self.drop()  # the owner is gone (ENOENT, ECONNREFUSED) or worse
+            return "dropped"
+        self._unreported_dropped = 0
+        self._unreported_coalesced = 0
+        return "sent"
+
+    def _warn_once(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            torchrl_logger.warning(f"MetricsHandle {message}. Further such errors are silent.")
+
+
+class SocketReceiver:
+    """The owner's datagram socket, and the thread that reads it.
+
+    Args:
+        name (str): the channel's name, for warnings.
+    """
+
+    name = "socket"
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._pid = os.getpid()
+        self.path: str | None = None
+        self._sock: socket.socket | None = None
+        self._dir: str | None = None
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        self._lock = threading.Lock()  # guards reading the socket
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._accept: Accept | None = None
+        self._refuse: Callable[[], None] | None = None
+
+    @classmethod
+    def create(cls, token: str, name: str) -> SocketReceiver | None:
+        """Binds the socket; ``None`` (with a warning) where that is impossible."""
+        if not hasattr(socket, "AF_UNIX"):
+            torchrl_logger.warning(
+                f"MetricsChannel {name!r}: Unix-domain sockets are not available on "
+                "this platform; handles used in other processes will drop their metrics."
+            )
+            return None
+        receiver = cls(name)
+        try:
+            receiver._bind()
+        except OSError as err:
+            torchrl_logger.warning(
+                f"MetricsChannel {name!r} could not bind its socket ({err!r}); "
+                "handles used in other processes will drop their metrics."
+            )
+            return None
+        return receiver
+
+    def _bind(self) -> None:
+        """Binds a datagram socket in a new private (0700) temporary directory."""
+        directory = tempfile.mkdtemp(prefix="rl_observers-")
+        path = os.path.join(directory, "channel.sock")
+        if len(os.fsencode(path)) > 100:  # sun_path holds ~108 bytes
+            os.rmdir(directory)
+            directory = tempfile.mkdtemp(prefix="rlo-", dir="/tmp")
+            path = os.path.join(directory, "channel.sock")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            sock.bind(path)
+            sock.setblocking(False)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
+            except OSError:
+                pass
+            self._wake_r, self._wake_w = socket.socketpair()
+            self._wake_w.setblocking(False)
+        except OSError:
+            sock.close()
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            os.rmdir(directory)
+            raise
+        self._sock, self._dir, self.path = sock, directory, path
+
+    def address(self) -> str | None:
+        return self.path
+
+    def start(self, accept: Accept, refuse: Callable[[], None], background: bool) -> None:
+        self._accept, self._refuse = accept, refuse
+        if background:
+            self._thread = threading.Thread(
+                target=self._loop, name=f"MetricsChannel[{self._name}].receiver", daemon=True
+            )
+            self._thread.start()
+
+    def _loop(self) -> None:
+        sock, wake = self._sock, self._wake_r
+        assert sock is not None and wake is not None
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        poller.register(wake.fileno(), select.POLLIN)
+        broken = select.POLLERR | select.POLLHUP | select.POLLNVAL
+        try:
+            while not self._stop:
+                try:
+                    events = poller.poll()
+                except OSError:
+                    break
+                if any(mask & broken for _, mask in events):
+                    break
+                with self._lock:
+                    self._receive_available()
+            with self._lock:
+                self._receive_available()
+        finally:
+            self._close_sockets()
+
+    def poll(self, deadline: float | None) -> None:
+        """Reads the datagrams already queued on the socket."""
+        if self._sock is None:
+            return
+        wait = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+        if self._lock.acquire(timeout=wait):
+            try:
+                self._receive_available()
+            finally:
+                self._lock.release()
+
+    def _receive_available(self) -> int:
+        """Hands over the datagrams waiting on the socket. Caller holds ``_lock``."""
+        sock = self._sock
+        if sock is None:
+            return 0
+        count = 0
+        while count < _RECEIVE_BATCH:
+            try:
+                data = sock.recv(MAX_DATAGRAM)
+            except OSError:  # nothing left (EAGAIN) or socket closed
+                break
+            count += 1
+            try:
+                message = pickle.loads(data)
+                valid = message.__class__ is tuple and len(message) == 5
+            except Exception:
+                valid = False
+            if valid:
+                self._accept(*message)  # type: ignore[misc]
+            else:
+                self._refuse()  # type: ignore[misc]
+        return count
+
+    def _wake(self) -> None:
+        wake = self._wake_w
+        if wake is not None:
+            try:
+                wake.send(b"\0")
+            except OSError:
+                pass
+
+    def _unlink(self) -> None:
+        if os.getpid() != self._pid:
+            return
+        for remove, target in ((os.unlink, self.path), (os.rmdir, self._dir)):
+            if target is not None:
+                try:
+                    remove(target)
+                except OSError:
+                    pass
+
+    def _close_sockets(self) -> None:
+        for sock in (self._sock, self._wake_r, self._wake_w):
+            if sock is not None:
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+
+    def close(self, deadline: float | None) -> None:
+        """Removes the socket file, reads what was already sent, closes the socket."""
+        self._unlink()
+        thread = self._thread
+        if thread is not None:
+            self._stop = True
+            self._wake()
+            wait = 2.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            thread.join(min(wait, 2.0))
+            if thread.is_alive():  # never expected: it only reads and hands over
+                self._close_sockets()
+        else:
+            with self._lock:
+                self._receive_available()
+            self._close_sockets()
+
+    def release(self) -> None:
+        if os.getpid() != self._pid:
+            return
+        self._unlink()
+        if self._thread is not None:
+            self._stop = True
+            self._wake()
+        else:
+            self._close_sockets()
+
+    def forget_after_fork(self) -> None:
+        self._close_sockets()
+
+
+def _forget_socket_after_fork() -> None:
+    SocketSender._sockets = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_socket_after_fork)
+
+register_transport(
+    "socket",
+    make_sender=SocketSender,
+    make_receiver=SocketReceiver.create,
+    reachable=reachable,
+    priority=0,
+)

@@ -1,0 +1,157 @@
+"""How payloads travel from a handle in another process to the channel's owner.
+
+Step of the flow: **channel** (source → observer → channel → logger). A
+transport has two halves:
+
+- a :class:`Sender`, inside a :class:`~rl_observers.MetricsHandle` used in a
+  worker or actor: :meth:`Sender.send` never blocks and never raises for
+  transport reasons; it is bounded, coalesces per namespace with
+  :func:`~rl_observers.channel.payload.coalesce`, and drops and counts beyond
+  that (warning once);
+- a :class:`Receiver`, started by the owning
+  :class:`~rl_observers.MetricsChannel` when its first handle is made: it
+  hands every message to the channel as ``accept(namespace, metrics, step,
+  meta, (unreported_dropped, unreported_coalesced))`` and reports unreadable
+  ones with ``refuse()``.
+
+Transports register themselves with :func:`register_transport`; a handle
+keeps the address of every receiver of its channel and, when first used in
+another process, takes the first reachable one by priority (lowest first).
+The Unix-datagram socket (:mod:`rl_observers.channel.socket`) is one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, Protocol
+
+__all__ = [
+    "Receiver",
+    "Sender",
+    "Transport",
+    "make_sender",
+    "register_transport",
+    "transport",
+    "transports",
+]
+
+#: ``accept(namespace, metrics, step, meta, (unreported_dropped, unreported_coalesced))``.
+Accept = Callable[[str, dict, "int | None", "Mapping[str, Any] | None", tuple], None]
+
+
+class Sender(Protocol):
+    """The sending half of a transport, used by a handle in another process."""
+
+    name: str
+    submitted: int
+    dropped: int
+    coalesced: int
+
+    def send(
+        self,
+        metrics: dict[str, Any],
+        step: int | None,
+        namespace: str,
+        meta: Mapping[str, Any] | None,
+    ) -> None: ...
+
+    def flush(self, timeout: float | None) -> bool: ...
+
+    def pending(self) -> int: ...
+
+
+class Receiver(Protocol):
+    """The owner's receiving half of a transport."""
+
+    name: str
+
+    def start(self, accept: Accept, refuse: Callable[[], None], background: bool) -> None:
+        """Starts receiving; with ``background=False`` messages arrive only through :meth:`poll`."""
+
+    def address(self) -> Any:
+        """A picklable address senders reach this receiver with (``None`` if unusable)."""
+
+    def poll(self, deadline: float | None) -> None:
+        """Hands over the messages already received (flush, step)."""
+
+    def close(self, deadline: float | None) -> None:
+        """Stops receiving, after handing over what was already sent."""
+
+    def release(self) -> None:
+        """Stops without waiting or locking (the channel was garbage-collected)."""
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: drops the inherited copies, never the parent's resources."""
+
+
+class Transport(NamedTuple):
+    """A registered transport (see :func:`register_transport`)."""
+
+    name: str
+    make_sender: Callable[[Any], Sender | None]
+    make_receiver: Callable[[str, str], Receiver | None]
+    reachable: Callable[[Any], bool]
+    priority: int
+
+
+_TRANSPORTS: dict[str, Transport] = {}
+
+
+def register_transport(
+    name: str,
+    make_sender: Callable[[Any], Sender | None],
+    make_receiver: Callable[[str, str], Receiver | None],
+    reachable: Callable[[Any], bool],
+    priority: int = 100,
+) -> None:
+    """Registers (or replaces) a transport.
+
+    Args:
+        name (str): the transport's name (``"socket"``, ``"ray"``, ...).
+        make_sender (Callable): ``make_sender(address)`` returns a
+            :class:`Sender` for a receiver's address (``None`` if it cannot).
+        make_receiver (Callable): ``make_receiver(channel_token, channel_name)``
+            returns the owner's :class:`Receiver` (``None`` if unavailable here).
+        reachable (Callable): ``reachable(address)`` says, cheaply, whether a
+            sender in this process can reach that address.
+        priority (int, optional): lower is tried first. Defaults to ``100``.
+    """
+    _TRANSPORTS[name] = Transport(name, make_sender, make_receiver, reachable, priority)
+
+
+def transports() -> tuple[Transport, ...]:
+    """The registered transports, by priority."""
+    return tuple(sorted(_TRANSPORTS.values(), key=lambda t: t.priority))
+
+
+def transport(name: str) -> Transport:
+    """The transport registered as ``name``.
+
+    Raises:
+        ValueError: if none is, naming those that are.
+    """
+    found = _TRANSPORTS.get(name)
+    if found is None:
+        raise ValueError(
+            f"transport must be one of {sorted(_TRANSPORTS)}, got {name!r}."
+        )
+    return found
+
+
+def make_sender(addresses: Mapping[str, Any], prefer: str | None = None) -> Sender:
+    """A sender for the first reachable address, by priority (``prefer`` if given).
+
+    When none is reachable, the first transport with an address (else the
+    first one) gets the payloads, and drops and counts them.
+    """
+    if prefer is not None:
+        chosen = [transport(prefer)]
+    else:
+        ordered = transports()
+        chosen = [t for t in ordered if addresses.get(t.name) is not None and t.reachable(addresses[t.name])]
+        chosen += [t for t in ordered if addresses.get(t.name) is not None] + list(ordered)
+    for candidate in chosen:
+        sender = candidate.make_sender(addresses.get(candidate.name))
+        if sender is not None:
+            return sender
+    raise RuntimeError("no transport is registered: import rl_observers.channel first.")

@@ -1,0 +1,16 @@
+"""Logging: when observers submit their metrics, and how workers' windows merge at the owner.
+
+Step of the flow: **observer → channel → logger** (source → observer →
+channel → logger). Modules, in the order a window meets them:
+
+- :mod:`~rl_observers.logging.schedule`: when torchrl's ``Every`` is due;
+- :mod:`~rl_observers.logging.observer`: :class:`LoggerObserver`, ``attach_logger``, :func:`default_metrics`;
+- :mod:`~rl_observers.logging.contributions`: copies away from the channel contribute windows;
+- :mod:`~rl_observers.logging.aggregate`: the owner merges them (the channel's router).
+"""
+
+from __future__ import annotations
+
+from rl_observers.logging.observer import LoggerObserver, attach_logger, default_metrics
+
+__all__ = ["LoggerObserver", "attach_logger", "default_metrics"]
