@@ -81,3 +81,11 @@ def local_ray(*by_value: ModuleType) -> Iterator[Any]:
             ray.cloudpickle.unregister_pickle_by_value(module)
         if started:
             ray.shutdown()
+
+
+def read_csv(path: Any) -> list[tuple[int, float]]:
+    """The ``(step, value)`` rows of one scalar file written by torchrl's ``CSVLogger``."""
+    import csv
+
+    with open(path, newline="") as file:
+        return [(int(step), float(value)) for step, value in csv.reader(file)]

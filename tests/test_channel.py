@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import gc
 import glob
 import json
@@ -20,6 +19,7 @@ from torchrl.record.loggers import CSVLogger
 from torchrl.record.loggers.common import Logger
 
 from rl_observers.channel import MetricsChannel, MetricsHandle
+from tests.helpers import read_csv
 
 # ---------------------------------------------------------------------------
 # recording fakes
@@ -404,9 +404,6 @@ def test_reducers_partials_cross_the_socket():
 # ---------------------------------------------------------------------------
 
 
-def _read_csv(path: Path) -> list[tuple[int, float]]:
-    with open(path) as f:
-        return [(int(s), float(v)) for s, v in csv.reader(f)]
 
 
 @pytest.mark.timeout(30)
@@ -418,26 +415,28 @@ def test_csv_logger_receives_everything_after_flush(tmp_path):
     channel.submit_metrics({"write_count": 42}, step=42, namespace="rb")
     assert channel.flush(timeout=10)
     scalars = tmp_path / "exp" / "scalars"
-    assert _read_csv(scalars / "train" / "loss.csv") == [(i, 1.0 / (i + 1)) for i in range(5)]
-    assert _read_csv(scalars / "rb" / "write_count.csv") == [(42, 42.0)]
+    assert read_csv(scalars / "train" / "loss.csv") == [(i, 1.0 / (i + 1)) for i in range(5)]
+    assert read_csv(scalars / "rb" / "write_count.csv") == [(42, 42.0)]
     assert channel.close(timeout=10)
     # the channel never shuts the logger down
     logger.log_scalar("after_close", 1.0, step=0)
-    assert _read_csv(scalars / "after_close.csv") == [(0, 1.0)]
+    assert read_csv(scalars / "after_close.csv") == [(0, 1.0)]
     # health was logged under the channel's namespace at close
     assert (scalars / "channel" / "logged.csv").exists()
 
 
 @pytest.mark.timeout(30)
 def test_a_slow_logger_does_not_slow_submit_down():
-    logger = RecordingLogger(delay=0.2)
+    gate = threading.Event()
+    logger = RecordingLogger(gate=gate)
     channel = MetricsChannel(logger, health_interval=None)
-    start = time.perf_counter()
     for i in range(200):
         channel.submit_metrics({"x": float(i)}, step=i, namespace="a")
-    elapsed = time.perf_counter() - start
-    assert elapsed < 0.2  # all 200 submits take less than one logger call
+    # every submit returned while the logger's first call is still blocked
+    assert logger.calls == [] and not gate.is_set()
+    assert channel.health()["submitted"] == 200
     assert not channel.flush(timeout=0.05)
+    gate.set()
     channel.close(timeout=0)  # leave it draining in the background
 
 
@@ -762,8 +761,8 @@ def test_live_channels_deliver_at_interpreter_exit(tmp_path):
     assert done.returncode == 0, done.stderr
     assert time.monotonic() - start < 30  # the hung logger did not hold the exit
     scalars = tmp_path / "exit" / "scalars"
-    assert _read_csv(scalars / "x.csv") == [(0, 0.0), (1, 1.0), (2, 2.0)]
-    assert _read_csv(scalars / "last.csv") == [(9, 9.0)]
+    assert read_csv(scalars / "x.csv") == [(0, 0.0), (1, 1.0), (2, 2.0)]
+    assert read_csv(scalars / "last.csv") == [(9, 9.0)]
     assert not os.path.exists(done.stdout.strip())  # the socket file is gone too
 
 
@@ -1125,7 +1124,7 @@ def test_process_logger_service(tmp_path):
         _submit_losses(channel)
         assert channel.close(timeout=60)
         logger.flush(timeout=30)
-        loss = _read_csv(tmp_path / "svc" / "scalars" / "train" / "loss.csv")
+        loss = read_csv(tmp_path / "svc" / "scalars" / "train" / "loss.csv")
         assert loss == [(s, pytest.approx(v)) for s, v in _EXPECTED_LOSS]
         assert logger.is_alive  # the channel did not stop the service
     finally:
@@ -1157,9 +1156,9 @@ def test_ray_logger_service_and_a_handle_in_a_ray_worker(tmp_path, monkeypatch):
         assert channel.close(timeout=60)
         logger.flush(timeout=30)
         scalars = tmp_path / "ray" / "scalars"
-        loss = _read_csv(scalars / "train" / "loss.csv")
+        loss = read_csv(scalars / "train" / "loss.csv")
         assert loss == [(s, pytest.approx(v)) for s, v in _EXPECTED_LOSS]
-        assert _read_csv(scalars / "ray_task" / "x.csv") == [(i, float(i)) for i in range(3)]
+        assert read_csv(scalars / "ray_task" / "x.csv") == [(i, float(i)) for i in range(3)]
         logger.shutdown(timeout=30)
     finally:
         ray.shutdown()

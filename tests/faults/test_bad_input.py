@@ -6,11 +6,9 @@ never a crash in the channel's thread or in a worker.
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,6 +27,7 @@ from rl_observers import (
 )
 from rl_observers.channel import MetricsHandle
 from tests.faults.conftest import FaultyLogger, assert_balanced
+from tests.helpers import read_csv
 
 
 def sync_channel(logger, **kwargs) -> MetricsChannel:
@@ -40,9 +39,6 @@ def remote_handle(channel: MetricsChannel) -> MetricsHandle:
     return channel.handle(transport="socket")
 
 
-def read_csv(path: Path) -> list[tuple[int, float]]:
-    with open(path) as file:
-        return [(int(step), float(value)) for step, value in csv.reader(file)]
 
 
 # -- metric values ---------------------------------------------------------------------------------

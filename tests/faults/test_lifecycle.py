@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import csv
 import gc
 import subprocess
 import sys
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +21,7 @@ from tests.faults.conftest import (
     make_collector,
     run_loop,
 )
+from tests.helpers import read_csv
 
 
 @pytest.mark.timeout(60)
@@ -197,9 +196,6 @@ print("pending windows, no close, no shutdown: exiting", flush=True)
 """
 
 
-def _read_csv(path: Path) -> list[tuple[int, float]]:
-    with open(path) as file:
-        return [(int(step), float(value)) for step, value in csv.reader(file)]
 
 
 @pytest.mark.slow
@@ -214,6 +210,6 @@ def test_interpreter_exit_delivers_pending_windows(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "exiting" in done.stdout
     scalars = tmp_path / "exit" / "scalars"
-    assert _read_csv(scalars / "replaybuffer" / "items_written.csv") == [(24, 24.0)]
-    assert _read_csv(scalars / "collector" / "frames.csv") == [(24, 24.0)]
+    assert read_csv(scalars / "replaybuffer" / "items_written.csv") == [(24, 24.0)]
+    assert read_csv(scalars / "collector" / "frames.csv") == [(24, 24.0)]
     assert "Traceback" not in done.stderr

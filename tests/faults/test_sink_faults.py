@@ -10,11 +10,9 @@ before the fault reached the logger, and that the user is told once.
 
 from __future__ import annotations
 
-import csv
 import os
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +30,7 @@ from tests.faults.conftest import (
     wait_for,
     window_total,
 )
+from tests.helpers import read_csv
 
 CAPACITY = 4
 
@@ -181,9 +180,6 @@ def test_a_flaky_sink_recovers_and_logging_resumes(told):
 # -- logger services whose process or actor dies ---------------------------------------------------
 
 
-def _read_csv(path: Path) -> list[tuple[int, float]]:
-    with open(path) as file:
-        return [(int(step), float(value)) for step, value in csv.reader(file)]
 
 
 def _kill_service_mid_run(logger, kill, told, reference):
@@ -237,7 +233,7 @@ def test_a_killed_process_logger_service(tmp_path, told, reference):
             logger.shutdown(timeout=5)
         except Exception:
             pass
-    frames = _read_csv(tmp_path / "svc" / "scalars" / "collector" / "frames.csv")
+    frames = read_csv(tmp_path / "svc" / "scalars" / "collector" / "frames.csv")
     assert (48, 48.0) in frames  # flushed before the kill at the third batch: kept
 
 
@@ -262,6 +258,6 @@ def test_a_killed_ray_logger_service(tmp_path, told, reference, monkeypatch):
     finally:
         if started:
             ray.shutdown()
-    frames = _read_csv(tmp_path / "svc" / "scalars" / "collector" / "frames.csv")
+    frames = read_csv(tmp_path / "svc" / "scalars" / "collector" / "frames.csv")
     assert (48, 48.0) in frames
     assert os.path.exists(tmp_path / "svc" / "scalars" / "tensordictreplaybuffer")
