@@ -20,7 +20,8 @@ Modules, in the order a payload meets them:
 - :mod:`~rl_observers.channel.handle`: :class:`MetricsHandle`, for other processes;
 - :mod:`~rl_observers.channel.transport`: the transport interface and registry;
 - :mod:`~rl_observers.channel.socket`: the Unix-datagram transport;
-- :mod:`~rl_observers.channel.channel`: :class:`MetricsChannel`, the owner;
+- :mod:`~rl_observers.channel.channel`: :class:`MetricsChannel`, the public face;
+- :mod:`~rl_observers.channel.owner`: what the channel is in its process (owner) or a forked child;
 - :mod:`~rl_observers.channel.queue`: the bounded, coalescing queue and its counters;
 - :mod:`~rl_observers.channel.delivery`: the thread that writes to the logger; routers.
 """

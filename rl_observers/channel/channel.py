@@ -6,6 +6,10 @@ process) *submit* payloads; the channel puts them in its
 :class:`~.queue.PendingQueue`, receives what handles in other processes send
 through its transports' receivers (:mod:`~.transport`), and its
 :class:`~.delivery.Delivery` writes them to the logger from its own thread.
+That work is done by the channel's :class:`~.owner.Owner` (or, in a child
+forked from the owner's process, by a :class:`~.owner.Forwarder`); this
+module holds the public face, the process's registry of live channels, and
+the interpreter-exit and fork hooks.
 
 The channel knows nothing about reinforcement learning nor about
 aggregation: entries whose ``meta`` asks for owner-side handling go to a
@@ -24,15 +28,11 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from torchrl._utils import logger as torchrl_logger
-
-from rl_observers.channel.delivery import Delivery, Router
+from rl_observers.channel.delivery import Router
 from rl_observers.channel.handle import OWNERS, MetricsHandle
-from rl_observers.channel.payload import check_metrics
-from rl_observers.channel.queue import PendingQueue
-from rl_observers.channel.transport import Receiver, make_sender, transports
+from rl_observers.channel.owner import Forwarder, Owner, check_alive
 from rl_observers.channel.transport import transport as find_transport
-from rl_observers.observer import ON_ERROR_POLICIES, OnError
+from rl_observers.observer import OnError
 
 __all__ = ["MetricsChannel"]
 
@@ -45,323 +45,6 @@ _CHANNELS: weakref.WeakValueDictionary[str, MetricsChannel] = weakref.WeakValueD
 # its logger, so the id cannot be reused while the entry lives.
 _SHARED: weakref.WeakValueDictionary[int, MetricsChannel] = weakref.WeakValueDictionary()
 _REGISTRY_LOCK = threading.Lock()
-
-
-def _check_alive(logger: Any) -> None:
-    """Refuses a torchrl logger (or logger service) that was already shut down."""
-    if getattr(logger, "is_alive", True) is False:
-        raise ValueError(
-            f"MetricsChannel expected a running logger, got a {type(logger).__name__} that is "
-            "shut down (its is_alive is False): metrics sent to it would be lost. Create the "
-            "channel before shutting the logger down, or start a new logger."
-        )
-
-
-class _StrongRef:
-    """A strong reference with the call interface of a weak one."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def __call__(self) -> Any:
-        return self.obj
-
-
-class _Owner:
-    """What a channel owns in its own process: queue, delivery, receivers, close callbacks.
-
-    Threads reference this object, never the public :class:`MetricsChannel`,
-    so a channel nobody references any more is garbage-collected and its
-    finalizer stops the threads.
-    """
-
-    def __init__(
-        self,
-        logger: Any,
-        token: str,
-        *,
-        capacity: int,
-        on_error: str,
-        name: str,
-        background: bool,
-        health_interval: float | None,
-    ) -> None:
-        if not callable(getattr(logger, "log_metrics", None)) and not callable(
-            getattr(logger, "log_scalar", None)
-        ):
-            raise TypeError(
-                "MetricsChannel expected a torchrl Logger or an object with "
-                f"log_metrics(metrics, step=None) or log_scalar(name, value, step), got {logger!r}."
-            )
-        _check_alive(logger)
-        if capacity.__class__ is bool or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"capacity must be an int >= 1, got {capacity!r}.")
-        if on_error not in ON_ERROR_POLICIES:
-            raise ValueError(
-                f"on_error must be one of 'warn', 'raise' or 'ignore', got {on_error!r}."
-            )
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"name must be a non-empty str, got {name!r}.")
-        if health_interval is not None and not health_interval >= 0:
-            raise ValueError(f"health_interval must be >= 0 or None, got {health_interval!r}.")
-        self.logger = logger
-        self.token = token
-        self.capacity = capacity
-        self.on_error = on_error
-        self.name = name
-        self.background = background
-        self.pid = os.getpid()
-        self.queue = PendingQueue(capacity)
-        self.closed = False
-        self._closed_warned = False
-        self.close_requested = False
-        self._close_callbacks: list[Callable[[], Any]] = []
-        self._lock = threading.Lock()
-        self._receivers: dict[str, Receiver] = {}
-        self._receivers_started = False
-        self._receivers_lock = threading.Lock()
-        self.delivery = Delivery(
-            logger,
-            self.queue,
-            on_error=on_error,
-            name=name,
-            background=background,
-            health_interval=health_interval,
-            poll=self.poll_remote,
-        )
-
-    # ------------------------------------------------------------------ submit
-    def submit_metrics(
-        self,
-        metrics: Mapping[str, Any],
-        step: int | None,
-        namespace: str,
-        meta: Mapping[str, Any] | None,
-    ) -> None:
-        self._put(check_metrics(metrics, namespace, "MetricsChannel"), step, namespace, meta)
-
-    def _put(
-        self,
-        metrics: dict[str, Any],
-        step: int | None,
-        namespace: str,
-        meta: Mapping[str, Any] | None,
-    ) -> None:
-        if not metrics and not meta:  # nothing to log: not queued, not counted
-            return
-        if self.closed:  # the queue checks again under its lock
-            self._drop_after_close()
-            return
-        error = self.queue.put(namespace, metrics, step, meta)
-        self.delivery.wake()
-        if error is not None:
-            self.delivery.report(error, f"could not merge a partial of namespace {namespace!r}")
-
-    def _drop_after_close(self) -> None:
-        self.queue.count_dropped()
-        with self._lock:
-            warn = not self._closed_warned and self.on_error != "ignore"
-            self._closed_warned = True
-        if warn:
-            torchrl_logger.warning(
-                f"MetricsChannel {self.name!r} is closed: metrics submitted after close() are "
-                "dropped and counted in health()['dropped']. This is reported once."
-            )
-
-    def _accept(
-        self,
-        namespace: Any,
-        metrics: Any,
-        step: Any,
-        meta: Any,
-        counts: Any,
-    ) -> None:
-        """Queues one message from another process like a local submission, once checked."""
-        try:
-            lost, coalesced = counts
-            valid = (
-                namespace.__class__ is str
-                and metrics.__class__ is dict
-                and all(key.__class__ is str for key in metrics)
-                and (meta is None or isinstance(meta, Mapping))
-                and lost.__class__ is int
-                and coalesced.__class__ is int
-            )
-        except Exception:
-            valid = False
-        if not valid:
-            self.queue.count_dropped()
-            return
-        if lost or coalesced:
-            self.queue.count_remote(lost, coalesced)
-        self._put(metrics, step, namespace, meta)
-
-    # -------------------------------------------------------------- receivers
-    def addresses(self) -> dict[str, Any]:
-        """Starts every registered transport's receiver on first use; returns their addresses."""
-        with self._receivers_lock:
-            if not self._receivers_started and not self.close_requested:
-                self._receivers_started = True
-                for candidate in transports():
-                    receiver = candidate.make_receiver(self.token, self.name)
-                    if receiver is not None:
-                        receiver.start(self._accept, self.queue.count_dropped, self.background)
-                        self._receivers[candidate.name] = receiver
-            return {name: r.address() for name, r in self._receivers.items()}
-
-    def poll_remote(self, deadline: float | None) -> None:
-        for receiver in list(self._receivers.values()):
-            receiver.poll(deadline)
-
-    def _close_receivers(self, deadline: float | None) -> None:
-        with self._receivers_lock:
-            self._receivers_started = True
-            for receiver in self._receivers.values():
-                receiver.close(deadline)
-
-    # ------------------------------------------------------------ flush/close
-    def flush(self, timeout: float | None) -> bool:
-        return self.delivery.flush(None if timeout is None else time.monotonic() + timeout)
-
-    def step(self) -> int:
-        return self.delivery.step()
-
-    def health(self) -> dict[str, int]:
-        return self.queue.counts()
-
-    def add_close_callback(self, callback: Callable[[], Any]) -> None:
-        if getattr(callback, "__self__", None) is not None and hasattr(callback, "__func__"):
-            ref: Callable[[], Any] = weakref.WeakMethod(callback)  # type: ignore[arg-type]
-        else:
-            ref = _StrongRef(callback)
-        with self._lock:
-            # Forget the callbacks of objects already gone: observers attached and
-            # removed over and over do not make the list grow.
-            live = [r for r in self._close_callbacks if r() is not None]
-            live.append(ref)
-            self._close_callbacks = live
-
-    def _run_close_callbacks(self) -> None:
-        with self._lock:
-            callbacks, self._close_callbacks = self._close_callbacks, []
-        for ref in callbacks:
-            callback = ref()
-            if callback is None:
-                continue
-            try:
-                callback()
-            except Exception as err:
-                self.delivery.report(err, f"close callback {callback!r} raised")
-
-    def close(self, timeout: float | None = None, *, at_exit: bool = False) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            first = not self.close_requested
-            self.close_requested = True
-        if first:
-            # what other processes already sent is read first, so that close callbacks
-            # see it (a router may decide from it, e.g. which observers have copies elsewhere)
-            self.poll_remote(time.monotonic() + 1.0)
-            self._run_close_callbacks()
-            self._close_receivers(deadline)
-            self.closed = True
-            self.queue.close()
-            self.delivery.stop(at_exit)
-        done = self.delivery.join(deadline)
-        self.delivery.raise_stored_error()
-        return done
-
-    def release(self) -> None:
-        """Stops the owner's threads without waiting: the channel was garbage-collected.
-
-        Runs in whichever thread collected the channel, so it takes no lock.
-        The delivery thread drains what is pending and exits within a second.
-        """
-        if os.getpid() != self.pid or self.close_requested:
-            return
-        self.close_requested = True
-        self.delivery.release()
-        for receiver in list(self._receivers.values()):
-            receiver.release()
-
-    def forget_after_fork(self) -> None:
-        """In a forked child: close the inherited receivers' copies, never the parent's files."""
-        self.close_requested = True
-        self.closed = True
-        self.delivery.release()
-        for receiver in self._receivers.values():
-            receiver.forget_after_fork()
-
-
-class _Forwarder:
-    """A channel's stand-in in a forked child process: it forwards to the parent's owner."""
-
-    def __init__(self, owner: _Owner, addresses: Mapping[str, Any]) -> None:
-        self.logger = owner.logger
-        self.name = owner.name
-        self.capacity = owner.capacity
-        self.on_error = owner.on_error
-        self.background = owner.background
-        self.closed = owner.closed
-        self.queue = None
-        self._sender = make_sender({} if owner.closed else addresses)
-        self._dropped_after_close = 0
-        self._close_callbacks: list[Callable[[], Any]] = []
-
-    def submit_metrics(
-        self,
-        metrics: Mapping[str, Any],
-        step: int | None,
-        namespace: str,
-        meta: Mapping[str, Any] | None,
-    ) -> None:
-        metrics = check_metrics(metrics, namespace, "MetricsChannel")
-        if self.closed:
-            self._dropped_after_close += 1
-            return
-        self._sender.send(metrics, step, namespace, meta)
-
-    def flush(self, timeout: float | None) -> bool:
-        return self._sender.flush(timeout)
-
-    def step(self) -> int:
-        self._sender.flush(0)
-        return 0
-
-    def add_close_callback(self, callback: Callable[[], Any]) -> None:
-        self._close_callbacks.append(callback)
-
-    def close(self, timeout: float | None = None, *, at_exit: bool = False) -> bool:
-        callbacks, self._close_callbacks = self._close_callbacks, []
-        for callback in callbacks:
-            try:
-                callback()
-            except Exception as err:
-                torchrl_logger.warning(
-                    f"MetricsChannel close callback {callback!r} raised: {err!r}."
-                )
-        done = self._sender.flush(timeout)
-        self.closed = True
-        return done
-
-    def health(self) -> dict[str, int]:
-        sender = self._sender
-        extra = self._dropped_after_close
-        return {
-            "submitted": sender.submitted + extra,
-            "logged": 0,
-            "pending": sender.pending(),
-            "coalesced": sender.coalesced,
-            "dropped": sender.dropped + extra,
-            "sink_errors": 0,
-            "remote_dropped": 0,
-            "remote_coalesced": 0,
-        }
-
-    def release(self) -> None:
-        pass
 
 
 class MetricsChannel:
@@ -467,7 +150,7 @@ class MetricsChannel:
         health_interval: float | None = 1.0,
     ) -> None:
         self._token = uuid.uuid4().hex
-        owner = _Owner(
+        owner = Owner(
             logger,
             self._token,
             capacity=capacity,
@@ -476,7 +159,7 @@ class MetricsChannel:
             background=background,
             health_interval=health_interval,
         )
-        self._state: _Owner | _Forwarder = owner
+        self._state: Owner | Forwarder = owner
         self._addresses: dict[str, Any] = {}
         self._finalizer = weakref.finalize(self, owner.release)
         self._finalizer.atexit = False
@@ -513,7 +196,7 @@ class MetricsChannel:
             >>> MetricsChannel.for_logger(logger, background=False) is channel
             False
         """
-        _check_alive(logger)
+        check_alive(logger)
         with _REGISTRY_LOCK:
             channel = _SHARED.get(id(logger))
             if channel is not None and channel.logger is logger and not channel.closed:
@@ -621,13 +304,13 @@ class MetricsChannel:
             router (Router): an object with ``route`` and ``finish``.
         """
         state = self._state
-        if isinstance(state, _Owner):
+        if isinstance(state, Owner):
             state.delivery.add_router(key, router)
 
     def router(self, key: str) -> Router | None:
         """The router that handles entries whose ``meta`` holds ``key`` (``None`` if none or not the owner)."""
         state = self._state
-        return state.delivery.router(key) if isinstance(state, _Owner) else None
+        return state.delivery.router(key) if isinstance(state, Owner) else None
 
     def has_pending(self, key: str, value: Any) -> bool:
         """Whether an entry with ``meta[key] == value`` waits for delivery (or is being delivered).
@@ -637,7 +320,7 @@ class MetricsChannel:
         not own the channel.
         """
         state = self._state
-        return isinstance(state, _Owner) and state.queue.has_meta(key, value)
+        return isinstance(state, Owner) and state.queue.has_meta(key, value)
 
     def receive(self, timeout: float | None = None) -> None:
         """Queues what handles in other processes have sent so far, without delivering it.
@@ -647,7 +330,7 @@ class MetricsChannel:
                 busy in another thread. Defaults to ``None``.
         """
         state = self._state
-        if isinstance(state, _Owner):
+        if isinstance(state, Owner):
             state.poll_remote(None if timeout is None else time.monotonic() + timeout)
 
     def close(self, timeout: float | None = None) -> bool:
@@ -775,9 +458,9 @@ class MetricsChannel:
         state = self._state
         if state.closed:
             raise RuntimeError(f"MetricsChannel {self.name!r} is closed; it gives no new handles.")
-        if isinstance(state, _Owner):
+        if isinstance(state, Owner):
             self._addresses = state.addresses()
-        channel = self if isinstance(state, _Owner) else None
+        channel = self if isinstance(state, Owner) else None
         return MetricsHandle(self._token, self._addresses, meta, channel=channel, transport=transport)
 
     @property
@@ -816,9 +499,9 @@ class MetricsChannel:
     def _after_fork_in_child(self) -> None:
         state = self._state
         OWNERS.pop(self._token, None)
-        if isinstance(state, _Owner):
+        if isinstance(state, Owner):
             self._finalizer.detach()
-            self._state = _Forwarder(state, self._addresses)
+            self._state = Forwarder(state, self._addresses)
             state.forget_after_fork()
 
 
@@ -833,7 +516,7 @@ def _close_at_exit() -> None:
     deadline = time.monotonic() + _EXIT_TIMEOUT
     for channel in list(_CHANNELS.values()):
         state = channel._state
-        if not isinstance(state, _Owner) or state.pid != os.getpid() or state.close_requested:
+        if not isinstance(state, Owner) or state.pid != os.getpid() or state.close_requested:
             continue
         try:
             state.close(max(0.0, deadline - time.monotonic()), at_exit=True)
