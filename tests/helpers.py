@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import threading
+import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
+
+from torchrl.record.loggers.common import Logger
 
 
 @contextlib.contextmanager
@@ -20,6 +24,91 @@ def start_method(method: str) -> Iterator[None]:
         yield
     finally:
         context._actual_context = previous
+
+
+class RecordingLogger(Logger):
+    """A torchrl Logger that records every ``log_metrics`` call, and misbehaves on demand.
+
+    Keyword Args:
+        delay (float, optional): seconds each call takes (a slow sink). Defaults to ``0.0``.
+        gate (threading.Event, optional): an Event each call waits on (a hung sink
+            until it is set). Defaults to ``None``.
+        fail (Callable[[int], bool], optional): ``fail(attempt)``; the calls for
+            which it holds raise (``attempt`` counts from 1). Defaults to ``None``.
+
+    Setting ``broken = True`` makes every call raise until it is set back to
+    ``False``. Calls that raise are counted in ``attempts``, not recorded in
+    ``calls``.
+    """
+
+    def __init__(
+        self,
+        *,
+        delay: float = 0.0,
+        gate: threading.Event | None = None,
+        fail: Callable[[int], bool] | None = None,
+    ) -> None:
+        self.calls: list[tuple[dict[str, Any], int | None]] = []
+        self.attempts = 0
+        self.delay = delay
+        self.gate = gate
+        self.fail = fail
+        self.broken = False
+        self.shutdown_calls = 0
+        self._lock = threading.Lock()
+        super().__init__(exp_name="recording", log_dir="")
+
+    def _create_experiment(self) -> None:
+        return None
+
+    def log_metrics(self, metrics, step=None, **kwargs):
+        with self._lock:
+            self.attempts += 1
+            attempt = self.attempts
+        if self.gate is not None:
+            self.gate.wait()
+        if self.delay:
+            time.sleep(self.delay)
+        if self.broken or (self.fail is not None and self.fail(attempt)):
+            raise RuntimeError(f"sink failure on call #{attempt}")
+        with self._lock:
+            self.calls.append((dict(metrics), step))
+        return metrics
+
+    def log_scalar(self, name, value, step=None):
+        self.log_metrics({name: value}, step)
+
+    def shutdown(self, timeout=None):
+        self.shutdown_calls += 1
+
+    def log_video(self, name, video, step=None, **kwargs):
+        raise NotImplementedError
+
+    def log_hparams(self, cfg):
+        raise NotImplementedError
+
+    def log_histogram(self, name, data, **kwargs):
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return "RecordingLogger()"
+
+    def series(self, name: str) -> list[tuple[int | None, Any]]:
+        """``(step, value)`` of every logged value of ``name``, in logging order."""
+        with self._lock:
+            return [(step, m[name]) for m, step in self.calls if name in m]
+
+    def user_calls(self) -> list[tuple[dict[str, Any], int | None]]:
+        """The calls that are not the channel's own health reports."""
+        with self._lock:
+            calls = list(self.calls)
+        return [(m, s) for m, s in calls if not any(k.startswith("channel/") for k in m)]
+
+    def health_calls(self) -> list[tuple[dict[str, Any], int | None]]:
+        """The channel's own health reports (namespace ``channel``)."""
+        with self._lock:
+            calls = list(self.calls)
+        return [(m, s) for m, s in calls if any(k.startswith("channel/") for k in m)]
 
 
 def scalars(logger: Any, name: str) -> list[tuple[int, float]]:

@@ -16,77 +16,13 @@ from typing import Any
 
 import pytest
 from torchrl.record.loggers import CSVLogger
-from torchrl.record.loggers.common import Logger
 
 from rl_observers.channel import MetricsChannel, MetricsHandle
-from tests.helpers import read_csv
+from tests.helpers import RecordingLogger, read_csv
 
 # ---------------------------------------------------------------------------
 # recording fakes
 # ---------------------------------------------------------------------------
-
-
-class RecordingLogger(Logger):
-    """A torchrl Logger that records every ``log_metrics`` call.
-
-    It can be made slow (``delay``), hung (``gate``, an Event it waits on) or
-    broken (``broken = True`` makes every call raise).
-    """
-
-    def __init__(self, *, delay: float = 0.0, gate: threading.Event | None = None) -> None:
-        self.calls: list[tuple[dict[str, Any], int | None]] = []
-        self.attempts = 0
-        self.delay = delay
-        self.gate = gate
-        self.broken = False
-        self.shutdown_calls = 0
-        super().__init__(exp_name="recording", log_dir="")
-
-    def _create_experiment(self) -> None:
-        return None
-
-    def log_metrics(self, metrics, step=None, **kwargs):  # noqa: D401
-        self.attempts += 1
-        if self.gate is not None:
-            self.gate.wait()
-        if self.delay:
-            time.sleep(self.delay)
-        if self.broken:
-            raise RuntimeError(f"sink failure #{self.attempts}")
-        self.calls.append((dict(metrics), step))
-        return metrics
-
-    def log_scalar(self, name, value, step=None):
-        self.log_metrics({name: value}, step)
-
-    def shutdown(self, timeout=None):
-        self.shutdown_calls += 1
-
-    def log_video(self, name, video, step=None, **kwargs):
-        raise NotImplementedError
-
-    def log_hparams(self, cfg):
-        raise NotImplementedError
-
-    def log_histogram(self, name, data, **kwargs):
-        raise NotImplementedError
-
-    def __repr__(self) -> str:
-        return "RecordingLogger()"
-
-    def user_calls(self) -> list[tuple[dict[str, Any], int | None]]:
-        """The calls that are not the channel's own health reports."""
-        return [(m, s) for m, s in self.calls if not any(k.startswith("channel/") for k in m)]
-
-    def health_calls(self) -> list[tuple[dict[str, Any], int | None]]:
-        return [(m, s) for m, s in self.calls if any(k.startswith("channel/") for k in m)]
-
-    def series(self) -> dict[str, list[tuple[int | None, Any]]]:
-        out: dict[str, list[tuple[int | None, Any]]] = {}
-        for metrics, step in self.calls:
-            for name, value in metrics.items():
-                out.setdefault(name, []).append((step, value))
-        return out
 
 
 class ScalarSink:
@@ -499,7 +435,7 @@ def test_raise_policy_surfaces_the_error_from_flush_then_close(warnings_seen):
     channel = MetricsChannel(logger, on_error="raise", health_interval=None)
     logger.broken = True
     channel.submit_metrics({"x": 1.0})
-    with pytest.raises(RuntimeError, match="sink failure #1"):
+    with pytest.raises(RuntimeError, match="sink failure on call #1"):
         channel.flush(timeout=10)
     assert channel.flush(timeout=10)  # raised once
     logger.broken = False
@@ -520,7 +456,7 @@ def test_raise_policy_in_sync_mode_raises_from_step():
     logger.broken = True
     channel.submit_metrics({"x": 1.0})
     channel.submit_metrics({"x": 2.0}, namespace="b")
-    with pytest.raises(RuntimeError, match="sink failure #1"):
+    with pytest.raises(RuntimeError, match="sink failure on call #1"):
         channel.step()
     assert channel.health()["sink_errors"] == 2  # the step went through all entries
     channel.close()
@@ -823,11 +759,10 @@ def test_remote_payloads_are_coalesced_not_lost_when_the_socket_queue_is_full():
         if handle.flush(timeout=0):
             break
     channel.step()
-    series = logger.series()
     for namespace, values in sent.items():
-        assert sum(v for _, v in series[f"{namespace}/r_count"]) == len(values)
-        assert sum(v for _, v in series[f"{namespace}/r_sum"]) == sum(values)
-        assert series[f"{namespace}/last"][-1] == (
+        assert sum(v for _, v in logger.series(f"{namespace}/r_count")) == len(values)
+        assert sum(v for _, v in logger.series(f"{namespace}/r_sum")) == sum(values)
+        assert logger.series(f"{namespace}/last")[-1] == (
             len(values) * 4 - 4 + int(namespace[2:]),
             values[-1],
         )
@@ -904,7 +839,7 @@ def test_a_handle_submits_from_a_spawned_process():
     child.join(60)
     assert child.exitcode == 0
     assert channel.flush(timeout=10)
-    assert logger.series()["spawned/x"] == [(i, float(i)) for i in range(5)]
+    assert logger.series("spawned/x") == [(i, float(i)) for i in range(5)]
     assert channel.close(timeout=10)
 
 
@@ -938,9 +873,8 @@ def test_handles_and_the_channel_itself_submit_from_a_forked_process():
     assert child.exitcode == 0
     assert os.path.exists(path)  # the child did not remove the owner's socket
     assert channel.flush(timeout=10)
-    series = logger.series()
     for namespace in ("inherited", "pickled", "channel_in_child"):
-        assert series[f"{namespace}/x"] == [(i, float(i)) for i in range(3)], namespace
+        assert logger.series(f"{namespace}/x") == [(i, float(i)) for i in range(3)], namespace
     channel.submit_metrics({"y": 1.0})  # the owner keeps working
     assert channel.flush(timeout=10)
     assert channel.close(timeout=10)
@@ -967,9 +901,8 @@ def test_a_sender_that_dies_does_not_hurt_the_owner():
     handle.submit_metrics({"y": 1.0}, namespace="alive")
     channel.submit_metrics({"y": 2.0}, namespace="alive")
     assert channel.flush(timeout=10)
-    series = logger.series()
-    assert series["doomed/x"] == [(i, float(i)) for i in range(3)]
-    assert series["alive/y"] == [(None, 1.0), (None, 2.0)]
+    assert logger.series("doomed/x") == [(i, float(i)) for i in range(3)]
+    assert logger.series("alive/y") == [(None, 1.0), (None, 2.0)]
     assert channel.close(timeout=10)
 
 

@@ -1,14 +1,12 @@
 """Shared pieces of the fault-tolerance tests.
 
-A recording torchrl logger that can be slow, hung or broken on demand, the
-warnings the user is shown, and one seeded collection loop (a real
+The warnings the user is shown, and one seeded collection loop (a real
 ``Collector`` writing into a real replay buffer and sampling from it) whose
 data is compared with and without faulty observers or sinks.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -19,70 +17,9 @@ import torch
 from torchrl.collectors import Collector
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 from torchrl.envs.utils import RandomPolicy
-from torchrl.record.loggers.common import Logger
 from torchrl.testing.mocking_classes import CountingEnv
 
-
-class FaultyLogger(Logger):
-    """A torchrl Logger recording every ``log_metrics`` call, misbehaving on demand.
-
-    Keyword Args:
-        delay: seconds each call takes (a slow sink).
-        gate: an Event each call waits on (a hung sink until it is set).
-        fail: ``fail(attempt) -> bool``; the calls for which it holds raise.
-    """
-
-    def __init__(
-        self,
-        *,
-        delay: float = 0.0,
-        gate: threading.Event | None = None,
-        fail: Callable[[int], bool] | None = None,
-    ) -> None:
-        self.calls: list[tuple[dict[str, Any], int | None]] = []
-        self.attempts = 0
-        self.delay = delay
-        self.gate = gate
-        self.fail = fail
-        self._lock = threading.Lock()
-        super().__init__(exp_name="faulty", log_dir="")
-
-    def _create_experiment(self) -> None:
-        return None
-
-    def log_metrics(self, metrics, step=None, **kwargs):
-        with self._lock:
-            self.attempts += 1
-            attempt = self.attempts
-        if self.gate is not None:
-            self.gate.wait()
-        if self.delay:
-            time.sleep(self.delay)
-        if self.fail is not None and self.fail(attempt):
-            raise RuntimeError(f"sink failure on call #{attempt}")
-        with self._lock:
-            self.calls.append((dict(metrics), step))
-        return metrics
-
-    def log_scalar(self, name, value, step=None):
-        self.log_metrics({name: value}, step)
-
-    def log_video(self, name, video, step=None, **kwargs):
-        raise NotImplementedError
-
-    def log_hparams(self, cfg):
-        raise NotImplementedError
-
-    def log_histogram(self, name, data, **kwargs):
-        raise NotImplementedError
-
-    def __repr__(self) -> str:
-        return "FaultyLogger()"
-
-    def series(self, name: str) -> list[tuple[int | None, Any]]:
-        """``(step, value)`` of every logged value of ``name``, in logging order."""
-        with self._lock:
-            return [(step, m[name]) for m, step in self.calls if name in m]
+from tests.helpers import RecordingLogger
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 20.0) -> bool:
@@ -105,7 +42,7 @@ def assert_balanced(health: dict[str, int]) -> None:
     ), health
 
 
-def window_total(logger: FaultyLogger, name: str) -> float:
+def window_total(logger: RecordingLogger, name: str) -> float:
     """Sum of a window metric over every logged window: the total when nothing was lost."""
     return sum(value for _, value in logger.series(name))
 

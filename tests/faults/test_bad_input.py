@@ -26,8 +26,8 @@ from rl_observers import (
     WriteMetrics,
 )
 from rl_observers.channel import MetricsHandle
-from tests.faults.conftest import FaultyLogger, assert_balanced
-from tests.helpers import read_csv
+from tests.faults.conftest import assert_balanced
+from tests.helpers import RecordingLogger, read_csv
 
 
 def sync_channel(logger, **kwargs) -> MetricsChannel:
@@ -58,7 +58,7 @@ BAD_VALUES = {
 @pytest.mark.parametrize("where", ["channel", "remote handle"])
 def test_values_that_cannot_be_logged_are_refused_at_submit(kind, where):
     value, hint = BAD_VALUES[kind]
-    logger = FaultyLogger()
+    logger = RecordingLogger()
     channel = sync_channel(logger)
     target = channel if where == "channel" else remote_handle(channel)
     with pytest.raises(TypeError, match="expected metric values that are real numbers") as raised:
@@ -103,7 +103,7 @@ def test_numbers_nan_inf_and_one_element_tensors_are_logged_as_they_are(tmp_path
 
 
 def test_nan_in_the_data_reaches_the_logger_as_nan():
-    logger = FaultyLogger()
+    logger = RecordingLogger()
     channel = sync_channel(logger)
     rb = TensorDictReplayBuffer(storage=LazyTensorStorage(10))
     rb.add_observer(LoggerObserver(channel, metrics=WriteMetrics(reward_key="reward"), name="rb"))
@@ -115,7 +115,7 @@ def test_nan_in_the_data_reaches_the_logger_as_nan():
 
 
 def test_an_empty_payload_is_ignored():
-    logger = FaultyLogger()
+    logger = RecordingLogger()
     channel = sync_channel(logger)
     channel.submit_metrics({})
     channel.submit_metrics({}, step=3, namespace="a")
@@ -167,7 +167,7 @@ class FinalizeFails:
 
 @pytest.mark.timeout(30)
 def test_a_partial_that_cannot_finalize_does_not_stop_the_channel_thread(told):
-    logger = FaultyLogger()
+    logger = RecordingLogger()
     channel = MetricsChannel(logger, name="partials", health_interval=None)
     channel.submit_metrics({"p": FinalizeFails()}, namespace="a")
     channel.submit_metrics({"x": 1.0}, namespace="b")
@@ -198,13 +198,13 @@ def test_metric_sets_refuse_keys_of_the_wrong_type():
 @pytest.mark.parametrize("interval", [0, -1, -0.5])
 def test_every_refuses_zero_or_negative_intervals_before_the_observer_exists(interval):
     with pytest.raises(ValueError, match="interval must be strictly positive"):
-        LoggerObserver(FaultyLogger(), schedule=Every.counter("write_count", interval))
+        LoggerObserver(RecordingLogger(), schedule=Every.counter("write_count", interval))
     with pytest.raises(ValueError, match="interval must be strictly positive"):
-        LoggerObserver(FaultyLogger(), schedule=Every.seconds(interval))
+        LoggerObserver(RecordingLogger(), schedule=Every.seconds(interval))
 
 
 def test_a_nan_interval_is_refused_and_an_infinite_one_only_logs_on_close():
-    logger = FaultyLogger()
+    logger = RecordingLogger()
     for schedule in (Every.counter("write_count", float("nan")), Every.seconds(float("nan"))):
         with pytest.raises(ValueError, match="schedule interval must be a number > 0, got Every"):
             LoggerObserver(logger, schedule=schedule)
@@ -228,9 +228,9 @@ def test_a_nan_interval_is_refused_and_an_infinite_one_only_logs_on_close():
 @pytest.mark.parametrize("capacity", [0, -3])
 def test_a_channel_without_room_is_refused(capacity):
     with pytest.raises(ValueError, match="capacity must be an int >= 1"):
-        MetricsChannel(FaultyLogger(), capacity=capacity)
+        MetricsChannel(RecordingLogger(), capacity=capacity)
     with pytest.raises(ValueError, match="capacity must be an int >= 1"):
-        MetricsChannel.for_logger(FaultyLogger(), capacity=capacity)
+        MetricsChannel.for_logger(RecordingLogger(), capacity=capacity)
 
 
 def test_a_logger_already_shut_down_is_refused_at_once(tmp_path):
@@ -276,7 +276,7 @@ def test_bad_input_inside_workers_is_handled_there_and_the_workers_go_on():
 
     from tests.test_remote_targets import make_multi
 
-    logger = FaultyLogger()
+    logger = RecordingLogger()
     channel = MetricsChannel(logger, health_interval=None)
     collector = make_multi(MultiSyncCollector, "fork", frames_per_batch=20, total_frames=100)
     try:

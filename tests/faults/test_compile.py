@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from rl_observers import LoggerObserver, MetricsChannel, SampleMetrics, WriteMetrics
-from tests.faults.conftest import FaultyLogger
+from tests.helpers import RecordingLogger
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -61,7 +61,7 @@ def _run(observe: bool):
     counters.clear()
     torch.manual_seed(0)
     rb = _buffer()
-    logger = FaultyLogger()
+    logger = RecordingLogger()
     channel = MetricsChannel(logger, background=False, health_interval=None)
     where = WhereItRuns()
     if observe:

@@ -19,19 +19,19 @@ from torchrl.envs.utils import RandomPolicy
 from torchrl.record.loggers.monitoring import LoggerMonitor
 
 from rl_observers import Every, LoggerObserver, MetricsChannel, SampleMetrics, WriteMetrics
-from tests.faults.conftest import FaultyLogger
+from tests.helpers import RecordingLogger
 
 
-def sync_channel(logger: FaultyLogger) -> MetricsChannel:
+def sync_channel(logger: RecordingLogger) -> MetricsChannel:
     return MetricsChannel(logger, background=False, health_interval=None)
 
 
-def steps_and_values(logger: FaultyLogger, name: str) -> tuple[list[int], list[float]]:
+def steps_and_values(logger: RecordingLogger, name: str) -> tuple[list[int], list[float]]:
     series = logger.series(name)
     return [s for s, _ in series], [v for _, v in series]
 
 
-def assert_increasing_and_non_negative(logger: FaultyLogger, prefix: str) -> None:
+def assert_increasing_and_non_negative(logger: RecordingLogger, prefix: str) -> None:
     names = {k for m, _ in logger.calls for k in m if k.startswith(prefix)}
     assert names
     for name in names:
@@ -49,7 +49,7 @@ def _write_sample(rb, times: int) -> None:
 
 @pytest.mark.parametrize("reset", ["empty", "empty_keep_write_count", "load_state_dict"])
 def test_a_buffer_reset_neither_repeats_nor_skips_an_emission(reset):
-    logger = FaultyLogger()
+    logger = RecordingLogger()
     channel = sync_channel(logger)
     rb = ReplayBuffer(storage=LazyTensorStorage(50), batch_size=8)
     rb.add_observer(LoggerObserver(channel, schedule=Every.counter("write_count", 10), name="rb"))
@@ -77,7 +77,7 @@ def test_a_buffer_reset_neither_repeats_nor_skips_an_emission(reset):
 
 
 def test_sample_age_after_empty_only_covers_what_was_written_since():
-    logger = FaultyLogger()
+    logger = RecordingLogger()
     channel = sync_channel(logger)
     rb = ReplayBuffer(storage=LazyTensorStorage(50), batch_size=16)
     rb.add_observer(LoggerObserver(channel, metrics=SampleMetrics(), name="rb"))  # emits per sample
@@ -94,7 +94,7 @@ def test_sample_age_after_empty_only_covers_what_was_written_since():
 
 def test_a_buffer_restored_with_its_observer_state_gives_the_ages_of_an_uninterrupted_run():
     def run(restore: bool) -> list[float]:
-        logger = FaultyLogger()
+        logger = RecordingLogger()
         channel = sync_channel(logger)
         rb = ReplayBuffer(storage=LazyTensorStorage(50), batch_size=8)
         rb.set_rng(torch.Generator().manual_seed(0))
@@ -121,7 +121,7 @@ def test_a_buffer_restored_with_its_observer_state_gives_the_ages_of_an_uninterr
 
 def test_a_buffer_restored_without_its_observer_state_keeps_ages_non_negative():
     """Documented limit: the observer cannot see a restore, ages then count the writes it saw."""
-    logger = FaultyLogger()
+    logger = RecordingLogger()
     channel = sync_channel(logger)
     rb = ReplayBuffer(storage=LazyTensorStorage(50), batch_size=8)
     rb.add_observer(LoggerObserver(channel, metrics=SampleMetrics(), name="rb"))
@@ -158,7 +158,7 @@ def _episodes_per_batch(batches) -> list[list[int]]:
 
 @pytest.mark.timeout(60)
 def test_collector_reset_and_restore_leave_no_garbage_episode():
-    logger = FaultyLogger()
+    logger = RecordingLogger()
     channel = sync_channel(logger)
     env = GymEnv("CartPole-v1")
     env.set_seed(0)
@@ -196,10 +196,10 @@ def test_collector_reset_and_restore_leave_no_garbage_episode():
 
 def test_the_pull_monitor_rates_from_observer_stats_never_go_negative():
     rb = ReplayBuffer(storage=LazyTensorStorage(1000), batch_size=4)
-    channel = sync_channel(FaultyLogger())
+    channel = sync_channel(RecordingLogger())
     observer = LoggerObserver(channel, schedule=Every.counter("sample_calls", 1000), metrics=SampleMetrics())
     rb.add_observer(observer)
-    monitor_logger = FaultyLogger()
+    monitor_logger = RecordingLogger()
     monitor = LoggerMonitor(monitor_logger, background=False)
     monitor.watch(rb, name="rb", rate_keys=("sample_calls",), log_on_start=True)
     rb.extend(torch.arange(100))

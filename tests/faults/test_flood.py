@@ -14,7 +14,8 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from rl_observers import LoggerObserver, MetricsChannel, WriteMetrics
 from rl_observers.testing import EventRecorder
-from tests.faults.conftest import FaultyLogger, assert_balanced
+from tests.faults.conftest import assert_balanced
+from tests.helpers import RecordingLogger
 
 SUBMITS = 1_000_000
 THREADS = 8
@@ -24,7 +25,7 @@ CAPACITY = 1024
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_million_submissions_from_eight_threads_into_a_hung_sink(gate):
-    logger = FaultyLogger(gate=gate)
+    logger = RecordingLogger(gate=gate)
     channel = MetricsChannel(logger, capacity=CAPACITY, name="flood", health_interval=None)
     handle = channel.handle(meta={"worker": 0})  # the local handle takes the same path
     errors: list[BaseException] = []
@@ -72,7 +73,7 @@ PER_THREAD = 1000
 def test_threads_writing_and_sampling_while_observers_come_and_go():
     rb = ReplayBuffer(storage=LazyTensorStorage(100_000), batch_size=8)
     rb.extend(torch.arange(100))
-    logger = FaultyLogger()
+    logger = RecordingLogger()
     channel = MetricsChannel(logger, health_interval=None)
     steady = EventRecorder()
     steady_logger = LoggerObserver(channel, name="steady")
@@ -137,7 +138,7 @@ def test_threads_writing_and_sampling_while_observers_come_and_go():
 
 
 def test_logger_observers_attached_and_removed_over_and_over_leave_no_callbacks_behind():
-    channel = MetricsChannel(FaultyLogger(), background=False, health_interval=None)
+    channel = MetricsChannel(RecordingLogger(), background=False, health_interval=None)
     rb = ReplayBuffer(storage=LazyTensorStorage(10))
     removed = []
     for _ in range(2000):

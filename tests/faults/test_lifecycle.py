@@ -15,18 +15,17 @@ from rl_observers import Every, LoggerObserver, MetricsChannel, WriteMetrics
 from rl_observers.testing import EventRecorder
 from tests.faults.conftest import (
     BATCHES,
-    FaultyLogger,
     assert_balanced,
     assert_same_data,
     make_collector,
     run_loop,
 )
-from tests.helpers import read_csv
+from tests.helpers import RecordingLogger, read_csv
 
 
 @pytest.mark.timeout(60)
 def test_closing_the_channel_while_sources_run_drops_and_counts(reference, told):
-    logger = FaultyLogger()
+    logger = RecordingLogger()
     channel = MetricsChannel(logger, name="early", health_interval=None)
 
     class ClosesTheChannelAtBatch3:
@@ -53,7 +52,7 @@ def test_closing_the_channel_while_sources_run_drops_and_counts(reference, told)
 
 @pytest.mark.timeout(60)
 def test_shutting_a_source_down_while_its_observers_and_the_channel_run():
-    logger = FaultyLogger()
+    logger = RecordingLogger()
     channel = MetricsChannel(logger, health_interval=None)
     rbs = [ReplayBuffer(storage=LazyTensorStorage(100)) for _ in range(2)]
     observers = [
@@ -153,7 +152,7 @@ def test_an_observer_added_during_another_observers_event_starts_with_the_next_e
 
 @pytest.mark.timeout(60)
 def test_a_collector_garbage_collected_without_shutdown_logs_its_last_window():
-    logger = FaultyLogger()
+    logger = RecordingLogger()
     channel = MetricsChannel(logger, health_interval=None)
     collector = make_collector()
     recorder = EventRecorder()

@@ -21,13 +21,13 @@ from rl_observers.testing import EventRecorder
 from tests.faults.conftest import (
     BATCHES,
     TOTAL_FRAMES,
-    FaultyLogger,
     assert_same_data,
     make_buffer,
     make_collector,
     run_loop,
     window_total,
 )
+from tests.helpers import RecordingLogger
 
 
 class Raising:
@@ -137,7 +137,7 @@ def test_raise_policy_on_a_buffer_keeps_the_written_data():
 
 @pytest.mark.timeout(60)
 def test_an_observer_raising_at_shutdown_neither_stops_the_shutdown_nor_the_other_observers():
-    logger = FaultyLogger()
+    logger = RecordingLogger()
     channel = MetricsChannel(logger, health_interval=None)
     collector = make_collector()
     rb = make_buffer()
@@ -206,7 +206,7 @@ class Sleepy:
 
 @pytest.mark.timeout(60)
 def test_a_slow_observer_breaks_nothing_else(reference, told):
-    logger = FaultyLogger()
+    logger = RecordingLogger()
     channel = MetricsChannel(logger, health_interval=None)
     sleepy, recorder = Sleepy(), EventRecorder()
 

@@ -23,14 +23,13 @@ from rl_observers import LoggerObserver, MetricsChannel
 from tests.faults.conftest import (
     BATCHES,
     TOTAL_FRAMES,
-    FaultyLogger,
     assert_balanced,
     assert_same_data,
     run_loop,
     wait_for,
     window_total,
 )
-from tests.helpers import read_csv
+from tests.helpers import RecordingLogger, read_csv
 
 CAPACITY = 4
 
@@ -45,7 +44,7 @@ def observe_into(channel: MetricsChannel):
     return attach
 
 
-def assert_nothing_lost(logger: FaultyLogger) -> None:
+def assert_nothing_lost(logger: RecordingLogger) -> None:
     """Every window reached the logger: coalesced partials merged, newest gauges kept."""
     assert logger.series("collector/frames")[-1] == (TOTAL_FRAMES, float(TOTAL_FRAMES))
     episodes_total = logger.series("collector/episodes_total")[-1][1]
@@ -62,7 +61,7 @@ def sink_warnings(told: list[str]) -> list[str]:
 
 @pytest.mark.timeout(60)
 def test_a_slow_sink_changes_nothing_and_loses_nothing(reference, told):
-    logger = FaultyLogger(delay=0.2)
+    logger = RecordingLogger(delay=0.2)
     channel = MetricsChannel(logger, capacity=CAPACITY, health_interval=None)
     observed = run_loop(observe_into(channel))
     assert_same_data(reference, observed)
@@ -80,7 +79,7 @@ def test_a_slow_sink_changes_nothing_and_loses_nothing(reference, told):
 
 @pytest.mark.timeout(60)
 def test_a_hung_sink_blocks_nothing_and_delivers_once_released(reference, gate, told):
-    logger = FaultyLogger(gate=gate)
+    logger = RecordingLogger(gate=gate)
     channel = MetricsChannel(logger, capacity=CAPACITY, name="hung", health_interval=None)
     observed = run_loop(observe_into(channel))
     assert_same_data(reference, observed)
@@ -101,7 +100,7 @@ def test_a_hung_sink_blocks_nothing_and_delivers_once_released(reference, gate, 
 @pytest.mark.timeout(30)
 def test_close_without_timeout_gives_up_on_a_hung_sink_and_says_so(gate, told, monkeypatch):
     monkeypatch.setattr(delivery_module, "CLOSE_STALL_TIMEOUT", 0.3)
-    channel = MetricsChannel(FaultyLogger(gate=gate), name="stuck", health_interval=None)
+    channel = MetricsChannel(RecordingLogger(gate=gate), name="stuck", health_interval=None)
     channel.submit_metrics({"x": 1.0})
     channel.submit_metrics({"x": 2.0}, namespace="other")
     start = time.monotonic()
@@ -109,7 +108,7 @@ def test_close_without_timeout_gives_up_on_a_hung_sink_and_says_so(gate, told, m
     assert time.monotonic() - start < 5.0
     (message,) = sink_warnings(told)
     assert "'stuck'" in message and "has not returned" in message and "2 entries" in message
-    with MetricsChannel(FaultyLogger(gate=gate), name="stuck2", health_interval=None) as other:
+    with MetricsChannel(RecordingLogger(gate=gate), name="stuck2", health_interval=None) as other:
         other.submit_metrics({"x": 1.0})
     assert other.closed  # leaving the with block is bounded too
 
@@ -117,7 +116,7 @@ def test_close_without_timeout_gives_up_on_a_hung_sink_and_says_so(gate, told, m
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("on_error", ["warn", "raise", "ignore"])
 def test_a_sink_raising_at_every_call(reference, told, on_error):
-    logger = FaultyLogger(fail=lambda attempt: True)
+    logger = RecordingLogger(fail=lambda attempt: True)
     channel = MetricsChannel(logger, capacity=CAPACITY, on_error=on_error, health_interval=None)
     observed = run_loop(observe_into(channel))
     assert_same_data(reference, observed)  # the source never sees the sink's errors
@@ -146,7 +145,7 @@ def test_a_sink_raising_at_every_call(reference, told, on_error):
 @pytest.mark.timeout(60)
 def test_a_flaky_sink_recovers_and_logging_resumes(told):
     broken = threading.Event()
-    logger = FaultyLogger(fail=lambda attempt: broken.is_set())
+    logger = RecordingLogger(fail=lambda attempt: broken.is_set())
     channel = MetricsChannel(logger, name="flaky", health_interval=0.0)
     rb = ReplayBuffer(storage=LazyTensorStorage(1000))
     rb.add_observer(LoggerObserver(channel, name="rb"))

@@ -36,8 +36,8 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 import tests._remote_observers as remote_observers
 from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel
-from tests.faults.conftest import FaultyLogger, wait_for
-from tests.helpers import local_ray
+from tests.faults.conftest import wait_for
+from tests.helpers import RecordingLogger, local_ray
 from tests.test_remote_targets import make_multi
 
 pytestmark = pytest.mark.slow
@@ -50,7 +50,7 @@ def lines_of(log: Path, tag: str, event: str) -> Counter[int]:
     )
 
 
-def frames_logged(logger: FaultyLogger) -> list[float]:
+def frames_logged(logger: RecordingLogger) -> list[float]:
     return [value for _, value in logger.series("workers/frames")]
 
 
@@ -58,7 +58,7 @@ def frames_logged(logger: FaultyLogger) -> list[float]:
 @pytest.mark.parametrize("cls", [MultiSyncCollector, MultiAsyncCollector], ids=["sync", "async"])
 def test_a_worker_killed_while_the_collector_is_iterated(tmp_path, cls):
     log = tmp_path / "events.txt"
-    logger = FaultyLogger()
+    logger = RecordingLogger()
     channel = MetricsChannel(logger, health_interval=None)
     collector = make_multi(cls, "fork", frames_per_batch=20, total_frames=20_000)
     received = 0
@@ -91,7 +91,7 @@ def test_a_worker_killed_while_the_collector_runs_free(tmp_path, monkeypatch):
     if hasattr(aggregate, "STALE_AFTER"):
         monkeypatch.setattr(aggregate, "STALE_AFTER", 1.0)
     log = tmp_path / "events.txt"
-    logger = FaultyLogger()
+    logger = RecordingLogger()
     channel = MetricsChannel(logger, health_interval=None)
     rb = ReplayBuffer(storage=LazyTensorStorage(500_000), shared=True)
     collector = make_multi(MultiSyncCollector, "fork", frames_per_batch=20, total_frames=-1, replay_buffer=rb)
@@ -204,7 +204,7 @@ def test_a_killed_ray_collector_actor(ray_cluster, tmp_path, told):
     from ray.exceptions import RayActorError
 
     log = tmp_path / "events.txt"
-    logger = FaultyLogger()
+    logger = RecordingLogger()
     channel = MetricsChannel(logger, health_interval=None)
     collector = _ray_collector()
     try:
