@@ -22,7 +22,8 @@ from rl_observers import (
     SampleMetrics,
     WriteMetrics,
 )
-from tests.helpers import local_ray, scalars, start_method
+from rl_observers.logging.aggregate import AggregateSpec
+from tests.helpers import RecordingLogger, local_ray, scalars, start_method
 
 NEVER = Every.counter("frames", 10**12)
 
@@ -187,3 +188,47 @@ def test_ray_collector_into_ray_buffer_one_logger(ray_cluster, tmp_path):
     assert scalars(logger, "ray_collector/workers")[0][1] == 2
     assert scalars(logger, "ray_rb/items_written")[0][1] == written
     assert scalars(logger, "ray_rb/sample_calls")[0][1] == 4
+
+
+class FinalizeFails:
+    """A mergeable partial whose ``finalize`` raises: its row cannot be written."""
+
+    def merge(self, other):
+        return self
+
+    def finalize(self):
+        raise ValueError("cannot finalize")
+
+
+def contribute(channel, name, metrics, frames):
+    """What a worker's observer copy submits: its window, its counters and its schedule in ``meta``."""
+    spec = AggregateSpec(NEVER, "frames").as_meta()
+    meta = {"aggregate": name, "worker": 0, "counters": {"frames": frames}, **spec}
+    channel.submit_metrics(metrics, namespace=f"{name}/worker_0", meta=meta)
+
+
+def test_an_aggregate_failing_at_close_does_not_stop_the_others_last_rows(monkeypatch):
+    logger = RecordingLogger()
+    channel = MetricsChannel(logger, background=False, on_error="raise", health_interval=None)
+    for name, frames in (("a", 10), ("broken", 20), ("unwritable", 30), ("c", 40)):
+        contribute(channel, name, {"frames": float(frames)}, frames)
+    contribute(channel, "unwritable", {"r": FinalizeFails()}, 30)
+    channel.step()
+    assert logger.calls == []  # the schedule is never due: only close logs the last windows
+
+    aggregates = channel.router("aggregate").aggregates
+    assert list(aggregates) == ["a", "broken", "unwritable", "c"]
+
+    def finish():
+        raise RuntimeError("aggregate failed at close")
+
+    monkeypatch.setattr(aggregates["broken"], "finish", finish)
+    # "raise" stores the first error met: the unwritable row's, since the router
+    # yields every other aggregate's rows before it raises the broken one's
+    with pytest.raises(ValueError, match="cannot finalize"):
+        channel.close()
+    assert logger.series("a/frames") == [(10, 10.0)]
+    assert logger.series("c/frames") == [(40, 40.0)]
+    assert logger.series("c/workers") == [(40, 1)]
+    assert not any(name.startswith(("broken/", "unwritable/")) for m, _ in logger.calls for name in m)
+    assert aggregates == {}

@@ -48,7 +48,15 @@ class Router(Protocol):
         """Takes one entry; returns the rows now due."""
 
     def finish(self) -> Iterable[Row]:
-        """The last rows, when the channel closes."""
+        """The last rows, when the channel closes.
+
+        Rows are written as they are produced, each in its own logger call:
+        a row the logger refuses does not stop the next ones. An error
+        raised while producing the rows is handled by the channel's
+        ``on_error`` policy after the rows produced so far are written (a
+        router that finishes independent parts yields every part it can,
+        then raises the first error).
+        """
 
 
 _ROUTER_FACTORIES: dict[str, Callable[[], Router]] = {}
@@ -215,12 +223,18 @@ class Delivery:
                 self.write(payload, step)
 
     def _finish_routers(self) -> None:
-        """Writes every router's last rows (at close)."""
+        """Writes every router's last rows (at close); a failure stops no other row nor router."""
         for key, router in list(self._routers.items()):
             try:
-                self._write_rows(router.finish())
+                for namespace, metrics, step in router.finish():
+                    try:
+                        payload = expand(namespace, metrics)
+                        if payload:
+                            self.write(payload, step)
+                    except Exception as err:
+                        self.report(err, f"failed to log the last rows of namespace {namespace!r}")
             except Exception as err:
-                self.report(err, f"failed to log the last rows of router {key!r}")
+                self.report(err, f"failed to finish router {key!r}")
 
     def write(self, payload: dict[str, Any], step: int | None) -> None:
         """One logger call."""

@@ -39,7 +39,7 @@ Examples:
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from torchrl.record.loggers.monitoring import Every
@@ -290,11 +290,24 @@ class AggregationRouter:
             del self.aggregates[name]
         return rows
 
-    def finish(self) -> list[Row]:
-        rows: list[Row] = []
+    def finish(self) -> Iterator[Row]:
+        """Every aggregate's last rows; the router is emptied.
+
+        Aggregates are independent: one whose :meth:`Aggregate.finish`
+        raises does not keep the others' rows from being yielded. The first
+        such error is raised once every other aggregate's rows were yielded,
+        so the channel applies its ``on_error`` policy to it.
+        """
+        error: Exception | None = None
         for name in list(self.aggregates):
-            rows.extend(self.aggregates.pop(name).finish())
-        return rows
+            try:
+                rows = self.aggregates.pop(name).finish()
+            except Exception as err:
+                error = error or err
+                continue
+            yield from rows
+        if error is not None:
+            raise error
 
 
 register_router(META_KEY, AggregationRouter)
