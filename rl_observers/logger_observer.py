@@ -20,7 +20,7 @@ from rl_observers.channel import MetricsChannel, MetricsHandle
 from rl_observers.metrics import CollectorBatchMetrics, MetricSet, SampleMetrics, WriteMetrics
 from rl_observers.observer import ON_ERROR_POLICIES, Observer
 from rl_observers.schedule import ScheduleClock
-from rl_observers.sources import source_info
+from rl_observers.sources.placement import source_info
 
 __all__ = ["LoggerObserver", "attach_logger", "default_metrics", "install_attach_logger"]
 

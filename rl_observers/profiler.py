@@ -47,7 +47,7 @@ from torchrl._utils import logger as torchrl_logger
 from torchrl.collectors import BaseCollector, ProfileConfig
 
 from rl_observers.observer import Observer
-from rl_observers.sources import source_info
+from rl_observers.sources.placement import source_info
 
 __all__ = ["ProfilerObserver", "install_profiling"]
 
@@ -86,7 +86,7 @@ def _worker_index(source: Any) -> int | None:
     """The index of ``source`` among the workers of a multi-process or Ray collector.
 
     ``None`` for a collector that is nobody's worker. Asks
-    :func:`rl_observers.sources.source_info`, then the ``worker_idx`` torchrl
+    :func:`rl_observers.sources.placement.source_info`, then the ``worker_idx`` torchrl
     gives the inner collectors of its workers.
     """
     worker = source_info(source).worker
@@ -415,7 +415,7 @@ class ProfilerObserver(Observer):
     # -- the observer-list seam --------------------------------------------------------------
 
     def _install_transform(self, source: Any) -> None:
-        from rl_observers.targets import observers_of
+        from rl_observers.sources import observers_of
 
         observers = observers_of(source)
         set_transform = getattr(observers, "set_call_transform", None)

@@ -21,7 +21,7 @@ from torchrl.testing.mocking_classes import CountingEnv
 import rl_observers
 from rl_observers import Observer, ProfilerObserver
 from rl_observers.profiler import install_profiling
-from rl_observers.targets import observers_of
+from rl_observers.sources import observers_of
 from tests.helpers import local_ray
 
 REPO = Path(__file__).resolve().parents[1]

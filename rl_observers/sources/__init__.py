@@ -4,7 +4,7 @@
 torchrl's collectors and replay buffers. What attaching means depends on
 where the data lives: an in-process source becomes its observed subclass; a
 source whose data lives in other processes or Ray actors forwards its
-observers there (:mod:`rl_observers.targets.remote`).
+observers there (:mod:`rl_observers.sources.remote`).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from torchrl.data import ReplayBuffer
 
 from rl_observers import signals
 from rl_observers.observer import ObserverHandle, ObserverList
-from rl_observers.targets._observed import base_class, observed_class
-from rl_observers.targets.collectors import CollectorObservers
-from rl_observers.targets.replay_buffers import ReplayBufferObservers
+from rl_observers.sources.collectors import CollectorObservers
+from rl_observers.sources.observed import base_class, observed_class
+from rl_observers.sources.replay_buffers import ReplayBufferObservers
 
 __all__ = ["install", "observers_of"]
 
@@ -39,7 +39,7 @@ def _observer_list_type(target: Any) -> type[ObserverList]:
 
 
 def _remote_kind(target: Any) -> Any | None:
-    from rl_observers.targets import remote
+    from rl_observers.sources import remote
 
     return remote.kind_of(target)
 

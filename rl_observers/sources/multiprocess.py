@@ -52,8 +52,8 @@ from torchrl.collectors import MultiCollector
 
 from rl_observers.observer import _ObserverLeftBehind
 from rl_observers.signals import COLLECTOR_EVENTS
-from rl_observers.sources import IdentityMap
-from rl_observers.targets.remote import (
+from rl_observers.sources.placement import IdentityMap
+from rl_observers.sources.remote import (
     RemoteAttachError,
     RemoteKind,
     attach_here,
@@ -273,7 +273,7 @@ def _collectors_writing_into(buffer: Any) -> list[Any]:
 def _attach_to_worker_buffer(collector: Any, payload: bytes, on_error: str) -> None:
     import cloudpickle
 
-    from rl_observers.targets.remote import _portable
+    from rl_observers.sources.remote import _portable
 
     try:
         _LOCAL.applying = True
@@ -286,7 +286,7 @@ def _attach_to_worker_buffer(collector: Any, payload: bytes, on_error: str) -> N
 
 
 def _detach_from_worker_buffer(collector: Any, position: int, type_name: str) -> None:
-    from rl_observers.targets.remote import _portable
+    from rl_observers.sources.remote import _portable
 
     try:
         observers = collector.replay_buffer.observers

@@ -22,7 +22,7 @@ from torchrl.data import ReplayBuffer
 
 from rl_observers.observer import ObserverList
 from rl_observers.signals import REPLAY_BUFFER_EVENTS
-from rl_observers.targets._observed import base_class, register_mixin
+from rl_observers.sources.observed import base_class, register_mixin
 
 __all__ = ["ObservedReplayBuffer", "ReplayBufferObservers"]
 
@@ -63,12 +63,12 @@ class ReplayBufferObservers(ObserverList):
         super().__init__(source, events, target_name)
 
     # A shared buffer may have copies in the workers of running multiprocessing collectors:
-    # changes are mirrored there (rl_observers.targets._multiprocess).
+    # changes are mirrored there (rl_observers.sources.multiprocess).
 
     def add(self, observer: Any, on_error: str | None = None) -> Any:
         entry = super().add(observer, on_error)
         if self.source.__dict__.get("shared"):
-            from rl_observers.targets._multiprocess import propagate_to_shared_copies
+            from rl_observers.sources.multiprocess import propagate_to_shared_copies
 
             try:
                 propagate_to_shared_copies(
@@ -83,14 +83,14 @@ class ReplayBufferObservers(ObserverList):
         if self.source.__dict__.get("shared"):
             position = next((i for i, e in enumerate(self.entries) if e.observer is observer), None)
             if position is not None:
-                from rl_observers.targets._multiprocess import propagate_to_shared_copies
+                from rl_observers.sources.multiprocess import propagate_to_shared_copies
 
                 propagate_to_shared_copies(self.source, "remove", observer, "", position)
         return super().remove(observer)
 
 
 class ObservedReplayBuffer:
-    """Mixin of observed replay buffers (see :mod:`rl_observers.targets._observed`)."""
+    """Mixin of observed replay buffers (see :mod:`rl_observers.sources.observed`)."""
 
     _rl_base: type
 

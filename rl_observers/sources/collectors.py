@@ -15,7 +15,7 @@ from torchrl.collectors import BaseCollector
 
 from rl_observers.observer import ObserverList
 from rl_observers.signals import COLLECTOR_EVENTS
-from rl_observers.targets._observed import register_mixin
+from rl_observers.sources.observed import register_mixin
 
 __all__ = ["CollectorObservers", "ObservedCollector"]
 
@@ -40,7 +40,7 @@ class CollectorObservers(ObserverList):
 
 
 class ObservedCollector:
-    """Mixin of observed collectors (see :mod:`rl_observers.targets._observed`)."""
+    """Mixin of observed collectors (see :mod:`rl_observers.sources.observed`)."""
 
     _rl_base: type
     _rl_observers: CollectorObservers

@@ -109,5 +109,5 @@ def __getattr__(name: str) -> type:
     importlib.import_module("rl_observers")
     if context is not None:
         # the only contexts so far are Ray's, registered by this module
-        importlib.import_module("rl_observers.targets._ray")
+        importlib.import_module("rl_observers.sources.ray")
     return observed_class(base, context)

@@ -44,15 +44,15 @@ from torchrl._utils import logger as torchrl_logger
 from torchrl.data import ReplayBuffer, TensorDictReplayBuffer
 
 from rl_observers.signals import COLLECTOR_EVENTS, REPLAY_BUFFER_EVENTS
-from rl_observers.targets._observed import base_class, observed_class, register_mixin
-from rl_observers.targets.remote import (
+from rl_observers.sources.observed import base_class, observed_class, register_mixin
+from rl_observers.sources.remote import (
     RemoteAttachError,
     RemoteKind,
     attach_here,
     detach_here,
     kind_of,
 )
-from rl_observers.targets.replay_buffers import _emit_eagerly
+from rl_observers.sources.replay_buffers import _emit_eagerly
 
 __all__ = ["RAY_COLLECTOR", "RAY_REPLAY_BUFFER"]
 

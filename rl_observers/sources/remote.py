@@ -8,7 +8,7 @@ cloudpickle, checked on the driver first) and installs the copy on the
 torchrl object that makes the data, with the same observed classes and
 observer lists as an in-process source; batches never cross a process
 boundary because of an observer. Each copy keeps its own state; use
-:func:`rl_observers.sources.source_info` in an observer to learn which worker
+:func:`rl_observers.sources.placement.source_info` in an observer to learn which worker
 it runs in, and a channel handle to send reduced results back.
 
 The driver keeps the original observers, in registration order, for
@@ -20,15 +20,15 @@ How each kind is reached (torchrl 0.14.1):
 
 * multiprocessing collectors: a ``"cascade_execute"`` message on each
   worker's control pipe runs a function on the worker's inner collector,
-  between two batches (see :mod:`rl_observers.targets._multiprocess`);
+  between two batches (see :mod:`rl_observers.sources.multiprocess`);
 * Ray collectors and replay buffers: ``actor.__ray_call__.remote(fn, ...)``
   runs ``fn(actor_instance, ...)`` inside the actor (see
-  :mod:`rl_observers.targets._ray`);
+  :mod:`rl_observers.sources.ray`);
 * shared replay buffers (``shared=True``, written by the workers of a
   multiprocessing collector) are in-process sources whose copies in the
   workers carry the observers they had when the workers started; later
   changes are mirrored to those copies (see
-  :mod:`rl_observers.targets._multiprocess`).
+  :mod:`rl_observers.sources.multiprocess`).
 
 Errors surface on the driver, at ``add_observer``: an invalid observer
 (``TypeError`` / ``ValueError``, before anything is sent), an unpicklable one
@@ -52,7 +52,7 @@ afterwards.
 
 Examples:
     >>> import rl_observers
-    >>> from rl_observers.targets.remote import kind_of
+    >>> from rl_observers.sources.remote import kind_of
     >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
     >>> kind_of(ReplayBuffer(storage=LazyTensorStorage(10))) is None  # in-process
     True
@@ -71,8 +71,8 @@ import cloudpickle
 from torchrl.collectors import BaseCollector
 
 from rl_observers.observer import resolve_observer
-from rl_observers.sources import IdentityMap, place
-from rl_observers.targets._observed import observed_class
+from rl_observers.sources.observed import observed_class
+from rl_observers.sources.placement import IdentityMap, place
 
 __all__ = ["RemoteKind", "attach_here", "detach_here", "kind_of", "ship"]
 
@@ -98,18 +98,18 @@ def _classify(cls: type) -> RemoteKind | None:
     # A Ray class can only be the type of an instance once its module was imported.
     ray_buffer = sys.modules.get("torchrl.data.replay_buffers.ray_buffer")
     if ray_buffer is not None and issubclass(cls, ray_buffer.RayReplayBuffer):
-        from rl_observers.targets import _ray
+        from rl_observers.sources import ray as _ray
 
         return _ray.RAY_REPLAY_BUFFER
     ray_collector = sys.modules.get("torchrl.collectors.distributed.ray")
     if ray_collector is not None and issubclass(cls, ray_collector.RayCollector):
-        from rl_observers.targets import _ray
+        from rl_observers.sources import ray as _ray
 
         return _ray.RAY_COLLECTOR
     from torchrl.collectors import MultiCollector
 
     if issubclass(cls, MultiCollector):
-        from rl_observers.targets import _multiprocess
+        from rl_observers.sources import multiprocess as _multiprocess
 
         return _multiprocess.MULTIPROCESS_COLLECTOR
     return None
@@ -258,7 +258,7 @@ class RemoteKind:
 # -- the side where the data is: worker processes and actors ---------------------------------------
 
 # The modules registering the observed classes of each context.
-_CONTEXT_MODULES = {"ray_actor": "rl_observers.targets._ray"}
+_CONTEXT_MODULES = {"ray_actor": "rl_observers.sources.ray"}
 # The observer copies attached to each source of this process, by the driver's token.
 _COPIES = IdentityMap()
 
@@ -323,7 +323,7 @@ def detach_here(source: Any, token: int) -> None:
 def _attach_in_context(source: Any, observer: Any, on_error: str, context: str) -> None:
     import importlib
 
-    from rl_observers import targets
+    from rl_observers import sources as targets
 
     importlib.import_module(_CONTEXT_MODULES[context])  # registers the context's mixins
     with targets._ATTACH_LOCK:
