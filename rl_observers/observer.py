@@ -117,7 +117,7 @@ class Observer:
 def _check_optional_hooks(observer: Any) -> None:
     """Refuses a public name that looks like a misspelled optional hook (``attach`` for ``attached``)."""
     for attr in dir(observer):
-        if attr.startswith("_") or attr.startswith("on_") or attr in OPTIONAL_HOOKS:
+        if attr.startswith("_") or attr in OPTIONAL_HOOKS or (attr.startswith("on_") and attr[3:] in signals.EVENT_PAYLOADS):
             continue
         close = difflib.get_close_matches(attr, OPTIONAL_HOOKS, n=1, cutoff=0.84)
         if close:
