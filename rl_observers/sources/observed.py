@@ -46,12 +46,15 @@ from rl_observers import signals
 from rl_observers.observer import ObserverList
 
 __all__ = [
+    "ATTACH_LOCK",
     "attach",
+    "detach",
+    "is_observable",
+    "observe",
     "observed_class",
     "observers_of",
     "register_mixin",
     "release",
-    "is_observable",
     "torchrl_class",
 ]
 
