@@ -25,8 +25,8 @@ from rl_observers.observer import ON_ERROR_POLICIES, Observer, ObserverHandle, O
 from rl_observers.profiler import ProfilerObserver
 from rl_observers.profiler import install_profiling as _install_profiling
 from rl_observers.reducers import Count, Moments, Partial, ReducerBank
-from rl_observers.sources import SourceInfo, source_info
-from rl_observers.targets import install as _install
+from rl_observers.sources import install as _install
+from rl_observers.sources.placement import SourceInfo, source_info
 
 _install()
 _install_attach_logger()

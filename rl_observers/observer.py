@@ -33,6 +33,19 @@ ON_ERROR_POLICIES: tuple[str, ...] = ("warn", "raise", "ignore")
 _SIGNALS = {event: signals.signal_for(event) for event in signals.EVENT_PAYLOADS}
 # Attributes named ``on_*`` that are not events.
 _NOT_EVENTS = frozenset({"on_error"})
+#: The optional names an observer may define besides its ``on_<event>`` methods, and who reads them:
+#: ``attached`` / ``detached`` (the source, where the observer runs), ``stats`` (the source's
+#: ``stats()``), ``prepare_copies`` / ``copies_removed`` (remote sources, on the original),
+#: ``observed_events`` (narrows the events) and ``on_error`` (the default policy).
+OPTIONAL_HOOKS: tuple[str, ...] = (
+    "attached",
+    "copies_removed",
+    "detached",
+    "observed_events",
+    "on_error",
+    "prepare_copies",
+    "stats",
+)
 
 
 class Observer:
@@ -101,6 +114,21 @@ class Observer:
         """Called on the original, in the driver, once every copy was detached from ``target``."""
 
 
+def _check_optional_hooks(observer: Any) -> None:
+    """Refuses a public name that looks like a misspelled optional hook (``attach`` for ``attached``)."""
+    for attr in dir(observer):
+        if attr.startswith("_") or attr in OPTIONAL_HOOKS or (attr.startswith("on_") and attr[3:] in signals.EVENT_PAYLOADS):
+            continue
+        close = difflib.get_close_matches(attr, OPTIONAL_HOOKS, n=1, cutoff=0.84)
+        if close:
+            raise ValueError(
+                f"{type(observer).__name__}.{attr} looks like a misspelled {close[0]!r}, which "
+                f"rl_observers would then never call; the optional hooks are "
+                f"{', '.join(OPTIONAL_HOOKS)}. Did you mean {close[0]!r}? (Rename it if it is "
+                "meant to be something else.)"
+            )
+
+
 def _event_methods(observer: Any) -> dict[str, Callable[..., Any]]:
     """Returns every bound event method of ``observer``, checking names and signatures."""
     known = signals.EVENT_PAYLOADS
@@ -113,8 +141,8 @@ def _event_methods(observer: Any) -> dict[str, Callable[..., Any]]:
             continue
         event = attr[3:]
         if event not in known:
-            close = difflib.get_close_matches(event, sorted(known), n=1)
-            hint = f" Did you mean 'on_{close[0]}'?" if close else ""
+            close = difflib.get_close_matches(attr, [f"on_{e}" for e in sorted(known)] + ["on_error"], n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
             raise ValueError(
                 f"{type(observer).__name__}.{attr} is not an event method: events are "
                 f"{', '.join('on_' + e for e in sorted(known))}.{hint}"
@@ -172,22 +200,39 @@ class _Entry:
         stats = getattr(observer, "stats", None)
         self.stats: Callable[[], Any] | None = stats if callable(stats) else None
 
+    #: What the warning calls the failing thing and its call.
+    label, call = "observer", "on_{}"
+
     def failed(self, error: Exception, event: str) -> None:
         if self.on_error == "raise":
             raise error
         if self.on_error == "warn" and not self.failing:
+            call = self.call.format(event)
             torchrl_logger.warning(
-                f"rl_observers: observer {self.observer!r} raised in on_{event} "
+                f"rl_observers: {self.label} {self.observer!r} raised in {call} "
                 f"({type(error).__name__}: {error}); the source goes on, and this is "
-                f"reported once until on_{event} succeeds again."
+                f"reported once until {call} succeeds again."
             )
         self.failing.add(event)
 
 
+class _ReceiverEntry(_Entry):
+    """The error state of a blinker receiver of a source's signals."""
+
+    __slots__ = ()
+    label, call = "signal receiver", "the {} signal"
+
+
+def _receiver_key(receiver: Any) -> Any:
+    # blinker hands out a new bound method each time; key it by its object and function
+    owner = getattr(receiver, "__self__", None)
+    return (id(owner), receiver.__func__) if owner is not None and hasattr(receiver, "__func__") else id(receiver)
+
+
 def resolve_observer(
-    observer: Any, events: tuple[str, ...], target_name: str, on_error: str | None
+    observer: Any, emits: tuple[str, ...], target_name: str, on_error: str | None
 ) -> _Entry:
-    """Validates ``observer`` for a target emitting ``events`` and resolves its calls.
+    """Validates ``observer`` for a target emitting ``emits`` and resolves its calls.
 
     All checks happen here, at attach time, never on the event path.
     """
@@ -197,6 +242,8 @@ def resolve_observer(
     if on_error not in ON_ERROR_POLICIES:
         raise ValueError(f"on_error must be one of 'warn', 'raise' or 'ignore', got {on_error!r}.")
     every = _event_methods(observer)
+    if every:  # a plain callable has no hooks to misspell
+        _check_optional_hooks(observer)
     wanted = getattr(observer, "observed_events", None)
     if wanted is not None:  # an observer may narrow the events it defines methods for
         unknown = set(wanted) - set(every)
@@ -206,7 +253,7 @@ def resolve_observer(
                 f"on_<event> method; it defines {sorted(every)}."
             )
         every = {event: fn for event, fn in every.items() if event in wanted}
-    methods = {event: fn for event, fn in every.items() if event in events}
+    methods = {event: fn for event, fn in every.items() if event in emits}
     if not every:
         if not callable(observer):
             raise TypeError(
@@ -219,16 +266,16 @@ def resolve_observer(
                 f"did you mean {observer.__name__}()?"
             )
         _check_signature(observer, "on_post_collect", observer, 1)
-        if "post_collect" not in events:
+        if "post_collect" not in emits:
             raise TypeError(
                 f"a plain callable is a post_collect receiver, which a {target_name} does not "
-                f"emit ({', '.join(events)}); define on_<event> methods instead, got {observer!r}."
+                f"emit ({', '.join(emits)}); define on_<event> methods instead, got {observer!r}."
             )
         methods = {"post_collect": _CallablePostCollect(observer)}
     elif not methods:
         raise TypeError(
             f"{type(observer).__name__} observes {', '.join(sorted(every))}, none of which a "
-            f"{target_name} emits ({', '.join(events)})."
+            f"{target_name} emits ({', '.join(emits)})."
         )
     return _Entry(observer, methods, on_error)
 
@@ -258,22 +305,25 @@ class ObserverList:
     elsewhere (Ray, ``copy.deepcopy``, ``pickle``).
     """
 
-    def __init__(self, source: Any, events: tuple[str, ...], target_name: str) -> None:
+    def __init__(self, source: Any, emits: tuple[str, ...], target_name: str) -> None:
         self.source = source
-        self.events = events
+        #: The events this source emits.
+        self.emits = emits
         self.target_name = target_name
         self.entries: tuple[_Entry, ...] = ()
         self._calls: dict[str, tuple[tuple[Callable[..., Any], _Entry], ...]] = {
-            event: () for event in events
+            event: () for event in emits
         }
         self._lock = threading.RLock()
         self._shut_down = False
         self._call_transform: CallTransform | None = None
+        # The error state of the blinker receivers that raised, by receiver.
+        self._receivers: dict[Any, _Entry] = {}
 
     # -- registration ---------------------------------------------------------------------------
 
     def add(self, observer: Any, on_error: str | None = None) -> _Entry:
-        entry = resolve_observer(observer, self.events, self.target_name, on_error)
+        entry = resolve_observer(observer, self.emits, self.target_name, on_error)
         with self._lock:
             if any(e.observer is observer for e in self.entries):
                 raise ValueError(
@@ -316,7 +366,7 @@ class ObserverList:
     def _rebuild(self) -> None:
         calls = {
             event: tuple((e.calls[event], e) for e in self.entries if event in e.calls)
-            for event in self.events
+            for event in self.emits
         }
         transform = self._call_transform
         if transform is not None:
@@ -326,6 +376,20 @@ class ObserverList:
     @property
     def observers(self) -> tuple[Any, ...]:
         return tuple(e.observer for e in self.entries)
+
+    def copy_for(self, source: Any) -> ObserverList:
+        """A new list for ``source`` (a shallow copy of this list's source) with the same observers.
+
+        The observers and their policies are the same objects; error streaks
+        start afresh, the call transform is not copied, and registrations on
+        either list leave the other alone.
+        """
+        new = type(self)(source, self.emits, self.target_name)
+        with self._lock:
+            new.entries = tuple(_Entry(e.observer, e.calls, e.on_error) for e in self.entries)
+            new._shut_down = self._shut_down
+        new._rebuild()
+        return new
 
     # -- emitting -------------------------------------------------------------------------------
 
@@ -342,7 +406,34 @@ class ObserverList:
                     entry.failing.discard(event)
         signal = _SIGNALS[event]
         if signal.receivers:
-            signal.send(source, **dict(zip(signals.EVENT_PAYLOADS[event], payload)))
+            self._send(signal, event, dict(zip(signals.EVENT_PAYLOADS[event], payload)))
+
+    def _send(self, signal: Any, event: str, kwargs: dict[str, Any]) -> None:
+        """Calls the signal's receivers for this source, each under its own error policy.
+
+        Like blinker's ``send``, but a receiver that raises is handled as an
+        observer is: by its ``on_error`` attribute if it has one, else ``"warn"``.
+        """
+        source = self.source
+        for receiver in signal.receivers_for(source):
+            try:
+                receiver(source, **kwargs)
+            except Exception as error:
+                self._receiver_entry(receiver).failed(error, event)
+            else:
+                if self._receivers:
+                    entry = self._receivers.get(_receiver_key(receiver))
+                    if entry is not None:
+                        entry.failing.discard(event)
+
+    def _receiver_entry(self, receiver: Any) -> _Entry:
+        key = _receiver_key(receiver)
+        entry = self._receivers.get(key)
+        if entry is None:
+            own = getattr(receiver, "on_error", None)
+            entry = _ReceiverEntry(receiver, {}, own if own in ON_ERROR_POLICIES else "warn")
+            self._receivers[key] = entry
+        return entry
 
     def contribute_stats(self, stats: dict[str, Any]) -> dict[str, Any]:
         """Adds the entries observers contribute to the source's ``stats()``."""
@@ -379,7 +470,10 @@ class ObserverList:
                 entry.failing.discard("shutdown")
         signal = _SIGNALS["shutdown"]
         if signal.receivers:
-            signal.send(source)
+            try:
+                self._send(signal, "shutdown", {})
+            except Exception as raised:
+                first_error = first_error or raised
         if first_error is not None:
             raise first_error
 
@@ -389,7 +483,7 @@ class ObserverList:
         attached = [(e.observer, e.on_error) for e in self.entries]
         state = {
             "source": self.source,
-            "events": self.events,
+            "emits": self.emits,
             "target_name": self.target_name,
             "attached": attached,
             "shut_down": self._shut_down,
@@ -401,10 +495,10 @@ class ObserverList:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["source"], state["events"], state["target_name"])  # type: ignore[misc]
+        self.__init__(state["source"], state["emits"], state["target_name"])  # type: ignore[misc]
         self._shut_down = state["shut_down"]
         entries = [
-            resolve_observer(observer, self.events, self.target_name, on_error)
+            resolve_observer(observer, self.emits, self.target_name, on_error)
             for observer, on_error in state["attached"]
         ]
         for payload, on_error, description in state.get("attached_apart", ()):
@@ -416,9 +510,9 @@ class ObserverList:
                     f"unpickled in process {os.getpid()} ({type(error).__name__}: {error}); it is left "
                     f"behind: the {self.target_name} and its other observers go on without it here."
                 )
-                entries.append(_Entry(_ObserverLeftBehind(description, error), {}, on_error))
+                entries.append(_Entry(ObserverLeftBehind(description, error), {}, on_error))
             else:
-                entries.append(resolve_observer(observer, self.events, self.target_name, on_error))
+                entries.append(resolve_observer(observer, self.emits, self.target_name, on_error))
         self.entries = tuple(entries)
         self._rebuild()
 
@@ -465,7 +559,7 @@ def _describe(observer: Any) -> str:
     return f"{text} ({cls.__module__}.{cls.__qualname__})"
 
 
-class _ObserverLeftBehind:
+class ObserverLeftBehind:
     """Stands for an observer that could not be unpickled in this process: it receives no event.
 
     Keeps the observer's place in its list, so that positions stay the same

@@ -44,10 +44,10 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerAction
 from torchrl._utils import accept_remote_rref_invocation
 from torchrl._utils import logger as torchrl_logger
-from torchrl.collectors import BaseCollector, ProfileConfig
+from torchrl.collectors import BaseCollector, MultiCollector, ProfileConfig
 
 from rl_observers.observer import Observer
-from rl_observers.sources import source_info
+from rl_observers.sources import observers_of, source_info
 
 __all__ = ["ProfilerObserver", "install_profiling"]
 
@@ -57,8 +57,9 @@ _IDLE, _RUNNING, _DONE = "idle", "running", "done"
 _PROCESS_SLOT: list[tuple[int, Any] | None] = [None]
 _PROCESS_SLOT_LOCK = threading.Lock()
 _UNSET: Any = object()
-# enable_profile's keywords, with torchrl's defaults (``None`` means "torchrl's default list").
-_CONFIG_DEFAULTS: dict[str, Any] = {
+#: The profiling options of ``enable_profile`` and :class:`ProfilerObserver`, with torchrl's
+#: defaults (``None`` means "torchrl's default list"): the one table both read their keywords from.
+CONFIG_DEFAULTS: dict[str, Any] = {
     "workers": None,
     "num_rollouts": 3,
     "warmup_rollouts": 1,
@@ -70,6 +71,9 @@ _CONFIG_DEFAULTS: dict[str, Any] = {
     "with_flops": False,
     "on_trace_ready": None,
 }
+
+
+CONFIG_KEYS: tuple[str, ...] = tuple(CONFIG_DEFAULTS)
 
 
 def _make_config(values: dict[str, Any]) -> ProfileConfig:
@@ -86,7 +90,7 @@ def _worker_index(source: Any) -> int | None:
     """The index of ``source`` among the workers of a multi-process or Ray collector.
 
     ``None`` for a collector that is nobody's worker. Asks
-    :func:`rl_observers.sources.source_info`, then the ``worker_idx`` torchrl
+    :func:`rl_observers.sources.placement.source_info`, then the ``worker_idx`` torchrl
     gives the inner collectors of its workers.
     """
     worker = source_info(source).worker
@@ -241,24 +245,10 @@ class ProfilerObserver(Observer):
         on_trace_ready: Callable[[Any], None] | None = _UNSET,
         record_observers: bool = False,
     ) -> None:
-        given = {
-            name: value
-            for name, value in (
-                ("workers", workers),
-                ("num_rollouts", num_rollouts),
-                ("warmup_rollouts", warmup_rollouts),
-                ("save_path", save_path),
-                ("activities", activities),
-                ("record_shapes", record_shapes),
-                ("profile_memory", profile_memory),
-                ("with_stack", with_stack),
-                ("with_flops", with_flops),
-                ("on_trace_ready", on_trace_ready),
-            )
-            if value is not _UNSET
-        }
+        options = locals()
+        given = {key: options[key] for key in CONFIG_KEYS if options[key] is not _UNSET}
         if config is None:
-            config = _make_config({**_CONFIG_DEFAULTS, **given})
+            config = _make_config({**CONFIG_DEFAULTS, **given})
         elif not isinstance(config, ProfileConfig):
             raise TypeError(
                 f"ProfilerObserver expects a torchrl ProfileConfig as config, got {config!r} "
@@ -415,8 +405,6 @@ class ProfilerObserver(Observer):
     # -- the observer-list seam --------------------------------------------------------------
 
     def _install_transform(self, source: Any) -> None:
-        from rl_observers.targets import observers_of
-
         observers = observers_of(source)
         set_transform = getattr(observers, "set_call_transform", None)
         if set_transform is None:
@@ -549,20 +537,8 @@ def enable_profile(
             "Cannot enable profiling after iteration has started. "
             "Call enable_profile() before iterating over the collector."
         )
-    config = _make_config(
-        {
-            "workers": workers,
-            "num_rollouts": num_rollouts,
-            "warmup_rollouts": warmup_rollouts,
-            "save_path": save_path,
-            "activities": activities,
-            "record_shapes": record_shapes,
-            "profile_memory": profile_memory,
-            "with_stack": with_stack,
-            "with_flops": with_flops,
-            "on_trace_ready": on_trace_ready,
-        }
-    )
+    options = locals()
+    config = _make_config({key: options[key] for key in CONFIG_KEYS})
     if _is_multiprocess(self) and (not hasattr(self, "pipes") or getattr(self, "closed", True)):
         raise RuntimeError(
             "MultiCollector workers are not running; call enable_profile() "
@@ -596,8 +572,6 @@ def _detach_profiler(collector: BaseCollector) -> None:
 
 
 def _is_multiprocess(collector: BaseCollector) -> bool:
-    from torchrl.collectors import MultiCollector
-
     return isinstance(collector, MultiCollector)
 
 

@@ -23,7 +23,10 @@ signal                    keyword arguments
 A receiver connected for one source (``connect(fn, sender=rb)``) makes that
 source emit, exactly as an observer would. A receiver connected for all
 sources (the default) hears every source that emits: any source with an
-observer or a source-specific receiver.
+observer or a source-specific receiver. A receiver that raises is handled
+like an observer (see ``on_error`` in ``add_observer``): its own
+``on_error`` attribute if it has one, else ``"warn"``, so a broken receiver
+never breaks ``rb.extend`` or a collection.
 
 Examples:
     >>> import torch

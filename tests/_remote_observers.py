@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rl_observers.sources import source_info
+from rl_observers.sources.placement import source_info
 
 
 @dataclass(frozen=True)

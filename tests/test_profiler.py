@@ -21,7 +21,7 @@ from torchrl.testing.mocking_classes import CountingEnv
 import rl_observers
 from rl_observers import Observer, ProfilerObserver
 from rl_observers.profiler import install_profiling
-from rl_observers.targets import observers_of
+from rl_observers.sources import observers_of
 from tests.helpers import local_ray
 
 REPO = Path(__file__).resolve().parents[1]
@@ -635,3 +635,20 @@ def test_example_with_torchrl_ranges_has_one_rollout_range_per_step(tmp_path):
 def test_package_exports_profiler_observer():
     assert "ProfilerObserver" in rl_observers.__all__
     assert rl_observers.ProfilerObserver is ProfilerObserver
+
+
+def test_one_config_table_matches_both_signatures_and_torchrl():
+    import inspect
+
+    from rl_observers import profiler
+
+    ours = inspect.signature(profiler.enable_profile).parameters
+    theirs = inspect.signature(profiler._ORIGINALS["enable_profile"]).parameters
+    observer = inspect.signature(ProfilerObserver).parameters
+    keys = profiler.CONFIG_KEYS
+    # (Ray adds a private ``_ray_trace_ctx`` to methods of classes it made actors of)
+    assert [k for k in ours if k != "self" and not k.startswith("_")] == list(keys)
+    assert [k for k in theirs if k != "self" and not k.startswith("_")] == list(keys)
+    assert [k for k in observer if k not in ("config", "record_observers")] == list(keys)
+    assert {k: ours[k].default for k in keys} == profiler.CONFIG_DEFAULTS
+    assert {k: theirs[k].default for k in keys} == profiler.CONFIG_DEFAULTS

@@ -49,9 +49,9 @@ from torchrl.envs.utils import RandomPolicy
 from torchrl.testing.mocking_classes import CountingEnv
 
 import rl_observers  # noqa: F401
-from rl_observers.sources import SourceInfo, source_info
-from rl_observers.targets._observed import observed_class
-from rl_observers.targets.remote import RemoteAttachError, attach_here, detach_here, kind_of
+from rl_observers.sources.observed import observed_class
+from rl_observers.sources.placement import SourceInfo, source_info
+from rl_observers.sources.remote import RemoteAttachError, attach_here, detach_here, kind_of
 from tests.helpers import counting_rpcs, local_ray, start_method
 
 HERE = Path(__file__).parent

@@ -22,7 +22,7 @@ import weakref
 from typing import Any
 
 from rl_observers.logging.aggregate import AggregateSpec
-from rl_observers.sources import source_info
+from rl_observers.sources.placement import source_info
 
 __all__ = ["LIVE", "Contributor"]
 

@@ -30,18 +30,22 @@ def test_closing_the_channel_while_sources_run_drops_and_counts(reference, told)
 
     class ClosesTheChannelAtBatch3:
         batches = 0
+        closed: bool | None = None  # what close() returned, checked by the test, not in the observer
 
         def on_post_collect(self, source, batch):
             self.batches += 1
             if self.batches == 3:
-                assert channel.close(timeout=10)
+                self.closed = channel.close(timeout=10)
+
+    closer = ClosesTheChannelAtBatch3()
 
     def attach(collector, rb):
         collector.add_observer(LoggerObserver(channel))
-        collector.add_observer(ClosesTheChannelAtBatch3())
+        collector.add_observer(closer, on_error="raise")  # a failure here fails the test
         rb.add_observer(LoggerObserver(channel))
 
     assert_same_data(reference, run_loop(attach))  # no exception reached the loop
+    assert closer.closed is True
     health = channel.health()
     assert health["dropped"] == (BATCHES - 3) + 2 * (BATCHES - 2)  # collector and buffer windows
     assert_balanced(health)

@@ -8,7 +8,7 @@ cloudpickle, checked on the driver first) and installs the copy on the
 torchrl object that makes the data, with the same observed classes and
 observer lists as an in-process source; batches never cross a process
 boundary because of an observer. Each copy keeps its own state; use
-:func:`rl_observers.sources.source_info` in an observer to learn which worker
+:func:`rl_observers.sources.placement.source_info` in an observer to learn which worker
 it runs in, and a channel handle to send reduced results back.
 
 The driver keeps the original observers, in registration order, for
@@ -20,15 +20,15 @@ How each kind is reached (torchrl 0.14.1):
 
 * multiprocessing collectors: a ``"cascade_execute"`` message on each
   worker's control pipe runs a function on the worker's inner collector,
-  between two batches (see :mod:`rl_observers.targets._multiprocess`);
+  between two batches (see :mod:`rl_observers.sources.multiprocess`);
 * Ray collectors and replay buffers: ``actor.__ray_call__.remote(fn, ...)``
   runs ``fn(actor_instance, ...)`` inside the actor (see
-  :mod:`rl_observers.targets._ray`);
+  :mod:`rl_observers.sources.ray`);
 * shared replay buffers (``shared=True``, written by the workers of a
   multiprocessing collector) are in-process sources whose copies in the
   workers carry the observers they had when the workers started; later
   changes are mirrored to those copies (see
-  :mod:`rl_observers.targets._multiprocess`).
+  :mod:`rl_observers.sources.multiprocess`).
 
 Errors surface on the driver, at ``add_observer``: an invalid observer
 (``TypeError`` / ``ValueError``, before anything is sent), an unpicklable one
@@ -52,7 +52,7 @@ afterwards.
 
 Examples:
     >>> import rl_observers
-    >>> from rl_observers.targets.remote import kind_of
+    >>> from rl_observers.sources.remote import kind_of
     >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
     >>> kind_of(ReplayBuffer(storage=LazyTensorStorage(10))) is None  # in-process
     True
@@ -62,57 +62,58 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import sys
+import os
 import threading
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
-from torchrl.collectors import BaseCollector
 
 from rl_observers.observer import resolve_observer
-from rl_observers.sources import IdentityMap, place
-from rl_observers.targets._observed import observed_class
+from rl_observers.sources import observed
+from rl_observers.sources.placement import IdentityMap, place
 
-__all__ = ["RemoteKind", "attach_here", "detach_here", "kind_of", "ship"]
+__all__ = [
+    "RemoteAttachError",
+    "RemoteKind",
+    "attach_here",
+    "detach_here",
+    "kind_of",
+    "portable_error",
+    "register_kind",
+    "ship",
+]
 
 _MISSING = object()
+# (predicate on torchrl's class, kind), in registration order: the first that holds wins.
+_KINDS: list[tuple[Callable[[type], bool], RemoteKind]] = []
 _KIND_BY_CLASS: dict[type, Any] = {}
+_KINDS_LOCK = threading.Lock()
+
+
+def register_kind(predicate: Callable[[type], bool], kind: RemoteKind) -> None:
+    """Registers ``kind`` for the torchrl classes where ``predicate(cls)`` holds.
+
+    Each kind's module registers itself when it is imported
+    (:mod:`~rl_observers.sources.multiprocess`, :mod:`~rl_observers.sources.ray`).
+    """
+    with _KINDS_LOCK:
+        _KINDS.append((predicate, kind))
+        _KIND_BY_CLASS.clear()
 
 
 def kind_of(target: Any) -> RemoteKind | None:
     """Returns how to attach observers to ``target`` when its data is remote, else ``None``.
 
-    Decided once per class; a class is remote when it is a torchrl
-    multiprocessing collector, ``RayCollector`` or ``RayReplayBuffer``.
+    Decided once per class, by the registered kinds.
     """
-    cls = type(target)
+    cls = observed.torchrl_class(type(target))
     kind = _KIND_BY_CLASS.get(cls, _MISSING)
     if kind is _MISSING:
-        kind = _classify(cls)
+        kind = next((k for predicate, k in _KINDS if predicate(cls)), None)
         _KIND_BY_CLASS[cls] = kind
     return kind
-
-
-def _classify(cls: type) -> RemoteKind | None:
-    # A Ray class can only be the type of an instance once its module was imported.
-    ray_buffer = sys.modules.get("torchrl.data.replay_buffers.ray_buffer")
-    if ray_buffer is not None and issubclass(cls, ray_buffer.RayReplayBuffer):
-        from rl_observers.targets import _ray
-
-        return _ray.RAY_REPLAY_BUFFER
-    ray_collector = sys.modules.get("torchrl.collectors.distributed.ray")
-    if ray_collector is not None and issubclass(cls, ray_collector.RayCollector):
-        from rl_observers.targets import _ray
-
-        return _ray.RAY_COLLECTOR
-    from torchrl.collectors import MultiCollector
-
-    if issubclass(cls, MultiCollector):
-        from rl_observers.targets import _multiprocess
-
-        return _multiprocess.MULTIPROCESS_COLLECTOR
-    return None
 
 
 # -- the driver side -------------------------------------------------------------------------------
@@ -169,7 +170,8 @@ class RemoteKind:
     """
 
     target_name = "source"
-    events: tuple[str, ...] = ()
+    #: The events the source emits.
+    emits: tuple[str, ...] = ()
     #: Where the copies run, for error messages.
     where = "in other processes"
     #: Whether an observer raising where it runs reaches the caller (else ``on_error="raise"`` is refused).
@@ -183,7 +185,7 @@ class RemoteKind:
                     f"{observer!r} is already attached to this {type(target).__name__}; "
                     "an observer is attached at most once per source."
                 )
-            entry = resolve_observer(observer, self.events, self.target_name, on_error)
+            entry = resolve_observer(observer, self.emits, self.target_name, on_error)
             if entry.on_error == "raise" and not self.raise_reaches_caller:
                 raise ValueError(
                     f"on_error='raise' cannot be honoured for an observer of a {type(target).__name__}: "
@@ -257,8 +259,6 @@ class RemoteKind:
 
 # -- the side where the data is: worker processes and actors ---------------------------------------
 
-# The modules registering the observed classes of each context.
-_CONTEXT_MODULES = {"ray_actor": "rl_observers.targets._ray"}
 # The observer copies attached to each source of this process, by the driver's token.
 _COPIES = IdentityMap()
 
@@ -271,7 +271,7 @@ class RemoteAttachError(RuntimeError):
     """
 
 
-def _portable(error: BaseException, action: str) -> RemoteAttachError:
+def portable_error(error: BaseException, action: str) -> RemoteAttachError:
     text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
     return RemoteAttachError(f"{action} failed: {type(error).__name__}: {error}\n\n{text}")
 
@@ -298,7 +298,7 @@ def attach_here(
         if context is None:
             source.add_observer(observer, on_error=on_error)
         else:
-            _attach_in_context(source, observer, on_error, context)
+            observed.attach(source, observer, on_error, context)
         copies = _COPIES.setdefault(source, dict)
         copies[token] = observer
     except Exception as error:
@@ -306,7 +306,7 @@ def attach_here(
         if observer is not None and any(o is observer for o in source.observers):
             with contextlib.suppress(Exception):
                 source.remove_observer(observer)
-        raise _portable(error, f"attaching an observer in process {_pid()}") from None
+        raise portable_error(error, f"attaching an observer in process {_pid()}") from None
 
 
 def detach_here(source: Any, token: int) -> None:
@@ -317,44 +317,8 @@ def detach_here(source: Any, token: int) -> None:
         if observer is not None:
             source.remove_observer(observer)
     except Exception as error:
-        raise _portable(error, f"detaching an observer in process {_pid()}") from None
-
-
-def _attach_in_context(source: Any, observer: Any, on_error: str, context: str) -> None:
-    import importlib
-
-    from rl_observers import targets
-
-    importlib.import_module(_CONTEXT_MODULES[context])  # registers the context's mixins
-    with targets._ATTACH_LOCK:
-        observers = source.__dict__.get("_rl_observers")
-        if observers is None:
-            observers = targets._observer_list_type(source)(source)
-            source._rl_observers = observers
-            source.__class__ = observed_class(type(source), context)
-        try:
-            observers.add(observer, on_error)
-        except BaseException:
-            targets._release_if_idle(source)
-            raise
-    attached = getattr(observer, "attached", None)
-    if callable(attached):
-        attached(source)
+        raise portable_error(error, f"detaching an observer in process {_pid()}") from None
 
 
 def _pid() -> int:
-    import os
-
     return os.getpid()
-
-
-def _call_in_collector(self: BaseCollector, fn: Any, *args: Any) -> Any:
-    """Runs ``fn(self, *args)``: the worker-side target of ``cascade_execute``.
-
-    Installed on ``BaseCollector`` as ``_rl_observers_call``, the way
-    ``__ray_call__`` is on Ray actors; nothing calls it on a collection path.
-    """
-    return fn(self, *args)
-
-
-BaseCollector._rl_observers_call = _call_in_collector  # type: ignore[attr-defined]

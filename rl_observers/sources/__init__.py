@@ -2,78 +2,45 @@
 
 :func:`install` adds ``add_observer``, ``remove_observer`` and ``observers`` to
 torchrl's collectors and replay buffers. What attaching means depends on
-where the data lives: an in-process source becomes its observed subclass; a
-source whose data lives in other processes or Ray actors forwards its
-observers there (:mod:`rl_observers.targets.remote`).
+where the data lives: an in-process source becomes its observed class
+(:mod:`~rl_observers.sources.observed`, emitting as
+:mod:`~rl_observers.sources.collectors` and
+:mod:`~rl_observers.sources.replay_buffers` say); a source whose data lives
+in other processes or Ray actors forwards its observers there through its
+remote kind (:mod:`~rl_observers.sources.remote`; the kinds
+:mod:`~rl_observers.sources.multiprocess`, :mod:`~rl_observers.sources.ray`
+and the mirroring of :mod:`~rl_observers.sources.shared_buffers` register
+themselves). :mod:`~rl_observers.sources.placement` tells an observer where
+its source runs.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
-from blinker import ANY
 from torchrl.collectors import BaseCollector
 from torchrl.data import ReplayBuffer
 
 from rl_observers import signals
-from rl_observers.observer import ObserverHandle, ObserverList
-from rl_observers.targets._observed import base_class, observed_class
-from rl_observers.targets.collectors import CollectorObservers
-from rl_observers.targets.replay_buffers import ReplayBufferObservers
+from rl_observers.observer import ObserverHandle
 
-__all__ = ["install", "observers_of"]
+# Each module registers its mixins, remote kinds or shared-buffer mirroring when imported.
+from rl_observers.sources import collectors, multiprocess, ray, replay_buffers, shared_buffers  # noqa: F401
+from rl_observers.sources.observed import (
+    ATTACH_LOCK,
+    attach,
+    detach,
+    is_observable,
+    observe,
+    observers_of,
+    release,
+)
+from rl_observers.sources.placement import SourceInfo, source_info
+from rl_observers.sources.remote import kind_of
 
-_ATTACH_LOCK = threading.RLock()
+__all__ = ["SourceInfo", "install", "observers_of", "source_info"]
+
 _INSTALLED = False
-
-
-def _observer_list_type(target: Any) -> type[ObserverList]:
-    if isinstance(target, BaseCollector):
-        return CollectorObservers
-    if isinstance(target, ReplayBuffer):
-        return ReplayBufferObservers
-    raise TypeError(
-        f"rl_observers observes torchrl collectors and replay buffers, got {type(target).__name__}."
-    )
-
-
-def _remote_kind(target: Any) -> Any | None:
-    from rl_observers.targets import remote
-
-    return remote.kind_of(target)
-
-
-def observers_of(target: Any, create: bool = False) -> ObserverList | None:
-    """Returns the observer list of an in-process ``target``, making it observed if ``create``."""
-    observers = target.__dict__.get("_rl_observers")
-    if observers is None and create:
-        with _ATTACH_LOCK:
-            observers = target.__dict__.get("_rl_observers")
-            if observers is None:
-                observers = _observer_list_type(target)(target)
-                target._rl_observers = observers
-                target.__class__ = observed_class(type(target))
-    return observers
-
-
-def _release_if_idle(target: Any) -> None:
-    """Makes ``target`` a plain torchrl object again once nothing observes it."""
-    with _ATTACH_LOCK:
-        observers = target.__dict__.get("_rl_observers")
-        if observers is None or observers.entries or _has_source_receivers(target):
-            return
-        target.__class__ = base_class(type(target))
-        del target._rl_observers
-
-
-def _has_source_receivers(target: Any) -> bool:
-    # blinker keeps receivers per sender id; ``_by_sender`` is its documented-by-use index.
-    return any(sig._by_sender.get(id(target)) for sig in _all_signals())
-
-
-def _all_signals() -> tuple[Any, ...]:
-    return tuple(signals.signal_for(e) for e in signals.EVENT_PAYLOADS)
 
 
 # -- the methods installed on torchrl's classes ----------------------------------------------------
@@ -136,28 +103,11 @@ def add_observer(self: Any, observer: Any, *, on_error: str | None = None) -> Ob
         [8, 8]
         >>> collector.shutdown()
     """
-    kind = _remote_kind(self)
+    kind = kind_of(self)
     if kind is not None:
         kind.add(self, observer, on_error)
     else:
-        with _ATTACH_LOCK:
-            observers = observers_of(self, create=True)
-            assert observers is not None
-            try:
-                observers.add(observer, on_error)
-            except BaseException:
-                _release_if_idle(self)
-                raise
-        attached = getattr(observer, "attached", None)
-        if callable(attached):
-            try:
-                attached(self)
-            except BaseException:
-                # An observer that refuses its source is not left attached half-way.
-                with _ATTACH_LOCK:
-                    observers.remove(observer)
-                    _release_if_idle(self)
-                raise
+        attach(self, observer, on_error)
     return ObserverHandle(self, observer)
 
 
@@ -180,23 +130,16 @@ def remove_observer(self: Any, observer: Any) -> None:
             example in its ``detached`` method); the observer is removed
             from ``observers`` all the same.
     """
-    kind = _remote_kind(self)
+    kind = kind_of(self)
     if kind is not None:
         kind.remove(self, observer)
-        return
-    observers = observers_of(self)
-    removed = observers.remove(observer) if observers is not None else None
-    if removed is None:
-        raise ValueError(f"{observer!r} is not attached to this {type(self).__name__}.")
-    _release_if_idle(self)
-    detached = getattr(observer, "detached", None)
-    if callable(detached):
-        detached(self)
+    else:
+        detach(self, observer)
 
 
 def _observers(self: Any) -> tuple[Any, ...]:
     """The attached observers, in call order."""
-    kind = _remote_kind(self)
+    kind = kind_of(self)
     if kind is not None:
         return kind.observers(self)
     observers = observers_of(self)
@@ -204,16 +147,14 @@ def _observers(self: Any) -> tuple[Any, ...]:
 
 
 def _on_receiver_connected(signal: Any, *, receiver: Any, sender: Any, weak: bool) -> None:
-    if sender is ANY or not isinstance(sender, (BaseCollector, ReplayBuffer)):
-        return
-    if _remote_kind(sender) is None:
-        observers_of(sender, create=True)
+    # A receiver connected for one in-process source makes it emit, as an observer would.
+    if is_observable(sender) and kind_of(sender) is None:
+        observe(sender)
 
 
 def _on_receiver_disconnected(signal: Any, *, receiver: Any, sender: Any) -> None:
-    if sender is not ANY and isinstance(sender, (BaseCollector, ReplayBuffer)):
-        if _remote_kind(sender) is None:
-            _release_if_idle(sender)
+    if is_observable(sender) and kind_of(sender) is None:
+        release(sender)
 
 
 def install() -> None:
@@ -222,14 +163,14 @@ def install() -> None:
     Called by ``import rl_observers``; calling it again is harmless.
     """
     global _INSTALLED
-    with _ATTACH_LOCK:
+    with ATTACH_LOCK:
         if _INSTALLED:
             return
         for cls in (BaseCollector, ReplayBuffer):
             cls.add_observer = add_observer  # type: ignore[attr-defined]
             cls.remove_observer = remove_observer  # type: ignore[attr-defined]
             cls.observers = property(_observers)  # type: ignore[attr-defined]
-        for signal in _all_signals():
+        for signal in map(signals.signal_for, signals.EVENT_PAYLOADS):
             signal.receiver_connected.connect(_on_receiver_connected, weak=False)
             signal.receiver_disconnected.connect(_on_receiver_disconnected, weak=False)
         _INSTALLED = True

@@ -20,16 +20,8 @@ so the control pipes stay in step. Attaching to a collector with a dead
 worker raises a ``RuntimeError`` naming it, and attaches nothing anywhere;
 removing detaches from every live worker and warns once per dead worker.
 
-Shared replay buffers: a buffer passed as ``replay_buffer=`` to a
-multiprocessing collector is copied into every worker (inherited by
-``fork``, pickled by ``spawn``) together with the observers it had then;
-an observer that cannot be unpickled in a ``spawn`` worker is left behind
-there with one warning, instead of killing the worker at start-up (see
-:class:`rl_observers.observer.ObserverList`).
-Observers attached to the buffer *later* are propagated to the copies of the
-buffer in the workers of every running multiprocessing collector that
-writes into it, and removals likewise, so a buffer's observers always see
-the writes made in every process; see :func:`propagate_to_shared_copies`.
+Shared replay buffers written by these workers: see
+:mod:`rl_observers.sources.shared_buffers`.
 
 The limits come from torchrl's worker loop: a control message that reaches a
 worker during a rollout makes the worker drop that rollout (torchrl does the
@@ -41,27 +33,23 @@ such a message would stall; attaching to it then raises.
 from __future__ import annotations
 
 import contextlib
-import gc
-import multiprocessing
-import threading
 from collections.abc import Mapping
 from typing import Any
 
 from torchrl._utils import logger as torchrl_logger
-from torchrl.collectors import MultiCollector
+from torchrl.collectors import BaseCollector, MultiCollector
 
-from rl_observers.observer import _ObserverLeftBehind
 from rl_observers.signals import COLLECTOR_EVENTS
-from rl_observers.sources import IdentityMap
-from rl_observers.targets.remote import (
+from rl_observers.sources.placement import IdentityMap
+from rl_observers.sources.remote import (
     RemoteAttachError,
     RemoteKind,
     attach_here,
     detach_here,
-    ship,
+    register_kind,
 )
 
-__all__ = ["MULTIPROCESS_COLLECTOR", "MultiprocessCollectorKind", "propagate_to_shared_copies"]
+__all__ = ["MULTIPROCESS_COLLECTOR", "MultiprocessCollectorKind", "call_workers"]
 
 
 # How often to check that a worker is still alive while waiting for its answer, in seconds.
@@ -111,7 +99,7 @@ def _receive(collector: Any, idx: int) -> Any:
         raise _WorkerDied from error
 
 
-def _call_workers(collector: Any, calls: Mapping[int, tuple[Any, ...]]) -> tuple[dict[int, Any], dict[int, str]]:
+def call_workers(collector: Any, calls: Mapping[int, tuple[Any, ...]]) -> tuple[dict[int, Any], dict[int, str]]:
     """Runs ``fn(inner_collector, *args)`` in the workers of ``calls`` (``{worker: (fn, *args)}``).
 
     Returns ``(answers, dead)``: ``answers`` maps each worker that answered to
@@ -146,7 +134,7 @@ def _call_workers(collector: Any, calls: Mapping[int, tuple[Any, ...]]) -> tuple
     return answers, dead
 
 
-def _raise_first_error(collector: Any, answers: Mapping[int, Any], action: str) -> None:
+def raise_first_error(collector: Any, answers: Mapping[int, Any], action: str) -> None:
     """Raises a :class:`RemoteAttachError` for the first worker whose answer is an error."""
     for idx in sorted(answers):
         error = answers[idx]
@@ -162,7 +150,7 @@ def _describe_dead(dead: Mapping[int, str]) -> str:
     return f"{workers} {'is' if len(dead) == 1 else 'are'} dead"
 
 
-def _warn_dead_once(collector: Any, dead: Mapping[int, str], action: str) -> None:
+def warn_dead_once(collector: Any, dead: Mapping[int, str], action: str) -> None:
     """Warns once per dead worker of ``collector`` that ``action`` skipped it."""
     reported = _REPORTED_DEAD.setdefault(collector, set)
     new = {idx: death for idx, death in dead.items() if idx not in reported}
@@ -178,7 +166,7 @@ class MultiprocessCollectorKind(RemoteKind):
     """Observers of ``MultiSyncCollector`` / ``MultiAsyncCollector``: a copy in every worker."""
 
     target_name = "collector"
-    events = COLLECTOR_EVENTS
+    emits = COLLECTOR_EVENTS
     where = "in its worker processes"
     # An observer raising in a worker kills it: torchrl then reports only "worker <i> failed".
     raise_reaches_caller = False
@@ -209,143 +197,45 @@ class MultiprocessCollectorKind(RemoteKind):
                 "nothing was attached."
             )
         calls = {idx: (attach_here, payload, on_error, token, idx, n) for idx in range(n)}
-        answers, dead = _call_workers(target, calls)
+        answers, dead = call_workers(target, calls)
         attached = [idx for idx, result in answers.items() if not isinstance(result, BaseException)]
         if len(attached) == n:
             return
         # Undo the workers that attached it; those that failed or died have no copy.
         with contextlib.suppress(Exception):
-            _call_workers(target, {idx: (detach_here, token) for idx in attached})
+            call_workers(target, {idx: (detach_here, token) for idx in attached})
         if dead:
             raise RuntimeError(
                 f"cannot attach an observer to a {type(target).__name__}: {_describe_dead(dead)} "
                 "(it died while the observer was being attached); nothing was attached."
             )
-        _raise_first_error(target, answers, "attaching an observer to")
+        raise_first_error(target, answers, "attaching an observer to")
 
     def detach_remote(self, target: Any, token: int) -> None:
         """Detaches the copies from the live workers; a dead worker is warned about, once."""
-        answers, dead = _call_workers(target, dict.fromkeys(range(target.num_workers), (detach_here, token)))
+        answers, dead = call_workers(target, dict.fromkeys(range(target.num_workers), (detach_here, token)))
         if dead:
-            _warn_dead_once(target, dead, "observers are removed from")
-        _raise_first_error(target, answers, "detaching an observer from")
+            warn_dead_once(target, dead, "observers are removed from")
+        raise_first_error(target, answers, "detaching an observer from")
 
 
 MULTIPROCESS_COLLECTOR = MultiprocessCollectorKind()
 
 
-# -- shared replay buffers -------------------------------------------------------------------------
+def _call_in_collector(self: BaseCollector, fn: Any, *args: Any) -> Any:
+    """Runs ``fn(self, *args)``: the worker-side target of ``cascade_execute``.
 
-_LOCAL = threading.local()
-
-
-def _collectors_writing_into(buffer: Any) -> list[Any]:
-    """The running multiprocessing collectors whose workers hold a copy of ``buffer``.
-
-    Found through the garbage collector's referrers (a collector keeps its
-    buffer as ``collector.replay_buffer``), as torchrl keeps no registry of
-    collectors; this runs only when an observer of a shared buffer is
-    attached or removed while this process has child processes.
+    Installed on ``BaseCollector`` as ``_rl_observers_call``, the way
+    ``__ray_call__`` is on Ray actors; nothing calls it on a collection path.
     """
-    found: list[Any] = []
-    if not multiprocessing.active_children():
-        return found  # no worker process, no copy
-    for referrer in gc.get_referrers(buffer):
-        if isinstance(referrer, MultiCollector):
-            owners = [referrer]
-        elif isinstance(referrer, dict) and referrer.get("replay_buffer") is buffer:
-            owners = [
-                o for o in gc.get_referrers(referrer)
-                if isinstance(o, MultiCollector) and getattr(o, "__dict__", None) is referrer
-            ]
-        else:
-            continue
-        for owner in owners:
-            if (
-                owner.__dict__.get("replay_buffer") is buffer
-                and MULTIPROCESS_COLLECTOR.is_running(owner)
-                and owner not in found
-            ):
-                found.append(owner)
-    return found
+    return fn(self, *args)
 
 
-def _attach_to_worker_buffer(collector: Any, payload: bytes, on_error: str) -> None:
-    import cloudpickle
-
-    from rl_observers.targets.remote import _portable
-
-    try:
-        _LOCAL.applying = True
-        try:
-            collector.replay_buffer.add_observer(cloudpickle.loads(payload), on_error=on_error)
-        finally:
-            _LOCAL.applying = False
-    except Exception as error:
-        raise _portable(error, "attaching an observer to a worker's replay buffer") from None
+BaseCollector._rl_observers_call = _call_in_collector  # type: ignore[attr-defined]
 
 
-def _detach_from_worker_buffer(collector: Any, position: int, type_name: str) -> None:
-    from rl_observers.targets.remote import _portable
-
-    try:
-        observers = collector.replay_buffer.observers
-        found = observers[position] if position < len(observers) else None
-        # One left behind when the worker started (it could not be unpickled there) keeps its place.
-        if not isinstance(found, _ObserverLeftBehind) and type(found).__qualname__ != type_name:
-            raise RuntimeError(
-                f"the worker's copy of the replay buffer has observers {observers!r}, "
-                f"expected a {type_name} at position {position}"
-            )
-        _LOCAL.applying = True
-        try:
-            collector.replay_buffer.remove_observer(observers[position])
-        finally:
-            _LOCAL.applying = False
-    except Exception as error:
-        raise _portable(error, "detaching an observer from a worker's replay buffer") from None
+def _is_multiprocess_collector(cls: type) -> bool:
+    return issubclass(cls, MultiCollector)
 
 
-def propagate_to_shared_copies(buffer: Any, action: str, observer: Any, on_error: str, position: int) -> None:
-    """Mirrors one observer change of a shared ``buffer`` onto its copies in running workers.
-
-    Called by the buffer's observer list after ``add`` (``action="add"``) or
-    before ``remove`` (``action="remove"``, with the observer's ``position``).
-    Worker copies hold the observers the buffer had when the worker started,
-    in the same order, and every later change is mirrored in order, so a
-    position on the driver is the same position in every copy.
-
-    A dead worker writes nothing more into the buffer: it is skipped, with
-    one warning. A change that a live worker fails to apply raises; an
-    ``add`` is then undone in the workers that applied it.
-
-    Raises:
-        TypeError: if an observer to add cannot be pickled.
-        RemoteAttachError: if a live worker could not apply the change.
-    """
-    if getattr(_LOCAL, "applying", False):
-        return  # this is a worker applying a mirrored change
-    collectors = _collectors_writing_into(buffer)
-    if not collectors:
-        return
-    if action == "add":
-        payload = ship(observer, buffer, "in every process that writes into it")
-        call: tuple[Any, ...] = (_attach_to_worker_buffer, payload, on_error)
-    else:
-        call = (_detach_from_worker_buffer, position, type(observer).__qualname__)
-    applied: list[tuple[Any, list[int]]] = []
-    try:
-        for collector in collectors:
-            MULTIPROCESS_COLLECTOR.check(collector, f"{action} an observer of its replay buffer on")
-            answers, dead = _call_workers(collector, dict.fromkeys(range(collector.num_workers), call))
-            applied.append((collector, [i for i, r in answers.items() if not isinstance(r, BaseException)]))
-            if dead:
-                _warn_dead_once(collector, dead, f"replay buffer observers are mirrored ({action}) to")
-            _raise_first_error(collector, answers, f"mirroring {action} on")
-    except BaseException:
-        if action == "add":  # the driver does not keep it: neither may any worker
-            undo = (_detach_from_worker_buffer, position, type(observer).__qualname__)
-            for collector, workers in applied:
-                with contextlib.suppress(Exception):
-                    _call_workers(collector, dict.fromkeys(workers, undo))
-        raise
+register_kind(_is_multiprocess_collector, MULTIPROCESS_COLLECTOR)

@@ -9,7 +9,7 @@ event methods receive.
 Examples:
     >>> import os
     >>> import rl_observers
-    >>> from rl_observers.sources import source_info
+    >>> from rl_observers.sources.placement import source_info
     >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
     >>> info = source_info(ReplayBuffer(storage=LazyTensorStorage(10)))
     >>> info.kind, info.worker, info.num_workers, info.remote, info.process == os.getpid()
@@ -172,7 +172,7 @@ def source_info(source: Any) -> SourceInfo:
 
     Examples:
         >>> import rl_observers
-        >>> from rl_observers.sources import source_info
+        >>> from rl_observers.sources.placement import source_info
         >>> from torchrl.collectors import Collector
         >>> from torchrl.envs.utils import RandomPolicy
         >>> from torchrl.testing.mocking_classes import CountingEnv

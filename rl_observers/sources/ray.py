@@ -39,20 +39,26 @@ import sys
 import time
 from typing import Any
 
-import ray
 from torchrl._utils import logger as torchrl_logger
 from torchrl.data import ReplayBuffer, TensorDictReplayBuffer
 
+from rl_observers.observer import ObserverList
 from rl_observers.signals import COLLECTOR_EVENTS, REPLAY_BUFFER_EVENTS
-from rl_observers.targets._observed import base_class, observed_class, register_mixin
-from rl_observers.targets.remote import (
+from rl_observers.sources.observed import (
+    observed_class,
+    observers_of,
+    register_mixin,
+    torchrl_class,
+)
+from rl_observers.sources.remote import (
     RemoteAttachError,
     RemoteKind,
     attach_here,
     detach_here,
     kind_of,
+    register_kind,
 )
-from rl_observers.targets.replay_buffers import _emit_eagerly
+from rl_observers.sources.replay_buffers import ReplayBufferObservers, emit_eagerly
 
 __all__ = ["RAY_COLLECTOR", "RAY_REPLAY_BUFFER"]
 
@@ -68,6 +74,8 @@ _MIN_WAIT = 1.0
 
 def _gather(refs: list[Any], action: str, target: Any) -> list[Any]:
     """``ray.get`` of every ref, raising the first error once all have finished."""
+    import ray  # an optional dependency: imported once a Ray source exists
+
     results: list[Any] = []
     for ref in refs:
         try:
@@ -86,7 +94,7 @@ class RayCollectorKind(RemoteKind):
     """Observers of a ``RayCollector``: a copy in every remote collector actor."""
 
     target_name = "collector"
-    events = COLLECTOR_EVENTS
+    emits = COLLECTOR_EVENTS
     where = "in its remote collector actors"
     # An observer raising in a collector actor kills the actor: the driver gets ActorDiedError.
     raise_reaches_caller = False
@@ -124,14 +132,14 @@ class RayCollectorKind(RemoteKind):
         target.__class__ = observed_class(type(target), DRIVER)
 
     def last_removed(self, target: Any) -> None:
-        target.__class__ = base_class(type(target))
+        target.__class__ = torchrl_class(type(target))
 
 
 class RayReplayBufferKind(RemoteKind):
     """Observers of a ``RayReplayBuffer``: a copy inside the buffer's actor."""
 
     target_name = "replay buffer"
-    events = REPLAY_BUFFER_EVENTS
+    emits = REPLAY_BUFFER_EVENTS
     where = "inside its Ray actor"
 
     def is_running(self, target: Any) -> bool:
@@ -157,7 +165,7 @@ class RayReplayBufferKind(RemoteKind):
         target.__class__ = observed_class(type(target), DRIVER)
 
     def last_removed(self, target: Any) -> None:
-        target.__class__ = base_class(type(target))
+        target.__class__ = torchrl_class(type(target))
 
 
 RAY_COLLECTOR = RayCollectorKind()
@@ -168,7 +176,7 @@ RAY_REPLAY_BUFFER = RayReplayBufferKind()
 
 
 def _collector_shutdown_here(collector: Any) -> None:
-    observers = collector.__dict__.get("_rl_observers")
+    observers = observers_of(collector)
     if observers is not None:
         observers.shutdown()
     elif kind_of(collector) is not None:
@@ -178,19 +186,19 @@ def _collector_shutdown_here(collector: Any) -> None:
 
 def _buffer_stats_here(buffer: Any) -> dict[str, Any]:
     stats = buffer.stats()
-    observers = buffer.__dict__.get("_rl_observers")
+    observers = observers_of(buffer)
     return observers.contribute_stats(stats) if observers is not None else stats
 
 
 def _buffer_empty_here(buffer: Any, empty_write_count: bool) -> None:
     buffer.empty(empty_write_count=empty_write_count)
-    observers = buffer.__dict__.get("_rl_observers")
+    observers = observers_of(buffer)
     if observers is not None:
         observers.emit("empty")
 
 
 def _buffer_shutdown_here(buffer: Any) -> None:
-    observers = buffer.__dict__.get("_rl_observers")
+    observers = observers_of(buffer)
     if observers is not None:
         observers.shutdown()
 
@@ -204,6 +212,8 @@ def _emit_shutdown(actors: list[Any], fn: Any) -> None:
     ``shutdown`` and close their last windows. The actors that could not are
     reported in one warning.
     """
+    import ray
+
     refs = [actor.__ray_call__.remote(fn) for actor in actors]
     deadline = time.monotonic() + _SHUTDOWN_TIMEOUT
     failed = []
@@ -226,31 +236,32 @@ def _emit_shutdown(actors: list[Any], fn: Any) -> None:
 class _DriverObservedRayCollector:
     """Driver-side ``RayCollector`` with observers: lets the actors emit ``shutdown`` first."""
 
-    _rl_base: type
-
     def stop_remote_collectors(self) -> None:
         actors = list(getattr(self, "_remote_collectors", ()))
         if actors:
             _emit_shutdown(actors, _collector_shutdown_here)
-        return self._rl_base.stop_remote_collectors(self)  # type: ignore[attr-defined]
+        return torchrl_class(type(self)).stop_remote_collectors(self)  # type: ignore[attr-defined]
 
 
 class _DriverObservedRayReplayBuffer:
     """Driver-side ``RayReplayBuffer`` with observers: one round trip for what touches them."""
 
-    _rl_base: type
     _rb: Any
 
     def stats(self) -> dict[str, Any]:
+        import ray
+
         return ray.get(self._rb.__ray_call__.remote(_buffer_stats_here))
 
     def empty(self, empty_write_count: bool = True) -> None:
+        import ray
+
         return ray.get(self._rb.__ray_call__.remote(_buffer_empty_here, empty_write_count))
 
     def close(self) -> None:
         if hasattr(self, "_rb"):
             _emit_shutdown([self._rb], _buffer_shutdown_here)
-        return self._rl_base.close(self)  # type: ignore[attr-defined]
+        return torchrl_class(type(self)).close(self)  # type: ignore[attr-defined]
 
 
 def _is_ray_collector(cls: type) -> bool:
@@ -259,13 +270,15 @@ def _is_ray_collector(cls: type) -> bool:
 
 
 def _is_ray_replay_buffer(cls: type) -> bool:
-    from torchrl.data import RayReplayBuffer
+    module = sys.modules.get("torchrl.data.replay_buffers.ray_buffer")
+    return module is not None and issubclass(cls, module.RayReplayBuffer)
 
-    return issubclass(cls, RayReplayBuffer)
 
-
-register_mixin(_is_ray_collector, _DriverObservedRayCollector, context=DRIVER)
-register_mixin(_is_ray_replay_buffer, _DriverObservedRayReplayBuffer, context=DRIVER)
+register_kind(_is_ray_replay_buffer, RAY_REPLAY_BUFFER)
+register_kind(_is_ray_collector, RAY_COLLECTOR)
+# The driver-side objects keep no observer list: their observers run in the actors.
+register_mixin(_is_ray_collector, _DriverObservedRayCollector, ObserverList, context=DRIVER)
+register_mixin(_is_ray_replay_buffer, _DriverObservedRayReplayBuffer, ObserverList, context=DRIVER)
 
 
 # -- the actor-side observed classes ---------------------------------------------------------------
@@ -275,18 +288,18 @@ class _ActorObservedReplayBuffer:
     """``ReplayBuffer`` / ``PrioritizedReplayBuffer`` inside a Ray actor."""
 
     def _add(self, data: Any) -> Any:
-        index = base_class(type(self))._add(self, data)  # type: ignore[attr-defined]
-        _emit_eagerly(self, "post_add", data, index)
+        index = torchrl_class(type(self))._add(self, data)  # type: ignore[attr-defined]
+        emit_eagerly(self, "post_add", data, index)
         return index
 
     def _extend(self, data: Any, *args: Any, **kwargs: Any) -> Any:
-        index = base_class(type(self))._extend(self, data, *args, **kwargs)  # type: ignore[attr-defined]
-        _emit_eagerly(self, "post_extend", data, index)
+        index = torchrl_class(type(self))._extend(self, data, *args, **kwargs)  # type: ignore[attr-defined]
+        emit_eagerly(self, "post_extend", data, index)
         return index
 
     def _sample(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        result = base_class(type(self))._sample(self, *args, **kwargs)  # type: ignore[attr-defined]
-        _emit_eagerly(self, "post_sample", result[0], result[1])
+        result = torchrl_class(type(self))._sample(self, *args, **kwargs)  # type: ignore[attr-defined]
+        emit_eagerly(self, "post_sample", result[0], result[1])
         return result
 
 
@@ -302,14 +315,14 @@ class _ActorObservedTensorDictReplayBuffer:
     """
 
     def _set_index_in_td(self, tensordict: Any, index: Any) -> None:
-        base_class(type(self))._set_index_in_td(self, tensordict, index)  # type: ignore[attr-defined]
+        torchrl_class(type(self))._set_index_in_td(self, tensordict, index)  # type: ignore[attr-defined]
         event = _WRITE_EVENTS.get(sys._getframe(1).f_code.co_name)
         if event is not None:
-            _emit_eagerly(self, event, tensordict, index)
+            emit_eagerly(self, event, tensordict, index)
 
     def _sample(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        result = base_class(type(self))._sample(self, *args, **kwargs)  # type: ignore[attr-defined]
-        _emit_eagerly(self, "post_sample", result[0], result[1])
+        result = torchrl_class(type(self))._sample(self, *args, **kwargs)  # type: ignore[attr-defined]
+        emit_eagerly(self, "post_sample", result[0], result[1])
         return result
 
 
@@ -321,5 +334,5 @@ def _is_buffer(cls: type) -> bool:
     return issubclass(cls, ReplayBuffer)
 
 
-register_mixin(_is_tensordict_buffer, _ActorObservedTensorDictReplayBuffer, context=ACTOR)
-register_mixin(_is_buffer, _ActorObservedReplayBuffer, context=ACTOR)
+register_mixin(_is_tensordict_buffer, _ActorObservedTensorDictReplayBuffer, ReplayBufferObservers, context=ACTOR)
+register_mixin(_is_buffer, _ActorObservedReplayBuffer, ReplayBufferObservers, context=ACTOR)

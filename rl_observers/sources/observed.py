@@ -1,0 +1,288 @@
+"""Observed classes: the subclass a source becomes while it has observers.
+
+A source with no observers is an instance of its own torchrl class, so it
+runs exactly torchrl's code. Attaching the first observer switches the
+instance's ``__class__`` to a subclass that emits events and stores the
+source's :class:`~rl_observers.observer.ObserverList` as ``_rl_observers``;
+removing the last one switches it back. This module is the whole mechanism:
+:func:`attach` / :func:`release` are the one in-process attach and detach,
+:func:`torchrl_class` the one way to find torchrl's class behind an observed
+one, and :func:`observers_of` the one guard for a missing observer list.
+
+An observed object behaves like the torchrl object it is:
+
+* ``type(obj)`` prints as torchrl's class (``<class '...ReplayBuffer'>``),
+  has its ``__name__`` and is a subclass of it, so ``isinstance`` holds;
+  ``type(obj) is ReplayBuffer`` is false while it has observers.
+* ``type(obj)(...)`` builds a plain torchrl object, exactly as calling
+  torchrl's class does (its metaclass included), with no observers.
+* ``copy.deepcopy(obj)`` carries deep copies of the observers, attached to
+  the copy; its events name the copy as ``source``. ``attached`` is not
+  called on the copies.
+* ``copy.copy(obj)`` gets its own observer list holding the *same* observer
+  objects (a shallow copy), so attaching to or removing from one never
+  changes the other; its events name the copy as ``source``.
+* ``pickle`` round-trips: the object unpickles observed, with unpickled
+  copies of its observers (see :class:`~rl_observers.observer.ObserverList`
+  for observers that cannot be unpickled in a ``spawn`` worker).
+
+A *context* names another way of observing the same torchrl class, for
+places where the in-process mixin cannot work: inside a Ray actor, torchrl's
+public methods are called through functions captured when the actor class
+was made, so :mod:`rl_observers.sources.ray` registers mixins that intercept
+private lookups instead. The default context (``None``) is the in-process one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from blinker import ANY
+
+from rl_observers import signals
+from rl_observers.observer import ObserverList
+
+__all__ = [
+    "ATTACH_LOCK",
+    "attach",
+    "detach",
+    "is_observable",
+    "observe",
+    "observed_class",
+    "observers_of",
+    "register_mixin",
+    "release",
+    "torchrl_class",
+]
+
+_PREFIX = "Observed@"
+# (predicate on torchrl's class, mixin, observer-list type), per context, first match wins.
+_MIXINS: dict[str | None, list[tuple[Callable[[type], bool], type, type[ObserverList]]]] = {}
+_CLASSES: dict[tuple[type, str | None], type] = {}
+_METACLASSES: dict[type, type] = {}
+_NOT_COPIED = frozenset({"__dict__", "__weakref__", "__slots__", "__module__", "__qualname__", "__doc__"})
+#: Held while a source switches between observed and plain.
+ATTACH_LOCK = threading.RLock()
+
+
+def register_mixin(
+    predicate: Callable[[type], bool],
+    mixin: type,
+    observer_list: type[ObserverList],
+    context: str | None = None,
+) -> None:
+    """Registers the event-emitting ``mixin`` for torchrl classes where ``predicate(cls)`` holds.
+
+    Args:
+        predicate: called with a torchrl class; the first registered one that
+            holds (per context) picks the mixin.
+        mixin: a class whose methods the observed class gets.
+        observer_list: the :class:`~rl_observers.observer.ObserverList`
+            subclass such a source keeps its observers in.
+        context: ``None`` for in-process sources, else the name of another
+            way of observing (``"ray_actor"``, ...).
+    """
+    _MIXINS.setdefault(context, []).append((predicate, mixin, observer_list))
+
+
+def torchrl_class(cls: type) -> type:
+    """Returns the torchrl class behind an observed class (``cls`` itself otherwise)."""
+    return cls.__dict__.get("_rl_base", cls)
+
+
+def observers_of(source: Any) -> ObserverList | None:
+    """The observer list of an in-process ``source``, or ``None`` when it is not observed.
+
+    Read from the instance's ``__dict__``: a method bound while the source
+    was observed can run after its last observer was removed (a prefetched
+    ``_sample``, a write from a collector thread) and then finds ``None``.
+    """
+    return source.__dict__.get("_rl_observers")
+
+
+# -- the observed classes --------------------------------------------------------------------------
+
+
+class _Observed:
+    """What every observed class has, besides its kind's mixin (see the module docstring)."""
+
+    _rl_observers: ObserverList
+
+    def __copy__(self) -> Any:
+        new = _reconstruct(self.__reduce_ex__(4))
+        observers = observers_of(new)
+        if observers is not None:  # its own list, with the same observers, naming the copy
+            new._rl_observers = observers.copy_for(new)
+        return new
+
+
+def _reconstruct(reduced: Any) -> Any:
+    """What ``copy.copy`` does with a ``__reduce_ex__`` result (state is not copied)."""
+    func, args, state = reduced[:3]
+    new = func(*args)
+    if state is not None:
+        setstate = getattr(new, "__setstate__", None)
+        if setstate is not None:
+            setstate(state)
+        else:
+            slots = None
+            if isinstance(state, tuple) and len(state) == 2:
+                state, slots = state
+            if state:
+                new.__dict__.update(state)
+            for name, value in (slots or {}).items():
+                setattr(new, name, value)
+    return new
+
+
+def _observed_metaclass(meta: type) -> type:
+    """The metaclass of observed classes whose torchrl class has metaclass ``meta``.
+
+    Calling an observed class builds a plain torchrl object through
+    torchrl's own metaclass; its ``repr`` is torchrl's class's.
+    """
+    cls = _METACLASSES.get(meta)
+    if cls is None:
+
+        def __call__(cls: type, *args: Any, **kwargs: Any) -> Any:
+            return torchrl_class(cls)(*args, **kwargs)
+
+        def __repr__(cls: type) -> str:
+            return repr(torchrl_class(cls))
+
+        cls = type(meta)(f"Observed{meta.__name__}", (meta,), {"__call__": __call__, "__repr__": __repr__})
+        _METACLASSES[meta] = cls
+    return cls
+
+
+def observed_class(base: type, context: str | None = None) -> type:
+    """Returns the observed subclass of torchrl's class ``base`` in ``context`` (made once)."""
+    base = torchrl_class(base)
+    cls = _CLASSES.get((base, context))
+    if cls is not None:
+        return cls
+    found = _find(base, context)
+    if found is None:
+        where = "" if context is None else f" in {context!r}"
+        raise TypeError(f"rl_observers cannot observe instances of {base.__qualname__}{where}.")
+    mixin = found[0]
+    # The mixins' methods are copied into a single-inheritance subclass: a second base
+    # would change the instance layout and forbid the ``__class__`` switch.
+    namespace = {k: v for k, v in vars(_Observed).items() if k not in _NOT_COPIED}
+    namespace.update({k: v for k, v in vars(mixin).items() if k not in _NOT_COPIED})
+    # A generated, importable name: pickle finds the class through this module's __getattr__.
+    at = "" if context is None else f"{context}@"
+    qualname = f"{_PREFIX}{at}{base.__module__}:{base.__qualname__}".replace(".", "/")
+    namespace.update(__module__=__name__, __qualname__=qualname, __doc__=base.__doc__, _rl_base=base)
+    cls = _observed_metaclass(type(base))(base.__name__, (base,), namespace)
+    _CLASSES[(base, context)] = cls
+    return cls
+
+
+def _find(base: type, context: str | None) -> tuple[type, type[ObserverList]] | None:
+    for predicate, mixin, observer_list in _MIXINS.get(context, ()):
+        if predicate(base):
+            return mixin, observer_list
+    return None
+
+
+def __getattr__(name: str) -> type:
+    # Called by pickle / cloudpickle to find an observed class by its generated name; importing
+    # this module imported rl_observers, which registered every context's mixins.
+    if not name.startswith(_PREFIX):
+        raise AttributeError(name)
+    context, at, rest = name[len(_PREFIX) :].partition("@")
+    if not at:
+        context, rest = None, name[len(_PREFIX) :]
+    module_name, _, qualname = rest.replace("/", ".").partition(":")
+    base: Any = importlib.import_module(module_name)  # torchrl's module
+    for part in qualname.split("."):
+        base = getattr(base, part)
+    return observed_class(base, context)
+
+
+# -- attaching in this process ---------------------------------------------------------------------
+
+
+def observe(source: Any, context: str | None = None) -> ObserverList:
+    """Makes ``source`` observed (if it is not yet) and returns its observer list."""
+    observers = observers_of(source)
+    if observers is None:
+        with ATTACH_LOCK:
+            observers = observers_of(source)
+            if observers is None:
+                base = torchrl_class(type(source))
+                found = _find(base, context)
+                if found is None:
+                    raise TypeError(
+                        "rl_observers observes torchrl collectors and replay buffers, "
+                        f"got {base.__name__}."
+                    )
+                observers = found[1](source)
+                cls = observed_class(base, context)
+                source._rl_observers = observers
+                source.__class__ = cls
+    return observers
+
+
+def release(source: Any) -> None:
+    """Makes ``source`` a plain torchrl object again once nothing observes it."""
+    with ATTACH_LOCK:
+        observers = observers_of(source)
+        if observers is None or observers.entries or _has_source_receivers(source):
+            return
+        source.__class__ = torchrl_class(type(source))
+        del source._rl_observers
+
+
+def attach(source: Any, observer: Any, on_error: str | None, context: str | None = None) -> None:
+    """Attaches ``observer`` to the in-process ``source``, then calls its ``attached(source)``.
+
+    The one in-process attach: used by ``add_observer`` and, inside worker
+    processes and actors, for observer copies. An observer whose ``attached``
+    raises is not left attached.
+    """
+    with ATTACH_LOCK:
+        observers = observe(source, context)
+        try:
+            observers.add(observer, on_error)
+        except BaseException:
+            release(source)
+            raise
+    attached = getattr(observer, "attached", None)
+    if callable(attached):
+        try:
+            attached(source)
+        except BaseException:
+            with ATTACH_LOCK:
+                observers.remove(observer)
+                release(source)
+            raise
+
+
+def detach(source: Any, observer: Any) -> None:
+    """Detaches ``observer`` from the in-process ``source``, then calls its ``detached(source)``."""
+    observers = observers_of(source)
+    removed = observers.remove(observer) if observers is not None else None
+    if removed is None:
+        raise ValueError(f"{observer!r} is not attached to this {type(source).__name__}.")
+    release(source)
+    detached = getattr(observer, "detached", None)
+    if callable(detached):
+        detached(source)
+
+
+_SIGNALS = tuple(signals.signal_for(event) for event in signals.EVENT_PAYLOADS)
+
+
+def _has_source_receivers(source: Any) -> bool:
+    # blinker keeps receivers per sender id; ``_by_sender`` is its documented-by-use index.
+    return any(signal._by_sender.get(id(source)) for signal in _SIGNALS)
+
+
+def is_observable(obj: Any) -> bool:
+    """Whether ``obj`` is of a torchrl class this process can observe in place."""
+    return obj is not ANY and _find(torchrl_class(type(obj)), None) is not None

@@ -1,0 +1,249 @@
+"""The package layout: every module imports on its own, and dependencies run one way.
+
+Two checks:
+
+* each module of ``rl_observers`` is imported in a fresh interpreter state,
+  once as usual (the package's ``__init__`` first) and once with a bare
+  stand-in for the top package, so that a module that only imports because
+  ``rl_observers/__init__.py`` happened to import something else first fails;
+* every import statement of the package (module level *and* inside
+  functions) is parsed with :mod:`ast` into a module graph, which must have
+  no cycle and must follow the layer rules below. ``importlib`` calls that
+  name an ``rl_observers`` module (a way to hide an edge) are refused.
+
+Layers, in order; a layer may import the layers before it, except where a
+rule narrows it. A rule for a package layer applies once that package exists.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "rl_observers"
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+
+#: The layers, bottom first: each may import from earlier ones (and from itself).
+LAYERS: tuple[str, ...] = (
+    "signals",
+    "observer",
+    "stats",
+    "sources",
+    "metrics",
+    "channel",
+    "logging",
+    "profiler",
+    "testing",
+)
+#: Narrower rules: the only modules (and their submodules) a layer may import besides itself.
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "signals": (),
+    "observer": ("signals",),
+    "stats": ("signals",),
+    "sources": ("signals", "observer", "stats"),
+    "metrics": ("signals", "stats", "sources.placement"),
+    "channel": ("stats.partials",),
+}
+
+
+def module_names() -> list[str]:
+    names = []
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        names.append(".".join(parts))
+    return names
+
+
+MODULES = module_names()
+
+
+def _path_of(module: str) -> Path:
+    base = ROOT.parent.joinpath(*module.split("."))
+    return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+
+
+def _resolve(name: str) -> str | None:
+    """The ``rl_observers`` module that ``name`` (a module or ``module.attribute``) lands in."""
+    while name:
+        if name in MODULES:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def imports_of(module: str) -> list[tuple[str, int, str]]:
+    """``(imported module, line, how)`` for every import in ``module``, functions included."""
+    path = _path_of(module)
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        targets: list[str] = []
+        how = "import"
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = package.split(".")
+                base = ".".join(base_parts[: len(base_parts) - node.level + 1])
+                origin = f"{base}.{node.module}" if node.module else base
+            else:
+                origin = node.module or ""
+            targets = [f"{origin}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Call):
+            fn = node.func
+            name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+            if name in ("import_module", "__import__") and node.args:
+                arg = node.args[0]
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                    targets, how = [arg.value], "importlib"
+        for target in targets:
+            resolved = _resolve(target)
+            if resolved is not None and resolved != module:
+                found.append((resolved, node.lineno, how))
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    return {module: {target for target, _, _ in imports_of(module)} for module in MODULES}
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _is_package(layer: str) -> bool:
+    return (ROOT / layer).is_dir()
+
+
+def _within(target: str, allowed: str) -> bool:
+    full = f"{PACKAGE}.{allowed}"
+    return target == full or target.startswith(full + ".")
+
+
+def violations() -> list[str]:
+    found = []
+    for module in MODULES:
+        layer = layer_of(module)
+        if not layer:
+            continue  # the package's __init__ imports everything it re-exports
+        for target, line, how in imports_of(module):
+            where = f"{module} (line {line})"
+            if how == "importlib":
+                found.append(f"{where} imports {target} through importlib")
+                continue
+            if target == PACKAGE:
+                found.append(f"{where} imports the top package {PACKAGE}")
+                continue
+            target_layer = layer_of(target)
+            if target_layer == layer:
+                continue
+            if layer not in LAYERS:
+                continue  # a module the layout does not place (yet)
+            if layer in ALLOWED:
+                if (layer in ("signals", "observer") or _is_package(layer)) and not any(
+                    _within(target, allowed) for allowed in ALLOWED[layer]
+                ):
+                    found.append(f"{where} imports {target}: {layer} may import only {ALLOWED[layer]}")
+                continue
+            if target_layer in LAYERS and LAYERS.index(target_layer) > LAYERS.index(layer):
+                found.append(f"{where} imports {target}, a later layer than {layer}")
+    return found
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``edges`` (one per strongly connected component, Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(edges.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_graph_sees_imports_inside_functions():
+    source = ROOT / "sources" / "collectors.py"
+    assert source.exists()
+    tree = ast.parse("def f():\n    from rl_observers.sources import remote\n")
+    (node,) = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert _resolve(f"{node.module}.{node.names[0].name}") == "rl_observers.sources.remote"
+
+
+def test_no_import_cycles_including_imports_inside_functions():
+    assert cycles(graph()) == []
+
+
+def test_layers_import_one_way():
+    assert violations() == []
+
+
+_IMPORT_EACH = r"""
+import importlib, json, sys, traceback, types
+modules, bare = json.loads(sys.argv[1]), sys.argv[2] == "bare"
+failures = {}
+keep = set(sys.modules)
+for name in modules:
+    for loaded in [m for m in sys.modules if m not in keep]:
+        if loaded == "rl_observers" or loaded.startswith("rl_observers."):
+            del sys.modules[loaded]
+    if bare and name != "rl_observers":
+        stand_in = types.ModuleType("rl_observers")
+        stand_in.__path__ = [sys.argv[3]]
+        sys.modules["rl_observers"] = stand_in
+    try:
+        importlib.import_module(name)
+    except BaseException:
+        failures[name] = traceback.format_exc()
+print(json.dumps(failures))
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["package_first", "bare"])
+def test_every_module_imports_on_its_own(mode):
+    # One interpreter; before each module, every rl_observers module is forgotten, so each
+    # import starts from a clean rl_observers state (torch and torchrl stay loaded: they are
+    # not ours, and reloading them for every module would take minutes).
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORT_EACH, json.dumps(MODULES), mode, str(ROOT)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT.parent,
+        timeout=280,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    failures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert failures == {}, "\n\n".join(f"{name}:\n{text}" for name, text in failures.items())
