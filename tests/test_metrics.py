@@ -25,16 +25,15 @@ from torchrl.data import (
 from torchrl.envs import EnvBase, GymEnv, RewardSum, SerialEnv, StepCounter, TransformedEnv
 from torchrl.envs.utils import RandomPolicy
 
-from rl_observers import metrics as metrics_module
-from rl_observers import reducers as reducers_module
 from rl_observers.metrics import (
     CollectorBatchMetrics,
     MetricSet,
     SampleMetrics,
     WriteMetrics,
-    _ObservedCounters,
 )
-from rl_observers.reducers import Count, Moments
+from rl_observers.metrics import episodes as episodes_module
+from rl_observers.stats import Count, Moments, ObservedCounters
+from rl_observers.stats import reducers as reducers_module
 
 # -- a real torchrl env with random rewards and random terminations ------------------
 
@@ -297,7 +296,7 @@ def test_reset_at_each_iter_drops_interrupted_episodes():
 def shortcuts(request, monkeypatch):
     """Runs a test with the CPU-only shortcuts, then with the path other devices take."""
     enabled = request.param == "cpu_shortcuts"
-    monkeypatch.setattr(metrics_module, "_CPU_SHORTCUTS", enabled)
+    monkeypatch.setattr(episodes_module, "_CPU_SHORTCUTS", enabled)
     monkeypatch.setattr(reducers_module, "_CPU_MASK_SHORTCUTS", enabled)
     return enabled
 
@@ -541,7 +540,7 @@ def test_rings_of_batches_never_read_a_value_on_the_host():
     summed = collect(make_env(batch_size=(2,), reward_sum=True), 6, 240)
     cases = ((plain, {}), (padded, {}), (summed, {"episode_reward_key": None}), (summed, {}))
     for batches, kwargs in cases:
-        assert len(batches) > metrics_module._RING_BATCHES
+        assert len(batches) > episodes_module._RING_BATCHES
         metrics = CollectorBatchMetrics(**kwargs)
         for batch in batches:
             metrics.on_post_collect(None, batch.to("meta"))
@@ -561,7 +560,7 @@ def test_observed_counters_lag_until_the_copy_completes():
         def synchronize(self):
             self.done = True
 
-    counters = _ObservedCounters(("frames", "episodes"))
+    counters = ObservedCounters(("frames", "episodes"))
     first, second = Event(), Event()
     counters._pending.append((("episodes",), torch.tensor([3]), first))
     counters._pending.append((("frames", "episodes"), torch.tensor([10, 1]), second))
