@@ -73,7 +73,9 @@ def default_metrics(target: Any) -> tuple[MetricSet, ...]:
 
     Collectors get :class:`~rl_observers.CollectorBatchMetrics`; replay
     buffers get :class:`~rl_observers.WriteMetrics` and
-    :class:`~rl_observers.SampleMetrics`.
+    :class:`~rl_observers.SampleMetrics`. The sets are bound to ``target``
+    (:meth:`MetricSet.bind <rl_observers.MetricSet.bind>`): a collector's
+    reward and done keys come from its env's specs.
 
     Examples:
         >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
@@ -81,9 +83,10 @@ def default_metrics(target: Any) -> tuple[MetricSet, ...]:
         >>> [type(m).__name__ for m in default_metrics(ReplayBuffer(storage=LazyTensorStorage(4)))]
         ['WriteMetrics', 'SampleMetrics']
     """
-    if isinstance(target, BaseCollector):
-        return (CollectorBatchMetrics(),)
-    return (WriteMetrics(), SampleMetrics())
+    sets = (CollectorBatchMetrics(),) if isinstance(target, BaseCollector) else (WriteMetrics(), SampleMetrics())
+    for metric_set in sets:
+        metric_set.bind(target)  # keys from the target's specs (the env's reward and done keys)
+    return sets
 
 
 def _as_sink(logger_or_channel: Any) -> tuple[MetricsHandle, MetricsChannel | None]:
@@ -303,6 +306,8 @@ class LoggerObserver(Observer):
         """Resolves defaults, names and counters once, for ``source`` (a local one or a remote one)."""
         if self._sets is None:
             self._sets = default_metrics(source)
+        for metric_set in self._sets:
+            metric_set.bind(source)
         if self._pristine is None:  # what a copy restarts from where it runs (see _resolve_mode)
             try:
                 self._pristine = pickle.dumps(self._sets)
@@ -416,6 +421,8 @@ class LoggerObserver(Observer):
             if os.getpid() != self._home_pid and self._pristine:
                 # a copy counts what its own process sees, not what the original had seen
                 self._sets = pickle.loads(self._pristine)
+                for metric_set in self._sets:
+                    metric_set.bind(source)
                 self._wire()
                 self._home_pid = os.getpid()
             self._worker = info.worker if info.worker is not None else 0

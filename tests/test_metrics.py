@@ -507,15 +507,34 @@ def test_configuration_is_validated():
         WriteMetrics(reward_key=3)
 
 
-def test_non_scalar_step_reward_needs_episode_reward():
-    batch = TensorDict(
-        {"next": {"reward": torch.ones(4, 2), "done": torch.zeros(4, 1, dtype=torch.bool)}}, [4]
-    )
-    with pytest.raises(ValueError, match="one reward_key value per step"):
-        CollectorBatchMetrics().on_post_collect(None, batch)
-    metrics = CollectorBatchMetrics(episode_return=False)
+@pytest.mark.parametrize("running", [True, False])
+def test_steps_with_several_entries_have_episodes_per_entry(running):
+    # Two entries per step (agents, nested envs): each has its own episodes. A done with one
+    # value per step closes every entry's episode; one per entry closes that entry's only.
+    reward = torch.tensor([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0], [4.0, 40.0]]).unsqueeze(-1)
+    done = torch.tensor([[False, False], [True, False], [False, False], [False, True]])
+    batch = TensorDict({"next": {"reward": reward, "done": done.unsqueeze(-1)}}, [4])
+    if not running:  # RewardSum / StepCounter entries, read at closing steps
+        since = torch.tensor([[1.0, 10.0], [3.0, 30.0], [3.0, 60.0], [7.0, 100.0]]).unsqueeze(-1)
+        batch["next", "episode_reward"] = since
+        batch["next", "step_count"] = torch.tensor([[1, 1], [2, 2], [1, 3], [2, 4]]).unsqueeze(-1)
+    metrics = CollectorBatchMetrics()
     metrics.on_post_collect(None, batch)
-    assert metrics.pull()["reward"].count == 8
+    payload = metrics.pull()
+    assert payload["reward"].count == 8  # every entry of every step
+    assert payload["episodes"].finalize() == {"episodes": 2.0}
+    assert sorted([payload["episode_return"].min, payload["episode_return"].max]) == [3.0, 100.0]
+    assert payload["episode_length"].finalize()["episode_length_max"] == 4.0
+    assert payload["frames"] == 4.0
+    shared = batch.clone()
+    shared["next", "done"] = done[:, :1].unsqueeze(-1)  # one done per step: closes both
+    metrics = CollectorBatchMetrics(episode_reward_key=None, step_count_key=None)
+    metrics.on_post_collect(None, shared)
+    assert metrics.pull()["episode_return"].finalize()["episode_return_max"] == 30.0
+    mismatched = batch.clone()
+    mismatched["next", "done"] = torch.zeros(4, 3, 1, dtype=torch.bool)
+    with pytest.raises(ValueError, match="entries of one step to agree"):
+        CollectorBatchMetrics().on_post_collect(None, mismatched)
 
 
 def test_collector_fold_never_reads_a_value_on_the_host():

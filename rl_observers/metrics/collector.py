@@ -9,9 +9,26 @@ import torch
 from tensordict import is_tensor_collection
 
 from rl_observers.metrics.base import MetricSet
-from rl_observers.metrics.episodes import CollectorPlan, EpisodeRing, flags
-from rl_observers.metrics.keys import NestedKey, check_bool, check_key, leaf_keys, missing_key
-from rl_observers.stats import Count, ObservedCounters, Partial, ReducerBank
+from rl_observers.metrics.episodes import (
+    CollectorPlan,
+    EpisodeCarry,
+    EpisodeRing,
+    close_episodes,
+    flags,
+    new_ring,
+    per_entry,
+    stage_batch,
+)
+from rl_observers.metrics.keys import (
+    FROM_SOURCE,
+    NestedKey,
+    check_bool,
+    check_key,
+    keys_from_source,
+    leaf_keys,
+    missing_key,
+)
+from rl_observers.stats import Count, Partial
 
 __all__ = ["CollectorBatchMetrics"]
 
@@ -119,33 +136,41 @@ class CollectorBatchMetrics(MetricSet):
         {'episode_return_mean': 3.5, 'episode_return_std': 1.5, 'episode_return_min': 2.0, 'episode_return_max': 5.0}
     """
 
-    events = ("post_collect",)
+    counter_names = ("frames", "batches", "episodes")
     _transient = ("_ring", "_stacked")
+    _lock_folds = False  # on_post_collect takes the lock itself
 
     def __init__(
         self,
         *,
-        reward_key: NestedKey | None = ("next", "reward"),
-        done_key: NestedKey | None = ("next", "done"),
-        terminated_key: NestedKey | None = ("next", "terminated"),
-        truncated_key: NestedKey | None = ("next", "truncated"),
+        reward_key: NestedKey | None = FROM_SOURCE,
+        done_key: NestedKey | None = FROM_SOURCE,
+        terminated_key: NestedKey | None = FROM_SOURCE,
+        truncated_key: NestedKey | None = FROM_SOURCE,
         episode_return: bool = True,
         episode_length: bool = True,
-        episode_reward_key: NestedKey | None = ("next", "episode_reward"),
-        step_count_key: NestedKey | None = ("next", "step_count"),
+        episode_reward_key: NestedKey | None = FROM_SOURCE,
+        step_count_key: NestedKey | None = FROM_SOURCE,
         mask_key: NestedKey | None = ("collector", "mask"),
         traj_ids_key: NestedKey | None = ("collector", "traj_ids"),
     ) -> None:
         super().__init__()
         owner = type(self).__name__
-        self.reward_key = check_key(reward_key, "reward_key", owner)
-        self.done_key = check_key(done_key, "done_key", owner)
-        self.terminated_key = check_key(terminated_key, "terminated_key", owner)
-        self.truncated_key = check_key(truncated_key, "truncated_key", owner)
+        given = {
+            "reward": reward_key,
+            "done": done_key,
+            "terminated": terminated_key,
+            "truncated": truncated_key,
+            "episode_reward": episode_reward_key,
+            "step_count": step_count_key,
+        }
+        # Keys left to the source: ("next", <name>) until bound to one (see bind).
+        self._from_source = tuple(name for name, key in given.items() if key is FROM_SOURCE)
+        for name, key in given.items():
+            key = ("next", name) if key is FROM_SOURCE else key
+            setattr(self, f"{name}_key", check_key(key, f"{name}_key", owner))
         self.episode_return = check_bool(episode_return, "episode_return", owner)
         self.episode_length = check_bool(episode_length, "episode_length", owner)
-        self.episode_reward_key = check_key(episode_reward_key, "episode_reward_key", owner)
-        self.step_count_key = check_key(step_count_key, "step_count_key", owner)
         self.mask_key = check_key(mask_key, "mask_key", owner)
         self.traj_ids_key = check_key(traj_ids_key, "traj_ids_key", owner)
         closing = (self.done_key, self.terminated_key, self.truncated_key)
@@ -159,24 +184,18 @@ class CollectorBatchMetrics(MetricSet):
                 f"{owner}: episode_return=True needs reward_key or episode_reward_key, "
                 f"got None for both."
             )
-
-        bank = self._bank = ReducerBank()
-        self._reward = bank.moments("reward") if self.reward_key is not None else None
-        self._dones = bank.count("dones") if self.done_key is not None else None
-        self._episodes = bank.count("episodes") if any(k is not None for k in closing) else None
+        self._reward = self.moments("reward") if self.reward_key is not None else None
+        self._dones = self.count("dones") if self.done_key is not None else None
+        self._episodes = self.count("episodes") if any(k is not None for k in closing) else None
         # Returns and lengths share their mask (the closing steps): folded together.
         specs = []
         if episode_return:
             specs.append(("episode_return", ("mean", "std", "min", "max")))
         if episode_length:
             specs.append(("episode_length", ("mean", "min", "max")))
-        self._episode = bank.moments_group(specs) if specs else None
-        self._counters = ObservedCounters(("frames", "batches", "episodes"))
+        self._episode = self.moments_group(specs) if specs else None
         self._plan: CollectorPlan | None = None
-        # In-flight episodes: [2, envs] float64, minus the (return, length) so far, and
-        # [envs] trajectory ids.
-        self._neg_carry: torch.Tensor | None = None
-        self._carry_traj: torch.Tensor | None = None
+        self._carry = EpisodeCarry()
         self._ring: EpisodeRing | None = None
         self._stacked: torch.Tensor | None = None
 
@@ -187,6 +206,23 @@ class CollectorBatchMetrics(MetricSet):
         )
 
     # -- key resolution -------------------------------------------------------------
+
+    def bind(self, source: Any) -> None:
+        """Takes the keys left to the source from its env's specs (a collector in this process).
+
+        Keys given explicitly are kept. Without an env here (a replay buffer,
+        a multiprocessing collector seen from the driver: its workers bind
+        their copies), nothing changes. Called before the first batch.
+        """
+        if not self._from_source:
+            return
+        found = keys_from_source(source)
+        if found is None:
+            return
+        with self._lock:
+            for name in self._from_source:
+                setattr(self, f"{name}_key", found[name])
+            self._plan = None  # resolved again at the next batch
 
     def _resolve(self, batch: Any) -> CollectorPlan:
         owner = type(self).__name__
@@ -225,15 +261,7 @@ class CollectorBatchMetrics(MetricSet):
         per_step = [(episode_reward, "episode_reward_key"), (step_count, "step_count_key")]
         if self.episode_return and episode_reward is None:
             per_step.append((reward, "reward_key"))
-        for key, what in per_step:
-            if key is None:
-                continue
-            extra = batch.get(key).shape[batch.batch_dims :]
-            if math.prod(extra) != 1:
-                raise ValueError(
-                    f"{owner}: episode metrics need one {what} value per step, got {key!r} with "
-                    f"shape {list(batch.get(key).shape)} for batch_size {list(batch.batch_size)}."
-                )
+        entries = _entries(batch, per_step, closing, owner)
         # Per quantity of the episode group: its row of the running sums (0: return,
         # 1: length) and the batch key it is read from at closing steps, if any.
         episode_sources = []
@@ -251,6 +279,7 @@ class CollectorBatchMetrics(MetricSet):
             traj_ids=optional(self.traj_ids_key),
             running=running,
             episode_sources=tuple(episode_sources),
+            entries=entries,
         )
 
     # -- events ---------------------------------------------------------------------
@@ -289,19 +318,35 @@ class CollectorBatchMetrics(MetricSet):
                 counters.add_observed(("frames",), torch.count_nonzero(mask).reshape(1))
             return
 
+        # The episode kernel works on [rows, steps]: with several entries per step, one row
+        # per env and entry.
+        episode_mask = mask
+        if plan.entries:
+            entries, dims = plan.entries, batch.batch_dims
+
+            def get(key: Any) -> torch.Tensor:
+                return per_entry(batch.get(key), dims, entries)
+
+            rows *= math.prod(entries)
+            if mask is not None:
+                episode_mask = per_entry(mask.view(batch_size), dims, entries)
+        closing_flags = []
+        for key in plan.closing:
+            value = flags(get(key), rows, steps)
+            if episode_mask is not None:
+                value = value & episode_mask
+            closing_flags.append(value)
         if plan.running:
-            self._fold_into_ring(plan, batch, rows, steps, mask, reward)
+            self._fold_into_ring(plan, batch, get, rows, steps, closing_flags, mask, episode_mask)
             return
         if reward is not None:
             self._fold_reward(reward, mask, batch_size)
-        closing = None
-        for key in plan.closing:
-            value = flags(get(key), rows, steps)
-            if mask is not None:
-                value = value & mask
+        closing = closing_flags[0]
+        for key, value in zip(plan.closing, closing_flags):
             if key == plan.done:
                 self._dones.fold_true(value)
-            closing = value if closing is None else closing | value
+            if value is not closing:
+                closing = closing | value
         n_closed = torch.count_nonzero(closing)
         self._count_frames_and_episodes(n_closed, mask, batch_size)
         self._episodes.add(n_closed)
@@ -320,38 +365,29 @@ class CollectorBatchMetrics(MetricSet):
         self,
         plan: CollectorPlan,
         batch: Any,
+        get: Any,
         rows: int,
         steps: int,
+        closing_flags: list[torch.Tensor],
         mask: torch.Tensor | None,
-        reward: torch.Tensor | None,
+        episode_mask: torch.Tensor | None,
     ) -> None:
         """Copies what the episode sums need into the ring's next slot (a few copies)."""
-        get = batch.get
         batch_size = batch.batch_size
-        cells = rows * steps
-        flags = []
-        for key in plan.closing:
-            value = get(key)
-            if value.dtype is not torch.bool or value.numel() != cells:
-                value = flags(value, rows, steps)
-            if mask is not None:
-                value = value & mask.view(value.shape)
-            flags.append(value)
-        ring = self._ring_for(plan, batch, rows, steps, mask, flags[0].device)
-        if reward is not None and ring.reward is None:
-            self._fold_reward(reward, mask, batch_size)  # else folded from the ring
-        if ring.done is not None:
-            done = flags[plan.closing.index(plan.done)]
-            ring.slot(ring.done, "done", done.shape).copy_(done)
-        shape = flags[0].shape
-        closing = ring.slot(ring.closing, "closing", shape)
-        if len(flags) == 1:
-            closing.copy_(flags[0])
-        else:
-            torch.bitwise_or(flags[0], flags[1].reshape(shape), out=closing)
-            for value in flags[2:]:
-                closing |= value.reshape(shape)
-        n_closed = torch.count_nonzero(closing)
+        ring = self._ring
+        key = (rows, steps, closing_flags[0].device, mask is None)
+        if ring is None or ring.key != key:
+            self._flush()  # a batch of another shape: the ring's batches are summed first
+            traj_dtype = None if plan.traj_ids is None else batch.get(plan.traj_ids).dtype
+            ring = self._ring = new_ring(
+                plan, key, rows, steps, key[2], masked=mask is not None, traj_dtype=traj_dtype
+            )
+        reward = None
+        if ring.reward is not None:
+            reward = get(plan.reward)  # its moments are folded from the ring
+        elif plan.reward is not None:
+            self._fold_reward(batch.get(plan.reward), mask, batch_size)
+        n_closed = stage_batch(ring, plan, get, closing_flags, reward, episode_mask)
         if ring.closed is not None and mask is None:  # CPU: read at once, no device to wait for
             closed = int(n_closed)
             ring.closed += closed
@@ -360,17 +396,6 @@ class CollectorBatchMetrics(MetricSet):
         else:
             ring.closed = None
             self._count_frames_and_episodes(n_closed, mask, batch_size)
-        if ring.reward is not None:
-            ring.slot(ring.reward, "reward", reward.shape).copy_(reward)
-        if ring.mask is not None:
-            ring.slot(ring.mask, "mask", mask.shape).copy_(mask)
-        if ring.traj is not None:
-            traj = get(plan.traj_ids)
-            ring.slot(ring.traj, "traj", traj.shape).copy_(traj)
-        for row, key in plan.episode_sources:
-            if key is not None:
-                value = get(key)
-                ring.slot(ring.from_keys[row], f"from_keys_{row}", value.shape).copy_(value)
         ring.used += 1
         if ring.used == ring.size:
             self._flush()
@@ -396,138 +421,33 @@ class CollectorBatchMetrics(MetricSet):
             extra = (1,) * (reward.ndim - len(batch_size))
             self._reward.fold(reward, mask.reshape(*batch_size, *extra))
 
-    def _ring_for(
-        self,
-        plan: CollectorPlan,
-        batch: Any,
-        rows: int,
-        steps: int,
-        mask: torch.Tensor | None,
-        device: torch.device,
-    ) -> EpisodeRing:
-        """The ring for batches of this shape (a batch of another shape flushes the ring)."""
-        ring = self._ring
-        key = (rows, steps, device, mask is None)
-        if ring is not None and ring.key == key:
-            return ring
+    def _fold_staged(self) -> None:
         self._flush()
-        traj_dtype = None if plan.traj_ids is None else batch.get(plan.traj_ids).dtype
-        ring = self._ring = EpisodeRing(
-            key,
-            rows,
-            steps,
-            device,
-            reward=plan.reward is not None
-            and self.episode_return
-            and plan.episode_reward is None,
-            done=plan.done is not None and plan.closing != (plan.done,),
-            mask=mask is not None,
-            traj_dtype=traj_dtype,
-            from_keys=[row for row, key in plan.episode_sources if key is not None],
-        )
-        return ring
-
-    def _drain(self) -> None:
-        self._flush()
-        super()._drain()
 
     def _flush(self) -> None:
-        """Sums the batches in the ring: episodes that closed, and the new carry.
-
-        The used slots form one timeline per env, across batches. Within it,
-        the cumulative sums of (reward, 1) are prefixed with minus the carry
-        of the episode in flight; an episode closing at step ``t`` is the
-        cumulative sum at ``t`` minus the one at the previous segment start
-        (found with a running maximum of closing positions), or minus the
-        prefix when none. Between two batches whose trajectory ids do not
-        continue, the episode in flight is dropped (a segment start that
-        closes no episode). What follows the last closing is the new carry.
-        Off the CPU: tensor operations only, no host read, no data-dependent
-        shape (on the CPU, see ``_CPU_SHORTCUTS``).
-        """
+        """Sums the batches in the ring (:func:`~rl_observers.metrics.episodes.close_episodes`)."""
         ring = self._ring
-        if ring is None or not ring.used:
+        if ring is None:
             return
-        used, ring.used = ring.used, 0
-        closed, ring.closed = ring.closed, ring.empty_count()
-        line = ring.timeline(used)
-        rows = ring.closing.shape[0]
-        device = ring.closing.device
-        length = line.length
-        # The window's episode count is the count of the episode moments (see pull); done
-        # steps are among the closing ones, so when none closed there is none to count.
-        if line.done is not None and closed != 0:
-            self._dones.add(torch.count_nonzero(line.done))  # type: ignore[union-attr]
-        # The carry column: minus the episode in flight, unless its trajectory does not continue.
-        neg_carry = self._neg_carry
-        traj = ring.traj
-        if neg_carry is None or neg_carry.shape != (2, rows):
-            line.carry.zero_()
-        else:
-            if neg_carry.device != device:
-                neg_carry = neg_carry.to(device)
-            previous = self._carry_traj
-            if traj is not None and previous is not None and previous.shape == (rows,):
-                if previous.device != device:
-                    previous = previous.to(device)
-                continues = line.traj_first == previous
-                torch.where(continues, neg_carry, ring.no_carry, out=line.carry)
-            else:
-                line.carry.copy_(neg_carry)
-        cut = None
-        if traj is not None:
-            self._carry_traj = line.traj_last.clone()
-            if used > 1:  # a trajectory that does not continue in the next batch is dropped
-                cut = line.traj_next_first != line.traj_prev_last
-                # (On the CPU, reading whether any was cut waits for no device.)
-                if closed is not None and not cut.any():
-                    cut = None
-        if closed == 0 and cut is None:
-            # CPU batches where no episode closed and every trajectory went on: nothing to
-            # fold but the rewards; each env's carry grows by its totals.
-            neg_carry = line.carry.clone()
-            neg_carry[1].sub_(length)
-            if line.reward is not None:
-                if line.reward_copy is not None:
-                    line.reward_copy[1].copy_(line.reward_copy[0])
-                self._reward.fold(line.reward)
-                neg_carry[0].sub_(line.reward.sum(-1))
-            self._neg_carry = neg_carry
+        closed = close_episodes(ring, self._carry, self._plan.episode_sources)  # type: ignore[union-attr]
+        if closed is None:
             return
-        for source, target in line.copies:  # the used slots as one timeline per env
-            target.copy_(source)
-        closing, mask = line.closing, line.mask
-        if line.reward is not None:
-            self._reward.fold(line.reward, mask)  # per-step rewards: their moments are folded here
-            torch.cumsum(line.reward, -1, out=line.cum_reward)
-        if mask is not None:
-            torch.cumsum(mask, -1, dtype=torch.float64, out=line.cum_length)
-        starts = closing
-        if cut is not None:
-            breaks = ring.closing.new_zeros((rows, used, ring.closing.shape[-1]))
-            breaks[:, :-1, -1] = cut
-            starts = closing | breaks.view(rows, length)
-        # positions[:, j]: 1 + the last segment end before step j (0: none), j in [0, length].
-        torch.where(starts, line.step_numbers, ring.no_step, out=line.positions_tail)
-        torch.cummax(line.positions, -1, out=(line.start, line.start_indices))
-        torch.gather(line.sums, -1, line.start_index, out=line.at_start)
-        self._neg_carry = line.at_end - line.sums_end
-        values = torch.sub(line.sums_tail, line.at_head, out=line.values)
-        sources = self._plan.episode_sources  # type: ignore[union-attr]
-        for row, key in sources:
-            if key is not None:
-                values[row].copy_(line.from_keys[row])
-        if len(sources) == 1:
-            row = sources[0][0]
-            values = values[row : row + 1]
-        self._episode.fold(values, closing)
+        if closed.reward is not None:
+            self._reward.fold(closed.reward, closed.mask)  # type: ignore[union-attr]
+        if closed.dones is not None:
+            self._dones.add(closed.dones)  # type: ignore[union-attr]
+        if closed.values is not None:
+            self._episode.fold(closed.values, closed.closing)  # type: ignore[union-attr]
 
     # -- host side ------------------------------------------------------------------
 
-    def counters(self) -> dict[str, float]:
-        """``frames``, ``batches``, ``episodes`` (cumulative; never waits for the device)."""
-        with self._lock:
-            return dict(self._counters.poll())
+    def gauges(self, counters: dict[str, int]) -> dict[str, float]:
+        """``frames``, ``batches`` and ``episodes_total`` (the cumulative ``episodes``)."""
+        return {
+            "frames": float(counters["frames"]),
+            "batches": float(counters["batches"]),
+            "episodes_total": float(counters["episodes"]),
+        }
 
     def pull(self) -> dict[str, float | Partial]:
         """Gauges ``frames``, ``batches``, ``episodes_total`` and the window's partials.
@@ -537,36 +457,25 @@ class CollectorBatchMetrics(MetricSet):
         device-to-host transfer; resets the window, not the episodes in flight.
         """
         with self._lock:
-            self._flush()
-            partials = self._bank.pull()
+            out = super().pull()
             plan = self._plan
             if plan is not None and plan.running:
                 # Episodes closed in the ring's batches are the count of their moments (and
                 # the dones, when done is the only closing key).
-                counted = Count("episodes", partials[self._episode.prefixes[0]].count)  # type: ignore[union-attr,attr-defined]
-                partials["episodes"] = counted
+                counted = Count("episodes", out[self._episode.prefixes[0]].count)  # type: ignore[union-attr,attr-defined]
+                out["episodes"] = counted
                 if plan.closing == (plan.done,):
-                    partials["dones"] = Count("dones", counted.n)
-            values = self._counters.drain()  # copies are complete after the transfer
-            out: dict[str, float | Partial] = {
-                "frames": float(values["frames"]),
-                "batches": float(values["batches"]),
-                "episodes_total": float(values["episodes"]),
-            }
-            out.update(partials)
+                    out["dones"] = Count("dones", counted.n)
             return out
 
     def state_dict(self) -> dict[str, Any]:
         """Cumulative counters and the per-env episodes in flight."""
         with self._lock:
-            self._flush()
-            values = self._counters.drain()
-            neg_carry = self._neg_carry
-            return {
-                "counters": dict(values),
-                "carry": None if neg_carry is None else neg_carry.neg().T.contiguous(),
-                "carry_traj_ids": None if self._carry_traj is None else self._carry_traj.clone(),
-            }
+            state = super().state_dict()
+            neg, traj = self._carry.neg, self._carry.traj
+            state["carry"] = None if neg is None else neg.neg().T.contiguous()
+            state["carry_traj_ids"] = None if traj is None else traj.clone()
+            return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores counters and episodes in flight (the window starts empty)."""
@@ -577,9 +486,44 @@ class CollectorBatchMetrics(MetricSet):
                     f"{type(self).__name__}.load_state_dict expects a carry of shape [envs, 2], "
                     f"got {list(carry.shape)}."
                 )
-            self._counters.load(state_dict["counters"])
+            super().load_state_dict(state_dict)
             self._ring = None  # batches not summed yet belong to the replaced state
-            self._neg_carry = None if carry is None else carry.to(torch.float64).T.neg()
             traj = state_dict.get("carry_traj_ids")
-            self._carry_traj = None if traj is None else traj.clone()
-            self._bank.reset()
+            self._carry = EpisodeCarry(
+                None if carry is None else carry.to(torch.float64).T.neg(),
+                None if traj is None else traj.clone(),
+            )
+
+
+def _entries(
+    batch: Any, per_step: list[tuple[Any, str]], closing: tuple[Any, ...], owner: str
+) -> tuple[int, ...]:
+    """The shape of the entries of one step (agents, nested envs), ``()`` for one entry.
+
+    Decided by the per-step values of the episodes (rewards, ``RewardSum``
+    and ``StepCounter`` entries); with one entry, closing flags with several
+    close the env's episode when any is set. Otherwise every key has one
+    value per step (broadcast to the entries) or one per entry.
+    """
+    dims = batch.batch_dims
+    entries: tuple[int, ...] = ()
+    seen = None
+    for key, what in [*per_step, *((k, "closing key") for k in closing)]:
+        if key is None:
+            continue
+        shape = tuple(batch.get(key).shape[dims:])
+        if math.prod(shape) == 1:
+            continue
+        if shape and shape[-1] == 1:
+            shape = shape[:-1]
+        if seen is None and what == "closing key":
+            break  # per-step values have one entry: flags are reduced with any
+        if seen is None:
+            entries, seen = shape, (key, what)
+        elif shape != entries:
+            raise ValueError(
+                f"{owner}: episode metrics need the entries of one step to agree, got {key!r} "
+                f"({what}) with {list(shape)} entries per step and {seen[0]!r} ({seen[1]}) with "
+                f"{list(entries)}, for batch_size {list(batch.batch_size)}."
+            )
+    return entries

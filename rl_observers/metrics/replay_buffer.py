@@ -22,8 +22,10 @@ from rl_observers.metrics.keys import (
     missing_key,
     storage_device,
     storage_of,
+    stored_slots,
+    writer_may_skip,
 )
-from rl_observers.stats import ObservedCounters, Partial, ReducerBank
+from rl_observers.stats import Partial
 
 __all__ = ["SampleMetrics", "WriteMetrics"]
 
@@ -70,7 +72,9 @@ class SampleMetrics(MetricSet):
     used. Items written before this set saw any write have no stamp and are
     left out of the age statistics; stamps are kept for storages whose
     capacity is known (up to 2**24 slots) or whose indices live on the CPU.
-    Writes from other processes sharing a storage are not seen.
+    Writes from other processes sharing a storage are not seen. Items a
+    writer did not store (index ``-1``, see :class:`WriteMetrics`) stamp no
+    slot and do not count as written.
 
     :meth:`counters` and :meth:`stats` give ``sample_calls`` and
     ``samples_returned``.
@@ -99,25 +103,22 @@ class SampleMetrics(MetricSet):
         True
     """
 
-    events = ("post_add", "post_extend", "post_sample")
+    counter_names = ("sample_calls", "samples_returned")
     #: Gauges that are not cumulative counters: merged across workers by keeping the newest.
     latest_gauges: tuple[str, ...] = ("batch_size",)
     _transient = ("_sampled",)
+    _lock_folds = False  # writes take the lock only when ages are on
 
     def __init__(self, *, priority_weight: bool = True, age: bool = True) -> None:
         super().__init__()
         owner = type(self).__name__
         self.priority_weight = check_bool(priority_weight, "priority_weight", owner)
         self.age = check_bool(age, "age", owner)
-        bank = self._bank = ReducerBank()
-        self._weights = (
-            bank.moments("priority_weight", stats=("mean", "min", "max"))
-            if priority_weight
-            else None
-        )
-        self._ages = bank.moments("sample_age", stats=("mean", "min", "max")) if age else None
-        self._counters = ObservedCounters(("sample_calls", "samples_returned"))
+        stats = ("mean", "min", "max")
+        self._weights = self.moments("priority_weight", stats=stats) if priority_weight else None
+        self._ages = self.moments("sample_age", stats=stats) if age else None
         self._batch_size = 0
+        self._skips: bool | None = None  # whether the source's writer may skip items
         self._written = 0  # items written while observed: the stamp of the latest item
         self._stamps: torch.Tensor | None = None  # per dim-0 slot; 0 = never seen written
         self._stamps_fixed = False  # sized to the storage's capacity
@@ -143,14 +144,20 @@ class SampleMetrics(MetricSet):
             with self._lock:
                 self._stamp(source, index)
 
+    def bind(self, source: Any) -> None:
+        """Notes whether the source's writer may skip items (any but torchrl's round-robin)."""
+        self._skips = writer_may_skip(source)
+
     def _stamp(self, source: Any, index: Any) -> None:
         storage = storage_of(source)
-        slots = dim0_slots(index, storage, per_item=True)
+        if self._skips is None:
+            self._skips = writer_may_skip(source)
+        slots, _ = stored_slots(index, storage, may_skip=self._skips)
         if slots is None or not slots.numel():
             return
         n = slots.numel()
         stamps = self._stamps_for(storage, slots)
-        if stamps is not None and isinstance(index, int) and 0 <= index < stamps.numel():
+        if stamps is not None and type(index) is int and 0 <= index < stamps.numel():
             # ``add`` on a 1-D storage: a fill, not a host-to-device copy of the slot.
             stamps.narrow(0, index, 1).fill_(self._written + 1)
         elif stamps is not None:
@@ -253,57 +260,46 @@ class SampleMetrics(MetricSet):
 
     # -- host side ------------------------------------------------------------------
 
-    def _drain(self) -> None:
+    def _fold_staged(self) -> None:
         self._fold_ages()
-        super()._drain()
-
-    def counters(self) -> dict[str, float]:
-        """``sample_calls`` and ``samples_returned`` (cumulative)."""
-        with self._lock:
-            return dict(self._counters.poll())
 
     def stats(self) -> dict[str, float]:
         """``sample_calls`` and ``samples_returned``, for the target's ``stats()``."""
         return self.counters()
 
+    def gauges(self, counters: dict[str, int]) -> dict[str, float]:
+        """``sample_calls``, ``samples_returned`` (cumulative) and ``batch_size`` (the last)."""
+        out = super().gauges(counters)
+        out["batch_size"] = float(self._batch_size)
+        return out
+
     def pull(self) -> dict[str, float | Partial]:
         """Gauges ``sample_calls``, ``samples_returned``, ``batch_size``; partials
         ``"priority_weight"`` and ``"sample_age"`` (those configured)."""
-        with self._lock:
-            self._fold_ages()
-            partials = self._bank.pull()
-            values = self._counters.drain()
-            out: dict[str, float | Partial] = {
-                "sample_calls": float(values["sample_calls"]),
-                "samples_returned": float(values["samples_returned"]),
-                "batch_size": float(self._batch_size),
-            }
-            out.update(partials)
-            return out
+        return super().pull()
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, the running item count and the per-slot stamps."""
         with self._lock:
-            self._fold_ages()
-            return {
-                "counters": dict(self._counters.drain()),
-                "batch_size": self._batch_size,
-                "written": self._written,
-                "stamps": None if self._stamps is None else self._stamps.clone(),
-                "stamps_fixed": self._stamps_fixed,
-            }
+            state = super().state_dict()
+            state.update(
+                batch_size=self._batch_size,
+                written=self._written,
+                stamps=None if self._stamps is None else self._stamps.clone(),
+                stamps_fixed=self._stamps_fixed,
+            )
+            return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores what :meth:`state_dict` returned (the window starts empty)."""
         with self._lock:
-            self._counters.load(state_dict["counters"])
+            super().load_state_dict(state_dict)
             self._batch_size = int(state_dict.get("batch_size", 0))
             self._written = int(state_dict["written"])
             stamps = state_dict.get("stamps")
             self._stamps = None if stamps is None else stamps.clone()
             self._stamps_fixed = bool(state_dict.get("stamps_fixed", False))
             self._sampled, self._sampled_written = None, []
-            self._bank.reset()
 
 
 class WriteMetrics(MetricSet):
@@ -323,7 +319,12 @@ class WriteMetrics(MetricSet):
     =========================  ========  ==============================================
 
     Items are counted like torchrl's ``write_count``: one per dim-0 slot
-    written. :meth:`counters` gives ``write_count`` (= ``items_written``, as
+    written. Items the writer did not store are **not** counted as written
+    and their rewards are left out: ``TensorDictMaxValueWriter`` marks them
+    with index ``-1`` in what ``extend`` returns, and returns ``None`` from an
+    ``add`` it skipped (a skipped ``add`` still counts in ``writes``, the
+    calls). With a writer other than torchrl's round-robin ones, the index
+    of each write is read on the host to find skipped items. :meth:`counters` gives ``write_count`` (= ``items_written``, as
     observed), ``writes`` and ``items_written``; :meth:`stats` gives
     ``writes``, ``items_written`` and ``seconds_since_last_write``.
 
@@ -349,7 +350,8 @@ class WriteMetrics(MetricSet):
         {'reward_mean': 2.0, 'reward_std': 1.0, 'reward_min': 1.0, 'reward_max': 3.0}
     """
 
-    events = ("post_add", "post_extend")
+    counter_names = ("writes", "items_written")
+    _lock_folds = False  # each write takes the lock itself
 
     def __init__(
         self,
@@ -361,31 +363,42 @@ class WriteMetrics(MetricSet):
         owner = type(self).__name__
         self.reward_key = check_key(reward_key, "reward_key", owner)
         self.mask_key = check_key(mask_key, "mask_key", owner)
-        self._bank = ReducerBank()
-        self._reward = self._bank.moments("reward") if self.reward_key is not None else None
-        self._counters = ObservedCounters(("writes", "items_written"))
+        self._reward = self.moments("reward") if self.reward_key is not None else None
         self._last_write: float | None = None
+        self._skips: bool | None = None  # whether the source's writer may skip items
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(reward_key={self.reward_key!r})"
 
+    def bind(self, source: Any) -> None:
+        """Notes whether the source's writer may skip items (any but torchrl's round-robin)."""
+        self._skips = writer_may_skip(source)
+
     def on_post_add(self, source: Any, data: Any, index: Any) -> None:
-        """Counts one item and folds its reward."""
+        """Counts the item, unless the writer skipped it (``index`` is ``None`` or ``-1``)."""
         with self._lock:
-            self._write(data, 1)
+            skipped = index is None or (type(index) is int and index < 0)
+            self._write(data, 0 if skipped else 1, None)
 
     def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
-        """Counts the items written and folds their rewards."""
+        """Counts the items written and folds their rewards (skipped items are left out)."""
         with self._lock:
-            slots = dim0_slots(index, storage_of(source), per_item=True)
-            self._write(data, leading_size(data) if slots is None else slots.numel())
+            slots, stored = stored_slots(index, storage_of(source), may_skip=self._may_skip(source))
+            self._write(data, leading_size(data) if slots is None else slots.numel(), stored)
 
-    def _write(self, data: Any, items: int) -> None:
+    def _may_skip(self, source: Any) -> bool:
+        skips = self._skips
+        if skips is None:
+            skips = self._skips = writer_may_skip(source)
+        return skips
+
+    def _write(self, data: Any, items: int, stored: torch.Tensor | None) -> None:
+        """Counts a write of ``items`` items; ``stored``: which items of ``data`` were kept."""
         counters = self._counters
         counters.add("writes", 1)
         counters.add("items_written", items)
         self._last_write = time.monotonic()
-        if self._reward is None:
+        if self._reward is None or not items:
             return
         owner = type(self).__name__
         if not is_tensor_collection(data):
@@ -399,16 +412,15 @@ class WriteMetrics(MetricSet):
         mask = data.get(self.mask_key, None) if self.mask_key is not None else None
         if mask is not None:
             mask = mask.reshape(*mask.shape, *(1,) * (reward.ndim - mask.ndim))
+        if stored is not None and reward.ndim and reward.shape[0] == stored.numel():
+            stored = stored.reshape(-1, *(1,) * (reward.ndim - 1))
+            mask = stored if mask is None else mask & stored
         self._reward.fold(reward, mask)
 
     def counters(self) -> dict[str, float]:
         """``write_count``, ``writes``, ``items_written`` (cumulative)."""
         values = self._counters.values
-        return {
-            "write_count": values["items_written"],
-            "writes": values["writes"],
-            "items_written": values["items_written"],
-        }
+        return {"write_count": values["items_written"], **values}
 
     def stats(self) -> dict[str, float]:
         """``writes``, ``items_written`` and, after a write, ``seconds_since_last_write``."""
@@ -420,23 +432,4 @@ class WriteMetrics(MetricSet):
 
     def pull(self) -> dict[str, float | Partial]:
         """Gauges ``writes``, ``items_written``; partial ``"reward"`` (when configured)."""
-        with self._lock:
-            partials = self._bank.pull()
-            values = self._counters.values
-            out: dict[str, float | Partial] = {
-                "writes": float(values["writes"]),
-                "items_written": float(values["items_written"]),
-            }
-            out.update(partials)
-            return out
-
-    def state_dict(self) -> dict[str, Any]:
-        """The cumulative counters."""
-        with self._lock:
-            return {"counters": dict(self._counters.values)}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores the counters (the window starts empty)."""
-        with self._lock:
-            self._counters.load(state_dict["counters"])
-            self._bank.reset()
+        return super().pull()

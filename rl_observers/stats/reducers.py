@@ -517,9 +517,11 @@ class CountReducer(_Reducer):
 class ReducerBank:
     """Holds the window state of several reducers in one ``float64`` tensor.
 
-    Register reducers first (:meth:`moments`, :meth:`moments_group`,
-    :meth:`count`); the state tensor is allocated on the device of the first
-    tensor folded, and a tensor on another device is moved to it.
+    Register reducers with :meth:`moments`, :meth:`moments_group` and
+    :meth:`count`; the state tensor is allocated on the device of the first
+    tensor folded, and a tensor on another device is moved to it. A reducer
+    registered after the first fold widens the state (a copy on the device,
+    once), so reducers can be created when first needed.
     :meth:`pull` copies the whole state to the host in one transfer, resets
     the window and returns one partial per key (a :class:`Moments` per
     prefix, a :class:`Count` per name).
@@ -591,15 +593,31 @@ class ReducerBank:
         return self._register(CountReducer(self, self._width, _check_name(name, "name")))
 
     def _register(self, reducer: _R) -> _R:
-        if self._state is not None:
-            raise RuntimeError("reducers must be registered before the bank's first fold.")
         taken = self.keys
         for key in reducer.keys:
             if key in taken or reducer.keys.count(key) > 1:
                 raise ValueError(f"a reducer with key {key!r} is already registered.")
         self._reducers.append(reducer)
         self._width += reducer.width
+        if self._state is not None:
+            self._grow()
         return reducer
+
+    def _grow(self) -> None:
+        """Widens the state for a reducer registered after the first fold (no host read).
+
+        The window so far is kept: staged folds are reduced into the old state,
+        which is copied on the device into a wider one; views are made again.
+        """
+        old = self._state
+        for reducer in self._reducers:
+            reducer._flush()
+        state = torch.zeros(self._width, dtype=torch.float64, device=old.device)
+        state[: old.numel()].copy_(old)
+        self._state = state
+        for reducer in self._reducers:
+            for name in reducer._transient:
+                setattr(reducer, name, None)
 
     def __getstate__(self) -> dict[str, Any]:
         for reducer in self._reducers:
