@@ -14,6 +14,7 @@ from rl_observers.metrics.episodes import (
     EpisodeCarry,
     EpisodeRing,
     close_episodes,
+    entries_of,
     flags,
     new_ring,
     per_entry,
@@ -60,6 +61,22 @@ class CollectorBatchMetrics(MetricSet):
     from that batch on; ``split_trajs=True`` batches need ``RewardSum`` /
     ``StepCounter`` for episodes spanning batches.
 
+    **Keys follow the source.** Keys left to their default are taken from
+    the collector's env specs when the set is bound to it (:meth:`bind`,
+    called by the observer when attached, in the driver and in each worker
+    or actor): the reward is the env's first reward key (``("next",
+    *env.reward_keys[0])``), the done, terminated and truncated keys are
+    those of the reward's group (``("agents", "done")`` next to
+    ``("agents", "reward")``), else the root ones; ``RewardSum`` and
+    ``StepCounter`` entries are looked for next to them. Unbound, the keys
+    are ``("next", "reward")``, ``("next", "done")``, ... as in most envs.
+
+    **Steps with several entries** (agents, nested envs: a reward of shape
+    ``[*B, T, n, 1]``): every entry has its own episodes (its own return,
+    length and count), as multi-agent training reports them; a flag with
+    one value per step (a root ``done``) closes the episodes of every entry.
+    ``frames`` still counts env steps.
+
     Metric names (what :meth:`pull` yields once finalized):
 
     ========================  ========  ==================================================
@@ -72,8 +89,8 @@ class CollectorBatchMetrics(MetricSet):
     ``reward_std``            window    population std of per-step rewards
     ``reward_min``            window    minimum per-step reward
     ``reward_max``            window    maximum per-step reward
-    ``dones``                 window    steps with ``done_key`` set
-    ``episodes``              window    episodes completed in the window
+    ``dones``                 window    steps (entries) with ``done_key`` set
+    ``episodes``              window    episodes (of each entry) completed in the window
     ``episode_return_mean``   window    mean return of the episodes completed
     ``episode_return_std``    window    population std of those returns
     ``episode_return_min``    window    minimum of those returns
@@ -90,23 +107,28 @@ class CollectorBatchMetrics(MetricSet):
 
     Keyword Args:
         reward_key (NestedKey, optional): per-step reward. Required in the
-            batch unless ``None`` (no reward metrics). Defaults to
-            ``("next", "reward")``.
+            batch unless ``None`` (no reward metrics). Defaults to the
+            source's reward key, ``("next", "reward")`` until bound.
         done_key (NestedKey, optional): done flags. Required in the batch
-            unless ``None``. Defaults to ``("next", "done")``.
+            unless ``None``. Defaults to the source's done key,
+            ``("next", "done")`` until bound.
         terminated_key (NestedKey, optional): also closes episodes, when
-            present. Defaults to ``("next", "terminated")``.
+            present. Defaults to the source's terminated key,
+            ``("next", "terminated")`` until bound.
         truncated_key (NestedKey, optional): also closes episodes, when
-            present. Defaults to ``("next", "truncated")``.
+            present. Defaults to the source's truncated key,
+            ``("next", "truncated")`` until bound.
         episode_return (bool, optional): emit ``episode_return_*``.
             Defaults to ``True``.
         episode_length (bool, optional): emit ``episode_length_*``.
             Defaults to ``True``.
         episode_reward_key (NestedKey, optional): cumulative episode reward,
             used at closing steps when present. Defaults to
-            ``("next", "episode_reward")``.
+            ``"episode_reward"`` next to the source's reward key,
+            ``("next", "episode_reward")`` until bound.
         step_count_key (NestedKey, optional): steps since reset, used at
-            closing steps when present. Defaults to ``("next", "step_count")``.
+            closing steps when present. Defaults to ``"step_count"`` next to
+            the source's done key, ``("next", "step_count")`` until bound.
         mask_key (NestedKey, optional): valid-step mask of padded batches,
             used when present. Defaults to ``("collector", "mask")``.
         traj_ids_key (NestedKey, optional): trajectory ids, used when present
@@ -261,7 +283,7 @@ class CollectorBatchMetrics(MetricSet):
         per_step = [(episode_reward, "episode_reward_key"), (step_count, "step_count_key")]
         if self.episode_return and episode_reward is None:
             per_step.append((reward, "reward_key"))
-        entries = _entries(batch, per_step, closing, owner)
+        entries = entries_of(batch, per_step, closing, owner)
         # Per quantity of the episode group: its row of the running sums (0: return,
         # 1: length) and the batch key it is read from at closing steps, if any.
         episode_sources = []
@@ -494,36 +516,3 @@ class CollectorBatchMetrics(MetricSet):
                 None if traj is None else traj.clone(),
             )
 
-
-def _entries(
-    batch: Any, per_step: list[tuple[Any, str]], closing: tuple[Any, ...], owner: str
-) -> tuple[int, ...]:
-    """The shape of the entries of one step (agents, nested envs), ``()`` for one entry.
-
-    Decided by the per-step values of the episodes (rewards, ``RewardSum``
-    and ``StepCounter`` entries); with one entry, closing flags with several
-    close the env's episode when any is set. Otherwise every key has one
-    value per step (broadcast to the entries) or one per entry.
-    """
-    dims = batch.batch_dims
-    entries: tuple[int, ...] = ()
-    seen = None
-    for key, what in [*per_step, *((k, "closing key") for k in closing)]:
-        if key is None:
-            continue
-        shape = tuple(batch.get(key).shape[dims:])
-        if math.prod(shape) == 1:
-            continue
-        if shape and shape[-1] == 1:
-            shape = shape[:-1]
-        if seen is None and what == "closing key":
-            break  # per-step values have one entry: flags are reduced with any
-        if seen is None:
-            entries, seen = shape, (key, what)
-        elif shape != entries:
-            raise ValueError(
-                f"{owner}: episode metrics need the entries of one step to agree, got {key!r} "
-                f"({what}) with {list(shape)} entries per step and {seen[0]!r} ({seen[1]}) with "
-                f"{list(entries)}, for batch_size {list(batch.batch_size)}."
-            )
-    return entries

@@ -27,6 +27,7 @@ __all__ = [
     "EpisodeRing",
     "Timeline",
     "close_episodes",
+    "entries_of",
     "flags",
     "new_ring",
     "per_entry",
@@ -82,6 +83,40 @@ def flags(value: torch.Tensor, rows: int, steps: int) -> torch.Tensor:
         value = value.reshape(rows, steps)
         return value if value.dtype is torch.bool else value.to(torch.bool)
     return value.reshape(rows, steps, -1).to(torch.bool).any(-1)
+
+
+def entries_of(
+    batch: Any, per_step: list[tuple[Any, str]], closing: tuple[Any, ...], owner: str
+) -> tuple[int, ...]:
+    """The shape of the entries of one step (agents, nested envs), ``()`` for one entry.
+
+    Decided by the per-step values of the episodes (rewards, ``RewardSum``
+    and ``StepCounter`` entries); with one entry, closing flags with several
+    close the env's episode when any is set. Otherwise every key has one
+    value per step (broadcast to the entries) or one per entry.
+    """
+    dims = batch.batch_dims
+    entries: tuple[int, ...] = ()
+    seen = None
+    for key, what in [*per_step, *((k, "closing key") for k in closing)]:
+        if key is None:
+            continue
+        shape = tuple(batch.get(key).shape[dims:])
+        if math.prod(shape) == 1:
+            continue
+        if shape and shape[-1] == 1:
+            shape = shape[:-1]
+        if seen is None and what == "closing key":
+            break  # per-step values have one entry: flags are reduced with any
+        if seen is None:
+            entries, seen = shape, (key, what)
+        elif shape != entries:
+            raise ValueError(
+                f"{owner}: episode metrics need the entries of one step to agree, got {key!r} "
+                f"({what}) with {list(shape)} entries per step and {seen[0]!r} ({seen[1]}) with "
+                f"{list(entries)}, for batch_size {list(batch.batch_size)}."
+            )
+    return entries
 
 
 # Batches folded with running episode sums are kept in a ring of up to this many batches
