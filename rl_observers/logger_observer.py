@@ -83,7 +83,10 @@ def default_metrics(target: Any) -> tuple[MetricSet, ...]:
         >>> [type(m).__name__ for m in default_metrics(ReplayBuffer(storage=LazyTensorStorage(4)))]
         ['WriteMetrics', 'SampleMetrics']
     """
-    sets = (CollectorBatchMetrics(),) if isinstance(target, BaseCollector) else (WriteMetrics(), SampleMetrics())
+    if isinstance(target, BaseCollector):
+        sets: tuple[MetricSet, ...] = (CollectorBatchMetrics(),)
+    else:
+        sets = (WriteMetrics(), SampleMetrics())
     for metric_set in sets:
         metric_set.bind(target)  # keys from the target's specs (the env's reward and done keys)
     return sets

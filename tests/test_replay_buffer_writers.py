@@ -25,7 +25,9 @@ from rl_observers import Every, LoggerObserver, MetricsChannel, SampleMetrics, W
 
 def _buffer(kind: str, capacity: int):
     if kind == "round_robin":
-        return TensorDictReplayBuffer(storage=LazyTensorStorage(capacity), writer=TensorDictRoundRobinWriter())
+        return TensorDictReplayBuffer(
+            storage=LazyTensorStorage(capacity), writer=TensorDictRoundRobinWriter()
+        )
     if kind == "max_value":
         return TensorDictReplayBuffer(
             storage=LazyTensorStorage(capacity), writer=TensorDictMaxValueWriter(rank_key="r")
@@ -37,7 +39,9 @@ def _buffer(kind: str, capacity: int):
             writer=TensorDictMaxValueWriter(rank_key="r"),
         )
     if kind == "prioritized":
-        return TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=LazyTensorStorage(capacity))
+        return TensorDictPrioritizedReplayBuffer(
+            alpha=0.7, beta=0.5, storage=LazyTensorStorage(capacity)
+        )
     raise AssertionError(kind)
 
 
@@ -46,7 +50,9 @@ def _items(values: list[float]) -> TensorDict:
     return TensorDict({"r": r, "next": {"reward": r.unsqueeze(-1)}}, batch_size=[len(values)])
 
 
-@pytest.mark.parametrize("kind", ["round_robin", "max_value", "prioritized", "prioritized_max_value"])
+@pytest.mark.parametrize(
+    "kind", ["round_robin", "max_value", "prioritized", "prioritized_max_value"]
+)
 def test_writes_and_ages_count_only_stored_items(kind, tmp_path):
     if kind.startswith("prioritized"):
         try:
@@ -58,7 +64,9 @@ def test_writes_and_ages_count_only_stored_items(kind, tmp_path):
     logger = CSVLogger(exp_name="writers", log_dir=str(tmp_path))
     channel = MetricsChannel(logger)
     # The observer's schedule never fires: this test pulls the windows itself.
-    observer = LoggerObserver(channel, metrics=[writes, samples], schedule=Every.seconds(float("inf")))
+    observer = LoggerObserver(
+        channel, metrics=[writes, samples], schedule=Every.seconds(float("inf"))
+    )
     rb.add_observer(observer, on_error="raise")
     stamps: dict[int, int] = {}  # slot -> items stored when it was last written
     stored_rewards: list[float] = []
@@ -71,7 +79,10 @@ def test_writes_and_ages_count_only_stored_items(kind, tmp_path):
             if step % 3 == 2:  # add, one item
                 item = _items(values[:1])[0]
                 index = rb.add(item)
-                slots, kept = ([] if index is None else [int(index)]), values[:1] if index is not None else []
+                slots, kept = (
+                    ([] if index is None else [int(index)]),
+                    values[:1] if index is not None else [],
+                )
             else:
                 index = rb.extend(_items(values))
                 pairs = [(int(i), v) for i, v in zip(index.tolist(), values) if i >= 0]

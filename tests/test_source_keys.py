@@ -30,7 +30,11 @@ from rl_observers.metrics.keys import keys_from_source
 from .helpers import scalars
 
 ENVS = {
-    "nested": (lambda: NestedCountingEnv(max_steps=4), ("next", "data", "reward"), ("next", "data", "done")),
+    "nested": (
+        lambda: NestedCountingEnv(max_steps=4),
+        ("next", "data", "reward"),
+        ("next", "data", "done"),
+    ),
     "nested_reward_only": (
         lambda: NestedCountingEnv(max_steps=4, nest_done=False, nest_reward=True),
         ("next", "data", "reward"),
@@ -38,7 +42,9 @@ ENVS = {
     ),
     "multi_key": (lambda: MultiKeyCountingEnv(max_steps=4), ("next", "reward"), ("next", "done")),
     "heterogeneous": (
-        lambda: HeterogeneousCountingEnv(max_steps=4), ("next", "lazy", "reward"), ("next", "lazy", "done")
+        lambda: HeterogeneousCountingEnv(max_steps=4),
+        ("next", "lazy", "reward"),
+        ("next", "lazy", "done"),
     ),
     "multi_agent": (
         lambda: MultiAgentCountingEnv(n_agents=2, max_steps=4),
@@ -51,7 +57,9 @@ ENVS = {
 
 def _collector(make_env, frames=40):
     env = make_env()
-    return Collector(env, RandomPolicy(env.full_action_spec), frames_per_batch=10, total_frames=frames)
+    return Collector(
+        env, RandomPolicy(env.full_action_spec), frames_per_batch=10, total_frames=frames
+    )
 
 
 def _closing(batch, metrics, entries):
@@ -107,7 +115,9 @@ def test_an_observer_binds_its_sets_when_attached(tmp_path):
     collector = _collector(ENVS["nested"][0])
     try:
         collector.add_observer(
-            LoggerObserver(channel, schedule=Every.counter("frames", 20), metrics=CollectorBatchMetrics()),
+            LoggerObserver(
+                channel, schedule=Every.counter("frames", 20), metrics=CollectorBatchMetrics()
+            ),
             on_error="raise",
         )
         for _ in collector:

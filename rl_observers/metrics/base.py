@@ -122,7 +122,9 @@ class MetricSet:
             cls.folded_events = tuple(own["events"])
             cls.events = _FoldedEventsAlias()  # type: ignore[assignment]
         elif "folded_events" not in own:
-            cls.folded_events = tuple(e for e in DATA_EVENTS if callable(getattr(cls, "on_" + e, None)))
+            cls.folded_events = tuple(
+                e for e in DATA_EVENTS if callable(getattr(cls, "on_" + e, None))
+            )
         for event in cls.folded_events:
             if event not in DATA_EVENTS:
                 raise TypeError(

@@ -351,12 +351,16 @@ class CollectorBatchMetrics(MetricSet):
 
             rows *= math.prod(entries)
             if mask is not None:
-                episode_mask = per_entry(mask.view(batch_size), dims, entries)
+                episode_mask = per_entry(mask.reshape(batch_size), dims, entries)
         closing_flags = []
+        cells = rows * steps
         for key in plan.closing:
-            value = flags(get(key), rows, steps)
+            value = get(key)
+            # The ring copies flags of any layout; the other path needs [rows, steps].
+            if not plan.running or value.dtype is not torch.bool or value.numel() != cells:
+                value = flags(value, rows, steps)
             if episode_mask is not None:
-                value = value & episode_mask
+                value = value & episode_mask.view(value.shape)
             closing_flags.append(value)
         if plan.running:
             self._fold_into_ring(plan, batch, get, rows, steps, closing_flags, mask, episode_mask)

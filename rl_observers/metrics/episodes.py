@@ -180,7 +180,9 @@ class EpisodeRing:
         self.closing = torch.zeros(shape, dtype=torch.bool, device=device)
         self.done = torch.zeros(shape, dtype=torch.bool, device=device) if done else None
         self.mask = torch.zeros(shape, dtype=torch.bool, device=device) if mask else None
-        self.traj = None if traj_dtype is None else torch.zeros(shape, dtype=traj_dtype, device=device)
+        self.traj = (
+            None if traj_dtype is None else torch.zeros(shape, dtype=traj_dtype, device=device)
+        )
         # Per row of the sums (0: return, 1: length) read from a batch key instead.
         self.from_keys = {row: torch.zeros(shape, dtype=f64, device=device) for row in from_keys}
         timeline = size * steps
@@ -347,7 +349,8 @@ def new_ring(
         rows,
         steps,
         device,
-        reward=plan.reward is not None and any(row == 0 and k is None for row, k in plan.episode_sources),
+        reward=plan.reward is not None
+        and any(row == 0 and k is None for row, k in plan.episode_sources),
         done=plan.done is not None and plan.closing != (plan.done,),
         mask=masked,
         traj_dtype=traj_dtype,
