@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from rl_observers.signals import EVENT_PAYLOADS
 from rl_observers.stats import (
     CountReducer,
     MomentsGroupReducer,
@@ -20,8 +21,9 @@ from rl_observers.stats import (
 
 __all__ = ["DATA_EVENTS", "MetricSet"]
 
-#: The events a metric set may fold (those that carry data), in the order sources emit them.
-DATA_EVENTS: tuple[str, ...] = ("post_collect", "post_add", "post_extend", "post_sample")
+#: The events a metric set may fold: those that carry data (``post_collect``, ``post_add``,
+#: ``post_extend``, ``post_sample``).
+DATA_EVENTS: tuple[str, ...] = tuple(event for event, payload in EVENT_PAYLOADS.items() if payload)
 
 
 def _locked(fold: Callable[..., None]) -> Callable[..., None]:
