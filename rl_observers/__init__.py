@@ -7,7 +7,7 @@ buffer, and makes ``collector.enable_profile()`` attach a
 
 The flow of one number: a source (collector or replay buffer, in any
 process) emits events → its observers fold them next to the data
-(:mod:`~rl_observers.metrics`, :mod:`~rl_observers.reducers`) → a
+(:mod:`~rl_observers.metrics`, :mod:`~rl_observers.stats`) → a
 :class:`LoggerObserver` submits due windows to a :class:`MetricsChannel` →
 the channel's thread calls the torchrl logger.
 """
@@ -24,9 +24,9 @@ from rl_observers.metrics import CollectorBatchMetrics, MetricSet, SampleMetrics
 from rl_observers.observer import ON_ERROR_POLICIES, Observer, ObserverHandle, OnError
 from rl_observers.profiler import ProfilerObserver
 from rl_observers.profiler import install_profiling as _install_profiling
-from rl_observers.reducers import Count, Moments, Partial, ReducerBank
 from rl_observers.sources import install as _install
 from rl_observers.sources.placement import SourceInfo, source_info
+from rl_observers.stats import Count, Moments, Partial, ReducerBank
 
 _install()
 _install_attach_logger()

@@ -282,7 +282,7 @@ def test_the_queue_stays_bounded_under_a_flood_with_a_hung_logger(gate):
 
 
 def test_coalescing_with_the_reducers_partials_equals_the_union():
-    reducers = pytest.importorskip("rl_observers.reducers")
+    reducers = pytest.importorskip("rl_observers.stats")
     stats = ("count", "mean", "std", "min", "max")
     batches = [[1.0, 2.0], [3.0], [4.0, 5.0, 6.0], [-1.0]]
     union = [v for batch in batches for v in batch]
@@ -313,7 +313,7 @@ def test_coalescing_with_the_reducers_partials_equals_the_union():
 
 
 def test_reducers_partials_cross_the_socket():
-    reducers = pytest.importorskip("rl_observers.reducers")
+    reducers = pytest.importorskip("rl_observers.stats")
     logger = RecordingLogger()
     channel = sync_channel(logger)
     handle = _remote_handle(channel)

@@ -26,7 +26,7 @@ counters, and the observer's schedule.
 
 Examples:
     >>> from rl_observers.logging.aggregate import Aggregate
-    >>> from rl_observers.reducers import Count
+    >>> from rl_observers.stats import Count
     >>> from torchrl.record.loggers.monitoring import Every
     >>> agg = Aggregate("collector", schedule=Every.counter("frames", 100), step_key="frames")
     >>> agg.contribute(0, {"frames": 60.0, "dones": Count("dones", 2)}, {"frames": 60})

@@ -81,6 +81,8 @@ class Contributor:
             if os.getpid() != self._home_pid and self._pristine:
                 # a copy counts what its own process sees, not what the original had seen
                 self._sets = pickle.loads(self._pristine)
+                for metric_set in self._sets:
+                    metric_set.bind(source)
                 self._wire()
                 self._home_pid = os.getpid()
             self._worker = info.worker if info.worker is not None else 0

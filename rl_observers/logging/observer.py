@@ -42,7 +42,9 @@ def default_metrics(target: Any) -> tuple[MetricSet, ...]:
 
     Collectors get :class:`~rl_observers.CollectorBatchMetrics`; replay
     buffers get :class:`~rl_observers.WriteMetrics` and
-    :class:`~rl_observers.SampleMetrics`.
+    :class:`~rl_observers.SampleMetrics`. The sets are bound to ``target``
+    (:meth:`MetricSet.bind <rl_observers.MetricSet.bind>`): a collector's
+    reward and done keys come from its env's specs.
 
     Examples:
         >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
@@ -51,8 +53,12 @@ def default_metrics(target: Any) -> tuple[MetricSet, ...]:
         ['WriteMetrics', 'SampleMetrics']
     """
     if isinstance(target, BaseCollector):
-        return (CollectorBatchMetrics(),)
-    return (WriteMetrics(), SampleMetrics())
+        sets: tuple[MetricSet, ...] = (CollectorBatchMetrics(),)
+    else:
+        sets = (WriteMetrics(), SampleMetrics())
+    for metric_set in sets:
+        metric_set.bind(target)  # keys from the target's specs (the env's reward and done keys)
+    return sets
 
 
 def _as_sink(logger_or_channel: Any) -> tuple[MetricsHandle, MetricsChannel | None]:
@@ -272,6 +278,8 @@ class LoggerObserver(Contributor, Observer):
         """Resolves defaults, names and counters once, for ``source`` (a local one or a remote one)."""
         if self._sets is None:
             self._sets = default_metrics(source)
+        for metric_set in self._sets:
+            metric_set.bind(source)
         if self._pristine is None:  # what a copy restarts from where it runs (see _resolve_mode)
             try:
                 self._pristine = pickle.dumps(self._sets)

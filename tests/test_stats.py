@@ -13,13 +13,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rl_observers import reducers
-from rl_observers.reducers import (
+from rl_observers.stats import (
     MOMENT_STATS,
     Count,
     Moments,
     Partial,
     ReducerBank,
+    reducers,
 )
 
 ALL_STATS = ("count", "mean", "std", "var", "min", "max")
@@ -112,6 +112,11 @@ def test_folded_and_merged_equals_union(values, cuts, seed, dtype):
     seed=st.integers(0, 2**16),
 )
 def test_masked_folds_equal_union_of_kept_values(data, cuts, seed):
+    _check_masked_folds(data, cuts, seed)
+
+
+def _check_masked_folds(data, cuts, seed):
+    """Folds masked chunks and checks that any merge of them is the union of the kept values."""
     chunks = _split(data, cuts)
     pairs = _fold_chunks(
         [[v for v, _ in c] for c in chunks],
@@ -330,8 +335,8 @@ def test_validation_errors():
     with pytest.raises(ValueError, match="already registered"):
         bank.moments("n")
     bank.count("m").add(1)
-    with pytest.raises(RuntimeError, match="before the bank's first fold"):
-        bank.count("late")
+    with pytest.raises(ValueError, match="already registered"):
+        bank.count("m")
     with pytest.raises(ValueError, match="rows must be an int >= 2"):
         ReducerBank().moments("x", rows=1)
 
@@ -366,7 +371,7 @@ def cpu_mask_shortcuts(enabled: bool):
 def test_masked_folds_on_the_device_path_equal_union(data, cuts, seed):
     # The where-based reduction that non-CPU devices run, checked for its values on the CPU.
     with cpu_mask_shortcuts(False):
-        test_masked_folds_equal_union_of_kept_values.hypothesis.inner_test(data, cuts, seed)
+        _check_masked_folds(data, cuts, seed)
 
 
 @settings(max_examples=100, deadline=None)
@@ -479,3 +484,25 @@ def test_bank_pickles_with_folds_still_staged():
     want = _expected_named(values, "r")
     _assert_close(bank.pull()["r"].finalize(), want, 40.0)
     _assert_close(clone.pull()["r"].finalize(), want, 40.0)
+
+
+@pytest.mark.parametrize("shortcuts", [True, False])
+def test_reducers_registered_after_the_first_fold_keep_the_window(shortcuts):
+    with cpu_mask_shortcuts(shortcuts):
+        bank = ReducerBank()
+        early = bank.moments("early", stats=("count", "mean"))
+        staged = torch.tensor([1.0, 2.0])
+        early.fold(staged)  # small: staged, not reduced yet
+        late = bank.count("late")  # widens the state on the device
+        late.fold_true(torch.tensor([True, False, True]))
+        early.fold(torch.tensor([3.0, 4.0]), mask=torch.tensor([True, False]))
+        group = bank.moments_group([("a", ("count",)), ("b", ("max",))])
+        group.fold(torch.tensor([[1.0, 1.0], [5.0, 7.0]]))
+        out = bank.pull()
+        assert out["early"].finalize() == {"early_count": 3.0, "early_mean": 2.0}
+        assert out["late"].finalize() == {"late": 2.0}
+        assert out["a"].finalize() == {"a_count": 2.0}
+        assert out["b"].finalize() == {"b_max": 7.0}
+        clone = pickle.loads(pickle.dumps(bank))
+        clone.count("later").add(1)
+        assert clone.pull()["later"].finalize() == {"later": 1.0}

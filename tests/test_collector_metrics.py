@@ -1,11 +1,10 @@
-"""Metric sets against ground truth computed in plain python from the real batches."""
+"""CollectorBatchMetrics and its episode kernel against ground truth computed from real batches."""
 
 from __future__ import annotations
 
 import math
 import pickle
 import statistics
-import warnings
 
 import pytest
 import torch
@@ -14,27 +13,20 @@ from torchrl.collectors import Collector
 from torchrl.data import (
     Bounded,
     Composite,
-    LazyTensorStorage,
-    ListStorage,
-    PrioritizedReplayBuffer,
-    ReplayBuffer,
-    RoundRobinWriter,
-    TensorDictReplayBuffer,
     Unbounded,
 )
 from torchrl.envs import EnvBase, GymEnv, RewardSum, SerialEnv, StepCounter, TransformedEnv
 from torchrl.envs.utils import RandomPolicy
 
-from rl_observers import metrics as metrics_module
-from rl_observers import reducers as reducers_module
 from rl_observers.metrics import (
     CollectorBatchMetrics,
     MetricSet,
     SampleMetrics,
     WriteMetrics,
-    _ObservedCounters,
 )
-from rl_observers.reducers import Count, Moments
+from rl_observers.metrics import episodes as episodes_module
+from rl_observers.stats import Count, Moments, ObservedCounters
+from rl_observers.stats import reducers as reducers_module
 
 # -- a real torchrl env with random rewards and random terminations ------------------
 
@@ -297,7 +289,7 @@ def test_reset_at_each_iter_drops_interrupted_episodes():
 def shortcuts(request, monkeypatch):
     """Runs a test with the CPU-only shortcuts, then with the path other devices take."""
     enabled = request.param == "cpu_shortcuts"
-    monkeypatch.setattr(metrics_module, "_CPU_SHORTCUTS", enabled)
+    monkeypatch.setattr(episodes_module, "_CPU_SHORTCUTS", enabled)
     monkeypatch.setattr(reducers_module, "_CPU_MASK_SHORTCUTS", enabled)
     return enabled
 
@@ -508,15 +500,34 @@ def test_configuration_is_validated():
         WriteMetrics(reward_key=3)
 
 
-def test_non_scalar_step_reward_needs_episode_reward():
-    batch = TensorDict(
-        {"next": {"reward": torch.ones(4, 2), "done": torch.zeros(4, 1, dtype=torch.bool)}}, [4]
-    )
-    with pytest.raises(ValueError, match="one reward_key value per step"):
-        CollectorBatchMetrics().on_post_collect(None, batch)
-    metrics = CollectorBatchMetrics(episode_return=False)
+@pytest.mark.parametrize("running", [True, False])
+def test_steps_with_several_entries_have_episodes_per_entry(running):
+    # Two entries per step (agents, nested envs): each has its own episodes. A done with one
+    # value per step closes every entry's episode; one per entry closes that entry's only.
+    reward = torch.tensor([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0], [4.0, 40.0]]).unsqueeze(-1)
+    done = torch.tensor([[False, False], [True, False], [False, False], [False, True]])
+    batch = TensorDict({"next": {"reward": reward, "done": done.unsqueeze(-1)}}, [4])
+    if not running:  # RewardSum / StepCounter entries, read at closing steps
+        since = torch.tensor([[1.0, 10.0], [3.0, 30.0], [3.0, 60.0], [7.0, 100.0]]).unsqueeze(-1)
+        batch["next", "episode_reward"] = since
+        batch["next", "step_count"] = torch.tensor([[1, 1], [2, 2], [1, 3], [2, 4]]).unsqueeze(-1)
+    metrics = CollectorBatchMetrics()
     metrics.on_post_collect(None, batch)
-    assert metrics.pull()["reward"].count == 8
+    payload = metrics.pull()
+    assert payload["reward"].count == 8  # every entry of every step
+    assert payload["episodes"].finalize() == {"episodes": 2.0}
+    assert sorted([payload["episode_return"].min, payload["episode_return"].max]) == [3.0, 100.0]
+    assert payload["episode_length"].finalize()["episode_length_max"] == 4.0
+    assert payload["frames"] == 4.0
+    shared = batch.clone()
+    shared["next", "done"] = done[:, :1].unsqueeze(-1)  # one done per step: closes both
+    metrics = CollectorBatchMetrics(episode_reward_key=None, step_count_key=None)
+    metrics.on_post_collect(None, shared)
+    assert metrics.pull()["episode_return"].finalize()["episode_return_max"] == 30.0
+    mismatched = batch.clone()
+    mismatched["next", "done"] = torch.zeros(4, 3, 1, dtype=torch.bool)
+    with pytest.raises(ValueError, match="entries of one step to agree"):
+        CollectorBatchMetrics().on_post_collect(None, mismatched)
 
 
 def test_collector_fold_never_reads_a_value_on_the_host():
@@ -541,7 +552,7 @@ def test_rings_of_batches_never_read_a_value_on_the_host():
     summed = collect(make_env(batch_size=(2,), reward_sum=True), 6, 240)
     cases = ((plain, {}), (padded, {}), (summed, {"episode_reward_key": None}), (summed, {}))
     for batches, kwargs in cases:
-        assert len(batches) > metrics_module._RING_BATCHES
+        assert len(batches) > episodes_module._RING_BATCHES
         metrics = CollectorBatchMetrics(**kwargs)
         for batch in batches:
             metrics.on_post_collect(None, batch.to("meta"))
@@ -561,7 +572,7 @@ def test_observed_counters_lag_until_the_copy_completes():
         def synchronize(self):
             self.done = True
 
-    counters = _ObservedCounters(("frames", "episodes"))
+    counters = ObservedCounters(("frames", "episodes"))
     first, second = Event(), Event()
     counters._pending.append((("episodes",), torch.tensor([3]), first))
     counters._pending.append((("frames", "episodes"), torch.tensor([10, 1]), second))
@@ -595,324 +606,6 @@ def test_cuda_batches_fold_without_sync():
     assert metrics.counters()["episodes"] == sum(len(e) for e in truth.episodes)
 
 
-# -- SampleMetrics -----------------------------------------------------------------
-
-
-def _expected_ages(ids: list[int], written: int) -> dict[str, float]:
-    # the item with id k was the (k + 1)-th item written; age = items written after it
-    ages = [written - 1 - k for k in ids]
-    return {
-        "sample_age_mean": statistics.fmean(ages),
-        "sample_age_min": float(min(ages)),
-        "sample_age_max": float(max(ages)),
-    }
-
-
-def test_sample_age_with_wrapping_writes_and_adds():
-    rb = ReplayBuffer(storage=LazyTensorStorage(10))
-    metrics = SampleMetrics()
-    written = 0
-    for size in (4, 7, 1, 12, 3):  # the 12-item extend wraps around the whole storage
-        if size == 1:
-            index = rb.add(torch.tensor(written))
-            metrics.on_post_add(rb, None, index)
-        else:
-            data = torch.arange(written, written + size)
-            metrics.on_post_extend(rb, data, rb.extend(data))
-        written += size
-        for _ in range(2):
-            batch, info = rb.sample(6, return_info=True)
-            metrics.on_post_sample(rb, batch, info)
-            payload = metrics.pull()
-            assert payload["sample_age"].finalize() == pytest.approx(
-                _expected_ages(batch.tolist(), written)
-            )
-    assert written == rb.write_count
-    assert payload["sample_calls"] == 10 and payload["samples_returned"] == 60
-    assert payload["batch_size"] == 6
-    assert metrics.counters() == {"sample_calls": 10, "samples_returned": 60}
-    assert metrics.stats() == {"sample_calls": 10, "samples_returned": 60}
-
-
-def test_sample_age_over_many_samples_in_one_window():
-    rb = TensorDictReplayBuffer(
-        storage=LazyTensorStorage(16), writer=RoundRobinWriter(track_generations=True)
-    )
-    metrics = SampleMetrics()
-    seen, written = [], 0
-    for size in (5, 9, 20, 6):
-        data = TensorDict({"id": torch.arange(written, written + size)}, [size])
-        metrics.on_post_extend(rb, data, rb.extend(data))
-        written += size
-        batch, info = rb.sample(8, return_info=True)
-        assert "index_generation" in info
-        metrics.on_post_sample(rb, batch, info)
-        seen += [written - 1 - k for k in batch["id"].tolist()]
-    got = metrics.pull()["sample_age"].finalize()
-    assert got == pytest.approx(
-        {
-            "sample_age_mean": statistics.fmean(seen),
-            "sample_age_min": min(seen),
-            "sample_age_max": max(seen),
-        }
-    )
-
-
-def test_sample_age_over_many_staged_samples():
-    # More samples than are staged at once, of changing sizes, writes in between, a pull,
-    # a state_dict and a pickle in the middle of a stage.
-    rb = ReplayBuffer(storage=LazyTensorStorage(50))
-    metrics = SampleMetrics()
-    seen, written = [], 0
-    for step in range(70):
-        if step % 3 == 0:
-            data = torch.arange(written, written + 7)
-            metrics.on_post_extend(rb, data, rb.extend(data))
-            written += 7
-        batch, info = rb.sample(9 if step % 11 == 0 else 5, return_info=True)
-        metrics.on_post_sample(rb, batch, info)
-        seen += [written - 1 - k for k in batch.tolist()]
-        if step == 40:
-            metrics = pickle.loads(pickle.dumps(metrics))
-        if step == 50:
-            state = metrics.state_dict()
-        if step in (25, 50, 69):
-            got = metrics.pull()["sample_age"].finalize()
-            assert got == pytest.approx(
-                {
-                    "sample_age_mean": statistics.fmean(seen),
-                    "sample_age_min": min(seen),
-                    "sample_age_max": max(seen),
-                }
-            )
-            seen = []
-    resumed = SampleMetrics()
-    resumed.load_state_dict(state)
-    assert resumed.counters() == {"sample_calls": 51, "samples_returned": 51 * 5 + 5 * 4}
-    assert metrics.counters()["sample_calls"] == 70
-
-
-def test_staged_samples_never_read_a_value_on_the_host():
-    rb = ReplayBuffer(storage=LazyTensorStorage(64, device="meta"))
-    metrics = SampleMetrics()
-    index = torch.arange(64, device="meta")
-    metrics.on_post_extend(rb, None, index)
-    for step in range(3 * 16):  # the stamps of full stages are folded inside on_post_sample
-        metrics.on_post_sample(rb, None, {"index": index[: 8 if step % 20 else 4]})
-    assert metrics.counters()["sample_calls"] == 48
-    with pytest.raises((NotImplementedError, RuntimeError)):
-        metrics.pull()
-
-
-def test_sample_age_with_unbounded_list_storage():
-    rb = ReplayBuffer(storage=ListStorage())
-    metrics = SampleMetrics()
-    written = 0
-    for size in (3, 2000):  # grows the stamps past their first allocation
-        data = [torch.tensor(k) for k in range(written, written + size)]
-        metrics.on_post_extend(rb, data, rb.extend(data))
-        written += size
-    batch, info = rb.sample(50, return_info=True)
-    metrics.on_post_sample(rb, batch, info)
-    assert metrics.pull()["sample_age"].finalize() == pytest.approx(
-        _expected_ages(batch.tolist(), written)
-    )
-
-
-def test_items_written_before_observing_have_no_age():
-    rb = ReplayBuffer(storage=LazyTensorStorage(10))
-    rb.extend(torch.arange(5))  # not observed
-    metrics = SampleMetrics()
-    data = torch.arange(5, 8)
-    metrics.on_post_extend(rb, data, rb.extend(data))
-    batch, info = rb.sample(40, return_info=True)
-    metrics.on_post_sample(rb, batch, info)
-    observed = [k for k in batch.tolist() if k >= 5]
-    age = metrics.pull()["sample_age"]
-    assert age.count == len(observed) < 40
-    assert age.finalize() == pytest.approx(
-        {k: v for k, v in _expected_ages([k - 5 for k in observed], 3).items()}
-    )
-
-
-def test_sample_metrics_on_a_multi_dim_storage():
-    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(12, ndim=2))
-    writes = WriteMetrics()
-    samples = SampleMetrics()
-    for _ in range(4):
-        data = TensorDict({"x": torch.zeros(3, 2)}, [3, 2])
-        index = rb.extend(data)
-        writes.on_post_extend(rb, data, index)
-        samples.on_post_extend(rb, data, index)
-    assert writes.counters()["items_written"] == rb.write_count
-    batch, info = rb.sample(5, return_info=True)
-    samples.on_post_sample(rb, batch, info)
-    payload = samples.pull()
-    assert payload["samples_returned"] == 5
-    age = payload["sample_age"]
-    assert age.count == 5 and 0 <= age.min <= age.max < rb.write_count
-
-
-def test_priority_weights_from_the_sampler_info():
-    rb = ReplayBuffer(storage=LazyTensorStorage(10))
-    data = torch.arange(6)
-    metrics = SampleMetrics(age=False)
-    metrics.on_post_extend(rb, data, rb.extend(data))
-    batch, info = rb.sample(4, return_info=True)
-    weights = torch.tensor([0.5, 1.0, 0.25, 1.0])
-    info["priority_weight"] = weights  # the key torchrl's PrioritizedSampler sets
-    metrics.on_post_sample(rb, batch, info)
-    payload = metrics.pull()
-    assert "sample_age" not in payload
-    assert payload["priority_weight"].finalize() == {
-        "priority_weight_mean": 0.6875,
-        "priority_weight_min": 0.25,
-        "priority_weight_max": 1.0,
-    }
-
-
-def _prioritized_available() -> bool:
-    try:
-        PrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=LazyTensorStorage(4))
-    except RuntimeError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(
-    not _prioritized_available(), reason="torchrl's C++ segment trees are not available"
-)
-def test_prioritized_replay_buffer_weights():
-    rb = PrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=LazyTensorStorage(10))
-    metrics = SampleMetrics()
-    data = torch.arange(8)
-    metrics.on_post_extend(rb, data, rb.extend(data))
-    rb.update_priority(torch.arange(8), torch.arange(1.0, 9.0))
-    batch, info = rb.sample(16, return_info=True)
-    metrics.on_post_sample(rb, batch, info)
-    w = torch.as_tensor(info["priority_weight"]).double()
-    got = metrics.pull()["priority_weight"].finalize()
-    assert got == pytest.approx(
-        {
-            "priority_weight_mean": w.mean().item(),
-            "priority_weight_min": w.min().item(),
-            "priority_weight_max": w.max().item(),
-        }
-    )
-
-
-def test_sample_without_info_counts_the_batch():
-    metrics = SampleMetrics()
-    metrics.on_post_sample(None, TensorDict({"a": torch.zeros(7)}, [7]), None)
-    metrics.on_post_sample(None, torch.zeros(3, 4), None)
-    payload = metrics.pull()
-    assert payload["sample_calls"] == 2 and payload["samples_returned"] == 10
-    assert payload["batch_size"] == 3
-    assert payload["sample_age"].count == 0 and payload["priority_weight"].count == 0
-
-
-def test_sample_metrics_state_dict_round_trip():
-    rb = ReplayBuffer(storage=LazyTensorStorage(8))
-    metrics = SampleMetrics()
-    data = torch.arange(6)
-    metrics.on_post_extend(rb, data, rb.extend(data))
-    metrics.on_post_sample(rb, *rb.sample(2, return_info=True))
-    resumed = SampleMetrics()
-    resumed.load_state_dict(pickle.loads(pickle.dumps(metrics.state_dict())))
-    data = torch.arange(6, 9)
-    resumed.on_post_extend(rb, data, rb.extend(data))
-    batch, info = rb.sample(10, return_info=True)
-    resumed.on_post_sample(rb, batch, info)
-    payload = resumed.pull()
-    assert payload["sample_calls"] == 2 and payload["samples_returned"] == 12
-    assert payload["sample_age"].finalize() == pytest.approx(_expected_ages(batch.tolist(), 9))
-
-
-def test_sample_fold_never_reads_a_value_on_the_host():
-    # A buffer whose storage lives on the meta device (torchrl itself cannot
-    # extend it: its writer reads the cursor). Stamps follow the storage, so
-    # stamping and sampling run on meta tensors, where any host read raises.
-    rb = ReplayBuffer(storage=LazyTensorStorage(8, device="meta"))
-    metrics = SampleMetrics()
-    writes = WriteMetrics(reward_key="r")
-    data = TensorDict({"r": torch.ones(6, 1)}, [6]).to("meta")
-    index = torch.arange(6, device="meta")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # sample_age must not be disabled
-        metrics.on_post_extend(rb, data, index)
-        writes.on_post_extend(rb, data, index)
-        metrics.on_post_sample(
-            rb, data, {"index": index[:4], "priority_weight": torch.ones(4, device="meta")}
-        )
-    assert metrics.counters() == {"sample_calls": 1, "samples_returned": 4}
-    assert writes.counters()["items_written"] == 6
-    for metric_set in (metrics, writes):
-        with pytest.raises((NotImplementedError, RuntimeError)):
-            metric_set.pull()
-
-
-# -- WriteMetrics ------------------------------------------------------------------
-
-
-def test_write_metrics_counts_and_rewards():
-    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(20))
-    metrics = WriteMetrics(reward_key=("next", "reward"))
-    rewards = []
-    for size in (5, 1, 8, 30):
-        data = TensorDict({"next": {"reward": torch.randn(size, 1)}}, [size])
-        rewards += data["next", "reward"].flatten().tolist()
-        metrics.on_post_extend(rb, data, rb.extend(data))
-    single = TensorDict({"next": {"reward": torch.tensor([2.5])}}, [])
-    metrics.on_post_add(rb, single, rb.add(single))
-    rewards.append(2.5)
-    assert metrics.counters() == {"write_count": 45, "writes": 5, "items_written": 45}
-    assert rb.write_count == 45
-    stats = metrics.stats()
-    assert stats["writes"] == 5 and 0 <= stats["seconds_since_last_write"] < 60
-    payload = metrics.pull()
-    assert payload["writes"] == 5.0 and payload["items_written"] == 45.0
-    assert payload["reward"].finalize() == pytest.approx(
-        {
-            "reward_mean": statistics.fmean(rewards),
-            "reward_std": statistics.pstdev(rewards),
-            "reward_min": min(rewards),
-            "reward_max": max(rewards),
-        }
-    )
-    assert metrics.pull()["reward"].finalize() == {}
-
-
-def test_write_metrics_masked_trajectories_and_missing_keys():
-    metrics = WriteMetrics(reward_key=("next", "reward"))
-    data = TensorDict(
-        {
-            "next": {"reward": torch.tensor([[1.0], [2.0], [9.0]])},
-            "collector": {"mask": torch.tensor([True, True, False])},
-        },
-        [3],
-    )
-    metrics.on_post_extend(None, data, None)
-    assert metrics.pull()["reward"].finalize()["reward_max"] == 2.0
-    with pytest.raises(KeyError, match=r"reward_key=\('next', 'reward'\).*'a'"):
-        metrics.on_post_extend(None, TensorDict({"a": torch.zeros(2)}, [2]), None)
-    with pytest.raises(TypeError, match="needs TensorDict data"):
-        metrics.on_post_extend(None, torch.zeros(2), None)
-    assert WriteMetrics().stats() == {"writes": 0, "items_written": 0}
-
-
-def test_write_metrics_state_dict_and_pickle():
-    metrics = WriteMetrics()
-    rb = ReplayBuffer(storage=LazyTensorStorage(8))
-    data = torch.arange(5)
-    metrics.on_post_extend(rb, data, rb.extend(data))
-    clone = pickle.loads(pickle.dumps(metrics))
-    resumed = WriteMetrics()
-    resumed.load_state_dict(metrics.state_dict())
-    for m in (clone, resumed):
-        m.on_post_extend(rb, data, rb.extend(data))
-        assert m.counters() == {"write_count": 10, "writes": 2, "items_written": 10}
-
-
 def test_metric_sets_declare_their_events():
     assert CollectorBatchMetrics.events == ("post_collect",)
     assert SampleMetrics.events == ("post_add", "post_extend", "post_sample")
@@ -921,17 +614,6 @@ def test_metric_sets_declare_their_events():
         assert issubclass(cls, MetricSet)
         defined = {name[3:] for name in dir(cls) if name.startswith("on_")}
         assert defined == set(cls.events)
-
-
-def test_warnings_are_not_emitted_on_the_normal_path():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        rb = ReplayBuffer(storage=LazyTensorStorage(4))
-        metrics = SampleMetrics()
-        data = torch.arange(3)
-        metrics.on_post_extend(rb, data, rb.extend(data))
-        metrics.on_post_sample(rb, *rb.sample(2, return_info=True))
-        metrics.pull()
 
 
 def test_terminated_or_truncated_close_an_episode_even_without_done():
@@ -960,13 +642,3 @@ def test_terminated_or_truncated_close_an_episode_even_without_done():
     assert (got["episode_return_min"], got["episode_return_max"]) == (3.0, 48.0)
     assert got["episode_return_mean"] == pytest.approx((3.0 + 12.0 + 48.0) / 3)
     assert (got["episode_length_min"], got["episode_length_max"]) == (2.0, 2.0)
-
-
-def test_sample_age_is_disabled_rather_than_syncing_for_unbounded_device_storages():
-    rb = ReplayBuffer(storage=ListStorage())  # unbounded: stamps would need the largest index
-    metrics = SampleMetrics()
-    with pytest.warns(UserWarning, match="sample_age is disabled"):
-        metrics.on_post_extend(rb, None, torch.arange(3, device="meta"))
-    metrics.on_post_extend(rb, None, torch.arange(3, 6, device="meta"))  # warns once
-    metrics.on_post_sample(rb, None, {"index": torch.arange(2, device="meta")})
-    assert metrics.pull()["sample_age"].count == 0

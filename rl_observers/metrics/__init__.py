@@ -1,0 +1,43 @@
+"""Metric sets: what a :class:`~rl_observers.LoggerObserver` folds and logs.
+
+A metric set has the event methods of an observer (``on_post_collect``,
+``on_post_add``, ``on_post_extend``, ``on_post_sample``) and folds what it sees
+into reducers (:mod:`rl_observers.stats`), on the data's device and without
+waiting for it. Besides the events it offers:
+
+* :meth:`MetricSet.counters`: cumulative host-side counters (``frames``,
+  ``batches``, ``episodes``, ``write_count``, ``sample_calls``, ...) for
+  counter schedules such as ``Every.counter("frames", 10_000)``;
+* :meth:`MetricSet.pull`: closes the current window in **one** device-to-host
+  transfer and returns its partials (:class:`~rl_observers.stats.Partial`,
+  merged exactly across workers by the channel) and cumulative gauges
+  (floats); a payload's logged names are the keys of its float entries and
+  the keys of each partial's :meth:`~rl_observers.stats.Partial.finalize`;
+* :meth:`MetricSet.stats`: entries for the target's ``stats()``;
+* :meth:`MetricSet.state_dict` / :meth:`MetricSet.load_state_dict`:
+  cumulative counters and in-flight accumulators, so a resumed run neither
+  double-counts nor loses an episode.
+
+Configuration is validated at construction; keys are resolved at the first
+batch, and a missing key raises a :class:`KeyError` naming the key and the
+keys present (what happens next is the observer's ``on_error`` policy).
+
+Counters that depend on tensor values (``episodes``, and ``frames`` of masked
+``trajs_per_batch`` batches) are *observed, not exact*: on CPU they are read
+at once; on CUDA the value is copied without blocking to pinned memory and
+added at a later event, once its CUDA event has completed, so such a counter
+may lag by a batch or so. They are exact again after every :meth:`pull`.
+
+Modules: :mod:`~rl_observers.metrics.base` (:class:`MetricSet`),
+:mod:`~rl_observers.metrics.collector` (:class:`CollectorBatchMetrics`, whose
+episode kernel is :mod:`~rl_observers.metrics.episodes`),
+:mod:`~rl_observers.metrics.replay_buffer` (:class:`SampleMetrics`,
+:class:`WriteMetrics`) and :mod:`~rl_observers.metrics.keys` (key checks and
+replay-buffer index helpers).
+"""
+
+from rl_observers.metrics.base import MetricSet
+from rl_observers.metrics.collector import CollectorBatchMetrics
+from rl_observers.metrics.replay_buffer import SampleMetrics, WriteMetrics
+
+__all__ = ["CollectorBatchMetrics", "MetricSet", "SampleMetrics", "WriteMetrics"]

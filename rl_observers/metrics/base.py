@@ -1,0 +1,260 @@
+"""MetricSet: the base class of what a LoggerObserver folds and logs."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from rl_observers.signals import EVENT_PAYLOADS
+from rl_observers.stats import (
+    CountReducer,
+    MomentsGroupReducer,
+    MomentsReducer,
+    ObservedCounters,
+    Partial,
+    ReducerBank,
+)
+
+__all__ = ["DATA_EVENTS", "MetricSet"]
+
+#: The events a metric set may fold: those that carry data (``post_collect``, ``post_add``,
+#: ``post_extend``, ``post_sample``).
+DATA_EVENTS: tuple[str, ...] = tuple(event for event, payload in EVENT_PAYLOADS.items() if payload)
+
+
+def _locked(fold: Callable[..., None]) -> Callable[..., None]:
+    """``fold`` run under the set's lock, so a pull from another thread never interleaves."""
+
+    @functools.wraps(fold)
+    def locked_fold(self: MetricSet, *args: Any) -> None:
+        with self._lock:
+            fold(self, *args)
+
+    return locked_fold
+
+
+class _FoldedEventsAlias:
+    """``events``: the former name of :attr:`MetricSet.folded_events`, on classes and instances."""
+
+    def __get__(self, obj: Any, cls: type) -> tuple[str, ...]:
+        return (cls if obj is None else obj).folded_events
+
+
+class MetricSet:
+    """Base class of metric sets: what a :class:`~rl_observers.LoggerObserver` folds.
+
+    A subclass defines an ``on_<event>(source, ...)`` method per event it
+    folds (``post_collect``, ``post_add``, ``post_extend``,
+    ``post_sample``, with the observer's signatures) and folds what it sees
+    into reducers. The base class owns everything else:
+
+    * **the lock**: each ``on_<event>`` a subclass defines runs under
+      ``self._lock`` (an ``RLock``; :meth:`pull`, :meth:`state_dict` and
+      :meth:`load_state_dict` take it too), so events from a prefetch thread
+      and a pull from another thread never interleave;
+    * **the reducers**: :meth:`moments`, :meth:`count` and
+      :meth:`moments_group` return the reducer of a name, created in the
+      set's :class:`~rl_observers.ReducerBank` on first use, so a set may
+      create them in ``__init__`` or where it folds;
+    * **the counters** named in :attr:`counter_names`, cumulative host ints
+      advanced with :meth:`add_to_counter` (a host number, or a device
+      tensor read later without a sync);
+    * defaults for :meth:`counters`, :meth:`pull`, :meth:`stats`,
+      :meth:`state_dict` and :meth:`load_state_dict`, and pickling (for
+      workers and actors) with the set's state.
+
+    The events a set folds are :attr:`folded_events`, derived from the
+    ``on_<event>`` methods it defines unless declared. (An
+    :class:`~rl_observers.observer.ObserverList`'s ``events`` are the events
+    a *source emits*; here they are the events a set *folds*, hence the
+    name. ``events`` still reads :attr:`folded_events`, and a subclass that
+    declares ``events`` declares its folded events.)
+
+    A set whose defaults depend on the source (such as the reward key of a
+    collector's env) resolves them in :meth:`bind`, which the observer calls
+    once when it is attached, before any event, wherever the set runs.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from rl_observers import MetricSet
+        >>> class ActionMagnitude(MetricSet):
+        ...     counter_names = ("action_batches",)
+        ...
+        ...     def on_post_collect(self, source, batch):
+        ...         self.moments("action_abs", stats=("mean", "max")).fold(batch["action"].abs())
+        ...         self.add_to_counter("action_batches", 1)
+        >>> metrics = ActionMagnitude()
+        >>> metrics.folded_events
+        ('post_collect',)
+        >>> batch = TensorDict({"action": torch.tensor([[-1.0], [3.0]])}, batch_size=[2])
+        >>> metrics.on_post_collect(None, batch)
+        >>> metrics.counters()
+        {'action_batches': 1}
+        >>> payload = metrics.pull()
+        >>> payload["action_batches"], payload["action_abs"].finalize()
+        (1.0, {'action_abs_mean': 2.0, 'action_abs_max': 3.0})
+    """
+
+    #: Events this set folds; the observer subscribes to these only. Derived from the
+    #: ``on_<event>`` methods a subclass defines, unless it declares them.
+    folded_events: tuple[str, ...] = ()
+    #: The former name of :attr:`folded_events` (read-only alias).
+    events = _FoldedEventsAlias()
+    #: Cumulative host counters this set keeps (see :meth:`add_to_counter`), in the
+    #: order :meth:`counters` lists them.
+    counter_names: tuple[str, ...] = ()
+    #: Gauges of :meth:`pull` that are not cumulative counters (across workers, the newest
+    #: value is kept instead of the sum).
+    latest_gauges: tuple[str, ...] = ()
+    #: Attributes rebuilt on demand (scratch buffers), not pickled.
+    _transient: tuple[str, ...] = ()
+    #: Whether the base wraps the ``on_<event>`` methods a class defines in the lock; a class
+    #: that says ``False`` (the built-in sets, which lock only when they fold) locks itself.
+    _lock_folds: bool = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__
+        if "events" in own and "folded_events" not in own:
+            cls.folded_events = tuple(own["events"])
+            cls.events = _FoldedEventsAlias()  # type: ignore[assignment]
+        elif "folded_events" not in own:
+            cls.folded_events = tuple(
+                e for e in DATA_EVENTS if callable(getattr(cls, "on_" + e, None))
+            )
+        for event in cls.folded_events:
+            if event not in DATA_EVENTS:
+                raise TypeError(
+                    f"{cls.__name__}.folded_events must name events among {DATA_EVENTS}, "
+                    f"got {event!r}."
+                )
+            if not callable(getattr(cls, "on_" + event, None)):
+                raise TypeError(f"{cls.__name__} folds {event!r} but defines no on_{event} method.")
+        if own.get("_lock_folds", True):
+            for event in DATA_EVENTS:
+                fold = own.get("on_" + event)
+                if callable(fold):
+                    setattr(cls, "on_" + event, _locked(fold))
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._bank = ReducerBank()
+        self._reducers: dict[str, Any] = {}
+        self._counters = ObservedCounters(self.counter_names)
+
+    # -- what a source decides -------------------------------------------------------
+
+    def bind(self, source: Any) -> None:
+        """Resolves what depends on ``source``, once, before its first event.
+
+        Called by the observer when it is attached to ``source`` (and again
+        on the copy that runs in a worker or an actor, with the source
+        there). Defaults to nothing.
+        """
+
+    # -- reducers, created on first use ----------------------------------------------
+
+    def moments(
+        self, prefix: str, *, stats: Sequence[str] = ("mean", "std", "min", "max")
+    ) -> MomentsReducer:
+        """The :class:`~rl_observers.stats.MomentsReducer` pulled as ``prefix``.
+
+        Created on first use with ``stats`` (``<prefix>_mean``, ``_std``,
+        ``_min``, ``_max`` by default); later calls return the same reducer.
+        """
+        reducer = self._reducers.get(prefix)
+        if reducer is None:
+            reducer = self._reducers[prefix] = self._bank.moments(prefix, stats=stats)
+        return reducer
+
+    def moments_group(self, specs: Sequence[tuple[str, Sequence[str]]]) -> MomentsGroupReducer:
+        """A :class:`~rl_observers.stats.MomentsGroupReducer` of quantities sharing a mask.
+
+        Keyed by the first prefix; created on first use.
+        """
+        key = specs[0][0]
+        reducer = self._reducers.get(key)
+        if reducer is None:
+            reducer = self._reducers[key] = self._bank.moments_group(specs)
+        return reducer
+
+    def count(self, name: str) -> CountReducer:
+        """The :class:`~rl_observers.stats.CountReducer` pulled as ``name``, created on first use."""
+        reducer = self._reducers.get(name)
+        if reducer is None:
+            reducer = self._reducers[name] = self._bank.count(name)
+        return reducer
+
+    def add_to_counter(self, name: str, amount: int | torch.Tensor) -> None:
+        """Adds ``amount`` to the cumulative counter ``name`` (one of :attr:`counter_names`).
+
+        A tensor is not read at once off the CPU: it is added when its copy
+        to the host completes (see :class:`~rl_observers.stats.ObservedCounters`).
+        """
+        if isinstance(amount, torch.Tensor):
+            self._counters.add_observed((name,), amount.reshape(()))
+        else:
+            self._counters.values[name] += amount
+
+    # -- the window and the cumulative state -----------------------------------------
+
+    def counters(self) -> dict[str, float]:
+        """Cumulative host counters (:attr:`counter_names`), read without a device sync."""
+        with self._lock:
+            return dict(self._counters.poll())
+
+    def gauges(self, counters: dict[str, int]) -> dict[str, float]:
+        """The cumulative gauges :meth:`pull` reports, from the exact ``counters``.
+
+        Defaults to every counter, as a float.
+        """
+        return {name: float(value) for name, value in counters.items()}
+
+    def pull(self) -> dict[str, float | Partial]:
+        """Closes the window: :meth:`gauges` and the reducers' partials, in one transfer."""
+        with self._lock:
+            self._fold_staged()
+            partials = self._bank.pull()
+            out: dict[str, float | Partial] = dict(self.gauges(self._counters.drain()))
+            out.update(partials)
+            return out
+
+    def stats(self) -> dict[str, float]:
+        """Entries this set contributes to its target's ``stats()``. Defaults to none."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Cumulative counters (subclasses add what they keep in flight)."""
+        with self._lock:
+            self._fold_staged()
+            return {"counters": dict(self._counters.drain())}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores what :meth:`state_dict` returned; the window starts empty."""
+        with self._lock:
+            self._counters.load(state_dict.get("counters", {}))
+            self._bank.reset()
+
+    # -- internals -------------------------------------------------------------------
+
+    def _fold_staged(self) -> None:
+        """Folds what a subclass keeps staged (batches not summed yet) into its reducers."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        with self._lock:
+            self._fold_staged()
+            self._counters.drain()  # CUDA events do not pickle; pending amounts are applied first
+            state = self.__dict__.copy()
+        del state["_lock"]
+        for name in self._transient:
+            state[name] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()

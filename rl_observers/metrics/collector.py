@@ -1,0 +1,522 @@
+"""CollectorBatchMetrics: reward, done and episode metrics of collector batches."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from tensordict import is_tensor_collection
+
+from rl_observers.metrics.base import MetricSet
+from rl_observers.metrics.episodes import (
+    CollectorPlan,
+    EpisodeCarry,
+    EpisodeRing,
+    close_episodes,
+    entries_of,
+    flags,
+    new_ring,
+    per_entry,
+    stage_batch,
+)
+from rl_observers.metrics.keys import (
+    FROM_SOURCE,
+    NestedKey,
+    check_bool,
+    check_key,
+    keys_from_source,
+    leaf_keys,
+    missing_key,
+)
+from rl_observers.stats import Count, Partial
+
+__all__ = ["CollectorBatchMetrics"]
+
+
+class CollectorBatchMetrics(MetricSet):
+    """Reward, done and episode metrics of collector batches.
+
+    Folds ``post_collect`` batches: TensorDicts of shape ``[T]``, or
+    ``[*B, T]`` for batched environments (``SerialEnv``, ``ParallelEnv``, an
+    env with ``batch_size=[n]``): time is the last batch dimension. Padded
+    ``trajs_per_batch`` batches are supported: steps where ``mask_key`` is
+    false count nowhere.
+
+    An episode closes at a step where ``done``, ``terminated`` **or**
+    ``truncated`` is set, so a time-limit reset never leaks a return into the
+    next episode. Its return and length are taken from ``episode_reward_key``
+    (:class:`~torchrl.envs.RewardSum`) and ``step_count_key``
+    (:class:`~torchrl.envs.StepCounter`) at that step when the batch has them;
+    otherwise from per-env running sums carried across batches (cumulative
+    sums over the batches' steps plus the carry: vectorised, no loop over
+    time, no sync; the batches are copied into a ring and summed 16 at a
+    time, or when the window closes). Either way an episode spanning several
+    batches is counted once,
+    in the window where it ends, with its full return. When the batch has
+    ``traj_ids_key``, a carry whose trajectory id does not continue in the
+    next batch (``reset_at_each_iter``, a ``trajs_per_batch`` row) is
+    dropped, never added to another episode. Limits of the running sums: an
+    episode already under way when the set saw its first batch is counted
+    from that batch on; ``split_trajs=True`` batches need ``RewardSum`` /
+    ``StepCounter`` for episodes spanning batches.
+
+    **Keys follow the source.** Keys left to their default are taken from
+    the collector's env specs when the set is bound to it (:meth:`bind`,
+    called by the observer when attached, in the driver and in each worker
+    or actor): the reward is the env's first reward key (``("next",
+    *env.reward_keys[0])``), the done, terminated and truncated keys are
+    those of the reward's group (``("agents", "done")`` next to
+    ``("agents", "reward")``), else the root ones; ``RewardSum`` and
+    ``StepCounter`` entries are looked for next to them. Unbound, the keys
+    are ``("next", "reward")``, ``("next", "done")``, ... as in most envs.
+
+    **Steps with several entries** (agents, nested envs: a reward of shape
+    ``[*B, T, n, 1]``): every entry has its own episodes (its own return,
+    length and count), as multi-agent training reports them; a flag with
+    one value per step (a root ``done``) closes the episodes of every entry.
+    ``frames`` still counts env steps.
+
+    Metric names (what :meth:`pull` yields once finalized):
+
+    ========================  ========  ==================================================
+    name                      kind      meaning
+    ========================  ========  ==================================================
+    ``frames``                gauge     cumulative valid steps (``numel``, or mask sum)
+    ``batches``               gauge     cumulative batches
+    ``episodes_total``        gauge     cumulative completed episodes
+    ``reward_mean``           window    mean of per-step rewards (every reward entry)
+    ``reward_std``            window    population std of per-step rewards
+    ``reward_min``            window    minimum per-step reward
+    ``reward_max``            window    maximum per-step reward
+    ``dones``                 window    steps (entries) with ``done_key`` set
+    ``episodes``              window    episodes (of each entry) completed in the window
+    ``episode_return_mean``   window    mean return of the episodes completed
+    ``episode_return_std``    window    population std of those returns
+    ``episode_return_min``    window    minimum of those returns
+    ``episode_return_max``    window    maximum of those returns
+    ``episode_length_mean``   window    mean length (steps) of the episodes completed
+    ``episode_length_min``    window    minimum of those lengths
+    ``episode_length_max``    window    maximum of those lengths
+    ========================  ========  ==================================================
+
+    A window with no reward (or no completed episode) omits the ``*_mean``,
+    ``*_std``, ``*_min``, ``*_max`` entries; counts are then ``0``.
+    :meth:`counters` gives ``frames``, ``batches`` and ``episodes``
+    (cumulative; ``episodes`` is observed, not exact, on CUDA).
+
+    Keyword Args:
+        reward_key (NestedKey, optional): per-step reward. Required in the
+            batch unless ``None`` (no reward metrics). Defaults to the
+            source's reward key, ``("next", "reward")`` until bound.
+        done_key (NestedKey, optional): done flags. Required in the batch
+            unless ``None``. Defaults to the source's done key,
+            ``("next", "done")`` until bound.
+        terminated_key (NestedKey, optional): also closes episodes, when
+            present. Defaults to the source's terminated key,
+            ``("next", "terminated")`` until bound.
+        truncated_key (NestedKey, optional): also closes episodes, when
+            present. Defaults to the source's truncated key,
+            ``("next", "truncated")`` until bound.
+        episode_return (bool, optional): emit ``episode_return_*``.
+            Defaults to ``True``.
+        episode_length (bool, optional): emit ``episode_length_*``.
+            Defaults to ``True``.
+        episode_reward_key (NestedKey, optional): cumulative episode reward,
+            used at closing steps when present. Defaults to
+            ``"episode_reward"`` next to the source's reward key,
+            ``("next", "episode_reward")`` until bound.
+        step_count_key (NestedKey, optional): steps since reset, used at
+            closing steps when present. Defaults to ``"step_count"`` next to
+            the source's done key, ``("next", "step_count")`` until bound.
+        mask_key (NestedKey, optional): valid-step mask of padded batches,
+            used when present. Defaults to ``("collector", "mask")``.
+        traj_ids_key (NestedKey, optional): trajectory ids, used when present
+            to drop carries that do not continue. Defaults to
+            ``("collector", "traj_ids")``.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from rl_observers.metrics import CollectorBatchMetrics
+        >>> metrics = CollectorBatchMetrics()
+        >>> def batch(rewards, dones):
+        ...     n = len(rewards)
+        ...     return TensorDict(
+        ...         {"next": {"reward": torch.tensor(rewards).unsqueeze(-1),
+        ...                   "done": torch.tensor(dones).unsqueeze(-1)}},
+        ...         batch_size=[n],
+        ...     )
+        >>> metrics.on_post_collect(None, batch([1.0, 1.0, 1.0], [False, True, False]))
+        >>> metrics.on_post_collect(None, batch([2.0, 2.0], [False, True]))  # spans 2 batches
+        >>> metrics.counters()
+        {'frames': 5, 'batches': 2, 'episodes': 2}
+        >>> payload = metrics.pull()
+        >>> payload["frames"], payload["episodes"].finalize()
+        (5.0, {'episodes': 2.0})
+        >>> payload["episode_return"].finalize()
+        {'episode_return_mean': 3.5, 'episode_return_std': 1.5, 'episode_return_min': 2.0, 'episode_return_max': 5.0}
+    """
+
+    counter_names = ("frames", "batches", "episodes")
+    _transient = ("_ring", "_stacked")
+    _lock_folds = False  # on_post_collect takes the lock itself
+
+    def __init__(
+        self,
+        *,
+        reward_key: NestedKey | None = FROM_SOURCE,
+        done_key: NestedKey | None = FROM_SOURCE,
+        terminated_key: NestedKey | None = FROM_SOURCE,
+        truncated_key: NestedKey | None = FROM_SOURCE,
+        episode_return: bool = True,
+        episode_length: bool = True,
+        episode_reward_key: NestedKey | None = FROM_SOURCE,
+        step_count_key: NestedKey | None = FROM_SOURCE,
+        mask_key: NestedKey | None = ("collector", "mask"),
+        traj_ids_key: NestedKey | None = ("collector", "traj_ids"),
+    ) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        given = {
+            "reward": reward_key,
+            "done": done_key,
+            "terminated": terminated_key,
+            "truncated": truncated_key,
+            "episode_reward": episode_reward_key,
+            "step_count": step_count_key,
+        }
+        # Keys left to the source: ("next", <name>) until bound to one (see bind).
+        self._from_source = tuple(name for name, key in given.items() if key is FROM_SOURCE)
+        for name, key in given.items():
+            key = ("next", name) if key is FROM_SOURCE else key
+            setattr(self, f"{name}_key", check_key(key, f"{name}_key", owner))
+        self.episode_return = check_bool(episode_return, "episode_return", owner)
+        self.episode_length = check_bool(episode_length, "episode_length", owner)
+        self.mask_key = check_key(mask_key, "mask_key", owner)
+        self.traj_ids_key = check_key(traj_ids_key, "traj_ids_key", owner)
+        closing = (self.done_key, self.terminated_key, self.truncated_key)
+        if (episode_return or episode_length) and all(k is None for k in closing):
+            raise ValueError(
+                f"{owner}: episode metrics need at least one of done_key, terminated_key or "
+                f"truncated_key, got None for all three."
+            )
+        if episode_return and self.reward_key is None and self.episode_reward_key is None:
+            raise ValueError(
+                f"{owner}: episode_return=True needs reward_key or episode_reward_key, "
+                f"got None for both."
+            )
+        self._reward = self.moments("reward") if self.reward_key is not None else None
+        self._dones = self.count("dones") if self.done_key is not None else None
+        self._episodes = self.count("episodes") if any(k is not None for k in closing) else None
+        # Returns and lengths share their mask (the closing steps): folded together.
+        specs = []
+        if episode_return:
+            specs.append(("episode_return", ("mean", "std", "min", "max")))
+        if episode_length:
+            specs.append(("episode_length", ("mean", "min", "max")))
+        self._episode = self.moments_group(specs) if specs else None
+        self._plan: CollectorPlan | None = None
+        self._carry = EpisodeCarry()
+        self._ring: EpisodeRing | None = None
+        self._stacked: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(reward_key={self.reward_key!r}, done_key={self.done_key!r}, "
+            f"episode_return={self.episode_return}, episode_length={self.episode_length})"
+        )
+
+    # -- key resolution -------------------------------------------------------------
+
+    def bind(self, source: Any) -> None:
+        """Takes the keys left to the source from its env's specs (a collector in this process).
+
+        Keys given explicitly are kept. Without an env here (a replay buffer,
+        a multiprocessing collector seen from the driver: its workers bind
+        their copies), nothing changes. Called before the first batch.
+        """
+        if not self._from_source:
+            return
+        found = keys_from_source(source)
+        if found is None:
+            return
+        with self._lock:
+            for name in self._from_source:
+                setattr(self, f"{name}_key", found[name])
+            self._plan = None  # resolved again at the next batch
+
+    def _resolve(self, batch: Any) -> CollectorPlan:
+        owner = type(self).__name__
+        if not is_tensor_collection(batch):
+            raise TypeError(f"{owner} expects TensorDict batches, got {type(batch).__name__}.")
+        if not batch.batch_dims:
+            raise ValueError(
+                f"{owner} expects batches with a time dimension (batch_size [T] or [*B, T]), "
+                f"got batch_size={list(batch.batch_size)}."
+            )
+        present = leaf_keys(batch)
+
+        def required(key: NestedKey | None, what: str) -> NestedKey | None:
+            if key is not None and key not in present:
+                raise missing_key(owner, what, key, present)
+            return key
+
+        def optional(key: NestedKey | None) -> NestedKey | None:
+            return key if key is not None and key in present else None
+
+        reward = required(self.reward_key, "reward_key")
+        done = required(self.done_key, "done_key")
+        closing = tuple(
+            k for k in (done, optional(self.terminated_key), optional(self.truncated_key)) if k
+        )
+        if not closing and self._episodes is not None:
+            key = self.terminated_key or self.truncated_key
+            raise missing_key(owner, "terminated_key/truncated_key", key, present)
+        episode_reward = optional(self.episode_reward_key) if self.episode_return else None
+        step_count = optional(self.step_count_key) if self.episode_length else None
+        running = (self.episode_return and episode_reward is None) or (
+            self.episode_length and step_count is None
+        )
+        if self.episode_return and episode_reward is None and reward is None:
+            raise missing_key(owner, "episode_reward_key", self.episode_reward_key, present)
+        per_step = [(episode_reward, "episode_reward_key"), (step_count, "step_count_key")]
+        if self.episode_return and episode_reward is None:
+            per_step.append((reward, "reward_key"))
+        entries = entries_of(batch, per_step, closing, owner)
+        # Per quantity of the episode group: its row of the running sums (0: return,
+        # 1: length) and the batch key it is read from at closing steps, if any.
+        episode_sources = []
+        if self.episode_return:
+            episode_sources.append((0, episode_reward))
+        if self.episode_length:
+            episode_sources.append((1, step_count))
+        return CollectorPlan(
+            reward=reward,
+            done=done,
+            closing=closing,
+            mask=optional(self.mask_key),
+            episode_reward=episode_reward,
+            step_count=step_count,
+            traj_ids=optional(self.traj_ids_key),
+            running=running,
+            episode_sources=tuple(episode_sources),
+            entries=entries,
+        )
+
+    # -- events ---------------------------------------------------------------------
+
+    def on_post_collect(self, source: Any, batch: Any) -> None:
+        """Folds one collector batch (no host-device sync)."""
+        with self._lock:
+            plan = self._plan
+            if plan is None:
+                plan = self._plan = self._resolve(batch)
+            self._fold(plan, batch)
+
+    def _fold(self, plan: CollectorPlan, batch: Any) -> None:
+        batch_size = batch.batch_size
+        if not len(batch_size):
+            raise ValueError(
+                f"{type(self).__name__} expects batches with a time dimension, got batch_size=[]."
+            )
+        steps = batch_size[-1]
+        rows = math.prod(batch_size[:-1])
+        get = batch.get
+        counters = self._counters
+        counts = counters.values
+        counts["batches"] += 1
+        mask = None
+        if plan.mask is not None:
+            mask = flags(get(plan.mask), rows, steps)
+
+        reward = get(plan.reward) if plan.reward is not None else None
+        if not plan.closing:
+            if reward is not None:
+                self._fold_reward(reward, mask, batch_size)
+            if mask is None:
+                counts["frames"] += batch_size.numel()
+            else:
+                counters.add_observed(("frames",), torch.count_nonzero(mask).reshape(1))
+            return
+
+        # The episode kernel works on [rows, steps]: with several entries per step, one row
+        # per env and entry.
+        episode_mask = mask
+        if plan.entries:
+            entries, dims = plan.entries, batch.batch_dims
+
+            def get(key: Any) -> torch.Tensor:
+                return per_entry(batch.get(key), dims, entries)
+
+            rows *= math.prod(entries)
+            if mask is not None:
+                episode_mask = per_entry(mask.reshape(batch_size), dims, entries)
+        closing_flags = []
+        cells = rows * steps
+        for key in plan.closing:
+            value = get(key)
+            # The ring copies flags of any layout; the other path needs [rows, steps].
+            if not plan.running or value.dtype is not torch.bool or value.numel() != cells:
+                value = flags(value, rows, steps)
+            if episode_mask is not None:
+                value = value & episode_mask.view(value.shape)
+            closing_flags.append(value)
+        if plan.running:
+            self._fold_into_ring(plan, batch, get, rows, steps, closing_flags, mask, episode_mask)
+            return
+        if reward is not None:
+            self._fold_reward(reward, mask, batch_size)
+        closing = closing_flags[0]
+        for key, value in zip(plan.closing, closing_flags):
+            if key == plan.done:
+                self._dones.fold_true(value)
+            if value is not closing:
+                closing = closing | value
+        n_closed = torch.count_nonzero(closing)
+        self._count_frames_and_episodes(n_closed, mask, batch_size)
+        self._episodes.add(n_closed)
+        if self._episode is not None:
+            # Read at the closing steps, stacked straight into float64 (exact step counts
+            # whatever the reward's dtype).
+            sources = plan.episode_sources
+            values = self._stacked
+            shape = (len(sources), rows, steps)
+            if values is None or values.shape != shape or values.device != closing.device:
+                values = self._stacked = closing.new_empty(shape, dtype=torch.float64)
+            torch.stack([get(key).reshape(rows, steps) for _, key in sources], out=values)
+            self._episode.fold(values, closing)
+
+    def _fold_into_ring(
+        self,
+        plan: CollectorPlan,
+        batch: Any,
+        get: Any,
+        rows: int,
+        steps: int,
+        closing_flags: list[torch.Tensor],
+        mask: torch.Tensor | None,
+        episode_mask: torch.Tensor | None,
+    ) -> None:
+        """Copies what the episode sums need into the ring's next slot (a few copies)."""
+        batch_size = batch.batch_size
+        ring = self._ring
+        key = (rows, steps, closing_flags[0].device, mask is None)
+        if ring is None or ring.key != key:
+            self._flush()  # a batch of another shape: the ring's batches are summed first
+            traj_dtype = None if plan.traj_ids is None else batch.get(plan.traj_ids).dtype
+            ring = self._ring = new_ring(
+                plan, key, rows, steps, key[2], masked=mask is not None, traj_dtype=traj_dtype
+            )
+        reward = None
+        if ring.reward is not None:
+            reward = get(plan.reward)  # its moments are folded from the ring
+        elif plan.reward is not None:
+            self._fold_reward(batch.get(plan.reward), mask, batch_size)
+        n_closed = stage_batch(ring, plan, get, closing_flags, reward, episode_mask)
+        if ring.closed is not None and mask is None:  # CPU: read at once, no device to wait for
+            closed = int(n_closed)
+            ring.closed += closed
+            self._counters.values["frames"] += batch_size.numel()
+            self._counters.values["episodes"] += closed
+        else:
+            ring.closed = None
+            self._count_frames_and_episodes(n_closed, mask, batch_size)
+        ring.used += 1
+        if ring.used == ring.size:
+            self._flush()
+
+    def _count_frames_and_episodes(
+        self, n_closed: torch.Tensor, mask: torch.Tensor | None, batch_size: torch.Size
+    ) -> None:
+        counters = self._counters
+        if mask is None:
+            counters.values["frames"] += batch_size.numel()
+            counters.add_observed(("episodes",), n_closed)
+        else:
+            counters.add_observed(
+                ("frames", "episodes"), torch.stack((torch.count_nonzero(mask), n_closed))
+            )
+
+    def _fold_reward(
+        self, reward: torch.Tensor, mask: torch.Tensor | None, batch_size: torch.Size
+    ) -> None:
+        if mask is None:
+            self._reward.fold(reward)
+        else:
+            extra = (1,) * (reward.ndim - len(batch_size))
+            self._reward.fold(reward, mask.reshape(*batch_size, *extra))
+
+    def _fold_staged(self) -> None:
+        self._flush()
+
+    def _flush(self) -> None:
+        """Sums the batches in the ring (:func:`~rl_observers.metrics.episodes.close_episodes`)."""
+        ring = self._ring
+        if ring is None:
+            return
+        closed = close_episodes(ring, self._carry, self._plan.episode_sources)  # type: ignore[union-attr]
+        if closed is None:
+            return
+        if closed.reward is not None:
+            self._reward.fold(closed.reward, closed.mask)  # type: ignore[union-attr]
+        if closed.dones is not None:
+            self._dones.add(closed.dones)  # type: ignore[union-attr]
+        if closed.values is not None:
+            self._episode.fold(closed.values, closed.closing)  # type: ignore[union-attr]
+
+    # -- host side ------------------------------------------------------------------
+
+    def gauges(self, counters: dict[str, int]) -> dict[str, float]:
+        """``frames``, ``batches`` and ``episodes_total`` (the cumulative ``episodes``)."""
+        return {
+            "frames": float(counters["frames"]),
+            "batches": float(counters["batches"]),
+            "episodes_total": float(counters["episodes"]),
+        }
+
+    def pull(self) -> dict[str, float | Partial]:
+        """Gauges ``frames``, ``batches``, ``episodes_total`` and the window's partials.
+
+        Partials are keyed ``"reward"``, ``"dones"``, ``"episodes"``,
+        ``"episode_return"`` and ``"episode_length"`` (those configured). One
+        device-to-host transfer; resets the window, not the episodes in flight.
+        """
+        with self._lock:
+            out = super().pull()
+            plan = self._plan
+            if plan is not None and plan.running:
+                # Episodes closed in the ring's batches are the count of their moments (and
+                # the dones, when done is the only closing key).
+                counted = Count("episodes", out[self._episode.prefixes[0]].count)  # type: ignore[union-attr,attr-defined]
+                out["episodes"] = counted
+                if plan.closing == (plan.done,):
+                    out["dones"] = Count("dones", counted.n)
+            return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Cumulative counters and the per-env episodes in flight."""
+        with self._lock:
+            state = super().state_dict()
+            neg, traj = self._carry.neg, self._carry.traj
+            state["carry"] = None if neg is None else neg.neg().T.contiguous()
+            state["carry_traj_ids"] = None if traj is None else traj.clone()
+            return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores counters and episodes in flight (the window starts empty)."""
+        with self._lock:
+            carry = state_dict["carry"]
+            if carry is not None and (carry.ndim != 2 or carry.shape[-1] != 2):
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict expects a carry of shape [envs, 2], "
+                    f"got {list(carry.shape)}."
+                )
+            super().load_state_dict(state_dict)
+            self._ring = None  # batches not summed yet belong to the replaced state
+            traj = state_dict.get("carry_traj_ids")
+            self._carry = EpisodeCarry(
+                None if carry is None else carry.to(torch.float64).T.neg(),
+                None if traj is None else traj.clone(),
+            )
+

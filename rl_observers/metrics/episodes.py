@@ -1,0 +1,490 @@
+"""The episode kernel: episodes that close in collector batches, carried across batches.
+
+Episode returns and lengths come either from the batch (``RewardSum`` /
+``StepCounter`` entries read at closing steps) or from per-env running sums.
+The running sums are computed here, as functions of the batches and of the
+episodes in flight (:class:`EpisodeCarry`): batches are copied into an
+:class:`EpisodeRing` by :func:`stage_batch` and summed, as one timeline per
+env, by :func:`close_episodes`, which returns what to fold and updates the
+carry. Everything works on ``[rows, steps]`` tensors (time last); batches
+whose steps have several entries (agents, nested envs) are first laid out
+with one row per env and entry by :func:`per_entry`. No function reads a
+tensor value on the host off the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = [
+    "Closed",
+    "CollectorPlan",
+    "EpisodeCarry",
+    "EpisodeRing",
+    "Timeline",
+    "close_episodes",
+    "entries_of",
+    "flags",
+    "new_ring",
+    "per_entry",
+    "stage_batch",
+]
+
+
+class CollectorPlan:
+    """Keys of a collector batch, resolved at the first batch.
+
+    ``entries`` is the shape of the entries of one step (agents, nested
+    envs) when the per-step values have several, else ``()``: each entry
+    then has episodes of its own.
+    """
+
+    __slots__ = (
+        "reward",
+        "done",
+        "closing",
+        "mask",
+        "episode_reward",
+        "step_count",
+        "traj_ids",
+        "running",
+        "episode_sources",
+        "entries",
+    )
+
+    def __init__(self, **fields: Any) -> None:
+        for name in self.__slots__:
+            setattr(self, name, fields[name])
+
+
+def per_entry(value: torch.Tensor, batch_dims: int, entries: tuple[int, ...]) -> torch.Tensor:
+    """``[*B, T, *extra]`` -> ``[B * E, T]``: one row per env and entry, time last.
+
+    ``extra`` is ``entries`` (possibly with a trailing 1), or one value per
+    step, which is broadcast to every entry. Makes a copy.
+    """
+    lead = value.shape[:batch_dims]
+    steps = lead[-1]
+    if math.prod(value.shape[batch_dims:]) == 1:
+        value = value.reshape(*lead[:-1], *(1,) * len(entries), steps)
+        value = value.expand(*lead[:-1], *entries, steps)
+    else:
+        value = value.reshape(*lead, *entries).movedim(batch_dims - 1, -1)
+    return value.reshape(-1, steps)
+
+
+def flags(value: torch.Tensor, rows: int, steps: int) -> torch.Tensor:
+    """``[*B, T, *extra]`` flags -> ``[rows, steps]`` booleans (any over the extra dims)."""
+    if value.numel() == rows * steps:
+        value = value.reshape(rows, steps)
+        return value if value.dtype is torch.bool else value.to(torch.bool)
+    return value.reshape(rows, steps, -1).to(torch.bool).any(-1)
+
+
+def entries_of(
+    batch: Any, per_step: list[tuple[Any, str]], closing: tuple[Any, ...], owner: str
+) -> tuple[int, ...]:
+    """The shape of the entries of one step (agents, nested envs), ``()`` for one entry.
+
+    Decided by the per-step values of the episodes (rewards, ``RewardSum``
+    and ``StepCounter`` entries); with one entry, closing flags with several
+    close the env's episode when any is set. Otherwise every key has one
+    value per step (broadcast to the entries) or one per entry.
+    """
+    dims = batch.batch_dims
+    entries: tuple[int, ...] = ()
+    seen = None
+    for key, what in [*per_step, *((k, "closing key") for k in closing)]:
+        if key is None:
+            continue
+        shape = tuple(batch.get(key).shape[dims:])
+        if math.prod(shape) == 1:
+            continue
+        if shape and shape[-1] == 1:
+            shape = shape[:-1]
+        if seen is None and what == "closing key":
+            break  # per-step values have one entry: flags are reduced with any
+        if seen is None:
+            entries, seen = shape, (key, what)
+        elif shape != entries:
+            raise ValueError(
+                f"{owner}: episode metrics need the entries of one step to agree, got {key!r} "
+                f"({what}) with {list(shape)} entries per step and {seen[0]!r} ({seen[1]}) with "
+                f"{list(entries)}, for batch_size {list(batch.batch_size)}."
+            )
+    return entries
+
+
+# Batches folded with running episode sums are kept in a ring of up to this many batches
+# (and this many steps in all) and summed together: the cost of the running sums is paid
+# once per ring, not once per batch.
+_RING_BATCHES = 16
+_RING_STEPS = 2**15
+# CPU batches need no device sync to be read: the ring counts their closed episodes on the
+# host, and a flush with none (and no trajectory cut) only moves the carries. Tests turn
+# this off to check the values of the device path on the CPU.
+_CPU_SHORTCUTS = True
+
+
+class EpisodeRing:
+    """Batches waiting for their running episode sums, laid out ``[rows, batches, steps]``.
+
+    Each batch is copied into the next slot (rewards as float64, closing flags,
+    and what else the sums need); :func:`close_episodes` sums the
+    used slots as one timeline per env. The buffers the sums work in are kept
+    here too, sized for a full ring.
+    """
+
+    __slots__ = (
+        "key",
+        "size",
+        "used",
+        "reward",
+        "closing",
+        "done",
+        "mask",
+        "traj",
+        "from_keys",
+        "sums",
+        "positions",
+        "step_numbers",
+        "no_step",
+        "no_carry",
+        "_views",
+        "_timelines",
+        "closed",
+    )
+
+    def __init__(
+        self,
+        key: tuple[Any, ...],
+        rows: int,
+        steps: int,
+        device: torch.device,
+        *,
+        reward: bool,
+        done: bool,
+        mask: bool,
+        traj_dtype: torch.dtype | None,
+        from_keys: Sequence[int],
+    ) -> None:
+        self.key = key
+        size = self.size = max(1, min(_RING_BATCHES, _RING_STEPS // max(1, rows * steps)))
+        self.used = 0
+        f64, shape = torch.float64, (rows, size, steps)
+        self.reward = torch.zeros(shape, dtype=f64, device=device) if reward else None
+        self.closing = torch.zeros(shape, dtype=torch.bool, device=device)
+        self.done = torch.zeros(shape, dtype=torch.bool, device=device) if done else None
+        self.mask = torch.zeros(shape, dtype=torch.bool, device=device) if mask else None
+        self.traj = (
+            None if traj_dtype is None else torch.zeros(shape, dtype=traj_dtype, device=device)
+        )
+        # Per row of the sums (0: return, 1: length) read from a batch key instead.
+        self.from_keys = {row: torch.zeros(shape, dtype=f64, device=device) for row in from_keys}
+        timeline = size * steps
+        self.sums = torch.zeros((2, rows, timeline + 1), dtype=f64, device=device)
+        if not mask:  # every step counts: the cumulative lengths are 1, 2, ...
+            self.sums[1, :, 1:] = torch.arange(1, timeline + 1, dtype=f64, device=device)
+        self.positions = torch.zeros((rows, timeline + 1), dtype=torch.int64, device=device)
+        self.step_numbers = torch.arange(1, timeline + 1, dtype=torch.int64, device=device)
+        self.no_step = torch.zeros((), dtype=torch.int64, device=device)
+        self.no_carry = torch.zeros((), dtype=f64, device=device)
+        self._views: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._timelines: dict[int, Timeline] = {}
+        # Episodes closed in the used slots, when known on the host (CPU batches), else None.
+        self.closed: int | None = self.empty_count()
+
+    def empty_count(self) -> int | None:
+        return 0 if self.closing.device.type == "cpu" and _CPU_SHORTCUTS else None
+
+    def timeline(self, used: int) -> Timeline:
+        """The views and buffers a flush of ``used`` slots works with (made once per ``used``)."""
+        timeline = self._timelines.get(used)
+        if timeline is None:
+            if len(self._timelines) >= 4:  # flushes come at a few fill levels at most
+                self._timelines.pop(next(iter(self._timelines)))
+            timeline = self._timelines[used] = Timeline(self, used)
+        return timeline
+
+    def slot(self, buffer: torch.Tensor, name: str, shape: torch.Size) -> torch.Tensor:
+        """The current slot of ``buffer`` viewed with a batch entry's ``shape`` (cached)."""
+        key = (name, self.used, shape)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = buffer[:, self.used].view(shape)
+        return view
+
+
+class Timeline:
+    """The first ``used`` slots of a ring as one timeline per env: views and work buffers.
+
+    ``copies`` are the (source, destination) pairs that lay the slots out as
+    ``[rows, used * steps]`` when the ring is not full (a full ring already is).
+    """
+
+    __slots__ = (
+        "length",
+        "copies",
+        "closing",
+        "reward",
+        "reward_copy",
+        "mask",
+        "from_keys",
+        "done",
+        "sums",
+        "cum_reward",
+        "cum_length",
+        "carry",
+        "sums_end",
+        "sums_tail",
+        "positions",
+        "positions_tail",
+        "step_numbers",
+        "start",
+        "start_indices",
+        "start_index",
+        "at_start",
+        "at_end",
+        "at_head",
+        "values",
+        "traj_first",
+        "traj_last",
+        "traj_next_first",
+        "traj_prev_last",
+    )
+
+    def __init__(self, ring: EpisodeRing, used: int) -> None:
+        rows, size, steps = ring.closing.shape
+        length = self.length = used * steps
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def laid_out(buffer: torch.Tensor | None) -> Any:
+            """``buffer``'s timeline and, when the ring is not full, the copy that makes it."""
+            if buffer is None:
+                return None, None
+            source = buffer[:, :used]
+            if used == size:
+                return source.view(rows, length), None
+            target = torch.empty_like(source, memory_format=torch.contiguous_format)
+            self.copies.append((source, target))
+            return target.view(rows, length), (source, target)
+
+        self.closing, _ = laid_out(ring.closing)
+        self.reward, self.reward_copy = laid_out(ring.reward)
+        self.mask, _ = laid_out(ring.mask)
+        self.from_keys = {row: laid_out(buffer)[0] for row, buffer in ring.from_keys.items()}
+        self.done = None if ring.done is None else ring.done[:, :used]
+        sums = self.sums = ring.sums[..., : length + 1]
+        self.cum_reward = sums[0, :, 1:]
+        self.cum_length = sums[1, :, 1:]
+        self.carry = sums[:, :, 0]
+        self.sums_end = sums[..., length]
+        self.sums_tail = sums[..., 1:]
+        self.positions = ring.positions[:, : length + 1]
+        self.positions_tail = self.positions[:, 1:]
+        self.step_numbers = ring.step_numbers[:length]
+        self.start = torch.empty_like(self.positions)
+        self.start_indices = torch.empty_like(self.positions)
+        self.start_index = self.start.expand(2, rows, length + 1)
+        self.at_start = torch.empty_like(sums)
+        self.at_end = self.at_start[..., length]
+        self.at_head = self.at_start[..., :length]
+        self.values = sums.new_empty((2, rows, length))
+        traj = ring.traj
+        if traj is not None:
+            self.traj_first = traj[:, 0, 0]
+            self.traj_last = traj[:, used - 1, -1]
+            self.traj_next_first = traj[:, 1:used, 0]
+            self.traj_prev_last = traj[:, : used - 1, -1]
+
+
+class EpisodeCarry:
+    """The episodes in flight at the end of the batches summed so far.
+
+    ``neg``: ``[2, rows]`` float64, minus the (return, length) of each row's
+    episode in flight; ``traj``: ``[rows]`` trajectory ids of the last step
+    summed (when the batches have them). ``None`` before the first sum.
+    """
+
+    __slots__ = ("neg", "traj")
+
+    def __init__(self, neg: torch.Tensor | None = None, traj: torch.Tensor | None = None) -> None:
+        self.neg = neg
+        self.traj = traj
+
+
+class Closed(NamedTuple):
+    """What :func:`close_episodes` found in a ring's batches, to fold into reducers."""
+
+    #: Per-step rewards of the summed steps (``[rows, steps]``), or ``None``.
+    reward: torch.Tensor | None
+    #: Which of those steps are valid (padded batches), or ``None``: all are.
+    mask: torch.Tensor | None
+    #: Number of done steps (a 0-d tensor), when counted here.
+    dones: torch.Tensor | None
+    #: ``[K, rows, steps]`` episode quantities (returns, lengths) at ``closing`` steps, or
+    #: ``None`` when no episode closed.
+    values: torch.Tensor | None
+    #: Where episodes closed (``[rows, steps]`` booleans), or ``None``.
+    closing: torch.Tensor | None
+
+
+def new_ring(
+    plan: CollectorPlan,
+    key: tuple[Any, ...],
+    rows: int,
+    steps: int,
+    device: torch.device,
+    *,
+    masked: bool,
+    traj_dtype: torch.dtype | None,
+) -> EpisodeRing:
+    """A ring for batches of ``rows`` x ``steps`` laid out as ``plan`` says."""
+    return EpisodeRing(
+        key,
+        rows,
+        steps,
+        device,
+        reward=plan.reward is not None
+        and any(row == 0 and k is None for row, k in plan.episode_sources),
+        done=plan.done is not None and plan.closing != (plan.done,),
+        mask=masked,
+        traj_dtype=traj_dtype,
+        from_keys=[row for row, k in plan.episode_sources if k is not None],
+    )
+
+
+def stage_batch(
+    ring: EpisodeRing,
+    plan: CollectorPlan,
+    get: Callable[[Any], torch.Tensor],
+    closing_flags: Sequence[torch.Tensor],
+    reward: torch.Tensor | None,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """Copies one batch into the ring's next slot; returns its count of closing steps (0-d).
+
+    ``get`` reads a batch entry as ``[rows, steps]`` (or in the batch's own
+    layout, when it has that many values); ``closing_flags`` are the batch's
+    closing flags as ``[rows, steps]`` booleans (already masked), in the order
+    of ``plan.closing``. The caller advances ``ring.used``.
+    """
+    if ring.done is not None:
+        done = closing_flags[plan.closing.index(plan.done)]
+        ring.slot(ring.done, "done", done.shape).copy_(done)
+    shape = closing_flags[0].shape
+    closing = ring.slot(ring.closing, "closing", shape)
+    if len(closing_flags) == 1:
+        closing.copy_(closing_flags[0])
+    else:
+        torch.bitwise_or(closing_flags[0], closing_flags[1].reshape(shape), out=closing)
+        for value in closing_flags[2:]:
+            closing |= value.reshape(shape)
+    if ring.reward is not None:
+        ring.slot(ring.reward, "reward", reward.shape).copy_(reward)  # type: ignore[union-attr]
+    if ring.mask is not None:
+        ring.slot(ring.mask, "mask", mask.shape).copy_(mask)  # type: ignore[union-attr]
+    if ring.traj is not None:
+        traj = get(plan.traj_ids)
+        ring.slot(ring.traj, "traj", traj.shape).copy_(traj)
+    for row, key in plan.episode_sources:
+        if key is not None:
+            value = get(key)
+            ring.slot(ring.from_keys[row], f"from_keys_{row}", value.shape).copy_(value)
+    return torch.count_nonzero(closing)
+
+
+def close_episodes(
+    ring: EpisodeRing, carry: EpisodeCarry, sources: Sequence[tuple[int, Any]]
+) -> Closed | None:
+    """Sums the batches in the ring: the episodes that closed, and the new carry.
+
+    The used slots form one timeline per env, across batches. Within it,
+    the cumulative sums of (reward, 1) are prefixed with minus the carry
+    of the episode in flight; an episode closing at step ``t`` is the
+    cumulative sum at ``t`` minus the one at the previous segment start
+    (found with a running maximum of closing positions), or minus the
+    prefix when none. Between two batches whose trajectory ids do not
+    continue, the episode in flight is dropped (a segment start that
+    closes no episode). What follows the last closing is the new carry
+    (``carry`` is updated in place). ``sources`` are the plan's
+    ``episode_sources``. Returns ``None`` when the ring is empty.
+    Off the CPU: tensor operations only, no host read, no data-dependent
+    shape (on the CPU, see ``_CPU_SHORTCUTS``).
+    """
+    if not ring.used:
+        return None
+    used, ring.used = ring.used, 0
+    closed, ring.closed = ring.closed, ring.empty_count()
+    line = ring.timeline(used)
+    rows = ring.closing.shape[0]
+    device = ring.closing.device
+    length = line.length
+    # Done steps are among the closing ones, so when none closed there is none to count.
+    dones = None
+    if line.done is not None and closed != 0:
+        dones = torch.count_nonzero(line.done)
+    # The carry column: minus the episode in flight, unless its trajectory does not continue.
+    neg_carry = carry.neg
+    traj = ring.traj
+    if neg_carry is None or neg_carry.shape != (2, rows):
+        line.carry.zero_()
+    else:
+        if neg_carry.device != device:
+            neg_carry = neg_carry.to(device)
+        previous = carry.traj
+        if traj is not None and previous is not None and previous.shape == (rows,):
+            if previous.device != device:
+                previous = previous.to(device)
+            continues = line.traj_first == previous
+            torch.where(continues, neg_carry, ring.no_carry, out=line.carry)
+        else:
+            line.carry.copy_(neg_carry)
+    cut = None
+    if traj is not None:
+        carry.traj = line.traj_last.clone()
+        if used > 1:  # a trajectory that does not continue in the next batch is dropped
+            cut = line.traj_next_first != line.traj_prev_last
+            # (On the CPU, reading whether any was cut waits for no device.)
+            if closed is not None and not cut.any():
+                cut = None
+    if closed == 0 and cut is None:
+        # CPU batches where no episode closed and every trajectory went on: nothing to
+        # fold but the rewards; each env's carry grows by its totals.
+        neg_carry = line.carry.clone()
+        neg_carry[1].sub_(length)
+        if line.reward is not None:
+            if line.reward_copy is not None:
+                line.reward_copy[1].copy_(line.reward_copy[0])
+            neg_carry[0].sub_(line.reward.sum(-1))
+        carry.neg = neg_carry
+        return Closed(line.reward, None, dones, None, None)
+    for source, target in line.copies:  # the used slots as one timeline per env
+        target.copy_(source)
+    closing, mask = line.closing, line.mask
+    if line.reward is not None:
+        torch.cumsum(line.reward, -1, out=line.cum_reward)
+    if mask is not None:
+        torch.cumsum(mask, -1, dtype=torch.float64, out=line.cum_length)
+    starts = closing
+    if cut is not None:
+        breaks = ring.closing.new_zeros((rows, used, ring.closing.shape[-1]))
+        breaks[:, :-1, -1] = cut
+        starts = closing | breaks.view(rows, length)
+    # positions[:, j]: 1 + the last segment end before step j (0: none), j in [0, length].
+    torch.where(starts, line.step_numbers, ring.no_step, out=line.positions_tail)
+    torch.cummax(line.positions, -1, out=(line.start, line.start_indices))
+    torch.gather(line.sums, -1, line.start_index, out=line.at_start)
+    carry.neg = line.at_end - line.sums_end
+    values = torch.sub(line.sums_tail, line.at_head, out=line.values)
+    for row, key in sources:
+        if key is not None:
+            values[row].copy_(line.from_keys[row])
+    if len(sources) == 1:
+        row = sources[0][0]
+        values = values[row : row + 1]
+    return Closed(line.reward, mask, dones, values, closing)

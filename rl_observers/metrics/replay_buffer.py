@@ -1,0 +1,435 @@
+"""SampleMetrics and WriteMetrics: what a replay buffer samples and what is written to it."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any
+
+import torch
+from tensordict import is_tensor_collection
+
+from rl_observers.metrics.base import MetricSet
+from rl_observers.metrics.keys import (
+    NestedKey,
+    check_bool,
+    check_key,
+    dim0_capacity,
+    dim0_slots,
+    info_get,
+    leading_size,
+    leaf_keys,
+    missing_key,
+    storage_device,
+    storage_of,
+    stored_slots,
+    writer_may_skip,
+)
+from rl_observers.stats import Partial
+
+__all__ = ["SampleMetrics", "WriteMetrics"]
+
+# Stamps for storages up to this many slots are allocated in one go; larger or
+# unbounded storages grow on demand (which reads the largest index on the host,
+# so it is only done for indices that live on the CPU).
+_STAMPS_EAGER_LIMIT = 2**24
+_STAMPS_MIN_ALLOC = 1024
+# The stamps of up to this many samples (and this many sampled items) are kept and their
+# ages folded together.
+_AGE_SAMPLES = 16
+_AGE_ENTRIES = 2**16
+
+
+
+class SampleMetrics(MetricSet):
+    """What a replay buffer's samples look like: calls, sizes, weights, age.
+
+    Folds ``post_sample`` events, and ``post_add`` / ``post_extend`` events to
+    stamp storage slots for the age of sampled data.
+
+    ================================  ========  =========================================
+    name                              kind      meaning
+    ================================  ========  =========================================
+    ``sample_calls``                  gauge     cumulative ``sample`` calls
+    ``samples_returned``              gauge     cumulative sampled items (index entries)
+    ``batch_size``                    gauge     items in the last sample
+    ``priority_weight_mean``          window    mean importance weight sampled
+    ``priority_weight_min``           window    minimum importance weight
+    ``priority_weight_max``           window    maximum importance weight
+    ``sample_age_mean``               window    mean age of sampled items, in items written
+    ``sample_age_min``                window    minimum age
+    ``sample_age_max``                window    maximum age
+    ================================  ========  =========================================
+
+    Weights come from the sampler's ``info["priority_weight"]`` (or
+    ``info["_weight"]``), when present. **Age** is the number of items written
+    to the buffer after the sampled item: ``0`` for the newest item. Every
+    write stamps its dim-0 slots with the running item count (a
+    ``scatter_reduce`` on the index's device, so a write that wraps around
+    the storage keeps the latest stamp), and a sample reads the stamps of its
+    ``info["index"]``. torchrl's ``info["index_generation"]`` counts rewrites
+    *per slot*, not writes to the buffer, so it cannot give an age and is not
+    used. Items written before this set saw any write have no stamp and are
+    left out of the age statistics; stamps are kept for storages whose
+    capacity is known (up to 2**24 slots) or whose indices live on the CPU.
+    Writes from other processes sharing a storage are not seen. Items a
+    writer did not store (index ``-1``, see :class:`WriteMetrics`) stamp no
+    slot and do not count as written.
+
+    :meth:`counters` and :meth:`stats` give ``sample_calls`` and
+    ``samples_returned``.
+
+    Keyword Args:
+        priority_weight (bool, optional): emit ``priority_weight_*``.
+            Defaults to ``True``.
+        age (bool, optional): stamp writes and emit ``sample_age_*``.
+            Defaults to ``True``.
+
+    Examples:
+        >>> import torch
+        >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
+        >>> from rl_observers.metrics import SampleMetrics
+        >>> rb = ReplayBuffer(storage=LazyTensorStorage(4))
+        >>> metrics = SampleMetrics()
+        >>> for chunk in (torch.arange(3), torch.arange(3, 6)):  # 6 items, slots 0, 1 rewritten
+        ...     metrics.on_post_extend(rb, chunk, rb.extend(chunk))
+        >>> batch, info = rb.sample(3, return_info=True)
+        >>> metrics.on_post_sample(rb, batch, info)
+        >>> payload = metrics.pull()
+        >>> payload["sample_calls"], payload["samples_returned"]
+        (1.0, 3.0)
+        >>> ages = (6 - 1 - batch).tolist()  # item k was the (k+1)-th written
+        >>> payload["sample_age"].finalize()["sample_age_max"] == max(ages)
+        True
+    """
+
+    counter_names = ("sample_calls", "samples_returned")
+    #: Gauges that are not cumulative counters: merged across workers by keeping the newest.
+    latest_gauges: tuple[str, ...] = ("batch_size",)
+    _transient = ("_sampled",)
+    _lock_folds = False  # writes take the lock only when ages are on
+
+    def __init__(self, *, priority_weight: bool = True, age: bool = True) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        self.priority_weight = check_bool(priority_weight, "priority_weight", owner)
+        self.age = check_bool(age, "age", owner)
+        stats = ("mean", "min", "max")
+        self._weights = self.moments("priority_weight", stats=stats) if priority_weight else None
+        self._ages = self.moments("sample_age", stats=stats) if age else None
+        self._batch_size = 0
+        self._skips: bool | None = None  # whether the source's writer may skip items
+        self._written = 0  # items written while observed: the stamp of the latest item
+        self._stamps: torch.Tensor | None = None  # per dim-0 slot; 0 = never seen written
+        self._stamps_fixed = False  # sized to the storage's capacity
+        self._stamps_off = False
+        # Stamps of the last samples and the item count at each (see _stage_ages).
+        self._sampled: torch.Tensor | None = None
+        self._sampled_written: list[int] = []
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(priority_weight={self.priority_weight}, age={self.age})"
+
+    # -- writes: stamps ------------------------------------------------------------
+
+    def on_post_add(self, source: Any, data: Any, index: Any) -> None:
+        """Stamps the slot written by ``add``."""
+        if self._ages is not None:
+            with self._lock:
+                self._stamp(source, index)
+
+    def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
+        """Stamps the slots written by ``extend``."""
+        if self._ages is not None:
+            with self._lock:
+                self._stamp(source, index)
+
+    def bind(self, source: Any) -> None:
+        """Notes whether the source's writer may skip items (any but torchrl's round-robin)."""
+        self._skips = writer_may_skip(source)
+
+    def _stamp(self, source: Any, index: Any) -> None:
+        storage = storage_of(source)
+        if self._skips is None:
+            self._skips = writer_may_skip(source)
+        slots, _ = stored_slots(index, storage, may_skip=self._skips)
+        if slots is None or not slots.numel():
+            return
+        n = slots.numel()
+        stamps = self._stamps_for(storage, slots)
+        if stamps is not None and type(index) is int and 0 <= index < stamps.numel():
+            # ``add`` on a 1-D storage: a fill, not a host-to-device copy of the slot.
+            stamps.narrow(0, index, 1).fill_(self._written + 1)
+        elif stamps is not None:
+            new = torch.arange(
+                self._written + 1, self._written + n + 1, dtype=torch.int64, device=stamps.device
+            )
+            slots = slots.to(stamps.device, non_blocking=True)
+            stamps.scatter_reduce_(0, slots, new, reduce="amax")
+        self._written += n
+
+    def _stamps_for(self, storage: Any, slots: torch.Tensor) -> torch.Tensor | None:
+        if self._stamps_off:
+            return None
+        stamps = self._stamps
+        capacity = dim0_capacity(storage)
+        if capacity is not None and capacity <= _STAMPS_EAGER_LIMIT:
+            size = capacity
+            self._stamps_fixed = True
+        elif slots.device.type == "cpu":
+            # Unbounded storage, CPU indices: reading the largest slot is no device sync.
+            needed = int(slots.max()) + 1
+            current = 0 if stamps is None else stamps.numel()
+            size = current if needed <= current else max(needed, 2 * current, _STAMPS_MIN_ALLOC)
+        else:
+            warnings.warn(
+                f"{type(self).__name__}: cannot size per-slot stamps for a storage of capacity "
+                f"{capacity!r} without a device sync; sample_age is disabled.",
+                stacklevel=4,
+            )
+            self._stamps_off = True
+            return None
+        if stamps is None or stamps.numel() < size:
+            # On the storage's device, where sampled indices live.
+            device = slots.device if stamps is None else stamps.device
+            grown = torch.zeros(size, dtype=torch.int64, device=storage_device(storage, device))
+            if stamps is not None:
+                grown[: stamps.numel()] = stamps.to(grown.device)
+            stamps = self._stamps = grown
+        return stamps
+
+    # -- samples --------------------------------------------------------------------
+
+    def on_post_sample(self, source: Any, batch: Any, info: Any) -> None:
+        """Counts the sample and folds its weights and ages (no host-device sync)."""
+        with self._lock:
+            index = None if info is None else info_get(info, "index")
+            slots = dim0_slots(index, storage_of(source))
+            n = slots.numel() if slots is not None else leading_size(batch)
+            counters = self._counters
+            counters.add("sample_calls", 1)
+            counters.add("samples_returned", n)
+            self._batch_size = n
+            if info is None:
+                return
+            if self._weights is not None:
+                weights = info_get(info, "priority_weight", "_weight")
+                if weights is not None:
+                    self._weights.fold(torch.as_tensor(weights))
+            stamps = self._stamps
+            if self._ages is not None and stamps is not None and slots is not None and n:
+                if slots.device != stamps.device:
+                    slots = slots.to(stamps.device)
+                if self._stamps_fixed:  # sized to the storage: every sampled slot is inside
+                    self._stage_ages(stamps, slots)
+                else:
+                    size = stamps.numel()
+                    stamp = stamps.index_select(0, slots.clamp(0, size - 1))
+                    valid = (stamp > 0) & (slots < size)
+                    self._ages.fold(self._written - stamp, valid)
+
+    def _stage_ages(self, stamps: torch.Tensor, slots: torch.Tensor) -> None:
+        """Keeps the stamps of a sample (one gather) until _AGE_SAMPLES samples of its size."""
+        sampled = self._sampled
+        n = slots.numel()
+        if sampled is None or sampled.shape[1] != n or sampled.device != stamps.device:
+            self._fold_ages()
+            rows = max(1, min(_AGE_SAMPLES, _AGE_ENTRIES // n))
+            sampled = self._sampled = stamps.new_empty((rows, n))
+        written = self._sampled_written
+        torch.index_select(stamps, 0, slots, out=sampled[len(written)])
+        written.append(self._written)
+        if len(written) == sampled.shape[0]:
+            self._fold_ages()
+
+    def _fold_ages(self) -> None:
+        """Folds the ages of the staged samples: items written since each sampled item."""
+        written = self._sampled_written
+        if not written:
+            return
+        stamp = self._sampled[: len(written)]  # type: ignore[index]
+        counts = torch.tensor(written, dtype=torch.int64)
+        device = stamp.device
+        if device.type == "cuda":  # pinned and asynchronous: no wait for the device
+            counts = counts.pin_memory().to(device, non_blocking=True)
+        elif device.type != "cpu":
+            counts = counts.to(device, non_blocking=True)
+        self._sampled_written = []
+        # A stamp of 0: written before this set saw any write, no age.
+        self._ages.fold(counts.unsqueeze(1) - stamp, stamp > 0)  # type: ignore[union-attr]
+
+    # -- host side ------------------------------------------------------------------
+
+    def _fold_staged(self) -> None:
+        self._fold_ages()
+
+    def stats(self) -> dict[str, float]:
+        """``sample_calls`` and ``samples_returned``, for the target's ``stats()``."""
+        return self.counters()
+
+    def gauges(self, counters: dict[str, int]) -> dict[str, float]:
+        """``sample_calls``, ``samples_returned`` (cumulative) and ``batch_size`` (the last)."""
+        out = super().gauges(counters)
+        out["batch_size"] = float(self._batch_size)
+        return out
+
+    def pull(self) -> dict[str, float | Partial]:
+        """Gauges ``sample_calls``, ``samples_returned``, ``batch_size``; partials
+        ``"priority_weight"`` and ``"sample_age"`` (those configured)."""
+        return super().pull()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, the running item count and the per-slot stamps."""
+        with self._lock:
+            state = super().state_dict()
+            state.update(
+                batch_size=self._batch_size,
+                written=self._written,
+                stamps=None if self._stamps is None else self._stamps.clone(),
+                stamps_fixed=self._stamps_fixed,
+            )
+            return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores what :meth:`state_dict` returned (the window starts empty)."""
+        with self._lock:
+            super().load_state_dict(state_dict)
+            self._batch_size = int(state_dict.get("batch_size", 0))
+            self._written = int(state_dict["written"])
+            stamps = state_dict.get("stamps")
+            self._stamps = None if stamps is None else stamps.clone()
+            self._stamps_fixed = bool(state_dict.get("stamps_fixed", False))
+            self._sampled, self._sampled_written = None, []
+
+
+class WriteMetrics(MetricSet):
+    """What is written to a replay buffer: calls, items, rewards.
+
+    Folds ``post_add`` and ``post_extend`` events.
+
+    =========================  ========  ==============================================
+    name                       kind      meaning
+    =========================  ========  ==============================================
+    ``writes``                 gauge     cumulative ``add`` / ``extend`` calls
+    ``items_written``          gauge     cumulative items written (torchrl's write count)
+    ``reward_mean``            window    mean reward of the written data
+    ``reward_std``             window    population std of those rewards
+    ``reward_min``             window    minimum of those rewards
+    ``reward_max``             window    maximum of those rewards
+    =========================  ========  ==============================================
+
+    Items are counted like torchrl's ``write_count``: one per dim-0 slot
+    written. Items the writer did not store are **not** counted as written
+    and their rewards are left out: ``TensorDictMaxValueWriter`` marks them
+    with index ``-1`` in what ``extend`` returns, and returns ``None`` from an
+    ``add`` it skipped (a skipped ``add`` still counts in ``writes``, the
+    calls). With a writer other than torchrl's round-robin ones, the index
+    of each write is read on the host to find skipped items. :meth:`counters` gives ``write_count`` (= ``items_written``, as
+    observed), ``writes`` and ``items_written``; :meth:`stats` gives
+    ``writes``, ``items_written`` and ``seconds_since_last_write``.
+
+    Keyword Args:
+        reward_key (NestedKey, optional): reward entry of the written
+            TensorDicts; required in the data when given. Defaults to
+            ``None`` (no reward metrics).
+        mask_key (NestedKey, optional): valid-step mask, used when present
+            (padded trajectories). Defaults to ``("collector", "mask")``.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+        >>> from rl_observers.metrics import WriteMetrics
+        >>> rb = TensorDictReplayBuffer(storage=LazyTensorStorage(10))
+        >>> metrics = WriteMetrics(reward_key=("next", "reward"))
+        >>> data = TensorDict({"next": {"reward": torch.tensor([[1.0], [3.0]])}}, batch_size=[2])
+        >>> metrics.on_post_extend(rb, data, rb.extend(data))
+        >>> metrics.counters()
+        {'write_count': 2, 'writes': 1, 'items_written': 2}
+        >>> metrics.pull()["reward"].finalize()
+        {'reward_mean': 2.0, 'reward_std': 1.0, 'reward_min': 1.0, 'reward_max': 3.0}
+    """
+
+    counter_names = ("writes", "items_written")
+    _lock_folds = False  # each write takes the lock itself
+
+    def __init__(
+        self,
+        *,
+        reward_key: NestedKey | None = None,
+        mask_key: NestedKey | None = ("collector", "mask"),
+    ) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        self.reward_key = check_key(reward_key, "reward_key", owner)
+        self.mask_key = check_key(mask_key, "mask_key", owner)
+        self._reward = self.moments("reward") if self.reward_key is not None else None
+        self._last_write: float | None = None
+        self._skips: bool | None = None  # whether the source's writer may skip items
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(reward_key={self.reward_key!r})"
+
+    def bind(self, source: Any) -> None:
+        """Notes whether the source's writer may skip items (any but torchrl's round-robin)."""
+        self._skips = writer_may_skip(source)
+
+    def on_post_add(self, source: Any, data: Any, index: Any) -> None:
+        """Counts the item, unless the writer skipped it (``index`` is ``None`` or ``-1``)."""
+        with self._lock:
+            skipped = index is None or (type(index) is int and index < 0)
+            self._write(data, 0 if skipped else 1, None)
+
+    def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
+        """Counts the items written and folds their rewards (skipped items are left out)."""
+        with self._lock:
+            slots, stored = stored_slots(index, storage_of(source), may_skip=self._may_skip(source))
+            self._write(data, leading_size(data) if slots is None else slots.numel(), stored)
+
+    def _may_skip(self, source: Any) -> bool:
+        skips = self._skips
+        if skips is None:
+            skips = self._skips = writer_may_skip(source)
+        return skips
+
+    def _write(self, data: Any, items: int, stored: torch.Tensor | None) -> None:
+        """Counts a write of ``items`` items; ``stored``: which items of ``data`` were kept."""
+        counters = self._counters
+        counters.add("writes", 1)
+        counters.add("items_written", items)
+        self._last_write = time.monotonic()
+        if self._reward is None or not items:
+            return
+        owner = type(self).__name__
+        if not is_tensor_collection(data):
+            raise TypeError(
+                f"{owner}: reward_key={self.reward_key!r} needs TensorDict data, "
+                f"got {type(data).__name__}."
+            )
+        reward = data.get(self.reward_key, None)
+        if reward is None:
+            raise missing_key(owner, "reward_key", self.reward_key, leaf_keys(data))
+        mask = data.get(self.mask_key, None) if self.mask_key is not None else None
+        if mask is not None:
+            mask = mask.reshape(*mask.shape, *(1,) * (reward.ndim - mask.ndim))
+        if stored is not None and reward.ndim and reward.shape[0] == stored.numel():
+            stored = stored.reshape(-1, *(1,) * (reward.ndim - 1))
+            mask = stored if mask is None else mask & stored
+        self._reward.fold(reward, mask)
+
+    def counters(self) -> dict[str, float]:
+        """``write_count``, ``writes``, ``items_written`` (cumulative)."""
+        values = self._counters.values
+        return {"write_count": values["items_written"], **values}
+
+    def stats(self) -> dict[str, float]:
+        """``writes``, ``items_written`` and, after a write, ``seconds_since_last_write``."""
+        values = self._counters.values
+        out = {"writes": values["writes"], "items_written": values["items_written"]}
+        if self._last_write is not None:
+            out["seconds_since_last_write"] = time.monotonic() - self._last_write
+        return out
+
+    def pull(self) -> dict[str, float | Partial]:
+        """Gauges ``writes``, ``items_written``; partial ``"reward"`` (when configured)."""
+        return super().pull()

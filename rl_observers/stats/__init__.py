@@ -1,0 +1,32 @@
+"""Statistics that merge exactly: torch-free partials, device reducers, observed counters.
+
+* :mod:`~rl_observers.stats.partials`: :class:`Partial`, :class:`Moments`,
+  :class:`Count` (host side, torch-free, picklable, mergeable);
+* :mod:`~rl_observers.stats.reducers`: :class:`ReducerBank` and its reducers,
+  which fold tensors on their device and reach the host in one transfer;
+* :mod:`~rl_observers.stats.counters`: cumulative host counters fed by device
+  values without a sync.
+
+This package imports no other part of :mod:`rl_observers`.
+"""
+
+from rl_observers.stats.counters import ObservedCounters
+from rl_observers.stats.partials import MOMENT_STATS, Count, Moments, Partial
+from rl_observers.stats.reducers import (
+    CountReducer,
+    MomentsGroupReducer,
+    MomentsReducer,
+    ReducerBank,
+)
+
+__all__ = [
+    "MOMENT_STATS",
+    "Count",
+    "CountReducer",
+    "Moments",
+    "MomentsGroupReducer",
+    "MomentsReducer",
+    "ObservedCounters",
+    "Partial",
+    "ReducerBank",
+]

@@ -1,0 +1,86 @@
+"""Host-side cumulative counters that device values feed without a sync.
+
+Counters that depend on tensor values (``episodes``, and ``frames`` of masked
+``trajs_per_batch`` batches) are *observed, not exact*: on CPU they are read
+at once; on CUDA the value is copied without blocking to pinned memory and
+added at a later event, once its CUDA event has completed, so such a counter
+may lag by a batch or so. :meth:`ObservedCounters.drain` makes them exact.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["ObservedCounters"]
+
+
+class ObservedCounters:
+    """Host-side counters, some fed by device values without a sync.
+
+    ``add`` takes a host number. ``add_observed`` takes a 1-D integer tensor
+    (one entry per counter): on CPU it is read at once; on CUDA it is copied
+    without blocking to pinned memory and added by a later :meth:`poll` once
+    its event has completed; on other devices it is read at :meth:`drain`.
+    """
+
+    __slots__ = ("values", "_pending")
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.values: dict[str, int] = dict.fromkeys(names, 0)
+        self._pending: deque[tuple[tuple[str, ...], torch.Tensor, Any]] = deque()
+
+    def add(self, name: str, amount: int) -> None:
+        self.values[name] += amount
+
+    def add_observed(self, names: tuple[str, ...], amounts: torch.Tensor) -> None:
+        device = amounts.device
+        if device.type == "cpu":
+            self._apply(names, amounts)
+            return
+        if device.type == "cuda":
+            host = torch.empty(amounts.shape, dtype=amounts.dtype, pin_memory=True)
+            host.copy_(amounts, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self._pending.append((names, host, event))
+        else:
+            self._pending.append((names, amounts, None))
+        self.poll()
+
+    def _apply(self, names: tuple[str, ...], amounts: torch.Tensor) -> None:
+        values = self.values
+        if not amounts.ndim:
+            values[names[0]] += int(amounts)
+            return
+        for name, amount in zip(names, amounts.tolist()):
+            values[name] += int(amount)
+
+    def poll(self) -> dict[str, int]:
+        """Adds every pending amount whose copy has completed; never waits."""
+        pending = self._pending
+        while pending:
+            names, host, event = pending[0]
+            if event is None or not event.query():
+                break
+            pending.popleft()
+            self._apply(names, host)
+        return self.values
+
+    def drain(self) -> dict[str, int]:
+        """Adds every pending amount, waiting for copies still in flight."""
+        pending = self._pending
+        while pending:
+            names, host, event = pending.popleft()
+            if event is not None:
+                event.synchronize()
+            self._apply(names, host)
+        return self.values
+
+    def load(self, values: dict[str, Any]) -> None:
+        self._pending.clear()
+        for name in self.values:
+            self.values[name] = int(values.get(name, 0))

@@ -1,0 +1,362 @@
+"""SampleMetrics and WriteMetrics against ground truth computed from real replay buffers."""
+
+from __future__ import annotations
+
+import pickle
+import statistics
+import warnings
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torchrl.data import (
+    LazyTensorStorage,
+    ListStorage,
+    PrioritizedReplayBuffer,
+    ReplayBuffer,
+    RoundRobinWriter,
+    TensorDictReplayBuffer,
+)
+
+from rl_observers.metrics import (
+    SampleMetrics,
+    WriteMetrics,
+)
+
+# -- SampleMetrics -----------------------------------------------------------------
+
+
+def _expected_ages(ids: list[int], written: int) -> dict[str, float]:
+    # the item with id k was the (k + 1)-th item written; age = items written after it
+    ages = [written - 1 - k for k in ids]
+    return {
+        "sample_age_mean": statistics.fmean(ages),
+        "sample_age_min": float(min(ages)),
+        "sample_age_max": float(max(ages)),
+    }
+
+
+def test_sample_age_with_wrapping_writes_and_adds():
+    rb = ReplayBuffer(storage=LazyTensorStorage(10))
+    metrics = SampleMetrics()
+    written = 0
+    for size in (4, 7, 1, 12, 3):  # the 12-item extend wraps around the whole storage
+        if size == 1:
+            index = rb.add(torch.tensor(written))
+            metrics.on_post_add(rb, None, index)
+        else:
+            data = torch.arange(written, written + size)
+            metrics.on_post_extend(rb, data, rb.extend(data))
+        written += size
+        for _ in range(2):
+            batch, info = rb.sample(6, return_info=True)
+            metrics.on_post_sample(rb, batch, info)
+            payload = metrics.pull()
+            assert payload["sample_age"].finalize() == pytest.approx(
+                _expected_ages(batch.tolist(), written)
+            )
+    assert written == rb.write_count
+    assert payload["sample_calls"] == 10 and payload["samples_returned"] == 60
+    assert payload["batch_size"] == 6
+    assert metrics.counters() == {"sample_calls": 10, "samples_returned": 60}
+    assert metrics.stats() == {"sample_calls": 10, "samples_returned": 60}
+
+
+def test_sample_age_over_many_samples_in_one_window():
+    rb = TensorDictReplayBuffer(
+        storage=LazyTensorStorage(16), writer=RoundRobinWriter(track_generations=True)
+    )
+    metrics = SampleMetrics()
+    seen, written = [], 0
+    for size in (5, 9, 20, 6):
+        data = TensorDict({"id": torch.arange(written, written + size)}, [size])
+        metrics.on_post_extend(rb, data, rb.extend(data))
+        written += size
+        batch, info = rb.sample(8, return_info=True)
+        assert "index_generation" in info
+        metrics.on_post_sample(rb, batch, info)
+        seen += [written - 1 - k for k in batch["id"].tolist()]
+    got = metrics.pull()["sample_age"].finalize()
+    assert got == pytest.approx(
+        {
+            "sample_age_mean": statistics.fmean(seen),
+            "sample_age_min": min(seen),
+            "sample_age_max": max(seen),
+        }
+    )
+
+
+def test_sample_age_over_many_staged_samples():
+    # More samples than are staged at once, of changing sizes, writes in between, a pull,
+    # a state_dict and a pickle in the middle of a stage.
+    rb = ReplayBuffer(storage=LazyTensorStorage(50))
+    metrics = SampleMetrics()
+    seen, written = [], 0
+    for step in range(70):
+        if step % 3 == 0:
+            data = torch.arange(written, written + 7)
+            metrics.on_post_extend(rb, data, rb.extend(data))
+            written += 7
+        batch, info = rb.sample(9 if step % 11 == 0 else 5, return_info=True)
+        metrics.on_post_sample(rb, batch, info)
+        seen += [written - 1 - k for k in batch.tolist()]
+        if step == 40:
+            metrics = pickle.loads(pickle.dumps(metrics))
+        if step == 50:
+            state = metrics.state_dict()
+        if step in (25, 50, 69):
+            got = metrics.pull()["sample_age"].finalize()
+            assert got == pytest.approx(
+                {
+                    "sample_age_mean": statistics.fmean(seen),
+                    "sample_age_min": min(seen),
+                    "sample_age_max": max(seen),
+                }
+            )
+            seen = []
+    resumed = SampleMetrics()
+    resumed.load_state_dict(state)
+    assert resumed.counters() == {"sample_calls": 51, "samples_returned": 51 * 5 + 5 * 4}
+    assert metrics.counters()["sample_calls"] == 70
+
+
+def test_staged_samples_never_read_a_value_on_the_host():
+    rb = ReplayBuffer(storage=LazyTensorStorage(64, device="meta"))
+    metrics = SampleMetrics()
+    index = torch.arange(64, device="meta")
+    metrics.on_post_extend(rb, None, index)
+    for step in range(3 * 16):  # the stamps of full stages are folded inside on_post_sample
+        metrics.on_post_sample(rb, None, {"index": index[: 8 if step % 20 else 4]})
+    assert metrics.counters()["sample_calls"] == 48
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        metrics.pull()
+
+
+def test_sample_age_with_unbounded_list_storage():
+    rb = ReplayBuffer(storage=ListStorage())
+    metrics = SampleMetrics()
+    written = 0
+    for size in (3, 2000):  # grows the stamps past their first allocation
+        data = [torch.tensor(k) for k in range(written, written + size)]
+        metrics.on_post_extend(rb, data, rb.extend(data))
+        written += size
+    batch, info = rb.sample(50, return_info=True)
+    metrics.on_post_sample(rb, batch, info)
+    assert metrics.pull()["sample_age"].finalize() == pytest.approx(
+        _expected_ages(batch.tolist(), written)
+    )
+
+
+def test_items_written_before_observing_have_no_age():
+    rb = ReplayBuffer(storage=LazyTensorStorage(10))
+    rb.extend(torch.arange(5))  # not observed
+    metrics = SampleMetrics()
+    data = torch.arange(5, 8)
+    metrics.on_post_extend(rb, data, rb.extend(data))
+    batch, info = rb.sample(40, return_info=True)
+    metrics.on_post_sample(rb, batch, info)
+    observed = [k for k in batch.tolist() if k >= 5]
+    age = metrics.pull()["sample_age"]
+    assert age.count == len(observed) < 40
+    assert age.finalize() == pytest.approx(
+        {k: v for k, v in _expected_ages([k - 5 for k in observed], 3).items()}
+    )
+
+
+def test_sample_metrics_on_a_multi_dim_storage():
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(12, ndim=2))
+    writes = WriteMetrics()
+    samples = SampleMetrics()
+    for _ in range(4):
+        data = TensorDict({"x": torch.zeros(3, 2)}, [3, 2])
+        index = rb.extend(data)
+        writes.on_post_extend(rb, data, index)
+        samples.on_post_extend(rb, data, index)
+    assert writes.counters()["items_written"] == rb.write_count
+    batch, info = rb.sample(5, return_info=True)
+    samples.on_post_sample(rb, batch, info)
+    payload = samples.pull()
+    assert payload["samples_returned"] == 5
+    age = payload["sample_age"]
+    assert age.count == 5 and 0 <= age.min <= age.max < rb.write_count
+
+
+def test_priority_weights_from_the_sampler_info():
+    rb = ReplayBuffer(storage=LazyTensorStorage(10))
+    data = torch.arange(6)
+    metrics = SampleMetrics(age=False)
+    metrics.on_post_extend(rb, data, rb.extend(data))
+    batch, info = rb.sample(4, return_info=True)
+    weights = torch.tensor([0.5, 1.0, 0.25, 1.0])
+    info["priority_weight"] = weights  # the key torchrl's PrioritizedSampler sets
+    metrics.on_post_sample(rb, batch, info)
+    payload = metrics.pull()
+    assert "sample_age" not in payload
+    assert payload["priority_weight"].finalize() == {
+        "priority_weight_mean": 0.6875,
+        "priority_weight_min": 0.25,
+        "priority_weight_max": 1.0,
+    }
+
+
+def _prioritized_available() -> bool:
+    try:
+        PrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=LazyTensorStorage(4))
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(
+    not _prioritized_available(), reason="torchrl's C++ segment trees are not available"
+)
+def test_prioritized_replay_buffer_weights():
+    rb = PrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=LazyTensorStorage(10))
+    metrics = SampleMetrics()
+    data = torch.arange(8)
+    metrics.on_post_extend(rb, data, rb.extend(data))
+    rb.update_priority(torch.arange(8), torch.arange(1.0, 9.0))
+    batch, info = rb.sample(16, return_info=True)
+    metrics.on_post_sample(rb, batch, info)
+    w = torch.as_tensor(info["priority_weight"]).double()
+    got = metrics.pull()["priority_weight"].finalize()
+    assert got == pytest.approx(
+        {
+            "priority_weight_mean": w.mean().item(),
+            "priority_weight_min": w.min().item(),
+            "priority_weight_max": w.max().item(),
+        }
+    )
+
+
+def test_sample_without_info_counts_the_batch():
+    metrics = SampleMetrics()
+    metrics.on_post_sample(None, TensorDict({"a": torch.zeros(7)}, [7]), None)
+    metrics.on_post_sample(None, torch.zeros(3, 4), None)
+    payload = metrics.pull()
+    assert payload["sample_calls"] == 2 and payload["samples_returned"] == 10
+    assert payload["batch_size"] == 3
+    assert payload["sample_age"].count == 0 and payload["priority_weight"].count == 0
+
+
+def test_sample_metrics_state_dict_round_trip():
+    rb = ReplayBuffer(storage=LazyTensorStorage(8))
+    metrics = SampleMetrics()
+    data = torch.arange(6)
+    metrics.on_post_extend(rb, data, rb.extend(data))
+    metrics.on_post_sample(rb, *rb.sample(2, return_info=True))
+    resumed = SampleMetrics()
+    resumed.load_state_dict(pickle.loads(pickle.dumps(metrics.state_dict())))
+    data = torch.arange(6, 9)
+    resumed.on_post_extend(rb, data, rb.extend(data))
+    batch, info = rb.sample(10, return_info=True)
+    resumed.on_post_sample(rb, batch, info)
+    payload = resumed.pull()
+    assert payload["sample_calls"] == 2 and payload["samples_returned"] == 12
+    assert payload["sample_age"].finalize() == pytest.approx(_expected_ages(batch.tolist(), 9))
+
+
+def test_sample_fold_never_reads_a_value_on_the_host():
+    # A buffer whose storage lives on the meta device (torchrl itself cannot
+    # extend it: its writer reads the cursor). Stamps follow the storage, so
+    # stamping and sampling run on meta tensors, where any host read raises.
+    rb = ReplayBuffer(storage=LazyTensorStorage(8, device="meta"))
+    metrics = SampleMetrics()
+    writes = WriteMetrics(reward_key="r")
+    data = TensorDict({"r": torch.ones(6, 1)}, [6]).to("meta")
+    index = torch.arange(6, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # sample_age must not be disabled
+        metrics.on_post_extend(rb, data, index)
+        writes.on_post_extend(rb, data, index)
+        metrics.on_post_sample(
+            rb, data, {"index": index[:4], "priority_weight": torch.ones(4, device="meta")}
+        )
+    assert metrics.counters() == {"sample_calls": 1, "samples_returned": 4}
+    assert writes.counters()["items_written"] == 6
+    for metric_set in (metrics, writes):
+        with pytest.raises((NotImplementedError, RuntimeError)):
+            metric_set.pull()
+
+
+# -- WriteMetrics ------------------------------------------------------------------
+
+
+def test_write_metrics_counts_and_rewards():
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(20))
+    metrics = WriteMetrics(reward_key=("next", "reward"))
+    rewards = []
+    for size in (5, 1, 8, 30):
+        data = TensorDict({"next": {"reward": torch.randn(size, 1)}}, [size])
+        rewards += data["next", "reward"].flatten().tolist()
+        metrics.on_post_extend(rb, data, rb.extend(data))
+    single = TensorDict({"next": {"reward": torch.tensor([2.5])}}, [])
+    metrics.on_post_add(rb, single, rb.add(single))
+    rewards.append(2.5)
+    assert metrics.counters() == {"write_count": 45, "writes": 5, "items_written": 45}
+    assert rb.write_count == 45
+    stats = metrics.stats()
+    assert stats["writes"] == 5 and 0 <= stats["seconds_since_last_write"] < 60
+    payload = metrics.pull()
+    assert payload["writes"] == 5.0 and payload["items_written"] == 45.0
+    assert payload["reward"].finalize() == pytest.approx(
+        {
+            "reward_mean": statistics.fmean(rewards),
+            "reward_std": statistics.pstdev(rewards),
+            "reward_min": min(rewards),
+            "reward_max": max(rewards),
+        }
+    )
+    assert metrics.pull()["reward"].finalize() == {}
+
+
+def test_write_metrics_masked_trajectories_and_missing_keys():
+    metrics = WriteMetrics(reward_key=("next", "reward"))
+    data = TensorDict(
+        {
+            "next": {"reward": torch.tensor([[1.0], [2.0], [9.0]])},
+            "collector": {"mask": torch.tensor([True, True, False])},
+        },
+        [3],
+    )
+    metrics.on_post_extend(None, data, None)
+    assert metrics.pull()["reward"].finalize()["reward_max"] == 2.0
+    with pytest.raises(KeyError, match=r"reward_key=\('next', 'reward'\).*'a'"):
+        metrics.on_post_extend(None, TensorDict({"a": torch.zeros(2)}, [2]), None)
+    with pytest.raises(TypeError, match="needs TensorDict data"):
+        metrics.on_post_extend(None, torch.zeros(2), None)
+    assert WriteMetrics().stats() == {"writes": 0, "items_written": 0}
+
+
+def test_write_metrics_state_dict_and_pickle():
+    metrics = WriteMetrics()
+    rb = ReplayBuffer(storage=LazyTensorStorage(8))
+    data = torch.arange(5)
+    metrics.on_post_extend(rb, data, rb.extend(data))
+    clone = pickle.loads(pickle.dumps(metrics))
+    resumed = WriteMetrics()
+    resumed.load_state_dict(metrics.state_dict())
+    for m in (clone, resumed):
+        m.on_post_extend(rb, data, rb.extend(data))
+        assert m.counters() == {"write_count": 10, "writes": 2, "items_written": 10}
+
+
+def test_warnings_are_not_emitted_on_the_normal_path():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rb = ReplayBuffer(storage=LazyTensorStorage(4))
+        metrics = SampleMetrics()
+        data = torch.arange(3)
+        metrics.on_post_extend(rb, data, rb.extend(data))
+        metrics.on_post_sample(rb, *rb.sample(2, return_info=True))
+        metrics.pull()
+
+
+def test_sample_age_is_disabled_rather_than_syncing_for_unbounded_device_storages():
+    rb = ReplayBuffer(storage=ListStorage())  # unbounded: stamps would need the largest index
+    metrics = SampleMetrics()
+    with pytest.warns(UserWarning, match="sample_age is disabled"):
+        metrics.on_post_extend(rb, None, torch.arange(3, device="meta"))
+    metrics.on_post_extend(rb, None, torch.arange(3, 6, device="meta"))  # warns once
+    metrics.on_post_sample(rb, None, {"index": torch.arange(2, device="meta")})
+    assert metrics.pull()["sample_age"].count == 0
