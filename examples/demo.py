@@ -6,8 +6,9 @@ next to the data log reward and episode statistics of the collector, the
 buffer's writes and the age of the data it samples, to CSV and TensorBoard
 under ``runs/``. The console shows the logged numbers as training goes; the
 run ends with a table of every series and a plot of the episode return read
-back from the run's own CSV files. Run it with ``make demo`` (about a minute
-on 2 CPU cores), or ``python examples/demo.py --frames 10000`` for less.
+back from the run's own CSV files (a run replaces the previous one's). Run
+it with ``make demo`` (about a minute on 2 CPU cores), or
+``python examples/demo.py --frames 10000`` for less.
 """
 
 from __future__ import annotations
@@ -59,14 +60,15 @@ class Progress:
     def __call__(self, dqn: DQN, batch) -> None:
         get = self.latest.get
         line = (
-            f"  {dqn.frames:>6}/{self.total_frames} frames  {time.monotonic() - self.start:5.1f} s  "
-            f"episode return {get('collector/episode_return_mean', float('nan')):6.1f}  "
-            f"episodes {get('collector/episodes_total', 0):>5.0f}  "
-            f"sample age {get('replay_buffer/sample_age_mean', float('nan')):7.0f}  "
-            f"epsilon {dqn.greedy.eps.item():.2f}"
+            f"{dqn.frames:>6}/{self.total_frames} frames {time.monotonic() - self.start:4.0f} s | "
+            f"episode return {get('collector/episode_return_mean', float('nan')):5.1f} | "
+            f"episodes {get('collector/episodes_total', 0):4.0f} | "
+            f"sample age {get('replay_buffer/sample_age_mean', float('nan')):5.0f} | "
+            f"eps {dqn.greedy.eps.item():.2f}"
         )
-        if self.in_place:
-            sys.stdout.write("\r" + line)
+        if self.in_place:  # a line that wraps cannot be rewritten: cut it to the terminal's width
+            width = shutil.get_terminal_size().columns - 1
+            sys.stdout.write("\r" + line[:width].ljust(width))
             sys.stdout.flush()
         elif dqn.frames - self.printed_at >= 5_000 or dqn.frames >= self.total_frames:
             print(line, flush=True)  # piped to a file: full lines, every 5,000 frames
@@ -121,8 +123,8 @@ def plot(scalars: dict[str, list[tuple[float, float]]], out: pathlib.Path) -> pa
 
 def main(out_dir: str = "runs", total_frames: int = 50_000) -> dict[str, tuple[int, float]]:
     out = pathlib.Path(out_dir)
-    for previous in ("csv", "tensorboard"):
-        shutil.rmtree(out / previous, ignore_errors=True)  # one run's files: the table and plot
+    for previous in ("csv", "tensorboard"):  # the last run's files go: the table and plot show one run
+        shutil.rmtree(out / previous / "dqn", ignore_errors=True)
     torch.set_num_threads(1)  # a 64-unit MLP: threads cost more than they give
     print(f"rl_observers {rl_observers.__version__}: DQN on CartPole-v1, {total_frames:,} frames")
     with quiet_torchrl():
@@ -136,7 +138,7 @@ def main(out_dir: str = "runs", total_frames: int = 50_000) -> dict[str, tuple[i
         progress.done()
     seconds = time.monotonic() - start
 
-    scalars = read_scalars(out / "csv")
+    scalars = read_scalars(out / "csv" / "dqn")
     summary = {name: (len(rows), rows[-1][1]) for name, rows in scalars.items()}
     print(f"\n{'metric':<40} {'rows':>5} {'last value':>12}")
     for name in sorted(summary):
