@@ -1,6 +1,8 @@
-"""Plots collector throughput per observer configuration into ``benchmarks/throughput.png``.
+"""Plots training and collector throughput per observer configuration into ``benchmarks/throughput.png``.
 
-Five configurations of the same CartPole collector (1000-frame batches), measured
+First, the yardstick: the demo's DQN training step on CartPole (collect 128
+frames, extend, 8 updates), bare and fully observed (``_training.measure``,
+paired blocks in one run). Then five configurations of the same CartPole collector (1000-frame batches), measured
 in one run, in alternating blocks: bare; one no-op observer; a ``LoggerObserver``
 with ``CollectorBatchMetrics``; the same with a logger that takes 200 ms per call;
 and the hook users write today (``.item()`` + ``log_metrics`` in
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import statistics
+import sys
 import tempfile
 import time
 
@@ -28,6 +31,10 @@ from torchrl.record import CSVLogger  # noqa: E402
 
 import rl_observers  # noqa: E402,F401
 from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks._training import measure as measure_training  # noqa: E402
+from benchmarks._training import observed_dqn  # noqa: E402
 
 FRAMES_PER_BATCH = 1000
 
@@ -94,16 +101,30 @@ def measure(batches: int) -> dict[str, float]:
     return {name: FRAMES_PER_BATCH / statistics.median(values) for name, values in seconds.items()}
 
 
-def plot(rates: dict[str, float], out: pathlib.Path) -> None:
+def measure_dqn() -> dict[str, float]:
+    """Training iterations per second of the demo's DQN, bare and fully observed (CPU time)."""
+    with tempfile.TemporaryDirectory() as tmp, observed_dqn(tmp) as (dqn, observed):
+        result = measure_training(dqn, observed)
+    bare = 1e3 / result["bare_cpu_ms_per_iteration"]
+    return {"bare": bare, "fully observed": bare * result["ratio_cpu"]}
+
+
+def plot(training: dict[str, float], rates: dict[str, float], out: pathlib.Path) -> None:
+    fig, (ax_dqn, ax) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [1, 3]})
+    bars = ax_dqn.bar(list(training), list(training.values()), color=["#888", "#38c"])
+    for bar, name in zip(bars, training):
+        ax_dqn.annotate(f"{training[name] / training['bare']:.3f}×",
+                        (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+    ax_dqn.set_ylabel("training iterations / CPU second")
+    ax_dqn.set_title("DQN training step on CartPole\n(128 frames + 8 updates)", fontsize=10)
     bare = rates["bare"]
-    fig, ax = plt.subplots(figsize=(8, 4))
     names = list(rates)
     bars = ax.bar(names, [rates[n] for n in names], color=["#888", "#6a9", "#38c", "#38c", "#c53"])
     for bar, name in zip(bars, names):
         ax.annotate(f"{rates[name] / bare:.2f}×", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                     ha="center", va="bottom")
     ax.set_ylabel("frames / second")
-    ax.set_title("CartPole collector, 1000-frame batches: median frames/s (ratio to bare)")
+    ax.set_title("CartPole collector, 1000-frame batches: median frames/s (ratio to bare)", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 
@@ -113,10 +134,12 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument("--out", default=str(pathlib.Path(__file__).with_name("throughput.png")))
     args = parser.parse_args()
+    training = measure_dqn()
+    print(f"{'DQN training step, fully observed':<32} {training['fully observed'] / training['bare']:.3f}x of bare")
     rates = measure(args.batches)
     for name, rate in rates.items():
         print(f"{name.replace(chr(10), ' '):<32} {rate:8,.0f} frames/s  ({rate / rates['bare']:.2f}x)")
-    plot(rates, pathlib.Path(args.out))
+    plot(training, rates, pathlib.Path(args.out))
     print(f"wrote {args.out}")
 
 

@@ -18,13 +18,33 @@ def load(name):
 
 
 @pytest.mark.timeout(120)
-def test_demo(tmp_path, capsys):
-    summary = load("demo").main(str(tmp_path), total_frames=4_000, frames_per_batch=500)
-    assert summary["collector/frames"] == (2, 4_000.0)
-    assert summary["tensordictreplaybuffer/sample_calls"][1] == 32.0
+def test_demo(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))  # the demo imports its agent, dqn_cartpole
+    summary = load("demo").main(str(tmp_path), total_frames=2_560)
+    # 20 batches of 128 frames, the collector logging every 10 and the buffer every 80 samples
+    # (8 updates per batch from the 8th batch on, when the buffer holds 1,024 frames).
+    assert summary["collector/frames"] == (2, 2_560.0)
     assert summary["collector/episodes_total"][1] > 0
+    assert summary["replay_buffer/sample_calls"][1] == 13 * 8
+    csv_files = list((tmp_path / "csv").rglob("episode_return_mean.csv"))
+    assert len(csv_files) == 1 and csv_files[0].read_text().count("\n") == 2
+    png = tmp_path / "dqn_cartpole.png"
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     assert list((tmp_path / "tensorboard").rglob("events.out.tfevents.*"))
-    assert "collector/episode_return_mean" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "collector/episode_return_mean" in out and str(png) in out
+
+
+@pytest.mark.timeout(120)
+def test_dqn_cartpole_trains(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    module = importlib.import_module("dqn_cartpole")
+    curve = module.main(frames=5_120)
+    assert [frames for frames, _ in curve] == [5_120]
+    dqn = module.make_dqn()
+    module.train(dqn, 10)
+    assert (dqn.frames, dqn.updates) == (1_280, 3 * dqn.config.updates_per_batch)
+    module.close(dqn)
 
 
 @pytest.mark.slow
