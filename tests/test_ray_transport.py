@@ -160,7 +160,7 @@ def test_bounded_in_flight_coalesces_then_drops_and_counts(ray_env):
 
     @ray.remote(num_cpus=0, max_concurrency=4)
     class Stalled:
-        def push(self, batch):
+        def push(self, data, messages, dropped, coalesced):
             time.sleep(3600)
 
     address = transport.RayAddress(

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import sys
 import threading
 import time
@@ -200,10 +201,15 @@ def _hashable(value: Any) -> Any:
 
 # ------------------------------------------------------------------------------- actors
 class _Ingest:
-    """The owner's mailbox: bounded, drained by the owner's thread (runs as a threaded actor)."""
+    """The owner's mailbox: bounded, drained by the owner's thread (runs as a threaded actor).
+
+    It holds batches as the pickled bytes they came as: it never looks into a
+    payload, so it never imports the classes of partials (nor torch).
+    """
 
     def __init__(self, capacity: int = INGEST_CAPACITY) -> None:
-        self._messages: deque[Message] = deque()
+        self._batches: deque[tuple[bytes, int]] = deque()
+        self._held = 0  # messages in _batches
         self._capacity = capacity
         self._dropped = 0  # messages dropped here, plus what dropped messages carried
         self._coalesced = 0
@@ -211,26 +217,33 @@ class _Ingest:
         self._calls = 0
         self._ready = threading.Condition()
 
-    def push(self, batch: list[Message]) -> int:
+    def push(self, data: bytes, messages: int, dropped: int, coalesced: int) -> bool:
+        """Keeps one pickled batch of ``messages`` (carrying these counts), or drops it whole."""
         with self._ready:
             self._calls += 1
-            room = self._capacity - len(self._messages)
-            keep = batch if len(batch) <= room else batch[: max(room, 0)]
-            self._messages.extend(keep)
-            self._received += len(keep)
-            for message in batch[len(keep) :]:
-                self._dropped += 1 + message[4][0]
-                self._coalesced += message[4][1]
+            if self._held + messages > self._capacity:
+                self._dropped += messages + dropped
+                self._coalesced += coalesced
+                return False
+            self._batches.append((data, messages))
+            self._held += messages
+            self._received += messages
             self._ready.notify_all()
-        return len(keep)
+        return True
 
     def drain(self, limit: int = DRAIN_BATCH, wait: float = DRAIN_WAIT) -> tuple[list, int, int]:
+        """Pickled batches of up to ``limit`` messages (at least one batch), and the drops here."""
         with self._ready:
-            if not self._messages and wait > 0:
+            if not self._batches and wait > 0:
                 self._ready.wait(wait)
-            messages = self._messages
-            count = min(limit, len(messages))
-            out = [messages.popleft() for _ in range(count)]
+            batches = self._batches
+            out: list[bytes] = []
+            taken = 0
+            while batches and (not out or taken + batches[0][1] <= limit):
+                data, count = batches.popleft()
+                out.append(data)
+                taken += count
+            self._held -= taken
             dropped, coalesced = self._dropped, self._coalesced
             self._dropped = self._coalesced = 0
         return out, dropped, coalesced
@@ -240,7 +253,7 @@ class _Ingest:
             return {
                 "calls": self._calls,
                 "received": self._received,
-                "pending": len(self._messages),
+                "pending": self._held,
             }
 
 
@@ -273,7 +286,7 @@ class _Forwarder:
             return
         ray = _ray()
         refs = list(self._calls)
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         for ref in ready:
             messages, dropped, coalesced = self._calls.pop(ref)
             try:
@@ -314,7 +327,8 @@ class _Forwarder:
         dropped = sum(m[4][0] for m in batch)
         coalesced = sum(m[4][1] for m in batch)
         try:
-            ref = self._target.push.remote(batch)
+            data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+            ref = self._target.push.remote(data, len(batch), dropped, coalesced)
         except Exception as err:
             self._fail(err)
             self.dropped += len(batch)
@@ -333,7 +347,7 @@ class _Forwarder:
             if left is not None and left <= 0:
                 return False
             refs = list(self._calls)
-            ray.wait(refs, num_returns=len(refs), timeout=left, fetch_local=False)
+            ray.wait(refs, num_returns=len(refs), timeout=left)
             self.reap()
         return True
 
@@ -382,7 +396,8 @@ class _Relay:
     def _find_ingest(self) -> Any:
         return _ray().get_actor(self._address.ingest, namespace=self._address.namespace)
 
-    def push(self, batch: list[Message]) -> None:
+    def push(self, data: bytes, messages: int, dropped: int, coalesced: int) -> None:
+        batch = pickle.loads(data)
         with self._lock:
             self.received += len(batch)
             room = self._capacity - len(self._messages)
@@ -761,7 +776,7 @@ class RayReceiver:
             if actor is None:
                 return 0
             try:
-                messages, dropped, coalesced = ray.get(
+                batches, dropped, coalesced = ray.get(
                     actor.drain.remote(DRAIN_BATCH, wait), timeout=timeout
                 )
             except Exception as err:  # the ingest died: start a new one, senders find it by name
@@ -777,6 +792,7 @@ class RayReceiver:
                         self.error = again
                 return 0
             self.drains += 1
+            messages = [message for data in batches for message in self._load(data)]
             held_d, held_c = self._held
             held_d += dropped
             held_c += coalesced
@@ -789,6 +805,26 @@ class RayReceiver:
             self._held = (held_d, held_c)
             self.accepted += len(messages)
             return len(messages)
+
+    def _load(self, data: bytes) -> list[Message]:
+        """The messages of one batch; an unreadable batch counts as one dropped message."""
+        try:
+            messages = pickle.loads(data)
+            for namespace, metrics, _, meta, (d, c) in messages:
+                if (
+                    namespace.__class__ is not str
+                    or metrics.__class__ is not dict
+                    or not (meta is None or isinstance(meta, Mapping))
+                    or d.__class__ is not int
+                    or c.__class__ is not int
+                ):
+                    raise TypeError(f"not a message: {namespace!r}")
+        except Exception as err:
+            self.error = err
+            held_d, held_c = self._held
+            self._held = (held_d + 1, held_c)
+            return []
+        return messages
 
     def close(self, deadline: float | None = None) -> None:
         """Accepts what is left (until ``deadline``, a ``time.monotonic()`` value), kills the ingest."""
