@@ -309,7 +309,7 @@ def cluster_fixture(scope: str = "module", num_cpus: int = 1) -> Callable[..., A
     """A pytest fixture (``scope`` defaults to the module) yielding a running :class:`Cluster`.
 
     Examples:
-        >>> cluster = cluster_fixture()  # doctest: +SKIP  (in a test module)
+        >>> cluster = cluster_fixture()  # at the top of a test module
     """
     import pytest
 
