@@ -1,0 +1,225 @@
+"""Budget: one owner takes ≥ 20k worker contributions/s effective, thanks to per-node pre-merge.
+
+Simulated nodes are Ray actors (no CPU reserved), each playing many workers
+that contribute a window (a ``Moments`` partial, a ``Count``, a gauge and
+their counters) every ``PERIOD`` seconds through one :class:`RaySender`.
+With pre-merge their windows go through the node's relay actor, which merges
+each worker's consecutive windows and forwards one batch per interval; without
+it every window reaches the owner's ingest alone. The owner folds every message
+it accepts into real :class:`~rl_observers.aggregate.Aggregate` objects, as the
+channel does.
+
+"Effective contributions" are the worker windows that reached the owner's
+aggregate (each carries ``Count("n", 1)``; merged windows add up). Asserted in
+every run: nothing is lost, the merged statistic equals the union of what was
+sent, and pre-merge cuts the messages the owner handles (a ratio of this run).
+Only ``make bench`` (benchmarks enabled) asserts the absolute budgets:
+≥ 20k contributions/s with pre-merge and a worker's ``send`` p99 ≤ 10 µs.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from typing import Any
+
+import pytest
+
+from rl_observers.aggregate import Aggregate
+from rl_observers.reducers import Count, Moments
+from tests.helpers import local_ray
+from tests.test_ray_transport import load_transport
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+NODES = 4
+PERIOD = 0.05  # seconds between two windows of one simulated worker
+CONTRIBUTIONS_BUDGET = 20_000  # per second, effective, with pre-merge
+SEND_P99_BUDGET_NS = 10_000
+
+
+def _benchmarks_enabled(config: pytest.Config) -> bool:
+    return not config.getoption("benchmark_disable", default=False)
+
+
+@pytest.fixture(scope="module")
+def ray_and_transport():
+    with local_ray() as ray:
+        yield ray, load_transport()
+
+
+class Owner:
+    """An ``accept`` doing the owner's work: one Aggregate per observer, rows counted."""
+
+    def __init__(self) -> None:
+        self.aggregates: dict[str, Aggregate] = {}
+        self.messages = 0
+        self.effective = 0.0
+        self.rows = 0
+        self.remote_dropped = 0
+        self.total: Any = None
+
+        self.seconds = 0.0  # spent in accept
+
+    def __call__(self, namespace, metrics, step, meta, counts) -> None:
+        start = time.perf_counter()
+        self.messages += 1
+        self.remote_dropped += counts[0]
+        name = meta["aggregate"]
+        aggregate = self.aggregates.get(name)
+        if aggregate is None:
+            aggregate = self.aggregates[name] = Aggregate.from_meta(name, meta)
+        self.effective += metrics["n"].n
+        self.rows += len(aggregate.contribute(meta["worker"], metrics, meta["counters"]))
+        r = metrics["r"]
+        self.total = r if self.total is None else self.total.merge(r)
+        self.seconds += time.perf_counter() - start
+
+
+def _simulated_node(ray):
+    @ray.remote(num_cpus=0)
+    class SimulatedNode:
+        def prepare(self, address, node, relay):
+            """Starts the sender (and finds or creates the relay) before the clock runs."""
+            from tests.test_ray_transport import load_transport
+
+            self.sender = load_transport().RaySender(
+                address, relay=relay, node=node, capacity=1 << 16
+            )
+            meta = {"aggregate": "collector", "worker": f"{node}/warm-up", "counters": {}}
+            self.sender.send({"r": Moments("r"), "n": Count("n", 0)}, None, "collector", meta)
+            return self.sender.flush(60.0)
+
+        def run(self, node, workers, rounds, period):
+            sender = self.sender
+            meta = {
+                "aggregate": "collector",
+                "schedule": ("counter", 10_000, "frames"),
+                "step_key": "frames",
+                "scope": "aggregate",
+            }
+            start = time.monotonic()
+            for i in range(rounds):
+                for w in range(workers):
+                    value = float((w + i) % 7)
+                    sender.send(
+                        {
+                            "r": Moments("r", count=1, mean=value, min=value, max=value),
+                            "n": Count("n", 1),
+                            "fps": 1000.0,
+                        },
+                        None,
+                        f"collector#{node}/{w}",
+                        {**meta, "worker": f"{node}/{w}", "counters": {"frames": 100 * (i + 1)}},
+                    )
+                wait = start + (i + 1) * period - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+            sent = time.monotonic()
+            flushed = sender.flush(30.0)
+            return (
+                flushed,
+                sender.submitted,
+                sender.dropped,
+                (sent - start, time.monotonic() - sent),
+            )
+
+    return SimulatedNode
+
+
+def _ingest_run(ray, transport, *, relay: bool, workers: int, rounds: int) -> dict[str, float]:
+    owner = Owner()
+    receiver = transport.RayReceiver(f"bench{int(relay)}{time.monotonic_ns() % 10**9}")
+    receiver.start(owner)
+    nodes = [_simulated_node(ray).remote() for _ in range(NODES)]
+    ray.get([node.__ray_ready__.remote() for node in nodes])
+    address = tuple(receiver.address())
+    assert all(ray.get([n.prepare.remote(address, f"node{j}", relay) for j, n in enumerate(nodes)]))
+    expected = NODES * workers * rounds
+    start = time.monotonic()
+    results = ray.get(
+        [node.run.remote(f"node{j}", workers, rounds, PERIOD) for j, node in enumerate(nodes)]
+    )
+    deadline = time.monotonic() + 30
+    while owner.effective < expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    elapsed = time.monotonic() - start
+    receiver.close(time.monotonic() + 5)
+    for node in nodes:
+        ray.kill(node)
+    assert all(r[0] for r in results)
+    assert sum(r[2] for r in results) == 0
+    truth_sum = sum(float((w + i) % 7) for w in range(workers) for i in range(rounds)) * NODES
+    return {
+        "expected": expected,
+        "effective": owner.effective,
+        "messages": owner.messages,
+        "seconds": elapsed,
+        "per_second": owner.effective / elapsed,
+        "mean_error": abs(owner.total.mean - truth_sum / expected),
+        "count": owner.total.count,
+        "drains": receiver.drains,
+        "accept_us": 1e6 * owner.seconds / max(owner.messages, 1),
+        "send_seconds": max(r[3][0] for r in results),
+    }
+
+
+def test_owner_ingest_with_and_without_per_node_premerge(ray_and_transport, request):
+    ray, transport = ray_and_transport
+    enabled = _benchmarks_enabled(request.config)
+    workers, rounds = (250, 40) if enabled else (50, 10)
+    direct = _ingest_run(ray, transport, relay=False, workers=workers, rounds=rounds)
+    merged = _ingest_run(ray, transport, relay=True, workers=workers, rounds=rounds)
+    offered = NODES * workers / PERIOD
+    for name, run in (("direct", direct), ("pre-merge", merged)):
+        print(
+            f"\n{name}: {NODES} nodes x {workers} workers every {PERIOD} s (offered {offered:.0f}/s): "
+            f"{run['effective']:.0f}/{run['expected']} contributions in {run['seconds']:.2f} s = "
+            f"{run['per_second']:.0f}/s effective; owner handled {run['messages']} messages "
+            f"in {run['drains']} drains, {run['accept_us']:.1f} us each in accept; "
+            f"the simulated workers took {run['send_seconds']:.2f} s to send"
+        )
+    for run in (direct, merged):  # exact: every window counted once, the statistic of the union
+        assert run["effective"] == run["expected"] and run["count"] == run["expected"]
+        assert run["mean_error"] < 1e-9
+    assert merged["messages"] * 2 <= direct["messages"], (merged, direct)
+    if enabled:
+        assert merged["per_second"] >= min(CONTRIBUTIONS_BUDGET, 0.9 * offered), merged
+
+
+def test_send_p99_on_the_ray_path(ray_and_transport, request):
+    """A worker's ``send`` on the Ray path: p50/p99 over bursts, the sending thread running."""
+    ray, transport = ray_and_transport
+    owner_receiver = transport.RayReceiver(f"p99{time.monotonic_ns() % 10**9}")
+    owner = Owner()
+    owner_receiver.start(owner)
+    sender = transport.RaySender(owner_receiver.address(), relay=True, node="p99")
+    meta = {"aggregate": "collector", "worker": 0, "counters": {"frames": 1}}
+    clock = time.perf_counter_ns
+    samples: list[int] = []
+    enabled = _benchmarks_enabled(request.config)
+    bursts = 200 if enabled else 40
+    gc.disable()
+    try:
+        for _ in range(bursts):
+            for i in range(100):
+                metrics = {
+                    "r": Moments("r", count=1, mean=1.0, min=1.0, max=1.0),
+                    "n": Count("n", 1),
+                }
+                start = clock()
+                sender.send(metrics, None, f"collector#{i % 4}", meta)
+                samples.append(clock() - start)
+            time.sleep(0.002)
+    finally:
+        gc.enable()
+    assert sender.flush(30.0)
+    owner_receiver.close(time.monotonic() + 10)
+    samples.sort()
+    p50 = samples[len(samples) // 2]
+    p99 = samples[int(0.99 * len(samples))]
+    print(f"\nRaySender.send, {len(samples)} sends: p50={p50} ns p99={p99} ns max={samples[-1]} ns")
+    assert sender.dropped == 0
+    if enabled:
+        assert p99 <= SEND_P99_BUDGET_NS, f"p99 {p99} ns exceeds {SEND_P99_BUDGET_NS} ns"

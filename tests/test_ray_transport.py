@@ -1,0 +1,478 @@
+"""The Ray transport: senders on any node reach the owner, merged per node on the way.
+
+Every test shares one Ray cluster per module: the two-node cluster of
+:mod:`tests.multinode` where it can run (root, ``unshare``), a local one
+otherwise (then the multi-node tests skip). Actors here take no CPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+import rl_observers
+from rl_observers.aggregate import Aggregate
+from rl_observers.reducers import Count, Moments
+from tests.helpers import local_ray
+from tests.multinode import Cluster, _groups_of_sessions, two_node_cluster
+
+
+def load_transport() -> ModuleType:
+    """``rl_observers.channel.ray_transport``, loaded from its file while ``channel`` is a module."""
+    try:
+        from rl_observers.channel import ray_transport  # type: ignore[attr-defined]
+
+        return ray_transport
+    except ImportError:
+        pass
+    name = "rl_observers_ray_transport"
+    module = sys.modules.get(name)
+    if module is None:
+        path = Path(rl_observers.__file__).parent / "channel" / "ray_transport.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    ray = sys.modules.get("ray")
+    if ray is not None:  # its actor classes travel by value to Ray's workers
+        ray.cloudpickle.register_pickle_by_value(module)
+    return module
+
+
+class RayEnv:
+    def __init__(self, ray: Any, cluster: Cluster | None) -> None:
+        self.ray = ray
+        self.cluster = cluster
+        self.transport = load_transport()
+
+
+@pytest.fixture(scope="module")
+def ray_env() -> Iterator[RayEnv]:
+    """The two-node cluster where it can run, else a local Ray."""
+    ray = pytest.importorskip("ray")
+    try:
+        with two_node_cluster() as cluster:
+            yield RayEnv(ray, cluster)
+            return
+    except pytest.skip.Exception as skipped:
+        reason = str(skipped)
+    with local_ray() as ray:
+        env = RayEnv(ray, None)
+        env.skip_reason = reason
+        yield env
+
+
+class Recorder:
+    """An ``accept`` that records what the owner receives."""
+
+    def __init__(self) -> None:
+        self.messages: list[tuple] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, namespace, metrics, step, meta, counts) -> None:
+        with self.lock:
+            self.messages.append((namespace, metrics, step, meta, counts))
+
+    def wait_for(self, condition, timeout: float = 20.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if condition(self.messages):
+                    return True
+            time.sleep(0.02)
+        return False
+
+    def total(self, key: str, namespace: str | None = None) -> Any:
+        partial = None
+        for ns, metrics, *_ in self.messages:
+            if key in metrics and (namespace is None or ns == namespace):
+                partial = metrics[key] if partial is None else partial.merge(metrics[key])
+        return partial
+
+    def counts(self) -> tuple[int, int]:
+        return (
+            sum(m[4][0] for m in self.messages),
+            sum(m[4][1] for m in self.messages),
+        )
+
+
+@pytest.fixture
+def receiver(ray_env) -> Iterator[tuple[Any, Recorder]]:
+    recorder = Recorder()
+    receiver = ray_env.transport.RayReceiver(uuid.uuid4().hex[:12])
+    receiver.start(recorder)
+    yield receiver, recorder
+    receiver.close(time.monotonic() + 5)
+
+
+def n_of(recorder: Recorder, namespace: str | None = None) -> float:
+    total = recorder.total("n", namespace)
+    return 0.0 if total is None else total.n
+
+
+def test_registry_hooks(ray_env, receiver):
+    transport = ray_env.transport
+    recv, _ = receiver
+    address = recv.address()
+    assert transport.NAME == "ray" and transport.PRIORITY > 0
+    assert transport.reachable(address)
+    assert not transport.reachable("/tmp/some.sock")
+    assert isinstance(transport.make_sender(address), transport.RaySender)
+    assert isinstance(transport.make_receiver("t"), transport.RayReceiver)
+    import pickle
+
+    assert pickle.loads(pickle.dumps(address)) == address
+
+
+@pytest.mark.parametrize("relay", [False, True], ids=["direct", "relay"])
+def test_round_trip_keeps_every_payload(ray_env, receiver, relay):
+    recv, recorder = receiver
+    sender = ray_env.transport.RaySender(recv.address(), relay=relay)
+    for i in range(20):
+        sender.send({"x": float(i), "n": Count("n", 1)}, i, f"ns{i % 2}", {"k": i})
+    assert sender.flush(30.0)
+    assert recorder.wait_for(lambda m: len(m) == 20)
+    for ns in ("ns0", "ns1"):
+        got = [(m[1]["x"], m[2], m[3]) for m in recorder.messages if m[0] == ns]
+        assert got == [(float(i), i, {"k": i}) for i in range(20) if f"ns{i % 2}" == ns]
+    assert recorder.counts() == (0, 0)
+    assert sender.submitted == 20 and sender.dropped == 0
+    sender.close(1.0)
+
+
+def test_bounded_in_flight_coalesces_then_drops_and_counts(ray_env):
+    """A stalled ingest: at most ``in_flight`` calls wait, the buffer coalesces, then drops."""
+    ray, transport = ray_env.ray, ray_env.transport
+    token = uuid.uuid4().hex[:12]
+
+    @ray.remote(num_cpus=0, max_concurrency=4)
+    class Stalled:
+        def push(self, data, messages, dropped, coalesced):
+            time.sleep(3600)
+
+    address = transport.RayAddress(
+        token, f"rl_observers-ingest-{token}", ray.get_runtime_context().namespace, "test owner"
+    )
+    stalled = Stalled.options(name=address.ingest, namespace=address.namespace).remote()
+    ray.get(stalled.__ray_ready__.remote())
+    sender = transport.RaySender(address, relay=False, in_flight=2, capacity=4, interval=0.005)
+
+    def send(ns):
+        start = time.perf_counter()
+        sender.send({"n": Count("n", 1), "g": 1.0}, None, ns, None)
+        return time.perf_counter() - start
+
+    times = []
+    for _ in range(2):  # two calls go out and hang
+        times.append(send("a"))
+        deadline = time.monotonic() + 10
+        while sender.stats["calls"] < len(times) and time.monotonic() < deadline:
+            time.sleep(0.005)
+    assert sender.stats["in_flight"] == 2
+    times += [send(ns) for ns in ["a", "b"] * 50 + ["c"] * 5]
+    time.sleep(0.1)
+    assert sender.stats["in_flight"] == 2  # bounded
+    # a, b, a, b fill the buffer, the other 96 coalesce into them; c finds no room
+    assert sender.coalesced == 96 and sender.dropped == 5
+    assert max(times) < 0.05, times  # never waits for Ray
+    assert not sender.flush(0.2)  # cannot finish: returns at its timeout
+
+    ray.kill(stalled)  # the two calls in flight fail: their payloads are lost, counted
+    deadline = time.monotonic() + 10
+    while sender.dropped < 7 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sender.dropped == 7
+
+    recorder = Recorder()  # the owner comes (back): what was buffered gets through
+    recv = transport.RayReceiver(token)
+    recv.start(recorder)
+    try:
+        assert sender.flush(15.0)
+        assert recorder.wait_for(lambda m: len(m) == 4)
+        assert n_of(recorder) == 107 - 5 - 2  # 107 sent, 5 c dropped, 2 lost in flight
+        assert recorder.counts() == (sender.dropped, sender.coalesced)
+    finally:
+        recv.close(time.monotonic() + 5)
+        sender.close(1.0)
+
+
+# -- per-node pre-merge ------------------------------------------------------------------------
+
+
+def contribution(worker, values, frames, **meta):
+    metrics = {"r": Moments.from_values("r", values, stats=("count", "mean", "std", "min", "max"))}
+    metrics["n"] = Count("n", 1)
+    metrics["batch"] = float(len(values))
+    meta = {"aggregate": "obs", "worker": worker, "counters": {"frames": frames}, **meta}
+    return ("obs", metrics, None, meta, (0, 0))
+
+
+def test_premerge_merges_consecutive_windows_of_one_worker_only(ray_env):
+    premerge = ray_env.transport.premerge
+    messages = [
+        contribution(0, [1.0], 1),
+        contribution(1, [2.0], 1),
+        ("plain", {"x": 1.0}, 3, None, (1, 0)),
+        contribution(0, [3.0, 4.0], 3),
+        contribution(1, [5.0], 2, finish=True),
+        contribution(1, [6.0], 3),
+        contribution(0, [7.0], 4, scope="both"),  # other settings: a new window
+        ("plain", {"x": 2.0}, 4, None, (0, 2)),
+    ]
+    out = premerge(messages)
+    assert [(m[0], (m[3] or {}).get("worker"), (m[3] or {}).get("finish")) for m in out] == [
+        ("obs", 0, None),
+        ("obs", 1, None),
+        ("plain", None, None),
+        ("obs", 1, True),
+        ("obs", 1, None),
+        ("obs", 0, None),
+        ("plain", None, None),
+    ]
+    first = out[0]
+    assert first[1]["n"].n == 2 and first[3]["counters"] == {"frames": 3}
+    assert (
+        first[1]["r"].finalize()
+        == Moments.from_values(
+            "r", [1.0, 3.0, 4.0], stats=("count", "mean", "std", "min", "max")
+        ).finalize()
+    )
+    assert first[1]["batch"] == 2.0  # gauges keep the newest
+    assert sum(m[4][0] for m in out) == 1 and sum(m[4][1] for m in out) == 2
+    assert [m[1]["x"] for m in out if m[0] == "plain"] == [1.0, 2.0]
+
+
+def rows_of(messages):
+    aggregate = Aggregate("obs", scope="both")
+    rows = []
+    for _, metrics, _, meta, _ in messages:
+        rows += aggregate.contribute(meta["worker"], metrics, meta["counters"])
+    return aggregate, rows
+
+
+def merged(rows, namespace, key):
+    total = None
+    for ns, metrics, _ in rows:
+        if ns == namespace and key in metrics:
+            total = metrics[key] if total is None else total.merge(metrics[key])
+    return total
+
+
+def test_relay_merge_is_exact_across_workers(ray_env, receiver):
+    """Senders of several workers on one node: the owner's aggregate equals the union of the data."""
+    ray = ray_env.ray
+    recv, recorder = receiver
+    address = tuple(recv.address())
+
+    @ray.remote(num_cpus=0)
+    class Workers:
+        def run(self, address, first, count, rounds):
+            from tests.test_ray_transport import contribution, load_transport
+
+            sender = load_transport().RaySender(address, relay=True, node="one-node")
+            for i in range(rounds):
+                for worker in range(first, first + count):
+                    values = [float((worker * 7 + i * 3) % 11 - 5), float(i)]
+                    _, metrics, _, meta, _ = contribution(worker, values, (i + 1) * 2)
+                    sender.send(metrics, None, "obs", meta)
+            ok = sender.flush(20.0)
+            return ok, sender.submitted, sender.dropped
+
+    rounds = 40
+    actors = [Workers.remote() for _ in range(3)]
+    results = ray.get([a.run.remote(address, 4 * j, 4, rounds) for j, a in enumerate(actors)])
+    assert all(ok and dropped == 0 for ok, _, dropped in results)
+    assert recorder.wait_for(lambda m: sum(x[1]["n"].n for x in m) == 12 * rounds)
+    truth_values = [float((w * 7 + i * 3) % 11 - 5) for w in range(12) for i in range(rounds)] + [
+        float(i) for w in range(12) for i in range(rounds)
+    ]
+    _, rows = rows_of(recorder.messages)
+    stats = merged(rows, "obs", "r").finalize()
+    truth = Moments.from_values(
+        "r", truth_values, stats=("count", "mean", "std", "min", "max")
+    ).finalize()
+    assert stats.keys() == truth.keys()
+    for key in truth:
+        assert math.isclose(stats[key], truth[key], rel_tol=1e-12, abs_tol=1e-12), key
+    for w in range(12):  # per-worker rows: each worker's own data, its last counters
+        values = [float((w * 7 + i * 3) % 11 - 5) for i in range(rounds)] + [
+            float(i) for i in range(rounds)
+        ]
+        got = merged(rows, f"obs/worker_{w}", "r").finalize()
+        assert math.isclose(got["r_mean"], sum(values) / len(values), rel_tol=1e-12)
+        assert got["r_count"] == len(values)
+    relay = ray.get_actor(f"rl_observers-relay-{address[0]}-one-node", namespace=address[2])
+    stats = ray.get(relay.stats.remote())
+    assert stats["received"] == 12 * rounds
+    assert stats["forwarded"] < stats["received"]  # windows of one worker merged on the node
+    assert len(recorder.messages) == stats["forwarded"]
+    for a in actors:
+        ray.kill(a)
+
+
+# -- faults --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("victim", ["relay", "ingest"])
+def test_killing_relay_or_ingest_mid_run(ray_env, receiver, victim):
+    """Sends never wait nor raise; the sender re-finds its target; losses are counted."""
+    ray, transport = ray_env.ray, ray_env.transport
+    recv, recorder = receiver
+    address = recv.address()
+    sender = transport.RaySender(address, relay=True, node="faulty", relay_interval=0.05)
+    for _ in range(10):
+        sender.send({"n": Count("n", 1)}, None, "a", None)
+    assert sender.flush(30.0)
+    assert recorder.wait_for(lambda m: n_of(recorder) == 10)
+    if victim == "relay":
+        ray.kill(
+            ray.get_actor(f"rl_observers-relay-{address.token}-faulty", namespace=address.namespace)
+        )
+    else:
+        ray.kill(ray.get_actor(address.ingest, namespace=address.namespace))
+    worst = 0.0
+    stop = time.monotonic() + 3.0
+    sent = 10
+    while time.monotonic() < stop:
+        start = time.perf_counter()
+        sender.send({"n": Count("n", 1)}, None, "a", None)
+        worst = max(worst, time.perf_counter() - start)
+        sent += 1
+        time.sleep(0.002)
+    assert worst < 0.05
+    start = time.monotonic()
+    sender.flush(10.0)
+    assert time.monotonic() - start < 12.0
+    for _ in range(5):  # what comes after the fault gets through
+        sender.send({"n": Count("n", 1)}, None, "b", None)
+        sent += 1
+    assert sender.flush(30.0)
+    assert recorder.wait_for(lambda m: n_of(recorder, "b") == 5)
+    if victim == "relay":  # the calls that failed are counted, here and at the owner
+        assert recorder.wait_for(lambda m: recorder.counts()[0] == sender.dropped)
+        assert n_of(recorder) + sender.dropped == sent
+    else:
+        assert recv.restarts >= 1  # what the dead ingest held is lost; its death is counted
+    sender.close(1.0)
+
+
+# -- two nodes -----------------------------------------------------------------------------------
+
+
+def test_far_node_reaches_the_owner_through_ray_and_not_through_its_socket(ray_env, receiver):
+    cluster = ray_env.cluster
+    if cluster is None:
+        pytest.skip(ray_env.skip_reason)
+    ray = ray_env.ray
+    recv, recorder = receiver
+    address = tuple(recv.address())
+    directory = tempfile.mkdtemp(prefix="rlobs-sock-")
+    path = os.path.join(directory, "owner.sock")
+    owner = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    owner.bind(path)
+
+    @ray.remote(num_cpus=0)
+    def report(address, path, count):
+        import errno
+        import socket
+
+        from tests.test_ray_transport import contribution, load_transport
+
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            sock.sendto(b"x", path)
+            reached = True
+        except OSError as err:
+            reached = err.errno not in (errno.ENOENT, errno.ECONNREFUSED)
+        sender = load_transport().RaySender(address)
+        for i in range(count):
+            _, metrics, _, meta, _ = contribution(0, [float(i)], i + 1)
+            sender.send(metrics, None, "obs", meta)
+        return (
+            ray.get_runtime_context().get_node_id(),
+            os.path.exists(path),
+            reached,
+            sender.flush(20.0),
+            sender.dropped,
+        )
+
+    try:
+        far = ray.get(report.options(resources=cluster.far).remote(address, path, 50))
+        node, exists, reached, flushed, dropped = far
+        assert node == cluster.far_node_id
+        assert not exists and not reached  # the driver's socket does not exist there
+        assert flushed and dropped == 0
+        assert recorder.wait_for(lambda m: n_of(recorder) == 50)
+        got = recorder.total("r").finalize()
+        truth = Moments.from_values(
+            "r", [float(i) for i in range(50)], stats=("count", "mean", "std", "min", "max")
+        ).finalize()
+        assert got == pytest.approx(truth, rel=1e-12)
+        relay = ray.get_actor(
+            f"rl_observers-relay-{address[0]}-{cluster.far_node_id}", namespace=address[2]
+        )
+        assert relay is not None
+        head = ray.get(report.options(resources=cluster.head).remote(address, path, 1))
+        assert head[0] == cluster.head_node_id and head[1] and head[2]  # control: same machine
+    finally:
+        owner.close()
+        os.unlink(path)
+        os.rmdir(directory)
+
+
+def test_far_node_does_not_see_the_drivers_temporary_files(ray_env):
+    cluster = ray_env.cluster
+    if cluster is None:
+        pytest.skip(ray_env.skip_reason)
+    ray = ray_env.ray
+    fd, path = tempfile.mkstemp(prefix="rlobs-visible-")
+    os.close(fd)
+
+    @ray.remote(num_cpus=0)
+    def sees(path):
+        import tempfile
+
+        return os.path.exists(path), sorted(os.listdir(tempfile.gettempdir()))
+
+    try:
+        far_sees, far_listing = ray.get(sees.options(resources=cluster.far).remote(path))
+        head_sees, _ = ray.get(sees.options(resources=cluster.head).remote(path))
+        assert head_sees and not far_sees
+        assert os.path.basename(path) not in far_listing
+    finally:
+        os.unlink(path)
+
+
+def test_cluster_stops_cleanly_and_plain_ray_init_works_after(ray_env):
+    """Runs last in this module: stops the cluster, then a plain local Ray starts."""
+    cluster = ray_env.cluster
+    if cluster is None:
+        pytest.skip(ray_env.skip_reason)
+    ray = ray_env.ray
+    start = time.monotonic()
+    cluster.stop()
+    stop_seconds = time.monotonic() - start
+    assert not _groups_of_sessions({p.pid for p in cluster.processes})
+    assert not os.path.exists(cluster.temp_dir)
+    assert stop_seconds < 15
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        assert ray.cluster_resources()["CPU"] == 2
+    finally:
+        ray.shutdown()
+    print(
+        f"two-node cluster: started in {cluster.start_seconds:.1f} s, stopped in {stop_seconds:.1f} s"
+    )
