@@ -18,6 +18,7 @@ from torchrl.data import ReplayBuffer
 
 from rl_observers import signals
 from rl_observers.observer import ObserverHandle, ObserverList
+from rl_observers.targets._multiprocess import track_shared_buffer_writers
 from rl_observers.targets._observed import base_class, observed_class
 from rl_observers.targets.collectors import CollectorObservers
 from rl_observers.targets.replay_buffers import ReplayBufferObservers
@@ -229,6 +230,7 @@ def install() -> None:
             cls.add_observer = add_observer  # type: ignore[attr-defined]
             cls.remove_observer = remove_observer  # type: ignore[attr-defined]
             cls.observers = property(_observers)  # type: ignore[attr-defined]
+        track_shared_buffer_writers()
         for signal in _all_signals():
             signal.receiver_connected.connect(_on_receiver_connected, weak=False)
             signal.receiver_disconnected.connect(_on_receiver_disconnected, weak=False)
