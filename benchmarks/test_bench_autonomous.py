@@ -32,7 +32,9 @@ from torchrl.testing.mocking_classes import CountingEnv
 from rl_observers import LoggerObserver
 
 BUDGET = 1.2
-FRAMES_PER_BATCH = 200
+# 1000-frame batches, as in the throughput budgets: an in-process first batch then takes ~0.15 s, of
+# which a LoggerObserver's fixed start-up (its channel's delivery and socket threads, ~10 ms) is noise.
+FRAMES_PER_BATCH = 1000
 KINDS = {"Collector": Collector, "MultiSyncCollector": MultiSyncCollector, "MultiAsyncCollector": MultiAsyncCollector}
 
 
