@@ -165,3 +165,14 @@ def test_deleted_collector_shuts_its_workers_down(tmp_path):
         del collector
         gc.collect()
     assert _wait_until_gone(before) == set()
+
+
+def test_shutdown_before_start_then_attach_refused_leaves_no_child(tmp_path):
+    before = _children()
+    with start_method("fork"):
+        collector, rb, _ = _build(MultiSyncCollector, tmp_path, observe=True)
+        collector.shutdown()
+        with pytest.raises(RuntimeError, match="shut down"):
+            collector.add_observer(EventRecorder())
+        rb.add_observer(EventRecorder())  # the buffer lives on; its collector's workers are gone
+    assert _wait_until_gone(before) == set()
