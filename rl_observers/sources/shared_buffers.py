@@ -16,9 +16,11 @@ the writes made in every process; see :func:`propagate_to_shared_copies`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import multiprocessing
 import threading
+import weakref
 from typing import Any
 
 import cloudpickle
@@ -34,40 +36,87 @@ from rl_observers.sources.multiprocess import (
 from rl_observers.sources.remote import portable_error, ship
 from rl_observers.sources.replay_buffers import ReplayBufferObservers
 
-__all__ = ["propagate_to_shared_copies"]
+__all__ = ["propagate_to_shared_copies", "track_shared_buffer_writers"]
 
 _LOCAL = threading.local()
+
+
+# The multiprocessing collectors built with a ``replay_buffer`` since ``import rl_observers``
+# (weak references): those whose workers may hold a copy of a shared buffer.
+_WRITERS: list[weakref.ref[Any]] = []
+_WRITERS_LOCK = threading.Lock()
+# Whether worker processes existed before the collectors were tracked (``import rl_observers``
+# after building a collector): the garbage collector is then asked for the untracked ones.
+_UNTRACKED_WORKERS = False
+
+
+def track_shared_buffer_writers() -> None:
+    """Records every multiprocessing collector built with a ``replay_buffer`` (weakly).
+
+    ``MultiCollector._run_processes``, which torchrl calls once when it starts a
+    collector's workers, is wrapped to record the collector; nothing on a
+    collection path changes. Called when this module is imported; calling it
+    again is harmless.
+    """
+    global _UNTRACKED_WORKERS
+    with _WRITERS_LOCK:
+        original = MultiCollector.__dict__["_run_processes"]
+        if getattr(original, "_rl_observers_tracked", False):
+            return
+        _UNTRACKED_WORKERS = bool(multiprocessing.active_children())
+
+        @functools.wraps(original)
+        def _run_processes(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.__dict__.get("replay_buffer") is not None:
+                with _WRITERS_LOCK:
+                    _WRITERS[:] = [ref for ref in _WRITERS if ref() is not None]
+                    _WRITERS.append(weakref.ref(self))
+            return original(self, *args, **kwargs)
+
+        _run_processes._rl_observers_tracked = True  # type: ignore[attr-defined]
+        MultiCollector._run_processes = _run_processes  # type: ignore[method-assign]
 
 
 def _collectors_writing_into(buffer: Any) -> list[Any]:
     """The running multiprocessing collectors whose workers hold a copy of ``buffer``.
 
-    Found through the garbage collector's referrers (a collector keeps its
-    buffer as ``collector.replay_buffer``), as torchrl keeps no registry of
-    collectors; this runs only when an observer of a shared buffer is
-    attached or removed while this process has child processes.
+    torchrl keeps no registry of collectors: the collectors built since
+    ``import rl_observers`` are recorded when their workers start (see
+    :func:`track_shared_buffer_writers`), so finding them costs a walk over
+    a short list. Collectors built before that are found through the
+    garbage collector's referrers (a heap scan, ~0.1 s with torch loaded),
+    and only when worker processes already existed at import.
     """
     found: list[Any] = []
     if not multiprocessing.active_children():
         return found  # no worker process, no copy
+    with _WRITERS_LOCK:
+        candidates = [ref() for ref in _WRITERS]
+    if _UNTRACKED_WORKERS:
+        candidates.extend(_referring_collectors(buffer))
+    for owner in candidates:
+        if (
+            owner is not None
+            and owner.__dict__.get("replay_buffer") is buffer
+            and MULTIPROCESS_COLLECTOR.is_running(owner)
+            and not any(owner is f for f in found)
+        ):
+            found.append(owner)
+    return found
+
+
+def _referring_collectors(buffer: Any) -> list[Any]:
+    """The multiprocessing collectors holding ``buffer`` as ``replay_buffer``, from a heap scan."""
+    owners: list[Any] = []
     for referrer in gc.get_referrers(buffer):
         if isinstance(referrer, MultiCollector):
-            owners = [referrer]
+            owners.append(referrer)
         elif isinstance(referrer, dict) and referrer.get("replay_buffer") is buffer:
-            owners = [
+            owners.extend(
                 o for o in gc.get_referrers(referrer)
                 if isinstance(o, MultiCollector) and getattr(o, "__dict__", None) is referrer
-            ]
-        else:
-            continue
-        for owner in owners:
-            if (
-                owner.__dict__.get("replay_buffer") is buffer
-                and MULTIPROCESS_COLLECTOR.is_running(owner)
-                and owner not in found
-            ):
-                found.append(owner)
-    return found
+            )
+    return owners
 
 
 def _attach_to_worker_buffer(collector: Any, payload: bytes, on_error: str) -> None:
@@ -146,3 +195,4 @@ def propagate_to_shared_copies(buffer: Any, action: str, observer: Any, on_error
 
 
 ReplayBufferObservers.mirror = staticmethod(propagate_to_shared_copies)
+track_shared_buffer_writers()
