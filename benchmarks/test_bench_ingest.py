@@ -25,9 +25,9 @@ import time
 from typing import Any
 
 import pytest
-
 from rl_observers.aggregate import Aggregate
 from rl_observers.reducers import Count, Moments
+
 from tests.helpers import local_ray
 from tests.test_ray_transport import load_transport
 

@@ -22,10 +22,10 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-
-import rl_observers
 from rl_observers.aggregate import Aggregate
 from rl_observers.reducers import Count, Moments
+
+import rl_observers
 from tests.helpers import local_ray
 from tests.multinode import Cluster, _groups_of_sessions, two_node_cluster
 

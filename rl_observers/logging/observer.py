@@ -27,7 +27,6 @@ from rl_observers.logging.contributions import LIVE, Contributor
 from rl_observers.logging.schedule import ScheduleClock
 from rl_observers.metrics import CollectorBatchMetrics, MetricSet, SampleMetrics, WriteMetrics
 from rl_observers.observer import ON_ERROR_POLICIES, Observer
-from rl_observers.sources.placement import source_info
 
 __all__ = ["LoggerObserver", "attach_logger", "default_metrics", "install_attach_logger"]
 
