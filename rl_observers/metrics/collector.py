@@ -29,7 +29,9 @@ from rl_observers.metrics.keys import (
     leaf_keys,
     missing_key,
 )
-from rl_observers.stats import Count, Partial
+from rl_observers.sources.placement import source_info
+from rl_observers.stats import Count, LatestWindow, Partial
+from rl_observers.stats.latest import LatestReducer, latest_reducer
 
 __all__ = ["CollectorBatchMetrics"]
 
@@ -175,6 +177,7 @@ class CollectorBatchMetrics(MetricSet):
         step_count_key: NestedKey | None = FROM_SOURCE,
         mask_key: NestedKey | None = ("collector", "mask"),
         traj_ids_key: NestedKey | None = ("collector", "traj_ids"),
+        episode_window: int | None = None,
     ) -> None:
         super().__init__()
         owner = type(self).__name__
@@ -220,6 +223,7 @@ class CollectorBatchMetrics(MetricSet):
         self._carry = EpisodeCarry()
         self._ring: EpisodeRing | None = None
         self._stacked: torch.Tensor | None = None
+        self._init_episode_window(episode_window, specs)
 
     def __repr__(self) -> str:
         return (
@@ -236,6 +240,7 @@ class CollectorBatchMetrics(MetricSet):
         a multiprocessing collector seen from the driver: its workers bind
         their copies), nothing changes. Called before the first batch.
         """
+        self._bind_episode_window(source)
         if not self._from_source:
             return
         found = keys_from_source(source)
@@ -313,6 +318,8 @@ class CollectorBatchMetrics(MetricSet):
             if plan is None:
                 plan = self._plan = self._resolve(batch)
             self._fold(plan, batch)
+            if self._window is not None:
+                self._advance_window_clocks(batch.batch_size)
 
     def _fold(self, plan: CollectorPlan, batch: Any) -> None:
         batch_size = batch.batch_size
@@ -386,6 +393,9 @@ class CollectorBatchMetrics(MetricSet):
                 values = self._stacked = closing.new_empty(shape, dtype=torch.float64)
             torch.stack([get(key).reshape(rows, steps) for _, key in sources], out=values)
             self._episode.fold(values, closing)
+            if self._window is not None:
+                self._window.fold(values, closing, step_base=self._window_clocks[0],
+                                  cell_base=self._window_clocks[1])
 
     def _fold_into_ring(
         self,
@@ -413,6 +423,8 @@ class CollectorBatchMetrics(MetricSet):
             reward = get(plan.reward)  # its moments are folded from the ring
         elif plan.reward is not None:
             self._fold_reward(batch.get(plan.reward), mask, batch_size)
+        if not ring.used and self._window is not None:
+            ring.base = self._window_clocks
         n_closed = stage_batch(ring, plan, get, closing_flags, reward, episode_mask)
         if ring.closed is not None and mask is None:  # CPU: read at once, no device to wait for
             closed = int(n_closed)
@@ -464,6 +476,9 @@ class CollectorBatchMetrics(MetricSet):
             self._dones.add(closed.dones)  # type: ignore[union-attr]
         if closed.values is not None:
             self._episode.fold(closed.values, closed.closing)  # type: ignore[union-attr]
+            if self._window is not None:
+                steps, cells = ring.base  # type: ignore[misc]
+                self._window.fold(closed.values, closed.closing, step_base=steps, cell_base=cells)
 
     # -- host side ------------------------------------------------------------------
 
@@ -492,6 +507,9 @@ class CollectorBatchMetrics(MetricSet):
                 out["episodes"] = counted
                 if plan.closing == (plan.done,):
                     out["dones"] = Count("dones", counted.n)
+            if self._window is not None:
+                self._recent = self._recent.merge(out[self._window.key])
+                out[self._window.key] = self._recent
             return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -501,6 +519,8 @@ class CollectorBatchMetrics(MetricSet):
             neg, traj = self._carry.neg, self._carry.traj
             state["carry"] = None if neg is None else neg.neg().T.contiguous()
             state["carry_traj_ids"] = None if traj is None else traj.clone()
+            if self._window is not None:
+                state["episode_window"] = self._episode_window_state()
             return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -519,4 +539,71 @@ class CollectorBatchMetrics(MetricSet):
                 None if carry is None else carry.to(torch.float64).T.neg(),
                 None if traj is None else traj.clone(),
             )
+            if self._window is not None:
+                self._load_episode_window(state_dict.get("episode_window"))
 
+
+    # -- the episode window: the last N episodes, across logging windows -------------
+
+    def _init_episode_window(
+        self, size: int | None, specs: list[tuple[str, tuple[str, ...]]]
+    ) -> None:
+        """Registers the reducer of the last ``size`` episodes (``episode_window``)."""
+        owner = type(self).__name__
+        self._window: LatestReducer | None = None
+        if size is None:
+            return
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"{owner}: episode_window must be a positive int or None, got {size!r}.")
+        if not specs:
+            raise ValueError(
+                f"{owner}: episode_window needs episode_return=True or episode_length=True."
+            )
+        names = tuple(prefix for prefix, _ in specs)
+        stats = tuple(_WINDOW_STATS[name] for name in names)
+        self._window = latest_reducer(self._bank, "episode_window", size, names, stats=stats)
+        # (steps, cells) folded before the next batch: the stamps and the order of episode ends.
+        self._window_clocks = (0, 0)
+        self._recent = LatestWindow(size, names, stats=stats)
+
+    def _bind_episode_window(self, source: Any) -> None:
+        """Episodes are keyed by the worker they end in (``0`` outside workers)."""
+        if self._window is not None:
+            worker = source_info(source).worker
+            self._window.source = 0 if worker is None else int(worker)
+
+    def _advance_window_clocks(self, batch_size: torch.Size) -> None:
+        steps, cells = self._window_clocks
+        self._window_clocks = (steps + batch_size[-1], cells + batch_size.numel())
+
+    def _episode_window_state(self) -> dict[str, Any]:
+        """The last episodes (with those of the open window) and the clocks."""
+        recent = self._recent.merge(self._window.peek())  # type: ignore[union-attr]
+        return {
+            "size": recent.size,
+            "names": recent.names,
+            "entries": [(list(key), list(values)) for key, values in recent.entries],
+            "clocks": self._window_clocks,
+        }
+
+    def _load_episode_window(self, state: dict[str, Any] | None) -> None:
+        window = self._window
+        recent = LatestWindow(window.size, window.names, stats=window.stats)  # type: ignore[union-attr]
+        if state is not None:
+            if state["size"] != window.size or tuple(state["names"]) != window.names:  # type: ignore[union-attr]
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict: the episode window holds "
+                    f"{tuple(state['names'])!r} over {state['size']} episodes, this set keeps "
+                    f"{window.names!r} over {window.size}."  # type: ignore[union-attr]
+                )
+            entries = [(tuple(key), values) for key, values in state["entries"]]
+            recent = LatestWindow(window.size, window.names, stats=window.stats, entries=entries)  # type: ignore[union-attr]
+            self._window_clocks = tuple(state["clocks"])  # type: ignore[assignment]
+        self._recent = recent
+
+
+#: What the episode window reports per quantity.
+_WINDOW_STATS: dict[str, tuple[str, ...]] = {
+    "episode_return": ("mean", "std", "min", "max", "p10", "median", "p90"),
+    "episode_length": ("mean",),
+}
