@@ -102,6 +102,36 @@ class CollectorBatchMetrics(MetricSet):
     ``episode_length_max``    window    maximum of those lengths
     ========================  ========  ==================================================
 
+    With ``episode_window=N``, the last ``N`` episodes completed, carried
+    from window to window (pulled as one
+    :class:`~rl_observers.stats.LatestWindow` partial, key
+    ``"episode_window"``):
+
+    ====================================  ========  ==========================================
+    name                                  kind      meaning
+    ====================================  ========  ==========================================
+    ``episode_return_mean_last_<N>``      rolling   mean return of the last ``N`` episodes
+    ``episode_return_std_last_<N>``       rolling   population std of those returns
+    ``episode_return_min_last_<N>``       rolling   minimum of those returns
+    ``episode_return_max_last_<N>``       rolling   maximum of those returns
+    ``episode_return_p10_last_<N>``       rolling   10th percentile of those returns
+    ``episode_return_median_last_<N>``    rolling   median of those returns
+    ``episode_return_p90_last_<N>``       rolling   90th percentile of those returns
+    ``episode_length_mean_last_<N>``      rolling   mean length of the last ``N`` episodes
+    ====================================  ========  ==========================================
+
+    (``episode_return_*`` with ``episode_return``, ``episode_length_*`` with
+    ``episode_length``; nothing before the first episode.) Episodes are
+    ordered by where they ended: the step on their worker's own clock (the
+    steps it collected, a step of a batched env counting once), then the
+    worker index, then the env row; merging windows of any workers keeps the
+    ``N`` latest of their union, exactly, and an episode sent twice counts
+    once. Quantiles are exact over the ``N`` returns (linear interpolation,
+    as ``torch.quantile``). Per batch, the window is updated on the batch's
+    device (a ``topk`` over the ``N`` kept and the batch's steps); episodes
+    reach the host with the window's one transfer. :meth:`state_dict` keeps
+    the last ``N``.
+
     A window with no reward (or no completed episode) omits the ``*_mean``,
     ``*_std``, ``*_min``, ``*_max`` entries; counts are then ``0``.
     :meth:`counters` gives ``frames``, ``batches`` and ``episodes``
@@ -136,6 +166,9 @@ class CollectorBatchMetrics(MetricSet):
         traj_ids_key (NestedKey, optional): trajectory ids, used when present
             to drop carries that do not continue. Defaults to
             ``("collector", "traj_ids")``.
+        episode_window (int, optional): also report the last
+            ``episode_window`` episodes (``*_last_<N>``, see above). Defaults
+            to ``None`` (not kept: the fold costs exactly what it did).
 
     Examples:
         >>> import torch
@@ -158,6 +191,15 @@ class CollectorBatchMetrics(MetricSet):
         (5.0, {'episodes': 2.0})
         >>> payload["episode_return"].finalize()
         {'episode_return_mean': 3.5, 'episode_return_std': 1.5, 'episode_return_min': 2.0, 'episode_return_max': 5.0}
+
+        The last two episodes, across windows:
+
+        >>> rolling = CollectorBatchMetrics(episode_window=2, episode_length=False)
+        >>> for rewards, dones in (([1.0, 1.0], [False, True]), ([4.0], [True]), ([2.0], [True])):
+        ...     rolling.on_post_collect(None, batch(rewards, dones))
+        ...     window = rolling.pull()["episode_window"]
+        >>> window.finalize()["episode_return_mean_last_2"], window.values("episode_return")
+        (3.0, [4.0, 2.0])
     """
 
     counter_names = ("frames", "batches", "episodes")
