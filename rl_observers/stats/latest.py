@@ -43,7 +43,7 @@ _HEAD = 3
 class LatestReducer(_Reducer):
     """Keeps the ``size`` latest entries folded in the window, on their device.
 
-    Slots are a ``[size, 3 + K]`` table: per entry an order key (``0`` marks
+    Slots are a ``[3 + K, size]`` table (one row per column): per entry an order key (``0`` marks
     an empty slot, which is what the bank's reset leaves), the stamp and
     index reported in the entry's key, and its ``K`` values. Pulled as a
     :class:`LatestWindow` whose keys are ``(stamp, source, index)``, with
@@ -76,12 +76,16 @@ class LatestReducer(_Reducer):
         return {self.key: LatestWindow(self.size, self.names, stats=self.stats)}
 
     def _window(self, values: Sequence[float]) -> LatestWindow:
-        width = _HEAD + len(self.names)
+        size, start = self.size, self._offset
+        columns = [
+            values[start + c * size : start + (c + 1) * size]
+            for c in range(_HEAD + len(self.names))
+        ]
         entries = []
-        for i in range(self.size):
-            row = values[self._offset + i * width : self._offset + (i + 1) * width]
-            if row[0] > 0:
-                entries.append(((int(row[1]), self.source, int(row[2])), row[_HEAD:]))
+        for i, key in enumerate(columns[0]):
+            if key > 0:
+                entry_values = [column[i] for column in columns[_HEAD:]]
+                entries.append(((int(columns[1][i]), self.source, int(columns[2][i])), entry_values))
         return LatestWindow(self.size, self.names, stats=self.stats, entries=entries)
 
     def _partials(self, values: Sequence[float]) -> dict[str, Partial]:
@@ -96,12 +100,16 @@ class LatestReducer(_Reducer):
         return self._window(values)
 
     def _templates(self, rows: int, steps: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Per batch layout: the cells' order, step and row, and a pool to select from (cached)."""
         cells = self._cells
         if cells is None or cells[0] != (rows, steps, device):
             t = torch.arange(steps, dtype=_F64, device=device).expand(rows, steps)
             r = torch.arange(rows, dtype=_F64, device=device).unsqueeze(-1).expand(rows, steps)
             order = (t * rows + r).reshape(-1)  # later steps are later; then by row
-            cells = self._cells = ((rows, steps, device), order, t.reshape(-1), r.reshape(-1))
+            width = _HEAD + len(self.names)
+            pool = torch.empty((width, self.size + rows * steps), dtype=_F64, device=device)
+            cells = (rows, steps, device), order, t.reshape(-1), r.reshape(-1), pool
+            self._cells = cells
         return cells[1:]
 
     def fold(
@@ -129,20 +137,21 @@ class LatestReducer(_Reducer):
         device = view.device
         if ended.device != device:
             ended, values = ended.to(device), values.to(device)
-        order, t, r = self._templates(rows, steps, device)
+        order, t, r, pool = self._templates(rows, steps, device)
         k = len(self.names)
-        candidates = torch.empty((rows * steps, _HEAD + k), dtype=_F64, device=device)
-        key = candidates[:, 0]
-        torch.add(order, float(cell_base + 1), out=key)
-        key.mul_(ended.reshape(-1))  # 0 where no entry ends
-        torch.add(t, float(step_base + 1), out=candidates[:, 1])
-        candidates[:, 2].copy_(r)
-        candidates[:, _HEAD:].copy_(values.reshape(k, -1).T)
-        table = view.view(self.size, _HEAD + k)
-        pool = torch.cat((table, candidates))
-        kept = torch.topk(pool[:, 0], min(self.size, pool.shape[0]), sorted=False).indices
-        table.copy_(pool.index_select(0, kept))
-
+        cells = rows * steps
+        # Column-major: one contiguous row per column, entries along the last dimension; the
+        # entries kept so far, then the batch's cells.
+        table = view.view(_HEAD + k, self.size)
+        pool[:, : self.size].copy_(table)
+        candidates = pool[:, self.size :]
+        torch.add(order, float(cell_base + 1), out=candidates[0])
+        candidates[0].mul_(ended.reshape(-1))  # 0 where no entry ends
+        torch.add(t, float(step_base + 1), out=candidates[1])
+        candidates[2].copy_(r)
+        candidates[_HEAD:].copy_(values.reshape(k, cells))
+        kept = torch.topk(pool[0], min(self.size, pool.shape[1]), sorted=False).indices
+        torch.index_select(pool, 1, kept, out=table)
 
 def latest_reducer(
     bank: ReducerBank,
