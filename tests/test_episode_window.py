@@ -45,8 +45,10 @@ def ended_episodes(batches, *, rows_are_workers=False):
         rows, steps = batch.shape
         reward = batch["next", "reward"].reshape(rows, steps).tolist()
         ends = (
-            batch["next", "done"] | batch["next", "terminated"] | batch["next", "truncated"]
-        ).reshape(rows, steps).tolist()
+            (batch["next", "done"] | batch["next", "terminated"] | batch["next", "truncated"])
+            .reshape(rows, steps)
+            .tolist()
+        )
         for e in range(rows):
             for t in range(steps):
                 ret, length, start = running.get(e, (0.0, 0, b_index))
@@ -106,8 +108,11 @@ def _window(entries, size=4):
 
 def test_merge_keeps_the_latest_entries_whatever_the_grouping_and_repetition():
     gen = torch.Generator().manual_seed(0)
-    entries = [((int(s), w, 0), (float(v),)) for w in range(3)
-               for s, v in zip(torch.randperm(50, generator=gen)[:9], torch.randn(9, generator=gen))]
+    entries = [
+        ((int(s), w, 0), (float(v),))
+        for w in range(3)
+        for s, v in zip(torch.randperm(50, generator=gen)[:9], torch.randn(9, generator=gen))
+    ]
     parts = [_window(entries[i::3]) for i in range(3)]
     a, b, c = parts
     union = _window(entries)
@@ -121,11 +126,15 @@ def test_merge_keeps_the_latest_entries_whatever_the_grouping_and_repetition():
 def test_quantiles_are_exact_over_the_window():
     values = [3.0, -1.0, 7.5, 2.0, 0.25, 9.0, 4.0]
     window = LatestWindow(
-        7, ("x",), stats=[("p10", "p25", "median", "p75", "p90")],
+        7,
+        ("x",),
+        stats=[("p10", "p25", "median", "p75", "p90")],
         entries=[((i, 0, 0), (v,)) for i, v in enumerate(values)],
     )
-    qs = torch.quantile(torch.tensor(values, dtype=torch.float64),
-                        torch.tensor([0.1, 0.25, 0.5, 0.75, 0.9], dtype=torch.float64))
+    qs = torch.quantile(
+        torch.tensor(values, dtype=torch.float64),
+        torch.tensor([0.1, 0.25, 0.5, 0.75, 0.9], dtype=torch.float64),
+    )
     assert list(window.finalize().values()) == pytest.approx(qs.tolist())
 
 
@@ -150,7 +159,11 @@ def test_partial_validates_and_pickles():
 @pytest.mark.parametrize("batch_size", [(), (3,)])
 @pytest.mark.parametrize("running", [True, False], ids=["running_sums", "rewardsum"])
 def test_last_episodes_are_exact_across_batches_and_windows(batch_size, running):
-    batches = collect(make_env(batch_size=batch_size, reward_sum=not running), 4 * max(1, math.prod(batch_size)), 480 * max(1, math.prod(batch_size)))
+    batches = collect(
+        make_env(batch_size=batch_size, reward_sum=not running),
+        4 * max(1, math.prod(batch_size)),
+        480 * max(1, math.prod(batch_size)),
+    )
     episodes, spans = ended_episodes(batches)
     assert spans > 10
     n = 9
@@ -172,7 +185,9 @@ def test_more_batches_than_a_ring_and_a_window_of_one_episode():
     batches = collect(make_env(batch_size=(2,)), 6, 600)
     episodes, _ = ended_episodes(batches)
     for n in (1, 40):
-        metrics = CollectorBatchMetrics(episode_window=n, episode_reward_key=None, step_count_key=None)
+        metrics = CollectorBatchMetrics(
+            episode_window=n, episode_reward_key=None, step_count_key=None
+        )
         for batch in batches:
             metrics.on_post_collect(None, batch)
         assert_matches(metrics.pull()["episode_window"], episodes, n)
@@ -216,10 +231,14 @@ def test_local_collector_into_a_csv_logger(tmp_path):
     collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=5, total_frames=400)
     logger = CSVLogger(exp_name="local", log_dir=str(tmp_path))
     channel = MetricsChannel(logger, health_interval=None)
-    collector.add_observer(LoggerObserver(
-        channel, schedule=Every.counter("frames", 40), name="collector",
-        metrics=CollectorBatchMetrics(episode_window=10),
-    ))
+    collector.add_observer(
+        LoggerObserver(
+            channel,
+            schedule=Every.counter("frames", 40),
+            name="collector",
+            metrics=CollectorBatchMetrics(episode_window=10),
+        )
+    )
     batches = [batch.clone() for batch in collector]
     collector.shutdown()
     assert channel.close(timeout=30)
@@ -258,10 +277,15 @@ def test_multisync_workers_aggregate_by_episode_end_order(tmp_path):
             frames_per_batch=2 * per_worker,
             total_frames=600,
         )
-    collector.add_observer(LoggerObserver(
-        channel, schedule=Every.counter("frames", 50), name="collector", scope="aggregate",
-        metrics=CollectorBatchMetrics(episode_window=n),
-    ))
+    collector.add_observer(
+        LoggerObserver(
+            channel,
+            schedule=Every.counter("frames", 50),
+            name="collector",
+            scope="aggregate",
+            metrics=CollectorBatchMetrics(episode_window=n),
+        )
+    )
     batches = [batch.clone() for batch in collector]
     collector.shutdown()
     assert channel.close(timeout=60)

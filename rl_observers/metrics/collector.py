@@ -436,8 +436,12 @@ class CollectorBatchMetrics(MetricSet):
             torch.stack([get(key).reshape(rows, steps) for _, key in sources], out=values)
             self._episode.fold(values, closing)
             if self._window is not None:
-                self._window.fold(values, closing, step_base=self._window_clocks[0],
-                                  cell_base=self._window_clocks[1])
+                self._window.fold(
+                    values,
+                    closing,
+                    step_base=self._window_clocks[0],
+                    cell_base=self._window_clocks[1],
+                )
 
     def _fold_into_ring(
         self,
@@ -584,7 +588,6 @@ class CollectorBatchMetrics(MetricSet):
             if self._window is not None:
                 self._load_episode_window(state_dict.get("episode_window"))
 
-
     # -- the episode window: the last N episodes, across logging windows -------------
 
     def _init_episode_window(
@@ -596,7 +599,9 @@ class CollectorBatchMetrics(MetricSet):
         if size is None:
             return
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"{owner}: episode_window must be a positive int or None, got {size!r}.")
+            raise ValueError(
+                f"{owner}: episode_window must be a positive int or None, got {size!r}."
+            )
         if not specs:
             raise ValueError(
                 f"{owner}: episode_window needs episode_return=True or episode_length=True."

@@ -85,7 +85,9 @@ class LatestReducer(_Reducer):
         for i, key in enumerate(columns[0]):
             if key > 0:
                 entry_values = [column[i] for column in columns[_HEAD:]]
-                entries.append(((int(columns[1][i]), self.source, int(columns[2][i])), entry_values))
+                entries.append(
+                    ((int(columns[1][i]), self.source, int(columns[2][i])), entry_values)
+                )
         return LatestWindow(self.size, self.names, stats=self.stats, entries=entries)
 
     def _partials(self, values: Sequence[float]) -> dict[str, Partial]:
@@ -152,6 +154,7 @@ class LatestReducer(_Reducer):
         candidates[_HEAD:].copy_(values.reshape(k, cells))
         kept = torch.topk(pool[0], min(self.size, pool.shape[1]), sorted=False).indices
         torch.index_select(pool, 1, kept, out=table)
+
 
 def latest_reducer(
     bank: ReducerBank,
