@@ -12,7 +12,14 @@ This package imports no other part of :mod:`rl_observers`.
 
 from rl_observers.stats.counters import ObservedCounters
 from rl_observers.stats.latest import LatestReducer
-from rl_observers.stats.partials import MOMENT_STATS, WINDOW_STATS, Count, LatestWindow, Moments, Partial
+from rl_observers.stats.partials import (
+    MOMENT_STATS,
+    WINDOW_STATS,
+    Count,
+    LatestWindow,
+    Moments,
+    Partial,
+)
 from rl_observers.stats.reducers import (
     CountReducer,
     MomentsGroupReducer,
