@@ -26,7 +26,7 @@ from rl_observers.profiler import ProfilerObserver
 from rl_observers.profiler import install_profiling as _install_profiling
 from rl_observers.sources import install as _install
 from rl_observers.sources.placement import SourceInfo, source_info
-from rl_observers.stats import Count, Moments, Partial, ReducerBank
+from rl_observers.stats import Count, LatestWindow, Moments, Partial, ReducerBank
 
 _install()
 _install_attach_logger()
@@ -43,6 +43,7 @@ __all__ = [
     "MetricSet",
     "MetricsChannel",
     "MetricsHandle",
+    "LatestWindow",
     "Moments",
     "Observer",
     "ObserverHandle",

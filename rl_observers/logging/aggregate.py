@@ -257,7 +257,8 @@ class Aggregate:
             for key, value in state.counters.items():
                 totals[key] = totals.get(key, 0) + value
         metrics = {**gauges, **self._window}
-        self._window = {}
+        # A partial that describes a state (the last N episodes) carries over to the next row.
+        self._window = {k: v for k, v in self._window.items() if getattr(v, "rolling", False)}
         self._fresh = False
         self.clock.fired()
         return self.name, metrics, self._step(totals)

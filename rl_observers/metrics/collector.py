@@ -29,7 +29,9 @@ from rl_observers.metrics.keys import (
     leaf_keys,
     missing_key,
 )
-from rl_observers.stats import Count, Partial
+from rl_observers.sources.placement import source_info
+from rl_observers.stats import Count, LatestWindow, Partial
+from rl_observers.stats.latest import LatestReducer, latest_reducer
 
 __all__ = ["CollectorBatchMetrics"]
 
@@ -100,6 +102,36 @@ class CollectorBatchMetrics(MetricSet):
     ``episode_length_max``    window    maximum of those lengths
     ========================  ========  ==================================================
 
+    With ``episode_window=N``, the last ``N`` episodes completed, carried
+    from window to window (pulled as one
+    :class:`~rl_observers.stats.LatestWindow` partial, key
+    ``"episode_window"``):
+
+    ====================================  ========  ==========================================
+    name                                  kind      meaning
+    ====================================  ========  ==========================================
+    ``episode_return_mean_last_<N>``      rolling   mean return of the last ``N`` episodes
+    ``episode_return_std_last_<N>``       rolling   population std of those returns
+    ``episode_return_min_last_<N>``       rolling   minimum of those returns
+    ``episode_return_max_last_<N>``       rolling   maximum of those returns
+    ``episode_return_p10_last_<N>``       rolling   10th percentile of those returns
+    ``episode_return_median_last_<N>``    rolling   median of those returns
+    ``episode_return_p90_last_<N>``       rolling   90th percentile of those returns
+    ``episode_length_mean_last_<N>``      rolling   mean length of the last ``N`` episodes
+    ====================================  ========  ==========================================
+
+    (``episode_return_*`` with ``episode_return``, ``episode_length_*`` with
+    ``episode_length``; nothing before the first episode.) Episodes are
+    ordered by where they ended: the step on their worker's own clock (the
+    steps it collected, a step of a batched env counting once), then the
+    worker index, then the env row; merging windows of any workers keeps the
+    ``N`` latest of their union, exactly, and an episode sent twice counts
+    once. Quantiles are exact over the ``N`` returns (linear interpolation,
+    as ``torch.quantile``). Per batch, the window is updated on the batch's
+    device (a ``topk`` over the ``N`` kept and the batch's steps); episodes
+    reach the host with the window's one transfer. :meth:`state_dict` keeps
+    the last ``N``.
+
     A window with no reward (or no completed episode) omits the ``*_mean``,
     ``*_std``, ``*_min``, ``*_max`` entries; counts are then ``0``.
     :meth:`counters` gives ``frames``, ``batches`` and ``episodes``
@@ -134,6 +166,9 @@ class CollectorBatchMetrics(MetricSet):
         traj_ids_key (NestedKey, optional): trajectory ids, used when present
             to drop carries that do not continue. Defaults to
             ``("collector", "traj_ids")``.
+        episode_window (int, optional): also report the last
+            ``episode_window`` episodes (``*_last_<N>``, see above). Defaults
+            to ``None`` (not kept: the fold costs exactly what it did).
 
     Examples:
         >>> import torch
@@ -156,6 +191,15 @@ class CollectorBatchMetrics(MetricSet):
         (5.0, {'episodes': 2.0})
         >>> payload["episode_return"].finalize()
         {'episode_return_mean': 3.5, 'episode_return_std': 1.5, 'episode_return_min': 2.0, 'episode_return_max': 5.0}
+
+        The last two episodes, across windows:
+
+        >>> rolling = CollectorBatchMetrics(episode_window=2, episode_length=False)
+        >>> for rewards, dones in (([1.0, 1.0], [False, True]), ([4.0], [True]), ([2.0], [True])):
+        ...     rolling.on_post_collect(None, batch(rewards, dones))
+        ...     window = rolling.pull()["episode_window"]
+        >>> window.finalize()["episode_return_mean_last_2"], window.values("episode_return")
+        (3.0, [4.0, 2.0])
     """
 
     counter_names = ("frames", "batches", "episodes")
@@ -175,6 +219,7 @@ class CollectorBatchMetrics(MetricSet):
         step_count_key: NestedKey | None = FROM_SOURCE,
         mask_key: NestedKey | None = ("collector", "mask"),
         traj_ids_key: NestedKey | None = ("collector", "traj_ids"),
+        episode_window: int | None = None,
     ) -> None:
         super().__init__()
         owner = type(self).__name__
@@ -220,6 +265,7 @@ class CollectorBatchMetrics(MetricSet):
         self._carry = EpisodeCarry()
         self._ring: EpisodeRing | None = None
         self._stacked: torch.Tensor | None = None
+        self._init_episode_window(episode_window, specs)
 
     def __repr__(self) -> str:
         return (
@@ -236,6 +282,7 @@ class CollectorBatchMetrics(MetricSet):
         a multiprocessing collector seen from the driver: its workers bind
         their copies), nothing changes. Called before the first batch.
         """
+        self._bind_episode_window(source)
         if not self._from_source:
             return
         found = keys_from_source(source)
@@ -313,6 +360,8 @@ class CollectorBatchMetrics(MetricSet):
             if plan is None:
                 plan = self._plan = self._resolve(batch)
             self._fold(plan, batch)
+            if self._window is not None:
+                self._advance_window_clocks(batch.batch_size)
 
     def _fold(self, plan: CollectorPlan, batch: Any) -> None:
         batch_size = batch.batch_size
@@ -386,6 +435,13 @@ class CollectorBatchMetrics(MetricSet):
                 values = self._stacked = closing.new_empty(shape, dtype=torch.float64)
             torch.stack([get(key).reshape(rows, steps) for _, key in sources], out=values)
             self._episode.fold(values, closing)
+            if self._window is not None:
+                self._window.fold(
+                    values,
+                    closing,
+                    step_base=self._window_clocks[0],
+                    cell_base=self._window_clocks[1],
+                )
 
     def _fold_into_ring(
         self,
@@ -413,6 +469,8 @@ class CollectorBatchMetrics(MetricSet):
             reward = get(plan.reward)  # its moments are folded from the ring
         elif plan.reward is not None:
             self._fold_reward(batch.get(plan.reward), mask, batch_size)
+        if not ring.used and self._window is not None:
+            ring.base = self._window_clocks
         n_closed = stage_batch(ring, plan, get, closing_flags, reward, episode_mask)
         if ring.closed is not None and mask is None:  # CPU: read at once, no device to wait for
             closed = int(n_closed)
@@ -464,6 +522,9 @@ class CollectorBatchMetrics(MetricSet):
             self._dones.add(closed.dones)  # type: ignore[union-attr]
         if closed.values is not None:
             self._episode.fold(closed.values, closed.closing)  # type: ignore[union-attr]
+            if self._window is not None:
+                steps, cells = ring.base  # type: ignore[misc]
+                self._window.fold(closed.values, closed.closing, step_base=steps, cell_base=cells)
 
     # -- host side ------------------------------------------------------------------
 
@@ -492,6 +553,9 @@ class CollectorBatchMetrics(MetricSet):
                 out["episodes"] = counted
                 if plan.closing == (plan.done,):
                     out["dones"] = Count("dones", counted.n)
+            if self._window is not None:
+                self._recent = self._recent.merge(out[self._window.key])
+                out[self._window.key] = self._recent
             return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -501,6 +565,8 @@ class CollectorBatchMetrics(MetricSet):
             neg, traj = self._carry.neg, self._carry.traj
             state["carry"] = None if neg is None else neg.neg().T.contiguous()
             state["carry_traj_ids"] = None if traj is None else traj.clone()
+            if self._window is not None:
+                state["episode_window"] = self._episode_window_state()
             return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -519,4 +585,72 @@ class CollectorBatchMetrics(MetricSet):
                 None if carry is None else carry.to(torch.float64).T.neg(),
                 None if traj is None else traj.clone(),
             )
+            if self._window is not None:
+                self._load_episode_window(state_dict.get("episode_window"))
 
+    # -- the episode window: the last N episodes, across logging windows -------------
+
+    def _init_episode_window(
+        self, size: int | None, specs: list[tuple[str, tuple[str, ...]]]
+    ) -> None:
+        """Registers the reducer of the last ``size`` episodes (``episode_window``)."""
+        owner = type(self).__name__
+        self._window: LatestReducer | None = None
+        if size is None:
+            return
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(
+                f"{owner}: episode_window must be a positive int or None, got {size!r}."
+            )
+        if not specs:
+            raise ValueError(
+                f"{owner}: episode_window needs episode_return=True or episode_length=True."
+            )
+        names = tuple(prefix for prefix, _ in specs)
+        stats = tuple(_WINDOW_STATS[name] for name in names)
+        self._window = latest_reducer(self._bank, "episode_window", size, names, stats=stats)
+        # (steps, cells) folded before the next batch: the stamps and the order of episode ends.
+        self._window_clocks = (0, 0)
+        self._recent = LatestWindow(size, names, stats=stats)
+
+    def _bind_episode_window(self, source: Any) -> None:
+        """Episodes are keyed by the worker they end in (``0`` outside workers)."""
+        if self._window is not None:
+            worker = source_info(source).worker
+            self._window.source = 0 if worker is None else int(worker)
+
+    def _advance_window_clocks(self, batch_size: torch.Size) -> None:
+        steps, cells = self._window_clocks
+        self._window_clocks = (steps + batch_size[-1], cells + batch_size.numel())
+
+    def _episode_window_state(self) -> dict[str, Any]:
+        """The last episodes (with those of the open window) and the clocks."""
+        recent = self._recent.merge(self._window.peek())  # type: ignore[union-attr]
+        return {
+            "size": recent.size,
+            "names": recent.names,
+            "entries": [(list(key), list(values)) for key, values in recent.entries],
+            "clocks": self._window_clocks,
+        }
+
+    def _load_episode_window(self, state: dict[str, Any] | None) -> None:
+        window = self._window
+        recent = LatestWindow(window.size, window.names, stats=window.stats)  # type: ignore[union-attr]
+        if state is not None:
+            if state["size"] != window.size or tuple(state["names"]) != window.names:  # type: ignore[union-attr]
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict: the episode window holds "
+                    f"{tuple(state['names'])!r} over {state['size']} episodes, this set keeps "
+                    f"{window.names!r} over {window.size}."  # type: ignore[union-attr]
+                )
+            entries = [(tuple(key), values) for key, values in state["entries"]]
+            recent = LatestWindow(window.size, window.names, stats=window.stats, entries=entries)  # type: ignore[union-attr]
+            self._window_clocks = tuple(state["clocks"])  # type: ignore[assignment]
+        self._recent = recent
+
+
+#: What the episode window reports per quantity.
+_WINDOW_STATS: dict[str, tuple[str, ...]] = {
+    "episode_return": ("mean", "std", "min", "max", "p10", "median", "p90"),
+    "episode_length": ("mean",),
+}

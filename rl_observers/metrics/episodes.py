@@ -157,6 +157,7 @@ class EpisodeRing:
         "_views",
         "_timelines",
         "closed",
+        "base",
     )
 
     def __init__(
@@ -197,6 +198,9 @@ class EpisodeRing:
         self._timelines: dict[int, Timeline] = {}
         # Episodes closed in the used slots, when known on the host (CPU batches), else None.
         self.closed: int | None = self.empty_count()
+        # Where the first slot's batch starts on the episode window's clocks (steps, cells),
+        # when the set keeps one.
+        self.base: tuple[int, int] | None = None
 
     def empty_count(self) -> int | None:
         return 0 if self.closing.device.type == "cpu" and _CPU_SHORTCUTS else None

@@ -11,7 +11,15 @@ This package imports no other part of :mod:`rl_observers`.
 """
 
 from rl_observers.stats.counters import ObservedCounters
-from rl_observers.stats.partials import MOMENT_STATS, Count, Moments, Partial
+from rl_observers.stats.latest import LatestReducer
+from rl_observers.stats.partials import (
+    MOMENT_STATS,
+    WINDOW_STATS,
+    Count,
+    LatestWindow,
+    Moments,
+    Partial,
+)
 from rl_observers.stats.reducers import (
     CountReducer,
     MomentsGroupReducer,
@@ -23,10 +31,13 @@ __all__ = [
     "MOMENT_STATS",
     "Count",
     "CountReducer",
+    "LatestReducer",
+    "LatestWindow",
     "Moments",
     "MomentsGroupReducer",
     "MomentsReducer",
     "ObservedCounters",
     "Partial",
     "ReducerBank",
+    "WINDOW_STATS",
 ]

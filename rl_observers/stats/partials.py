@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-__all__ = ["MOMENT_STATS", "Count", "Moments", "Partial"]
+__all__ = ["MOMENT_STATS", "WINDOW_STATS", "Count", "LatestWindow", "Moments", "Partial"]
 
 #: Statistics a :class:`Moments` partial can emit, in output order.
 MOMENT_STATS: tuple[str, ...] = ("count", "mean", "std", "var", "min", "max")
@@ -69,6 +69,10 @@ class Partial:
     """
 
     __slots__ = ()
+    #: Whether the partial describes a state carried from window to window (such as the
+    #: last ``N`` episodes) rather than one window: an owner keeps it from one logged row to
+    #: the next, and later contributions merge into it.
+    rolling = False
 
     def merge(self, other: Partial) -> Partial:
         """Returns the partial of the union of both operands' data."""
@@ -286,3 +290,172 @@ class Count(Partial):
 
     def __repr__(self) -> str:
         return f"Count({self.name!r}, {self.n!r})"
+
+
+#: Statistics a :class:`LatestWindow` partial can emit, in output order. ``pNN`` are
+#: quantiles (``p50`` is ``median``), interpolated linearly between the closest values.
+WINDOW_STATS: tuple[str, ...] = (
+    "count",
+    "mean",
+    "std",
+    "min",
+    "max",
+    "p10",
+    "p25",
+    "median",
+    "p75",
+    "p90",
+)
+
+
+def _quantile(ordered: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of sorted values, linear interpolation (numpy's and torch's default)."""
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    fraction = position - low
+    return ordered[low] + (ordered[high] - ordered[low]) * fraction
+
+
+class LatestWindow(Partial):
+    """The ``size`` latest entries of a stream (the last ``N`` episodes), merged by end order.
+
+    Each entry is an *order key* and a tuple of values, one per name (an
+    episode's return and length). The key says when the entry ended and is
+    unique: ``(stamp, source, index)`` tuples, compared in that order (the
+    step at which an episode ended on its worker's clock, the worker, the env
+    row). Merging takes the union of both sides' entries (an entry present on
+    both sides, with the same key, counts once) and keeps the ``size`` with
+    the greatest keys, so any merge, in any grouping and order and with any
+    repetition, is the window of the union: a source may re-send its window
+    every time and the merge stays exact. Statistics are exact over the
+    entries held: quantiles too, since the partial holds the values.
+
+    Unlike a window partial, a :class:`LatestWindow` describes a *state*
+    (:attr:`rolling` is ``True``): an owner merging contributions keeps it
+    from one logged row to the next.
+
+    Args:
+        size (int): how many entries to keep (``N``). Output names end with
+            ``_last_<N>``.
+        names (sequence of str): the name of each value of an entry.
+
+    Keyword Args:
+        stats (sequence of sequences of str, optional): per name, the
+            statistics :meth:`finalize` emits, among :data:`WINDOW_STATS`.
+            Defaults to ``("mean",)`` for every name.
+        entries (iterable of (key, values), optional): initial entries.
+            Defaults to none.
+
+    Examples:
+        >>> from rl_observers.stats import LatestWindow
+        >>> a = LatestWindow(3, ("episode_return",), stats=[("mean", "median")],
+        ...                  entries=[((1, 0, 0), (1.0,)), ((4, 0, 0), (4.0,))])
+        >>> b = LatestWindow(3, ("episode_return",), stats=[("mean", "median")],
+        ...                  entries=[((2, 1, 0), (2.0,)), ((5, 1, 0), (6.0,))])
+        >>> a.merge(b).finalize()  # the episodes ended at steps 2, 4 and 5
+        {'episode_return_mean_last_3': 4.0, 'episode_return_median_last_3': 4.0}
+        >>> a.merge(b).merge(a).finalize() == a.merge(b).finalize()  # re-sent windows count once
+        True
+    """
+
+    __slots__ = ("size", "names", "stats", "entries")
+    rolling = True
+
+    def __init__(
+        self,
+        size: int,
+        names: Sequence[str],
+        *,
+        stats: Sequence[Sequence[str]] | None = None,
+        entries: Iterable[tuple[tuple, Sequence[float]]] = (),
+    ) -> None:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"size must be a positive int, got {size!r}.")
+        if isinstance(names, str):
+            raise TypeError(f"names must be a sequence of str, got {names!r}.")
+        names = tuple(_check_name(name, "name") for name in names)
+        if not names:
+            raise ValueError("names must not be empty.")
+        stats = (("mean",),) * len(names) if stats is None else tuple(tuple(s) for s in stats)
+        if len(stats) != len(names):
+            raise ValueError(f"stats must have one sequence per name, got {stats!r} for {names!r}.")
+        for name, chosen in zip(names, stats):
+            unknown = [s for s in chosen if s not in WINDOW_STATS]
+            if unknown or not chosen or len(set(chosen)) != len(chosen):
+                raise ValueError(
+                    f"stats must be non-empty sequences of distinct names among {WINDOW_STATS}, "
+                    f"got {chosen!r} (for {name!r})."
+                )
+        self.size = size
+        self.names = names
+        self.stats = stats
+        kept: dict[tuple, tuple[float, ...]] = {}
+        for key, values in entries:
+            values = tuple(float(v) for v in values)
+            if len(values) != len(names):
+                raise ValueError(f"each entry needs one value per name {names!r}, got {values!r}.")
+            kept[tuple(key)] = max(values, kept.get(tuple(key), values))
+        self.entries = self._latest(kept)
+
+    def _latest(self, kept: dict[tuple, tuple[float, ...]]) -> tuple:
+        keys = sorted(kept)[-self.size :]
+        return tuple((key, kept[key]) for key in keys)
+
+    def merge(self, other: Partial) -> LatestWindow:
+        """The ``size`` latest entries of the union of both operands' entries."""
+        if (
+            not isinstance(other, LatestWindow)
+            or other.size != self.size
+            or other.names != self.names
+            or other.stats != self.stats
+        ):
+            raise ValueError(
+                f"cannot merge {self!r} with {other!r}: size, names and stats must agree."
+            )
+        kept = dict(self.entries)
+        for key, values in other.entries:
+            # (the same key with other values cannot come from one stream; the max keeps
+            # the merge commutative anyway)
+            kept[key] = max(values, kept.get(key, values))
+        out = object.__new__(LatestWindow)
+        out.size, out.names, out.stats = self.size, self.names, self.stats
+        out.entries = self._latest(kept)
+        return out
+
+    def values(self, name: str) -> list[float]:
+        """The values of ``name`` of the entries held, oldest first."""
+        column = self.names.index(name)
+        return [values[column] for _, values in self.entries]
+
+    def finalize(self) -> dict[str, float]:
+        """``<name>_<stat>_last_<size>`` per name and statistic; an empty window gives counts only."""
+        out: dict[str, float] = {}
+        n = len(self.entries)
+        suffix = f"_last_{self.size}"
+        for column, (name, chosen) in enumerate(zip(self.names, self.stats)):
+            values = [entry[1][column] for entry in self.entries]
+            ordered = sorted(values)
+            mean = math.fsum(values) / n if n else 0.0
+            for stat in chosen:
+                label = f"{name}_{stat}{suffix}"
+                if stat == "count":
+                    out[label] = float(n)
+                elif not n:
+                    continue
+                elif stat == "mean":
+                    out[label] = mean
+                elif stat == "std":
+                    out[label] = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / n)
+                elif stat == "min":
+                    out[label] = ordered[0]
+                elif stat == "max":
+                    out[label] = ordered[-1]
+                elif stat == "median":
+                    out[label] = _quantile(ordered, 0.5)
+                else:
+                    out[label] = _quantile(ordered, int(stat[1:]) / 100)
+        return out
+
+    def __repr__(self) -> str:
+        return f"LatestWindow({self.size!r}, {self.names!r}, entries={len(self.entries)})"
