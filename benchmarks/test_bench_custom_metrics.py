@@ -27,7 +27,7 @@ from torchrl.testing.mocking_classes import CountingEnv
 
 import rl_observers  # noqa: F401
 from benchmarks._timing import paired_slowdowns
-from rl_observers import Every, LoggerObserver, Mean, MetricSet, MetricsChannel
+from rl_observers import Every, LoggerObserver, Mean, MetricsChannel, MetricSet
 
 
 class HandWrittenMean(MetricSet):

@@ -44,7 +44,16 @@ from rl_observers.profiler import ProfilerObserver
 from rl_observers.profiler import install_profiling as _install_profiling
 from rl_observers.sources import install as _install
 from rl_observers.sources.placement import SourceInfo, source_info
-from rl_observers.stats import BinCounts, Count, Fraction, Moments, Partial, PerSecond, ReducerBank, Scalar
+from rl_observers.stats import (
+    BinCounts,
+    Count,
+    Fraction,
+    Moments,
+    Partial,
+    PerSecond,
+    ReducerBank,
+    Scalar,
+)
 
 _install()
 _install_attach_logger()

@@ -237,7 +237,6 @@ def test_stats_provider_reaches_stats_and_a_gauge_logs_the_same_number():
 
 def _versioned_collector(total_frames=200):
     env = CountingEnv(max_steps=5)
-    policy = TensorDictModule(torch.nn.LazyLinear(1), in_keys=["observation"], out_keys=["action"])
     policy = TensorDictModule(
         lambda obs: torch.ones(*obs.shape[:-1], 1, dtype=torch.int32), in_keys=["observation"], out_keys=["action"]
     )

@@ -15,13 +15,13 @@ This package imports no other part of :mod:`rl_observers`.
 
 from rl_observers.stats.counters import ObservedCounters
 from rl_observers.stats.partials import MOMENT_STATS, Count, Moments, Partial
-from rl_observers.stats.scalars import SCALAR_RULES, BinCounts, Fraction, PerSecond, Scalar
 from rl_observers.stats.reducers import (
     CountReducer,
     MomentsGroupReducer,
     MomentsReducer,
     ReducerBank,
 )
+from rl_observers.stats.scalars import SCALAR_RULES, BinCounts, Fraction, PerSecond, Scalar
 
 __all__ = [
     "MOMENT_STATS",
