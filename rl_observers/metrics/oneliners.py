@@ -12,23 +12,18 @@ It returns a tensor (folded on its device, no host-device sync), a Python
 number, or ``None`` (nothing to fold). Each one-liner declares how its
 values merge across events, windows and workers:
 
-==========================  ==================================  ==========================
-one-liner                   logs                                merge
-==========================  ==================================  ==========================
-``Mean(name, fn)``          ``name``: mean of all values        all values of all workers
-``Sum`` / ``Min`` / ``Max``  ``name``                            sum / min / max
-``Gauge(name, fn, merge)``  ``name``                            ``"latest"``, ``"mean"``,
-                                                                ``"max"``, ``"min"``, ``"sum"``
-``Summary(name, fn)``       ``name_mean``, ``_std``, ``_min``,  exact moments of all values
-                            ``_max`` (``stats=``)
-``CountTrue(name, fn)``     ``name``: number of true entries    sum
-``Ratio(name, fn)``         ``name``: true entries / entries,   numerator and denominator
-                            or ``num / den`` of a pair          summed
-``Rate(name, fn)``          ``name``: amount per second         amounts summed over the
-                                                                union of time spans
-``Histogram(name, fn,       ``name_p50``, ``_p90``, ...,        bin counts summed (exact);
-edges=...)``                ``name_count``                      quantiles within a bin
-==========================  ==================================  ==========================
+* :class:`Mean` (all values), :class:`Sum`, :class:`Min`, :class:`Max`,
+  and :class:`Gauge` (``merge="latest"``, ``"mean"``, ``"max"``, ``"min"``
+  or ``"sum"``) log ``name`` (a :class:`~rl_observers.stats.Scalar`);
+* :class:`Summary` logs ``name_mean``, ``name_std``, ``name_min``,
+  ``name_max`` (exact moments, a :class:`~rl_observers.Moments`);
+* :class:`CountTrue` logs the number of true entries (a sum);
+* :class:`Ratio` logs a fraction whose numerator and denominator are summed
+  (a :class:`~rl_observers.stats.Fraction`);
+* :class:`Rate` logs an amount per second over the union of the time spans
+  (a :class:`~rl_observers.stats.PerSecond`);
+* :class:`Histogram` logs quantiles read off bin counts that merge exactly
+  (a :class:`~rl_observers.stats.BinCounts`).
 
 A function that reads a device tensor on the host (``.item()``,
 ``float(t)``, ``bool(t)``, ``.tolist()``) synchronises the device at every
