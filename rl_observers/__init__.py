@@ -20,13 +20,41 @@ from rl_observers import signals
 from rl_observers.channel import MetricsChannel, MetricsHandle
 from rl_observers.logging.observer import LoggerObserver, default_metrics
 from rl_observers.logging.observer import install_attach_logger as _install_attach_logger
-from rl_observers.metrics import CollectorBatchMetrics, MetricSet, SampleMetrics, WriteMetrics
+from rl_observers.metrics import (
+    CollectorBatchMetrics,
+    CountTrue,
+    Gauge,
+    Histogram,
+    Max,
+    Mean,
+    Metric,
+    MetricSet,
+    Min,
+    PolicyLag,
+    Rate,
+    Ratio,
+    SampleMetrics,
+    StatsProvider,
+    Sum,
+    Summary,
+    WriteMetrics,
+)
 from rl_observers.observer import ON_ERROR_POLICIES, Observer, ObserverHandle, OnError
 from rl_observers.profiler import ProfilerObserver
 from rl_observers.profiler import install_profiling as _install_profiling
 from rl_observers.sources import install as _install
 from rl_observers.sources.placement import SourceInfo, source_info
-from rl_observers.stats import Count, LatestWindow, Moments, Partial, ReducerBank
+from rl_observers.stats import (
+    BinCounts,
+    Count,
+    Fraction,
+    LatestWindow,
+    Moments,
+    Partial,
+    PerSecond,
+    ReducerBank,
+    Scalar,
+)
 
 _install()
 _install_attach_logger()
@@ -36,23 +64,40 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ON_ERROR_POLICIES",
+    "BinCounts",
     "CollectorBatchMetrics",
     "Count",
+    "CountTrue",
     "Every",
+    "Fraction",
+    "Gauge",
+    "Histogram",
     "LoggerObserver",
+    "Max",
+    "Mean",
+    "Metric",
     "MetricSet",
     "MetricsChannel",
     "MetricsHandle",
     "LatestWindow",
+    "Min",
     "Moments",
     "Observer",
     "ObserverHandle",
     "OnError",
     "Partial",
+    "PerSecond",
+    "PolicyLag",
     "ProfilerObserver",
+    "Rate",
+    "Ratio",
     "ReducerBank",
     "SampleMetrics",
+    "Scalar",
     "SourceInfo",
+    "StatsProvider",
+    "Sum",
+    "Summary",
     "WriteMetrics",
     "default_metrics",
     "signals",

@@ -269,7 +269,10 @@ def resolve_observer(
         if "post_collect" not in emits:
             raise TypeError(
                 f"a plain callable is a post_collect receiver, which a {target_name} does not "
-                f"emit ({', '.join(emits)}); define on_<event> methods instead, got {observer!r}."
+                f"emit ({', '.join(emits)}), got {observer!r}. To log a number from sampled or "
+                "written data, use a one-liner in a LoggerObserver, e.g. "
+                "metrics=[Mean('name', fn, on='post_sample')] or Gauge('name', fn, merge='latest', "
+                "on='post_extend'); for other work, define on_<event> methods."
             )
         methods = {"post_collect": _CallablePostCollect(observer)}
     elif not methods:

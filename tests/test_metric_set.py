@@ -130,17 +130,34 @@ def test_the_custom_metrics_page_runs(tmp_path):
     logger = CSVLogger(exp_name="custom", log_dir=str(tmp_path))
     namespace = {"collector": collector, "logger": logger, "__name__": "custom_docs"}
     blocks = _python_blocks(DOCS / "custom.rst")
-    assert len(blocks) >= 4
+    assert len(blocks) >= 8
     try:
         for block in blocks:
             exec(compile(block, str(DOCS / "custom.rst"), "exec"), namespace)
         short = namespace["ActionMagnitude"]()
+        batches = []
         for batch in collector:
             short.on_post_collect(collector, batch)
+            batches.append(batch.clone())
     finally:
         collector.shutdown()
     assert rl_observers.MetricsChannel.for_logger(logger).flush(timeout=10)
     assert short.pull()["action_abs"].finalize()["action_abs_mean"] >= 0
+    # the one-liners, against the data
+    truncated = torch.cat([b["next", "truncated"].reshape(-1) for b in batches]).float()
     fraction = scalars(logger, "collector/truncated_fraction")
-    assert fraction and 0 < fraction[-1][1] <= 1
-    assert scalars(logger, "collector/truncation_batches")[-1][1] == 6
+    assert [step for step, _ in fraction] == [20, 40, 60]
+    assert fraction[-1][1] == pytest.approx(truncated[40:].mean().item())
+    obs = torch.cat([b["observation"].reshape(-1) for b in batches[4:]]).float()
+    assert scalars(logger, "collector/obs_max")[-1][1] == obs.max().item()
+    assert scalars(logger, "collector/obs_hist_p50")
+    assert scalars(logger, "collector/episode_return_mean")
+    # the custom metric set, in a second observer
+    assert 0 < scalars(logger, "collector_1/truncated_fraction")[-1][1] <= 1  # of finished episodes
+    assert scalars(logger, "collector_1/truncation_batches")[-1][1] == 6
+    # the replay buffer, the policy lag and the provider
+    assert scalars(logger, "tensordictreplaybuffer/reward_written")[0][1] == 100
+    assert scalars(logger, "tensordictreplaybuffer/sampled_reward")[-1] == (20, 1.0)
+    lag = scalars(logger, "replay/policy_lag_mean")
+    assert [step for step, _ in lag] == [10, 20, 30] and lag[-1][1] > 0
+    assert namespace["rb"].stats()["fill"] == 0.1

@@ -26,6 +26,7 @@ from rl_observers.logging.aggregate import finish_aggregate, has_aggregate
 from rl_observers.logging.contributions import LIVE, Contributor
 from rl_observers.logging.schedule import ScheduleClock
 from rl_observers.metrics import CollectorBatchMetrics, MetricSet, SampleMetrics, WriteMetrics
+from rl_observers.metrics.oneliners import check_metric_names, missing_source_counters
 from rl_observers.observer import ON_ERROR_POLICIES, Observer
 
 __all__ = ["LoggerObserver", "attach_logger", "default_metrics", "install_attach_logger"]
@@ -86,6 +87,7 @@ def _as_metric_sets(metrics: Any) -> tuple[MetricSet, ...] | None:
             "metrics must be a MetricSet (CollectorBatchMetrics, SampleMetrics, WriteMetrics, ...) "
             f"or a non-empty sequence of them, got {metrics!r}."
         )
+    check_metric_names(sets)  # two sets logging one name: refused here, naming both
     return sets
 
 
@@ -279,6 +281,9 @@ class LoggerObserver(Contributor, Observer):
             self._sets = default_metrics(source)
         for metric_set in self._sets:
             metric_set.bind(source)
+        counters = missing_source_counters(source, self._sets)  # the source's own, for schedules
+        if counters is not None:
+            self._sets = (*self._sets, counters)
         if self._pristine is None:  # what a copy restarts from where it runs (see _resolve_mode)
             try:
                 self._pristine = pickle.dumps(self._sets)

@@ -12,6 +12,7 @@ import torch
 from rl_observers.signals import EVENT_PAYLOADS
 from rl_observers.stats import (
     CountReducer,
+    Moments,
     MomentsGroupReducer,
     MomentsReducer,
     ObservedCounters,
@@ -223,6 +224,24 @@ class MetricSet:
             out: dict[str, float | Partial] = dict(self.gauges(self._counters.drain()))
             out.update(partials)
             return out
+
+    def metric_names(self) -> tuple[str, ...]:
+        """The names this set submits and logs, as far as known before its first event.
+
+        Its gauges (from :attr:`counter_names`) and, for each reducer made so
+        far, its key and the names its partial finalizes to. A
+        :class:`~rl_observers.LoggerObserver` refuses two sets sharing one.
+        """
+        with self._lock:
+            names = list(self.gauges(dict.fromkeys(self.counter_names, 0)))
+            for key, partial in self._bank.empty().items():
+                names.append(key)
+                if isinstance(partial, Moments):
+                    prefix = f"{partial.prefix}_" if partial.prefix else ""
+                    names.extend(prefix + stat for stat in partial.stats)
+                else:
+                    names.extend(partial.finalize())
+            return tuple(dict.fromkeys(names))
 
     def stats(self) -> dict[str, float]:
         """Entries this set contributes to its target's ``stats()``. Defaults to none."""

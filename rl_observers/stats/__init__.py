@@ -2,6 +2,9 @@
 
 * :mod:`~rl_observers.stats.partials`: :class:`Partial`, :class:`Moments`,
   :class:`Count` (host side, torch-free, picklable, mergeable);
+* :mod:`~rl_observers.stats.scalars`: :class:`Scalar` (one value with a
+  declared merge rule), :class:`Fraction`, :class:`PerSecond`,
+  :class:`BinCounts` (torch-free partials too);
 * :mod:`~rl_observers.stats.reducers`: :class:`ReducerBank` and its reducers,
   which fold tensors on their device and reach the host in one transfer;
 * :mod:`~rl_observers.stats.counters`: cumulative host counters fed by device
@@ -26,9 +29,15 @@ from rl_observers.stats.reducers import (
     MomentsReducer,
     ReducerBank,
 )
+from rl_observers.stats.scalars import SCALAR_RULES, BinCounts, Fraction, PerSecond, Scalar
 
 __all__ = [
     "MOMENT_STATS",
+    "SCALAR_RULES",
+    "BinCounts",
+    "Fraction",
+    "PerSecond",
+    "Scalar",
     "Count",
     "CountReducer",
     "LatestReducer",

@@ -1,0 +1,990 @@
+"""Metric one-liners: one more number is one line in ``LoggerObserver(metrics=[...])``.
+
+Each one-liner is a :class:`~rl_observers.MetricSet` built from a name and a
+function of an event's payload. The function runs next to the data (in the
+worker or the actor), on the event named by ``on`` (``"post_collect"`` by
+default; ``"post_sample"``, ``"post_extend"`` or ``"post_add"`` on a replay
+buffer). It receives the payload: ``fn(batch)`` for ``post_collect``,
+``fn(batch)`` or ``fn(batch, info)`` for ``post_sample``, ``fn(data)`` or
+``fn(data, index)`` for writes; which, is decided once from its signature.
+
+It returns a tensor (folded on its device, no host-device sync), a Python
+number, or ``None`` (nothing to fold). Each one-liner declares how its
+values merge across events, windows and workers:
+
+* :class:`Mean` (all values), :class:`Sum`, :class:`Min`, :class:`Max`,
+  and :class:`Gauge` (``merge="latest"``, ``"mean"``, ``"max"``, ``"min"``
+  or ``"sum"``) log ``name`` (a :class:`~rl_observers.stats.Scalar`);
+* :class:`Summary` logs ``name_mean``, ``name_std``, ``name_min``,
+  ``name_max`` (exact moments, a :class:`~rl_observers.Moments`);
+* :class:`CountTrue` logs the number of true entries (a sum);
+* :class:`Ratio` logs a fraction whose numerator and denominator are summed
+  (a :class:`~rl_observers.stats.Fraction`);
+* :class:`Rate` logs an amount per second over the union of the time spans
+  (a :class:`~rl_observers.stats.PerSecond`);
+* :class:`Histogram` logs quantiles read off bin counts that merge exactly
+  (a :class:`~rl_observers.stats.BinCounts`).
+
+A function that reads a device tensor on the host (``.item()``,
+``float(t)``, ``bool(t)``, ``.tolist()``) synchronises the device at every
+event: return the tensor instead and let the one-liner fold it.
+
+:class:`PolicyLag` is built in: how many policy versions old the data is,
+from the ``policy_version`` entries torchrl collectors stamp with
+``track_policy_version=True``. :class:`SourceCounters` are the source's own
+counters (``frames``, ``write_count``, ``sample_calls``, ...), which a
+:class:`~rl_observers.LoggerObserver` adds when its metric sets do not count
+them, so counter schedules work with one-liners alone.
+"""
+
+from __future__ import annotations
+
+import bisect
+import inspect
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torchrl.collectors import BaseCollector
+from torchrl.data import ReplayBuffer
+
+from rl_observers.metrics.base import DATA_EVENTS, MetricSet
+from rl_observers.metrics.keys import leading_size
+from rl_observers.signals import COLLECTOR_EVENTS, EVENT_PAYLOADS, REPLAY_BUFFER_EVENTS
+from rl_observers.stats import (
+    MOMENT_STATS,
+    BinCounts,
+    Fraction,
+    Moments,
+    Partial,
+    PerSecond,
+    Scalar,
+)
+from rl_observers.stats.partials import Count
+from rl_observers.stats.scalars import quantile_name
+
+__all__ = [
+    "CountTrue",
+    "Gauge",
+    "Histogram",
+    "Max",
+    "Mean",
+    "Metric",
+    "Min",
+    "PolicyLag",
+    "Rate",
+    "Ratio",
+    "SourceCounters",
+    "StatsProvider",
+    "Sum",
+    "Summary",
+    "check_metric_names",
+    "missing_source_counters",
+    "source_events",
+]
+
+
+def source_events(source: Any) -> tuple[str, ...] | None:
+    """The events ``source`` emits (``None`` for an object of unknown kind)."""
+    if isinstance(source, BaseCollector):
+        return COLLECTOR_EVENTS
+    if isinstance(source, ReplayBuffer):
+        return REPLAY_BUFFER_EVENTS
+    return None
+
+
+def _arity(fn: Callable[..., Any], event: str, owner: str) -> int:
+    """How many payload arguments ``fn`` takes for ``event`` (the most it accepts)."""
+    payload = EVENT_PAYLOADS[event]
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return 1
+    for n in range(len(payload), 0, -1):
+        try:
+            signature.bind(*range(n))
+        except TypeError:
+            continue
+        return n
+    raise TypeError(
+        f"{owner}: the function must accept the {event} payload "
+        f"({' or '.join(', '.join(payload[:n]) for n in range(1, len(payload) + 1))}), "
+        f"got {fn!r} with signature {signature}."
+    )
+
+
+class Metric(MetricSet):
+    """Base of the one-liners: a name, a function of the payload, an event.
+
+    Subclasses implement :meth:`fold` (values of one event, under the lock)
+    and :meth:`partials` (the window's partials, under the lock).
+
+    Args:
+        name (str): the logged name (or prefix, for :class:`Summary` and
+            :class:`Histogram`).
+        fn (callable): a function of the event's payload, run where the data is.
+
+    Keyword Args:
+        on (str, optional): the event, among ``post_collect``,
+            ``post_sample``, ``post_extend``, ``post_add``. Defaults to
+            ``"post_collect"``. A target that does not emit it is refused
+            when the observer is attached.
+    """
+
+    _lock_folds = False  # the function runs outside the lock; only folding takes it
+
+    def __init__(self, name: str, fn: Callable[..., Any] | None, *, on: str = "post_collect") -> None:
+        super().__init__()
+        owner = f"{type(self).__name__}({name!r})"
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{type(self).__name__}: name must be a non-empty str, got {name!r}.")
+        if on not in DATA_EVENTS:
+            raise ValueError(f"{owner}: on must be one of {DATA_EVENTS}, got {on!r}.")
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{owner}: fn must be callable, got {fn!r}.")
+        self.name = name
+        self.fn = fn
+        self.on = on
+        self.folded_events = (on,)
+        self._full = fn is not None and _arity(fn, on, owner) == 2
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, on={self.on!r})"
+
+    def bind(self, source: Any) -> None:
+        """Refuses a source that does not emit ``on``."""
+        emits = source_events(source)
+        if emits is not None and self.on not in emits:
+            others = [e for e in DATA_EVENTS if e in emits]
+            raise ValueError(
+                f"{self!r} folds {self.on!r}, which a {type(source).__name__} does not emit; "
+                f"pass on= one of {others}."
+            )
+
+    # -- events: the function runs outside the lock --------------------------------------
+
+    def on_post_collect(self, source: Any, batch: Any) -> None:
+        value = self.fn(batch)  # type: ignore[misc]
+        if value is not None:
+            with self._lock:
+                self.fold(value)
+
+    def on_post_sample(self, source: Any, batch: Any, info: Any) -> None:
+        value = self.fn(batch, info) if self._full else self.fn(batch)  # type: ignore[misc]
+        if value is not None:
+            with self._lock:
+                self.fold(value)
+
+    def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
+        value = self.fn(data, index) if self._full else self.fn(data)  # type: ignore[misc]
+        if value is not None:
+            with self._lock:
+                self.fold(value)
+
+    def on_post_add(self, source: Any, data: Any, index: Any) -> None:
+        value = self.fn(data, index) if self._full else self.fn(data)  # type: ignore[misc]
+        if value is not None:
+            with self._lock:
+                self.fold(value)
+
+    # -- what subclasses define ------------------------------------------------------------
+
+    def fold(self, value: Any) -> None:
+        """Folds one event's value (called under the lock)."""
+        raise NotImplementedError
+
+    def partials(self) -> dict[str, Partial]:
+        """Closes the window: ``{name: partial}`` (called under the lock)."""
+        raise NotImplementedError
+
+    def metric_names(self) -> tuple[str, ...]:
+        return (self.name,)
+
+    def pull(self) -> dict[str, float | Partial]:
+        with self._lock:
+            out: dict[str, float | Partial] = dict(super().pull())
+            out.update(self.partials())
+            return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        with self._lock:
+            super().load_state_dict(state_dict)
+            self.partials()  # the window starts empty
+
+
+def _check_tensor(value: Any, owner: Metric) -> None:
+    if not isinstance(value, torch.Tensor) and not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{owner!r}: the function must return a tensor, a number or None, "
+            f"got {type(value).__name__}."
+        )
+
+
+class _Reduced(Metric):
+    """Values merged by a :class:`~rl_observers.stats.Scalar` rule."""
+
+    rule = "mean"
+
+    def __init__(self, name: str, fn: Callable[..., Any], *, on: str = "post_collect") -> None:
+        super().__init__(name, fn, on=on)
+        rule = self.rule
+        self._moments = self.moments(name, stats=("count", "mean", "min", "max")) if rule != "latest" else None
+        self._host = Scalar(name, rule)
+        self._last: torch.Tensor | None = None
+        self._last_stamp = -math.inf
+
+    def fold(self, value: Any) -> None:
+        rule = self.rule
+        if isinstance(value, torch.Tensor):
+            if rule == "latest":
+                if value.numel() != 1:
+                    raise ValueError(
+                        f"{self!r} with merge='latest' needs one number per event, got a tensor "
+                        f"of shape {list(value.shape)}."
+                    )
+                self._last = value.detach().reshape(()).clone()  # the batch's memory may be reused
+                self._last_stamp = time.time()
+                self._host = Scalar(self.name, rule)
+                return
+            self._moments.fold(value)  # type: ignore[union-attr]
+            return
+        _check_tensor(value, self)
+        stamp = time.time()
+        if rule == "latest":
+            self._last = None
+        self._host = self._host.merge(Scalar(self.name, rule, value, stamp=stamp))
+
+    def partials(self) -> dict[str, Partial]:
+        rule, name = self.rule, self.name
+        out = self._host
+        self._host = Scalar(name, rule)
+        if self._last is not None:
+            out = out.merge(Scalar(name, rule, float(self._last), stamp=self._last_stamp))
+            self._last = None
+        return {name: out}
+
+    def pull(self) -> dict[str, float | Partial]:
+        with self._lock:
+            payload = MetricSet.pull(self)  # gauges and the device moments, one transfer
+            moments = payload.pop(self.name, None)
+            out = self.partials()[self.name]
+            if isinstance(moments, Moments) and moments.count:
+                n, rule = moments.count, self.rule
+                value = {
+                    "sum": moments.mean * n,
+                    "mean": moments.mean * n,
+                    "min": moments.min,
+                    "max": moments.max,
+                }[rule]
+                out = out.merge(Scalar(self.name, rule, value, count=n, stamp=time.time()))
+            payload[self.name] = out
+            return payload
+
+
+class Mean(_Reduced):
+    """The mean of every value the function returns over the window (all workers).
+
+    A tensor contributes each of its entries (``Mean("reward", lambda b:
+    b["next", "reward"])`` is the per-step reward mean); a number, one value.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from rl_observers import Mean
+        >>> metric = Mean("action_abs", lambda batch: batch["action"].abs())
+        >>> metric.on_post_collect(None, TensorDict({"action": torch.tensor([-1.0, 3.0])}, [2]))
+        >>> metric.on_post_collect(None, TensorDict({"action": torch.tensor([2.0])}, [1]))
+        >>> metric.pull()["action_abs"].finalize()
+        {'action_abs': 2.0}
+    """
+
+    rule = "mean"
+
+
+class Sum(_Reduced):
+    """The sum of every value over the window, summed across workers.
+
+    Examples:
+        >>> import torch
+        >>> from rl_observers import Sum
+        >>> metric = Sum("reward_total", lambda batch: batch, on="post_sample")
+        >>> metric.on_post_sample(None, torch.tensor([1.0, 2.0]), {})
+        >>> metric.pull()["reward_total"].finalize()
+        {'reward_total': 3.0}
+    """
+
+    rule = "sum"
+
+
+class Min(_Reduced):
+    """The smallest value over the window and the workers."""
+
+    rule = "min"
+
+
+class Max(_Reduced):
+    """The largest value over the window and the workers.
+
+    Examples:
+        >>> import torch
+        >>> from rl_observers import Max
+        >>> metric = Max("reward_max", lambda batch: batch)
+        >>> metric.on_post_collect(None, torch.tensor([1.0, 5.0]))
+        >>> metric.pull()["reward_max"].finalize()
+        {'reward_max': 5.0}
+    """
+
+    rule = "max"
+
+
+class Gauge(_Reduced):
+    """A number per event, merged by the declared rule.
+
+    Args:
+        name (str): the logged name.
+        fn (callable): a function of the payload returning a number or a
+            tensor (one element with ``merge="latest"``).
+
+    Keyword Args:
+        merge (str): ``"latest"`` (the newest value, by wall-clock time,
+            of all workers), ``"mean"``, ``"max"``, ``"min"`` or ``"sum"``.
+            Required: a gauge's merge rule is declared, never guessed.
+        on (str, optional): see :class:`Metric`.
+
+    Examples:
+        >>> from rl_observers import Gauge
+        >>> versions = iter([3, 4])
+        >>> metric = Gauge("policy_version", lambda batch: next(versions), merge="latest")
+        >>> metric.on_post_collect(None, None)
+        >>> metric.on_post_collect(None, None)
+        >>> metric.pull()["policy_version"].finalize()
+        {'policy_version': 4.0}
+    """
+
+    def __init__(
+        self, name: str, fn: Callable[..., Any], *, merge: str, on: str = "post_collect"
+    ) -> None:
+        if merge not in ("latest", "mean", "max", "min", "sum"):
+            raise ValueError(
+                f"Gauge({name!r}): merge must be 'latest', 'mean', 'max', 'min' or 'sum', got {merge!r}."
+            )
+        self.rule = merge
+        super().__init__(name, fn, on=on)
+
+    def __repr__(self) -> str:
+        return f"Gauge({self.name!r}, merge={self.rule!r}, on={self.on!r})"
+
+
+class Summary(Metric):
+    """Mean, standard deviation, minimum and maximum of the values (exact moments).
+
+    Logs ``<name>_mean``, ``<name>_std``, ``<name>_min``, ``<name>_max`` (or
+    the ``stats`` chosen, among ``count``, ``mean``, ``std``, ``var``,
+    ``min``, ``max``); merges like :class:`~rl_observers.Moments`, whose
+    partial it submits.
+
+    Examples:
+        >>> import torch
+        >>> from rl_observers import Summary
+        >>> metric = Summary("q", lambda batch: batch, stats=("mean", "max"))
+        >>> metric.on_post_collect(None, torch.tensor([1.0, 3.0]))
+        >>> metric.on_post_collect(None, 8.0)
+        >>> metric.pull()["q"].finalize()
+        {'q_mean': 4.0, 'q_max': 8.0}
+    """
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        *,
+        stats: Sequence[str] = ("mean", "std", "min", "max"),
+        on: str = "post_collect",
+    ) -> None:
+        super().__init__(name, fn, on=on)
+        self.stats = tuple(stats)
+        self._moments = self.moments(name, stats=self.stats)
+        self._host: list[float] = []
+
+    def fold(self, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            self._moments.fold(value)
+        else:
+            _check_tensor(value, self)
+            self._host.append(float(value))
+
+    def partials(self) -> dict[str, Partial]:
+        host, self._host = self._host, []
+        return {self.name: Moments.from_values(self.name, host, stats=self.stats)}
+
+    def pull(self) -> dict[str, float | Partial]:
+        with self._lock:
+            payload = MetricSet.pull(self)
+            payload[self.name] = payload[self.name].merge(self.partials()[self.name])  # type: ignore[union-attr]
+            return payload
+
+    def metric_names(self) -> tuple[str, ...]:
+        return (self.name, *(f"{self.name}_{s}" for s in self.stats if s in MOMENT_STATS))
+
+
+class CountTrue(Metric):
+    """How many entries are true (non-zero) over the window, summed across workers.
+
+    A tensor counts its true entries (on its device); a Python value counts
+    one if it is truthy. Submitted as a :class:`~rl_observers.Count`.
+
+    Examples:
+        >>> import torch
+        >>> from rl_observers import CountTrue
+        >>> metric = CountTrue("truncated", lambda batch: batch)
+        >>> metric.on_post_collect(None, torch.tensor([True, False, True]))
+        >>> metric.pull()["truncated"].finalize()
+        {'truncated': 2.0}
+    """
+
+    def __init__(self, name: str, fn: Callable[..., Any], *, on: str = "post_collect") -> None:
+        super().__init__(name, fn, on=on)
+        self._count = self.count(name)
+        self._host = 0
+
+    def fold(self, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            self._count.fold_true(value)
+        else:
+            self._host += 1 if value else 0
+
+    def partials(self) -> dict[str, Partial]:
+        host, self._host = self._host, 0
+        return {self.name: Count(self.name, host)}
+
+    def pull(self) -> dict[str, float | Partial]:
+        with self._lock:
+            payload = MetricSet.pull(self)
+            payload[self.name] = payload[self.name].merge(self.partials()[self.name])  # type: ignore[union-attr]
+            return payload
+
+
+class Ratio(Metric):
+    """A fraction that merges exactly: summed numerators over summed denominators.
+
+    The function returns a boolean tensor (the fraction of true entries),
+    or a pair ``(numerator, denominator)`` of numbers or tensors (each
+    summed, on its device). Submitted as a :class:`~rl_observers.stats.Fraction`:
+    the aggregate over workers is the fraction of all their entries, never
+    a mean of fractions.
+
+    Examples:
+        >>> import torch
+        >>> from rl_observers import Ratio
+        >>> metric = Ratio("greedy", lambda batch: batch)
+        >>> metric.on_post_collect(None, torch.tensor([True, False, False, False]))
+        >>> metric.on_post_collect(None, torch.tensor([True]))
+        >>> metric.pull()["greedy"].finalize()
+        {'greedy': 0.4}
+    """
+
+    def __init__(self, name: str, fn: Callable[..., Any], *, on: str = "post_collect") -> None:
+        super().__init__(name, fn, on=on)
+        self._num = self.count(f"{name}/numerator")
+        self._den = self.count(f"{name}/denominator")
+        self._host = [0.0, 0.0]
+
+    def fold(self, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            self._num.fold_true(value)
+            self._den.add(value.numel(), device=value.device)
+            return
+        if not isinstance(value, (tuple, list)) or len(value) != 2:
+            raise TypeError(
+                f"{self!r}: the function must return a boolean tensor or a pair "
+                f"(numerator, denominator), got {type(value).__name__}."
+            )
+        for i, (part, reducer) in enumerate(zip(value, (self._num, self._den))):
+            if isinstance(part, torch.Tensor):
+                reducer.add(part.sum() if part.ndim else part)
+            else:
+                self._host[i] += float(part)
+
+    def partials(self) -> dict[str, Partial]:
+        num, den = self._host
+        self._host = [0.0, 0.0]
+        return {self.name: Fraction(self.name, num, den)}
+
+    def pull(self) -> dict[str, float | Partial]:
+        with self._lock:
+            payload = MetricSet.pull(self)
+            num = payload.pop(f"{self.name}/numerator")
+            den = payload.pop(f"{self.name}/denominator")
+            host = self.partials()[self.name]
+            payload[self.name] = host.merge(Fraction(self.name, num.n, den.n))  # type: ignore[union-attr]
+            return payload
+
+    def metric_names(self) -> tuple[str, ...]:
+        return (self.name, f"{self.name}/numerator", f"{self.name}/denominator")
+
+
+class Rate(Metric):
+    """An amount per second of wall-clock time over the window.
+
+    The function returns the amount of one event (a number, or a tensor
+    summed on its device); without a function each event counts one. A
+    window spans from the previous window's end (or from when the metric
+    was bound to its source) to the pull. Across workers the amounts add
+    over the union of their spans (:class:`~rl_observers.stats.PerSecond`),
+    so the aggregate rate is the sum of the workers' rates.
+
+    Examples:
+        >>> import torch
+        >>> from rl_observers import Rate
+        >>> metric = Rate("frames_per_second", lambda batch: batch.numel())
+        >>> metric.on_post_collect(None, torch.zeros(100))
+        >>> metric.pull()["frames_per_second"].finalize()["frames_per_second"] > 0
+        True
+    """
+
+    def __init__(
+        self, name: str, fn: Callable[..., Any] | None = None, *, on: str = "post_collect"
+    ) -> None:
+        super().__init__(name, fn if fn is not None else _one, on=on)
+        self._amount = self.count(name)
+        self._host = 0.0
+        self._start = time.time()
+
+    def bind(self, source: Any) -> None:
+        super().bind(source)
+        self._start = time.time()
+
+    def fold(self, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            self._amount.add(value.sum() if value.ndim else value)
+        else:
+            _check_tensor(value, self)
+            self._host += float(value)
+
+    def partials(self) -> dict[str, Partial]:
+        now = time.time()
+        out = PerSecond(self.name, self._host, self._start, now)
+        self._host, self._start = 0.0, now
+        return {self.name: out}
+
+    def pull(self) -> dict[str, float | Partial]:
+        with self._lock:
+            payload = MetricSet.pull(self)
+            amount = payload.pop(self.name)
+            out = self.partials()[self.name]
+            payload[self.name] = PerSecond(self.name, out.amount + amount.n, out.start, out.end)  # type: ignore[union-attr]
+            return payload
+
+
+def _one(*payload: Any) -> int:
+    return 1
+
+
+class Histogram(Metric):
+    """Counts of values over fixed bins; logs quantiles read off the counts.
+
+    Fixed bin edges make the counts merge exactly across windows and
+    workers; the quantiles are then exact up to the width of the bin they
+    fall in (values below or above the edges read as the outer edge). Logs
+    ``<name>_count`` and ``<name>_p50``, ``_p90``, ``_p99`` (``quantiles=``).
+    A tensor is binned on its device (``torch.bucketize``, no sync).
+
+    Args:
+        name (str): the prefix of the logged names.
+        fn (callable): a function of the payload.
+
+    Keyword Args:
+        edges (sequence of float): strictly increasing bin edges.
+        quantiles (sequence of float, optional): Defaults to ``(0.5, 0.9, 0.99)``.
+        on (str, optional): see :class:`Metric`.
+
+    Examples:
+        >>> import torch
+        >>> from rl_observers import Histogram
+        >>> metric = Histogram("lag", lambda batch: batch, edges=range(11), quantiles=(0.5,))
+        >>> metric.on_post_collect(None, torch.arange(10.0))
+        >>> metric.pull()["lag"].finalize()
+        {'lag_count': 10.0, 'lag_p50': 4.0}
+    """
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        *,
+        edges: Sequence[float],
+        quantiles: Sequence[float] = (0.5, 0.9, 0.99),
+        on: str = "post_collect",
+    ) -> None:
+        super().__init__(name, fn, on=on)
+        empty = BinCounts(name, edges, quantiles=quantiles)  # validates
+        self.edges, self.quantiles = empty.edges, empty.quantiles
+        self._counts: torch.Tensor | None = None
+        self._edges_t: torch.Tensor | None = None
+        self._host = [0.0] * (len(self.edges) + 1)
+
+    _transient = ("_edges_t",)
+
+    def fold(self, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            counts = self._counts
+            if counts is None:
+                counts = self._counts = torch.zeros(
+                    len(self.edges) + 1, dtype=torch.float64, device=value.device
+                )
+            edges = self._edges_t
+            if edges is None or edges.device != counts.device:
+                edges = self._edges_t = torch.tensor(self.edges, dtype=torch.float64).to(counts.device)
+            values = value.detach().reshape(-1).to(counts.device, torch.float64)
+            bins = torch.bucketize(values, edges)
+            counts.index_add_(0, bins, torch.ones_like(values))
+            return
+        _check_tensor(value, self)
+        self._host[bisect.bisect_left(self.edges, float(value))] += 1
+
+    def partials(self) -> dict[str, Partial]:
+        counts = list(self._host)
+        self._host = [0.0] * len(counts)
+        if self._counts is not None:
+            for i, c in enumerate(self._counts.tolist()):  # the one transfer of the window
+                counts[i] += c
+            self._counts.zero_()
+        return {self.name: BinCounts(self.name, self.edges, counts, quantiles=self.quantiles)}
+
+    def metric_names(self) -> tuple[str, ...]:
+        return (self.name, f"{self.name}_count", *(quantile_name(self.name, q) for q in self.quantiles))
+
+
+class PolicyLag(Summary):
+    """How many policy versions old the data is: ``policy_lag_mean``, ``policy_lag_max``.
+
+    torchrl collectors built with ``track_policy_version=True`` stamp each
+    step with the version of the policy that acted (``"policy_version"``),
+    which advances with every ``collector.update_policy_weights_()``. The
+    lag of a step is ``current - stamped``.
+
+    Keyword Args:
+        current_version (callable | object | None, optional): the current
+            version: a callable returning it (``lambda: learner.version``),
+            an object with a ``policy_version`` attribute (a collector), or
+            ``None``: the newest version this metric has seen (in the buffer's
+            writes for ``post_sample``, in the batches for ``post_collect``),
+            which needs nothing from the driver and works in workers and
+            actors. A callable or object is read on the host once per event,
+            where the metric runs: on a source in another process it must
+            be readable there. Defaults to ``None``.
+        on (str, optional): ``"post_sample"`` on a replay buffer (the age of
+            sampled data) or ``"post_collect"`` on a collector (the age of
+            collected data, for async collectors). Defaults to ``"post_collect"``.
+        key (NestedKey, optional): the stamped key. Defaults to ``"policy_version"``.
+        name (str, optional): Defaults to ``"policy_lag"``.
+        stats (sequence of str, optional): Defaults to ``("mean", "max")``.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from rl_observers import PolicyLag
+        >>> lag = PolicyLag(current_version=lambda: 5, on="post_sample")
+        >>> sampled = TensorDict({"policy_version": torch.tensor([5, 4, 2])}, [3])
+        >>> lag.on_post_sample(None, sampled, {})
+        >>> lag.pull()["policy_lag"].finalize()
+        {'policy_lag_mean': 1.3333333333333333, 'policy_lag_max': 3.0}
+    """
+
+    def __init__(
+        self,
+        current_version: Callable[[], int] | Any | None = None,
+        *,
+        on: str = "post_collect",
+        key: Any = "policy_version",
+        name: str = "policy_lag",
+        stats: Sequence[str] = ("mean", "max"),
+    ) -> None:
+        if on not in ("post_collect", "post_sample"):
+            raise ValueError(f"PolicyLag: on must be 'post_collect' or 'post_sample', got {on!r}.")
+        self.key = key
+        self.current_version = current_version
+        self._newest: torch.Tensor | None = None
+        super().__init__(name, self._lag, stats=stats, on=on)
+        if current_version is None and on == "post_sample":
+            self.folded_events = ("post_add", "post_extend", "post_sample")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["fn"] = None  # a bound method of self: rebuilt on unpickling
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.fn = self._lag
+
+    def _versions(self, data: Any) -> torch.Tensor:
+        try:
+            return data.get(self.key)
+        except KeyError:
+            raise KeyError(
+                f"{self!r}: no {self.key!r} entry in the data; build the collector with "
+                "track_policy_version=True (or pass key=)."
+            ) from None
+
+    def _seen(self, versions: torch.Tensor) -> None:
+        if not versions.numel():
+            return
+        newest = versions.detach().max().reshape(())
+        self._newest = newest.clone() if self._newest is None else torch.maximum(self._newest, newest)
+
+    def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
+        if self.current_version is None:
+            versions = self._versions(data)
+            with self._lock:
+                self._seen(versions)
+
+    on_post_add = on_post_extend
+
+    def _current(self) -> Any:
+        current = self.current_version
+        if callable(current):
+            return int(current())
+        return int(current.policy_version)
+
+    def _lag(self, batch: Any, info: Any = None) -> torch.Tensor | None:
+        versions = self._versions(batch)
+        if self.current_version is not None:
+            return self._current() - versions
+        if self.on == "post_collect":
+            with self._lock:
+                self._seen(versions)
+        if self._newest is None:
+            return None
+        return self._newest.to(versions.device) - versions
+
+    def __repr__(self) -> str:
+        return f"PolicyLag(on={self.on!r}, key={self.key!r})"
+
+
+# -- the source's own counters ----------------------------------------------------------
+
+_COUNTER_EVENTS = {
+    "frames": ("post_collect",),
+    "batches": ("post_collect",),
+    "write_count": ("post_add", "post_extend"),
+    "writes": ("post_add", "post_extend"),
+    "items_written": ("post_add", "post_extend"),
+    "sample_calls": ("post_sample",),
+    "samples_returned": ("post_sample",),
+}
+_COLLECTOR_COUNTERS = ("frames", "batches")
+_BUFFER_COUNTERS = ("write_count", "writes", "items_written", "sample_calls", "samples_returned")
+_COUNTER_GROUPS = (
+    ("frames", "batches"),
+    ("write_count", "writes", "items_written"),
+    ("sample_calls", "samples_returned"),
+)
+
+
+class SourceCounters(MetricSet):
+    """A source's own cumulative counters, for schedules and steps; logs nothing.
+
+    ``frames`` and ``batches`` on a collector; ``write_count`` (items
+    written, as :class:`~rl_observers.WriteMetrics` counts it), ``writes``,
+    ``items_written``, ``sample_calls`` and ``samples_returned`` on a replay
+    buffer. A :class:`~rl_observers.LoggerObserver` adds one for the
+    counters its metric sets do not keep (see :func:`missing_source_counters`),
+    so ``Every.counter("frames", n)`` works with one-liners alone. Frames
+    are the batch's ``numel()``; items are the leading size of what was
+    written or sampled.
+
+    Examples:
+        >>> import torch
+        >>> from rl_observers.metrics.oneliners import SourceCounters
+        >>> counters = SourceCounters(("sample_calls", "samples_returned"))
+        >>> counters.on_post_sample(None, torch.zeros(4), {})
+        >>> counters.counters()
+        {'sample_calls': 1, 'samples_returned': 4}
+    """
+
+    _lock_folds = False
+
+    def __init__(self, names: Sequence[str]) -> None:
+        unknown = [n for n in names if n not in _COUNTER_EVENTS]
+        if unknown:
+            raise ValueError(f"SourceCounters: unknown counters {unknown}; known: {sorted(_COUNTER_EVENTS)}.")
+        self.counter_names = tuple(names)
+        super().__init__()
+        self.folded_events = tuple(
+            e for e in DATA_EVENTS if any(e in _COUNTER_EVENTS[n] for n in self.counter_names)
+        )
+        values = self._counters.values
+        self._frames = "frames" in values
+        self._writes = "writes" in values
+        self._write_count = "write_count" in values
+        self._items = "items_written" in values
+        self._samples = "sample_calls" in values
+
+    def __repr__(self) -> str:
+        return f"SourceCounters({self.counter_names!r})"
+
+    def gauges(self, counters: dict[str, int]) -> dict[str, float]:
+        return {}
+
+    def on_post_collect(self, source: Any, batch: Any) -> None:
+        with self._lock:
+            values = self._counters.values
+            if self._frames:
+                values["frames"] += batch.numel()
+                values["batches"] += 1
+
+    def _write(self, items: int) -> None:
+        with self._lock:
+            values = self._counters.values
+            if self._writes:
+                values["writes"] += 1
+            if self._items:
+                values["items_written"] += items
+            if self._write_count:
+                values["write_count"] += items
+
+    def on_post_add(self, source: Any, data: Any, index: Any) -> None:
+        self._write(1)
+
+    def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
+        self._write(leading_size(data))
+
+    def on_post_sample(self, source: Any, batch: Any, info: Any) -> None:
+        with self._lock:
+            values = self._counters.values
+            if self._samples:
+                values["sample_calls"] += 1
+                values["samples_returned"] += leading_size(batch)
+
+
+def missing_source_counters(source: Any, sets: Sequence[MetricSet]) -> SourceCounters | None:
+    """The :class:`SourceCounters` of ``source``'s counters that none of ``sets`` keeps.
+
+    ``None`` when every counter of the source's kind is kept already (or the
+    source is of an unknown kind).
+    """
+    if isinstance(source, BaseCollector):
+        names = _COLLECTOR_COUNTERS
+    elif isinstance(source, ReplayBuffer):
+        names = _BUFFER_COUNTERS
+    else:
+        return None
+    kept: set[str] = set()
+    for metric_set in sets:
+        kept.update(metric_set.counters())
+    # counted in groups that share their events: frames/batches, writes, samples
+    groups = [g for g in _COUNTER_GROUPS if set(g) & set(names)]
+    missing = tuple(n for g in groups if not set(g) <= kept for n in g)
+    if not missing:
+        return None
+    return SourceCounters(missing)
+
+
+def check_metric_names(sets: Sequence[MetricSet]) -> None:
+    """Refuses two metric sets of one observer that would log or submit the same name.
+
+    Raises:
+        ValueError: naming both sets and the name.
+    """
+    owners: dict[str, MetricSet] = {}
+    for metric_set in sets:
+        for name in dict.fromkeys(metric_set.metric_names()):
+            other = owners.get(name)
+            if other is not None and other is not metric_set:
+                raise ValueError(
+                    f"metric name {name!r} of {metric_set!r} clashes with {other!r} in the same "
+                    "LoggerObserver; rename one of them (or log it under another observer name)."
+                )
+            owners[name] = metric_set
+
+
+# -- statistics providers for ``stats()`` ----------------------------------------------------
+
+
+class StatsProvider:
+    """An observer that adds cheap, source-side entries to ``source.stats()``.
+
+    Attach it like any observer (``target.add_observer(StatsProvider(...))``):
+    it travels where the source runs, like every observer, so on a Ray
+    replay buffer it runs in the actor and only the scalars cross (still one
+    round trip for ``stats()``), and on a multiprocessing collector the
+    driver's ``stats()`` calls it in the driver. torchrl's
+    ``LoggerMonitor`` and push observers reading ``stats()`` see the same
+    numbers. It folds no event: its only cost is at ``stats()`` time.
+
+    Args:
+        providers (mapping or callable, optional): ``{name: fn}``, or one
+            ``fn`` returning a mapping ``{name: number}``.
+        **named: more ``name=fn`` providers.
+
+    Each ``fn`` takes no argument or the source (decided once, from its
+    signature) and returns a number (or a mapping, for the unnamed form).
+
+    Examples:
+        >>> import torch
+        >>> import rl_observers
+        >>> from rl_observers import StatsProvider
+        >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
+        >>> rb = ReplayBuffer(storage=LazyTensorStorage(100))
+        >>> handle = rb.add_observer(StatsProvider(fill=lambda rb: len(rb) / 100))
+        >>> _ = rb.extend(torch.arange(25))
+        >>> rb.stats()["fill"]
+        0.25
+    """
+
+    def __init__(self, providers: Any = None, **named: Callable[..., Any]) -> None:
+        table: dict[str | None, Callable[..., Any]] = {}
+        if callable(providers):
+            table[None] = providers
+        elif providers is not None:
+            table.update(dict(providers))
+        table.update(named)
+        if not table:
+            raise ValueError("StatsProvider needs at least one provider ({name: fn} or fn).")
+        for name, fn in table.items():
+            if not callable(fn):
+                raise TypeError(f"StatsProvider: the provider of {name!r} must be callable, got {fn!r}.")
+        self._providers = tuple((name, fn, _takes_source(fn)) for name, fn in table.items())
+        self._source: Any = None
+
+    def attached(self, source: Any) -> None:
+        self._source = source
+
+    def detached(self, source: Any) -> None:
+        self._source = None
+
+    def on_shutdown(self, source: Any) -> None:
+        """Nothing: a provider only answers ``stats()``."""
+
+    def stats(self) -> dict[str, float]:
+        """Calls every provider and returns their entries."""
+        out: dict[str, float] = {}
+        source = self._source
+        for name, fn, takes_source in self._providers:
+            value = fn(source) if takes_source else fn()
+            if name is None:
+                out.update(value)
+            else:
+                out[name] = value
+        return out
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_providers": self._providers, "_source": None}
+
+    def __repr__(self) -> str:
+        return f"StatsProvider({[name for name, _, _ in self._providers]})"
+
+
+def _takes_source(fn: Callable[..., Any]) -> bool:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return False
+    try:
+        signature.bind()
+    except TypeError:
+        return True
+    return False

@@ -1,0 +1,358 @@
+"""Partials of one named number with a declared merge rule, fractions, rates and histograms.
+
+Torch-free and picklable, like :mod:`~rl_observers.stats.partials`: any merge,
+in any grouping and order, equals the statistic over the union of the data.
+They are what the metric one-liners (:mod:`rl_observers.metrics.oneliners`)
+submit:
+
+* :class:`Scalar`: one value merged by a rule, ``"sum"``, ``"mean"``,
+  ``"min"``, ``"max"`` or ``"latest"`` (the value with the newest time
+  stamp), finalized as ``{name: value}``;
+* :class:`Fraction`: a numerator and a denominator, each summed, finalized as
+  their ratio (the fraction of a union, never a mean of fractions);
+* :class:`PerSecond`: an amount over a span of wall-clock time; merged spans
+  are the union ``[min start, max end]`` and amounts add, so concurrent
+  workers add their rates and consecutive windows average theirs;
+* :class:`BinCounts`: counts over fixed bin edges, which merge exactly;
+  quantiles are read off the merged counts (within a bin's width).
+
+Examples:
+    >>> from rl_observers.stats import Fraction, Scalar
+    >>> Scalar("lag", "max", 3.0).merge(Scalar("lag", "max", 5.0)).finalize()
+    {'lag': 5.0}
+    >>> Scalar("lag", "mean", 6.0, count=2).merge(Scalar("lag", "mean", 3.0)).finalize()
+    {'lag': 3.0}
+    >>> Fraction("greedy", 1, 4).merge(Fraction("greedy", 0, 1)).finalize()
+    {'greedy': 0.2}
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+
+from rl_observers.stats.partials import Partial, _check_name
+
+__all__ = ["SCALAR_RULES", "BinCounts", "Fraction", "PerSecond", "Scalar"]
+
+#: The merge rules of a :class:`Scalar`.
+SCALAR_RULES: tuple[str, ...] = ("sum", "mean", "min", "max", "latest")
+
+
+class Scalar(Partial):
+    """One named value merged by a declared rule.
+
+    Args:
+        name (str): the logged name.
+        rule (str): ``"sum"`` (values add), ``"mean"`` (``value`` holds the
+            sum of ``count`` values), ``"min"``, ``"max"``, or ``"latest"``
+            (the value with the largest ``stamp`` wins).
+        value (float, optional): see ``rule``. Defaults to ``0``.
+
+    Keyword Args:
+        count (float, optional): how many values were folded. Defaults to
+            ``1`` when a ``value`` is given, else ``0`` (the empty partial).
+        stamp (float, optional): when ``value`` was seen (``"latest"``).
+            Defaults to ``-inf``.
+
+    An empty partial finalizes to ``{}`` except with ``"sum"``, which reports ``0``.
+
+    Examples:
+        >>> from rl_observers.stats import Scalar
+        >>> a = Scalar("policy_version", "latest", 3.0, stamp=10.0)
+        >>> a.merge(Scalar("policy_version", "latest", 4.0, stamp=11.0)).finalize()
+        {'policy_version': 4.0}
+        >>> Scalar("frames", "sum").finalize()
+        {'frames': 0.0}
+    """
+
+    __slots__ = ("name", "rule", "value", "count", "stamp")
+
+    def __init__(
+        self,
+        name: str,
+        rule: str,
+        value: float | None = None,
+        *,
+        count: float | None = None,
+        stamp: float = -math.inf,
+    ) -> None:
+        self.name = _check_name(name, "name")
+        if rule not in SCALAR_RULES:
+            raise ValueError(f"rule must be one of {SCALAR_RULES}, got {rule!r} (for {name!r}).")
+        self.rule = rule
+        if count is None:
+            count = 0.0 if value is None else 1.0
+        self.count = float(count)
+        self.value = float(value) if value is not None and count else _EMPTY[rule]
+        self.stamp = float(stamp)
+
+    def merge(self, other: Partial) -> Scalar:
+        """Returns the value of both operands' data under the rule."""
+        if not isinstance(other, Scalar) or other.name != self.name or other.rule != self.rule:
+            raise ValueError(f"cannot merge {self!r} with {other!r}: name and rule must agree.")
+        if not other.count:
+            return self._with(self.value, self.count, self.stamp)
+        if not self.count:
+            return other._with(other.value, other.count, other.stamp)
+        rule, a, b = self.rule, self.value, other.value
+        count = self.count + other.count
+        if rule in ("sum", "mean"):
+            return self._with(a + b, count, max(self.stamp, other.stamp))
+        if rule == "min":
+            return self._with(min(a, b), count, max(self.stamp, other.stamp))
+        if rule == "max":
+            return self._with(max(a, b), count, max(self.stamp, other.stamp))
+        newest = other if other.stamp > self.stamp else self  # ties: the left operand's
+        return self._with(newest.value, count, newest.stamp)
+
+    def _with(self, value: float, count: float, stamp: float) -> Scalar:
+        out = object.__new__(Scalar)
+        out.name, out.rule, out.value, out.count, out.stamp = self.name, self.rule, value, count, stamp
+        return out
+
+    def finalize(self) -> dict[str, float]:
+        """Returns ``{name: value}`` (``{}`` when empty, ``{name: 0.0}`` for an empty sum)."""
+        if not self.count:
+            return {self.name: 0.0} if self.rule == "sum" else {}
+        if self.rule == "mean":
+            return {self.name: self.value / self.count}
+        return {self.name: self.value}
+
+    def __repr__(self) -> str:
+        return (
+            f"Scalar({self.name!r}, {self.rule!r}, {self.value!r}, count={self.count!r}, "
+            f"stamp={self.stamp!r})"
+        )
+
+
+_EMPTY = {"sum": 0.0, "mean": 0.0, "min": math.inf, "max": -math.inf, "latest": 0.0}
+
+
+class Fraction(Partial):
+    """``numerator / denominator``, both summed on merge: the fraction of the union.
+
+    Args:
+        name (str): the logged name.
+        numerator (float, optional): Defaults to ``0``.
+        denominator (float, optional): Defaults to ``0``; a fraction with
+            no denominator finalizes to ``{}``.
+
+    Examples:
+        >>> from rl_observers.stats import Fraction
+        >>> Fraction("truncated", 1, 4).merge(Fraction("truncated", 0, 1)).finalize()
+        {'truncated': 0.2}
+    """
+
+    __slots__ = ("name", "numerator", "denominator")
+
+    def __init__(self, name: str, numerator: float = 0.0, denominator: float = 0.0) -> None:
+        self.name = _check_name(name, "name")
+        self.numerator = float(numerator)
+        self.denominator = float(denominator)
+
+    def merge(self, other: Partial) -> Fraction:
+        """Returns the fraction of both operands' counts."""
+        if not isinstance(other, Fraction) or other.name != self.name:
+            raise ValueError(f"cannot merge {self!r} with {other!r}: names must agree.")
+        return Fraction(
+            self.name, self.numerator + other.numerator, self.denominator + other.denominator
+        )
+
+    def finalize(self) -> dict[str, float]:
+        """Returns ``{name: numerator / denominator}``, ``{}`` without a denominator."""
+        return {self.name: self.numerator / self.denominator} if self.denominator else {}
+
+    def __repr__(self) -> str:
+        return f"Fraction({self.name!r}, {self.numerator!r}, {self.denominator!r})"
+
+
+class PerSecond(Partial):
+    """An amount over the wall-clock span ``[start, end]`` (seconds, ``time.time()``).
+
+    Merging adds the amounts and takes the union of the spans, so the rate
+    of several workers over the same time is the sum of their rates, and
+    the rate over consecutive windows is their total over their total time.
+
+    Args:
+        name (str): the logged name.
+        amount (float, optional): Defaults to ``0``.
+        start (float, optional): Defaults to ``inf`` (no span).
+        end (float, optional): Defaults to ``-inf`` (no span).
+
+    Examples:
+        >>> from rl_observers.stats import PerSecond
+        >>> a = PerSecond("fps", 100, start=0.0, end=1.0)
+        >>> b = PerSecond("fps", 300, start=0.0, end=1.0)  # another worker, same second
+        >>> a.merge(b).finalize()
+        {'fps': 400.0}
+        >>> a.merge(PerSecond("fps", 300, start=1.0, end=2.0)).finalize()  # the next second
+        {'fps': 200.0}
+    """
+
+    __slots__ = ("name", "amount", "start", "end")
+
+    def __init__(
+        self, name: str, amount: float = 0.0, start: float = math.inf, end: float = -math.inf
+    ) -> None:
+        self.name = _check_name(name, "name")
+        self.amount = float(amount)
+        self.start = float(start)
+        self.end = float(end)
+
+    def merge(self, other: Partial) -> PerSecond:
+        """Returns both amounts over the union of both spans."""
+        if not isinstance(other, PerSecond) or other.name != self.name:
+            raise ValueError(f"cannot merge {self!r} with {other!r}: names must agree.")
+        return PerSecond(
+            self.name,
+            self.amount + other.amount,
+            min(self.start, other.start),
+            max(self.end, other.end),
+        )
+
+    def finalize(self) -> dict[str, float]:
+        """Returns ``{name: amount / seconds}``, ``{}`` without a positive span."""
+        seconds = self.end - self.start
+        return {self.name: self.amount / seconds} if seconds > 0 else {}
+
+    def __repr__(self) -> str:
+        return f"PerSecond({self.name!r}, {self.amount!r}, start={self.start!r}, end={self.end!r})"
+
+
+def _check_edges(edges: Sequence[float], name: str) -> tuple[float, ...]:
+    edges = tuple(float(e) for e in edges)
+    if len(edges) < 2 or any(b <= a for a, b in zip(edges, edges[1:])) or not all(
+        math.isfinite(e) for e in edges
+    ):
+        raise ValueError(
+            f"edges must be at least two finite, strictly increasing numbers, got {edges!r} "
+            f"(for {name!r})."
+        )
+    return edges
+
+
+def _check_quantiles(quantiles: Sequence[float], name: str) -> tuple[float, ...]:
+    quantiles = tuple(float(q) for q in quantiles)
+    if not all(0.0 <= q <= 1.0 for q in quantiles):
+        raise ValueError(f"quantiles must lie in [0, 1], got {quantiles!r} (for {name!r}).")
+    return quantiles
+
+
+def quantile_name(name: str, q: float) -> str:
+    """``"<name>_p<100 q>"``: ``p50``, ``p90``, ``p99.9``."""
+    return f"{name}_p{q * 100:g}"
+
+
+class BinCounts(Partial):
+    """Counts of values over fixed bins, merged exactly; finalized as quantiles.
+
+    Bin ``0`` holds values ``<= edges[0]``, bin ``i`` the values in
+    ``(edges[i-1], edges[i]]`` and the last bin values ``> edges[-1]``
+    (``len(edges) + 1`` counts, what ``torch.bucketize`` gives). A quantile
+    is interpolated linearly inside the bin where its rank falls, so it is
+    exact up to that bin's width; ranks in the outer bins read as the outer
+    edges. Two partials merge when their name, edges and quantiles agree.
+
+    Args:
+        name (str): outputs are ``<name>_p50`` etc. and ``<name>_count``.
+        edges (sequence of float): the bin edges, strictly increasing.
+        counts (sequence of float, optional): ``len(edges) + 1`` counts.
+            Defaults to zeros.
+
+    Keyword Args:
+        quantiles (sequence of float, optional): which quantiles
+            :meth:`finalize` reports. Defaults to ``(0.5, 0.9, 0.99)``.
+
+    Examples:
+        >>> from rl_observers.stats import BinCounts
+        >>> a = BinCounts.from_values("lag", [0, 1, 2, 3], edges=range(11))
+        >>> b = BinCounts.from_values("lag", [4, 5, 6, 7, 8, 9], edges=range(11))
+        >>> a.merge(b).finalize()
+        {'lag_count': 10.0, 'lag_p50': 4.0, 'lag_p90': 8.0, 'lag_p99': 8.9}
+    """
+
+    __slots__ = ("name", "edges", "counts", "quantiles")
+
+    def __init__(
+        self,
+        name: str,
+        edges: Sequence[float],
+        counts: Sequence[float] | None = None,
+        *,
+        quantiles: Sequence[float] = (0.5, 0.9, 0.99),
+    ) -> None:
+        self.name = _check_name(name, "name")
+        self.edges = _check_edges(edges, name)
+        self.quantiles = _check_quantiles(quantiles, name)
+        if counts is None:
+            counts = (0.0,) * (len(self.edges) + 1)
+        self.counts = tuple(float(c) for c in counts)
+        if len(self.counts) != len(self.edges) + 1:
+            raise ValueError(
+                f"counts must have len(edges) + 1 = {len(self.edges) + 1} entries, "
+                f"got {len(self.counts)} (for {name!r})."
+            )
+
+    @classmethod
+    def from_values(
+        cls,
+        name: str,
+        values: Sequence[float],
+        *,
+        edges: Sequence[float],
+        quantiles: Sequence[float] = (0.5, 0.9, 0.99),
+    ) -> BinCounts:
+        """Counts ``values`` on the host."""
+        out = cls(name, edges, quantiles=quantiles)
+        counts = list(out.counts)
+        for v in values:
+            counts[bisect.bisect_left(out.edges, float(v))] += 1
+        out.counts = tuple(counts)
+        return out
+
+    def merge(self, other: Partial) -> BinCounts:
+        """Returns the counts of both operands' values."""
+        if (
+            not isinstance(other, BinCounts)
+            or other.name != self.name
+            or other.edges != self.edges
+            or other.quantiles != self.quantiles
+        ):
+            raise ValueError(
+                f"cannot merge {self!r} with {other!r}: name, edges and quantiles must agree."
+            )
+        out = object.__new__(BinCounts)
+        out.name, out.edges, out.quantiles = self.name, self.edges, self.quantiles
+        out.counts = tuple(a + b for a, b in zip(self.counts, other.counts))
+        return out
+
+    def quantile(self, q: float) -> float | None:
+        """The ``q`` quantile read off the counts (``None`` when empty)."""
+        total = sum(self.counts)
+        if not total:
+            return None
+        rank, seen, edges = q * total, 0.0, self.edges
+        last = len(self.counts) - 1
+        for i, count in enumerate(self.counts):
+            if count and seen + count >= rank:
+                if i == 0:
+                    return edges[0]
+                if i == last:
+                    return edges[-1]
+                lo, hi = edges[i - 1], edges[i]
+                return lo + (hi - lo) * max(rank - seen, 0.0) / count
+            seen += count
+        return edges[-1]
+
+    def finalize(self) -> dict[str, float]:
+        """Returns ``<name>_count`` and one ``<name>_p<q>`` per quantile (none when empty)."""
+        out = {f"{self.name}_count": float(sum(self.counts))}
+        if out[f"{self.name}_count"]:
+            for q in self.quantiles:
+                out[quantile_name(self.name, q)] = self.quantile(q)  # type: ignore[assignment]
+        return out
+
+    def __repr__(self) -> str:
+        return f"BinCounts({self.name!r}, edges={self.edges!r}, counts={self.counts!r})"
