@@ -57,6 +57,7 @@ from rl_observers.sources.remote import (
     detach_here,
     kind_of,
     register_kind,
+    ship,
 )
 from rl_observers.sources.replay_buffers import ReplayBufferObservers, emit_eagerly
 
@@ -113,7 +114,7 @@ class RayCollectorKind(RemoteKind):
         actors = list(target.remote_collectors)
         n = len(actors)
         refs = [
-            actor.__ray_call__.remote(attach_here, payload, on_error, token, idx, n)
+            actor.__ray_call__.remote(_collector_attach_here, payload, on_error, token, idx, n)
             for idx, actor in enumerate(actors)
         ]
         try:
@@ -123,6 +124,39 @@ class RayCollectorKind(RemoteKind):
             with contextlib.suppress(Exception):
                 _gather([a.__ray_call__.remote(detach_here, token) for a in actors], "undoing", target)
             raise
+
+    def attach_to_new(self, target: Any, first: int, entries: tuple[tuple[Any, str, int], ...]) -> None:
+        """Gives the actors from index ``first`` on every attached observer, in order.
+
+        Runs after ``add_collectors`` appended actors, with the driver's record held. All
+        attach calls are sent at once (Ray runs one caller's calls to an actor in order) and
+        awaited together. If any fails, the new actors are killed and dropped from the
+        collector, so that no actor collects without the observers the others have.
+        """
+        actors = list(target.remote_collectors)
+        new = actors[first:]
+        if not entries or not new:
+            return
+        n = len(actors)
+        payloads = [(ship(observer, target, self.where), on_error, token) for observer, on_error, token in entries]
+        refs = [
+            actor.__ray_call__.remote(_collector_attach_here, payload, on_error, token, first + i, n)
+            for payload, on_error, token in payloads
+            for i, actor in enumerate(new)
+        ]
+        try:
+            _gather(refs, "attaching the observers to an added", target)
+        except Exception as error:
+            import ray
+
+            for actor in new:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor)
+                with contextlib.suppress(ValueError):
+                    target._remote_collectors.remove(actor)
+            raise RemoteAttachError(
+                f"{error} The {len(new)} collectors being added were stopped and not added."
+            ) from None
 
     def detach_remote(self, target: Any, token: int) -> None:
         actors = list(target.remote_collectors)
@@ -173,6 +207,10 @@ RAY_REPLAY_BUFFER = RayReplayBufferKind()
 
 
 # -- run inside the actors -------------------------------------------------------------------------
+
+
+def _collector_attach_here(collector: Any, *args: Any) -> None:
+    attach_here(collector, *args)
 
 
 def _collector_shutdown_here(collector: Any) -> None:
@@ -235,6 +273,14 @@ def _emit_shutdown(actors: list[Any], fn: Any) -> None:
 
 class _DriverObservedRayCollector:
     """Driver-side ``RayCollector`` with observers: lets the actors emit ``shutdown`` first."""
+
+    def add_collectors(self, *args: Any, **kwargs: Any) -> None:
+        # The collectors added now get every observer the others have, in order, under the
+        # same tokens, so that removing an observer reaches them too.
+        with RAY_COLLECTOR.attached(self) as entries:
+            first = len(self._remote_collectors)  # type: ignore[attr-defined]
+            torchrl_class(type(self)).add_collectors(self, *args, **kwargs)  # type: ignore[attr-defined]
+            RAY_COLLECTOR.attach_to_new(self, first, entries)
 
     def stop_remote_collectors(self) -> None:
         actors = list(getattr(self, "_remote_collectors", ()))
