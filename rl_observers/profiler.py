@@ -494,7 +494,13 @@ class ProfilerObserver(Observer):
         torchrl_logger.info(f"Profiler [worker {self._worker_idx}]: trace saved to {path}")
         # In a Ray actor, the driver writes it under the same path when it removes the
         # observer or shuts the collector down (the nodes of a cluster share no files).
-        send_file_to_driver(path)
+        try:
+            send_file_to_driver(path)
+        except OSError as error:
+            torchrl_logger.warning(
+                f"Profiler [worker {self._worker_idx}]: could not send {path} to the driver ({error}); "
+                "the trace stays on this node."
+            )
 
     # -- the observer-list seam --------------------------------------------------------------
 

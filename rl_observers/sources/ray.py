@@ -133,7 +133,7 @@ class RayCollectorKind(RemoteKind):
         actors = list(target.remote_collectors)
         n = len(actors)
         refs = [
-            actor.__ray_call__.remote(_collector_attach_here, payload, on_error, token, idx, n)
+            actor.__ray_call__.remote(_attach_in_actor, payload, on_error, token, idx, n)
             for idx, actor in enumerate(actors)
         ]
         try:
@@ -159,7 +159,7 @@ class RayCollectorKind(RemoteKind):
         n = len(actors)
         payloads = [(ship(observer, target, self.where), on_error, token) for observer, on_error, token in entries]
         refs = [
-            actor.__ray_call__.remote(_collector_attach_here, payload, on_error, token, first + i, n)
+            actor.__ray_call__.remote(_attach_in_actor, payload, on_error, token, first + i, n)
             for payload, on_error, token in payloads
             for i, actor in enumerate(new)
         ]
@@ -212,7 +212,7 @@ class RayReplayBufferKind(RemoteKind):
             )
 
     def attach_remote(self, target: Any, payload: bytes, on_error: str, token: int) -> None:
-        ref = target._rb.__ray_call__.remote(_attach_and_drain_later, payload, on_error, token, None, None, ACTOR)
+        ref = target._rb.__ray_call__.remote(_attach_in_actor, payload, on_error, token, None, None, ACTOR)
         _gather([ref], "attaching an observer to", target)
 
     def detach_remote(self, target: Any, token: int) -> None:
@@ -240,7 +240,7 @@ RAY_REPLAY_BUFFER = RayReplayBufferKind()
 # observers the driver attached through this module, which drains them (see the module docstring).
 _OUTBOX: list[tuple[str, bytes]] = []
 _OUTBOX_LOCK = threading.Lock()
-_DRAINED = [False]
+_DRAINED: list[int | None] = [None]  # the id of this process once the driver attached observers here
 
 
 def send_file_to_driver(path: str | Path) -> bool:
@@ -264,7 +264,7 @@ def send_file_to_driver(path: str | Path) -> bool:
         >>> send_file_to_driver("trace.json")  # not in a Ray actor: nothing to send
         False
     """
-    if not _DRAINED[0]:
+    if _DRAINED[0] != os.getpid():
         return False
     path = Path(path).resolve()
     data = path.read_bytes()
@@ -280,13 +280,10 @@ def _drain() -> list[tuple[str, bytes]]:
     return files
 
 
-def _attach_and_drain_later(source: Any, *args: Any) -> None:
-    _DRAINED[0] = True
+def _attach_in_actor(source: Any, *args: Any) -> None:
+    """``attach_here``, noting that the driver drains this process's outbox."""
+    _DRAINED[0] = os.getpid()  # not a process forked from here (the workers of a collector in it)
     attach_here(source, *args)
-
-
-def _collector_attach_here(collector: Any, *args: Any) -> None:
-    _attach_and_drain_later(collector, *args)
 
 
 def _detach_and_drain(source: Any, token: int) -> list[tuple[str, bytes]]:
