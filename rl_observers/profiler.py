@@ -20,9 +20,13 @@ behind the other observers of its source when it starts (see
 :meth:`~rl_observers.observer.ObserverList.set_call_transform`); in lists
 without that seam it stays at its registration position. Steps
 ``warmup_rollouts .. num_rollouts - 1`` are recorded, as with torchrl's hook,
-and the trace is exported as soon as step ``num_rollouts - 1`` ends. The
-profiler starts at the first event it sees, inside rollout 0: with
+and the trace is exported as soon as step ``num_rollouts - 1`` ends. By
+default the profiler starts at the first event it sees, inside rollout 0: with
 ``warmup_rollouts=0`` the first recorded step misses the start of that rollout.
+With ``start_after_frames`` / ``start_after_batches`` / ``start_when`` (or
+``start()``) it starts right after the batch that met them, and step 0 is
+the next rollout, whole. In a Ray actor the written trace is also sent back
+to the driver (:func:`rl_observers.sources.ray.send_file_to_driver`).
 
 Boundaries at ``post_collect`` keep every rollout whole inside one step
 (``ProfilerStep#k`` contains ``Collector.rollout`` #k) and let the trace be
