@@ -20,9 +20,13 @@ behind the other observers of its source when it starts (see
 :meth:`~rl_observers.observer.ObserverList.set_call_transform`); in lists
 without that seam it stays at its registration position. Steps
 ``warmup_rollouts .. num_rollouts - 1`` are recorded, as with torchrl's hook,
-and the trace is exported as soon as step ``num_rollouts - 1`` ends. The
-profiler starts at the first event it sees, inside rollout 0: with
+and the trace is exported as soon as step ``num_rollouts - 1`` ends. By
+default the profiler starts at the first event it sees, inside rollout 0: with
 ``warmup_rollouts=0`` the first recorded step misses the start of that rollout.
+With ``start_after_frames`` / ``start_after_batches`` / ``start_when`` (or
+``start()``) it starts right after the batch that met them, and step 0 is
+the next rollout, whole. In a Ray actor the written trace is also sent back
+to the driver (:func:`rl_observers.sources.ray.send_file_to_driver`).
 
 Boundaries at ``post_collect`` keep every rollout whole inside one step
 (``ProfilerStep#k`` contains ``Collector.rollout`` #k) and let the trace be
@@ -48,6 +52,7 @@ from torchrl.collectors import BaseCollector, MultiCollector, ProfileConfig
 
 from rl_observers.observer import Observer
 from rl_observers.sources import observers_of, source_info
+from rl_observers.sources.ray import send_file_to_driver
 
 __all__ = ["ProfilerObserver", "install_profiling"]
 
@@ -150,7 +155,17 @@ class ProfilerObserver(Observer):
     ``Collector``) is worker ``0`` and, as with torchrl, is profiled whatever
     ``workers`` says.
 
-    Rollouts are counted from the first one the observer sees: rollouts
+    **When it starts.** By default the profiler starts at the first rollout
+    the copy sees, which on a fresh collector is the warm-up (random-policy,
+    ``init_random_frames``) phase. ``start_after_frames`` /
+    ``start_after_batches`` make each copy wait until *its* source has
+    collected that many frames / batches (a worker counts its own frames, not
+    the total), and ``start_when`` until a condition of yours holds; the
+    profiler then starts right after the batch that met them, so the first
+    rollout it counts is the next one, whole. ``start()`` starts it at the
+    next event, for an in-process collector.
+
+    Rollouts are counted from the start: rollouts
     ``0 .. warmup_rollouts - 1`` are skipped (the last of them warms the
     profiler up), rollouts ``warmup_rollouts .. num_rollouts - 1`` are
     recorded, one profiler step (``ProfilerStep#k`` in the trace) each, and
@@ -160,6 +175,16 @@ class ProfilerObserver(Observer):
     (also observers registered after this one), and the consumer's work on
     the previous batch. Shutting the collector down or detaching the observer
     stops the profiler early, writing what was recorded so far.
+
+    **Where traces land.** ``save_path`` (``{worker_idx}`` filled in) on the
+    machine where the copy runs: in process and in multiprocessing workers,
+    the driver's machine. In a ``RayCollector``'s remote collectors, which may
+    run on other nodes, the trace is also sent back: the driver writes it
+    under the same absolute path when the observer is removed or the
+    collector shuts down (``shutdown()``, or the end of iteration), unless
+    an identical file is already there. A relative ``save_path`` is resolved
+    in the actor's working directory. Traces of a multiprocessing collector
+    running inside a Ray actor stay on that actor's node.
 
     ``torch.profiler`` runs one profile per process: while a profiler (this
     one on another collector, or one the user started) runs in a process, a
@@ -192,12 +217,24 @@ class ProfilerObserver(Observer):
             ``rl_observers/<ObserverClass>.on_<event>`` (a plain function is
             named after itself), to see which observer costs what. Defaults
             to ``False``.
+        start_after_frames (int, optional): frames the copy's source collects
+            before the profiler starts (counted per worker). Defaults to ``0``.
+        start_after_batches (int, optional): batches the copy's source
+            collects before the profiler starts (counted per worker).
+            Defaults to ``0``.
+        start_when (Callable, optional): ``start_when(source) -> bool``,
+            called before each rollout and after each batch (once the
+            ``start_after_*`` thresholds are met) until it returns ``True``;
+            the profiler starts then. It runs where the copy runs and must be
+            picklable for workers and Ray actors. Defaults to ``None``.
 
     Raises:
         TypeError: if ``config`` is not a :class:`ProfileConfig`, or is given
             together with configuration keywords.
         ValueError: as :class:`ProfileConfig` does, if ``num_rollouts <=
-            warmup_rollouts`` or ``warmup_rollouts < 0``.
+            warmup_rollouts`` or ``warmup_rollouts < 0``; if
+            ``start_after_frames`` or ``start_after_batches`` is not a
+            non-negative int.
 
     Examples:
         >>> import json, tempfile
@@ -227,6 +264,25 @@ class ProfilerObserver(Observer):
         >>> sorted({e["name"] for e in events if e["name"].startswith(("ProfilerStep", "rl_observers"))})
         ['ProfilerStep#1', 'ProfilerStep#2', 'rl_observers/Frames.on_post_collect']
         >>> collector.shutdown()
+
+        Profile training, not the warm-up: start after 16 frames of this collector.
+
+        >>> collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=8, total_frames=64)
+        >>> profiler = ProfilerObserver(
+        ...     num_rollouts=2, warmup_rollouts=1, save_path=path, activities=["cpu"],
+        ...     with_stack=False, start_after_frames=16,
+        ... )
+        >>> class Profiled:  # whether each rollout starts inside the profiler's window
+        ...     seen = []
+        ...     def on_pre_collect(self, source):
+        ...         self.seen.append(profiler.active)
+        >>> _ = collector.add_observer(profiler)
+        >>> _ = collector.add_observer(Profiled())
+        >>> for batch in collector:
+        ...     pass
+        >>> Profiled.seen  # rollouts 2 (warm-up) and 3 (recorded): not the first 16 frames
+        [False, False, True, True, False, False, False, False]
+        >>> collector.shutdown()
     """
 
     def __init__(
@@ -244,6 +300,9 @@ class ProfilerObserver(Observer):
         with_flops: bool = _UNSET,
         on_trace_ready: Callable[[Any], None] | None = _UNSET,
         record_observers: bool = False,
+        start_after_frames: int = 0,
+        start_after_batches: int = 0,
+        start_when: Callable[[Any], bool] | None = None,
     ) -> None:
         options = locals()
         given = {key: options[key] for key in CONFIG_KEYS if options[key] is not _UNSET}
@@ -259,8 +318,18 @@ class ProfilerObserver(Observer):
                 "ProfilerObserver takes either a ProfileConfig or configuration keywords, "
                 f"not both; got a config and {', '.join(sorted(given))}."
             )
+        for name, value in (("start_after_frames", start_after_frames), ("start_after_batches", start_after_batches)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"ProfilerObserver: {name} must be a non-negative int, got {value!r}.")
+        if start_when is not None and not callable(start_when):
+            raise TypeError(
+                f"ProfilerObserver: start_when must be a callable taking the source, got {start_when!r}."
+            )
         self.config = config
         self.record_observers = bool(record_observers)
+        self.start_after_frames = start_after_frames
+        self.start_after_batches = start_after_batches
+        self.start_when = start_when
         self._reset()
 
     def _reset(self) -> None:
@@ -272,6 +341,9 @@ class ProfilerObserver(Observer):
         self._steps = 0
         self._worker_idx: int | None = None
         self._trace_path: Path | None = None
+        self._frames_seen = 0  # before the profiler starts: what start_after_* count
+        self._batches_seen = 0
+        self._start_requested = False
 
     # -- what users read ---------------------------------------------------------------------
 
@@ -285,6 +357,17 @@ class ProfilerObserver(Observer):
         """The trace this copy wrote (``None`` before, or with ``on_trace_ready``)."""
         return self._trace_path
 
+    def start(self) -> None:
+        """Starts this copy's profiler at the next event, whatever ``start_after_*`` and ``start_when`` say.
+
+        A trigger for an in-process collector: the profiler starts before the
+        next rollout (or right after the batch being collected, if called
+        during a rollout) and counts ``warmup_rollouts`` / ``num_rollouts``
+        from there. Copies in worker processes and Ray actors are not reached
+        by it: give them ``start_when``. Does nothing once the profiler ran.
+        """
+        self._start_requested = True
+
     def stop(self) -> None:
         """Stops this copy's profiler now, writing what it recorded; later rollouts are not profiled.
 
@@ -296,7 +379,7 @@ class ProfilerObserver(Observer):
     # -- events ------------------------------------------------------------------------------
 
     def on_pre_collect(self, source: Any) -> None:
-        if self._state == _IDLE:
+        if self._state == _IDLE and self._may_start(source):
             self._start(source)
 
     def on_post_collect(self, source: Any, batch: Any) -> None:
@@ -310,8 +393,20 @@ class ProfilerObserver(Observer):
                     self._finish()
                 else:
                     self._profiler.step()  # type: ignore[union-attr]
-        elif state == _IDLE:  # attached between a pre_collect and its batch
-            self._start(source)
+        elif state == _IDLE:
+            # counted before starting: the profiled rollouts are the ones after the threshold
+            self._frames_seen += batch.numel()
+            self._batches_seen += 1
+            if self._may_start(source):  # also: attached between a pre_collect and its batch
+                self._start(source)
+
+    def _may_start(self, source: Any) -> bool:
+        """Whether the profiler starts now: ``start()`` was called, or every start condition holds."""
+        if self._start_requested:
+            return True
+        if self._frames_seen < self.start_after_frames or self._batches_seen < self.start_after_batches:
+            return False
+        return self.start_when is None or bool(self.start_when(source))
 
     def on_shutdown(self, source: Any) -> None:
         self.stop()
@@ -401,6 +496,15 @@ class ProfilerObserver(Observer):
         profiler.export_chrome_trace(str(path))
         self._trace_path = path
         torchrl_logger.info(f"Profiler [worker {self._worker_idx}]: trace saved to {path}")
+        # In a Ray actor, the driver writes it under the same path when it removes the
+        # observer or shuts the collector down (the nodes of a cluster share no files).
+        try:
+            send_file_to_driver(path)
+        except OSError as error:
+            torchrl_logger.warning(
+                f"Profiler [worker {self._worker_idx}]: could not send {path} to the driver ({error}); "
+                "the trace stays on this node."
+            )
 
     # -- the observer-list seam --------------------------------------------------------------
 
@@ -442,19 +546,28 @@ class ProfilerObserver(Observer):
     # -- pickling: a copy starts from scratch in its new process -------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"config": self.config, "record_observers": self.record_observers}
+        return {name: getattr(self, name) for name in _PICKLED}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.config = state["config"]
-        self.record_observers = state["record_observers"]
+        for name in _PICKLED:
+            setattr(self, name, state[name])
         self._reset()
 
     def __repr__(self) -> str:
         c = self.config
+        start = "".join(
+            f"{name}={getattr(self, name)!r}, "
+            for name in ("start_after_frames", "start_after_batches", "start_when")
+            if getattr(self, name)
+        )
         return (
             f"{type(self).__name__}(workers={c.workers!r}, num_rollouts={c.num_rollouts}, "
-            f"warmup_rollouts={c.warmup_rollouts}, save_path={c.save_path!r}, state={self._state!r})"
+            f"warmup_rollouts={c.warmup_rollouts}, save_path={c.save_path!r}, {start}state={self._state!r})"
         )
+
+
+# What a copy of a ProfilerObserver takes to its new process; the rest starts from scratch there.
+_PICKLED = ("config", "record_observers", "start_after_frames", "start_after_batches", "start_when")
 
 
 # -- enable_profile / disable_profile on torchrl's collectors ----------------------------------------

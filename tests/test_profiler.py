@@ -649,6 +649,180 @@ def test_one_config_table_matches_both_signatures_and_torchrl():
     # (Ray adds a private ``_ray_trace_ctx`` to methods of classes it made actors of)
     assert [k for k in ours if k != "self" and not k.startswith("_")] == list(keys)
     assert [k for k in theirs if k != "self" and not k.startswith("_")] == list(keys)
-    assert [k for k in observer if k not in ("config", "record_observers")] == list(keys)
+    extra = ("config", "record_observers", "start_after_frames", "start_after_batches", "start_when")
+    assert [k for k in observer if k not in extra] == list(keys)
     assert {k: ours[k].default for k in keys} == profiler.CONFIG_DEFAULTS
     assert {k: theirs[k].default for k in keys} == profiler.CONFIG_DEFAULTS
+
+
+# -- starting later: profile training, not the warm-up --------------------------------------------
+
+
+def marked(events: list[dict]) -> dict[str, str | None]:
+    """The Marker ranges in a trace, each with the profiler step that holds it."""
+    return {e["name"]: step_of(e, events) for e in named(events, "marker/")}
+
+
+RECORDED_3_4 = {
+    "marker/pre#3": "ProfilerStep#1",
+    "marker/post#3": "ProfilerStep#1",
+    "marker/pre#4": "ProfilerStep#2",
+    "marker/post#4": "ProfilerStep#2",
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "start", [{"start_after_frames": 16}, {"start_after_frames": 9}, {"start_after_batches": 2}], ids=str
+)
+def test_start_after_skips_the_first_rollouts(collectors, tmp_path, start):
+    collector = collectors(batches=8)  # 8 frames per batch
+    profiler = ProfilerObserver(num_rollouts=3, warmup_rollouts=1, save_path=tmp_path / "t.json", **start, **FAST)
+    collector.add_observer(profiler)
+    collector.add_observer(Marker())
+    for _ in collector:
+        pass
+    # rollouts 0 and 1 reach the threshold, 2 warms up, 3 and 4 are recorded: nothing before
+    assert marked(trace_events(tmp_path / "t.json")) == RECORDED_3_4
+    assert "start_after" in repr(profiler)
+
+
+class _AfterFile:
+    """A picklable ``start_when``: true once a file exists."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.calls = 0
+
+    def __call__(self, source) -> bool:
+        self.calls += 1
+        return self.path.exists()
+
+
+@pytest.mark.timeout(60)
+def test_start_when_and_start_trigger(collectors, tmp_path):
+    flag = tmp_path / "go"
+    collector = collectors(batches=8)
+    when = _AfterFile(flag)
+    profiler = ProfilerObserver(
+        num_rollouts=3, warmup_rollouts=1, save_path=tmp_path / "t.json", start_after_batches=1, start_when=when, **FAST
+    )
+    collector.add_observer(profiler)
+    collector.add_observer(Marker())
+    for i, _ in enumerate(collector):
+        if i == 1:
+            flag.touch()  # seen before rollout 2
+    assert when.calls > 0
+    # start_when holds at rollout 2's pre_collect: rollout 2 is step 0 (warm-up), 3 and 4 recorded
+    assert marked(trace_events(tmp_path / "t.json")) == RECORDED_3_4
+
+    # start(): the user's trigger in process, whatever the thresholds say
+    collector = collectors(batches=8)
+    profiler = ProfilerObserver(
+        num_rollouts=3, warmup_rollouts=1, save_path=tmp_path / "u.json", start_after_frames=10**9, **FAST
+    )
+    collector.add_observer(profiler)
+    collector.add_observer(Marker())
+    for i, _ in enumerate(collector):
+        if i == 1:
+            profiler.start()  # before rollout 2
+    assert marked(trace_events(tmp_path / "u.json")) == RECORDED_3_4
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"start_after_frames": -1}, ValueError),
+        ({"start_after_batches": 1.5}, ValueError),
+        ({"start_after_frames": True}, ValueError),
+        ({"start_when": 3}, TypeError),
+    ],
+)
+def test_invalid_start_options_raise(kwargs, error):
+    with pytest.raises(error, match="start_"):
+        ProfilerObserver(**kwargs)
+
+
+def test_pickled_copy_keeps_the_start_options(tmp_path):
+    import cloudpickle
+
+    profiler = ProfilerObserver(start_after_frames=5, start_after_batches=2, start_when=_AfterFile(tmp_path / "x"))
+    profiler._frames_seen = 100
+    copy = cloudpickle.loads(cloudpickle.dumps(profiler))
+    assert (copy.start_after_frames, copy.start_after_batches) == (5, 2)
+    assert isinstance(copy.start_when, _AfterFile) and copy._frames_seen == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_start_after_counts_each_workers_frames(tmp_path):
+    collector = _multi_sync(batches=8)  # 2 workers, 8 frames each per batch
+    try:
+        profiler = ProfilerObserver(
+            workers=[0, 1], num_rollouts=3, warmup_rollouts=1, save_path=tmp_path / "w_{worker_idx}.json",
+            start_after_frames=16, **FAST,
+        )
+        collector.add_observer(profiler)
+        collector.add_observer(Marker())
+        for _ in collector:
+            pass
+    finally:
+        collector.shutdown()
+    for worker in (0, 1):  # 16 frames of that worker, not of both
+        assert marked(trace_events(tmp_path / f"w_{worker}.json")) == RECORDED_3_4
+
+
+# -- Ray: traces come back to the driver ------------------------------------------------------------
+
+
+def test_files_sent_back_are_written_on_the_driver(tmp_path):
+    from rl_observers.sources import ray as ray_source
+
+    assert ray_source.send_file_to_driver(tmp_path / "nothing.json") is False  # not in a Ray actor
+    here = tmp_path / "same.json"
+    here.write_bytes(b"same")
+    mtime = here.stat().st_mtime_ns
+    far = tmp_path / "far" / "away" / "t_0.json"
+    ray_source._write_files([[(str(here), b"same"), (str(far), b"{}")], None])
+    assert here.stat().st_mtime_ns == mtime  # already there: left alone
+    assert far.read_bytes() == b"{}" and [p.name for p in far.parent.iterdir()] == ["t_0.json"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("until", ["shutdown", "remove"])
+def test_ray_collector_traces_come_back_to_the_driver(ray_cluster, tmp_path, until):
+    from torchrl.collectors.distributed import RayCollector
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        collector = RayCollector(
+            [CountingEnv],
+            RandomPolicy(CountingEnv().action_spec),
+            frames_per_batch=8,
+            total_frames=8 * 8,
+            sync=True,
+            remote_configs={"num_cpus": 1},
+        )
+    trace = tmp_path / "ray_{worker_idx}.json"
+    profiler = ProfilerObserver(
+        num_rollouts=3, warmup_rollouts=1, save_path=trace, start_after_frames=16, **FAST
+    )
+    written = tmp_path / "ray_0.json"
+    try:
+        collector.add_observer(profiler)
+        collector.add_observer(Marker())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            for i, _ in enumerate(collector):
+                if i == 5:
+                    # written by the actor after rollout 4; on this node the driver sees it already:
+                    # remove it, as if the actor had run on a node that shares no files with us
+                    assert written.exists()
+                    written.unlink()
+                    if until == "remove":
+                        collector.remove_observer(profiler)
+                        assert written.exists()
+    finally:
+        collector.shutdown()
+    assert marked(trace_events(written)) == RECORDED_3_4

@@ -510,3 +510,87 @@ def test_ray_collector_observers_run_in_each_remote_collector(ray_cluster, helpe
     assert type(collector) is not RayCollector  # still observed: only the driver's record remains
     with pytest.raises(RuntimeError, match="without remote collectors"):
         collector.add_observer(helpers.CollectorLog(log, "too_late"))
+
+
+def _observers_in_actor(collector: Any) -> list[tuple[str, str]]:
+    observers = collector._rl_observers
+    return [(entry.observer.tag, entry.on_error) for entry in observers.entries]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_ray_collectors_added_later_get_every_attached_observer(ray_cluster, helpers, tmp_path):
+    from torchrl.collectors.distributed import RayCollector
+
+    log = tmp_path / "events.txt"
+    env = CountingEnv()
+    policy = RandomPolicy(env.action_spec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        collector = RayCollector(
+            [CountingEnv], policy, frames_per_batch=10, total_frames=80, sync=False,
+            remote_configs={"num_cpus": 0.5},
+        )
+    first, removed, last = (helpers.CollectorLog(log, tag) for tag in ("first", "removed", "last"))
+    try:
+        collector.add_observer(first)
+        collector.add_observer(removed)
+        collector.add_observer(last, on_error="ignore")
+        collector.add_collectors(
+            [CountingEnv], 1, policy, [dict(collector.collector_kwargs[0])], [{"num_cpus": 0.5}]
+        )
+        assert len(collector.remote_collectors) == 2
+        assert collector.observers == (first, removed, last)
+        in_actors = ray_cluster.get([a.__ray_call__.remote(_observers_in_actor) for a in collector.remote_collectors])
+        expected = [("first", "warn"), ("removed", "warn"), ("last", "ignore")]
+        assert in_actors == [expected, expected]
+        collector.remove_observer(removed)  # reaches the added actor too
+        in_actors = ray_cluster.get([a.__ray_call__.remote(_observers_in_actor) for a in collector.remote_collectors])
+        assert in_actors == [expected[::2], expected[::2]]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            received = sum(batch.numel() for batch in collector)
+    finally:
+        collector.shutdown()
+    lines = helpers.read_lines(log)
+    assert received == 80
+    assert not [line for line in lines if line.tag == "removed"]
+    by_pid = {}
+    for line in lines:
+        by_pid.setdefault(line.pid, []).append((line.tag, line.event))
+    assert len(by_pid) == 2 and DRIVER not in by_pid
+    for seen in by_pid.values():  # each actor, the added one included, calls both in order
+        post = [tag for tag, event in seen if event == "post_collect"]
+        assert post and post == ["first", "last"] * (len(post) // 2)
+        assert seen[-2:] == [("first", "shutdown"), ("last", "shutdown")]
+    # the added actor is worker 1 of 2
+    assert {(line.worker, line.num_workers) for line in lines if line.event == "post_collect"} == {(0, 1), (1, 2)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_ray_collectors_added_are_dropped_when_an_observer_cannot_attach(ray_cluster, helpers, tmp_path):
+    from torchrl.collectors.distributed import RayCollector
+
+    log = tmp_path / "events.txt"
+    env = CountingEnv()
+    policy = RandomPolicy(env.action_spec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        collector = RayCollector(
+            [CountingEnv], policy, frames_per_batch=10, total_frames=20, sync=False,
+            remote_configs={"num_cpus": 0.5},
+        )
+    try:
+        collector.add_observer(helpers.CollectorLog(log, "kept"))
+        collector.add_observer(helpers.FailsToAttach(log, "refuses_worker_1", failing_worker=1))
+        with pytest.raises(RemoteAttachError, match="being added were stopped"):
+            collector.add_collectors(
+                [CountingEnv], 1, policy, [dict(collector.collector_kwargs[0])], [{"num_cpus": 0.5}]
+            )
+        assert len(collector.remote_collectors) == 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            assert sum(batch.numel() for batch in collector) == 20
+    finally:
+        collector.shutdown()

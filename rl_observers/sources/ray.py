@@ -30,13 +30,32 @@ observers change, and stay one round trip: ``stats()`` (observer entries
 merged in the actor), ``empty()`` (emits ``empty`` in the actor). Before
 ``RayCollector.shutdown()`` / ``RayReplayBuffer.close()`` kill the actors,
 one call per actor emits ``shutdown`` there.
+
+**Files written in an actor come back to the driver.** The nodes of a Ray
+cluster share no files, so a file an observer writes in an actor (a
+profiler trace) would stay on that actor's node. An observer copy running
+in an actor this module attached it to hands such a file to
+:func:`send_file_to_driver`: its bytes wait in the actor, and the calls the
+driver already makes there when an observer is removed and before the
+actors are killed (``shutdown()`` / ``close()``) bring them back. The driver
+writes each file under the same absolute path, unless an identical file is
+already there (the actor ran on the driver's node). A file is lost only if
+its actor dies before either call; files written by the worker processes of
+a multiprocessing collector running inside an actor stay on that node.
+
+``RayCollector.add_collectors`` gives the added actors every observer the
+others have, in order, with its ``on_error``; ``remove_observer`` then
+reaches them too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from torchrl._utils import logger as torchrl_logger
@@ -57,10 +76,11 @@ from rl_observers.sources.remote import (
     detach_here,
     kind_of,
     register_kind,
+    ship,
 )
 from rl_observers.sources.replay_buffers import ReplayBufferObservers, emit_eagerly
 
-__all__ = ["RAY_COLLECTOR", "RAY_REPLAY_BUFFER"]
+__all__ = ["RAY_COLLECTOR", "RAY_REPLAY_BUFFER", "send_file_to_driver"]
 
 #: The context of the observed classes used inside a Ray actor.
 ACTOR = "ray_actor"
@@ -113,7 +133,7 @@ class RayCollectorKind(RemoteKind):
         actors = list(target.remote_collectors)
         n = len(actors)
         refs = [
-            actor.__ray_call__.remote(attach_here, payload, on_error, token, idx, n)
+            actor.__ray_call__.remote(_attach_in_actor, payload, on_error, token, idx, n)
             for idx, actor in enumerate(actors)
         ]
         try:
@@ -124,9 +144,46 @@ class RayCollectorKind(RemoteKind):
                 _gather([a.__ray_call__.remote(detach_here, token) for a in actors], "undoing", target)
             raise
 
+    def attach_to_new(self, target: Any, first: int, entries: tuple[tuple[Any, str, int], ...]) -> None:
+        """Gives the actors from index ``first`` on every attached observer, in order.
+
+        Runs after ``add_collectors`` appended actors, with the driver's record held. All
+        attach calls are sent at once (Ray runs one caller's calls to an actor in order) and
+        awaited together. If any fails, the new actors are killed and dropped from the
+        collector, so that no actor collects without the observers the others have.
+        """
+        actors = list(target.remote_collectors)
+        new = actors[first:]
+        if not entries or not new:
+            return
+        n = len(actors)
+        payloads = [(ship(observer, target, self.where), on_error, token) for observer, on_error, token in entries]
+        refs = [
+            actor.__ray_call__.remote(_attach_in_actor, payload, on_error, token, first + i, n)
+            for payload, on_error, token in payloads
+            for i, actor in enumerate(new)
+        ]
+        try:
+            _gather(refs, "attaching the observers to an added", target)
+        except Exception as error:
+            import ray
+
+            for actor in new:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor)
+                with contextlib.suppress(ValueError):
+                    target._remote_collectors.remove(actor)
+            raise RemoteAttachError(
+                f"{error} The {len(new)} collectors being added were stopped and not added."
+            ) from None
+
     def detach_remote(self, target: Any, token: int) -> None:
         actors = list(target.remote_collectors)
-        _gather([a.__ray_call__.remote(detach_here, token) for a in actors], "detaching an observer from", target)
+        refs = [a.__ray_call__.remote(_detach_and_drain, token) for a in actors]
+        try:
+            _gather(refs, "detaching an observer from", target)
+        finally:
+            _write_files([_get_or_none(ref) for ref in refs])
 
     def first_added(self, target: Any) -> None:
         target.__class__ = observed_class(type(target), DRIVER)
@@ -155,11 +212,15 @@ class RayReplayBufferKind(RemoteKind):
             )
 
     def attach_remote(self, target: Any, payload: bytes, on_error: str, token: int) -> None:
-        ref = target._rb.__ray_call__.remote(attach_here, payload, on_error, token, None, None, ACTOR)
+        ref = target._rb.__ray_call__.remote(_attach_in_actor, payload, on_error, token, None, None, ACTOR)
         _gather([ref], "attaching an observer to", target)
 
     def detach_remote(self, target: Any, token: int) -> None:
-        _gather([target._rb.__ray_call__.remote(detach_here, token)], "detaching an observer from", target)
+        ref = target._rb.__ray_call__.remote(_detach_and_drain, token)
+        try:
+            _gather([ref], "detaching an observer from", target)
+        finally:
+            _write_files([_get_or_none(ref)])
 
     def first_added(self, target: Any) -> None:
         target.__class__ = observed_class(type(target), DRIVER)
@@ -175,13 +236,105 @@ RAY_REPLAY_BUFFER = RayReplayBufferKind()
 # -- run inside the actors -------------------------------------------------------------------------
 
 
-def _collector_shutdown_here(collector: Any) -> None:
-    observers = observers_of(collector)
-    if observers is not None:
-        observers.shutdown()
-    elif kind_of(collector) is not None:
-        # A multiprocessing collector in the actor: closing it makes its workers emit.
-        collector.shutdown()
+# Files waiting in this actor for the driver, as (absolute path, bytes); only in an actor whose
+# observers the driver attached through this module, which drains them (see the module docstring).
+_OUTBOX: list[tuple[str, bytes]] = []
+_OUTBOX_LOCK = threading.Lock()
+_DRAINED: list[int | None] = [None]  # the id of this process once the driver attached observers here
+
+
+def send_file_to_driver(path: str | Path) -> bool:
+    """Sends the file at ``path`` back to the driver, if this process is a Ray actor it drains.
+
+    For observers that write files (:class:`~rl_observers.ProfilerObserver`'s
+    traces): in a Ray actor whose observers were attached from the driver
+    (a ``RayCollector``'s remote collectors, a ``RayReplayBuffer``'s actor),
+    the file's bytes are read now and kept until the driver removes an
+    observer or shuts the source down; the driver then writes them under the
+    same absolute path. Elsewhere it does nothing.
+
+    Args:
+        path (str or Path): a file written in this process.
+
+    Returns:
+        bool: whether the file will be sent.
+
+    Examples:
+        >>> from rl_observers.sources.ray import send_file_to_driver
+        >>> send_file_to_driver("trace.json")  # not in a Ray actor: nothing to send
+        False
+    """
+    if _DRAINED[0] != os.getpid():
+        return False
+    path = Path(path).resolve()
+    data = path.read_bytes()
+    with _OUTBOX_LOCK:
+        _OUTBOX.append((str(path), data))
+    return True
+
+
+def _drain() -> list[tuple[str, bytes]]:
+    with _OUTBOX_LOCK:
+        files = list(_OUTBOX)
+        _OUTBOX.clear()
+    return files
+
+
+def _attach_in_actor(source: Any, *args: Any) -> None:
+    """``attach_here``, noting that the driver drains this process's outbox."""
+    _DRAINED[0] = os.getpid()  # not a process forked from here (the workers of a collector in it)
+    attach_here(source, *args)
+
+
+def _detach_and_drain(source: Any, token: int) -> list[tuple[str, bytes]]:
+    try:
+        detach_here(source, token)
+    finally:
+        files = _drain()
+    return files
+
+
+def _get_or_none(ref: Any) -> Any:
+    """``ray.get(ref)``, or ``None`` if the call failed (its error is reported elsewhere)."""
+    import ray
+
+    try:
+        return ray.get(ref)
+    except Exception:
+        return None
+
+
+def _write_files(batches: list[Any]) -> None:
+    """Writes the files sent back by actors on the driver, under their paths (see the module docstring)."""
+    for files in batches:
+        for path, data in files or ():
+            try:
+                target = Path(path)
+                if target.is_file() and target.stat().st_size == len(data) and target.read_bytes() == data:
+                    continue  # the actor ran on this node: the file is already here
+                target.parent.mkdir(parents=True, exist_ok=True)
+                partial = target.with_name(f".{target.name}.{os.getpid()}.part")
+                partial.write_bytes(data)
+                partial.replace(target)
+                torchrl_logger.info(f"rl_observers: {path} written on the driver, from a Ray actor")
+            except Exception as error:
+                torchrl_logger.warning(
+                    f"rl_observers: could not write {path}, sent back by a Ray actor "
+                    f"({type(error).__name__}: {error})."
+                )
+
+
+def _collector_shutdown_here(collector: Any) -> list[tuple[str, bytes]]:
+    try:
+        observers = observers_of(collector)
+        if observers is not None:
+            observers.shutdown()
+        elif kind_of(collector) is not None:
+            # A multiprocessing collector in the actor: closing it makes its workers emit.
+            collector.shutdown()
+    finally:
+        files = _drain()
+    return files
 
 
 def _buffer_stats_here(buffer: Any) -> dict[str, Any]:
@@ -197,10 +350,14 @@ def _buffer_empty_here(buffer: Any, empty_write_count: bool) -> None:
         observers.emit("empty")
 
 
-def _buffer_shutdown_here(buffer: Any) -> None:
-    observers = observers_of(buffer)
-    if observers is not None:
-        observers.shutdown()
+def _buffer_shutdown_here(buffer: Any) -> list[tuple[str, bytes]]:
+    try:
+        observers = observers_of(buffer)
+        if observers is not None:
+            observers.shutdown()
+    finally:
+        files = _drain()
+    return files
 
 
 def _emit_shutdown(actors: list[Any], fn: Any) -> None:
@@ -210,7 +367,8 @@ def _emit_shutdown(actors: list[Any], fn: Any) -> None:
     once, and each answer is awaited separately within one shared deadline
     (at least ``_MIN_WAIT`` seconds each), so the survivors emit
     ``shutdown`` and close their last windows. The actors that could not are
-    reported in one warning.
+    reported in one warning. ``fn`` returns the files the actor sends back
+    (:func:`send_file_to_driver`), which are written here.
     """
     import ray
 
@@ -219,7 +377,7 @@ def _emit_shutdown(actors: list[Any], fn: Any) -> None:
     failed = []
     for idx, ref in enumerate(refs):
         try:
-            ray.get(ref, timeout=max(deadline - time.monotonic(), _MIN_WAIT))
+            _write_files([ray.get(ref, timeout=max(deadline - time.monotonic(), _MIN_WAIT))])
         except Exception as error:  # the actors are being killed anyway
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
             failed.append(f"actor {idx} ({type(error).__name__}: {first_line})")
@@ -235,6 +393,14 @@ def _emit_shutdown(actors: list[Any], fn: Any) -> None:
 
 class _DriverObservedRayCollector:
     """Driver-side ``RayCollector`` with observers: lets the actors emit ``shutdown`` first."""
+
+    def add_collectors(self, *args: Any, **kwargs: Any) -> None:
+        # The collectors added now get every observer the others have, in order, under the
+        # same tokens, so that removing an observer reaches them too.
+        with RAY_COLLECTOR.attached(self) as entries:
+            first = len(self._remote_collectors)  # type: ignore[attr-defined]
+            torchrl_class(type(self)).add_collectors(self, *args, **kwargs)  # type: ignore[attr-defined]
+            RAY_COLLECTOR.attach_to_new(self, first, entries)
 
     def stop_remote_collectors(self) -> None:
         actors = list(getattr(self, "_remote_collectors", ()))

@@ -65,7 +65,7 @@ import itertools
 import os
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import cloudpickle
@@ -234,6 +234,19 @@ class RemoteKind:
     def observers(self, target: Any) -> tuple[Any, ...]:
         state = _REMOTE.get(target)
         return () if state is None else tuple(a.observer for a in state.entries)
+
+    @contextlib.contextmanager
+    def attached(self, target: Any) -> Iterator[tuple[tuple[Any, str, int], ...]]:
+        """Holds ``target``'s record; yields ``(observer, on_error, token)`` per observer, in order.
+
+        For a source that gains remote parts while observed (``RayCollector.add_collectors``):
+        while the record is held no observer is attached or removed, so the new parts can be
+        given exactly the observers the others have, under the same tokens (which is what
+        lets ``remove_observer`` reach them too).
+        """
+        state = _REMOTE.setdefault(target, _RemoteObservers)
+        with state.lock:
+            yield tuple((a.observer, a.on_error, a.token) for a in state.entries)
 
     # -- what subclasses provide ----------------------------------------------------------------
 
