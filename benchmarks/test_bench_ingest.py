@@ -6,7 +6,7 @@ their counters) every ``PERIOD`` seconds through one :class:`RaySender`.
 With pre-merge their windows go through the node's relay actor, which merges
 each worker's consecutive windows and forwards one batch per interval; without
 it every window reaches the owner's ingest alone. The owner folds every message
-it accepts into real :class:`~rl_observers.aggregate.Aggregate` objects, as the
+it accepts into real :class:`~rl_observers.logging.aggregate.Aggregate` objects, as the
 channel does.
 
 "Effective contributions" are the worker windows that reached the owner's
@@ -25,8 +25,8 @@ import time
 from typing import Any
 
 import pytest
-from rl_observers.aggregate import Aggregate
-from rl_observers.reducers import Count, Moments
+from rl_observers.logging.aggregate import Aggregate
+from rl_observers.stats import Count, Moments
 
 from tests.helpers import local_ray
 from tests.test_ray_transport import load_transport

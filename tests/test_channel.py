@@ -528,6 +528,7 @@ def test_health_is_logged_when_it_changed_and_at_close():
         "channel/sink_errors": 0,
         "channel/remote_dropped": 0,
         "channel/remote_coalesced": 0,
+        "channel/receiver_restarts": 0,
     }
     channel.step()
     assert len(logger.health_calls()) == 1  # unchanged: not logged again
@@ -553,6 +554,7 @@ def test_health_reports_are_rate_limited():
             "ch/sink_errors": 0,
             "ch/remote_dropped": 0,
             "ch/remote_coalesced": 0,
+            "ch/receiver_restarts": 0,
         },
         0,
     )

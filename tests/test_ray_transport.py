@@ -7,49 +7,29 @@ otherwise (then the multi-node tests skip). Actors here take no CPU.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import socket
-import sys
 import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
-from rl_observers.aggregate import Aggregate
-from rl_observers.reducers import Count, Moments
+from rl_observers.channel import ray_transport
+from rl_observers.logging.aggregate import Aggregate
+from rl_observers.stats import Count, Moments
 
-import rl_observers
 from tests.helpers import local_ray
 from tests.multinode import Cluster, _groups_of_sessions, two_node_cluster
 
 
 def load_transport() -> ModuleType:
-    """``rl_observers.channel.ray_transport``, loaded from its file while ``channel`` is a module."""
-    try:
-        from rl_observers.channel import ray_transport  # type: ignore[attr-defined]
-
-        return ray_transport
-    except ImportError:
-        pass
-    name = "rl_observers_ray_transport"
-    module = sys.modules.get(name)
-    if module is None:
-        path = Path(rl_observers.__file__).parent / "channel" / "ray_transport.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    ray = sys.modules.get("ray")
-    if ray is not None:  # its actor classes travel by value to Ray's workers
-        ray.cloudpickle.register_pickle_by_value(module)
-    return module
+    """``rl_observers.channel.ray_transport`` (kept for the benchmarks that import it)."""
+    return ray_transport
 
 
 class RayEnv:
@@ -132,6 +112,8 @@ def test_registry_hooks(ray_env, receiver):
     assert not transport.reachable("/tmp/some.sock")
     assert isinstance(transport.make_sender(address), transport.RaySender)
     assert isinstance(transport.make_receiver("t"), transport.RayReceiver)
+    sender = transport.make_sender(address)
+    assert transport.make_sender(address) is sender  # one per process and address
     import pickle
 
     assert pickle.loads(pickle.dumps(address)) == address

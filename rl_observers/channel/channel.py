@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
 import threading
 import time
 import uuid
@@ -405,7 +406,9 @@ class MetricsChannel:
         - ``sink_errors``: entries whose logger call raised;
         - ``remote_dropped`` / ``remote_coalesced``: what handles in other
           processes dropped or coalesced before sending (as far as they
-          could report it).
+          could report it), also on other nodes;
+        - ``receiver_restarts``: times a receiver lost its mailbox and
+          started a new one (Ray's ingest actor died; what it held is lost).
 
         ``submitted == logged + pending + coalesced + dropped + sink_errors``.
         """
@@ -461,7 +464,26 @@ class MetricsChannel:
         if isinstance(state, Owner):
             self._addresses = state.addresses()
         channel = self if isinstance(state, Owner) else None
-        return MetricsHandle(self._token, self._addresses, meta, channel=channel, transport=transport)
+        return MetricsHandle(
+            self._token,
+            self._addresses,
+            meta,
+            channel=channel,
+            transport=transport,
+            owner=self._owner_description(),
+        )
+
+    def _owner_description(self) -> str:
+        pid = self._state.pid if isinstance(self._state, Owner) else os.getppid()
+        return f"MetricsChannel {self.name!r} (pid {pid} on {socket.gethostname()})"
+
+    def _current_addresses(self, known: Mapping[str, Any]) -> dict[str, Any]:
+        """The receivers' addresses now (starting those that became available, as Ray's)."""
+        state = self._state
+        if isinstance(state, Owner) and not state.closed:
+            self._addresses = state.addresses()
+            return self._addresses
+        return dict(known)
 
     @property
     def logger(self) -> Any:

@@ -54,7 +54,16 @@ class MetricsHandle:
     handle. Unix-domain sockets only reach processes on the same machine.
     """
 
-    __slots__ = ("__weakref__", "_addresses", "_channel", "_forced", "_meta", "_sender", "_token")
+    __slots__ = (
+        "__weakref__",
+        "_addresses",
+        "_channel",
+        "_forced",
+        "_meta",
+        "_owner",
+        "_sender",
+        "_token",
+    )
 
     def __init__(
         self,
@@ -64,8 +73,10 @@ class MetricsHandle:
         *,
         channel: MetricsChannel | None = None,
         transport: str | None = None,
+        owner: str | None = None,
     ) -> None:
         self._token = token
+        self._owner = owner or f"MetricsChannel {token}"
         self._addresses = dict(addresses)
         self._meta = dict(meta) if meta else None
         self._forced = transport
@@ -75,7 +86,7 @@ class MetricsHandle:
     def _send_through(self) -> Sender:
         sender = self._sender
         if sender is None:
-            sender = self._sender = make_sender(self._addresses, self._forced)
+            sender = self._sender = make_sender(self._addresses, self._forced, self._owner)
         return sender
 
     def submit_metrics(
@@ -154,7 +165,13 @@ class MetricsHandle:
         return self._sender.coalesced if self._sender is not None else 0
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_handle, (self._token, self._addresses, self._meta, self._forced))
+        owner = OWNERS.get(self._token)
+        if owner is not None:  # in the owner's process: receivers started since (Ray) count too
+            self._addresses = owner._current_addresses(self._addresses)
+        return (
+            _rebuild_handle,
+            (self._token, self._addresses, self._meta, self._forced, self._owner),
+        )
 
     def __repr__(self) -> str:
         transport = self.transport
@@ -168,5 +185,8 @@ def _rebuild_handle(
     addresses: Mapping[str, Any],
     meta: Mapping[str, Any] | None,
     transport: str | None = None,
+    owner: str | None = None,
 ) -> MetricsHandle:
-    return MetricsHandle(token, addresses, meta, channel=OWNERS.get(token), transport=transport)
+    return MetricsHandle(
+        token, addresses, meta, channel=OWNERS.get(token), transport=transport, owner=owner
+    )
