@@ -419,10 +419,14 @@ class MetricsChannel:
     ) -> MetricsHandle:
         """Returns a picklable, non-owning handle to this channel for workers and actors.
 
-        The first call starts the channel's receivers (the socket that
-        handles in other processes on this machine send to). Unpickled in this process, the handle submits to the channel
-        directly; in another process on the same machine, it sends datagrams
-        to the channel's socket, without ever blocking.
+        The first call starts the channel's receivers: the socket that
+        handles in other processes on this machine send to and, when this
+        process is connected to Ray, the Ray ingest that handles on other
+        nodes send to (started by the first handle made or pickled once Ray
+        is initialized). Unpickled in this process, the handle submits to
+        the channel directly; in another process on the same machine, it
+        sends datagrams to the channel's socket; elsewhere, through Ray;
+        never blocking.
 
         Args:
             meta (Mapping, optional): default ``meta`` of every payload sent
@@ -432,7 +436,7 @@ class MetricsChannel:
 
         Keyword Args:
             transport (str, optional): the transport the handle sends
-                through (``"socket"``, or another registered one), even in
+                through (``"socket"``, ``"ray"``, or another registered one), even in
                 this process. Defaults to ``None``: in this process the
                 channel itself, elsewhere the first reachable transport.
 

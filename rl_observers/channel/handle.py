@@ -51,7 +51,12 @@ class MetricsHandle:
 
     The handle never closes the channel. A forked child that inherited the
     channel itself (not a handle) may use it too: there it behaves like a
-    handle. Unix-domain sockets only reach processes on the same machine.
+    handle. Unix-domain sockets only reach processes on the same machine;
+    elsewhere (another node of a Ray cluster) a process connected to Ray
+    sends through Ray (``transport == "ray"``), merged per node on the way.
+    A handle that can reach its owner by no transport warns once, naming
+    the owner and the reason, and counts what it drops
+    (``transport == "unreachable"``).
     """
 
     __slots__ = (
