@@ -35,7 +35,6 @@ class BufferActor:
     """One worker: a replay buffer observed where it lives."""
 
     def __init__(self, observer: LoggerObserver, worker: int, workers: int) -> None:
-        import rl_observers  # noqa: F401  (installs add_observer on torchrl's buffers)
         from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
         from rl_observers.sources.placement import place

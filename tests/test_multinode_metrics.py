@@ -41,9 +41,9 @@ def _buffer_actor(ray: Any) -> Any:
         """A torchrl replay buffer observed by a copy of the driver's LoggerObserver."""
 
         def __init__(self, observer: LoggerObserver, worker: int) -> None:
-            import rl_observers  # noqa: F401  (installs add_observer on torchrl's buffers)
             from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
+            import rl_observers  # noqa: F401  (installs add_observer on torchrl's buffers)
             from rl_observers.sources.placement import place
 
             self.rb = TensorDictReplayBuffer(storage=LazyTensorStorage(100_000))

@@ -19,10 +19,10 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+
 from rl_observers.channel import ray_transport
 from rl_observers.logging.aggregate import Aggregate
 from rl_observers.stats import Count, Moments
-
 from tests.helpers import local_ray
 from tests.multinode import Cluster, _groups_of_sessions, two_node_cluster
 
