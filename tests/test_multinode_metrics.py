@@ -40,7 +40,8 @@ def _buffer_actor(ray: Any) -> Any:
     class Buffer:
         """A torchrl replay buffer observed by a copy of the driver's LoggerObserver."""
 
-        def __init__(self, observer: LoggerObserver, worker: int) -> None:
+        def observe(self, observer: LoggerObserver, worker: int) -> None:
+            """A new buffer, observed by ``observer`` (actors are shared by the module's tests)."""
             from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
             import rl_observers  # noqa: F401  (installs add_observer on torchrl's buffers)
@@ -82,6 +83,25 @@ def _buffer_actor(ray: Any) -> Any:
         def dropped(self) -> int:
             return self.observer._sink.dropped
 
+        def use(self, handle: Any, count: int) -> tuple[str, int, list[str]]:
+            """Submits through ``handle``; returns its transport, its drops and the warnings."""
+            import logging
+
+            records: list[str] = []
+
+            class Keep(logging.Handler):
+                def emit(self, record: logging.LogRecord) -> None:
+                    records.append(record.getMessage())
+
+            keep = Keep()
+            logging.getLogger("torchrl").addHandler(keep)
+            try:
+                for i in range(count):
+                    handle.submit_metrics({"x": float(i)}, namespace="lost")
+            finally:
+                logging.getLogger("torchrl").removeHandler(keep)
+            return handle.transport, handle.dropped, records
+
     return Buffer
 
 
@@ -96,10 +116,22 @@ def _observer(channel: MetricsChannel, name: str, scope: str, schedule: Every = 
     )
 
 
-def _pair(ray: Any, cluster: Cluster, observer: LoggerObserver) -> tuple[Any, Any]:
+@pytest.fixture(scope="module")
+def actors(cluster) -> Iterator[tuple[Any, Any]]:
+    """One buffer actor on the far node, one on the head node (torch loads once in each)."""
+    import ray
+
     Buffer = _buffer_actor(ray)
-    far = Buffer.options(resources=cluster.far).remote(observer, 1)
-    head = Buffer.options(resources=cluster.head).remote(observer, 0)
+    far = Buffer.options(resources=cluster.far).remote()
+    head = Buffer.options(resources=cluster.head).remote()
+    yield far, head
+    for actor in (far, head):
+        ray.kill(actor)
+
+
+def _pair(ray: Any, actors: tuple[Any, Any], observer: LoggerObserver) -> tuple[Any, Any]:
+    far, head = actors
+    ray.get([far.observe.remote(observer, 1), head.observe.remote(observer, 0)])
     return far, head
 
 
@@ -122,12 +154,12 @@ def _check(logger: Any, namespace: str, values: list[float]) -> None:
     assert scalars(logger, f"{namespace}/items_written")[0][1] == len(values)
 
 
-def test_far_node_windows_reach_the_drivers_csv_exactly(cluster, tmp_path):
+def test_far_node_windows_reach_the_drivers_csv_exactly(cluster, actors, tmp_path):
     """scope="both", log_on_close at shutdown: far node through Ray, head node through the socket."""
     ray = pytest.importorskip("ray")
     logger = CSVLogger(exp_name="far", log_dir=str(tmp_path))
     channel = MetricsChannel(logger, health_interval=None)
-    far, head = _pair(ray, cluster, _observer(channel, "both", "both"))
+    far, head = _pair(ray, actors, _observer(channel, "both", "both"))
     where_far, where_head = ray.get([far.where.remote(), head.where.remote()])
     assert where_far == (cluster.far_node_id, "ray", False)  # the socket does not exist there
     assert where_head == (cluster.head_node_id, "socket", True)
@@ -143,16 +175,14 @@ def test_far_node_windows_reach_the_drivers_csv_exactly(cluster, tmp_path):
     assert scalars(logger, "both/workers")[0][1] == 2
     health = channel.health()
     assert health["dropped"] == health["remote_dropped"] == 0
-    for actor in (far, head):
-        ray.kill(actor)
 
 
 @pytest.mark.parametrize("scope", ["aggregate", "per_worker"])
-def test_remove_observer_then_flush_delivers_everything(cluster, tmp_path, scope):
+def test_remove_observer_then_flush_delivers_everything(cluster, actors, tmp_path, scope):
     ray = pytest.importorskip("ray")
     logger = CSVLogger(exp_name=scope, log_dir=str(tmp_path))
     channel = MetricsChannel(logger, health_interval=None)
-    far, head = _pair(ray, cluster, _observer(channel, scope, scope))
+    far, head = _pair(ray, actors, _observer(channel, scope, scope))
     ray.get([far.write.remote(8, 8, seed=3), head.write.remote(4, 8, seed=4)])
     far_values, head_values = ray.get([far.written.remote(), head.written.remote()])
     assert ray.get([far.remove.remote(), head.remove.remote()]) == [True, True]
@@ -166,19 +196,17 @@ def test_remove_observer_then_flush_delivers_everything(cluster, tmp_path, scope
         _check(logger, f"{scope}/worker_0", head_values)
         assert not scalars(logger, f"{scope}/reward_mean")
     assert channel.close(timeout=10)
-    for actor in (far, head):
-        ray.kill(actor)
 
 
 @pytest.mark.parametrize("victim", ["relay", "ingest"])
-def test_killing_relay_or_ingest_mid_run(cluster, tmp_path, victim):
+def test_killing_relay_or_ingest_mid_run(cluster, actors, tmp_path, victim):
     """Collection goes on; the owner's health shows the loss; flush/close return in time."""
     ray = pytest.importorskip("ray")
     logger = CSVLogger(exp_name=victim, log_dir=str(tmp_path))
     channel = MetricsChannel(logger, health_interval=None)
     observer = _observer(channel, victim, "aggregate", schedule=Every.counter("items_written", 64))
-    Buffer = _buffer_actor(ray)
-    far = Buffer.options(resources=cluster.far).remote(observer, 1)
+    far, _ = actors
+    ray.get(far.observe.remote(observer, 1))
     ray.get(far.write.remote(2, 8, seed=5))
     running = far.write.remote(150, 8, seed=6, pause=0.01)  # ~2 s of writes
     address = channel.handle()._addresses["ray"]
@@ -212,32 +240,16 @@ def test_killing_relay_or_ingest_mid_run(cluster, tmp_path, victim):
     start = time.monotonic()
     channel.close(timeout=10)
     assert time.monotonic() - start < 12
-    ray.kill(far)
 
 
-def test_unreachable_owner_warns_once_and_counts(cluster, tmp_path):
+def test_unreachable_owner_warns_once_and_counts(cluster, actors, tmp_path):
     """A handle that reaches its owner by no transport says so once, and counts its drops."""
     ray = pytest.importorskip("ray")
     logger = CSVLogger(exp_name="lost", log_dir=str(tmp_path))
     channel = MetricsChannel(logger, health_interval=None)
     handle = channel.handle(transport="socket")  # forced: the socket does not reach the far node
-
-    @ray.remote(num_cpus=0)
-    def use(handle: Any) -> tuple[str, int]:
-        import logging
-
-        records: list[str] = []
-
-        class Keep(logging.Handler):
-            def emit(self, record: logging.LogRecord) -> None:
-                records.append(record.getMessage())
-
-        logging.getLogger("torchrl").addHandler(Keep())
-        for i in range(5):
-            handle.submit_metrics({"x": float(i)}, namespace="lost")
-        return handle.transport, handle.dropped, records
-
-    transport, dropped, records = ray.get(use.options(resources=cluster.far).remote(handle))
+    far, _ = actors
+    transport, dropped, records = ray.get(far.use.remote(handle, 5))
     assert (transport, dropped) == ("unreachable", 5)
     assert len(records) == 1 and "cannot reach its owner MetricsChannel" in records[0]
     assert "socket" in records[0]
