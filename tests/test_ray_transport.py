@@ -351,6 +351,39 @@ def test_killing_relay_or_ingest_mid_run(ray_env, receiver, victim):
     sender.close(1.0)
 
 
+# -- the channel's side ---------------------------------------------------------------------------
+
+
+def test_channel_handles_carry_both_addresses_and_pick_or_are_told(ray_env, tmp_path):
+    """Connected to Ray, a channel's handles know the socket and Ray; the socket wins here."""
+    import pickle
+
+    from rl_observers import MetricsChannel
+    from tests.helpers import RecordingLogger
+
+    logger = RecordingLogger()
+    channel = MetricsChannel(logger, health_interval=None)
+    try:
+        handle = channel.handle()
+        assert handle.transport == "local"
+        remote = pickle.loads(pickle.dumps(handle))
+        assert set(remote._addresses) == {"socket", "ray"}
+        forced = channel.handle(transport="ray")
+        assert forced.transport == "ray" and "transport='ray'" in repr(forced)
+        assert forced._send_through() is ray_transport.make_sender(forced.address)  # one per process
+        forced.submit_metrics({"x": 1.0}, 3, namespace="through_ray")
+        assert forced.flush(30.0)
+        assert channel.flush(timeout=30)
+        assert logger.series("through_ray/x") == [(3, 1.0)]
+    finally:
+        start = time.monotonic()
+        assert channel.close(timeout=10)
+        assert time.monotonic() - start < 12
+    token = remote._token
+    names = [a["name"] for a in ray_env.ray.util.list_named_actors(all_namespaces=True)]
+    assert not [n for n in names if token in n]  # close killed the ingest and the relays
+
+
 # -- two nodes -----------------------------------------------------------------------------------
 
 
@@ -458,3 +491,4 @@ def test_cluster_stops_cleanly_and_plain_ray_init_works_after(ray_env):
     print(
         f"two-node cluster: started in {cluster.start_seconds:.1f} s, stopped in {stop_seconds:.1f} s"
     )
+
