@@ -87,6 +87,8 @@ RELAY_IN_FLIGHT = 4
 RELAY_CHECK_EVERY = 10.0
 #: Seconds without the owner's ingest after which a relay exits (its owner died unclosed).
 RELAY_ORPHAN_AFTER = 60.0
+#: The Ray namespace of the ingest and relay actors (their names hold the channel's token).
+ACTOR_NAMESPACE = "rl_observers"
 #: Messages the ingest actor holds before it drops.
 INGEST_CAPACITY = 1 << 18
 #: Messages the owner takes from the ingest per call.
@@ -820,7 +822,7 @@ class RayReceiver:
         self._address = RayAddress(
             token=self.token,
             ingest=f"rl_observers-ingest-{self.token}",
-            namespace=context.namespace,
+            namespace=ACTOR_NAMESPACE,
             owner=self._owner,
         )
         self._node = context.get_node_id()
