@@ -146,7 +146,7 @@ def test_bounded_in_flight_coalesces_then_drops_and_counts(ray_env):
             time.sleep(3600)
 
     address = transport.RayAddress(
-        token, f"rl_observers-ingest-{token}", ray.get_runtime_context().namespace, "test owner"
+        token, f"rl_observers-ingest-{token}", transport.ACTOR_NAMESPACE, "test owner"
     )
     stalled = Stalled.options(name=address.ingest, namespace=address.namespace).remote()
     ray.get(stalled.__ray_ready__.remote())
