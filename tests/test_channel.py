@@ -528,6 +528,7 @@ def test_health_is_logged_when_it_changed_and_at_close():
         "channel/sink_errors": 0,
         "channel/remote_dropped": 0,
         "channel/remote_coalesced": 0,
+        "channel/receiver_restarts": 0,
     }
     channel.step()
     assert len(logger.health_calls()) == 1  # unchanged: not logged again
@@ -553,6 +554,7 @@ def test_health_reports_are_rate_limited():
             "ch/sink_errors": 0,
             "ch/remote_dropped": 0,
             "ch/remote_coalesced": 0,
+            "ch/receiver_restarts": 0,
         },
         0,
     )
@@ -1095,3 +1097,23 @@ def test_ray_logger_service_and_a_handle_in_a_ray_worker(tmp_path, monkeypatch):
         logger.shutdown(timeout=30)
     finally:
         ray.shutdown()
+
+
+def test_a_channel_without_ray_starts_no_ray_receiver():
+    """An owner not connected to Ray: handles carry the socket only, and Ray stays uninitialized."""
+    import pickle
+    import sys
+
+    logger = RecordingLogger()
+    channel = MetricsChannel(logger, background=False)
+    handle = pickle.loads(pickle.dumps(channel.handle()))
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        pytest.skip("Ray is initialized in this process")
+    assert set(handle._addresses) == {"socket"}
+    assert ray is None or not ray.is_initialized()
+    forced = channel.handle(transport="ray")  # cannot reach: says so once, counts
+    forced.submit_metrics({"x": 1.0})
+    forced.submit_metrics({"x": 2.0})
+    assert (forced.transport, forced.dropped) == ("unreachable", 2)
+    channel.close()

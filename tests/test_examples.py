@@ -58,6 +58,16 @@ def test_ray_collection(tmp_path):
     assert summary["buffer/sample_calls"][1] == 40
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_ray_multinode_runs_locally(tmp_path, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    summary = load("ray_multinode").main(str(tmp_path), workers=2, batches=10, size=16)
+    assert summary["buffers/items_written"][1] == 2 * 10 * 16
+    assert summary["buffers/workers"][1] == 2
+    assert summary["buffers/worker_0/items_written"][1] == 10 * 16
+
+
 @pytest.mark.timeout(120)
 def test_episode_returns_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

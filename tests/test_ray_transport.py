@@ -7,49 +7,29 @@ otherwise (then the multi-node tests skip). Actors here take no CPU.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import socket
-import sys
 import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
-from rl_observers.aggregate import Aggregate
-from rl_observers.reducers import Count, Moments
 
-import rl_observers
+from rl_observers.channel import ray_transport
+from rl_observers.logging.aggregate import Aggregate
+from rl_observers.stats import Count, Moments
 from tests.helpers import local_ray
 from tests.multinode import Cluster, _groups_of_sessions, two_node_cluster
 
 
 def load_transport() -> ModuleType:
-    """``rl_observers.channel.ray_transport``, loaded from its file while ``channel`` is a module."""
-    try:
-        from rl_observers.channel import ray_transport  # type: ignore[attr-defined]
-
-        return ray_transport
-    except ImportError:
-        pass
-    name = "rl_observers_ray_transport"
-    module = sys.modules.get(name)
-    if module is None:
-        path = Path(rl_observers.__file__).parent / "channel" / "ray_transport.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    ray = sys.modules.get("ray")
-    if ray is not None:  # its actor classes travel by value to Ray's workers
-        ray.cloudpickle.register_pickle_by_value(module)
-    return module
+    """``rl_observers.channel.ray_transport`` (kept for the benchmarks that import it)."""
+    return ray_transport
 
 
 class RayEnv:
@@ -132,6 +112,8 @@ def test_registry_hooks(ray_env, receiver):
     assert not transport.reachable("/tmp/some.sock")
     assert isinstance(transport.make_sender(address), transport.RaySender)
     assert isinstance(transport.make_receiver("t"), transport.RayReceiver)
+    sender = transport.make_sender(address)
+    assert transport.make_sender(address) is sender  # one per process and address
     import pickle
 
     assert pickle.loads(pickle.dumps(address)) == address
@@ -164,7 +146,7 @@ def test_bounded_in_flight_coalesces_then_drops_and_counts(ray_env):
             time.sleep(3600)
 
     address = transport.RayAddress(
-        token, f"rl_observers-ingest-{token}", ray.get_runtime_context().namespace, "test owner"
+        token, f"rl_observers-ingest-{token}", transport.ACTOR_NAMESPACE, "test owner"
     )
     stalled = Stalled.options(name=address.ingest, namespace=address.namespace).remote()
     ray.get(stalled.__ray_ready__.remote())
@@ -369,6 +351,39 @@ def test_killing_relay_or_ingest_mid_run(ray_env, receiver, victim):
     sender.close(1.0)
 
 
+# -- the channel's side ---------------------------------------------------------------------------
+
+
+def test_channel_handles_carry_both_addresses_and_pick_or_are_told(ray_env, tmp_path):
+    """Connected to Ray, a channel's handles know the socket and Ray; the socket wins here."""
+    import pickle
+
+    from rl_observers import MetricsChannel
+    from tests.helpers import RecordingLogger
+
+    logger = RecordingLogger()
+    channel = MetricsChannel(logger, health_interval=None)
+    try:
+        handle = channel.handle()
+        assert handle.transport == "local"
+        remote = pickle.loads(pickle.dumps(handle))
+        assert set(remote._addresses) == {"socket", "ray"}
+        forced = channel.handle(transport="ray")
+        assert forced.transport == "ray" and "transport='ray'" in repr(forced)
+        assert forced._send_through() is ray_transport.make_sender(forced.address)  # one per process
+        forced.submit_metrics({"x": 1.0}, 3, namespace="through_ray")
+        assert forced.flush(30.0)
+        assert channel.flush(timeout=30)
+        assert logger.series("through_ray/x") == [(3, 1.0)]
+    finally:
+        start = time.monotonic()
+        assert channel.close(timeout=10)
+        assert time.monotonic() - start < 12
+    token = remote._token
+    names = [a["name"] for a in ray_env.ray.util.list_named_actors(all_namespaces=True)]
+    assert not [n for n in names if token in n]  # close killed the ingest and the relays
+
+
 # -- two nodes -----------------------------------------------------------------------------------
 
 
@@ -476,3 +491,4 @@ def test_cluster_stops_cleanly_and_plain_ray_init_works_after(ray_env):
     print(
         f"two-node cluster: started in {cluster.start_seconds:.1f} s, stopped in {stop_seconds:.1f} s"
     )
+

@@ -19,7 +19,8 @@ Modules, in the order a payload meets them:
 - :mod:`~rl_observers.channel.payload`: what a payload may hold; the one merge rule, ``coalesce``;
 - :mod:`~rl_observers.channel.handle`: :class:`MetricsHandle`, for other processes;
 - :mod:`~rl_observers.channel.transport`: the transport interface and registry;
-- :mod:`~rl_observers.channel.socket`: the Unix-datagram transport;
+- :mod:`~rl_observers.channel.socket`: the Unix-datagram transport (the owner's machine);
+- :mod:`~rl_observers.channel.ray_transport`: the Ray transport (any node), merged per node;
 - :mod:`~rl_observers.channel.channel`: :class:`MetricsChannel`, the public face;
 - :mod:`~rl_observers.channel.owner`: what the channel is in its process (owner) or a forked child;
 - :mod:`~rl_observers.channel.queue`: the bounded, coalescing queue and its counters;
@@ -28,12 +29,13 @@ Modules, in the order a payload meets them:
 
 from __future__ import annotations
 
+from rl_observers.channel import ray_transport as _ray_transport  # registers Ray (never imports it)
 from rl_observers.channel import socket as _socket  # registers the socket transport
 from rl_observers.channel.channel import MetricsChannel
 from rl_observers.channel.delivery import Router, register_router
 from rl_observers.channel.handle import MetricsHandle
 from rl_observers.channel.transport import register_transport
 
-del _socket
+del _ray_transport, _socket
 
 __all__ = ["MetricsChannel", "MetricsHandle", "Router", "register_router", "register_transport"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
 import threading
 import time
 import uuid
@@ -405,7 +406,9 @@ class MetricsChannel:
         - ``sink_errors``: entries whose logger call raised;
         - ``remote_dropped`` / ``remote_coalesced``: what handles in other
           processes dropped or coalesced before sending (as far as they
-          could report it).
+          could report it), also on other nodes;
+        - ``receiver_restarts``: times a receiver lost its mailbox and
+          started a new one (Ray's ingest actor died; what it held is lost).
 
         ``submitted == logged + pending + coalesced + dropped + sink_errors``.
         """
@@ -416,10 +419,14 @@ class MetricsChannel:
     ) -> MetricsHandle:
         """Returns a picklable, non-owning handle to this channel for workers and actors.
 
-        The first call starts the channel's receivers (the socket that
-        handles in other processes on this machine send to). Unpickled in this process, the handle submits to the channel
-        directly; in another process on the same machine, it sends datagrams
-        to the channel's socket, without ever blocking.
+        The first call starts the channel's receivers: the socket that
+        handles in other processes on this machine send to and, when this
+        process is connected to Ray, the Ray ingest that handles on other
+        nodes send to (started by the first handle made or pickled once Ray
+        is initialized). Unpickled in this process, the handle submits to
+        the channel directly; in another process on the same machine, it
+        sends datagrams to the channel's socket; elsewhere, through Ray;
+        never blocking.
 
         Args:
             meta (Mapping, optional): default ``meta`` of every payload sent
@@ -429,7 +436,7 @@ class MetricsChannel:
 
         Keyword Args:
             transport (str, optional): the transport the handle sends
-                through (``"socket"``, or another registered one), even in
+                through (``"socket"``, ``"ray"``, or another registered one), even in
                 this process. Defaults to ``None``: in this process the
                 channel itself, elsewhere the first reachable transport.
 
@@ -461,7 +468,26 @@ class MetricsChannel:
         if isinstance(state, Owner):
             self._addresses = state.addresses()
         channel = self if isinstance(state, Owner) else None
-        return MetricsHandle(self._token, self._addresses, meta, channel=channel, transport=transport)
+        return MetricsHandle(
+            self._token,
+            self._addresses,
+            meta,
+            channel=channel,
+            transport=transport,
+            owner=self._owner_description(),
+        )
+
+    def _owner_description(self) -> str:
+        pid = self._state.pid if isinstance(self._state, Owner) else os.getppid()
+        return f"MetricsChannel {self.name!r} (pid {pid} on {socket.gethostname()})"
+
+    def _current_addresses(self, known: Mapping[str, Any]) -> dict[str, Any]:
+        """The receivers' addresses now (starting those that became available, as Ray's)."""
+        state = self._state
+        if isinstance(state, Owner) and not state.closed:
+            self._addresses = state.addresses()
+            return self._addresses
+        return dict(known)
 
     @property
     def logger(self) -> Any:

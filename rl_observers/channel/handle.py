@@ -51,10 +51,24 @@ class MetricsHandle:
 
     The handle never closes the channel. A forked child that inherited the
     channel itself (not a handle) may use it too: there it behaves like a
-    handle. Unix-domain sockets only reach processes on the same machine.
+    handle. Unix-domain sockets only reach processes on the same machine;
+    elsewhere (another node of a Ray cluster) a process connected to Ray
+    sends through Ray (``transport == "ray"``), merged per node on the way.
+    A handle that can reach its owner by no transport warns once, naming
+    the owner and the reason, and counts what it drops
+    (``transport == "unreachable"``).
     """
 
-    __slots__ = ("__weakref__", "_addresses", "_channel", "_forced", "_meta", "_sender", "_token")
+    __slots__ = (
+        "__weakref__",
+        "_addresses",
+        "_channel",
+        "_forced",
+        "_meta",
+        "_owner",
+        "_sender",
+        "_token",
+    )
 
     def __init__(
         self,
@@ -64,8 +78,10 @@ class MetricsHandle:
         *,
         channel: MetricsChannel | None = None,
         transport: str | None = None,
+        owner: str | None = None,
     ) -> None:
         self._token = token
+        self._owner = owner or f"MetricsChannel {token}"
         self._addresses = dict(addresses)
         self._meta = dict(meta) if meta else None
         self._forced = transport
@@ -75,7 +91,7 @@ class MetricsHandle:
     def _send_through(self) -> Sender:
         sender = self._sender
         if sender is None:
-            sender = self._sender = make_sender(self._addresses, self._forced)
+            sender = self._sender = make_sender(self._addresses, self._forced, self._owner)
         return sender
 
     def submit_metrics(
@@ -154,7 +170,13 @@ class MetricsHandle:
         return self._sender.coalesced if self._sender is not None else 0
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_handle, (self._token, self._addresses, self._meta, self._forced))
+        owner = OWNERS.get(self._token)
+        if owner is not None:  # in the owner's process: receivers started since (Ray) count too
+            self._addresses = owner._current_addresses(self._addresses)
+        return (
+            _rebuild_handle,
+            (self._token, self._addresses, self._meta, self._forced, self._owner),
+        )
 
     def __repr__(self) -> str:
         transport = self.transport
@@ -168,5 +190,8 @@ def _rebuild_handle(
     addresses: Mapping[str, Any],
     meta: Mapping[str, Any] | None,
     transport: str | None = None,
+    owner: str | None = None,
 ) -> MetricsHandle:
-    return MetricsHandle(token, addresses, meta, channel=OWNERS.get(token), transport=transport)
+    return MetricsHandle(
+        token, addresses, meta, channel=OWNERS.get(token), transport=transport, owner=owner
+    )

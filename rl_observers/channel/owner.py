@@ -192,11 +192,16 @@ class Owner:
     def addresses(self) -> dict[str, Any]:
         """Starts every registered transport's receiver on first use; returns their addresses."""
         with self._receivers_lock:
-            if not self._receivers_started and not self.close_requested:
+            if not self.close_requested:
+                first = not self._receivers_started
                 self._receivers_started = True
                 for candidate in transports():
+                    if candidate.name in self._receivers or not (first or candidate.retry):
+                        continue
                     receiver = candidate.make_receiver(self.token, self.name)
                     if receiver is not None:
+                        if hasattr(receiver, "on_restart"):
+                            receiver.on_restart = self.queue.count_restart
                         receiver.start(self._accept, self.queue.count_dropped, self.background)
                         self._receivers[candidate.name] = receiver
             return {name: r.address() for name, r in self._receivers.items()}
@@ -296,7 +301,7 @@ class Forwarder:
         self.background = owner.background
         self.closed = owner.closed
         self.queue = None
-        self._sender = make_sender({} if owner.closed else addresses)
+        self._sender = make_sender({} if owner.closed else addresses, owner=f"MetricsChannel {owner.name!r} (pid {owner.pid})")
         self._dropped_after_close = 0
         self._close_callbacks: list[Callable[[], Any]] = []
 
@@ -348,6 +353,7 @@ class Forwarder:
             "sink_errors": 0,
             "remote_dropped": 0,
             "remote_coalesced": 0,
+            "receiver_restarts": 0,
         }
 
     def release(self) -> None:

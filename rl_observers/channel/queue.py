@@ -77,6 +77,7 @@ class PendingQueue:
         self._sink_errors = 0
         self._remote_dropped = 0
         self._remote_coalesced = 0
+        self._receiver_restarts = 0
         self.closed = False
 
     # ------------------------------------------------------------------ put
@@ -133,6 +134,11 @@ class PendingQueue:
             self._remote_dropped += dropped
             self._remote_coalesced += coalesced
 
+    def count_restart(self) -> None:
+        """Counts a receiver that lost its mailbox and started a new one (what it held is lost)."""
+        with self._lock:
+            self._receiver_restarts += 1
+
     def close(self) -> None:
         """From now on, :meth:`put` drops (and counts) what it is given."""
         with self._lock:
@@ -179,6 +185,7 @@ class PendingQueue:
                 "sink_errors": self._sink_errors,
                 "remote_dropped": self._remote_dropped,
                 "remote_coalesced": self._remote_coalesced,
+                "receiver_restarts": self._receiver_restarts,
             }
 
     def has_meta(self, key: str, value: Any) -> bool:

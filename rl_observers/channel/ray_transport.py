@@ -50,31 +50,11 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-# torchrl's logger, without importing torchrl in the relay and ingest actors
+from rl_observers.channel.payload import coalesce
+from rl_observers.channel.transport import register_transport
+
+# torchrl's logger (the same object as torchrl._utils.logger)
 torchrl_logger = logging.getLogger("torchrl")
-
-try:
-    from rl_observers.channel.payload import coalesce as _coalesce
-except ImportError:
-    _MISSING = object()
-    _GAUGE_TYPES = (float, int)
-
-    # replaced by channel.payload.coalesce at merge
-    def _coalesce(into: dict[str, Any], metrics: Mapping[str, Any]) -> Exception | None:
-        """Partials present on both sides merge exactly; anything else keeps the newest."""
-        error = None
-        for key, value in metrics.items():
-            previous = into.get(key, _MISSING)
-            if previous is not _MISSING and previous.__class__ not in _GAUGE_TYPES:
-                merge = getattr(previous, "merge", None)
-                if merge is not None and getattr(value, "merge", None) is not None:
-                    try:
-                        value = merge(value)
-                    except Exception as err:  # the partial's own bug: keep the newest
-                        error = err
-            into[key] = value
-        return error
-
 
 __all__ = [
     "NAME",
@@ -103,6 +83,12 @@ RELAY_INTERVAL = 0.25
 RELAY_CAPACITY = 65536
 #: Batches a relay has in flight to the ingest at most.
 RELAY_IN_FLIGHT = 4
+#: Seconds between two checks of a relay that its owner's ingest still exists.
+RELAY_CHECK_EVERY = 10.0
+#: Seconds without the owner's ingest after which a relay exits (its owner died unclosed).
+RELAY_ORPHAN_AFTER = 60.0
+#: The Ray namespace of the ingest and relay actors (their names hold the channel's token).
+ACTOR_NAMESPACE = "rl_observers"
 #: Messages the ingest actor holds before it drops.
 INGEST_CAPACITY = 1 << 18
 #: Messages the owner takes from the ingest per call.
@@ -146,14 +132,37 @@ def _is_address(address: Any) -> bool:
     )
 
 
+_SENDERS: dict[tuple[int, tuple], RaySender] = {}
+_SENDERS_LOCK = threading.Lock()
+
+
 def make_sender(address: Any) -> RaySender | None:
-    """A sender to ``address``, or ``None`` where Ray cannot reach it."""
-    return RaySender(address) if reachable(address) else None
+    """The sender of this process to ``address`` (one per process and address), or ``None``.
+
+    ``None`` where Ray cannot reach it (this process is not connected to Ray).
+    """
+    if not reachable(address):
+        return None
+    key = (os.getpid(), tuple(address))
+    sender = _SENDERS.get(key)
+    if sender is None:
+        with _SENDERS_LOCK:
+            sender = _SENDERS.get(key)
+            if sender is None:
+                sender = _SENDERS[key] = RaySender(address)
+    return sender
 
 
-def make_receiver(token: str) -> RayReceiver:
-    """The owner's side for the channel ``token`` (started by :meth:`RayReceiver.start`)."""
-    return RayReceiver(token)
+def make_receiver(token: str, name: str = "") -> RayReceiver | None:
+    """The owner's side for the channel ``token``; ``None`` where this process is not connected to Ray.
+
+    Never imports nor initializes Ray: a channel whose owner never uses Ray
+    starts no actor.
+    """
+    ray = _ray()
+    if ray is None or not ray.is_initialized():
+        return None
+    return RayReceiver(token, name=name)
 
 
 def _relay_name(token: str, node: str) -> str:
@@ -179,7 +188,7 @@ def premerge(messages: list[Message]) -> list[Message]:
             if not meta.get("finish"):
                 if run is not None and run[0] == settings:
                     into = out[run[1]]
-                    _coalesce(into[1], metrics)
+                    coalesce(into[1], metrics)
                     into[2] = step
                     into[3] = meta  # the newest counters
                     into[4] = (into[4][0] + counts[0], into[4][1] + counts[1])
@@ -275,6 +284,8 @@ class _Forwarder:
         self.dropped = 0
         self.error: BaseException | None = None
         self.sent_calls = 0
+        # (relay round that forwards them, messages): what a relay holds for us
+        self._unconfirmed: deque[tuple[int, int]] = deque()
 
     @property
     def in_flight(self) -> int:
@@ -290,12 +301,35 @@ class _Forwarder:
         for ref in ready:
             messages, dropped, coalesced = self._calls.pop(ref)
             try:
-                ray.get(ref, timeout=0)
+                result = ray.get(ref, timeout=0)
             except Exception as err:  # the target died: what it held is lost
                 self._fail(err)
-                self.dropped += messages
-                d, c = self.lost
-                self.lost = (d + messages + dropped, c + coalesced)
+                self._lose(messages + self._forget_unconfirmed(), dropped, coalesced)
+                continue
+            if result.__class__ is int:  # a relay: its forwarding rounds confirm what it held
+                self._confirm(result)
+                self._unconfirmed.append((result + 1, messages))
+
+    def _confirm(self, rounds: int) -> None:
+        """Forgets the messages a relay forwarded (it finished ``rounds`` rounds)."""
+        unconfirmed = self._unconfirmed
+        while unconfirmed and unconfirmed[0][0] <= rounds:
+            unconfirmed.popleft()
+
+    def _forget_unconfirmed(self) -> int:
+        """Messages a relay that died had not forwarded yet (lost with it)."""
+        lost = sum(m for _, m in self._unconfirmed)
+        self._unconfirmed.clear()
+        return lost
+
+    def confirmed_all(self) -> None:
+        """The relay forwarded everything (its flush returned)."""
+        self._unconfirmed.clear()
+
+    def _lose(self, messages: int, dropped: int, coalesced: int) -> None:
+        self.dropped += messages
+        d, c = self.lost
+        self.lost = (d + messages + dropped, c + coalesced)
 
     def _fail(self, err: BaseException) -> None:
         self.error = err
@@ -331,9 +365,7 @@ class _Forwarder:
             ref = self._target.push.remote(data, len(batch), dropped, coalesced)
         except Exception as err:
             self._fail(err)
-            self.dropped += len(batch)
-            d, c = self.lost
-            self.lost = (d + len(batch) + dropped, c + coalesced)
+            self._lose(len(batch) + self._forget_unconfirmed(), dropped, coalesced)
             return False
         self._calls[ref] = (len(batch), dropped, coalesced)
         self.sent_calls += 1
@@ -388,6 +420,7 @@ class _Relay:
         self._coalesced = 0
         self.received = 0
         self.forwarded = 0
+        self.rounds = 0  # forwarding rounds done: what was pushed before round n is forwarded after it
         self._forwarder = _Forwarder(self._find_ingest, RELAY_IN_FLIGHT)
         self._wake = threading.Event()
         self._flushes: list[threading.Event] = []
@@ -396,7 +429,8 @@ class _Relay:
     def _find_ingest(self) -> Any:
         return _ray().get_actor(self._address.ingest, namespace=self._address.namespace)
 
-    def push(self, data: bytes, messages: int, dropped: int, coalesced: int) -> None:
+    def push(self, data: bytes, messages: int, dropped: int, coalesced: int) -> int:
+        """Holds a batch until the next round; returns the rounds done (what came before is forwarded)."""
         batch = pickle.loads(data)
         with self._lock:
             self.received += len(batch)
@@ -407,6 +441,7 @@ class _Relay:
                     self._coalesced += message[4][1]
                 batch = batch[: max(room, 0)]
             self._messages.extend(batch)
+            return self.rounds
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Forwards what is held now and waits until the ingest has it."""
@@ -426,9 +461,25 @@ class _Relay:
                 "pending": len(self._messages),
             }
 
+    def _orphaned(self) -> bool:
+        """Whether the owner's ingest has been gone for ``RELAY_ORPHAN_AFTER`` seconds."""
+        now = time.monotonic()
+        if now - self._checked < RELAY_CHECK_EVERY:
+            return False
+        self._checked = now
+        try:
+            self._find_ingest()
+        except Exception:
+            return now - self._ingest_seen > RELAY_ORPHAN_AFTER
+        self._ingest_seen = now
+        return False
+
     def _run(self) -> None:
         forwarder = self._forwarder
+        self._checked = self._ingest_seen = time.monotonic()
         while True:
+            if self._orphaned():  # the owner died without closing: nobody will kill this relay
+                os._exit(0)
             self._wake.wait(self._interval)
             self._wake.clear()
             with self._lock:
@@ -444,12 +495,18 @@ class _Relay:
 
     def _forward(self) -> None:
         forwarder = self._forwarder
-        if not self._messages or not forwarder.ready():
+        if not self._messages:
+            with self._lock:
+                if not self._messages:
+                    self.rounds += 1
+                    return
+        if not forwarder.ready():
             return
         with self._lock:
             messages, self._messages = self._messages, []
             counts = (self._dropped, self._coalesced)
             self._dropped = self._coalesced = 0
+            self.rounds += 1
         batch = premerge(messages) if self._merge else messages
         if not batch:  # only losses to report: they wait for the next message
             with self._lock:
@@ -544,7 +601,7 @@ class RaySender:
             else:
                 entry = self._newest.get(namespace)
                 if entry is not None:
-                    error = _coalesce(entry[1], metrics)
+                    error = coalesce(entry[1], metrics)
                     entry[2] = step
                     if meta is not None:
                         entry[3] = meta
@@ -553,7 +610,13 @@ class RaySender:
                 else:
                     self._dropped += 1
                     self._unreported[0] += 1
-        if error is not None:
+                    error = "full"
+        if error == "full":
+            self._warn_once(
+                f"dropped a payload of namespace {namespace!r}: its buffer of {self._capacity} "
+                f"messages to its owner {self.address.owner} is full (Ray does not keep up)"
+            )
+        elif error is not None:
             self._warn_once(f"could not merge a partial of namespace {namespace!r}: {error!r}")
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -650,9 +713,12 @@ class RaySender:
         ray = _ray()
         left = 5.0 if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            return bool(ray.get(relay.flush.remote(left), timeout=left + 1.0))
+            flushed = bool(ray.get(relay.flush.remote(left), timeout=left + 1.0))
         except Exception:
             return False
+        if flushed:
+            forwarder.confirmed_all()
+        return flushed
 
     def _find_target(self) -> Any:
         ray = _ray()
@@ -666,6 +732,7 @@ class RaySender:
             name=_relay_name(address.token, self._node or node_id),
             namespace=address.namespace,
             get_if_exists=True,
+            lifetime="detached",  # outlives the worker that made it; the owner kills it
             scheduling_strategy=_pinned(node_id),
         ).remote(address, self._relay_interval)
         return self._relay_handle
@@ -702,33 +769,50 @@ class RayReceiver:
         capacity (int, optional): messages the ingest holds before it drops.
             Defaults to ``INGEST_CAPACITY``.
         owner (str, optional): the owner, in words, for senders' warnings.
-            Defaults to this process and host.
+            Defaults to the channel's name, this process and host.
+        name (str, optional): the channel's name. Defaults to ``""``.
     """
 
     name = NAME
 
     def __init__(
-        self, token: str, *, capacity: int = INGEST_CAPACITY, owner: str | None = None
+        self,
+        token: str,
+        *,
+        capacity: int = INGEST_CAPACITY,
+        owner: str | None = None,
+        name: str = "",
     ) -> None:
         self.token = token
         self._capacity = capacity
-        self._owner = owner or f"pid {os.getpid()} on {os.uname().nodename}"
+        channel = f"MetricsChannel {name!r} " if name else ""
+        self._owner = owner or f"{channel}(pid {os.getpid()} on {os.uname().nodename})"
+        self._pid = os.getpid()
         self._actor: Any = None
         self._address: RayAddress | None = None
         self._accept: Callable[..., None] | None = None
+        self._refuse: Callable[[], None] | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
-        self._lock = threading.Lock()  # one drain at a time (thread or close)
+        self._lock = threading.Lock()  # one drain at a time (thread, poll or close)
         self.accepted = 0
         self.drains = 0
         self.restarts = 0  # ingest actors that died (what they held is lost, uncounted)
+        #: called once per restart (the owning channel counts it in its health)
+        self.on_restart: Callable[[], None] | None = None
         self._held = (0, 0)  # counts waiting for the next accepted message
         self.error: BaseException | None = None
 
     def start(
-        self, accept: Callable[[str, dict, int | None, Mapping | None, tuple[int, int]], None]
+        self,
+        accept: Callable[[str, dict, int | None, Mapping | None, tuple[int, int]], None],
+        refuse: Callable[[], None] | None = None,
+        background: bool = True,
     ) -> None:
-        """Creates the ingest actor (the owner must be connected to Ray) and the draining thread."""
+        """Creates the ingest actor (the owner must be connected to Ray) and the draining thread.
+
+        With ``background=False`` messages are accepted only by :meth:`poll`.
+        """
         ray = _ray()
         if ray is None or not ray.is_initialized():
             raise RuntimeError(
@@ -738,16 +822,18 @@ class RayReceiver:
         self._address = RayAddress(
             token=self.token,
             ingest=f"rl_observers-ingest-{self.token}",
-            namespace=context.namespace,
+            namespace=ACTOR_NAMESPACE,
             owner=self._owner,
         )
         self._node = context.get_node_id()
         self._accept = accept
+        self._refuse = refuse
         self._actor = self._create_ingest()
-        self._thread = threading.Thread(
-            target=self._run, name="rl_observers-ray-ingest", daemon=True
-        )
-        self._thread.start()
+        if background:
+            self._thread = threading.Thread(
+                target=self._run, name="rl_observers-ray-ingest", daemon=True
+            )
+            self._thread.start()
 
     def _create_ingest(self) -> Any:
         ingest_class = _actor_class(_Ingest, num_cpus=0, max_concurrency=8)
@@ -768,10 +854,23 @@ class RayReceiver:
         while not self._stop:
             self.drain(DRAIN_WAIT)
 
-    def drain(self, wait: float = 0.0, timeout: float | None = None) -> int:
+    def poll(self, deadline: float | None) -> None:
+        """Accepts what the ingest holds now (flush, step), until ``deadline`` at most."""
+        while not self._stop or self._actor is not None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            if not self.drain(0.0, timeout=left, lock_timeout=left):
+                return
+
+    def drain(
+        self, wait: float = 0.0, timeout: float | None = None, lock_timeout: float | None = None
+    ) -> int:
         """Takes what the ingest holds and accepts it; returns how many messages."""
         ray = _ray()
-        with self._lock:
+        if not self._lock.acquire(timeout=-1 if lock_timeout is None else max(lock_timeout, 0)):
+            return 0
+        try:
             actor = self._actor
             if actor is None:
                 return 0
@@ -786,6 +885,8 @@ class RayReceiver:
                 if not self._stop:
                     time.sleep(min(wait, 0.1))
                     self.restarts += 1
+                    if self.on_restart is not None:
+                        self.on_restart()
                     try:
                         self._actor = self._create_ingest()
                     except Exception as again:
@@ -805,9 +906,11 @@ class RayReceiver:
             self._held = (held_d, held_c)
             self.accepted += len(messages)
             return len(messages)
+        finally:
+            self._lock.release()
 
     def _load(self, data: bytes) -> list[Message]:
-        """The messages of one batch; an unreadable batch counts as one dropped message."""
+        """The messages of one batch; an unreadable batch is refused (counted as dropped)."""
         try:
             messages = pickle.loads(data)
             for namespace, metrics, _, meta, (d, c) in messages:
@@ -821,24 +924,93 @@ class RayReceiver:
                     raise TypeError(f"not a message: {namespace!r}")
         except Exception as err:
             self.error = err
-            held_d, held_c = self._held
-            self._held = (held_d + 1, held_c)
+            if self._refuse is not None:
+                self._refuse()
+            else:
+                held_d, held_c = self._held
+                self._held = (held_d + 1, held_c)
             return []
         return messages
 
+    def relays(self) -> list[Any]:
+        """This channel's relay actors, on every node."""
+        ray = _ray()
+        address = self._address
+        if address is None:
+            return []
+        prefix = _relay_name(self.token, "")
+        found = []
+        try:
+            named = ray.util.list_named_actors(all_namespaces=True)
+        except Exception:
+            return []
+        for entry in named:
+            if entry.get("namespace") == address.namespace and entry.get("name", "").startswith(
+                prefix
+            ):
+                try:
+                    found.append(ray.get_actor(entry["name"], namespace=address.namespace))
+                except Exception:  # gone meanwhile
+                    pass
+        return found
+
     def close(self, deadline: float | None = None) -> None:
-        """Accepts what is left (until ``deadline``, a ``time.monotonic()`` value), kills the ingest."""
+        """Forwards what relays hold, accepts what is left, kills the relays and the ingest.
+
+        Everything waits until ``deadline`` (a ``time.monotonic()`` value) at
+        most: a dead relay, ingest or node costs what it held, never time.
+        """
+        if self._address is None or os.getpid() != self._pid:
+            return
+        ray = _ray()
+        relays = self.relays()
+        if relays:  # what the relays hold goes to the ingest first
+            left = 5.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                refs = [relay.flush.remote(min(left, 5.0)) for relay in relays]
+                ray.wait(refs, num_returns=len(refs), timeout=min(left, 5.0))
+            except Exception:
+                pass
         self._stop = True
         thread = self._thread
         if thread is not None:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         while deadline is None or time.monotonic() < deadline:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self.drain(0.0, timeout=left):
+            if not self.drain(0.0, timeout=left, lock_timeout=left):
                 break
         actor, self._actor = self._actor, None
-        if actor is not None:
+        for victim in [*relays, *([actor] if actor is not None else [])]:
             try:
-                _ray().kill(actor)
+                ray.kill(victim)
             except Exception:
                 pass
+
+    def release(self) -> None:
+        """Stops without waiting (the channel was garbage-collected): the actors are killed."""
+        if os.getpid() != self._pid:
+            return
+        self._stop = True
+        actor, self._actor = self._actor, None
+        ray = _ray()
+        if actor is not None and ray is not None and ray.is_initialized():
+            try:
+                ray.kill(actor)
+            except Exception:
+                pass
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: forgets the parent's actors (never kills them)."""
+        self._stop = True
+        self._actor = None
+        self._address = None
+
+
+register_transport(
+    NAME,
+    make_sender=make_sender,
+    make_receiver=make_receiver,
+    reachable=reachable,
+    priority=PRIORITY,
+    retry=True,
+)

@@ -26,7 +26,7 @@ from torchrl._utils import logger as torchrl_logger
 from rl_observers.channel.payload import coalesce
 from rl_observers.channel.transport import Accept, register_transport
 
-__all__ = ["SocketReceiver", "SocketSender", "reachable"]
+__all__ = ["SocketAddress", "SocketReceiver", "SocketSender", "machine_id", "reachable"]
 
 # The largest payload a handle sends in one datagram (pickled), in bytes.
 MAX_DATAGRAM = 1 << 16
@@ -38,9 +38,53 @@ BACKLOG_NAMESPACES = 64
 _RETRY_ERRNOS = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS, errno.ENOMEM})
 
 
+_MACHINE: str | None = None
+
+
+def machine_id() -> str:
+    """This machine's identity: its boot id (the same in every container and mount namespace)."""
+    global _MACHINE
+    if _MACHINE is None:
+        for path in ("/proc/sys/kernel/random/boot_id", "/etc/machine-id"):
+            try:
+                with open(path) as file:
+                    _MACHINE = file.read().strip()
+            except OSError:
+                continue
+            if _MACHINE:
+                break
+        else:
+            _MACHINE = socket.gethostname()
+    return _MACHINE
+
+
+class SocketAddress(str):
+    """The owner's socket path, and the machine it lives on (:func:`machine_id`)."""
+
+    __slots__ = ("machine",)
+
+    def __new__(cls, path: str, machine: str | None = None) -> SocketAddress:
+        address = super().__new__(cls, path)
+        address.machine = machine_id() if machine is None else machine
+        return address
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (SocketAddress, (str(self), self.machine))
+
+
 def reachable(address: Any) -> bool:
-    """Whether the owner's socket file exists here (same machine, owner alive)."""
-    return isinstance(address, str) and os.path.exists(address)
+    """Whether the owner's socket is reachable here: same machine, and its file exists here.
+
+    A file system shared between machines can show the socket file on
+    another machine, where it reaches nothing; a node in another mount
+    namespace does not see it at all.
+    """
+    if not isinstance(address, str):
+        return False
+    machine = getattr(address, "machine", None)
+    if machine is not None and machine != machine_id():
+        return False
+    return os.path.exists(address)
 
 
 class SocketSender:
@@ -262,8 +306,8 @@ class SocketReceiver:
             raise
         self._sock, self._dir, self.path = sock, directory, path
 
-    def address(self) -> str | None:
-        return self.path
+    def address(self) -> SocketAddress | None:
+        return None if self.path is None else SocketAddress(self.path)
 
     def start(self, accept: Accept, refuse: Callable[[], None], background: bool) -> None:
         self._accept, self._refuse = accept, refuse

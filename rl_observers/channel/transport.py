@@ -22,13 +22,18 @@ The Unix-datagram socket (:mod:`rl_observers.channel.socket`) is one.
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
+
+from torchrl._utils import logger as torchrl_logger
 
 __all__ = [
     "Receiver",
     "Sender",
     "Transport",
+    "Unreachable",
     "make_sender",
     "register_transport",
     "transport",
@@ -92,6 +97,7 @@ class Transport(NamedTuple):
     make_receiver: Callable[[str, str], Receiver | None]
     reachable: Callable[[Any], bool]
     priority: int
+    retry: bool = False
 
 
 _TRANSPORTS: dict[str, Transport] = {}
@@ -103,6 +109,8 @@ def register_transport(
     make_receiver: Callable[[str, str], Receiver | None],
     reachable: Callable[[Any], bool],
     priority: int = 100,
+    *,
+    retry: bool = False,
 ) -> None:
     """Registers (or replaces) a transport.
 
@@ -115,8 +123,14 @@ def register_transport(
         reachable (Callable): ``reachable(address)`` says, cheaply, whether a
             sender in this process can reach that address.
         priority (int, optional): lower is tried first. Defaults to ``100``.
+
+    Keyword Args:
+        retry (bool, optional): a ``make_receiver`` that returned ``None`` is
+            asked again when the next handle is made or pickled (the
+            transport may become available later, as Ray does once
+            ``ray.init()`` ran). Defaults to ``False`` (asked once).
     """
-    _TRANSPORTS[name] = Transport(name, make_sender, make_receiver, reachable, priority)
+    _TRANSPORTS[name] = Transport(name, make_sender, make_receiver, reachable, priority, retry)
 
 
 def transports() -> tuple[Transport, ...]:
@@ -138,20 +152,75 @@ def transport(name: str) -> Transport:
     return found
 
 
-def make_sender(addresses: Mapping[str, Any], prefer: str | None = None) -> Sender:
+class Unreachable:
+    """The sender of a handle that reaches its owner by no transport: it drops and counts.
+
+    It warns once, at the first payload, naming the owner and why each
+    transport cannot reach it.
+    """
+
+    name = "unreachable"
+
+    def __init__(self, owner: str, reason: str) -> None:
+        self.owner = owner
+        self.reason = reason
+        self.submitted = 0
+        self.dropped = 0
+        self.coalesced = 0
+        self._warned = False
+        self._lock = threading.Lock()
+
+    def send(
+        self,
+        metrics: dict[str, Any],
+        step: int | None,
+        namespace: str,
+        meta: Mapping[str, Any] | None,
+    ) -> None:
+        with self._lock:
+            self.submitted += 1
+            self.dropped += 1
+            warn, self._warned = not self._warned, True
+        if warn:
+            torchrl_logger.warning(
+                f"MetricsHandle cannot reach its owner {self.owner} from pid {os.getpid()} on "
+                f"{os.uname().nodename}: {self.reason}. Its metrics are dropped and counted "
+                "(handle.dropped). This is reported once."
+            )
+
+    def flush(self, timeout: float | None) -> bool:
+        return True
+
+    def pending(self) -> int:
+        return 0
+
+
+def _why_not(candidates: tuple[Transport, ...], addresses: Mapping[str, Any]) -> str:
+    reasons = []
+    for candidate in candidates:
+        address = addresses.get(candidate.name)
+        if address is None:
+            reasons.append(f"{candidate.name}: the owner has no {candidate.name} receiver")
+        else:
+            reasons.append(f"{candidate.name}: {address!r} is not reachable from here")
+    return "; ".join(reasons) or "no transport is registered"
+
+
+def make_sender(
+    addresses: Mapping[str, Any], prefer: str | None = None, owner: str = "the channel's owner"
+) -> Sender:
     """A sender for the first reachable address, by priority (``prefer`` if given).
 
-    When none is reachable, the first transport with an address (else the
-    first one) gets the payloads, and drops and counts them.
+    When none is reachable (or ``prefer``'s is not), the sender is an
+    :class:`Unreachable` one: it warns once, naming ``owner`` and the
+    reason, then drops and counts.
     """
-    if prefer is not None:
-        chosen = [transport(prefer)]
-    else:
-        ordered = transports()
-        chosen = [t for t in ordered if addresses.get(t.name) is not None and t.reachable(addresses[t.name])]
-        chosen += [t for t in ordered if addresses.get(t.name) is not None] + list(ordered)
-    for candidate in chosen:
-        sender = candidate.make_sender(addresses.get(candidate.name))
+    candidates = (transport(prefer),) if prefer is not None else transports()
+    for candidate in candidates:
+        address = addresses.get(candidate.name)
+        if address is None or not candidate.reachable(address):
+            continue
+        sender = candidate.make_sender(address)
         if sender is not None:
             return sender
-    raise RuntimeError("no transport is registered: import rl_observers.channel first.")
+    return Unreachable(owner, _why_not(candidates, addresses))

@@ -165,6 +165,9 @@ class Aggregate:
         self._workers: dict[Any, _Worker] = {}
         self._window: dict[str, Any] = {}
         self._fresh = False
+        # counters summed over workers, kept up to date by each contribution: a
+        # contribution costs O(its own counters), not O(workers)
+        self._totals: dict[str, float] = {}
 
     @classmethod
     def from_meta(cls, name: str, meta: Mapping[str, Any]) -> Aggregate:
@@ -196,6 +199,13 @@ class Aggregate:
             if self._key is not None:
                 state.clock.due(0)
         state.last_seen = time.monotonic()
+        totals = self._totals
+        previous = state.counters
+        for key, value in previous.items():
+            if key not in counters:
+                totals[key] -= value
+        for key, value in counters.items():
+            totals[key] = totals.get(key, 0) + value - previous.get(key, 0)
         state.counters = dict(counters)
         gauges = {k: v for k, v in metrics.items() if not is_partial(v)}
         partials = {k: v for k, v in metrics.items() if is_partial(v)}
@@ -209,7 +219,7 @@ class Aggregate:
         if self.aggregate:
             _merge_window(self._window, partials)
             self._fresh = True
-            total = self._total(self._key) if self._key else None
+            total = self._totals.get(self._key, 0) if self._key else None
             if self.clock.due(total):
                 rows.append(self._aggregate_row())
         return rows
@@ -225,9 +235,6 @@ class Aggregate:
         return rows
 
     # -- rows -------------------------------------------------------------------------------------
-
-    def _total(self, key: str) -> float:
-        return sum(w.counters.get(key, 0) for w in self._workers.values())
 
     def _step(self, counters: Mapping[str, float]) -> int | None:
         key = self.spec.step_key
@@ -252,16 +259,12 @@ class Aggregate:
         now = time.monotonic()
         gauges["workers"] = len(self._workers)
         gauges["workers_reporting"] = sum(now - s.last_seen < STALE_AFTER for s in workers)
-        totals: dict[str, float] = {}
-        for state in workers:
-            for key, value in state.counters.items():
-                totals[key] = totals.get(key, 0) + value
         metrics = {**gauges, **self._window}
         # A partial that describes a state (the last N episodes) carries over to the next row.
         self._window = {k: v for k, v in self._window.items() if getattr(v, "rolling", False)}
         self._fresh = False
         self.clock.fired()
-        return self.name, metrics, self._step(totals)
+        return self.name, metrics, self._step(self._totals)
 
 
 class AggregationRouter:
