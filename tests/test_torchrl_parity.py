@@ -70,7 +70,7 @@ class Observe:
     def __call__(self, source, on_error="raise"):
         if self.enabled:
             recorder = EventRecorder()
-            source.add_observer(LoggerObserver(self.logger, on_error=on_error))
+            source.add_observer(LoggerObserver(self.logger, on_error=on_error, schedule=None))
             source.add_observer(recorder, on_error=on_error)
             self.recorders.append(recorder)
         return source

@@ -51,12 +51,15 @@ _NAMES: weakref.WeakKeyDictionary[MetricsChannel, weakref.WeakValueDictionary[st
 )
 _NAMES_LOCK = threading.Lock()
 
-#: What ``schedule="auto"`` (the default) means per kind of target: a collector emits every
-#: 1,000 frames, a replay buffer every 100 ``sample()`` calls.
-DEFAULT_SCHEDULES: dict[str, Every] = {
-    "collector": Every.counter("frames", 1_000),
-    "replay_buffer": Every.counter("sample_calls", 100),
+#: What ``schedule="auto"`` (the default) means per kind of target, in order of preference:
+#: the first whose counter the metric sets count. A collector emits every 1,000 frames; a
+#: replay buffer every 100 ``sample()`` calls (every 1,000 items written if it is not sampled
+#: by these sets). Sets counting none of these emit every 10 seconds.
+DEFAULT_SCHEDULES: dict[str, tuple[Every, ...]] = {
+    "collector": (Every.counter("frames", 1_000),),
+    "replay_buffer": (Every.counter("sample_calls", 100), Every.counter("items_written", 1_000)),
 }
+_FALLBACK_SCHEDULE = Every.seconds(10.0)
 #: The default namespace per kind of target, whatever torchrl class it is.
 _DEFAULT_NAMES = {"collector": "collector", "replay_buffer": "replay_buffer"}
 _EMITS = {"collector": COLLECTOR_EVENTS, "replay_buffer": REPLAY_BUFFER_EVENTS}
@@ -73,20 +76,35 @@ def _kind(target: Any) -> str:
     return "collector" if isinstance(target, BaseCollector) else "replay_buffer"
 
 
-def default_schedule(target: Any) -> Every:
+def default_schedule(target: Any, metrics: Sequence[MetricSet] | None = None) -> Every:
     """The schedule of a :class:`LoggerObserver` created with ``schedule="auto"`` (the default).
 
-    A collector emits every 1,000 frames, a replay buffer every 100
-    ``sample()`` calls (see :data:`DEFAULT_SCHEDULES`): a few rows per
-    second at most in a typical run, never a row per event.
+    A collector emits every 1,000 frames; a replay buffer every 100
+    ``sample()`` calls, or every 1,000 items written when its metric sets
+    count no samples (see :data:`DEFAULT_SCHEDULES`); metric sets counting
+    none of these emit every 10 seconds. A few rows per second at most in a
+    typical run, never a row per event.
+
+    Args:
+        target: a torchrl collector or replay buffer.
+        metrics (Sequence[MetricSet], optional): the observer's metric sets.
+            Defaults to :func:`default_metrics` of ``target``.
 
     Examples:
         >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
-        >>> from rl_observers import default_schedule
-        >>> default_schedule(ReplayBuffer(storage=LazyTensorStorage(4)))
+        >>> from rl_observers import WriteMetrics, default_schedule
+        >>> rb = ReplayBuffer(storage=LazyTensorStorage(4))
+        >>> default_schedule(rb)
         Every(kind='counter', interval=100, key='sample_calls')
+        >>> default_schedule(rb, [WriteMetrics()])
+        Every(kind='counter', interval=1000, key='items_written')
     """
-    return DEFAULT_SCHEDULES[_kind(target)]
+    sets = default_metrics(target) if metrics is None else metrics
+    counted = {name for m in sets for name in m.counters()}
+    for schedule in DEFAULT_SCHEDULES[_kind(target)]:
+        if schedule.key in counted:
+            return schedule
+    return _FALLBACK_SCHEDULE
 
 
 def _public_error_name(error: BaseException) -> str:
@@ -266,7 +284,8 @@ class LoggerObserver(Contributor, Observer):
             ``sample_calls``, ``samples_returned``) or ``Every.seconds(s)``.
             Defaults to ``"auto"``: ``Every.counter("frames", 1_000)`` on a
             collector, ``Every.counter("sample_calls", 100)`` on a replay
-            buffer (:data:`DEFAULT_SCHEDULES`). ``None`` emits after every
+            buffer (``Every.counter("items_written", 1_000)`` if its sets
+            count no samples; see :func:`default_schedule`). ``None`` emits after every
             data event (each batch, write or sample). ``Every`` refuses
             intervals ``<= 0``; a NaN interval is refused here; an infinite
             one never fires (only ``log_on_start`` / ``log_on_close`` emit).
@@ -491,7 +510,7 @@ class LoggerObserver(Contributor, Observer):
             metric_set.bind(source)
         _check_metric_names(self._sets)
         if self._auto_schedule:
-            self.schedule = DEFAULT_SCHEDULES[kind]
+            self.schedule = default_schedule(source, self._sets)
             self._clock = ScheduleClock(self.schedule)
             self._auto_schedule = False
         if self._pristine is None:  # what a copy restarts from where it runs (see _resolve_mode)
@@ -649,53 +668,53 @@ class LoggerObserver(Contributor, Observer):
     def on_post_collect(self, source: Any, batch: Any) -> None:
         if self._mode is None:
             self._resolve_mode(source)
-        for index, fold in self._folds["post_collect"]:
+        for position, fold in self._folds["post_collect"]:
             try:
                 fold(source, batch)
             except Exception as err:
-                self._set_failed(index, err, "on_post_collect")
+                self._set_failed(position, err, "on_post_collect")
             else:
                 if self._failing_sets:
-                    self._failing_sets.discard(index)
+                    self._failing_sets.discard(position)
         self._after()
 
     def on_post_add(self, source: Any, data: Any, index: Any) -> None:
         if self._mode is None:
             self._resolve_mode(source)
-        for index, fold in self._folds["post_add"]:
+        for position, fold in self._folds["post_add"]:
             try:
                 fold(source, data, index)
             except Exception as err:
-                self._set_failed(index, err, "on_post_add")
+                self._set_failed(position, err, "on_post_add")
             else:
                 if self._failing_sets:
-                    self._failing_sets.discard(index)
+                    self._failing_sets.discard(position)
         self._after()
 
     def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
         if self._mode is None:
             self._resolve_mode(source)
-        for index, fold in self._folds["post_extend"]:
+        for position, fold in self._folds["post_extend"]:
             try:
                 fold(source, data, index)
             except Exception as err:
-                self._set_failed(index, err, "on_post_extend")
+                self._set_failed(position, err, "on_post_extend")
             else:
                 if self._failing_sets:
-                    self._failing_sets.discard(index)
+                    self._failing_sets.discard(position)
         self._after()
 
     def on_post_sample(self, source: Any, batch: Any, info: Any) -> None:
         if self._mode is None:
             self._resolve_mode(source)
-        for index, fold in self._folds["post_sample"]:
+        for position, fold in self._folds["post_sample"]:
             try:
                 fold(source, batch, info)
             except Exception as err:
-                self._set_failed(index, err, "on_post_sample")
+                self._set_failed(position, err, "on_post_sample")
             else:
                 if self._failing_sets:
-                    self._failing_sets.discard(index)
+                    self._failing_sets.discard(position)
         self._after()
 
     def on_shutdown(self, source: Any) -> None:

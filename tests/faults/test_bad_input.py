@@ -106,7 +106,7 @@ def test_nan_in_the_data_reaches_the_logger_as_nan():
     logger = RecordingLogger()
     channel = sync_channel(logger)
     rb = TensorDictReplayBuffer(storage=LazyTensorStorage(10))
-    rb.add_observer(LoggerObserver(channel, metrics=WriteMetrics(reward_key="reward"), name="rb"))
+    rb.add_observer(LoggerObserver(channel, metrics=WriteMetrics(reward_key="reward"), name="rb", schedule=None))
     rb.extend(TensorDict({"reward": torch.tensor([1.0, float("nan")])}, [2]))
     channel.step()
     ((_, mean),) = logger.series("rb/reward_mean")
@@ -239,10 +239,10 @@ def test_a_logger_already_shut_down_is_refused_at_once(tmp_path):
     with pytest.raises(ValueError, match="running logger, got a CSVLogger that is shut down"):
         MetricsChannel(logger)
     with pytest.raises(ValueError, match="shut down"):
-        LoggerObserver(logger)
+        LoggerObserver(logger, schedule=None)
     rb = ReplayBuffer(storage=LazyTensorStorage(10))
     with pytest.raises(ValueError, match="shut down"):
-        rb.attach_logger(logger)
+        rb.attach_logger(logger, schedule=None)
     assert rb.observers == () and type(rb) is ReplayBuffer
     # a channel made while the logger ran is not affected by the check
     alive = CSVLogger(exp_name="alive", log_dir=str(tmp_path))
