@@ -155,8 +155,8 @@ def _check_metric_names(sets: Sequence[MetricSet]) -> None:
             raise ValueError(
                 f"LoggerObserver: metric sets {type(sets[other]).__name__} (#{other + 1}) and "
                 f"{type(metric_set).__name__} (#{index + 1}) both log {shown}; one would "
-                "overwrite the other in every row. Give them different names, or log them "
-                "from two LoggerObservers with different name=."
+                "overwrite the other in every row. Keep one of them, or log the other "
+                "from a second LoggerObserver with its own name=."
             )
 
 
@@ -227,7 +227,7 @@ def _as_metric_sets(metrics: Any) -> tuple[MetricSet, ...] | None:
         for item in sets:
             if isinstance(item, type) and issubclass(item, MetricSet):
                 raise TypeError(
-                    f"metrics=... got the class {item.__name__}, not a metric set; "
+                    f"LoggerObserver: metrics= got the class {item.__name__}, not a metric set; "
                     f"instantiate it: metrics={item.__name__}()."
                 )
     else:
