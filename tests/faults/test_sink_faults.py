@@ -126,7 +126,7 @@ def test_a_sink_raising_at_every_call(reference, told, on_error):
             channel.flush(timeout=10)
         assert channel.flush(timeout=10)  # raised once
     else:
-        assert channel.flush(timeout=10)
+        assert channel.flush(timeout=10) is False  # nothing reached the logger: never True
     assert time.monotonic() - start < 10
     health = channel.health()
     assert health["logged"] == 0 and health["sink_errors"] == logger.attempts > 0
@@ -138,7 +138,7 @@ def test_a_sink_raising_at_every_call(reference, told, on_error):
             channel.submit_metrics({"x": 1.0})
             channel.close(timeout=10)
     else:
-        assert channel.close(timeout=10)
+        assert channel.close(timeout=10)  # nothing failed since the last flush
     assert channel.closed
 
 
@@ -150,18 +150,18 @@ def test_a_flaky_sink_recovers_and_logging_resumes(told):
     rb = ReplayBuffer(storage=LazyTensorStorage(1000))
     rb.add_observer(LoggerObserver(channel, name="rb", schedule=None))
 
-    def write(n):
+    def write(n, delivered=True):
         for _ in range(n):
             rb.extend(torch.arange(4))
-        assert channel.flush(timeout=10)
+        assert channel.flush(timeout=10) is delivered  # False while the sink fails
 
     write(3)  # before the fault: logged
     broken.set()
-    write(3)  # the sink fails: counted, told once
+    write(3, delivered=False)  # the sink fails: counted, told once
     broken.clear()
     write(3)  # recovered: logging resumes
     broken.set()
-    write(1)  # a second failure streak is told again
+    write(1, delivered=False)  # a second failure streak is told again
     broken.clear()
     write(1)
     items = [value for _, value in logger.series("rb/items_written")]
