@@ -420,7 +420,8 @@ class LoggerObserver(Contributor, Observer):
         self.scope = scope
         self.step_key = step
         self._step_fn = step_fn
-        self._failing_sets: set[int] = set()
+        self._failing_sets: set[int] = set()  # metric sets in a failure streak (by position)
+        self._failed_now: set[int] = set()  # those that failed during the current event
         self.log_on_start = log_on_start
         self.log_on_close = log_on_close
         self.on_error = on_error
@@ -570,6 +571,14 @@ class LoggerObserver(Contributor, Observer):
                 'on_error="raise" to stop at the error.'
             )
         self._failing_sets.add(index)
+        self._failed_now.add(index)
+
+    def _recovered(self, event: str) -> None:
+        """Ends the failure streak of the sets that folded ``event`` without raising this time."""
+        for position, _ in self._folds[event]:
+            if position not in self._failed_now:
+                self._failing_sets.discard(position)
+        self._failed_now.clear()
 
     def _channel(self) -> MetricsChannel | None:
         return self._channel_ref() if self._channel_ref is not None else None
@@ -634,6 +643,7 @@ class LoggerObserver(Contributor, Observer):
                 payload.update(metric_set.pull())
             except Exception as err:
                 self._set_failed(index, err, "pull")
+        self._failed_now.clear()
         self._fresh = False
         return payload
 
@@ -673,9 +683,8 @@ class LoggerObserver(Contributor, Observer):
                 fold(source, batch)
             except Exception as err:
                 self._set_failed(position, err, "on_post_collect")
-            else:
-                if self._failing_sets:
-                    self._failing_sets.discard(position)
+        if self._failing_sets:
+            self._recovered("post_collect")
         self._after()
 
     def on_post_add(self, source: Any, data: Any, index: Any) -> None:
@@ -686,9 +695,8 @@ class LoggerObserver(Contributor, Observer):
                 fold(source, data, index)
             except Exception as err:
                 self._set_failed(position, err, "on_post_add")
-            else:
-                if self._failing_sets:
-                    self._failing_sets.discard(position)
+        if self._failing_sets:
+            self._recovered("post_add")
         self._after()
 
     def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
@@ -699,9 +707,8 @@ class LoggerObserver(Contributor, Observer):
                 fold(source, data, index)
             except Exception as err:
                 self._set_failed(position, err, "on_post_extend")
-            else:
-                if self._failing_sets:
-                    self._failing_sets.discard(position)
+        if self._failing_sets:
+            self._recovered("post_extend")
         self._after()
 
     def on_post_sample(self, source: Any, batch: Any, info: Any) -> None:
@@ -712,9 +719,8 @@ class LoggerObserver(Contributor, Observer):
                 fold(source, batch, info)
             except Exception as err:
                 self._set_failed(position, err, "on_post_sample")
-            else:
-                if self._failing_sets:
-                    self._failing_sets.discard(position)
+        if self._failing_sets:
+            self._recovered("post_sample")
         self._after()
 
     def on_shutdown(self, source: Any) -> None:
