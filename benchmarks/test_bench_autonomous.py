@@ -61,8 +61,8 @@ def _time_to_first_write(kind, observed, log_dir, workers):
     try:
         if observed:
             logger = CSVLogger("ttfw", log_dir=str(log_dir))
-            rb.add_observer(LoggerObserver(logger))
-            collector.add_observer(LoggerObserver(logger))
+            rb.add_observer(LoggerObserver(logger, schedule=None))
+            collector.add_observer(LoggerObserver(logger, schedule=None))
         collector.start()
         deadline = started + 120
         while rb.write_count == 0:

@@ -62,4 +62,4 @@ def test_multiprocessing_collector_with_logger_observer_per_worker(benchmark):
         bare.shutdown()
         observed.shutdown()
         channel.close(timeout=30)
-    assert logger.experiment.scalars["multisynccollector/frames"]
+    assert logger.experiment.scalars["collector/frames"]

@@ -79,9 +79,9 @@ def _build(kind, tmp_path, observe):
 
 def _observe(collector, rb, tmp_path):
     logger = CSVLogger("lifecycle", log_dir=str(tmp_path))
-    rb.add_observer(LoggerObserver(logger))
+    rb.add_observer(LoggerObserver(logger, schedule=None))
     rb.add_observer(EventRecorder())
-    collector.add_observer(LoggerObserver(logger))
+    collector.add_observer(LoggerObserver(logger, schedule=None))
     collector.add_observer(EventRecorder())
 
 

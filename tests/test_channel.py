@@ -345,7 +345,7 @@ def test_reducers_partials_cross_the_socket():
 @pytest.mark.timeout(30)
 def test_csv_logger_receives_everything_after_flush(tmp_path):
     logger = CSVLogger(exp_name="exp", log_dir=str(tmp_path))
-    channel = MetricsChannel(logger)
+    channel = MetricsChannel(logger, log_health=True)
     for i in range(5):
         channel.submit_metrics({"loss": 1.0 / (i + 1), "lr": 0.1}, step=i, namespace="train")
     channel.submit_metrics({"write_count": 42}, step=42, namespace="rb")
@@ -468,7 +468,7 @@ def test_ignore_policy_only_counts(warnings_seen):
     logger.broken = True
     channel.submit_metrics({"x": 1.0})
     assert channel.step() == 1
-    assert channel.close()
+    assert not channel.close()  # the sink failed: close says so, even when told to ignore it
     assert warnings_seen == []
     assert channel.health()["sink_errors"] == 1
 
@@ -511,7 +511,7 @@ def test_context_manager_closes():
 
 def test_health_is_logged_when_it_changed_and_at_close():
     logger = RecordingLogger()
-    channel = MetricsChannel(logger, background=False, health_interval=0.0)
+    channel = MetricsChannel(logger, background=False, health_interval=0.0, log_health=True)
     channel.step()
     assert logger.calls == []  # nothing changed yet
     channel.submit_metrics({"x": 1.0}, namespace="a")
@@ -538,7 +538,7 @@ def test_health_is_logged_when_it_changed_and_at_close():
 
 def test_health_reports_are_rate_limited():
     logger = RecordingLogger()
-    channel = MetricsChannel(logger, background=False, health_interval=3600.0, name="ch")
+    channel = MetricsChannel(logger, background=False, health_interval=3600.0, name="ch", log_health=True)
     for i in range(3):
         channel.submit_metrics({"x": float(i)})
         channel.step()
@@ -563,7 +563,7 @@ def test_health_reports_are_rate_limited():
 @pytest.mark.timeout(30)
 def test_background_health_reports_come_from_the_thread():
     logger = RecordingLogger()
-    channel = MetricsChannel(logger, health_interval=0.05)
+    channel = MetricsChannel(logger, health_interval=0.05, log_health=True)
     channel.submit_metrics({"x": 1.0})
     assert wait_for(
         lambda: logger.health_calls() and logger.health_calls()[-1][0]["channel/logged"] == 1
@@ -646,10 +646,10 @@ def test_close_callbacks_submit_their_last_window_before_the_final_flush(warning
 
     channel.add_close_callback(broken)
     channel.add_close_callback(lambda: channel.submit_metrics({"other": 3.0}))
-    assert channel.close()
+    assert not channel.close()  # a close callback failed: close says so
     assert logger.calls == [({"p/last": 1.0}, None), ({"other": 3.0}, None)]
     assert len(warnings_seen) == 1 and "callback failure" in warnings_seen[0]
-    assert channel.close()  # callbacks run once
+    assert channel.close()  # callbacks run once; nothing failed since
 
 
 _EXIT_SCRIPT = """
@@ -931,7 +931,7 @@ def test_tensorboard_logger(tmp_path):
     from torchrl.record.loggers.tensorboard import TensorboardLogger
 
     logger = TensorboardLogger(exp_name="tb", log_dir=str(tmp_path))
-    channel = MetricsChannel(logger)
+    channel = MetricsChannel(logger, log_health=True)
     _submit_losses(channel)
     assert channel.close(timeout=30)
     logger.experiment.flush()
@@ -1015,7 +1015,7 @@ def test_mlflow_logger_sqlite(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     logger = MLFlowLogger(exp_name="channel", tracking_uri=uri)
     try:
-        channel = MetricsChannel(logger)
+        channel = MetricsChannel(logger, log_health=True)
         _submit_losses(channel)
         assert channel.close(timeout=30)
         client = MlflowClient(uri)

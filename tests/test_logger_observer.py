@@ -61,7 +61,7 @@ def episodes_of(batches):
 
 def test_collector_metrics_match_the_batches(logger, channel):
     collector = pendulum_collector()
-    collector.add_observer(LoggerObserver(channel, metrics=CollectorBatchMetrics()))  # every batch
+    collector.add_observer(LoggerObserver(channel, metrics=CollectorBatchMetrics(), schedule=None))  # every batch
     batches = [batch.clone() for batch in collector]
     collector.shutdown()
     assert channel.flush(timeout=30)
@@ -100,13 +100,13 @@ def test_counter_schedule_and_log_on_close(logger, channel):
 
 def test_schedule_none_emits_every_write_and_sample(logger, channel):
     rb = TensorDictReplayBuffer(storage=LazyTensorStorage(100))
-    rb.add_observer(LoggerObserver(channel, metrics=[WriteMetrics(), SampleMetrics()]))
+    rb.add_observer(LoggerObserver(channel, metrics=[WriteMetrics(), SampleMetrics()], schedule=None))
     for _ in range(3):
         rb.extend(TensorDict(obs=torch.arange(10.0), batch_size=[10]))
         rb.sample(4)
     assert channel.flush(timeout=10)
-    assert [s for s, _ in scalars(logger, "tensordictreplaybuffer/items_written")] == [10, 10, 20, 20, 30, 30]
-    assert [v for _, v in scalars(logger, "tensordictreplaybuffer/samples_returned")] == [0, 4, 4, 8, 8, 12]
+    assert [s for s, _ in scalars(logger, "replay_buffer/items_written")] == [10, 10, 20, 20, 30, 30]
+    assert [v for _, v in scalars(logger, "replay_buffer/samples_returned")] == [0, 4, 4, 8, 8, 12]
 
 
 def test_namespaces_keep_their_own_steps(logger, channel):
@@ -114,7 +114,9 @@ def test_namespaces_keep_their_own_steps(logger, channel):
     rb = ReplayBuffer(storage=LazyTensorStorage(1000))
     collector.add_observer(LoggerObserver(channel, schedule=Every.counter("frames", 100)))
     rb.add_observer(LoggerObserver(channel, schedule=Every.counter("sample_calls", 2), metrics=SampleMetrics()))
-    rb.add_observer(LoggerObserver(channel, schedule=Every.counter("write_count", 100), metrics=WriteMetrics()))
+    rb.add_observer(
+        LoggerObserver(channel, schedule=Every.counter("write_count", 100), metrics=WriteMetrics(), name="rb_writes")
+    )
     for batch in collector:
         rb.extend(batch)
         for _ in range(2):
@@ -122,8 +124,8 @@ def test_namespaces_keep_their_own_steps(logger, channel):
     collector.shutdown()
     assert channel.flush(timeout=30)
     assert [s for s, _ in scalars(logger, "collector/frames")] == [100, 200, 300]
-    assert [s for s, _ in scalars(logger, "replaybuffer/sample_calls")] == [2, 4, 6]
-    assert [s for s, _ in scalars(logger, "replaybuffer_1/items_written")] == [100, 200, 300]
+    assert [s for s, _ in scalars(logger, "replay_buffer/sample_calls")] == [2, 4, 6]
+    assert [s for s, _ in scalars(logger, "rb_writes/items_written")] == [100, 200, 300]
 
 
 def test_seconds_schedule_and_log_on_start(logger, channel, monkeypatch):
@@ -136,11 +138,11 @@ def test_seconds_schedule_and_log_on_start(logger, channel, monkeypatch):
         rb.extend(torch.arange(4))
     assert channel.flush(timeout=10)
     # log_on_start emitted once (the step is write_count); the hour has not passed since
-    assert scalars(logger, "replaybuffer/writes") == [(4, 1.0)]
+    assert scalars(logger, "replay_buffer/writes") == [(4, 1.0)]
     observer._clock.last_time -= 3601  # an hour later
     rb.extend(torch.arange(4))
     assert channel.flush(timeout=10)
-    assert scalars(logger, "replaybuffer/writes") == [(4, 1.0), (24, 6.0)]
+    assert scalars(logger, "replay_buffer/writes") == [(4, 1.0), (24, 6.0)]
 
 
 def test_removal_and_channel_close_emit_the_last_window(logger):
@@ -168,9 +170,9 @@ def test_counter_going_backwards_rebaselines(logger, channel):
     rb.extend(torch.arange(2))  # 33: re-baselines, no garbage emission
     rb.extend(torch.arange(8))  # 41 crosses 40 again
     assert channel.flush(timeout=10)
-    steps = [s for s, _ in scalars(logger, "replaybuffer/items_written")]
+    steps = [s for s, _ in scalars(logger, "replay_buffer/items_written")]
     assert steps == [25, 31, 41, 41]
-    assert all(v >= 0 for _, v in scalars(logger, "replaybuffer/items_written"))
+    assert all(v >= 0 for _, v in scalars(logger, "replay_buffer/items_written"))
 
 
 def test_checkpoint_resume_neither_loses_nor_double_counts_an_episode(tmp_path):
@@ -181,13 +183,13 @@ def test_checkpoint_resume_neither_loses_nor_double_counts_an_episode(tmp_path):
         logger = CSVLogger(exp_name=f"split{split}", log_dir=str(tmp_path))
         channel = MetricsChannel(logger, health_interval=None)
         collector = pendulum_collector(frames_per_batch=150, total_frames=900)
-        observer = LoggerObserver(channel, metrics=CollectorBatchMetrics())
+        observer = LoggerObserver(channel, metrics=CollectorBatchMetrics(), schedule=None)
         handle = collector.add_observer(observer)
         for i, _ in enumerate(collector):
             if split and i == 1:  # mid-episode: 300 frames in, episode 2 has 100 steps
                 state = observer.state_dict()
                 handle.remove()
-                observer = LoggerObserver(channel, metrics=CollectorBatchMetrics(), name="collector_resumed")
+                observer = LoggerObserver(channel, metrics=CollectorBatchMetrics(), name="collector_resumed", schedule=None)
                 handle = collector.add_observer(observer)
                 observer.load_state_dict(state)
         collector.shutdown()
@@ -203,12 +205,15 @@ def test_checkpoint_resume_neither_loses_nor_double_counts_an_episode(tmp_path):
 
 def test_missing_key_error_names_the_key(logger, channel, caplog):
     collector = pendulum_collector(frames_per_batch=50, total_frames=100)
-    observer = LoggerObserver(channel, metrics=CollectorBatchMetrics(reward_key=("next", "rewrd")))
+    observer = LoggerObserver(channel, metrics=CollectorBatchMetrics(reward_key=("next", "rewrd")), schedule=None)
     collector.add_observer(observer, on_error="raise")
     with pytest.raises(KeyError, match=r"rewrd.*reward"):
         next(iter(collector))
     collector = pendulum_collector(frames_per_batch=50, total_frames=100)
-    collector.add_observer(LoggerObserver(channel, metrics=CollectorBatchMetrics(reward_key="nope")))
+    # the first collector is still alive with its observer: this one needs its own name
+    collector.add_observer(
+        LoggerObserver(channel, metrics=CollectorBatchMetrics(reward_key="nope"), schedule=None, name="other")
+    )
     with caplog.at_level(logging.WARNING, logger="torchrl"):
         assert sum(b.numel() for b in collector) == 100  # warn: collection goes on
     assert len([r for r in caplog.records if "nope" in r.getMessage()]) == 1
@@ -219,19 +224,19 @@ def test_bad_arguments_fail_early(logger):
     with pytest.raises(TypeError, match="schedule must be an Every"):
         LoggerObserver(logger, schedule=10)
     with pytest.raises(ValueError, match="scope must be one of"):
-        LoggerObserver(logger, scope="global")
+        LoggerObserver(logger, scope="global", schedule=None)
     with pytest.raises(TypeError, match="metrics must be a MetricSet"):
-        LoggerObserver(logger, metrics=[42])
+        LoggerObserver(logger, metrics=[42], schedule=None)
     with pytest.raises(TypeError, match="expects a torchrl Logger"):
-        LoggerObserver("runs/")
+        LoggerObserver("runs/", schedule=None)
     rb = ReplayBuffer(storage=LazyTensorStorage(10))
-    with pytest.raises(ValueError, match="counter 'frames' is not one its metrics see"):
+    with pytest.raises(ValueError, match="names the counter 'frames', which none of its metric sets"):
         rb.add_observer(LoggerObserver(logger, schedule=Every.counter("frames", 10)))
     assert rb.observers == ()
 
 
 def test_one_observer_per_source(logger):
-    observer = LoggerObserver(logger, metrics=WriteMetrics())
+    observer = LoggerObserver(logger, metrics=WriteMetrics(), schedule=None)
     first = ReplayBuffer(storage=LazyTensorStorage(10))
     first.add_observer(observer)
     other = ReplayBuffer(storage=LazyTensorStorage(10))
@@ -247,7 +252,7 @@ def test_attach_logger_is_add_observer(logger):
     assert isinstance(observer, LoggerObserver) and handle.observer is observer
     assert [type(m).__name__ for m in observer.metrics] == ["WriteMetrics", "SampleMetrics"]
     collector = pendulum_collector(frames_per_batch=50, total_frames=50)
-    collector.attach_logger(logger)
+    collector.attach_logger(logger, schedule=None)
     assert [type(m).__name__ for m in collector.observers[0].metrics] == ["CollectorBatchMetrics"]
     collector.shutdown()
 
@@ -257,7 +262,7 @@ def test_pull_monitor_and_observers_share_one_logger(logger):
     rb = ReplayBuffer(storage=LazyTensorStorage(1000))
     rb.attach_logger(logger, schedule=Every.counter("sample_calls", 10))
     collector = pendulum_collector(frames_per_batch=100, total_frames=300)
-    collector.attach_logger(logger)
+    collector.attach_logger(logger, schedule=None)
     monitor = LoggerMonitor(logger, background=False)
     monitor.watch(rb, name="rb_monitor", log_on_start=True)
     monitor.watch(collector, name="collector_monitor", log_on_start=True)
@@ -272,7 +277,7 @@ def test_pull_monitor_and_observers_share_one_logger(logger):
     assert logged["rb_monitor"]["rb_monitor/sample_calls"] == 30
     assert logged["rb_monitor"]["rb_monitor/samples_per_second"] > 0
     assert "rb_monitor/seconds_since_last_write" in logged["rb_monitor"]
-    assert [s for s, _ in scalars(logger, "replaybuffer/sample_calls")] == [10, 20, 30]
+    assert [s for s, _ in scalars(logger, "replay_buffer/sample_calls")] == [10, 20, 30]
     assert scalars(logger, "collector/frames")[-1][0] == 300
 
 

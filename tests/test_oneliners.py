@@ -154,9 +154,9 @@ def test_merge_rules_across_two_forked_workers():
 
 
 def test_name_clashes_are_refused_naming_both():
-    with pytest.raises(ValueError, match=r"'reward'.*Mean\('reward'.*CollectorBatchMetrics"):
+    with pytest.raises(ValueError, match=r"CollectorBatchMetrics \(#1\) and Mean\('reward'.*\(#2\) both log .*'reward'"):
         LoggerObserver(RecordingLogger(), metrics=[CollectorBatchMetrics(), Mean("reward", _obs)])
-    with pytest.raises(ValueError, match=r"'x'.*Max\('x'.*Mean\('x'"):
+    with pytest.raises(ValueError, match=r"Mean\('x'.*\(#1\) and Max\('x'.*\(#2\) both log 'x'"):
         LoggerObserver(RecordingLogger(), metrics=[Mean("x", _obs), Max("x", _obs)])
     with pytest.raises(ValueError, match="episode_return_mean"):
         LoggerObserver(RecordingLogger(), metrics=[CollectorBatchMetrics(), Mean("episode_return_mean", _obs)])

@@ -148,5 +148,5 @@ def test_multiprocessing_workers_bind_their_copies(tmp_path):
         collector.shutdown()
     assert channel.flush(timeout=20)
     assert channel.close()
-    means = scalars(logger, "multisynccollector/reward_mean")
+    means = scalars(logger, "collector/reward_mean")
     assert means and all(torch.isfinite(torch.tensor(v)) for _, v in means)

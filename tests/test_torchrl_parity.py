@@ -70,7 +70,9 @@ class Observe:
     def __call__(self, source, on_error="raise"):
         if self.enabled:
             recorder = EventRecorder()
-            source.add_observer(LoggerObserver(self.logger, on_error=on_error))
+            # one namespace per source: a scenario may observe several buffers on one logger
+            name = f"source_{len(self.recorders)}"
+            source.add_observer(LoggerObserver(self.logger, on_error=on_error, schedule=None, name=name))
             source.add_observer(recorder, on_error=on_error)
             self.recorders.append(recorder)
         return source

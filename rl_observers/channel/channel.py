@@ -78,9 +78,12 @@ class MetricsChannel:
     and stops its threads; at interpreter exit, live channels are closed
     (close callbacks, pending entries) within 5 seconds in all.
 
-    Health counters (see :meth:`health`) are also logged under the channel's
-    own namespace (``name``), at most once per ``health_interval`` when one
-    of them changed, and once more at :meth:`close`.
+    Health counters (see :meth:`health`) are logged under the channel's own
+    namespace (``name``) only when something is wrong: entries dropped or
+    coalesced, sink errors, or a backlog of half the capacity. From then on
+    they are logged at most once per ``health_interval`` when one of them
+    changed. ``log_health=True`` logs them in every run, at most once per
+    ``health_interval`` when one changed and once more at :meth:`close`.
 
     Args:
         logger (Logger): the sink: any torchrl
@@ -113,6 +116,9 @@ class MetricsChannel:
         health_interval (float, optional): the least number of seconds between
             two health reports; ``None`` turns health reports off. Defaults to
             ``1.0``.
+        log_health (bool, optional): log the health counters even when all
+            is well. Defaults to ``False``: ``<name>/*`` series appear only
+            once something is wrong.
 
     Examples:
         >>> import tempfile
@@ -149,6 +155,7 @@ class MetricsChannel:
         name: str = "channel",
         background: bool = True,
         health_interval: float | None = 1.0,
+        log_health: bool = False,
     ) -> None:
         self._token = uuid.uuid4().hex
         owner = Owner(
@@ -159,6 +166,7 @@ class MetricsChannel:
             name=name,
             background=background,
             health_interval=health_interval,
+            log_health=log_health,
         )
         self._state: Owner | Forwarder = owner
         self._addresses: dict[str, Any] = {}
@@ -264,8 +272,12 @@ class MetricsChannel:
                 ``None`` (wait as long as it takes).
 
         Returns:
-            ``True`` if everything submitted before the call was processed,
-            ``False`` if the timeout expired first (the logger is slow or hung).
+            ``True`` if everything submitted before the call was processed
+            and no logger call (nor partial, nor router) failed since the
+            previous :meth:`flush` or :meth:`close`; ``False`` if the timeout
+            expired first (the logger is slow or hung) or something failed
+            (counted in ``sink_errors``, reported per ``on_error``): ``True``
+            never means "logged" when the logger refused the entries.
 
         Raises:
             Exception: with ``on_error="raise"``, the first logger error
@@ -355,8 +367,10 @@ class MetricsChannel:
                 ``None`` (as long as the logger makes progress).
 
         Returns:
-            ``True`` if everything was delivered and the thread stopped,
-            ``False`` if the timeout expired first.
+            ``True`` if everything was delivered and the thread stopped;
+            ``False`` if the timeout expired first, or if a logger call (or
+            a partial, a router, a close callback) failed since the previous
+            :meth:`flush` or :meth:`close`: see ``health()["sink_errors"]``.
 
         Raises:
             Exception: with ``on_error="raise"``, a stored logger error.

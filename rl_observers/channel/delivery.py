@@ -27,7 +27,7 @@ from torchrl._utils import logger as torchrl_logger
 from rl_observers.channel.payload import expand
 from rl_observers.channel.queue import PendingEntry, PendingQueue
 
-__all__ = ["Delivery", "Router", "Row", "register_router"]
+__all__ = ["Delivery", "Router", "Row", "health_problem", "register_router"]
 
 #: One logger call: ``(namespace, metrics, step)``.
 Row = tuple[str, dict[str, Any], "int | None"]
@@ -59,6 +59,27 @@ class Router(Protocol):
         """
 
 
+def health_problem(counts: Mapping[str, int], capacity: int) -> bool:
+    """Whether the channel's counters show something wrong.
+
+    Entries dropped or coalesced (here or in other processes), sink errors,
+    or a backlog of at least half the queue's capacity.
+
+    Examples:
+        >>> from rl_observers.channel.delivery import health_problem
+        >>> health_problem({"pending": 0, "dropped": 0, "sink_errors": 0}, capacity=8)
+        False
+        >>> health_problem({"pending": 4, "dropped": 0, "sink_errors": 0}, capacity=8)
+        True
+    """
+    if counts.get("pending", 0) >= max(1, capacity // 2):
+        return True
+    return any(
+        counts.get(key, 0)
+        for key in ("dropped", "coalesced", "sink_errors", "remote_dropped", "remote_coalesced")
+    )
+
+
 _ROUTER_FACTORIES: dict[str, Callable[[], Router]] = {}
 
 
@@ -83,6 +104,8 @@ class Delivery:
         name (str): the channel's name (health namespace, thread name, warnings).
         background (bool): whether a daemon thread delivers.
         health_interval (float | None): seconds between health reports; ``None``: none.
+        log_health (bool): report health at every interval (``True``) or only once
+            something is wrong (``False``: see :func:`health_problem`).
         poll (Callable): ``poll(deadline)`` hands over what other processes sent.
     """
 
@@ -96,6 +119,7 @@ class Delivery:
         background: bool,
         health_interval: float | None,
         poll: Callable[[float | None], None],
+        log_health: bool = False,
     ) -> None:
         log_metrics = getattr(logger, "log_metrics", None)
         self.logger = logger
@@ -106,6 +130,10 @@ class Delivery:
         self.name = name
         self._poll = poll
         self._health_interval = health_interval
+        self._log_health_always = log_health
+        # failures reported (sink, partials, routers, health): flush/close tell whether new ones came
+        self.failures = 0
+        self._failures_seen = 0
         self._routers: dict[str, Router] = {}
         self._failing = False
         self._error: BaseException | None = None
@@ -247,6 +275,7 @@ class Delivery:
     # ----------------------------------------------------------- error policy
     def report(self, err: BaseException, what: str) -> None:
         """Applies the ``on_error`` policy to a failure of the sink or of a partial."""
+        self.failures += 1
         if self.on_error == "raise":
             with self._error_lock:
                 if self._error is None:
@@ -257,6 +286,13 @@ class Delivery:
                 "silent until the logger recovers."
             )
         self._failing = True
+
+    def clean_since_last_check(self) -> bool:
+        """Whether no failure was reported since the previous call (what flush/close return)."""
+        failures = self.failures
+        clean = failures == self._failures_seen
+        self._failures_seen = failures
+        return clean
 
     def raise_stored_error(self) -> None:
         if self._error is None:
@@ -277,6 +313,8 @@ class Delivery:
         counts = self.queue.counts()
         if when != "always" and counts == self._health_counts:
             return
+        if not self._log_health_always and not health_problem(counts, self.queue.capacity):
+            return  # quiet while all is well
         self._health_time = now
         self._health_counts = counts
         payload = {f"{self.name}/{key}": value for key, value in counts.items()}
@@ -295,8 +333,9 @@ class Delivery:
             done = True
         else:
             done = self.queue.wait_processed(deadline)
+        clean = self.clean_since_last_check()
         self.raise_stored_error()
-        return done
+        return done and clean
 
     def step(self) -> int:
         if self.thread is not None:

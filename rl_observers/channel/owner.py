@@ -77,7 +77,14 @@ class Owner:
         name: str,
         background: bool,
         health_interval: float | None,
+        log_health: bool = False,
     ) -> None:
+        if isinstance(logger, type):
+            raise TypeError(
+                f"MetricsChannel expected a logger instance, got the class {logger.__name__}; "
+                f"create the logger first, e.g. {logger.__name__}(exp_name=..., log_dir=...), "
+                "and pass that."
+            )
         if not callable(getattr(logger, "log_metrics", None)) and not callable(
             getattr(logger, "log_scalar", None)
         ):
@@ -120,6 +127,7 @@ class Owner:
             background=background,
             health_interval=health_interval,
             poll=self.poll_remote,
+            log_health=bool(log_health),
         )
 
     # ------------------------------------------------------------------ submit
@@ -265,8 +273,9 @@ class Owner:
             self.queue.close()
             self.delivery.stop(at_exit)
         done = self.delivery.join(deadline)
+        clean = self.delivery.clean_since_last_check()
         self.delivery.raise_stored_error()
-        return done
+        return done and clean
 
     def release(self) -> None:
         """Stops the owner's threads without waiting: the channel was garbage-collected.

@@ -15,9 +15,10 @@ import os
 import pickle
 import threading
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
+from torchrl._utils import logger as torchrl_logger
 from torchrl.collectors import BaseCollector
 from torchrl.record.loggers.monitoring import Every
 
@@ -26,17 +27,140 @@ from rl_observers.logging.aggregate import finish_aggregate, has_aggregate
 from rl_observers.logging.contributions import LIVE, Contributor
 from rl_observers.logging.schedule import ScheduleClock
 from rl_observers.metrics import CollectorBatchMetrics, MetricSet, SampleMetrics, WriteMetrics
-from rl_observers.metrics.oneliners import check_metric_names, missing_source_counters
+from rl_observers.metrics.keys import MissingKeyError
+from rl_observers.metrics.oneliners import Metric, missing_source_counters
 from rl_observers.observer import ON_ERROR_POLICIES, Observer
+from rl_observers.signals import COLLECTOR_EVENTS, REPLAY_BUFFER_EVENTS
+from rl_observers.sources import observers_of
 
-__all__ = ["LoggerObserver", "attach_logger", "default_metrics", "install_attach_logger"]
+__all__ = [
+    "DEFAULT_SCHEDULES",
+    "LoggerObserver",
+    "attach_logger",
+    "default_metrics",
+    "default_schedule",
+    "install_attach_logger",
+]
 
 Scope = Literal["aggregate", "per_worker", "both"]
 SCOPES: tuple[str, ...] = ("aggregate", "per_worker", "both")
 _DATA_EVENTS = ("post_collect", "post_add", "post_extend", "post_sample")
-# Names already given per channel, so two observers on one logger never share a namespace.
-_NAMES: weakref.WeakKeyDictionary[MetricsChannel, set[str]] = weakref.WeakKeyDictionary()
+# Namespaces taken per channel (name -> the observer using it), so two observers on one
+# logger never write into one namespace without being told.
+_NAMES: weakref.WeakKeyDictionary[MetricsChannel, weakref.WeakValueDictionary[str, Any]] = (
+    weakref.WeakKeyDictionary()
+)
 _NAMES_LOCK = threading.Lock()
+
+#: What ``schedule="auto"`` (the default) means per kind of target, in order of preference:
+#: the first whose counter the metric sets count. A collector emits every 1,000 frames; a
+#: replay buffer every 100 ``sample()`` calls (every 1,000 items written if it is not sampled
+#: by these sets). Sets counting none of these emit every 10 seconds.
+DEFAULT_SCHEDULES: dict[str, tuple[Every, ...]] = {
+    "collector": (Every.counter("frames", 1_000),),
+    "replay_buffer": (Every.counter("sample_calls", 100), Every.counter("items_written", 1_000)),
+}
+_FALLBACK_SCHEDULE = Every.seconds(10.0)
+#: The default namespace per kind of target, whatever torchrl class it is.
+_DEFAULT_NAMES = {"collector": "collector", "replay_buffer": "replay_buffer"}
+_EMITS = {"collector": COLLECTOR_EVENTS, "replay_buffer": REPLAY_BUFFER_EVENTS}
+_FITTING_SETS = {
+    "collector": "CollectorBatchMetrics() (or a MetricSet with on_post_collect)",
+    "replay_buffer": (
+        "WriteMetrics() or SampleMetrics() (or a MetricSet with on_post_add, on_post_extend "
+        "or on_post_sample)"
+    ),
+}
+
+
+def _kind(target: Any) -> str:
+    return "collector" if isinstance(target, BaseCollector) else "replay_buffer"
+
+
+def default_schedule(target: Any, metrics: Sequence[MetricSet] | None = None) -> Every:
+    """The schedule of a :class:`LoggerObserver` created with ``schedule="auto"`` (the default).
+
+    A collector emits every 1,000 frames; a replay buffer every 100
+    ``sample()`` calls, or every 1,000 items written when its metric sets
+    count no samples (see :data:`DEFAULT_SCHEDULES`); metric sets counting
+    none of these emit every 10 seconds. A few rows per second at most in a
+    typical run, never a row per event.
+
+    Args:
+        target: a torchrl collector or replay buffer.
+        metrics (Sequence[MetricSet], optional): the observer's metric sets.
+            Defaults to :func:`default_metrics` of ``target``.
+
+    Examples:
+        >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
+        >>> from rl_observers import WriteMetrics, default_schedule
+        >>> rb = ReplayBuffer(storage=LazyTensorStorage(4))
+        >>> default_schedule(rb)
+        Every(kind='counter', interval=100, key='sample_calls')
+        >>> default_schedule(rb, [WriteMetrics()])
+        Every(kind='counter', interval=1000, key='items_written')
+    """
+    sets = default_metrics(target) if metrics is None else metrics
+    counted = {name for m in sets for name in m.counters()}
+    for schedule in DEFAULT_SCHEDULES[_kind(target)]:
+        if schedule.key in counted:
+            return schedule
+    return _FALLBACK_SCHEDULE
+
+
+def _public_error_name(error: BaseException) -> str:
+    """The name a message shows for ``error``: the builtin it stands for when its class is private."""
+    cls = type(error)
+    if isinstance(error, MissingKeyError) or cls.__name__.startswith("_"):
+        cls = next(c for c in cls.__mro__ if c.__module__ == "builtins")
+    return cls.__name__
+
+
+def _metric_names(metric_set: MetricSet) -> set[str]:
+    """The names ``metric_set`` puts in its payload, as far as they are known before any data."""
+    return {*metric_set.metric_names(), *metric_set.counter_names, *metric_set.latest_gauges}
+
+
+def _describe_set(metric_set: MetricSet) -> str:
+    """A one-liner by its repr (it names the metric), a metric set by its class."""
+    return repr(metric_set) if isinstance(metric_set, Metric) else type(metric_set).__name__
+
+
+def _check_metric_names(sets: Sequence[MetricSet]) -> None:
+    """Refuses metric sets of one observer that would log under the same name.
+
+    Two sets logging ``reward`` in one namespace would overwrite each other's
+    values in every row; this is checked once, when the observer is attached.
+
+    Raises:
+        ValueError: naming both sets and the shared names.
+
+    Examples:
+        >>> from rl_observers import CollectorBatchMetrics
+        >>> from rl_observers.logging.observer import _check_metric_names
+        >>> try:
+        ...     _check_metric_names([CollectorBatchMetrics(), CollectorBatchMetrics()])
+        ... except ValueError as err:
+        ...     print(str(err).split(";")[0])
+        LoggerObserver: metric sets CollectorBatchMetrics (#1) and CollectorBatchMetrics (#2) both log 'batches', 'dones', 'episode_return', 'episodes', 'frames', 'reward'
+    """
+    seen: dict[str, int] = {}
+    for index, metric_set in enumerate(sets):
+        clash: dict[int, list[str]] = {}
+        for name in _metric_names(metric_set):
+            other = seen.setdefault(name, index)
+            if other != index:
+                clash.setdefault(other, []).append(name)
+        for other, names in clash.items():
+            shown = ", ".join(repr(n) for n in sorted(names))
+            raise ValueError(
+                f"LoggerObserver: metric sets {_describe_set(sets[other])} (#{other + 1}) and "
+                f"{_describe_set(metric_set)} (#{index + 1}) both log {shown}; one would "
+                "overwrite the other in every row. Keep one of them, or log the other "
+                "from a second LoggerObserver with its own name=."
+            )
+
+
 def default_metrics(target: Any) -> tuple[MetricSet, ...]:
     """The metric sets a :class:`LoggerObserver` uses when given none.
 
@@ -61,9 +185,26 @@ def default_metrics(target: Any) -> tuple[MetricSet, ...]:
     return sets
 
 
+def _frames_of(collector: BaseCollector) -> Callable[[], Any]:
+    """``collector.stats()["frames"]``, holding the collector weakly."""
+    ref = weakref.ref(collector)
+
+    def frames() -> Any:
+        target = ref()
+        return None if target is None else target.stats().get("frames")
+
+    return frames
+
+
 def _as_sink(logger_or_channel: Any) -> tuple[MetricsHandle, MetricsChannel | None]:
     if isinstance(logger_or_channel, MetricsHandle):
         return logger_or_channel, None
+    if isinstance(logger_or_channel, type):
+        cls = logger_or_channel.__name__
+        raise TypeError(
+            f"LoggerObserver expects a logger instance, got the class {cls}; create the logger "
+            f"first, e.g. LoggerObserver({cls}(exp_name=..., log_dir=...)), and pass that."
+        )
     if isinstance(logger_or_channel, MetricsChannel):
         channel = logger_or_channel
     elif callable(getattr(logger_or_channel, "log_metrics", None)) or callable(
@@ -81,13 +222,23 @@ def _as_sink(logger_or_channel: Any) -> tuple[MetricsHandle, MetricsChannel | No
 def _as_metric_sets(metrics: Any) -> tuple[MetricSet, ...] | None:
     if metrics is None:
         return None
-    sets = (metrics,) if isinstance(metrics, MetricSet) else tuple(metrics)
+    given = (metrics,) if isinstance(metrics, (MetricSet, type)) else metrics
+    if isinstance(given, Iterable) and not isinstance(given, (str, bytes, Mapping)):
+        sets = tuple(given)
+        for item in sets:
+            if isinstance(item, type) and issubclass(item, MetricSet):
+                raise TypeError(
+                    f"LoggerObserver: metrics= got the class {item.__name__}, not a metric set; "
+                    f"instantiate it: metrics={item.__name__}()."
+                )
+    else:
+        sets = ()
     if not sets or not all(isinstance(m, MetricSet) for m in sets):
         raise TypeError(
             "metrics must be a MetricSet (CollectorBatchMetrics, SampleMetrics, WriteMetrics, ...) "
             f"or a non-empty sequence of them, got {metrics!r}."
         )
-    check_metric_names(sets)  # two sets logging one name: refused here, naming both
+    _check_metric_names(sets)  # two sets logging one name: refused here, naming both
     return sets
 
 
@@ -105,36 +256,65 @@ class LoggerObserver(Contributor, Observer):
 
     Metrics are logged as ``<name>/<metric>``, each namespace with its own
     step (the schedule's counter by default), so collector frames, buffer
-    writes and buffer samples never fight over one step.
+    writes and buffer samples never fight over one step. To overlay them
+    instead, give every observer one step source: ``step=collector`` (its
+    frames) or ``step=callable`` (say, the optimizer step you own).
+
+    Each metric set fails alone: a set that raises (a key missing from the
+    data, a bug in a custom set) is reported once per failure streak, with a
+    WARNING naming the set, the error and the fix, and the observer's other
+    sets keep logging. With ``on_error="raise"`` (here or in
+    ``add_observer``) the error reaches the caller instead.
+
+    Misconfigurations fail when the observer is constructed or attached, with
+    a message saying what to do instead: a logger class instead of an
+    instance, a metric-set class instead of an instance, a metric set that
+    folds none of the events the target emits (``SampleMetrics`` on a
+    collector), two sets logging the same name, a namespace already used on
+    the same logger by another observer.
 
     Args:
         logger (Logger | MetricsChannel | MetricsHandle): where the metrics go.
-            A torchrl logger (direct or a logger service) gets the channel
-            shared by everything logging to it
+            A torchrl logger *instance* (direct or a logger service) gets the
+            channel shared by everything logging to it
             (:meth:`MetricsChannel.for_logger`).
 
     Keyword Args:
-        schedule (Every, optional): when to emit: ``Every.counter(key, n)``
+        schedule (Every | str, optional): when to emit: ``Every.counter(key, n)``
             over a counter the metrics see (``frames``, ``batches``,
             ``episodes``, ``write_count``, ``items_written``,
             ``sample_calls``, ``samples_returned``) or ``Every.seconds(s)``.
-            ``None`` (default) emits after every data event (each batch,
-            write or sample). ``Every`` refuses intervals ``<= 0``; a NaN
-            interval is refused here; an infinite one never fires (only
-            ``log_on_start`` / ``log_on_close`` emit).
-        metrics (MetricSet | Sequence[MetricSet], optional): what to fold.
-            Defaults to :func:`default_metrics` for the target: batch
-            metrics on a collector, write and sample metrics on a buffer.
-        name (str, optional): the namespace. Defaults to the target's class
-            name in lower case, made unique per channel (``replaybuffer``,
-            ``replaybuffer_1``, ...).
+            Defaults to ``"auto"``: ``Every.counter("frames", 1_000)`` on a
+            collector, ``Every.counter("sample_calls", 100)`` on a replay
+            buffer (``Every.counter("items_written", 1_000)`` if its sets
+            count no samples; see :func:`default_schedule`). ``None`` emits after every
+            data event (each batch, write or sample). ``Every`` refuses
+            intervals ``<= 0``; a NaN interval is refused here; an infinite
+            one never fires (only ``log_on_start`` / ``log_on_close`` emit).
+        metrics (MetricSet | Sequence[MetricSet], optional): what to fold
+            (instances, not classes). Defaults to :func:`default_metrics`
+            for the target: batch metrics on a collector, write and sample
+            metrics on a buffer.
+        name (str, optional): the namespace. Defaults to ``"collector"`` on
+            any torchrl collector and ``"replay_buffer"`` on any replay
+            buffer. A name another attached observer already uses on the
+            same logger (or channel) is refused: pass ``name=`` to tell
+            them apart.
         scope (str, optional): for sources with several workers:
             ``"aggregate"`` (default) merges all workers' partials,
             ``"per_worker"`` logs ``<name>/worker_<i>/<metric>``, ``"both"``
             does both.
-        step (str, optional): the counter used as the logged step.
-            Defaults to the schedule's counter, else the first counter of
-            the first metric set (``frames`` for a collector).
+        step (str | Callable[[], int] | collector, optional): the logged
+            step. A counter name of the metric sets (``"frames"``,
+            ``"sample_calls"``, ...); a torchrl collector, to log against
+            its frames (``collector.stats()["frames"]``), so that buffer
+            metrics line up with collector metrics; or a callable returning
+            the step (the optimizer step you own), read when a window is
+            emitted. Defaults to the schedule's counter, else the first
+            counter of the first metric set (``frames`` for a collector).
+            A collector or callable step is read in the channel's process:
+            observers whose copies run elsewhere (multiprocessing or Ray
+            collectors, shared buffers) take a counter name.
         log_on_start (bool, optional): emit at the first data event whatever
             the schedule. Defaults to ``False``.
         log_on_close (bool, optional): emit the last partial window when the
@@ -151,6 +331,7 @@ class LoggerObserver(Contributor, Observer):
 
     Examples:
         >>> import tempfile
+        >>> import torch
         >>> import rl_observers
         >>> from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel
         >>> from torchrl.collectors import Collector
@@ -171,6 +352,20 @@ class LoggerObserver(Contributor, Observer):
         True
         >>> [step for step, _ in logger.experiment.scalars["collector/frames"]]
         [20, 40]
+
+        Buffer metrics logged against the collector's frames:
+
+        >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
+        >>> rb = ReplayBuffer(storage=LazyTensorStorage(100))
+        >>> channel = MetricsChannel(logger, background=False)
+        >>> handle = rb.add_observer(
+        ...     LoggerObserver(channel, schedule=Every.counter("sample_calls", 1), step=collector)
+        ... )
+        >>> _ = rb.extend(torch.arange(10)); _ = rb.sample(4)
+        >>> channel.close()
+        True
+        >>> [step for step, _ in logger.experiment.scalars["replay_buffer/sample_calls"]]
+        [40]
         >>> sorted(name for name in logger.experiment.scalars if "episode" in name)[:3]
         ['collector/episode_length_max', 'collector/episode_length_mean', 'collector/episode_length_min']
     """
@@ -179,20 +374,23 @@ class LoggerObserver(Contributor, Observer):
         self,
         logger: Any,
         *,
-        schedule: Every | None = None,
+        schedule: Every | Literal["auto"] | None = "auto",
         metrics: MetricSet | Sequence[MetricSet] | None = None,
         name: str | None = None,
         scope: Scope = "aggregate",
-        step: str | None = None,
+        step: str | Callable[[], int] | BaseCollector | None = None,
         log_on_start: bool = False,
         log_on_close: bool = True,
         on_error: str = "warn",
         report_interval: float = 0.5,
     ) -> None:
-        if schedule is not None and not isinstance(schedule, Every):
+        auto = isinstance(schedule, str) and schedule == "auto"
+        if auto:
+            schedule = None
+        elif schedule is not None and not isinstance(schedule, Every):
             raise TypeError(
-                "schedule must be an Every (Every.counter(key, n) or Every.seconds(s)) or None, "
-                f"got {schedule!r}."
+                "schedule must be an Every (Every.counter(key, n) or Every.seconds(s)), \"auto\" "
+                f"or None, got {schedule!r}."
             )
         if schedule is not None and not schedule.interval == schedule.interval:
             # torchrl's Every refuses intervals <= 0 but lets NaN through: it would never fire.
@@ -203,16 +401,33 @@ class LoggerObserver(Contributor, Observer):
             raise ValueError(f"on_error must be one of 'warn', 'raise' or 'ignore', got {on_error!r}.")
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"name must be a non-empty string, got {name!r}.")
+        step_fn: Callable[[], Any] | None = None
+        if isinstance(step, BaseCollector):
+            step_fn = _frames_of(step)
+            step = None
+        elif step is not None and not isinstance(step, str):
+            if not callable(step):
+                raise TypeError(
+                    "step must be a counter name (\"frames\", \"sample_calls\", ...), a torchrl "
+                    f"collector or a callable returning the step, got {step!r}."
+                )
+            step_fn, step = step, None
         self._sink, channel = _as_sink(logger)
         self._channel_ref = weakref.ref(channel) if channel is not None else None
         self._sets = _as_metric_sets(metrics)
         self.schedule = schedule
+        self._auto_schedule = auto
         self.name = name
+        self._name_given = name is not None
         self.scope = scope
         self.step_key = step
+        self._step_fn = step_fn
+        self._failing_sets: set[int] = set()  # metric sets in a failure streak (by position)
+        self._failed_now: set[int] = set()  # those that failed during the current event
         self.log_on_start = log_on_start
         self.log_on_close = log_on_close
         self.on_error = on_error
+        self._policy = on_error  # the policy in force once attached (add_observer may override it)
         self._clock = ScheduleClock(schedule)
         self._lock = threading.Lock()
         self._folds: dict[str, tuple[Any, ...]] = {}
@@ -248,8 +463,12 @@ class LoggerObserver(Contributor, Observer):
                 "a LoggerObserver observes one source; create one LoggerObserver per collector "
                 "or replay buffer."
             )
-        self._source = weakref.ref(source)
         self._bind(source)
+        self._source = weakref.ref(source)
+        observers = observers_of(source)
+        for entry in observers.entries if observers is not None else ():
+            if entry.observer is self:  # add_observer(..., on_error=) overrides the observer's own
+                self._policy = entry.on_error
         if self.log_on_close:
             channel = self._channel()
             if channel is not None:
@@ -260,6 +479,7 @@ class LoggerObserver(Contributor, Observer):
             self._close_window()
         if self._mode == "contribute":
             self._sink.flush(timeout=5.0)
+        self._release_name()
 
     def prepare_copies(self, target: Any) -> None:
         """Called on the original, in the driver, before copies go where ``target``'s data is.
@@ -267,6 +487,12 @@ class LoggerObserver(Contributor, Observer):
         Fixes what every copy must share: the metric sets (chosen for
         ``target``), the namespace and the step counter.
         """
+        if self._step_fn is not None:
+            raise ValueError(
+                "LoggerObserver: step= a collector or a callable is read where the channel lives, "
+                f"but this {type(target).__name__}'s observers run in other processes; pass a "
+                'counter name instead, e.g. step="frames".'
+            )
         self._bind(target)
 
     def copies_removed(self, target: Any) -> None:
@@ -274,16 +500,24 @@ class LoggerObserver(Contributor, Observer):
         channel = self._channel()
         if channel is not None and self.name is not None:
             finish_aggregate(channel, self.name)
+        self._release_name()
 
     def _bind(self, source: Any) -> None:
         """Resolves defaults, names and counters once, for ``source`` (a local one or a remote one)."""
+        kind = _kind(source)
         if self._sets is None:
             self._sets = default_metrics(source)
+        else:
+            self._check_sets_fit(source, kind)
         for metric_set in self._sets:
             metric_set.bind(source)
         counters = missing_source_counters(source, self._sets)  # the source's own, for schedules
         if counters is not None:
             self._sets = (*self._sets, counters)
+        if self._auto_schedule:
+            self.schedule = default_schedule(source, self._sets)
+            self._clock = ScheduleClock(self.schedule)
+            self._auto_schedule = False
         if self._pristine is None:  # what a copy restarts from where it runs (see _resolve_mode)
             try:
                 self._pristine = pickle.dumps(self._sets)
@@ -292,40 +526,92 @@ class LoggerObserver(Contributor, Observer):
         self._wire()
         counters = self._counters()
         key = self.schedule.key if self.schedule is not None and self.schedule.kind == "counter" else None
-        for wanted in (key, self.step_key):
+        for wanted, argument in ((key, "Every.counter(key, n)"), (self.step_key, "step=")):
             if wanted is not None and wanted not in counters:
+                sets = ", ".join(type(m).__name__ for m in self._sets)
                 raise ValueError(
-                    f"LoggerObserver counter {wanted!r} is not one its metrics see; "
-                    f"they see {sorted(counters)}."
+                    f"LoggerObserver: {argument} names the counter {wanted!r}, which none of its "
+                    f"metric sets ({sets}) counts; use one of {sorted(counters)}."
                 )
         if self.step_key is None:
             self.step_key = key or next(iter(counters), None)
         if key is not None:
             self._clock.due(counters[key])  # primes the schedule at the counters' current value
-        if self.name is None:
-            self.name = self._unique_name(type(source).__name__.lower())
+        self._claim_name(_DEFAULT_NAMES[kind] if self.name is None else self.name)
+
+    def _check_sets_fit(self, source: Any, kind: str) -> None:
+        """Refuses a metric set that folds none of the events ``source`` emits (it would log nothing)."""
+        emits = _EMITS[kind]
+        for metric_set in self._sets or ():
+            if not set(metric_set.folded_events) & set(emits):
+                folded = ", ".join(metric_set.folded_events) or "no event"
+                raise TypeError(
+                    f"LoggerObserver: {type(metric_set).__name__} folds {folded}, which a "
+                    f"{type(source).__name__} never emits, so it would log nothing; on a "
+                    f"{kind.replace('_', ' ')} use {_FITTING_SETS[kind]}."
+                )
 
     def _wire(self) -> None:
         self._folds = {
-            event: tuple(getattr(m, "on_" + event) for m in self._sets or () if event in m.events)
+            event: tuple(
+                (index, getattr(m, "on_" + event))
+                for index, m in enumerate(self._sets or ())
+                if event in m.folded_events
+            )
             for event in _DATA_EVENTS
         }
+
+    def _set_failed(self, index: int, error: Exception, where: str) -> None:
+        """One metric set raised: the policy applies to it alone; the other sets go on."""
+        if self._policy == "raise":
+            raise error
+        if self._policy == "warn" and index not in self._failing_sets:
+            metric_set = (self._sets or ())[index]
+            torchrl_logger.warning(
+                f"rl_observers: LoggerObserver {self.name!r}: metric set {metric_set!r} raised in "
+                f"{where} ({_public_error_name(error)}: {error}). Its metrics are skipped until it "
+                "succeeds again (reported once per failure streak); the observer's other metric "
+                "sets keep logging. Fix the set's configuration, or attach with "
+                'on_error="raise" to stop at the error.'
+            )
+        self._failing_sets.add(index)
+        self._failed_now.add(index)
+
+    def _recovered(self, event: str) -> None:
+        """Ends the failure streak of the sets that folded ``event`` without raising this time."""
+        for position, _ in self._folds[event]:
+            if position not in self._failed_now:
+                self._failing_sets.discard(position)
+        self._failed_now.clear()
 
     def _channel(self) -> MetricsChannel | None:
         return self._channel_ref() if self._channel_ref is not None else None
 
-    def _unique_name(self, base: str) -> str:
-        channel = self._channel_ref() if self._channel_ref is not None else None
-        if channel is None:
-            return base
+    def _claim_name(self, name: str) -> None:
+        """Takes ``name`` on the channel; refuses a name another attached observer uses there."""
+        channel = self._channel()
+        if channel is not None:
+            with _NAMES_LOCK:
+                taken = _NAMES.setdefault(channel, weakref.WeakValueDictionary())
+                other = taken.get(name)
+                if other is not None and other is not self:
+                    hint = "" if self._name_given else " (the default for this kind of target)"
+                    raise ValueError(
+                        f"LoggerObserver: the namespace {name!r}{hint} is already used on this "
+                        f"logger by {other!r}; pass name= to tell them apart, e.g. "
+                        f"name={name + '_2'!r}."
+                    )
+                taken[name] = self
+        self.name = name
+
+    def _release_name(self) -> None:
+        channel = self._channel()
+        if channel is None or self.name is None:
+            return
         with _NAMES_LOCK:
-            taken = _NAMES.setdefault(channel, set())
-            name, suffix = base, 0
-            while name in taken:
-                suffix += 1
-                name = f"{base}_{suffix}"
-            taken.add(name)
-        return name
+            taken = _NAMES.get(channel)
+            if taken is not None and taken.get(self.name) is self:
+                del taken[self.name]
 
     def _counters(self) -> dict[str, float]:
         counters: dict[str, float] = {}
@@ -356,8 +642,12 @@ class LoggerObserver(Contributor, Observer):
 
     def _pull(self) -> dict[str, Any]:
         payload: dict[str, Any] = {}
-        for metric_set in self._sets or ():
-            payload.update(metric_set.pull())
+        for index, metric_set in enumerate(self._sets or ()):
+            try:
+                payload.update(metric_set.pull())
+            except Exception as err:
+                self._set_failed(index, err, "pull")
+        self._failed_now.clear()
         self._fresh = False
         return payload
 
@@ -369,7 +659,10 @@ class LoggerObserver(Contributor, Observer):
             self._worker = "main"
             self._contribute()
             return
-        step = counters.get(self.step_key) if self.step_key else None
+        if self._step_fn is not None:
+            step = self._step_fn()
+        else:
+            step = counters.get(self.step_key) if self.step_key else None
         payload = self._pull()
         self._clock.fired()
         self._emitted = True
@@ -389,29 +682,49 @@ class LoggerObserver(Contributor, Observer):
     def on_post_collect(self, source: Any, batch: Any) -> None:
         if self._mode is None:
             self._resolve_mode(source)
-        for fold in self._folds["post_collect"]:
-            fold(source, batch)
+        for position, fold in self._folds["post_collect"]:
+            try:
+                fold(source, batch)
+            except Exception as err:
+                self._set_failed(position, err, "on_post_collect")
+        if self._failing_sets:
+            self._recovered("post_collect")
         self._after()
 
     def on_post_add(self, source: Any, data: Any, index: Any) -> None:
         if self._mode is None:
             self._resolve_mode(source)
-        for fold in self._folds["post_add"]:
-            fold(source, data, index)
+        for position, fold in self._folds["post_add"]:
+            try:
+                fold(source, data, index)
+            except Exception as err:
+                self._set_failed(position, err, "on_post_add")
+        if self._failing_sets:
+            self._recovered("post_add")
         self._after()
 
     def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
         if self._mode is None:
             self._resolve_mode(source)
-        for fold in self._folds["post_extend"]:
-            fold(source, data, index)
+        for position, fold in self._folds["post_extend"]:
+            try:
+                fold(source, data, index)
+            except Exception as err:
+                self._set_failed(position, err, "on_post_extend")
+        if self._failing_sets:
+            self._recovered("post_extend")
         self._after()
 
     def on_post_sample(self, source: Any, batch: Any, info: Any) -> None:
         if self._mode is None:
             self._resolve_mode(source)
-        for fold in self._folds["post_sample"]:
-            fold(source, batch, info)
+        for position, fold in self._folds["post_sample"]:
+            try:
+                fold(source, batch, info)
+            except Exception as err:
+                self._set_failed(position, err, "on_post_sample")
+        if self._failing_sets:
+            self._recovered("post_sample")
         self._after()
 
     def on_shutdown(self, source: Any) -> None:
@@ -455,6 +768,7 @@ class LoggerObserver(Contributor, Observer):
         del state["_lock"]
         state["_channel_ref"] = None
         state["_source"] = None
+        state["_step_fn"] = None  # read where the channel lives (refused for copies elsewhere)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -472,21 +786,25 @@ def attach_logger(
     self: Any,
     logger: Any,
     *,
-    schedule: Every | None = None,
+    schedule: Every | Literal["auto"] | None = "auto",
     metrics: MetricSet | Iterable[MetricSet] | None = None,
     name: str | None = None,
     **kwargs: Any,
 ) -> Any:
     """Logs this source's metrics: ``add_observer(LoggerObserver(logger, ...))`` in one line.
 
-    Metrics default to those fitting the source (:func:`default_metrics`).
-    Returns the same handle as :meth:`add_observer`.
+    Metrics default to those fitting the source (:func:`default_metrics`),
+    the schedule to one that does not flood (``"auto"``: every 1,000 frames
+    on a collector, every 100 ``sample()`` calls on a replay buffer, see
+    :func:`default_schedule`), the namespace to ``"collector"`` or
+    ``"replay_buffer"``. Returns the same handle as :meth:`add_observer`.
 
     Args:
         logger (Logger | MetricsChannel | MetricsHandle): where the metrics go.
 
     Keyword Args:
-        schedule (Every, optional): see :class:`LoggerObserver`.
+        schedule (Every | str, optional): see :class:`LoggerObserver`.
+            Defaults to ``"auto"``.
         metrics (MetricSet | Sequence[MetricSet], optional): see :class:`LoggerObserver`.
         name (str, optional): see :class:`LoggerObserver`.
         **kwargs: the other keyword arguments of :class:`LoggerObserver`.
@@ -507,7 +825,7 @@ def attach_logger(
         >>> handle.remove()
         >>> rl_observers.MetricsChannel.for_logger(logger).flush(timeout=10)
         True
-        >>> [step for step, _ in logger.experiment.scalars["replaybuffer/samples_returned"]]
+        >>> [step for step, _ in logger.experiment.scalars["replay_buffer/samples_returned"]]
         [2, 4]
     """
     observer = LoggerObserver(logger, schedule=schedule, metrics=metrics, name=name, **kwargs)

@@ -19,8 +19,9 @@ waiting for it. Besides the events it offers:
   double-counts nor loses an episode.
 
 Configuration is validated at construction; keys are resolved at the first
-batch, and a missing key raises a :class:`KeyError` naming the key and the
-keys present (what happens next is the observer's ``on_error`` policy).
+batch, and a missing key raises a :class:`KeyError` naming the key, the
+keys present and the argument to change (a LoggerObserver reports it for that
+set alone, per its ``on_error`` policy, and its other sets keep logging).
 
 Counters that depend on tensor values (``episodes``, and ``frames`` of masked
 ``trajs_per_batch`` batches) are *observed, not exact*: on CPU they are read

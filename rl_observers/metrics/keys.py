@@ -64,8 +64,17 @@ class MissingKeyError(KeyError):
 
 
 def missing_key(owner: str, what: str, key: NestedKey, present: Iterable[NestedKey]) -> KeyError:
+    """The error of a key missing from the data: names the key, the keys present and the fix.
+
+    Examples:
+        >>> print(missing_key("WriteMetrics", "reward_key", "rew", ["obs", ("next", "reward")]))
+        WriteMetrics: reward_key='rew' is not in the data; keys present: ('next', 'reward'), 'obs'. Pass WriteMetrics(reward_key=...) one of these keys, or None to leave that metric out.
+    """
     shown = ", ".join(repr(k) for k in sorted(present, key=str)) or "none"
-    return MissingKeyError(f"{owner}: {what}={key!r} is not in the data; keys present: {shown}.")
+    return MissingKeyError(
+        f"{owner}: {what}={key!r} is not in the data; keys present: {shown}. "
+        f"Pass {owner}({what}=...) one of these keys, or None to leave that metric out."
+    )
 
 
 def storage_of(source: Any) -> Any:

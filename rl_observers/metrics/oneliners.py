@@ -80,7 +80,6 @@ __all__ = [
     "StatsProvider",
     "Sum",
     "Summary",
-    "check_metric_names",
     "missing_source_counters",
     "source_events",
 ]
@@ -881,24 +880,6 @@ def missing_source_counters(source: Any, sets: Sequence[MetricSet]) -> SourceCou
     if not missing:
         return None
     return SourceCounters(missing)
-
-
-def check_metric_names(sets: Sequence[MetricSet]) -> None:
-    """Refuses two metric sets of one observer that would log or submit the same name.
-
-    Raises:
-        ValueError: naming both sets and the name.
-    """
-    owners: dict[str, MetricSet] = {}
-    for metric_set in sets:
-        for name in dict.fromkeys(metric_set.metric_names()):
-            other = owners.get(name)
-            if other is not None and other is not metric_set:
-                raise ValueError(
-                    f"metric name {name!r} of {metric_set!r} clashes with {other!r} in the same "
-                    "LoggerObserver; rename one of them (or log it under another observer name)."
-                )
-            owners[name] = metric_set
 
 
 # -- statistics providers for ``stats()`` ----------------------------------------------------

@@ -106,7 +106,7 @@ def test_nan_in_the_data_reaches_the_logger_as_nan():
     logger = RecordingLogger()
     channel = sync_channel(logger)
     rb = TensorDictReplayBuffer(storage=LazyTensorStorage(10))
-    rb.add_observer(LoggerObserver(channel, metrics=WriteMetrics(reward_key="reward"), name="rb"))
+    rb.add_observer(LoggerObserver(channel, metrics=WriteMetrics(reward_key="reward"), name="rb", schedule=None))
     rb.extend(TensorDict({"reward": torch.tensor([1.0, float("nan")])}, [2]))
     channel.step()
     ((_, mean),) = logger.series("rb/reward_mean")
@@ -145,7 +145,7 @@ def test_a_name_the_logger_cannot_store_is_a_counted_sink_error_and_the_channel_
     channel = MetricsChannel(logger, name="long", health_interval=None)
     channel.submit_metrics({"x" * 1000: 1.0}, step=1, namespace="a")  # too long for a file name
     channel.submit_metrics({"y": 2.0}, step=2, namespace="b")
-    assert channel.flush(timeout=10)
+    assert channel.flush(timeout=10) is False  # everything was processed, but one entry failed
     health = channel.health()
     assert health["sink_errors"] == 1 and health["logged"] == 1
     assert_balanced(health)
@@ -171,7 +171,7 @@ def test_a_partial_that_cannot_finalize_does_not_stop_the_channel_thread(told):
     channel = MetricsChannel(logger, name="partials", health_interval=None)
     channel.submit_metrics({"p": FinalizeFails()}, namespace="a")
     channel.submit_metrics({"x": 1.0}, namespace="b")
-    assert channel.flush(timeout=10)
+    assert channel.flush(timeout=10) is False  # processed, but one entry failed
     assert logger.calls == [({"b/x": 1.0}, None)]
     assert channel.health()["sink_errors"] == 1
     assert any("cannot finalize" in m for m in told)
@@ -239,10 +239,10 @@ def test_a_logger_already_shut_down_is_refused_at_once(tmp_path):
     with pytest.raises(ValueError, match="running logger, got a CSVLogger that is shut down"):
         MetricsChannel(logger)
     with pytest.raises(ValueError, match="shut down"):
-        LoggerObserver(logger)
+        LoggerObserver(logger, schedule=None)
     rb = ReplayBuffer(storage=LazyTensorStorage(10))
     with pytest.raises(ValueError, match="shut down"):
-        rb.attach_logger(logger)
+        rb.attach_logger(logger, schedule=None)
     assert rb.observers == () and type(rb) is ReplayBuffer
     # a channel made while the logger ran is not affected by the check
     alive = CSVLogger(exp_name="alive", log_dir=str(tmp_path))

@@ -66,7 +66,7 @@ def _run(observe: bool):
     where = WhereItRuns()
     if observe:
         rb.add_observer(where)
-        rb.add_observer(LoggerObserver(channel, metrics=[WriteMetrics(), SampleMetrics()], name="rb"))
+        rb.add_observer(LoggerObserver(channel, metrics=[WriteMetrics(), SampleMetrics()], name="rb", schedule=None))
 
     def step(x):
         rb.extend(x)

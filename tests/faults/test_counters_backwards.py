@@ -80,7 +80,7 @@ def test_sample_age_after_empty_only_covers_what_was_written_since():
     logger = RecordingLogger()
     channel = sync_channel(logger)
     rb = ReplayBuffer(storage=LazyTensorStorage(50), batch_size=16)
-    rb.add_observer(LoggerObserver(channel, metrics=SampleMetrics(), name="rb"))  # emits per sample
+    rb.add_observer(LoggerObserver(channel, metrics=SampleMetrics(), name="rb", schedule=None))  # emits per sample
     rb.extend(torch.arange(40))
     rb.sample()
     rb.empty()
@@ -98,7 +98,7 @@ def test_a_buffer_restored_with_its_observer_state_gives_the_ages_of_an_uninterr
         channel = sync_channel(logger)
         rb = ReplayBuffer(storage=LazyTensorStorage(50), batch_size=8)
         rb.set_rng(torch.Generator().manual_seed(0))
-        observer = LoggerObserver(channel, metrics=[WriteMetrics(), SampleMetrics()], name="rb")
+        observer = LoggerObserver(channel, metrics=[WriteMetrics(), SampleMetrics()], name="rb", schedule=None)
         rb.add_observer(observer)
         for _ in range(3):
             rb.extend(torch.arange(7))
@@ -124,7 +124,7 @@ def test_a_buffer_restored_without_its_observer_state_keeps_ages_non_negative():
     logger = RecordingLogger()
     channel = sync_channel(logger)
     rb = ReplayBuffer(storage=LazyTensorStorage(50), batch_size=8)
-    rb.add_observer(LoggerObserver(channel, metrics=SampleMetrics(), name="rb"))
+    rb.add_observer(LoggerObserver(channel, metrics=SampleMetrics(), name="rb", schedule=None))
     rb.extend(torch.arange(21))
     saved = rb.state_dict()
     for _ in range(10):
@@ -164,7 +164,7 @@ def test_collector_reset_and_restore_leave_no_garbage_episode():
     env.set_seed(0)
     torch.manual_seed(0)
     collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=20, total_frames=-1)
-    collector.add_observer(LoggerObserver(channel, name="c"))  # one window per batch
+    collector.add_observer(LoggerObserver(channel, name="c", schedule=None))  # one window per batch
     batches = []
     it = iter(collector)
     try:

@@ -76,7 +76,7 @@ def test_threads_writing_and_sampling_while_observers_come_and_go():
     logger = RecordingLogger()
     channel = MetricsChannel(logger, health_interval=None)
     steady = EventRecorder()
-    steady_logger = LoggerObserver(channel, name="steady")
+    steady_logger = LoggerObserver(channel, name="steady", schedule=None)
     rb.add_observer(steady)
     rb.add_observer(steady_logger)
     stop = threading.Event()
@@ -142,11 +142,11 @@ def test_logger_observers_attached_and_removed_over_and_over_leave_no_callbacks_
     rb = ReplayBuffer(storage=LazyTensorStorage(10))
     removed = []
     for _ in range(2000):
-        observer = LoggerObserver(channel, metrics=WriteMetrics())
+        observer = LoggerObserver(channel, metrics=WriteMetrics(), schedule=None)
         rb.add_observer(observer).remove()
         removed.append(weakref.ref(observer))
         del observer
-    kept = LoggerObserver(channel, metrics=WriteMetrics(), name="kept")
+    kept = LoggerObserver(channel, metrics=WriteMetrics(), name="kept", schedule=None)
     rb.add_observer(kept)
     gc.collect()
     assert not any(ref() for ref in removed)  # the channel's close callbacks keep none alive

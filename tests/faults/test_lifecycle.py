@@ -40,9 +40,9 @@ def test_closing_the_channel_while_sources_run_drops_and_counts(reference, told)
     closer = ClosesTheChannelAtBatch3()
 
     def attach(collector, rb):
-        collector.add_observer(LoggerObserver(channel))
+        collector.add_observer(LoggerObserver(channel, schedule=None))
         collector.add_observer(closer, on_error="raise")  # a failure here fails the test
-        rb.add_observer(LoggerObserver(channel))
+        rb.add_observer(LoggerObserver(channel, schedule=None))
 
     assert_same_data(reference, run_loop(attach))  # no exception reached the loop
     assert closer.closed is True
@@ -213,6 +213,6 @@ def test_interpreter_exit_delivers_pending_windows(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "exiting" in done.stdout
     scalars = tmp_path / "exit" / "scalars"
-    assert read_csv(scalars / "replaybuffer" / "items_written.csv") == [(24, 24.0)]
+    assert read_csv(scalars / "replay_buffer" / "items_written.csv") == [(24, 24.0)]
     assert read_csv(scalars / "collector" / "frames.csv") == [(24, 24.0)]
     assert "Traceback" not in done.stderr

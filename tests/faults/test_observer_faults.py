@@ -211,7 +211,7 @@ def test_a_slow_observer_breaks_nothing_else(reference, told):
     sleepy, recorder = Sleepy(), EventRecorder()
 
     def attach(collector, rb):
-        collector.add_observer(LoggerObserver(channel))
+        collector.add_observer(LoggerObserver(channel, schedule=None))
         collector.add_observer(sleepy)
         rb.add_observer(sleepy)
         rb.add_observer(recorder)

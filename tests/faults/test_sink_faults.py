@@ -38,8 +38,8 @@ def observe_into(channel: MetricsChannel):
     """Attaches a LoggerObserver (default metrics, emitting at every event) to both sources."""
 
     def attach(collector, rb):
-        collector.add_observer(LoggerObserver(channel))
-        rb.add_observer(LoggerObserver(channel))
+        collector.add_observer(LoggerObserver(channel, schedule=None))
+        rb.add_observer(LoggerObserver(channel, schedule=None))
 
     return attach
 
@@ -51,8 +51,8 @@ def assert_nothing_lost(logger: RecordingLogger) -> None:
     assert episodes_total > 0
     assert window_total(logger, "collector/episodes") == episodes_total
     assert window_total(logger, "collector/dones") == episodes_total
-    assert logger.series("tensordictreplaybuffer/items_written")[-1][1] == TOTAL_FRAMES
-    assert logger.series("tensordictreplaybuffer/sample_calls")[-1][1] == BATCHES
+    assert logger.series("replay_buffer/items_written")[-1][1] == TOTAL_FRAMES
+    assert logger.series("replay_buffer/sample_calls")[-1][1] == BATCHES
 
 
 def sink_warnings(told: list[str]) -> list[str]:
@@ -126,7 +126,7 @@ def test_a_sink_raising_at_every_call(reference, told, on_error):
             channel.flush(timeout=10)
         assert channel.flush(timeout=10)  # raised once
     else:
-        assert channel.flush(timeout=10)
+        assert channel.flush(timeout=10) is False  # nothing reached the logger: never True
     assert time.monotonic() - start < 10
     health = channel.health()
     assert health["logged"] == 0 and health["sink_errors"] == logger.attempts > 0
@@ -138,7 +138,7 @@ def test_a_sink_raising_at_every_call(reference, told, on_error):
             channel.submit_metrics({"x": 1.0})
             channel.close(timeout=10)
     else:
-        assert channel.close(timeout=10)
+        assert channel.close(timeout=10)  # nothing failed since the last flush
     assert channel.closed
 
 
@@ -148,20 +148,20 @@ def test_a_flaky_sink_recovers_and_logging_resumes(told):
     logger = RecordingLogger(fail=lambda attempt: broken.is_set())
     channel = MetricsChannel(logger, name="flaky", health_interval=0.0)
     rb = ReplayBuffer(storage=LazyTensorStorage(1000))
-    rb.add_observer(LoggerObserver(channel, name="rb"))
+    rb.add_observer(LoggerObserver(channel, name="rb", schedule=None))
 
-    def write(n):
+    def write(n, delivered=True):
         for _ in range(n):
             rb.extend(torch.arange(4))
-        assert channel.flush(timeout=10)
+        assert channel.flush(timeout=10) is delivered  # False while the sink fails
 
     write(3)  # before the fault: logged
     broken.set()
-    write(3)  # the sink fails: counted, told once
+    write(3, delivered=False)  # the sink fails: counted, told once
     broken.clear()
     write(3)  # recovered: logging resumes
     broken.set()
-    write(1)  # a second failure streak is told again
+    write(1, delivered=False)  # a second failure streak is told again
     broken.clear()
     write(1)
     items = [value for _, value in logger.series("rb/items_written")]
@@ -187,8 +187,8 @@ def _kill_service_mid_run(logger, kill, told, reference):
     killed = []
 
     def attach(collector, rb):
-        collector.add_observer(LoggerObserver(channel))
-        rb.add_observer(LoggerObserver(channel))
+        collector.add_observer(LoggerObserver(channel, schedule=None))
+        rb.add_observer(LoggerObserver(channel, schedule=None))
 
         class KillAtBatch3:
             batches = 0
@@ -226,7 +226,7 @@ def test_a_killed_process_logger_service(tmp_path, told, reference):
         _kill_service_mid_run(logger, logger._process.kill, told, reference)
         assert not logger.is_alive
         with pytest.raises(ValueError, match="shut down"):  # a dead service is refused up front
-            LoggerObserver(logger)
+            LoggerObserver(logger, schedule=None)
     finally:
         try:
             logger.shutdown(timeout=5)
@@ -259,4 +259,4 @@ def test_a_killed_ray_logger_service(tmp_path, told, reference, monkeypatch):
             ray.shutdown()
     frames = read_csv(tmp_path / "svc" / "scalars" / "collector" / "frames.csv")
     assert (48, 48.0) in frames
-    assert os.path.exists(tmp_path / "svc" / "scalars" / "tensordictreplaybuffer")
+    assert os.path.exists(tmp_path / "svc" / "scalars" / "replay_buffer")

@@ -64,7 +64,7 @@ def test_a_worker_killed_while_the_collector_is_iterated(tmp_path, cls):
     received = 0
     try:
         collector.add_observer(remote_observers.CollectorLog(log, "rec"))
-        collector.add_observer(LoggerObserver(channel, metrics=CollectorBatchMetrics(), name="workers"))
+        collector.add_observer(LoggerObserver(channel, metrics=CollectorBatchMetrics(), name="workers", schedule=None))
         start = time.monotonic()
         with pytest.raises(RuntimeError, match=r"worker 0 \(exit code -9\)"):
             for i, batch in enumerate(collector):
@@ -209,7 +209,7 @@ def test_a_killed_ray_collector_actor(ray_cluster, tmp_path, told):
     collector = _ray_collector()
     try:
         collector.add_observer(remote_observers.CollectorLog(log, "rec"))
-        collector.add_observer(LoggerObserver(channel, metrics=CollectorBatchMetrics(), name="workers"))
+        collector.add_observer(LoggerObserver(channel, metrics=CollectorBatchMetrics(), name="workers", schedule=None))
         start = time.monotonic()
         with pytest.raises(RayActorError):
             _kill_actor_at_batch_3(ray_cluster, collector)
