@@ -39,8 +39,8 @@ _STAMPS_MIN_ALLOC = 1024
 # ages folded together.
 _AGE_SAMPLES = 16
 _AGE_ENTRIES = 2**16
-# Ages from a round-robin writer's cursor: the sampled indices of up to this many samples
-# are kept (references, no copy) and their ages computed together.
+# Ages from a round-robin writer's cursor: the sampled slots of up to this many samples
+# (and this many slots) are staged and their ages computed together.
 _CURSOR_SAMPLES = 64
 _CURSOR_ENTRIES = 2**14
 # WriteMetrics folds the rows a round-robin writer stored from the storage itself, at the
@@ -162,7 +162,7 @@ class SampleMetrics(MetricSet):
     counter_names = ("sample_calls", "samples_returned")
     #: Gauges that are not cumulative counters: merged across workers by keeping the newest.
     latest_gauges: tuple[str, ...] = ("batch_size",)
-    _transient = ("_sampled", "_ring", "_ring_slots", "_ring_marks")
+    _transient = ("_sampled", "_ring", "_ring_slots")
     _lock_folds = False  # writes take the lock only when ages are on
 
     def __init__(self, *, priority_weight: bool = True, age: bool = True) -> None:
@@ -184,8 +184,9 @@ class SampleMetrics(MetricSet):
         self._sampled_written: list[int] = []
         # Round-robin writers: (writer, storage, capacity), False for others, None: undecided.
         self._ring: tuple[Any, Any, int] | bool | None = None
-        self._ring_slots: list[torch.Tensor] | None = None  # sampled indices (references)
-        self._ring_marks: list[int] | None = None  # the writer's cursor at each
+        # Per sample, each sampled slot - (the writer's cursor - 1) (see _stage_ring).
+        self._ring_slots: torch.Tensor | None = None
+        self._ring_used = 0
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(priority_weight={self.priority_weight}, age={self.age})"
@@ -310,39 +311,35 @@ class SampleMetrics(MetricSet):
                     self._ages.fold(self._written - stamp, valid)
 
     def _stage_ring(self, slots: torch.Tensor, cursor: int) -> None:
-        """Keeps a sample's slots and the writer's cursor; their ages are computed together."""
-        kept = self._ring_slots
-        if kept and (kept[0].shape != slots.shape or kept[0].device != slots.device):
+        """Stages ``slot - (cursor - 1)`` of a sample's slots; their ages are folded together.
+
+        One operation per sample, into a buffer made once (keeping the index
+        instead would keep the sampler from reusing its memory).
+        """
+        staged = self._ring_slots
+        n = slots.numel()
+        used = self._ring_used
+        if staged is None or staged.shape[1] != n or staged.device != slots.device:
             self._fold_ring()
-            kept = self._ring_slots
-        if kept is None:
-            kept = self._ring_slots = []
-            self._ring_marks = []
-        kept.append(slots)
-        self._ring_marks.append(cursor)  # type: ignore[union-attr]
-        if len(kept) * slots.numel() >= _CURSOR_ENTRIES or len(kept) == _CURSOR_SAMPLES:
+            used = 0
+            rows = max(1, min(_CURSOR_SAMPLES, _CURSOR_ENTRIES // n))
+            staged = self._ring_slots = torch.empty((rows, n), dtype=slots.dtype, device=slots.device)
+        torch.sub(slots, cursor - 1, out=staged[used])
+        self._ring_used = used + 1
+        if used + 1 == staged.shape[0]:
             self._fold_ring()
 
     def _fold_ring(self) -> None:
-        """Folds the ages of the kept samples: ``(cursor - 1 - slot) % capacity``."""
-        kept, marks = self._ring_slots, self._ring_marks
-        if not kept:
+        """Folds the ages of the staged samples: ``(cursor - 1 - slot) % capacity``."""
+        used = self._ring_used
+        if not used:
             return
+        self._ring_used = 0
         ring = self._ring
-        capacity = ring[2] if isinstance(ring, tuple) else None
-        self._ring_slots, self._ring_marks = [], []
-        if capacity is None:  # the source changed kind: nothing to measure against
+        if not isinstance(ring, tuple):  # the source changed kind: nothing to measure against
             return
-        slots = torch.stack(kept) if len(kept) > 1 else kept[0].unsqueeze(0)
-        # float64 from here (what the reducer folds): exact for any capacity below 2**53.
-        newest = torch.tensor(marks, dtype=torch.float64).sub_(1).unsqueeze_(1)
-        device = slots.device
-        if device.type == "cuda":  # pinned and asynchronous: no wait for the device
-            newest = newest.pin_memory().to(device, non_blocking=True)
-        elif device.type != "cpu":
-            newest = newest.to(device, non_blocking=True)
-        ages = newest - slots  # in (-capacity, capacity): slots past the cursor wrapped
-        self._ages.fold(torch.where(ages < 0, ages + capacity, ages))  # type: ignore[union-attr]
+        ages = self._ring_slots[:used].neg_()  # type: ignore[index]  # in (-capacity, capacity)
+        self._ages.fold(torch.where(ages < 0, ages + ring[2], ages))  # type: ignore[union-attr]
 
     def _stage_ages(self, stamps: torch.Tensor, slots: torch.Tensor) -> None:
         """Keeps the stamps of a sample (one gather) until _AGE_SAMPLES samples of its size."""
@@ -417,7 +414,7 @@ class SampleMetrics(MetricSet):
             self._stamps = None if stamps is None else stamps.clone()
             self._stamps_fixed = bool(state_dict.get("stamps_fixed", False))
             self._sampled, self._sampled_written = None, []
-            self._ring_slots = self._ring_marks = None
+            self._ring_slots, self._ring_used = None, 0
 
 
 class WriteMetrics(MetricSet):
