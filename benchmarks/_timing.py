@@ -58,13 +58,16 @@ def compare(
     calls: int,
     blocks: int = 15,
     warmup: int = 2,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, float]:
     """Median seconds per call of each candidate, measured in alternating blocks.
 
     The ratios of the medians are meaningful within one run (see
     :func:`alternating_samples`).
     """
-    samples = alternating_samples(candidates, calls=calls, blocks=blocks, warmup=warmup)
+    samples = alternating_samples(
+        candidates, calls=calls, blocks=blocks, warmup=warmup, clock=clock
+    )
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
