@@ -75,7 +75,7 @@ WORST_CASE_BUDGET = 0.90
 NO_RESETS_FLOOR = 0.85
 # DESIGN.md's budget for sample(256) with SampleMetrics and extend(256) with WriteMetrics.
 REPLAY_BUFFER_BUDGET = 0.95
-REPLAY_BUFFER_FLOOR = 0.75  # asserted: the budget is not met yet (see benchmarks/README.md)
+REPLAY_BUFFER_FLOOR = 0.70  # asserted: the budget is not met yet (see benchmarks/README.md)
 
 
 class SlowCSVLogger(CSVLogger):
