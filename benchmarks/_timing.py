@@ -8,12 +8,19 @@ import time
 from collections.abc import Callable
 
 
-def per_call_seconds(fn: Callable[[], object], calls: int) -> float:
-    """Seconds per call of ``fn`` over ``calls`` back-to-back calls."""
-    start = time.perf_counter()
+def per_call_seconds(
+    fn: Callable[[], object], calls: int, clock: Callable[[], float] = time.perf_counter
+) -> float:
+    """Seconds per call of ``fn`` over ``calls`` back-to-back calls, by ``clock``.
+
+    ``clock`` is the wall clock by default; ``time.process_time`` (the CPU time of
+    every thread of this process, background threads included) is what other
+    processes' load moves least.
+    """
+    start = clock()
     for _ in range(calls):
         fn()
-    return (time.perf_counter() - start) / calls
+    return (clock() - start) / calls
 
 
 def alternating_samples(
@@ -22,6 +29,7 @@ def alternating_samples(
     calls: int,
     blocks: int = 15,
     warmup: int = 2,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, list[float]]:
     """Seconds per call of each candidate, one sample per block, blocks alternating.
 
@@ -35,7 +43,7 @@ def alternating_samples(
     try:
         for block in range(warmup + blocks):
             for name, fn in candidates.items():
-                seconds = per_call_seconds(fn, calls)
+                seconds = per_call_seconds(fn, calls, clock)
                 if block >= warmup:
                     samples[name].append(seconds)
     finally:
@@ -50,13 +58,16 @@ def compare(
     calls: int,
     blocks: int = 15,
     warmup: int = 2,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, float]:
     """Median seconds per call of each candidate, measured in alternating blocks.
 
     The ratios of the medians are meaningful within one run (see
     :func:`alternating_samples`).
     """
-    samples = alternating_samples(candidates, calls=calls, blocks=blocks, warmup=warmup)
+    samples = alternating_samples(
+        candidates, calls=calls, blocks=blocks, warmup=warmup, clock=clock
+    )
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -67,13 +78,16 @@ def paired_slowdowns(
     calls: int,
     blocks: int = 15,
     warmup: int = 2,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, float]:
     """Per candidate, the median over blocks of its time divided by ``reference``'s time in that block.
 
     Neighbouring blocks share the machine's load, so this ratio shrugs off load
     that comes and goes during the run (other processes, leftover threads).
     """
-    samples = alternating_samples(candidates, calls=calls, blocks=blocks, warmup=warmup)
+    samples = alternating_samples(
+        candidates, calls=calls, blocks=blocks, warmup=warmup, clock=clock
+    )
     base = samples[reference]
     return {
         name: statistics.median(v / b for v, b in zip(values, base)) for name, values in samples.items()

@@ -73,7 +73,9 @@ WORST_CASE_BUDGET = 0.90
 # benchmarks/README.md for where the time goes): reported, and guarded by a floor that
 # catches a regression without failing on the noise around the budget.
 NO_RESETS_FLOOR = 0.85
-REPLAY_BUFFER_FLOOR = 0.6  # no budget in DESIGN.md: a floor that catches a regression
+# DESIGN.md's budget for sample(256) with SampleMetrics and extend(256) with WriteMetrics.
+REPLAY_BUFFER_BUDGET = 0.95
+REPLAY_BUFFER_FLOOR = 0.70  # asserted: the budget is not met yet (see benchmarks/README.md)
 
 
 class SlowCSVLogger(CSVLogger):
@@ -137,7 +139,12 @@ ENVS = {
 
 
 def paired_compare(
-    candidates: dict[str, Callable[[], object]], *, calls: int, blocks: int, warmup: int = 2
+    candidates: dict[str, Callable[[], object]],
+    *,
+    calls: int,
+    blocks: int,
+    warmup: int = 2,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """``benchmarks._timing.compare``'s alternating blocks, keeping each round's blocks together.
 
@@ -147,7 +154,9 @@ def paired_compare(
     share the machine's load, so this ratio shrugs off load that comes and
     goes, which a ratio of medians over the whole run does not.
     """
-    samples = alternating_samples(candidates, calls=calls, blocks=blocks, warmup=warmup)
+    samples = alternating_samples(
+        candidates, calls=calls, blocks=blocks, warmup=warmup, clock=clock
+    )
     bare = samples["bare"]
     medians = {name: statistics.median(values) for name, values in samples.items()}
     ratios = {
@@ -304,22 +313,30 @@ def _rows(n: int) -> TensorDict:
     )
 
 
-@pytest.mark.parametrize("operation", ["extend_256", "sample_256"])
-def test_replay_buffer_ratio(benchmark, tmp_path, operation):
+# What issue 14 measures: the metric set of each operation alone, as users attach them.
+REPLAY_BUFFER_SETS = {
+    "sample_256": {
+        "observer": lambda: [SampleMetrics()],  # sample age included
+        "observer_no_age": lambda: [SampleMetrics(age=False)],
+        "observer_both": lambda: [WriteMetrics(reward_key=("next", "reward")), SampleMetrics()],
+    },
+    "extend_256": {
+        "observer": lambda: [WriteMetrics(reward_key=("next", "reward"))],
+        "observer_no_reward": lambda: [WriteMetrics()],
+        "observer_both": lambda: [WriteMetrics(reward_key=("next", "reward")), SampleMetrics()],
+    },
+}
+
+
+def _replay_buffer_ops(tmp_path, operation: str, channels: list) -> dict[str, Callable[[], object]]:
     schedule = (
         Every.counter("write_count", 100 * 256)
         if operation == "extend_256"
         else Every.counter("sample_calls", 100)
     )
-    metric_sets = {
-        "bare": None,
-        "observer": lambda: [WriteMetrics(), SampleMetrics()],
-        "observer_reward": lambda: [WriteMetrics(reward_key=("next", "reward")), SampleMetrics()],
-        "observer_no_age": lambda: [WriteMetrics(), SampleMetrics(age=False)],
-    }
     data = _rows(256)
-    ops, channels = {}, []
-    for kind, make_sets in metric_sets.items():
+    ops = {}
+    for kind, make_sets in {"bare": None, **REPLAY_BUFFER_SETS[operation]}.items():
         rb = TensorDictReplayBuffer(storage=LazyTensorStorage(100_000))
         if make_sets is not None:
             logger = CSVLogger(kind, log_dir=str(tmp_path))
@@ -331,8 +348,24 @@ def test_replay_buffer_ratio(benchmark, tmp_path, operation):
             ops[kind] = lambda rb=rb: rb.extend(data)
         else:
             ops[kind] = lambda rb=rb: rb.sample(256)
+    return ops
+
+
+@pytest.mark.parametrize("operation", ["extend_256", "sample_256"])
+def test_replay_buffer_ratio(benchmark, tmp_path, operation):
+    """Bare time / observed time, in CPU time of the whole process (the channel's thread too).
+
+    CPU time (``time.process_time``) is what other processes' load moves
+    least; the ratio of neighbouring blocks is taken per round, as for the
+    collectors.
+    """
+    channels: list = []
+    ops = _replay_buffer_ops(tmp_path, operation, channels)
     try:
-        timings, ratios = paired_compare(ops, calls=200, blocks=15)
+        timings, ratios = measured_twice_if_missed(
+            lambda: paired_compare(ops, calls=200, blocks=15, clock=time.process_time),
+            REPLAY_BUFFER_BUDGET,
+        )
         benchmark.extra_info.update({f"{operation}_us_{k}": v * 1e6 for k, v in timings.items()})
         benchmark.extra_info.update({f"{operation}_ratio_{k}": v for k, v in ratios.items()})
         print(

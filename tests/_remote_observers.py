@@ -34,13 +34,32 @@ def _none_or_int(text: str) -> int | None:
     return None if text == "None" else int(text)
 
 
+def append_line(path: Path | str, text: str) -> None:
+    """Appends ``text`` and a newline to ``path`` in one ``write`` of an ``O_APPEND`` file.
+
+    Processes appending at once never interleave their lines: each line is
+    one small write at the end of the file.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (text + "\n").encode())
+    finally:
+        os.close(fd)
+
+
 def read_lines(path: Path | str) -> list[Line]:
-    """Every line recorded in ``path`` so far (none if the file does not exist)."""
+    """Every whole line recorded in ``path`` so far (none if the file does not exist).
+
+    A last line without its newline is still being written by another process
+    and is left out.
+    """
     if not os.path.exists(path):
         return []
     lines = []
     with open(path) as file:
         for raw in file:
+            if not raw.endswith("\n"):
+                break
             tag, event, pid, worker, num_workers, remote, count = raw.split()
             lines.append(
                 Line(tag, event, int(pid), _none_or_int(worker), _none_or_int(num_workers), remote == "True", int(count))
@@ -57,10 +76,10 @@ class _Recorder:
     def _record(self, source: Any, event: str, count: int) -> None:
         self.events_seen += 1
         info = source_info(source)
-        with open(self.path, "a") as file:
-            file.write(
-                f"{self.tag} {event} {info.process} {info.worker} {info.num_workers} {info.remote} {count}\n"
-            )
+        append_line(
+            self.path,
+            f"{self.tag} {event} {info.process} {info.worker} {info.num_workers} {info.remote} {count}",
+        )
 
 
 class CollectorLog(_Recorder):
@@ -113,8 +132,7 @@ class HookLog:
 
     def __call__(self, batch: Any = None) -> None:
         count = 0 if batch is None else batch.numel()
-        with open(self.path, "a") as file:
-            file.write(f"{self.tag} hook {os.getpid()} None None True {count}\n")
+        append_line(self.path, f"{self.tag} hook {os.getpid()} None None True {count}")
 
 
 class FailsToAttach(CollectorLog):

@@ -109,7 +109,13 @@ def test_global_counter_schedule_and_removal_flush(tmp_path):
     channel.close(timeout=30)
     steps = [step for step, _ in scalars(logger, "mp/frames")]
     assert steps[-1] == 1200 and steps == sorted(steps)
-    assert all(step % 400 == 0 for step in steps)  # thresholds on the global (summed) counter
+    # Thresholds on the global (summed) counter are observed, not exact (DESIGN.md): the
+    # owner sees the counter when workers report, so a window closes at the first report
+    # at or past each multiple of 400, once per multiple crossed; the removal flushes
+    # the last one at 1200.
+    crossed = [step // 400 for step in steps[:-1]]
+    assert all(step >= 400 for step in steps), steps
+    assert crossed == sorted(set(crossed)), steps
     assert received == 1600
 
 

@@ -147,11 +147,25 @@ def test_sample_age_with_unbounded_list_storage():
     )
 
 
-def test_items_written_before_observing_have_no_age():
+def test_items_written_before_observing_have_their_true_age_with_a_round_robin_writer():
+    # Ages come from the writer's cursor: every stored item has one, observed or not.
     rb = ReplayBuffer(storage=LazyTensorStorage(10))
     rb.extend(torch.arange(5))  # not observed
     metrics = SampleMetrics()
-    data = torch.arange(5, 8)
+    data = torch.arange(5, 12)  # wraps: ids 10 and 11 overwrite slots 0 and 1
+    metrics.on_post_extend(rb, data, rb.extend(data))
+    batch, info = rb.sample(40, return_info=True)
+    metrics.on_post_sample(rb, batch, info)
+    age = metrics.pull()["sample_age"]
+    assert age.count == 40
+    assert age.finalize() == pytest.approx(_expected_ages(batch.tolist(), 12))
+
+
+def test_items_written_before_observing_have_no_age_with_stamps():
+    rb = ReplayBuffer(storage=ListStorage())  # unbounded: slots are stamped by each write
+    rb.extend([torch.tensor(k) for k in range(5)])  # not observed
+    metrics = SampleMetrics()
+    data = [torch.tensor(k) for k in range(5, 8)]
     metrics.on_post_extend(rb, data, rb.extend(data))
     batch, info = rb.sample(40, return_info=True)
     metrics.on_post_sample(rb, batch, info)
@@ -360,3 +374,57 @@ def test_sample_age_is_disabled_rather_than_syncing_for_unbounded_device_storage
     metrics.on_post_extend(rb, None, torch.arange(3, 6, device="meta"))  # warns once
     metrics.on_post_sample(rb, None, {"index": torch.arange(2, device="meta")})
     assert metrics.pull()["sample_age"].count == 0
+
+
+def test_write_metrics_read_back_from_a_round_robin_storage():
+    # Rewards wait in the storage between pulls; unobserved writes in between, empty(), a
+    # pickle, a state_dict and a write of 3/4 of the storage keep the statistics exact.
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(64))
+    metrics = WriteMetrics(reward_key=("next", "reward"))
+    gen = torch.Generator().manual_seed(0)
+    rewards: list[float] = []
+    for step in range(120):
+        size = 48 if step == 77 else 1 + step % 9  # 48: folded from its data
+        data = TensorDict({"next": {"reward": torch.randn(size, 1, generator=gen)}}, [size])
+        if step % 13 == 5:
+            rb.extend(data)  # not observed: another writer
+            continue
+        if step == 50:
+            rb.empty()
+        metrics.on_post_extend(rb, data, rb.extend(data))
+        rewards += data["next", "reward"].flatten().tolist()
+        if step == 30:
+            metrics = pickle.loads(pickle.dumps(metrics))
+        if step == 60:
+            metrics.state_dict()
+        if step in (40, 77, 119):
+            got = metrics.pull()["reward"].finalize()
+            assert got == pytest.approx(
+                {
+                    "reward_mean": statistics.fmean(rewards),
+                    "reward_std": statistics.pstdev(rewards),
+                    "reward_min": min(rewards),
+                    "reward_max": max(rewards),
+                }
+            ), step
+            rewards = []
+
+
+def test_write_metrics_read_back_with_a_mask():
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(100))
+    metrics = WriteMetrics(reward_key=("next", "reward"))
+    kept = []
+    for step in range(6):
+        reward = torch.arange(8.0).unsqueeze(-1) + 10 * step
+        mask = torch.arange(8) % 3 != 0
+        data = TensorDict({"next": {"reward": reward}, "collector": {"mask": mask}}, [8])
+        metrics.on_post_extend(rb, data, rb.extend(data))
+        kept += reward[mask].flatten().tolist()
+    assert metrics.pull()["reward"].finalize() == pytest.approx(
+        {
+            "reward_mean": statistics.fmean(kept),
+            "reward_std": statistics.pstdev(kept),
+            "reward_min": min(kept),
+            "reward_max": max(kept),
+        }
+    )

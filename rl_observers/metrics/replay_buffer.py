@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from tensordict import is_tensor_collection
+from torchrl.data import RoundRobinWriter
 
 from rl_observers.metrics.base import MetricSet
 from rl_observers.metrics.keys import (
@@ -38,6 +39,49 @@ _STAMPS_MIN_ALLOC = 1024
 # ages folded together.
 _AGE_SAMPLES = 16
 _AGE_ENTRIES = 2**16
+# Ages from a round-robin writer's cursor: the sampled slots of up to this many samples
+# (and this many slots) are staged and their ages computed together.
+_CURSOR_SAMPLES = 64
+_CURSOR_ENTRIES = 2**14
+# WriteMetrics folds the rows a round-robin writer stored from the storage itself, at the
+# latest when this many are pending (and before half the storage could be overwritten).
+_RANGE_FOLD_AT = 2**17
+
+
+def _round_robin(source: Any) -> tuple[Any, Any, int] | None:
+    """``(writer, storage, capacity)`` when slots are written in turn, on a 1-D storage.
+
+    torchrl's round-robin writers write item ``k`` of the buffer's writes at
+    slot ``k % capacity`` and keep the next slot in their cursor, so the age
+    and the position of every stored item follow from the cursor alone.
+    """
+    writer = getattr(source, "_writer", None)
+    storage = storage_of(source)
+    if not isinstance(writer, RoundRobinWriter) or storage is None:
+        return None
+    if (getattr(storage, "ndim", 1) or 1) != 1:
+        return None
+    capacity = dim0_capacity(storage)
+    if capacity is None or capacity >= 2**62:
+        return None
+    return writer, storage, capacity
+
+
+def _written_rows(index: Any, data: Any) -> int:
+    if isinstance(index, torch.Tensor):
+        return index.shape[0] if index.ndim else 1
+    return leading_size(data)
+
+
+def _cursor(writer: Any) -> int:
+    """A round-robin writer's cursor, read without taking its process-shared lock."""
+    value = getattr(writer, "_cursor_value", None)
+    if value is None:
+        return 0
+    if type(value) is int:
+        return value
+    get_obj = getattr(value, "get_obj", None)
+    return (get_obj() if get_obj is not None else value).value
 
 
 
@@ -63,18 +107,30 @@ class SampleMetrics(MetricSet):
 
     Weights come from the sampler's ``info["priority_weight"]`` (or
     ``info["_weight"]``), when present. **Age** is the number of items written
-    to the buffer after the sampled item: ``0`` for the newest item. Every
-    write stamps its dim-0 slots with the running item count (a
-    ``scatter_reduce`` on the index's device, so a write that wraps around
-    the storage keeps the latest stamp), and a sample reads the stamps of its
-    ``info["index"]``. torchrl's ``info["index_generation"]`` counts rewrites
-    *per slot*, not writes to the buffer, so it cannot give an age and is not
-    used. Items written before this set saw any write have no stamp and are
-    left out of the age statistics; stamps are kept for storages whose
-    capacity is known (up to 2**24 slots) or whose indices live on the CPU.
-    Writes from other processes sharing a storage are not seen. Items a
-    writer did not store (index ``-1``, see :class:`WriteMetrics`) stamp no
-    slot and do not count as written.
+    to the buffer after the sampled item: ``0`` for the newest item.
+
+    With torchrl's round-robin writers on a 1-D storage (the default of every
+    torchrl buffer), item ``k`` of the buffer's writes lands in slot
+    ``k % capacity`` and the writer's cursor is the next slot, so the age of
+    slot ``i`` is ``(cursor - 1 - i) % capacity``: a sample keeps its
+    ``info["index"]`` and the cursor (a reference and an int, no gather), and
+    the ages of up to 64 samples are computed together. Writes need no
+    bookkeeping, items written before this set was attached have their true
+    age, and writes from other processes sharing the writer's cursor are
+    counted. (``write_at``, which writes without moving the cursor, is not
+    seen.)
+
+    With other writers or storages, every write stamps its dim-0 slots with
+    the running item count (a ``scatter_reduce`` on the index's device, so a
+    write that wraps around the storage keeps the latest stamp), and a sample
+    reads the stamps of its ``info["index"]``. Items written before this set
+    saw any write have no stamp and are left out of the age statistics;
+    stamps are kept for storages whose capacity is known (up to 2**24 slots)
+    or whose indices live on the CPU. Writes from other processes sharing a
+    storage are not seen. Items a writer did not store (index ``-1``, see
+    :class:`WriteMetrics`) stamp no slot and do not count as written.
+    torchrl's ``info["index_generation"]`` counts rewrites *per slot*, not
+    writes to the buffer, so it cannot give an age and is not used.
 
     :meth:`counters` and :meth:`stats` give ``sample_calls`` and
     ``samples_returned``.
@@ -106,7 +162,7 @@ class SampleMetrics(MetricSet):
     counter_names = ("sample_calls", "samples_returned")
     #: Gauges that are not cumulative counters: merged across workers by keeping the newest.
     latest_gauges: tuple[str, ...] = ("batch_size",)
-    _transient = ("_sampled",)
+    _transient = ("_sampled", "_ring", "_ring_slots")
     _lock_folds = False  # writes take the lock only when ages are on
 
     def __init__(self, *, priority_weight: bool = True, age: bool = True) -> None:
@@ -126,6 +182,11 @@ class SampleMetrics(MetricSet):
         # Stamps of the last samples and the item count at each (see _stage_ages).
         self._sampled: torch.Tensor | None = None
         self._sampled_written: list[int] = []
+        # Round-robin writers: (writer, storage, capacity), False for others, None: undecided.
+        self._ring: tuple[Any, Any, int] | bool | None = None
+        # Per sample, each sampled slot - (the writer's cursor - 1) (see _stage_ring).
+        self._ring_slots: torch.Tensor | None = None
+        self._ring_used = 0
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(priority_weight={self.priority_weight}, age={self.age})"
@@ -133,20 +194,28 @@ class SampleMetrics(MetricSet):
     # -- writes: stamps ------------------------------------------------------------
 
     def on_post_add(self, source: Any, data: Any, index: Any) -> None:
-        """Stamps the slot written by ``add``."""
-        if self._ages is not None:
+        """Stamps the slot written by ``add`` (nothing to do with a round-robin writer)."""
+        if self._ages is not None and self._ring_of(source) is False:
             with self._lock:
                 self._stamp(source, index)
 
     def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
-        """Stamps the slots written by ``extend``."""
-        if self._ages is not None:
+        """Stamps the slots written by ``extend`` (nothing to do with a round-robin writer)."""
+        if self._ages is not None and self._ring_of(source) is False:
             with self._lock:
                 self._stamp(source, index)
 
     def bind(self, source: Any) -> None:
-        """Notes whether the source's writer may skip items (any but torchrl's round-robin)."""
+        """Notes whether the source's writer may skip items, and whether it is round-robin."""
         self._skips = writer_may_skip(source)
+        self._ring = None
+        self._ring_of(source)
+
+    def _ring_of(self, source: Any) -> tuple[Any, Any, int] | bool:
+        ring = self._ring
+        if ring is None:
+            ring = self._ring = _round_robin(source) or False
+        return ring
 
     def _stamp(self, source: Any, index: Any) -> None:
         storage = storage_of(source)
@@ -203,12 +272,21 @@ class SampleMetrics(MetricSet):
     def on_post_sample(self, source: Any, batch: Any, info: Any) -> None:
         """Counts the sample and folds its weights and ages (no host-device sync)."""
         with self._lock:
-            index = None if info is None else info_get(info, "index")
-            slots = dim0_slots(index, storage_of(source))
+            index = None if info is None else info.get("index", None)
+            ring = self._ring_of(source) if self._ages is not None else False
+            if (
+                ring is not False
+                and type(index) is torch.Tensor
+                and index.ndim == 1
+                and index.dtype is torch.int64
+            ):
+                slots = index
+            else:
+                slots = dim0_slots(index, storage_of(source))
             n = slots.numel() if slots is not None else leading_size(batch)
-            counters = self._counters
-            counters.add("sample_calls", 1)
-            counters.add("samples_returned", n)
+            values = self._counters.values
+            values["sample_calls"] += 1
+            values["samples_returned"] += n
             self._batch_size = n
             if info is None:
                 return
@@ -216,6 +294,10 @@ class SampleMetrics(MetricSet):
                 weights = info_get(info, "priority_weight", "_weight")
                 if weights is not None:
                     self._weights.fold(torch.as_tensor(weights))
+            if ring is not False:
+                if slots is not None and n:
+                    self._stage_ring(slots, _cursor(ring[0]))
+                return
             stamps = self._stamps
             if self._ages is not None and stamps is not None and slots is not None and n:
                 if slots.device != stamps.device:
@@ -227,6 +309,37 @@ class SampleMetrics(MetricSet):
                     stamp = stamps.index_select(0, slots.clamp(0, size - 1))
                     valid = (stamp > 0) & (slots < size)
                     self._ages.fold(self._written - stamp, valid)
+
+    def _stage_ring(self, slots: torch.Tensor, cursor: int) -> None:
+        """Stages ``slot - (cursor - 1)`` of a sample's slots; their ages are folded together.
+
+        One operation per sample, into a buffer made once (keeping the index
+        instead would keep the sampler from reusing its memory).
+        """
+        staged = self._ring_slots
+        n = slots.numel()
+        used = self._ring_used
+        if staged is None or staged.shape[1] != n or staged.device != slots.device:
+            self._fold_ring()
+            used = 0
+            rows = max(1, min(_CURSOR_SAMPLES, _CURSOR_ENTRIES // n))
+            staged = self._ring_slots = torch.empty((rows, n), dtype=slots.dtype, device=slots.device)
+        torch.sub(slots, cursor - 1, out=staged[used])
+        self._ring_used = used + 1
+        if used + 1 == staged.shape[0]:
+            self._fold_ring()
+
+    def _fold_ring(self) -> None:
+        """Folds the ages of the staged samples: ``(cursor - 1 - slot) % capacity``."""
+        used = self._ring_used
+        if not used:
+            return
+        self._ring_used = 0
+        ring = self._ring
+        if not isinstance(ring, tuple):  # the source changed kind: nothing to measure against
+            return
+        ages = self._ring_slots[:used].neg_()  # type: ignore[index]  # in (-capacity, capacity)
+        self._ages.fold(torch.where(ages < 0, ages + ring[2], ages))  # type: ignore[union-attr]
 
     def _stage_ages(self, stamps: torch.Tensor, slots: torch.Tensor) -> None:
         """Keeps the stamps of a sample (one gather) until _AGE_SAMPLES samples of its size."""
@@ -262,6 +375,7 @@ class SampleMetrics(MetricSet):
 
     def _fold_staged(self) -> None:
         self._fold_ages()
+        self._fold_ring()
 
     def stats(self) -> dict[str, float]:
         """``sample_calls`` and ``samples_returned``, for the target's ``stats()``."""
@@ -300,6 +414,7 @@ class SampleMetrics(MetricSet):
             self._stamps = None if stamps is None else stamps.clone()
             self._stamps_fixed = bool(state_dict.get("stamps_fixed", False))
             self._sampled, self._sampled_written = None, []
+            self._ring_slots, self._ring_used = None, 0
 
 
 class WriteMetrics(MetricSet):
@@ -324,7 +439,18 @@ class WriteMetrics(MetricSet):
     with index ``-1`` in what ``extend`` returns, and returns ``None`` from an
     ``add`` it skipped (a skipped ``add`` still counts in ``writes``, the
     calls). With a writer other than torchrl's round-robin ones, the index
-    of each write is read on the host to find skipped items. :meth:`counters` gives ``write_count`` (= ``items_written``, as
+    of each write is read on the host to find skipped items.
+
+    With a round-robin writer on a 1-D ``TensorStorage`` and no buffer
+    transform, the rows a write stored are the ones just before the writer's
+    cursor: a write only advances the pending range of slots, and the rewards
+    (and masks) are folded from the storage itself, once per window or when
+    half the storage is pending, with no copy per write. When the cursor shows
+    that something else wrote in between (another process sharing the
+    buffer, ``empty()``), the range folded so far is closed and a new one
+    starts; a write of more than half the storage is folded from its data.
+
+    :meth:`counters` gives ``write_count`` (= ``items_written``, as
     observed), ``writes`` and ``items_written``; :meth:`stats` gives
     ``writes``, ``items_written`` and ``seconds_since_last_write``.
 
@@ -352,6 +478,7 @@ class WriteMetrics(MetricSet):
 
     counter_names = ("writes", "items_written")
     _lock_folds = False  # each write takes the lock itself
+    _transient = ("_ring",)
 
     def __init__(
         self,
@@ -366,6 +493,11 @@ class WriteMetrics(MetricSet):
         self._reward = self.moments("reward") if self.reward_key is not None else None
         self._last_write: float | None = None
         self._skips: bool | None = None  # whether the source's writer may skip items
+        # Round-robin writer on a TensorStorage: (writer, storage, capacity); False: fold each
+        # write's data; None: undecided (decided after a first write folded from its data).
+        self._ring: tuple[Any, Any, int] | bool | None = None
+        self._range_start = 0  # first slot of the rows written and not folded yet
+        self._range_len = 0
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(reward_key={self.reward_key!r})"
@@ -373,6 +505,9 @@ class WriteMetrics(MetricSet):
     def bind(self, source: Any) -> None:
         """Notes whether the source's writer may skip items (any but torchrl's round-robin)."""
         self._skips = writer_may_skip(source)
+        with self._lock:
+            self._fold_range()
+            self._ring = None
 
     def on_post_add(self, source: Any, data: Any, index: Any) -> None:
         """Counts the item, unless the writer skipped it (``index`` is ``None`` or ``-1``)."""
@@ -383,8 +518,86 @@ class WriteMetrics(MetricSet):
     def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
         """Counts the items written and folds their rewards (skipped items are left out)."""
         with self._lock:
+            ring = self._ring
+            if ring and type(index) is torch.Tensor and index.ndim == 1:
+                n = index.shape[0]
+                capacity = ring[2]
+                if 4 * n <= capacity:
+                    self._extend_range(n, _cursor(ring[0]), capacity)
+                    return
+            if ring is not False:
+                self._fold_range(overwritten=_written_rows(index, data))
             slots, stored = stored_slots(index, storage_of(source), may_skip=self._may_skip(source))
             self._write(data, leading_size(data) if slots is None else slots.numel(), stored)
+            if ring is None:
+                self._ring = self._ring_of(source, data)
+
+    def _ring_of(self, source: Any, data: Any) -> tuple[Any, Any, int] | bool:
+        """Whether the rows a write stored can be read back from the storage (see the class)."""
+        if self._reward is None or not is_tensor_collection(data):
+            return False
+        ring = _round_robin(source)
+        if ring is None or not is_tensor_collection(getattr(ring[1], "_storage", None)):
+            return False
+        transform = getattr(source, "_transform", None)
+        if transform is not None and len(getattr(transform, "transforms", (transform,))):
+            return False
+        return ring
+
+    def _extend_range(self, n: int, cursor: int, capacity: int) -> None:
+        """Counts a write of ``n`` rows that end at ``cursor``; their rewards wait in the storage."""
+        start = cursor - n
+        if start < 0:
+            start += capacity
+        pending = self._range_len
+        if pending:
+            end = (self._range_start + pending) % capacity
+            if start != end:  # something else wrote in between: (start - end) % capacity rows
+                self._fold_range(overwritten=(start - end) % capacity + n)
+                pending = 0
+        if not pending:
+            self._range_start = start
+        self._range_len = pending + n
+        values = self._counters.values
+        values["writes"] += 1
+        values["items_written"] += n
+        self._last_write = time.monotonic()
+        if 4 * self._range_len > capacity or self._range_len >= _RANGE_FOLD_AT:
+            self._fold_range()
+
+    def _fold_range(self, overwritten: int = 0) -> None:
+        """Folds the rewards of the pending rows, read from the storage (no copy).
+
+        ``overwritten``: rows written after them since (a write larger than
+        3/4 of the storage can overwrite the oldest pending rows, whose
+        rewards are then gone and left out).
+        """
+        n, self._range_len = self._range_len, 0
+        ring = self._ring
+        if not n or not ring:
+            return
+        capacity = ring[2]
+        lost = n + overwritten - capacity
+        if lost > 0:
+            self._range_start = (self._range_start + lost) % capacity
+            n -= lost
+            if n <= 0:
+                return
+        rows = ring[1]._storage
+        reward = rows.get(self.reward_key, None)
+        if reward is None:
+            raise missing_key(type(self).__name__, "reward_key", self.reward_key, leaf_keys(rows))
+        mask = rows.get(self.mask_key, None) if self.mask_key is not None else None
+        if mask is not None:
+            mask = mask.reshape(*mask.shape, *(1,) * (reward.ndim - mask.ndim))
+        start = self._range_start
+        first = min(n, capacity - start)
+        for a, b in ((start, start + first), (0, n - first)):
+            if b > a:
+                self._reward.fold(reward[a:b], None if mask is None else mask[a:b])  # type: ignore[union-attr]
+
+    def _fold_staged(self) -> None:
+        self._fold_range()
 
     def _may_skip(self, source: Any) -> bool:
         skips = self._skips
@@ -416,6 +629,12 @@ class WriteMetrics(MetricSet):
             stored = stored.reshape(-1, *(1,) * (reward.ndim - 1))
             mask = stored if mask is None else mask & stored
         self._reward.fold(reward, mask)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores what :meth:`state_dict` returned (the window starts empty)."""
+        with self._lock:
+            super().load_state_dict(state_dict)
+            self._range_len = 0
 
     def counters(self) -> dict[str, float]:
         """``write_count``, ``writes``, ``items_written`` (cumulative)."""

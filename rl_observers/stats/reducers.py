@@ -163,6 +163,7 @@ class _MomentsTable(_Reducer):
         "_stage",
         "_stage_mask",
         "_staged",
+        "_spread",
     )
     _transient = ("_view", "_row_views", "_stage", "_stage_mask")
 
@@ -178,6 +179,8 @@ class _MomentsTable(_Reducer):
         super().__init__(bank, offset, specs[0][0])
         self.prefixes = tuple(prefix for prefix, _ in specs)
         self.stats_of = tuple(_check_stats(stats, prefix) for prefix, stats in specs)
+        # Whether any statistic needs M2 (std, var); without, M2 stays 0 and is not computed.
+        self._spread = any(stat in ("std", "var") for stats in self.stats_of for stat in stats)
         self.rows = rows
         self._used = 0
         self._row_views: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
@@ -314,18 +317,23 @@ class _MomentsTable(_Reducer):
         if mask is None:
             n = x.shape[-1]
             mean = x.sum(-1) / n
-            dev = x - mean.unsqueeze(-1)
+            if self._spread:
+                dev = x - mean.unsqueeze(-1)
+                m2 = torch.linalg.vecdot(dev, dev)
+            else:
+                m2 = torch.zeros_like(mean)
             count.fill_(n)
-            torch.stack(
-                (mean, torch.linalg.vecdot(dev, dev), x.amin(-1), x.amax(-1)), -1, out=tail
-            )
+            torch.stack((mean, m2, x.amin(-1), x.amax(-1)), -1, out=tail)
         else:
             n = mask.sum(-1, dtype=_F64)
             mean = torch.where(mask, x, 0.0).sum(-1) / n.clamp(min=1.0)
-            dev = torch.where(mask, x - mean.unsqueeze(-1), 0.0)
+            if self._spread:
+                dev = torch.where(mask, x - mean.unsqueeze(-1), 0.0)
+                m2 = torch.linalg.vecdot(dev, dev)
+            else:
+                m2 = torch.zeros_like(mean)
             lo = torch.where(mask, x, math.inf).amin(-1)
             hi = torch.where(mask, x, -math.inf).amax(-1)
-            m2 = torch.linalg.vecdot(dev, dev)
             torch.stack((n.expand_as(mean), mean, m2, lo, hi), -1, out=row)
         self._used += 1
 
@@ -337,7 +345,8 @@ class MomentsReducer(_MomentsTable):
     Values are accumulated in ``float64`` whatever their dtype.
 
     Each fold writes the statistics of its tensor (count, mean, M2, min, max:
-    a handful of reductions, no combination with the window) into the next of
+    a handful of reductions, no combination with the window; M2 only when
+    ``std`` or ``var`` is among ``stats``, 0 otherwise) into the next of
     ``rows`` rows of the bank's state. A small fold (up to 2048 values) is
     first staged, copied next to the previous folds of its size, and those
     are reduced together, 16 at a time or when the window closes: a fold then
@@ -530,7 +539,7 @@ class ReducerBank:
         >>> import torch
         >>> from rl_observers.stats import ReducerBank
         >>> bank = ReducerBank()
-        >>> lengths = bank.moments("episode_length", stats=("mean", "max"))
+        >>> lengths = bank.moments("episode_length", stats=("mean", "std", "max"))
         >>> lengths.fold(torch.tensor([3, 5]))
         >>> bank.pull()
         {'episode_length': Moments('episode_length', count=2.0, mean=4.0, m2=2.0, min=3.0, max=5.0)}

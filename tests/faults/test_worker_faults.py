@@ -28,6 +28,7 @@ import time
 import warnings
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import cloudpickle
 import pytest
@@ -84,6 +85,20 @@ def test_a_worker_killed_while_the_collector_is_iterated(tmp_path, cls):
     assert channel.close(timeout=10)
 
 
+def kill_outside_buffer_writes(rb: ReplayBuffer, proc: Any) -> None:
+    """SIGKILLs the worker ``proc`` while this process holds ``rb``'s process-shared write lock.
+
+    A worker killed inside ``rb.extend`` would die holding torchrl's write
+    lock (and the locks of the writer's shared cursor), and every other
+    writer would wait for it forever: that is torchrl's behaviour, with or
+    without observers. Holding the lock while killing makes sure the worker
+    dies anywhere else in its loop (collecting, observing, reporting).
+    """
+    with rb._write_lock:
+        os.kill(proc.pid, signal.SIGKILL)
+        assert wait_for(lambda: not proc.is_alive(), timeout=10)
+
+
 @pytest.mark.timeout(120)
 def test_a_worker_killed_while_the_collector_runs_free(tmp_path, monkeypatch):
     import rl_observers.logging.aggregate as aggregate
@@ -102,7 +117,7 @@ def test_a_worker_killed_while_the_collector_runs_free(tmp_path, monkeypatch):
         )
         collector.start()
         assert wait_for(lambda: channel.flush(timeout=5) and len(frames_logged(logger)) >= 3, timeout=60)
-        os.kill(collector.procs[0].pid, signal.SIGKILL)
+        kill_outside_buffer_writes(rb, collector.procs[0])
         time.sleep(0.5)
         channel.flush(timeout=10)
         at_kill = frames_logged(logger)[-1]
@@ -136,7 +151,7 @@ def test_removing_an_observer_after_a_worker_died_leaves_a_consistent_state(tmp_
         collector.add_observer(second)
         collector.start()
         assert wait_for(lambda: len(lines_of(log, "second", "post_collect")) == 2, timeout=60)
-        os.kill(collector.procs[0].pid, signal.SIGKILL)
+        kill_outside_buffer_writes(rb, collector.procs[0])
         assert wait_for(lambda: not collector.procs[0].is_alive(), timeout=10)
         start = time.monotonic()
         collector.remove_observer(first)  # no error: the dead worker's copy died with it
