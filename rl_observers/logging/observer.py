@@ -431,6 +431,11 @@ class LoggerObserver(Contributor, Observer):
         self._clock = ScheduleClock(schedule)
         self._lock = threading.Lock()
         self._folds: dict[str, tuple[Any, ...]] = {}
+        self._post_collect_folds: tuple[Any, ...] = ()
+        self._post_add_folds: tuple[Any, ...] = ()
+        self._post_extend_folds: tuple[Any, ...] = ()
+        self._post_sample_folds: tuple[Any, ...] = ()
+        self._read_schedule_counter: Callable[[], Any] | None = None
         self._source: weakref.ref[Any] | None = None
         self._fresh = False  # data folded since the last emission
         self._emitted = False
@@ -554,6 +559,7 @@ class LoggerObserver(Contributor, Observer):
                 )
 
     def _wire(self) -> None:
+        """Resolves the per-event work once: each event's folds, and how to read the schedule's counter."""
         self._folds = {
             event: tuple(
                 (index, getattr(m, "on_" + event))
@@ -562,6 +568,25 @@ class LoggerObserver(Contributor, Observer):
             )
             for event in _DATA_EVENTS
         }
+        folds = self._folds
+        self._post_collect_folds = folds["post_collect"]
+        self._post_add_folds = folds["post_add"]
+        self._post_extend_folds = folds["post_extend"]
+        self._post_sample_folds = folds["post_sample"]
+        self._read_schedule_counter = self._schedule_counter_reader()
+
+    def _schedule_counter_reader(self) -> Callable[[], Any] | None:
+        """A call reading the counter schedule's counter as ``_counters()`` would, or ``None``.
+
+        The sets later in the list win in ``_counters()``: the last set counting the key is read.
+        """
+        schedule = self.schedule
+        if schedule is None or schedule.kind != "counter":
+            return None
+        for metric_set in reversed(self._sets or ()):
+            if schedule.key in metric_set.counters():
+                return metric_set._counter_reader(schedule.key)
+        return None
 
     def _set_failed(self, index: int, error: Exception, where: str) -> None:
         """One metric set raised: the policy applies to it alone; the other sets go on."""
@@ -626,6 +651,16 @@ class LoggerObserver(Contributor, Observer):
     def _after(self) -> None:
         with self._lock:
             self._fresh = True
+            read = self._read_schedule_counter
+            if read is not None and self._mode == "local":
+                # The usual event: a counter schedule inside its interval, one read and one comparison.
+                counter = read()
+                clock = self._clock
+                last = clock.last_counter
+                if last is not None and last <= counter < clock.next_threshold:
+                    clock.last_counter = counter
+                    if self._emitted or not self.log_on_start:
+                        return
             if self._mode == "contribute":
                 if self._report_due():
                     self._contribute()
@@ -684,7 +719,7 @@ class LoggerObserver(Contributor, Observer):
     def on_post_collect(self, source: Any, batch: Any) -> None:
         if self._mode is None:
             self._resolve_mode(source)
-        for position, fold in self._folds["post_collect"]:
+        for position, fold in self._post_collect_folds:
             try:
                 fold(source, batch)
             except Exception as err:
@@ -696,7 +731,7 @@ class LoggerObserver(Contributor, Observer):
     def on_post_add(self, source: Any, data: Any, index: Any) -> None:
         if self._mode is None:
             self._resolve_mode(source)
-        for position, fold in self._folds["post_add"]:
+        for position, fold in self._post_add_folds:
             try:
                 fold(source, data, index)
             except Exception as err:
@@ -708,7 +743,7 @@ class LoggerObserver(Contributor, Observer):
     def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
         if self._mode is None:
             self._resolve_mode(source)
-        for position, fold in self._folds["post_extend"]:
+        for position, fold in self._post_extend_folds:
             try:
                 fold(source, data, index)
             except Exception as err:
@@ -720,7 +755,7 @@ class LoggerObserver(Contributor, Observer):
     def on_post_sample(self, source: Any, batch: Any, info: Any) -> None:
         if self._mode is None:
             self._resolve_mode(source)
-        for position, fold in self._folds["post_sample"]:
+        for position, fold in self._post_sample_folds:
             try:
                 fold(source, batch, info)
             except Exception as err:
@@ -771,12 +806,15 @@ class LoggerObserver(Contributor, Observer):
         state["_channel_ref"] = None
         state["_source"] = None
         state["_step_fn"] = None  # read where the channel lives (refused for copies elsewhere)
+        state["_read_schedule_counter"] = None  # resolved again where the copy runs
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
         self._mode = None  # a copy: resolved again where it runs
+        if self._sets is not None:
+            self._wire()
         LIVE.add(self)
 
     def __repr__(self) -> str:

@@ -45,6 +45,11 @@ class _FoldedEventsAlias:
         return (cls if obj is None else obj).folded_events
 
 
+def _read_counter(lock: Any, counters: ObservedCounters, name: str) -> int:
+    with lock:
+        return counters.poll()[name]
+
+
 class MetricSet:
     """Base class of metric sets: what a :class:`~rl_observers.LoggerObserver` folds.
 
@@ -208,6 +213,17 @@ class MetricSet:
         """Cumulative host counters (:attr:`counter_names`), read without a device sync."""
         with self._lock:
             return dict(self._counters.poll())
+
+    def _counter_reader(self, name: str) -> Callable[[], int] | None:
+        """A call returning counter ``name`` as :meth:`counters` would, or ``None``.
+
+        Lets an observer check a counter schedule per event without building
+        the counters dict. ``None`` when a subclass computes its counters
+        itself (it may override this too) or does not count ``name``.
+        """
+        if type(self).counters is not MetricSet.counters or name not in self._counters.values:
+            return None
+        return functools.partial(_read_counter, self._lock, self._counters, name)
 
     def gauges(self, counters: dict[str, int]) -> dict[str, float]:
         """The cumulative gauges :meth:`pull` reports, from the exact ``counters``.

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -640,6 +642,11 @@ class WriteMetrics(MetricSet):
         """``write_count``, ``writes``, ``items_written`` (cumulative)."""
         values = self._counters.values
         return {"write_count": values["items_written"], **values}
+
+    def _counter_reader(self, name: str) -> Callable[[], int] | None:
+        values = self._counters.values
+        name = "items_written" if name == "write_count" else name
+        return functools.partial(values.__getitem__, name) if name in values else None
 
     def stats(self) -> dict[str, float]:
         """``writes``, ``items_written`` and, after a write, ``seconds_since_last_write``."""

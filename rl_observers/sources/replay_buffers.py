@@ -37,7 +37,7 @@ def emit_eagerly(source: Any, event: str, *payload: Any) -> None:
     if torch.compiler.is_compiling():  # constant for dynamo: the eager path costs ~60 ns, not a wrapper
         _emit_outside_graph(source, event, *payload)
         return
-    observers = observers_of(source)
+    observers = source.__dict__.get("_rl_observers")  # observers_of(source), inlined
     if observers is not None:
         observers.emit(event, *payload)
 
