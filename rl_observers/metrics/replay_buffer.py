@@ -186,9 +186,11 @@ class SampleMetrics(MetricSet):
         self._sampled_written: list[int] = []
         # Round-robin writers: (writer, storage, capacity), False for others, None: undecided.
         self._ring: tuple[Any, Any, int] | bool | None = None
-        # Per sample, each sampled slot - (the writer's cursor - 1) (see _stage_ring).
-        self._ring_slots: torch.Tensor | None = None
-        self._ring_used = 0
+        # The sampled slots, the writer's cursor and the slots' versions, per sample (see _stage_ring).
+        self._ring_slots: list[torch.Tensor] | None = None
+        self._ring_cursors: list[int] = []
+        self._ring_versions: list[int] = []
+        self._ring_copy = False  # a sampler changed its index in place: copy it
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(priority_weight={self.priority_weight}, age={self.age})"
@@ -313,34 +315,56 @@ class SampleMetrics(MetricSet):
                     self._ages.fold(self._written - stamp, valid)
 
     def _stage_ring(self, slots: torch.Tensor, cursor: int) -> None:
-        """Stages ``slot - (cursor - 1)`` of a sample's slots; their ages are folded together.
+        """Keeps a sample's slots and the writer's cursor; their ages are folded together.
 
-        One operation per sample, into a buffer made once (keeping the index
-        instead would keep the sampler from reusing its memory).
+        On the CPU the index tensor itself is kept (no operation per sample),
+        with its version: one changed in place before the fold (a sampler
+        reusing its buffer) is left out of the fold, and later samples are
+        copied instead. On other devices ``slot - (cursor - 1)`` is staged
+        (one operation, no host-device copy).
         """
         staged = self._ring_slots
-        n = slots.numel()
-        used = self._ring_used
-        if staged is None or staged.shape[1] != n or staged.device != slots.device:
+        if staged is None:  # fresh, or unpickled
+            staged = self._ring_slots = []
+            self._ring_cursors = []
+            self._ring_versions = []
+        elif staged and (staged[0].shape != slots.shape or staged[0].device != slots.device):
             self._fold_ring()
-            used = 0
-            rows = max(1, min(_CURSOR_SAMPLES, _CURSOR_ENTRIES // n))
-            staged = self._ring_slots = torch.empty((rows, n), dtype=slots.dtype, device=slots.device)
-        torch.sub(slots, cursor - 1, out=staged[used])
-        self._ring_used = used + 1
-        if used + 1 == staged.shape[0]:
+            staged = self._ring_slots
+        if slots.device.type != "cpu":
+            # The cursors would join the fold with a host-to-device copy: subtract them now.
+            slots = torch.sub(slots, cursor - 1)
+        elif self._ring_copy:
+            slots = slots.clone()
+        staged.append(slots)
+        self._ring_cursors.append(cursor)
+        self._ring_versions.append(slots._version)
+        if len(staged) * slots.shape[0] >= _CURSOR_ENTRIES or len(staged) >= _CURSOR_SAMPLES:
             self._fold_ring()
 
     def _fold_ring(self) -> None:
         """Folds the ages of the staged samples: ``(cursor - 1 - slot) % capacity``."""
-        used = self._ring_used
-        if not used:
+        staged = self._ring_slots
+        if not staged:
             return
-        self._ring_used = 0
+        cursors, versions = self._ring_cursors, self._ring_versions
+        self._ring_slots, self._ring_cursors, self._ring_versions = [], [], []
         ring = self._ring
         if not isinstance(ring, tuple):  # the source changed kind: nothing to measure against
             return
-        ages = self._ring_slots[:used].neg_()  # type: ignore[index]  # in (-capacity, capacity)
+        kept = [i for i, slots in enumerate(staged) if slots._version == versions[i]]
+        if len(kept) < len(staged):  # changed in place since sampled: copy from now on
+            self._ring_copy = True
+            staged = [staged[i] for i in kept]
+            cursors = [cursors[i] for i in kept]
+            if not staged:
+                return
+        slots = torch.stack(staged) if len(staged) > 1 else staged[0].unsqueeze(0)
+        if slots.device.type == "cpu":
+            ages = torch.tensor(cursors, dtype=slots.dtype).sub_(1).unsqueeze(1) - slots
+        else:  # staged as slot - (cursor - 1), in tensors of this set's own
+            ages = slots.neg()
+        # ages in (-capacity, capacity)
         self._ages.fold(torch.where(ages < 0, ages + ring[2], ages))  # type: ignore[union-attr]
 
     def _stage_ages(self, stamps: torch.Tensor, slots: torch.Tensor) -> None:
@@ -416,7 +440,7 @@ class SampleMetrics(MetricSet):
             self._stamps = None if stamps is None else stamps.clone()
             self._stamps_fixed = bool(state_dict.get("stamps_fixed", False))
             self._sampled, self._sampled_written = None, []
-            self._ring_slots, self._ring_used = None, 0
+            self._ring_slots = None
 
 
 class WriteMetrics(MetricSet):
