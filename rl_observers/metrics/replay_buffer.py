@@ -43,8 +43,9 @@ _AGE_SAMPLES = 16
 _AGE_ENTRIES = 2**16
 # Ages from a round-robin writer's cursor: the sampled slots of up to this many samples
 # (and this many slots) are staged and their ages computed together.
-_CURSOR_SAMPLES = 64
-_CURSOR_ENTRIES = 2**14
+# (Sized for a window of 100 samples of 256 items, the default schedule: one fold per window.)
+_CURSOR_SAMPLES = 128
+_CURSOR_ENTRIES = 2**15
 # WriteMetrics folds the rows a round-robin writer stored from the storage itself, at the
 # latest when this many are pending (and before half the storage could be overwritten).
 _RANGE_FOLD_AT = 2**17
@@ -360,12 +361,12 @@ class SampleMetrics(MetricSet):
             if not staged:
                 return
         slots = torch.stack(staged) if len(staged) > 1 else staged[0].unsqueeze(0)
-        if slots.device.type == "cpu":
-            ages = torch.tensor(cursors, dtype=slots.dtype).sub_(1).unsqueeze(1) - slots
+        if slots.device.type == "cpu":  # in float64, as the reducer folds them (exact below 2**53)
+            ages = torch.tensor(cursors, dtype=torch.float64).sub_(1).unsqueeze(1) - slots
         else:  # staged as slot - (cursor - 1), in tensors of this set's own
             ages = slots.neg()
-        # ages in (-capacity, capacity)
-        self._ages.fold(torch.where(ages < 0, ages + ring[2], ages))  # type: ignore[union-attr]
+        # ages in (-capacity, capacity): add the capacity to the negative ones
+        self._ages.fold(ages.add_(ages.lt(0), alpha=ring[2]))  # type: ignore[union-attr]
 
     def _stage_ages(self, stamps: torch.Tensor, slots: torch.Tensor) -> None:
         """Keeps the stamps of a sample (one gather) until _AGE_SAMPLES samples of its size."""
