@@ -278,6 +278,28 @@ class SampleMetrics(MetricSet):
         """Counts the sample and folds its weights and ages (no host-device sync)."""
         with self._lock:
             index = None if info is None else info.get("index", None)
+            ring = self._ring
+            if (  # the usual sample: a round-robin buffer's 1-D index, staged as it is
+                ring
+                and self._ages is not None
+                and type(index) is torch.Tensor
+                and index.ndim == 1
+                and index.dtype is torch.int64
+            ):
+                n = index.shape[0]
+                values = self._counters.values
+                values["sample_calls"] += 1
+                values["samples_returned"] += n
+                self._batch_size = n
+                if self._weights is not None:
+                    weights = info.get("priority_weight", None)
+                    if weights is None:
+                        weights = info.get("_weight", None)
+                    if weights is not None:
+                        self._weights.fold(torch.as_tensor(weights))
+                if n:
+                    self._stage_ring(index, _cursor(ring[0]))
+                return
             ring = self._ring_of(source) if self._ages is not None else False
             if (
                 ring is not False
@@ -329,10 +351,12 @@ class SampleMetrics(MetricSet):
             staged = self._ring_slots = []
             self._ring_cursors = []
             self._ring_versions = []
-        elif staged and (staged[0].shape != slots.shape or staged[0].device != slots.device):
+        elif staged and (
+            staged[0].shape != slots.shape or not (slots.is_cpu and staged[0].is_cpu or staged[0].device == slots.device)
+        ):
             self._fold_ring()
             staged = self._ring_slots
-        if slots.device.type != "cpu":
+        if not slots.is_cpu:
             # The cursors would join the fold with a host-to-device copy: subtract them now.
             slots = torch.sub(slots, cursor - 1)
         elif self._ring_copy:
