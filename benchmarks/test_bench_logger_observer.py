@@ -75,7 +75,9 @@ WORST_CASE_BUDGET = 0.90
 NO_RESETS_FLOOR = 0.85
 # DESIGN.md's budget for sample(256) with SampleMetrics and extend(256) with WriteMetrics.
 REPLAY_BUFFER_BUDGET = 0.95
-REPLAY_BUFFER_FLOOR = 0.70  # asserted: the budget is not met yet (see benchmarks/README.md)
+# Asserted: the budget is not met yet (see benchmarks/README.md); measured 0.79-0.84 (sample)
+# and 0.87-0.92 (extend), with a margin for a busy machine.
+REPLAY_BUFFER_FLOORS = {"sample_256": 0.75, "extend_256": 0.82}
 
 
 class SlowCSVLogger(CSVLogger):
@@ -372,7 +374,7 @@ def test_replay_buffer_ratio(benchmark, tmp_path, operation):
             f"\n{operation}: "
             + ", ".join(f"{k}: {timings[k] * 1e6:.1f} us (x{ratios[k]:.3f})" for k in timings)
         )
-        assert ratios["observer"] >= REPLAY_BUFFER_FLOOR, ratios
+        assert ratios["observer"] >= REPLAY_BUFFER_FLOORS[operation], ratios
         benchmark(ops["observer"])
     finally:
         for channel in channels:
