@@ -153,8 +153,8 @@ def test_the_custom_metrics_page_runs(tmp_path):
     assert scalars(logger, "collector/obs_hist_p50")
     assert scalars(logger, "collector/episode_return_mean")
     # the custom metric set, in a second observer
-    assert 0 < scalars(logger, "collector_1/truncated_fraction")[-1][1] <= 1  # of finished episodes
-    assert scalars(logger, "collector_1/truncation_batches")[-1][1] == 6
+    assert 0 < scalars(logger, "truncations/truncated_fraction")[-1][1] <= 1  # of finished episodes
+    assert scalars(logger, "truncations/truncation_batches")[-1][1] == 6
     # the replay buffer, the policy lag and the provider
     assert scalars(logger, "tensordictreplaybuffer/reward_written")[0][1] == 100
     assert scalars(logger, "tensordictreplaybuffer/sampled_reward")[-1] == (20, 1.0)
