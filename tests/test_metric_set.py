@@ -153,11 +153,11 @@ def test_the_custom_metrics_page_runs(tmp_path):
     assert scalars(logger, "collector/obs_hist_p50")
     assert scalars(logger, "collector/episode_return_mean")
     # the custom metric set, in a second observer
-    assert 0 < scalars(logger, "collector_1/truncated_fraction")[-1][1] <= 1  # of finished episodes
-    assert scalars(logger, "collector_1/truncation_batches")[-1][1] == 6
+    assert 0 < scalars(logger, "truncations/truncated_fraction")[-1][1] <= 1  # of finished episodes
+    assert scalars(logger, "truncations/truncation_batches")[-1][1] == 6
     # the replay buffer, the policy lag and the provider
-    assert scalars(logger, "tensordictreplaybuffer/reward_written")[0][1] == 100
-    assert scalars(logger, "tensordictreplaybuffer/sampled_reward")[-1] == (20, 1.0)
+    assert scalars(logger, "replay_buffer/reward_written")[0][1] == 100
+    assert scalars(logger, "replay_buffer/sampled_reward")[-1] == (20, 1.0)
     lag = scalars(logger, "replay/policy_lag_mean")
     assert [step for step, _ in lag] == [10, 20, 30] and lag[-1][1] > 0
     assert namespace["rb"].stats()["fill"] == 0.1
