@@ -39,13 +39,13 @@ def _obs(batch):
     return batch["observation"]
 
 
-def _collector(stack, metrics, channel):
+def _collector(stack, metrics, channel, name):
     env = CountingEnv(batch_size=[100])
     collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=1000, total_frames=-1)
     stack.callback(collector.shutdown)
     if metrics is not None:
         collector.add_observer(
-            LoggerObserver(channel, schedule=Every.counter("frames", 10_000), metrics=[metrics])
+            LoggerObserver(channel, name=name, schedule=Every.counter("frames", 10_000), metrics=[metrics])
         )
     iterator = iter(collector)
     return lambda: next(iterator)
@@ -56,9 +56,9 @@ def _measure(blocks, calls, benchmark=None):
         channel = MetricsChannel(CSVLogger(exp_name="bench", log_dir=tempfile.mkdtemp()))
         stack.callback(channel.close)
         candidates = {
-            "bare": _collector(stack, None, channel),
-            "one_liner": _collector(stack, Mean("obs", _obs), channel),
-            "hand_written": _collector(stack, HandWrittenMean(), channel),
+            "bare": _collector(stack, None, channel, "bare"),
+            "one_liner": _collector(stack, Mean("obs", _obs), channel, "one_liner"),
+            "hand_written": _collector(stack, HandWrittenMean(), channel, "hand_written"),
         }
         ratios = paired_slowdowns(candidates, "hand_written", calls=calls, blocks=blocks, warmup=1)
         if benchmark is not None:
