@@ -123,6 +123,30 @@ def _groups_of_sessions(sessions: set[int]) -> set[int]:
     return groups
 
 
+def _under(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def _paths_to_keep(hidden: str) -> list[str]:
+    """The checkout and the interpreter's prefixes that live under ``hidden``.
+
+    The far node hides the driver's temporary directory; a checkout (and its
+    ``.venv``) that lives there too, as a CI clone under ``/tmp`` does, is
+    bound back in, so the far node runs the same code. Nothing else of
+    ``hidden`` is visible there.
+    """
+    candidates = {
+        os.path.realpath(os.path.join(os.path.dirname(__file__), os.pardir)),
+        os.path.realpath(sys.prefix),
+        os.path.realpath(sys.base_prefix),
+    }
+    keep: list[str] = []
+    for path in sorted(candidates, key=len):
+        if _under(path, hidden) and not any(_under(path, kept) for kept in keep):
+            keep.append(path)
+    return keep
+
+
 def _stop(processes: list[subprocess.Popen], timeout: float = 10.0) -> None:
     """Kills the process groups of the sessions the cluster's processes lead.
 
@@ -246,9 +270,15 @@ def two_node_cluster(num_cpus: int = 1) -> Iterator[Cluster]:
         f"--dashboard-agent-listen-port={_free_port()}",
         *common,
     ]  # fmt: skip
-    far_script = f"mount -t tmpfs rlobs-hide {hidden} && mkdir -p {far_temp} && exec " + " ".join(
-        shlex.quote(arg) for arg in far_cmd
-    )
+    # Paths the far node needs that the tmpfs would hide: bound aside first, then back in.
+    stashes = [
+        (path, f"/run/rlobs-keep-{uuid.uuid4().hex[:8]}") for path in _paths_to_keep(hidden)
+    ]
+    steps = [f"mkdir -p {shlex.quote(st)} && mount --bind {shlex.quote(p)} {shlex.quote(st)}" for p, st in stashes]
+    steps.append(f"mount -t tmpfs rlobs-hide {shlex.quote(hidden)}")
+    steps += [f"mkdir -p {shlex.quote(p)} && mount --bind {shlex.quote(st)} {shlex.quote(p)}" for p, st in stashes]
+    steps.append(f"mkdir -p {shlex.quote(far_temp)}")
+    far_script = " && ".join(steps) + " && exec " + " ".join(shlex.quote(arg) for arg in far_cmd)
     far_log = os.path.join(temp_dir, "far.log")
     processes: list[subprocess.Popen] = []
     connected = False
@@ -265,6 +295,9 @@ def two_node_cluster(num_cpus: int = 1) -> Iterator[Cluster]:
             connected = False
         _stop(processes)
         shutil.rmtree(temp_dir, ignore_errors=True)  # also removes its ray_current_cluster
+        for _, stash in stashes:  # empty mount points, made on the host's /run
+            with contextlib.suppress(OSError):
+                os.rmdir(stash)
 
     try:
         try:
