@@ -517,28 +517,37 @@ def _observers_in_actor(collector: Any) -> list[tuple[str, str]]:
     return [(entry.observer.tag, entry.on_error) for entry in observers.entries]
 
 
+def _one_actor_ray_collector(total_frames):
+    """An async RayCollector with one actor, 10-frame batches."""
+    from torchrl.collectors.distributed import RayCollector
+
+    env = CountingEnv()
+    with warnings.catch_warnings():  # a non-module policy has no weights to synchronise
+        warnings.simplefilter("ignore", UserWarning)
+        return RayCollector(
+            [CountingEnv], RandomPolicy(env.action_spec), frames_per_batch=10,
+            total_frames=total_frames, sync=False, remote_configs={"num_cpus": 0.5},
+        )
+
+
+def _add_one_actor(collector):
+    """torchrl's add_collectors with one more actor built like the first."""
+    collector.add_collectors(
+        [CountingEnv], 1, collector.policy, [dict(collector.collector_kwargs[0])], [{"num_cpus": 0.5}]
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_ray_collectors_added_later_get_every_attached_observer(ray_cluster, helpers, tmp_path):
-    from torchrl.collectors.distributed import RayCollector
-
     log = tmp_path / "events.txt"
-    env = CountingEnv()
-    policy = RandomPolicy(env.action_spec)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        collector = RayCollector(
-            [CountingEnv], policy, frames_per_batch=10, total_frames=80, sync=False,
-            remote_configs={"num_cpus": 0.5},
-        )
+    collector = _one_actor_ray_collector(total_frames=80)
     first, removed, last = (helpers.CollectorLog(log, tag) for tag in ("first", "removed", "last"))
     try:
         collector.add_observer(first)
         collector.add_observer(removed)
         collector.add_observer(last, on_error="ignore")
-        collector.add_collectors(
-            [CountingEnv], 1, policy, [dict(collector.collector_kwargs[0])], [{"num_cpus": 0.5}]
-        )
+        _add_one_actor(collector)
         assert len(collector.remote_collectors) == 2
         assert collector.observers == (first, removed, last)
         in_actors = ray_cluster.get([a.__ray_call__.remote(_observers_in_actor) for a in collector.remote_collectors])
@@ -570,24 +579,13 @@ def test_ray_collectors_added_later_get_every_attached_observer(ray_cluster, hel
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_ray_collectors_added_are_dropped_when_an_observer_cannot_attach(ray_cluster, helpers, tmp_path):
-    from torchrl.collectors.distributed import RayCollector
-
     log = tmp_path / "events.txt"
-    env = CountingEnv()
-    policy = RandomPolicy(env.action_spec)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        collector = RayCollector(
-            [CountingEnv], policy, frames_per_batch=10, total_frames=20, sync=False,
-            remote_configs={"num_cpus": 0.5},
-        )
+    collector = _one_actor_ray_collector(total_frames=20)
     try:
         collector.add_observer(helpers.CollectorLog(log, "kept"))
         collector.add_observer(helpers.FailsToAttach(log, "refuses_worker_1", failing_worker=1))
         with pytest.raises(RemoteAttachError, match="being added were stopped"):
-            collector.add_collectors(
-                [CountingEnv], 1, policy, [dict(collector.collector_kwargs[0])], [{"num_cpus": 0.5}]
-            )
+            _add_one_actor(collector)
         assert len(collector.remote_collectors) == 1
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
