@@ -649,18 +649,21 @@ class LoggerObserver(Contributor, Observer):
     # -- events -----------------------------------------------------------------------------
 
     def _after(self) -> None:
+        read = self._read_schedule_counter
+        if read is not None and self._mode == "local":
+            # The usual event: a counter schedule inside its interval, one read and one comparison,
+            # no lock (one attribute store).
+            counter = read()
+            clock = self._clock
+            last = clock.last_counter
+            if (
+                last is not None
+                and last <= counter < clock.next_threshold
+                and (self._emitted or not self.log_on_start)
+            ):
+                clock.last_counter = counter
+                return
         with self._lock:
-            self._fresh = True
-            read = self._read_schedule_counter
-            if read is not None and self._mode == "local":
-                # The usual event: a counter schedule inside its interval, one read and one comparison.
-                counter = read()
-                clock = self._clock
-                last = clock.last_counter
-                if last is not None and last <= counter < clock.next_threshold:
-                    clock.last_counter = counter
-                    if self._emitted or not self.log_on_start:
-                        return
             if self._mode == "contribute":
                 if self._report_due():
                     self._contribute()
@@ -719,6 +722,7 @@ class LoggerObserver(Contributor, Observer):
     def on_post_collect(self, source: Any, batch: Any) -> None:
         if self._mode is None:
             self._resolve_mode(source)
+        self._fresh = True  # before folding: a window closed meanwhile is not skipped
         for position, fold in self._post_collect_folds:
             try:
                 fold(source, batch)
@@ -731,6 +735,7 @@ class LoggerObserver(Contributor, Observer):
     def on_post_add(self, source: Any, data: Any, index: Any) -> None:
         if self._mode is None:
             self._resolve_mode(source)
+        self._fresh = True  # before folding: a window closed meanwhile is not skipped
         for position, fold in self._post_add_folds:
             try:
                 fold(source, data, index)
@@ -743,6 +748,7 @@ class LoggerObserver(Contributor, Observer):
     def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
         if self._mode is None:
             self._resolve_mode(source)
+        self._fresh = True  # before folding: a window closed meanwhile is not skipped
         for position, fold in self._post_extend_folds:
             try:
                 fold(source, data, index)
@@ -755,6 +761,7 @@ class LoggerObserver(Contributor, Observer):
     def on_post_sample(self, source: Any, batch: Any, info: Any) -> None:
         if self._mode is None:
             self._resolve_mode(source)
+        self._fresh = True  # before folding: a window closed meanwhile is not skipped
         for position, fold in self._post_sample_folds:
             try:
                 fold(source, batch, info)

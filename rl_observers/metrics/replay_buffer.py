@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import is_tensor_collection
 from torchrl.data import RoundRobinWriter
@@ -19,7 +20,6 @@ from rl_observers.metrics.keys import (
     check_key,
     dim0_capacity,
     dim0_slots,
-    info_get,
     leading_size,
     leaf_keys,
     missing_key,
@@ -28,7 +28,7 @@ from rl_observers.metrics.keys import (
     stored_slots,
     writer_may_skip,
 )
-from rl_observers.stats import Partial
+from rl_observers.stats import Moments, Partial
 
 __all__ = ["SampleMetrics", "WriteMetrics"]
 
@@ -41,11 +41,12 @@ _STAMPS_MIN_ALLOC = 1024
 # ages folded together.
 _AGE_SAMPLES = 16
 _AGE_ENTRIES = 2**16
-# Ages from a round-robin writer's cursor: the sampled slots of up to this many samples
-# (and this many slots) are staged and their ages computed together.
-# (Sized for a window of 100 samples of 256 items, the default schedule: one fold per window.)
+# Ages from a round-robin writer's cursor: the sampled slots of up to this many samples are
+# staged and their ages computed together. (Sized for a window of 100 samples, the default
+# schedule: one fold per window.)
 _CURSOR_SAMPLES = 128
-_CURSOR_ENTRIES = 2**15
+_NO_AGES = (0, 0, 0, 0)
+_AGE_STATS = ("mean", "min", "max")
 # WriteMetrics folds the rows a round-robin writer stored from the storage itself, at the
 # latest when this many are pending (and before half the storage could be overwritten).
 _RANGE_FOLD_AT = 2**17
@@ -87,7 +88,6 @@ def _cursor(writer: Any) -> int:
     return (get_obj() if get_obj is not None else value).value
 
 
-
 class SampleMetrics(MetricSet):
     """What a replay buffer's samples look like: calls, sizes, weights, age.
 
@@ -117,7 +117,9 @@ class SampleMetrics(MetricSet):
     ``k % capacity`` and the writer's cursor is the next slot, so the age of
     slot ``i`` is ``(cursor - 1 - i) % capacity``: a sample keeps its
     ``info["index"]`` and the cursor (a reference and an int, no gather), and
-    the ages of up to 64 samples are computed together. Writes need no
+    the ages of up to 128 samples (a window of the default schedule) are
+    computed together, as exact integers on the host for CPU buffers, on
+    the device otherwise. Writes need no
     bookkeeping, items written before this set was attached have their true
     age, and writes from other processes sharing the writer's cursor are
     counted. (``write_at``, which writes without moving the cursor, is not
@@ -165,7 +167,7 @@ class SampleMetrics(MetricSet):
     counter_names = ("sample_calls", "samples_returned")
     #: Gauges that are not cumulative counters: merged across workers by keeping the newest.
     latest_gauges: tuple[str, ...] = ("batch_size",)
-    _transient = ("_sampled", "_ring", "_ring_slots")
+    _transient = ("_sampled", "_ring", "_ring_slots", "_ring_block")
     _lock_folds = False  # writes take the lock only when ages are on
 
     def __init__(self, *, priority_weight: bool = True, age: bool = True) -> None:
@@ -173,7 +175,7 @@ class SampleMetrics(MetricSet):
         owner = type(self).__name__
         self.priority_weight = check_bool(priority_weight, "priority_weight", owner)
         self.age = check_bool(age, "age", owner)
-        stats = ("mean", "min", "max")
+        stats = _AGE_STATS
         self._weights = self.moments("priority_weight", stats=stats) if priority_weight else None
         self._ages = self.moments("sample_age", stats=stats) if age else None
         self._batch_size = 0
@@ -187,11 +189,15 @@ class SampleMetrics(MetricSet):
         self._sampled_written: list[int] = []
         # Round-robin writers: (writer, storage, capacity), False for others, None: undecided.
         self._ring: tuple[Any, Any, int] | bool | None = None
-        # The sampled slots, the writer's cursor and the slots' versions, per sample (see _stage_ring).
+        # The sampled slots and their versions, and where the writer's cursor moved, until
+        # folded (see _stage_ring); the window's CPU ages: (count, sum, min, max).
         self._ring_slots: list[torch.Tensor] | None = None
-        self._ring_cursors: list[int] = []
         self._ring_versions: list[int] = []
+        self._ring_runs: list[tuple[int, int]] = []  # (first staged slot, cursor)
+        self._ring_entries = 0  # slots staged
+        self._ring_block: torch.Tensor | None = None  # where the fold gathers them
         self._ring_copy = False  # a sampler changed its index in place: copy it
+        self._age_tally: tuple[int, int, int, int] = _NO_AGES
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(priority_weight={self.priority_weight}, age={self.age})"
@@ -278,39 +284,11 @@ class SampleMetrics(MetricSet):
         """Counts the sample and folds its weights and ages (no host-device sync)."""
         with self._lock:
             index = None if info is None else info.get("index", None)
-            ring = self._ring
-            if (  # the usual sample: a round-robin buffer's 1-D index, staged as it is
-                ring
-                and self._ages is not None
-                and type(index) is torch.Tensor
-                and index.ndim == 1
-                and index.dtype is torch.int64
-            ):
-                n = index.shape[0]
-                values = self._counters.values
-                values["sample_calls"] += 1
-                values["samples_returned"] += n
-                self._batch_size = n
-                if self._weights is not None:
-                    weights = info.get("priority_weight", None)
-                    if weights is None:
-                        weights = info.get("_weight", None)
-                    if weights is not None:
-                        self._weights.fold(torch.as_tensor(weights))
-                if n:
-                    self._stage_ring(index, _cursor(ring[0]))
-                return
-            ring = self._ring_of(source) if self._ages is not None else False
-            if (
-                ring is not False
-                and type(index) is torch.Tensor
-                and index.ndim == 1
-                and index.dtype is torch.int64
-            ):
-                slots = index
+            if type(index) is torch.Tensor and index.ndim == 1 and index.dtype is torch.int64:
+                slots = index  # the usual sample: a 1-D index of dim-0 slots
             else:
                 slots = dim0_slots(index, storage_of(source))
-            n = slots.numel() if slots is not None else leading_size(batch)
+            n = slots.shape[0] if slots is not None else leading_size(batch)
             values = self._counters.values
             values["sample_calls"] += 1
             values["samples_returned"] += n
@@ -318,15 +296,21 @@ class SampleMetrics(MetricSet):
             if info is None:
                 return
             if self._weights is not None:
-                weights = info_get(info, "priority_weight", "_weight")
+                weights = info.get("priority_weight", None)
+                if weights is None:
+                    weights = info.get("_weight", None)
                 if weights is not None:
                     self._weights.fold(torch.as_tensor(weights))
-            if ring is not False:
-                if slots is not None and n:
-                    self._stage_ring(slots, _cursor(ring[0]))
+            if self._ages is None or slots is None or not n:
+                return
+            ring = self._ring
+            if ring is None:
+                ring = self._ring_of(source)
+            if ring:
+                self._stage_ring(slots, _cursor(ring[0]))
                 return
             stamps = self._stamps
-            if self._ages is not None and stamps is not None and slots is not None and n:
+            if stamps is not None:
                 if slots.device != stamps.device:
                     slots = slots.to(stamps.device)
                 if self._stamps_fixed:  # sized to the storage: every sampled slot is inside
@@ -342,55 +326,75 @@ class SampleMetrics(MetricSet):
 
         On the CPU the index tensor itself is kept (no operation per sample),
         with its version: one changed in place before the fold (a sampler
-        reusing its buffer) is left out of the fold, and later samples are
-        copied instead. On other devices ``slot - (cursor - 1)`` is staged
-        (one operation, no host-device copy).
+        reusing its buffer) is left out, and later samples are copied
+        instead. The cursor is noted only where it moved since the previous
+        sample (runs of samples share it). On other devices
+        ``slot - (cursor - 1)`` is kept (one operation, no host-device copy).
         """
         staged = self._ring_slots
         if staged is None:  # fresh, or unpickled
             staged = self._ring_slots = []
-            self._ring_cursors = []
             self._ring_versions = []
-        elif staged and (
-            staged[0].shape != slots.shape or not (slots.is_cpu and staged[0].is_cpu or staged[0].device == slots.device)
-        ):
-            self._fold_ring()
-            staged = self._ring_slots
-        if not slots.is_cpu:
-            # The cursors would join the fold with a host-to-device copy: subtract them now.
+            self._ring_runs = []
+            self._ring_entries = 0
+        if slots.is_cpu:
+            if self._ring_copy:
+                slots = slots.clone()
+            runs = self._ring_runs
+            if not runs or runs[-1][1] != cursor:
+                runs.append((self._ring_entries, cursor))
+        else:  # the cursors would join the fold with a host-to-device copy: subtract them now
             slots = torch.sub(slots, cursor - 1)
-        elif self._ring_copy:
-            slots = slots.clone()
         staged.append(slots)
-        self._ring_cursors.append(cursor)
         self._ring_versions.append(slots._version)
-        if len(staged) * slots.shape[0] >= _CURSOR_ENTRIES or len(staged) >= _CURSOR_SAMPLES:
+        self._ring_entries += slots.shape[0]
+        if len(staged) >= _CURSOR_SAMPLES:
             self._fold_ring()
 
     def _fold_ring(self) -> None:
-        """Folds the ages of the staged samples: ``(cursor - 1 - slot) % capacity``."""
+        """Folds the ages of the staged samples: ``(cursor - 1 - slot) % capacity``.
+
+        The staged tensors are read by one ``cat`` (a sample left in memory
+        since it was taken costs cache misses however it is read); the rest
+        is arithmetic on one block. CPU ages are exact int64 sums kept on the
+        host (see :meth:`pull`); others fold on their device.
+        """
         staged = self._ring_slots
         if not staged:
             return
-        cursors, versions = self._ring_cursors, self._ring_versions
-        self._ring_slots, self._ring_cursors, self._ring_versions = [], [], []
+        versions, runs, entries = self._ring_versions, self._ring_runs, self._ring_entries
+        self._ring_slots, self._ring_versions, self._ring_runs = [], [], []
+        self._ring_entries = 0
         ring = self._ring
         if not isinstance(ring, tuple):  # the source changed kind: nothing to measure against
             return
-        kept = [i for i, slots in enumerate(staged) if slots._version == versions[i]]
-        if len(kept) < len(staged):  # changed in place since sampled: copy from now on
-            self._ring_copy = True
-            staged = [staged[i] for i in kept]
-            cursors = [cursors[i] for i in kept]
-            if not staged:
+        capacity = ring[2]
+        if not staged[0].is_cpu:  # staged as slot - (cursor - 1)
+            self._ages.fold(torch.cat(staged).neg_().remainder_(capacity))  # type: ignore[union-attr]
+            return
+        # Into a block kept from fold to fold: a fresh one would come from the system each time.
+        block = self._ring_block
+        if block is None or block.numel() < entries:
+            block = self._ring_block = torch.empty(entries, dtype=torch.int64)
+        slots = torch.cat(staged, out=block[:entries])
+        ages = slots.numpy()
+        for (start, cursor), (end, _) in zip(runs, [*runs[1:], (ages.size, 0)]):
+            np.subtract(cursor - 1, ages[start:end], out=ages[start:end])
+        np.remainder(ages, capacity, out=ages)
+        if [t._version for t in staged] != versions:  # changed in place since sampled
+            self._ring_copy = True  # copied from now on; the changed ones are left out
+            keep = np.repeat(
+                [t._version == v for t, v in zip(staged, versions)], [t.shape[0] for t in staged]
+            )
+            ages = ages[keep]
+            if not ages.size:
                 return
-        slots = torch.stack(staged) if len(staged) > 1 else staged[0].unsqueeze(0)
-        if slots.device.type == "cpu":  # in float64, as the reducer folds them (exact below 2**53)
-            ages = torch.tensor(cursors, dtype=torch.float64).sub_(1).unsqueeze(1) - slots
-        else:  # staged as slot - (cursor - 1), in tensors of this set's own
-            ages = slots.neg()
-        # ages in (-capacity, capacity): add the capacity to the negative ones
-        self._ages.fold(ages.add_(ages.lt(0), alpha=ring[2]))  # type: ignore[union-attr]
+        tally = self._age_tally
+        count, total, low, high = ages.size, int(ages.sum()), int(ages.min()), int(ages.max())
+        if tally[0]:
+            count, total = tally[0] + count, tally[1] + total
+            low, high = min(low, tally[2]), max(high, tally[3])
+        self._age_tally = (count, total, low, high)
 
     def _stage_ages(self, stamps: torch.Tensor, slots: torch.Tensor) -> None:
         """Keeps the stamps of a sample (one gather) until _AGE_SAMPLES samples of its size."""
@@ -432,6 +436,11 @@ class SampleMetrics(MetricSet):
         """``sample_calls`` and ``samples_returned``, for the target's ``stats()``."""
         return self.counters()
 
+    def _counter_reader(self, name: str) -> Callable[[], int] | None:
+        # Host ints only (never a device amount to wait for): read without the lock.
+        values = self._counters.values
+        return functools.partial(values.__getitem__, name) if name in values else None
+
     def gauges(self, counters: dict[str, int]) -> dict[str, float]:
         """``sample_calls``, ``samples_returned`` (cumulative) and ``batch_size`` (the last)."""
         out = super().gauges(counters)
@@ -441,7 +450,16 @@ class SampleMetrics(MetricSet):
     def pull(self) -> dict[str, float | Partial]:
         """Gauges ``sample_calls``, ``samples_returned``, ``batch_size``; partials
         ``"priority_weight"`` and ``"sample_age"`` (those configured)."""
-        return super().pull()
+        with self._lock:
+            out = super().pull()
+            count, total, low, high = self._age_tally
+            if count:
+                self._age_tally = _NO_AGES
+                ages = Moments._trusted(
+                    "sample_age", _AGE_STATS, float(count), total / count, 0.0, low, high
+                )
+                out["sample_age"] = ages.merge(out["sample_age"])
+            return out
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, the running item count and the per-slot stamps."""
@@ -465,7 +483,7 @@ class SampleMetrics(MetricSet):
             self._stamps = None if stamps is None else stamps.clone()
             self._stamps_fixed = bool(state_dict.get("stamps_fixed", False))
             self._sampled, self._sampled_written = None, []
-            self._ring_slots = None
+            self._ring_slots, self._age_tally = None, _NO_AGES
 
 
 class WriteMetrics(MetricSet):

@@ -40,6 +40,7 @@ Examples:
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -140,6 +141,22 @@ _STAGE_ENTRIES = 2048
 # Masked reductions of CPU tensors skip the masking when all entries count and select the
 # entries first when few do (tests turn this off to check the device path's values).
 _CPU_MASK_SHORTCUTS = True
+# Large CPU folds convert and centre their values in per-thread float64 buffers reused from
+# fold to fold: fresh temporaries of this size come from the system each time (page faults
+# that cost more than the reductions). Up to this many entries per buffer (2 MiB).
+_SCRATCH_ENTRIES = 2**18
+_SCRATCH = threading.local()
+
+
+def _cpu_scratch(which: int, like: torch.Tensor) -> torch.Tensor:
+    """A float64 CPU buffer shaped like ``like``, one of two per thread (``which``: 0 or 1)."""
+    buffers = getattr(_SCRATCH, "buffers", None)
+    if buffers is None:
+        buffers = _SCRATCH.buffers = [torch.empty(0, dtype=_F64), torch.empty(0, dtype=_F64)]
+    n = like.numel()
+    if buffers[which].numel() < n:
+        buffers[which] = torch.empty(max(n, 2 * buffers[which].numel()), dtype=_F64)
+    return buffers[which][:n].view(like.shape)
 
 
 class _MomentsTable(_Reducer):
@@ -296,8 +313,9 @@ class _MomentsTable(_Reducer):
         Off the CPU: tensor operations only, no host read, no data-dependent shape.
         """
         device = self._view.device  # type: ignore[union-attr]
+        scratch = device.type == "cpu" and _STAGE_ENTRIES < x.numel() <= _SCRATCH_ENTRIES
         if x.dtype is not _F64 or x.device != device:
-            x = x.to(device, _F64)
+            x = _cpu_scratch(0, x).copy_(x) if scratch and x.is_cpu else x.to(device, _F64)
         if mask is not None and (mask.dtype is not _BOOL or mask.device != device):
             mask = mask.to(device, _BOOL)
         if mask is not None and device.type == "cpu" and _CPU_MASK_SHORTCUTS:
@@ -318,7 +336,8 @@ class _MomentsTable(_Reducer):
             n = x.shape[-1]
             mean = x.sum(-1) / n
             if self._spread:
-                dev = x - mean.unsqueeze(-1)
+                centre = mean.unsqueeze(-1)
+                dev = torch.sub(x, centre, out=_cpu_scratch(1, x)) if scratch else x - centre
                 m2 = torch.linalg.vecdot(dev, dev)
             else:
                 m2 = torch.zeros_like(mean)
