@@ -517,7 +517,7 @@ class WriteMetrics(MetricSet):
     half the storage is pending, with no copy per write. When the cursor shows
     that something else wrote in between (another process sharing the
     buffer, ``empty()``), the range folded so far is closed and a new one
-    starts; a write of more than half the storage is folded from its data.
+    starts; a write of more than a quarter of the storage is folded from its data.
 
     :meth:`counters` gives ``write_count`` (= ``items_written``, as
     observed), ``writes`` and ``items_written``; :meth:`stats` gives
