@@ -277,6 +277,8 @@ class Timeline:
         "at_end",
         "at_head",
         "values",
+        "totals",
+        "reward_totals",
         "traj_first",
         "traj_last",
         "traj_next_first",
@@ -320,6 +322,10 @@ class Timeline:
         self.at_end = self.at_start[..., length]
         self.at_head = self.at_start[..., :length]
         self.values = sums.new_empty((2, rows, length))
+        # Per env, the (reward, steps) totals of the timeline, when no episode closed in it.
+        self.totals = sums.new_zeros((2, rows))
+        self.totals[1] = length
+        self.reward_totals = self.totals[0]
         traj = ring.traj
         if traj is not None:
             self.traj_first = traj[:, 0, 0]
@@ -600,18 +606,18 @@ def close_episodes(
         if used > 1:  # a trajectory that does not continue in the next batch is dropped
             cut = line.traj_next_first != line.traj_prev_last
             # (On the CPU, reading whether any was cut waits for no device.)
-            if closed is not None and not cut.any():
+            # (count_nonzero: cheaper than any on the CPU.)
+            if closed is not None and not int(torch.count_nonzero(cut)):
                 cut = None
     if closed == 0 and cut is None:
         # CPU batches where no episode closed and every trajectory went on: nothing to
-        # fold but the rewards; each env's carry grows by its totals.
-        neg_carry = line.carry.clone()
-        neg_carry[1].sub_(length)
+        # fold but the rewards; each env's carry grows by its totals (its reward sum, and
+        # ``length`` steps).
         if line.reward is not None:
             if line.reward_copy is not None:
                 line.reward_copy[1].copy_(line.reward_copy[0])
-            neg_carry[0].sub_(line.reward.sum(-1))
-        carry.neg = neg_carry
+            torch.sum(line.reward, -1, out=line.reward_totals)
+        carry.neg = torch.sub(line.carry, line.totals)
         return Closed(line.reward, None, dones, None, None)
     for source, target in line.copies:  # the used slots as one timeline per env
         target.copy_(source)
