@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 import torch
-from tensordict import TensorDict
+from tensordict import LazyStackedTensorDict, TensorDict
 from torchrl.collectors import Collector
 from torchrl.data import (
     Bounded,
@@ -356,6 +356,29 @@ def test_episodes_that_span_many_rings(shortcuts, step_counter):
         for batch in batches[start : start + 37]:
             metrics.on_post_collect(None, batch)
         assert_window(finalized(metrics.pull()), truth.window(start, start + 37))
+
+
+def test_plain_batches_and_others_share_the_ring(shortcuts):
+    # TensorDict batches laid out as the ring's first one are staged by dictionary look-ups;
+    # others in between (flags of another dtype, a lazily stacked "next") take the general
+    # path into the same ring, and every window stays exact.
+    batches = collect(make_env(batch_size=(3,), max_steps=9), 12, 720)
+    truth = Truth(batches)
+
+    def variant(i, batch):
+        batch = batch.clone()
+        if i % 3 == 1:
+            batch.set(("next", "done"), batch.get(("next", "done")).to(torch.uint8))
+        elif i % 3 == 2:
+            batch.set("next", LazyStackedTensorDict.lazy_stack(batch.get("next").unbind(0), 0))
+        return batch
+
+    metrics = CollectorBatchMetrics()
+    for start in range(0, len(batches), 7):
+        for i in range(start, min(start + 7, len(batches))):
+            metrics.on_post_collect(None, variant(i, batches[i]))
+        assert_window(finalized(metrics.pull()), truth.window(start, start + 7))
+    assert metrics.counters()["episodes"] == sum(len(e) for e in truth.episodes)
 
 
 def test_gym_cartpole_and_pendulum():

@@ -13,11 +13,13 @@ from rl_observers.metrics.episodes import (
     CollectorPlan,
     EpisodeCarry,
     EpisodeRing,
+    PlainStage,
     close_episodes,
     entries_of,
     flags,
     new_ring,
     per_entry,
+    plain_stage,
     stage_batch,
 )
 from rl_observers.metrics.keys import (
@@ -357,11 +359,43 @@ class CollectorBatchMetrics(MetricSet):
         """Folds one collector batch (no host-device sync)."""
         with self._lock:
             plan = self._plan
+            ring = self._ring
+            if ring is not None:
+                # A batch laid out as the ring's last ones: staged with what was resolved then.
+                stage = ring.plain
+                if stage and stage.plan is plan:  # type: ignore[union-attr]
+                    values = stage.read(batch)  # type: ignore[union-attr]
+                    if values is not None and values[0].is_cpu:
+                        self._fold_plain(ring, stage, values, batch.batch_size)  # type: ignore[arg-type]
+                        return
             if plan is None:
                 plan = self._plan = self._resolve(batch)
             self._fold(plan, batch)
             if self._window is not None:
                 self._advance_window_clocks(batch.batch_size)
+            ring = self._ring
+            if ring is not None and ring.plain is None and plan.running:
+                ring.plain = plain_stage(ring, plan, batch)
+
+    def _fold_plain(
+        self, ring: EpisodeRing, stage: PlainStage, values: list[torch.Tensor], batch_size: Any
+    ) -> None:
+        """What :meth:`_fold` does with a plain batch (see :class:`PlainStage`), in fewer steps."""
+        window = self._window
+        if window is not None and not ring.used:
+            ring.base = self._window_clocks
+        closed = stage.stage(ring, values)
+        if stage.direct_reward:
+            self._reward.fold(values[-1])  # type: ignore[union-attr]
+        counts = self._counters.values
+        counts["batches"] += 1
+        counts["frames"] += batch_size.numel()
+        counts["episodes"] += closed
+        ring.used += 1
+        if ring.used == ring.size:
+            self._flush()
+        if window is not None:
+            self._advance_window_clocks(batch_size)
 
     def _fold(self, plan: CollectorPlan, batch: Any) -> None:
         batch_size = batch.batch_size
@@ -472,14 +506,11 @@ class CollectorBatchMetrics(MetricSet):
         if not ring.used and self._window is not None:
             ring.base = self._window_clocks
         n_closed = stage_batch(ring, plan, get, closing_flags, reward, episode_mask)
-        if ring.closed is not None and mask is None:  # CPU: read at once, no device to wait for
-            closed = int(n_closed)
-            ring.closed += closed
+        if ring.host:  # CPU, no mask: counted at once, no device to wait for
             self._counters.values["frames"] += batch_size.numel()
-            self._counters.values["episodes"] += closed
+            self._counters.values["episodes"] += n_closed  # type: ignore[operator]
         else:
-            ring.closed = None
-            self._count_frames_and_episodes(n_closed, mask, batch_size)
+            self._count_frames_and_episodes(n_closed, mask, batch_size)  # type: ignore[arg-type]
         ring.used += 1
         if ring.used == ring.size:
             self._flush()

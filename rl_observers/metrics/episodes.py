@@ -19,18 +19,21 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
+from tensordict import TensorDict
 
 __all__ = [
     "Closed",
     "CollectorPlan",
     "EpisodeCarry",
     "EpisodeRing",
+    "PlainStage",
     "Timeline",
     "close_episodes",
     "entries_of",
     "flags",
     "new_ring",
     "per_entry",
+    "plain_stage",
     "stage_batch",
 ]
 
@@ -137,6 +140,10 @@ class EpisodeRing:
     and what else the sums need); :func:`close_episodes` sums the
     used slots as one timeline per env. The buffers the sums work in are kept
     here too, sized for a full ring.
+
+    ``host``: the batches are unmasked CPU tensors, read at once (no device to
+    wait for): closed episodes and done steps are counted on the host per
+    batch, and no done flags are kept.
     """
 
     __slots__ = (
@@ -146,6 +153,7 @@ class EpisodeRing:
         "reward",
         "closing",
         "done",
+        "done_index",
         "mask",
         "traj",
         "from_keys",
@@ -156,7 +164,10 @@ class EpisodeRing:
         "no_carry",
         "_views",
         "_timelines",
+        "host",
         "closed",
+        "dones",
+        "plain",
         "base",
     )
 
@@ -168,18 +179,25 @@ class EpisodeRing:
         device: torch.device,
         *,
         reward: bool,
-        done: bool,
+        done: int | None,
         mask: bool,
         traj_dtype: torch.dtype | None,
         from_keys: Sequence[int],
     ) -> None:
         self.key = key
+        self.host = device.type == "cpu" and _CPU_SHORTCUTS and not mask
         size = self.size = max(1, min(_RING_BATCHES, _RING_STEPS // max(1, rows * steps)))
         self.used = 0
         f64, shape = torch.float64, (rows, size, steps)
         self.reward = torch.zeros(shape, dtype=f64, device=device) if reward else None
         self.closing = torch.zeros(shape, dtype=torch.bool, device=device)
-        self.done = torch.zeros(shape, dtype=torch.bool, device=device) if done else None
+        # Where done is among the closing flags, when its steps are counted apart from them.
+        self.done_index = done
+        self.done = (
+            torch.zeros(shape, dtype=torch.bool, device=device)
+            if done is not None and not self.host
+            else None
+        )
         self.mask = torch.zeros(shape, dtype=torch.bool, device=device) if mask else None
         self.traj = (
             None if traj_dtype is None else torch.zeros(shape, dtype=traj_dtype, device=device)
@@ -196,14 +214,18 @@ class EpisodeRing:
         self.no_carry = torch.zeros((), dtype=f64, device=device)
         self._views: dict[tuple[Any, ...], torch.Tensor] = {}
         self._timelines: dict[int, Timeline] = {}
-        # Episodes closed in the used slots, when known on the host (CPU batches), else None.
+        # Episodes closed in the used slots, when known on the host (CPU batches), else None;
+        # done steps among them, on the host (when done is one of several closing keys).
         self.closed: int | None = self.empty_count()
+        self.dones = 0
+        # How plain batches are staged (see plain_stage): None until tried, False if not.
+        self.plain: PlainStage | bool | None = None
         # Where the first slot's batch starts on the episode window's clocks (steps, cells),
         # when the set keeps one.
         self.base: tuple[int, int] | None = None
 
     def empty_count(self) -> int | None:
-        return 0 if self.closing.device.type == "cpu" and _CPU_SHORTCUTS else None
+        return 0 if self.host else None
 
     def timeline(self, used: int) -> Timeline:
         """The views and buffers a flush of ``used`` slots works with (made once per ``used``)."""
@@ -255,6 +277,8 @@ class Timeline:
         "at_end",
         "at_head",
         "values",
+        "totals",
+        "reward_totals",
         "traj_first",
         "traj_last",
         "traj_next_first",
@@ -298,6 +322,10 @@ class Timeline:
         self.at_end = self.at_start[..., length]
         self.at_head = self.at_start[..., :length]
         self.values = sums.new_empty((2, rows, length))
+        # Per env, the (reward, steps) totals of the timeline, when no episode closed in it.
+        self.totals = sums.new_zeros((2, rows))
+        self.totals[1] = length
+        self.reward_totals = self.totals[0]
         traj = ring.traj
         if traj is not None:
             self.traj_first = traj[:, 0, 0]
@@ -328,8 +356,8 @@ class Closed(NamedTuple):
     reward: torch.Tensor | None
     #: Which of those steps are valid (padded batches), or ``None``: all are.
     mask: torch.Tensor | None
-    #: Number of done steps (a 0-d tensor), when counted here.
-    dones: torch.Tensor | None
+    #: Number of done steps (a 0-d tensor, or an int counted on the host), when counted here.
+    dones: torch.Tensor | int | None
     #: ``[K, rows, steps]`` episode quantities (returns, lengths) at ``closing`` steps, or
     #: ``None`` when no episode closed.
     values: torch.Tensor | None
@@ -355,7 +383,9 @@ def new_ring(
         device,
         reward=plan.reward is not None
         and any(row == 0 and k is None for row, k in plan.episode_sources),
-        done=plan.done is not None and plan.closing != (plan.done,),
+        done=plan.closing.index(plan.done)
+        if plan.done is not None and plan.closing != (plan.done,)
+        else None,
         mask=masked,
         traj_dtype=traj_dtype,
         from_keys=[row for row, k in plan.episode_sources if k is not None],
@@ -369,16 +399,18 @@ def stage_batch(
     closing_flags: Sequence[torch.Tensor],
     reward: torch.Tensor | None,
     mask: torch.Tensor | None,
-) -> torch.Tensor:
-    """Copies one batch into the ring's next slot; returns its count of closing steps (0-d).
+) -> torch.Tensor | int:
+    """Copies one batch into the ring's next slot; returns its count of closing steps.
 
     ``get`` reads a batch entry as ``[rows, steps]`` (or in the batch's own
     layout, when it has that many values); ``closing_flags`` are the batch's
     closing flags as ``[rows, steps]`` booleans (already masked), in the order
-    of ``plan.closing``. The caller advances ``ring.used``.
+    of ``plan.closing``. The count is an int when the ring counts on the host
+    (``ring.host``; it is then added to ``ring.closed``), else a 0-d tensor.
+    The caller advances ``ring.used``.
     """
     if ring.done is not None:
-        done = closing_flags[plan.closing.index(plan.done)]
+        done = closing_flags[ring.done_index]  # type: ignore[index]
         ring.slot(ring.done, "done", done.shape).copy_(done)
     shape = closing_flags[0].shape
     closing = ring.slot(ring.closing, "closing", shape)
@@ -399,7 +431,124 @@ def stage_batch(
         if key is not None:
             value = get(key)
             ring.slot(ring.from_keys[row], f"from_keys_{row}", value.shape).copy_(value)
-    return torch.count_nonzero(closing)
+    if not ring.host:
+        return torch.count_nonzero(closing)
+    return _count_on_host(ring, closing, closing_flags)
+
+
+def _count_on_host(
+    ring: EpisodeRing, closing: torch.Tensor, closing_flags: Sequence[torch.Tensor]
+) -> int:
+    """Adds a staged CPU batch's closing (and done) steps to the ring's host counts."""
+    closed = int(torch.count_nonzero(closing))
+    if closed:
+        ring.closed += closed  # type: ignore[operator]
+        if ring.done_index is not None:  # done steps are among the closing ones
+            ring.dones += int(torch.count_nonzero(closing_flags[ring.done_index]))
+    return closed
+
+
+class PlainStage:
+    """How a plain batch is staged into a ring: its entries and each slot's views, made once.
+
+    A plain batch is a ``TensorDict`` (its nested entries too) of the batch
+    size, entry shapes and closing-flag dtype (``bool``) of the batch the
+    stage was made from, with one value per step and no mask, for a ring
+    that counts on the host. :meth:`read` finds its entries with dictionary
+    look-ups (what ``TensorDict.get`` does, without the per-call
+    overhead), or returns ``None`` for any other batch; :meth:`stage` then
+    does what :func:`stage_batch` does, with the slot views made once.
+    """
+
+    __slots__ = ("plan", "batch_size", "entries", "closing", "done_index", "direct_reward", "slots")
+
+    def __init__(
+        self, ring: EpisodeRing, plan: CollectorPlan, batch: TensorDict, direct_reward: bool
+    ) -> None:
+        self.plan = plan
+        self.batch_size = batch.batch_size
+        # Closing flags first, then what is copied into the ring, then the reward folded
+        # directly (when the ring keeps none).
+        keys: list[Any] = list(plan.closing)
+        buffers: list[torch.Tensor] = []
+        for buffer, key in (
+            (ring.reward, plan.reward),
+            (ring.traj, plan.traj_ids),
+            *((ring.from_keys[row], key) for row, key in plan.episode_sources if key is not None),
+        ):
+            if buffer is not None:
+                keys.append(key)
+                buffers.append(buffer)
+        self.direct_reward = direct_reward
+        if direct_reward:
+            keys.append(plan.reward)
+        values = [batch.get(key) for key in keys]
+        self.closing = len(plan.closing)
+        self.done_index = ring.done_index
+        self.entries = tuple(
+            ((key,) if isinstance(key, str) else tuple(key), value.shape, i < self.closing)
+            for i, (key, value) in enumerate(zip(keys, values))
+        )
+        shape = values[0].shape
+        copied = values[self.closing : self.closing + len(buffers)]
+        self.slots = [
+            (
+                ring.closing[:, used].view(shape),
+                tuple(b[:, used].view(v.shape) for b, v in zip(buffers, copied)),
+            )
+            for used in range(ring.size)
+        ]
+
+    def read(self, batch: Any) -> list[torch.Tensor] | None:
+        """The batch's entries, in the stage's order, or ``None`` when it is not plain."""
+        if type(batch) is not TensorDict or batch.batch_size != self.batch_size:
+            return None
+        values = []
+        for path, shape, is_flag in self.entries:
+            value = batch
+            for name in path:
+                if type(value) is not TensorDict:
+                    return None
+                value = value._tensordict.get(name)
+            if (
+                not isinstance(value, torch.Tensor)
+                or value.shape != shape
+                or (is_flag and value.dtype is not torch.bool)
+            ):
+                return None
+            values.append(value)
+        return values
+
+    def stage(self, ring: EpisodeRing, values: list[torch.Tensor]) -> int:
+        """Copies ``values`` (from :meth:`read`) into the ring's next slot; its closing count."""
+        closing, targets = self.slots[ring.used]
+        flags = values[: self.closing]
+        if len(flags) == 1:
+            closing.copy_(flags[0])
+        else:
+            torch.bitwise_or(flags[0], flags[1], out=closing)
+            for value in flags[2:]:
+                closing |= value
+        for target, value in zip(targets, values[self.closing :]):
+            target.copy_(value)
+        return _count_on_host(ring, closing, flags)
+
+
+def plain_stage(ring: EpisodeRing, plan: CollectorPlan, batch: Any) -> PlainStage | bool:
+    """A :class:`PlainStage` for ``ring`` when ``batch`` is plain, else ``False``."""
+    if not ring.host or plan.entries or plan.mask is not None or type(batch) is not TensorDict:
+        return False
+    rows, _, steps = ring.closing.shape
+    flags = [batch.get(key) for key in plan.closing]
+    shape = flags[0].shape
+    if (
+        any(f.dtype is not torch.bool or f.shape != shape for f in flags)
+        or math.prod(shape) != rows * steps
+    ):
+        return False
+    direct_reward = ring.reward is None and plan.reward is not None
+    stage = PlainStage(ring, plan, batch, direct_reward)
+    return stage if stage.read(batch) is not None else False
 
 
 def close_episodes(
@@ -424,14 +573,17 @@ def close_episodes(
         return None
     used, ring.used = ring.used, 0
     closed, ring.closed = ring.closed, ring.empty_count()
+    host_dones, ring.dones = ring.dones, 0
     line = ring.timeline(used)
     rows = ring.closing.shape[0]
     device = ring.closing.device
     length = line.length
     # Done steps are among the closing ones, so when none closed there is none to count.
-    dones = None
+    dones: torch.Tensor | int | None = None
     if line.done is not None and closed != 0:
         dones = torch.count_nonzero(line.done)
+    elif host_dones:
+        dones = host_dones
     # The carry column: minus the episode in flight, unless its trajectory does not continue.
     neg_carry = carry.neg
     traj = ring.traj
@@ -454,18 +606,18 @@ def close_episodes(
         if used > 1:  # a trajectory that does not continue in the next batch is dropped
             cut = line.traj_next_first != line.traj_prev_last
             # (On the CPU, reading whether any was cut waits for no device.)
-            if closed is not None and not cut.any():
+            # (count_nonzero: cheaper than any on the CPU.)
+            if closed is not None and not int(torch.count_nonzero(cut)):
                 cut = None
     if closed == 0 and cut is None:
         # CPU batches where no episode closed and every trajectory went on: nothing to
-        # fold but the rewards; each env's carry grows by its totals.
-        neg_carry = line.carry.clone()
-        neg_carry[1].sub_(length)
+        # fold but the rewards; each env's carry grows by its totals (its reward sum, and
+        # ``length`` steps).
         if line.reward is not None:
             if line.reward_copy is not None:
                 line.reward_copy[1].copy_(line.reward_copy[0])
-            neg_carry[0].sub_(line.reward.sum(-1))
-        carry.neg = neg_carry
+            torch.sum(line.reward, -1, out=line.reward_totals)
+        carry.neg = torch.sub(line.carry, line.totals)
         return Closed(line.reward, None, dones, None, None)
     for source, target in line.copies:  # the used slots as one timeline per env
         target.copy_(source)
