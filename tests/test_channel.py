@@ -377,6 +377,29 @@ def test_a_slow_logger_does_not_slow_submit_down():
 
 
 @pytest.mark.timeout(30)
+def test_steady_traffic_is_gathered_not_woken_per_entry_and_nothing_is_lost():
+    logger = RecordingLogger()
+    channel = MetricsChannel(logger, health_interval=None)
+    delivery = channel._state.delivery
+    wakes = []
+    set_wake = delivery._wake.set
+    delivery._wake.set = lambda: (wakes.append(1), set_wake())[1]
+    for i in range(40):
+        channel.submit_metrics({"x": float(i)}, step=i, namespace="a")
+        time.sleep(0.002)
+    submit_wakes = len(wakes)
+    assert channel.flush(timeout=10)
+    # a window every 2 ms: the thread gathers them instead of being woken per entry
+    assert submit_wakes <= 10, submit_wakes
+    assert logger.calls == [({"a/x": float(i)}, i) for i in range(40)]
+    health = channel.health()
+    assert health["logged"] == health["submitted"] == 40 and health["pending"] == 0
+    # a backlog of a quarter of the capacity wakes a gathering thread at once
+    assert delivery._backlog == channel.capacity // 4
+    assert channel.close(timeout=10)
+
+
+@pytest.mark.timeout(30)
 def test_a_hung_logger_bounds_flush_and_close_by_their_timeouts(gate):
     logger = RecordingLogger(gate=gate)
     channel = MetricsChannel(logger, capacity=16, name="hung")

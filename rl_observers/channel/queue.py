@@ -168,6 +168,10 @@ class PendingQueue:
                 self._progress.notify_all()
 
     # --------------------------------------------------------------- views
+    def backlog(self) -> int:
+        """How many entries wait (read without the lock: a hint, not a count)."""
+        return len(self._pending)
+
     def empty(self) -> bool:
         """Whether no entry is waiting (one may be in flight)."""
         with self._lock:
