@@ -9,7 +9,10 @@ from collections.abc import Callable
 
 
 def per_call_seconds(
-    fn: Callable[[], object], calls: int, clock: Callable[[], float] = time.perf_counter
+    fn: Callable[[], object],
+    calls: int,
+    clock: Callable[[], float] = time.perf_counter,
+    end: Callable[[], object] | None = None,
 ) -> float:
     """Seconds per call of ``fn`` over ``calls`` back-to-back calls, by ``clock``.
 
@@ -20,6 +23,8 @@ def per_call_seconds(
     start = clock()
     for _ in range(calls):
         fn()
+    if end is not None:
+        end()
     return (clock() - start) / calls
 
 
@@ -30,12 +35,16 @@ def alternating_samples(
     blocks: int = 15,
     warmup: int = 2,
     clock: Callable[[], float] = time.perf_counter,
+    block_end: dict[str, Callable[[], object]] | None = None,
 ) -> dict[str, list[float]]:
     """Seconds per call of each candidate, one sample per block, blocks alternating.
 
     Alternating the candidates block by block spreads machine noise evenly
     over them; the ``i``-th samples of two candidates were measured side by
-    side. The garbage collector is off while measuring.
+    side. The garbage collector is off while measuring. ``block_end[name]``,
+    when given, runs at the end of each of that candidate's blocks, inside
+    the timing (e.g. a channel's ``flush``: what a block submitted is
+    delivered, and charged, in that block, not in the next candidate's).
     """
     samples: dict[str, list[float]] = {name: [] for name in candidates}
     gc_was_enabled = gc.isenabled()
@@ -43,7 +52,7 @@ def alternating_samples(
     try:
         for block in range(warmup + blocks):
             for name, fn in candidates.items():
-                seconds = per_call_seconds(fn, calls, clock)
+                seconds = per_call_seconds(fn, calls, clock, (block_end or {}).get(name))
                 if block >= warmup:
                     samples[name].append(seconds)
     finally:

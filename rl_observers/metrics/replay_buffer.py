@@ -307,7 +307,8 @@ class SampleMetrics(MetricSet):
             if ring is None:
                 ring = self._ring_of(source)
             if ring:
-                self._stage_ring(slots, _cursor(ring[0]))
+                cursor = getattr(ring[0], "_cursor_value", None)  # _cursor(), inlined for a plain int
+                self._stage_ring(slots, cursor if type(cursor) is int else _cursor(ring[0]))
                 return
             stamps = self._stamps
             if stamps is not None:
