@@ -18,7 +18,8 @@ def per_call_seconds(
 
     ``clock`` is the wall clock by default; ``time.process_time`` (the CPU time of
     every thread of this process, background threads included) is what other
-    processes' load moves least.
+    processes' load moves least. ``end``, when given, runs once after the calls,
+    inside the timing (its time is spread over the ``calls``).
     """
     start = clock()
     for _ in range(calls):

@@ -158,6 +158,52 @@ def test_removal_and_channel_close_emit_the_last_window(logger):
     assert scalars(logger, "b/items_written") == [(10, 10.0)]
 
 
+def test_a_write_folded_during_another_threads_emission_is_logged_at_removal():
+    # Thread B's write is due and pulls (slowly); the main thread's write folds meanwhile
+    # (it waits on the set's lock) and is not due: removal still logs its window.
+    import threading
+    import time
+
+    from rl_observers import MetricSet
+
+    started, slow = threading.Event(), threading.Event()
+
+    class Items(MetricSet):
+        counter_names = ("n",)
+
+        def on_post_extend(self, source, data, index):
+            self.add_to_counter("n", 1)
+            self.count("items").add(len(data))
+
+        def pull(self):
+            with self._lock:
+                if slow.is_set():
+                    slow.clear()
+                    started.set()
+                    time.sleep(0.3)
+                return super().pull()
+
+    calls = []
+
+    class Recorder:
+        def log_metrics(self, metrics, step=None):
+            calls.append(dict(metrics))
+
+    channel = MetricsChannel(Recorder(), background=False, health_interval=None)
+    rb = ReplayBuffer(storage=LazyTensorStorage(100))
+    handle = rb.add_observer(LoggerObserver(channel, schedule=Every.counter("n", 2), metrics=Items()))
+    rb.extend(torch.arange(1))
+    slow.set()
+    writer = threading.Thread(target=rb.extend, args=(torch.arange(2),))  # n=2: due, pulls
+    writer.start()
+    assert started.wait(10)
+    rb.extend(torch.arange(3))  # n=3 while the pull runs
+    writer.join()
+    handle.remove()
+    channel.close(timeout=10)
+    assert sum(m.get("replay_buffer/items", 0) for m in calls) == 6
+
+
 def test_counter_going_backwards_rebaselines(logger, channel):
     rb = ReplayBuffer(storage=LazyTensorStorage(1000))
     observer = LoggerObserver(channel, schedule=Every.counter("write_count", 10), metrics=WriteMetrics(), log_on_close=False)

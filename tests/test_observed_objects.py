@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from tensordict import TensorDict
 from torchrl.collectors import Collector
 from torchrl.data import LazyTensorStorage, ReplayBuffer, TensorDictReplayBuffer
 from torchrl.envs.utils import RandomPolicy
@@ -168,3 +169,31 @@ def test_a_misspelled_on_error_method_suggests_on_error():
     rb = ReplayBuffer(storage=LazyTensorStorage(10))
     with pytest.raises(ValueError, match="Did you mean 'on_error'"):
         rb.add_observer(observer)
+
+
+def test_writes_passed_by_keyword_emit_their_data():
+    # torchrl names the data "tensordicts" (TensorDictReplayBuffer.extend) or "data":
+    # an observed buffer accepts both as torchrl does, and its events carry the data.
+    seen = []
+
+    class Writes:
+        def on_post_add(self, source, data, index):
+            seen.append(("add", data, index))
+
+        def on_post_extend(self, source, data, index):
+            seen.append(("extend", data, index))
+
+    rb = ReplayBuffer(storage=LazyTensorStorage(8))
+    rb.add_observer(Writes())
+    rb.extend(data=torch.arange(3))
+    rb.add(data=torch.tensor(7))
+    td_rb = TensorDictReplayBuffer(storage=LazyTensorStorage(8))
+    td_rb.add_observer(Writes())
+    td_rb.extend(tensordicts=TensorDict({"a": torch.zeros(2)}, [2]))
+    assert [(kind, type(data).__name__) for kind, data, _ in seen] == [
+        ("extend", "Tensor"),
+        ("add", "Tensor"),
+        ("extend", "TensorDict"),
+    ]
+    assert seen[0][1].tolist() == [0, 1, 2] and seen[1][2] == 3
+    assert type(td_rb).extend.__qualname__ == "ObservedReplayBuffer.extend"

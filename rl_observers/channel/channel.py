@@ -55,9 +55,10 @@ class MetricsChannel:
     microseconds, whatever the logger does (slow, hung, raising, a dead
     logger service). The channel's own daemon thread performs the blocking
     ``logger.log_metrics(metrics, step=step)`` calls, one per pending entry.
-    Under steady traffic (entries less than 50 ms apart) the thread gathers
-    entries for 50 ms and logs them together, rather than being woken for
-    each: every wake-up takes the GIL from the submitting thread.
+    Under steady traffic (entries less than 50 ms apart) the thread wakes
+    every 50 ms and delivers what came in that one wake-up (still one
+    ``log_metrics`` per entry), rather than being woken for each: every
+    wake-up takes the GIL from the submitting thread.
     :meth:`flush`, :meth:`close` and a backlog of a quarter of the capacity
     wake it at once.
 

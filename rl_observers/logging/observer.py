@@ -261,6 +261,7 @@ def _fold_event(event: str) -> Callable[..., None]:
                 fold(source, *payload)
             except Exception as err:
                 self._set_failed(position, err, where)
+        self._fresh = True  # again: an emission from another thread may have pulled meanwhile
         if self._failing_sets:
             self._recovered(event)
         read = self._read_schedule_counter

@@ -41,14 +41,16 @@ _STAMPS_MIN_ALLOC = 1024
 # ages folded together.
 _AGE_SAMPLES = 16
 _AGE_ENTRIES = 2**16
-# Ages from a round-robin writer's cursor: the sampled slots of up to this many samples are
-# staged and their ages computed together. (Sized for a window of 100 samples, the default
-# schedule: one fold per window.)
+# Ages from a round-robin writer's cursor: the sampled slots of up to this many samples (and
+# this many slots) are staged and their ages computed together. (Sized for a window of 100
+# samples of 256 items, the default schedule: one fold per window.)
 _CURSOR_SAMPLES = 128
+_CURSOR_ENTRIES = 2**15
 _NO_AGES = (0, 0, 0, 0)
 _AGE_STATS = ("mean", "min", "max")
 # WriteMetrics folds the rows a round-robin writer stored from the storage itself, at the
-# latest when this many are pending (and before half the storage could be overwritten).
+# latest when this many are pending (or a quarter of the storage: a later write of up to
+# three quarters cannot overwrite them).
 _RANGE_FOLD_AT = 2**17
 
 
@@ -338,6 +340,9 @@ class SampleMetrics(MetricSet):
             self._ring_versions = []
             self._ring_runs = []
             self._ring_entries = 0
+        elif staged and staged[-1].device != slots.device:  # folded apart: one device per fold
+            self._fold_ring()
+            staged = self._ring_slots
         if slots.is_cpu:
             if self._ring_copy:
                 slots = slots.clone()
@@ -349,7 +354,7 @@ class SampleMetrics(MetricSet):
         staged.append(slots)
         self._ring_versions.append(slots._version)
         self._ring_entries += slots.shape[0]
-        if len(staged) >= _CURSOR_SAMPLES:
+        if len(staged) >= _CURSOR_SAMPLES or self._ring_entries >= _CURSOR_ENTRIES:
             self._fold_ring()
 
     def _fold_ring(self) -> None:
@@ -438,6 +443,8 @@ class SampleMetrics(MetricSet):
         return self.counters()
 
     def _counter_reader(self, name: str) -> Callable[[], int] | None:
+        if type(self).counters is not MetricSet.counters:  # a subclass computes them
+            return None
         # Host ints only (never a device amount to wait for): read without the lock.
         values = self._counters.values
         return functools.partial(values.__getitem__, name) if name in values else None
@@ -515,7 +522,7 @@ class WriteMetrics(MetricSet):
     transform, the rows a write stored are the ones just before the writer's
     cursor: a write only advances the pending range of slots, and the rewards
     (and masks) are folded from the storage itself, once per window or when
-    half the storage is pending, with no copy per write. When the cursor shows
+    a quarter of the storage is pending, with no copy per write. When the cursor shows
     that something else wrote in between (another process sharing the
     buffer, ``empty()``), the range folded so far is closed and a new one
     starts; a write of more than a quarter of the storage is folded from its data.

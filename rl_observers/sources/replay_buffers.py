@@ -15,6 +15,7 @@ is never traced, specialised or recompiled. The cost is one
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -56,9 +57,11 @@ def _write_method(name: str, event: str) -> Callable[..., Any]:
     are inlined (a Python call costs ~0.5 us next to a write's cold caches).
     """
 
-    def write(self: Any, data: Any, *args: Any, **kwargs: Any) -> Any:
+    def write(self: Any, *args: Any, **kwargs: Any) -> Any:
         cls = type(self)
-        index = getattr(cls.__dict__.get("_rl_base", cls), name)(self, data, *args, **kwargs)
+        method = getattr(cls.__dict__.get("_rl_base", cls), name)
+        index = method(self, *args, **kwargs)
+        data = args[0] if args else _data_argument(method, kwargs)
         if torch.compiler.is_dynamo_compiling():
             _emit_outside_graph(self, event, data, index)
         else:
@@ -67,8 +70,15 @@ def _write_method(name: str, event: str) -> Callable[..., Any]:
                 observers.emit(event, data, index)
         return index
 
-    write.__name__ = write.__qualname__ = name
+    write.__name__ = name
+    write.__qualname__ = f"ObservedReplayBuffer.{name}"
     return write
+
+
+def _data_argument(method: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+    """The data of a write passed by keyword (``extend(tensordicts=td)``): torchrl's first argument."""
+    params = list(inspect.signature(method).parameters)  # (self, data, ...): a function of the class
+    return kwargs.get(params[1]) if len(params) > 1 else None
 
 
 class ReplayBufferObservers(ObserverList):

@@ -155,7 +155,7 @@ def _cpu_scratch(which: int, like: torch.Tensor) -> torch.Tensor:
         buffers = _SCRATCH.buffers = [torch.empty(0, dtype=_F64), torch.empty(0, dtype=_F64)]
     n = like.numel()
     if buffers[which].numel() < n:
-        buffers[which] = torch.empty(max(n, 2 * buffers[which].numel()), dtype=_F64)
+        buffers[which] = torch.empty(min(max(n, 2 * buffers[which].numel()), _SCRATCH_ENTRIES), dtype=_F64)
     return buffers[which][:n].view(like.shape)
 
 
