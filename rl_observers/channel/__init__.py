@@ -20,7 +20,9 @@ Modules, in the order a payload meets them:
 - :mod:`~rl_observers.channel.handle`: :class:`MetricsHandle`, for other processes;
 - :mod:`~rl_observers.channel.transport`: the transport interface and registry;
 - :mod:`~rl_observers.channel.socket`: the Unix-datagram transport (the owner's machine);
-- :mod:`~rl_observers.channel.ray_transport`: the Ray transport (any node), merged per node;
+- :mod:`~rl_observers.channel.ray_transport`: the Ray transport (any node), merged per node: its
+  :mod:`~rl_observers.channel.ray_sender` (workers), :mod:`~rl_observers.channel.ray_actors`
+  (per-node relays, the owner's ingest) and :mod:`~rl_observers.channel.ray_receiver` (the owner);
 - :mod:`~rl_observers.channel.channel`: :class:`MetricsChannel`, the public face;
 - :mod:`~rl_observers.channel.owner`: what the channel is in its process (owner) or a forked child;
 - :mod:`~rl_observers.channel.queue`: the bounded, coalescing queue and its counters;

@@ -28,7 +28,8 @@ from rl_observers.logging.contributions import LIVE, Contributor
 from rl_observers.logging.schedule import ScheduleClock
 from rl_observers.metrics import CollectorBatchMetrics, MetricSet, SampleMetrics, WriteMetrics
 from rl_observers.metrics.keys import MissingKeyError
-from rl_observers.metrics.oneliners import Metric, missing_source_counters
+from rl_observers.metrics.oneliners import Metric
+from rl_observers.metrics.source import missing_source_counters
 from rl_observers.observer import ON_ERROR_POLICIES, Observer
 from rl_observers.signals import COLLECTOR_EVENTS, REPLAY_BUFFER_EVENTS
 from rl_observers.sources import observers_of

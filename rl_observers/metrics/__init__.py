@@ -30,8 +30,10 @@ added at a later event, once its CUDA event has completed, so such a counter
 may lag by a batch or so. They are exact again after every :meth:`pull`.
 
 Modules: :mod:`~rl_observers.metrics.base` (:class:`MetricSet`),
-:mod:`~rl_observers.metrics.oneliners` (:class:`Mean`, :class:`Gauge`, ...,
-:class:`PolicyLag`: one more number in one line),
+:mod:`~rl_observers.metrics.oneliners` (:class:`Mean`, :class:`Gauge`, ...:
+one more number in one line), :mod:`~rl_observers.metrics.histogram`,
+:mod:`~rl_observers.metrics.policy_lag`, :mod:`~rl_observers.metrics.source`
+(the source's own counters, :class:`StatsProvider`),
 :mod:`~rl_observers.metrics.collector` (:class:`CollectorBatchMetrics`, whose
 episode kernel is :mod:`~rl_observers.metrics.episodes`),
 :mod:`~rl_observers.metrics.replay_buffer` (:class:`SampleMetrics`,
@@ -41,22 +43,22 @@ replay-buffer index helpers).
 
 from rl_observers.metrics.base import MetricSet
 from rl_observers.metrics.collector import CollectorBatchMetrics
+from rl_observers.metrics.histogram import Histogram
 from rl_observers.metrics.oneliners import (
     CountTrue,
     Gauge,
-    Histogram,
     Max,
     Mean,
     Metric,
     Min,
-    PolicyLag,
     Rate,
     Ratio,
-    StatsProvider,
     Sum,
     Summary,
 )
+from rl_observers.metrics.policy_lag import PolicyLag
 from rl_observers.metrics.replay_buffer import SampleMetrics, WriteMetrics
+from rl_observers.metrics.source import StatsProvider
 
 __all__ = [
     "CollectorBatchMetrics",

@@ -22,24 +22,25 @@ values merge across events, windows and workers:
   (a :class:`~rl_observers.stats.Fraction`);
 * :class:`Rate` logs an amount per second over the union of the time spans
   (a :class:`~rl_observers.stats.PerSecond`);
-* :class:`Histogram` logs quantiles read off bin counts that merge exactly
-  (a :class:`~rl_observers.stats.BinCounts`).
+* :class:`~rl_observers.Histogram` logs quantiles read off bin counts
+  that merge exactly (a :class:`~rl_observers.stats.BinCounts`).
 
 A function that reads a device tensor on the host (``.item()``,
 ``float(t)``, ``bool(t)``, ``.tolist()``) synchronises the device at every
 event: return the tensor instead and let the one-liner fold it.
 
-:class:`PolicyLag` is built in: how many policy versions old the data is,
-from the ``policy_version`` entries torchrl collectors stamp with
-``track_policy_version=True``. :class:`SourceCounters` are the source's own
-counters (``frames``, ``write_count``, ``sample_calls``, ...), which a
+Built on these: :class:`~rl_observers.PolicyLag` (how
+many policy versions old the data is, from the ``policy_version`` entries
+torchrl collectors stamp with ``track_policy_version=True``), and in
+:mod:`~rl_observers.metrics.source` the source's own counters
+(``frames``, ``write_count``, ``sample_calls``, ...), which a
 :class:`~rl_observers.LoggerObserver` adds when its metric sets do not count
-them, so counter schedules work with one-liners alone.
+them, so counter schedules work with one-liners alone, and
+:class:`~rl_observers.StatsProvider`.
 """
 
 from __future__ import annotations
 
-import bisect
 import inspect
 import math
 import time
@@ -51,11 +52,9 @@ from torchrl.collectors import BaseCollector
 from torchrl.data import ReplayBuffer
 
 from rl_observers.metrics.base import DATA_EVENTS, MetricSet
-from rl_observers.metrics.keys import leading_size
 from rl_observers.signals import COLLECTOR_EVENTS, EVENT_PAYLOADS, REPLAY_BUFFER_EVENTS
 from rl_observers.stats import (
     MOMENT_STATS,
-    BinCounts,
     Fraction,
     Moments,
     Partial,
@@ -63,24 +62,18 @@ from rl_observers.stats import (
     Scalar,
 )
 from rl_observers.stats.partials import Count
-from rl_observers.stats.scalars import quantile_name
 
 __all__ = [
     "CountTrue",
     "Gauge",
-    "Histogram",
     "Max",
     "Mean",
     "Metric",
     "Min",
-    "PolicyLag",
     "Rate",
     "Ratio",
-    "SourceCounters",
-    "StatsProvider",
     "Sum",
     "Summary",
-    "missing_source_counters",
     "source_events",
 ]
 
@@ -524,6 +517,10 @@ class Ratio(Metric):
         return (self.name, f"{self.name}/numerator", f"{self.name}/denominator")
 
 
+def _one(*payload: Any) -> int:
+    return 1
+
+
 class Rate(Metric):
     """An amount per second of wall-clock time over the window.
 
@@ -575,397 +572,3 @@ class Rate(Metric):
             out = self.partials()[self.name]
             payload[self.name] = PerSecond(self.name, out.amount + amount.n, out.start, out.end)  # type: ignore[union-attr]
             return payload
-
-
-def _one(*payload: Any) -> int:
-    return 1
-
-
-class Histogram(Metric):
-    """Counts of values over fixed bins; logs quantiles read off the counts.
-
-    Fixed bin edges make the counts merge exactly across windows and
-    workers; the quantiles are then exact up to the width of the bin they
-    fall in (values below or above the edges read as the outer edge). Logs
-    ``<name>_count`` and ``<name>_p50``, ``_p90``, ``_p99`` (``quantiles=``).
-    A tensor is binned on its device (``torch.bucketize``, no sync).
-
-    Args:
-        name (str): the prefix of the logged names.
-        fn (callable): a function of the payload.
-
-    Keyword Args:
-        edges (sequence of float): strictly increasing bin edges.
-        quantiles (sequence of float, optional): Defaults to ``(0.5, 0.9, 0.99)``.
-        on (str, optional): see :class:`Metric`.
-
-    Examples:
-        >>> import torch
-        >>> from rl_observers import Histogram
-        >>> metric = Histogram("lag", lambda batch: batch, edges=range(11), quantiles=(0.5,))
-        >>> metric.on_post_collect(None, torch.arange(10.0))
-        >>> metric.pull()["lag"].finalize()
-        {'lag_count': 10.0, 'lag_p50': 4.0}
-    """
-
-    def __init__(
-        self,
-        name: str,
-        fn: Callable[..., Any],
-        *,
-        edges: Sequence[float],
-        quantiles: Sequence[float] = (0.5, 0.9, 0.99),
-        on: str = "post_collect",
-    ) -> None:
-        super().__init__(name, fn, on=on)
-        empty = BinCounts(name, edges, quantiles=quantiles)  # validates
-        self.edges, self.quantiles = empty.edges, empty.quantiles
-        self._counts: torch.Tensor | None = None
-        self._edges_t: torch.Tensor | None = None
-        self._host = [0.0] * (len(self.edges) + 1)
-
-    _transient = ("_edges_t",)
-
-    def fold(self, value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            counts = self._counts
-            if counts is None:
-                counts = self._counts = torch.zeros(
-                    len(self.edges) + 1, dtype=torch.float64, device=value.device
-                )
-            edges = self._edges_t
-            if edges is None or edges.device != counts.device:
-                edges = self._edges_t = torch.tensor(self.edges, dtype=torch.float64).to(counts.device)
-            values = value.detach().reshape(-1).to(counts.device, torch.float64)
-            bins = torch.bucketize(values, edges)
-            counts.index_add_(0, bins, torch.ones_like(values))
-            return
-        _check_tensor(value, self)
-        self._host[bisect.bisect_left(self.edges, float(value))] += 1
-
-    def partials(self) -> dict[str, Partial]:
-        counts = list(self._host)
-        self._host = [0.0] * len(counts)
-        if self._counts is not None:
-            for i, c in enumerate(self._counts.tolist()):  # the one transfer of the window
-                counts[i] += c
-            self._counts.zero_()
-        return {self.name: BinCounts(self.name, self.edges, counts, quantiles=self.quantiles)}
-
-    def metric_names(self) -> tuple[str, ...]:
-        return (self.name, f"{self.name}_count", *(quantile_name(self.name, q) for q in self.quantiles))
-
-
-class PolicyLag(Summary):
-    """How many policy versions old the data is: ``policy_lag_mean``, ``policy_lag_max``.
-
-    torchrl collectors built with ``track_policy_version=True`` stamp each
-    step with the version of the policy that acted (``"policy_version"``),
-    which advances with every ``collector.update_policy_weights_()``. The
-    lag of a step is ``current - stamped``.
-
-    Keyword Args:
-        current_version (callable | object | None, optional): the current
-            version: a callable returning it (``lambda: learner.version``),
-            an object with a ``policy_version`` attribute (a collector), or
-            ``None``: the newest version this metric has seen (in the buffer's
-            writes for ``post_sample``, in the batches for ``post_collect``),
-            which needs nothing from the driver and works in workers and
-            actors. A callable or object is read on the host once per event,
-            where the metric runs: on a source in another process it must
-            be readable there. Defaults to ``None``.
-        on (str, optional): ``"post_sample"`` on a replay buffer (the age of
-            sampled data) or ``"post_collect"`` on a collector (the age of
-            collected data, for async collectors). Defaults to ``"post_collect"``.
-        key (NestedKey, optional): the stamped key. Defaults to ``"policy_version"``.
-        name (str, optional): Defaults to ``"policy_lag"``.
-        stats (sequence of str, optional): Defaults to ``("mean", "max")``.
-
-    Examples:
-        >>> import torch
-        >>> from tensordict import TensorDict
-        >>> from rl_observers import PolicyLag
-        >>> lag = PolicyLag(current_version=lambda: 5, on="post_sample")
-        >>> sampled = TensorDict({"policy_version": torch.tensor([5, 4, 2])}, [3])
-        >>> lag.on_post_sample(None, sampled, {})
-        >>> lag.pull()["policy_lag"].finalize()
-        {'policy_lag_mean': 1.3333333333333333, 'policy_lag_max': 3.0}
-    """
-
-    def __init__(
-        self,
-        current_version: Callable[[], int] | Any | None = None,
-        *,
-        on: str = "post_collect",
-        key: Any = "policy_version",
-        name: str = "policy_lag",
-        stats: Sequence[str] = ("mean", "max"),
-    ) -> None:
-        if on not in ("post_collect", "post_sample"):
-            raise ValueError(f"PolicyLag: on must be 'post_collect' or 'post_sample', got {on!r}.")
-        self.key = key
-        self.current_version = current_version
-        self._newest: torch.Tensor | None = None
-        super().__init__(name, self._lag, stats=stats, on=on)
-        if current_version is None and on == "post_sample":
-            self.folded_events = ("post_add", "post_extend", "post_sample")
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["fn"] = None  # a bound method of self: rebuilt on unpickling
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self.fn = self._lag
-
-    def _versions(self, data: Any) -> torch.Tensor:
-        try:
-            return data.get(self.key)
-        except KeyError:
-            raise KeyError(
-                f"{self!r}: no {self.key!r} entry in the data; build the collector with "
-                "track_policy_version=True (or pass key=)."
-            ) from None
-
-    def _seen(self, versions: torch.Tensor) -> None:
-        if not versions.numel():
-            return
-        newest = versions.detach().max().reshape(())
-        self._newest = newest.clone() if self._newest is None else torch.maximum(self._newest, newest)
-
-    def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
-        if self.current_version is None:
-            versions = self._versions(data)
-            with self._lock:
-                self._seen(versions)
-
-    on_post_add = on_post_extend
-
-    def _current(self) -> Any:
-        current = self.current_version
-        if callable(current):
-            return int(current())
-        return int(current.policy_version)
-
-    def _lag(self, batch: Any, info: Any = None) -> torch.Tensor | None:
-        versions = self._versions(batch)
-        if self.current_version is not None:
-            return self._current() - versions
-        if self.on == "post_collect":
-            with self._lock:
-                self._seen(versions)
-        if self._newest is None:
-            return None
-        return self._newest.to(versions.device) - versions
-
-    def __repr__(self) -> str:
-        return f"PolicyLag(on={self.on!r}, key={self.key!r})"
-
-
-# -- the source's own counters ----------------------------------------------------------
-
-_COUNTER_EVENTS = {
-    "frames": ("post_collect",),
-    "batches": ("post_collect",),
-    "write_count": ("post_add", "post_extend"),
-    "writes": ("post_add", "post_extend"),
-    "items_written": ("post_add", "post_extend"),
-    "sample_calls": ("post_sample",),
-    "samples_returned": ("post_sample",),
-}
-_COLLECTOR_COUNTERS = ("frames", "batches")
-_BUFFER_COUNTERS = ("write_count", "writes", "items_written", "sample_calls", "samples_returned")
-_COUNTER_GROUPS = (
-    ("frames", "batches"),
-    ("write_count", "writes", "items_written"),
-    ("sample_calls", "samples_returned"),
-)
-
-
-class SourceCounters(MetricSet):
-    """A source's own cumulative counters, for schedules and steps; logs nothing.
-
-    ``frames`` and ``batches`` on a collector; ``write_count`` (items
-    written, as :class:`~rl_observers.WriteMetrics` counts it), ``writes``,
-    ``items_written``, ``sample_calls`` and ``samples_returned`` on a replay
-    buffer. A :class:`~rl_observers.LoggerObserver` adds one for the
-    counters its metric sets do not keep (see :func:`missing_source_counters`),
-    so ``Every.counter("frames", n)`` works with one-liners alone. Frames
-    are the batch's ``numel()``; items are the leading size of what was
-    written or sampled.
-
-    Examples:
-        >>> import torch
-        >>> from rl_observers.metrics.oneliners import SourceCounters
-        >>> counters = SourceCounters(("sample_calls", "samples_returned"))
-        >>> counters.on_post_sample(None, torch.zeros(4), {})
-        >>> counters.counters()
-        {'sample_calls': 1, 'samples_returned': 4}
-    """
-
-    _lock_folds = False
-
-    def __init__(self, names: Sequence[str]) -> None:
-        unknown = [n for n in names if n not in _COUNTER_EVENTS]
-        if unknown:
-            raise ValueError(f"SourceCounters: unknown counters {unknown}; known: {sorted(_COUNTER_EVENTS)}.")
-        self.counter_names = tuple(names)
-        super().__init__()
-        self.folded_events = tuple(
-            e for e in DATA_EVENTS if any(e in _COUNTER_EVENTS[n] for n in self.counter_names)
-        )
-        values = self._counters.values
-        self._frames = "frames" in values
-        self._writes = "writes" in values
-        self._write_count = "write_count" in values
-        self._items = "items_written" in values
-        self._samples = "sample_calls" in values
-
-    def __repr__(self) -> str:
-        return f"SourceCounters({self.counter_names!r})"
-
-    def gauges(self, counters: dict[str, int]) -> dict[str, float]:
-        return {}
-
-    def on_post_collect(self, source: Any, batch: Any) -> None:
-        with self._lock:
-            values = self._counters.values
-            if self._frames:
-                values["frames"] += batch.numel()
-                values["batches"] += 1
-
-    def _write(self, items: int) -> None:
-        with self._lock:
-            values = self._counters.values
-            if self._writes:
-                values["writes"] += 1
-            if self._items:
-                values["items_written"] += items
-            if self._write_count:
-                values["write_count"] += items
-
-    def on_post_add(self, source: Any, data: Any, index: Any) -> None:
-        self._write(1)
-
-    def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
-        self._write(leading_size(data))
-
-    def on_post_sample(self, source: Any, batch: Any, info: Any) -> None:
-        with self._lock:
-            values = self._counters.values
-            if self._samples:
-                values["sample_calls"] += 1
-                values["samples_returned"] += leading_size(batch)
-
-
-def missing_source_counters(source: Any, sets: Sequence[MetricSet]) -> SourceCounters | None:
-    """The :class:`SourceCounters` of ``source``'s counters that none of ``sets`` keeps.
-
-    ``None`` when every counter of the source's kind is kept already (or the
-    source is of an unknown kind).
-    """
-    if isinstance(source, BaseCollector):
-        names = _COLLECTOR_COUNTERS
-    elif isinstance(source, ReplayBuffer):
-        names = _BUFFER_COUNTERS
-    else:
-        return None
-    kept: set[str] = set()
-    for metric_set in sets:
-        kept.update(metric_set.counters())
-    # counted in groups that share their events: frames/batches, writes, samples
-    groups = [g for g in _COUNTER_GROUPS if set(g) & set(names)]
-    missing = tuple(n for g in groups if not set(g) <= kept for n in g)
-    if not missing:
-        return None
-    return SourceCounters(missing)
-
-
-# -- statistics providers for ``stats()`` ----------------------------------------------------
-
-
-class StatsProvider:
-    """An observer that adds cheap, source-side entries to ``source.stats()``.
-
-    Attach it like any observer (``target.add_observer(StatsProvider(...))``):
-    it travels where the source runs, like every observer, so on a Ray
-    replay buffer it runs in the actor and only the scalars cross (still one
-    round trip for ``stats()``), and on a multiprocessing collector the
-    driver's ``stats()`` calls it in the driver. torchrl's
-    ``LoggerMonitor`` and push observers reading ``stats()`` see the same
-    numbers. It folds no event: its only cost is at ``stats()`` time.
-
-    Args:
-        providers (mapping or callable, optional): ``{name: fn}``, or one
-            ``fn`` returning a mapping ``{name: number}``.
-        **named: more ``name=fn`` providers.
-
-    Each ``fn`` takes no argument or the source (decided once, from its
-    signature) and returns a number (or a mapping, for the unnamed form).
-
-    Examples:
-        >>> import torch
-        >>> import rl_observers
-        >>> from rl_observers import StatsProvider
-        >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
-        >>> rb = ReplayBuffer(storage=LazyTensorStorage(100))
-        >>> handle = rb.add_observer(StatsProvider(fill=lambda rb: len(rb) / 100))
-        >>> _ = rb.extend(torch.arange(25))
-        >>> rb.stats()["fill"]
-        0.25
-    """
-
-    def __init__(self, providers: Any = None, **named: Callable[..., Any]) -> None:
-        table: dict[str | None, Callable[..., Any]] = {}
-        if callable(providers):
-            table[None] = providers
-        elif providers is not None:
-            table.update(dict(providers))
-        table.update(named)
-        if not table:
-            raise ValueError("StatsProvider needs at least one provider ({name: fn} or fn).")
-        for name, fn in table.items():
-            if not callable(fn):
-                raise TypeError(f"StatsProvider: the provider of {name!r} must be callable, got {fn!r}.")
-        self._providers = tuple((name, fn, _takes_source(fn)) for name, fn in table.items())
-        self._source: Any = None
-
-    def attached(self, source: Any) -> None:
-        self._source = source
-
-    def detached(self, source: Any) -> None:
-        self._source = None
-
-    def on_shutdown(self, source: Any) -> None:
-        """Nothing: a provider only answers ``stats()``."""
-
-    def stats(self) -> dict[str, float]:
-        """Calls every provider and returns their entries."""
-        out: dict[str, float] = {}
-        source = self._source
-        for name, fn, takes_source in self._providers:
-            value = fn(source) if takes_source else fn()
-            if name is None:
-                out.update(value)
-            else:
-                out[name] = value
-        return out
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"_providers": self._providers, "_source": None}
-
-    def __repr__(self) -> str:
-        return f"StatsProvider({[name for name, _, _ in self._providers]})"
-
-
-def _takes_source(fn: Callable[..., Any]) -> bool:
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return False
-    try:
-        signature.bind()
-    except TypeError:
-        return True
-    return False

@@ -1,0 +1,423 @@
+"""The Ray transport's actors: one relay per node and the owner's ingest.
+
+See :mod:`rl_observers.channel.ray_transport` for the flow. Also here: the
+bounded fire-and-forget :class:`_Forwarder` that senders and relays push
+through, and :func:`premerge`, the relay's exact merge of one worker's
+consecutive windows.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from rl_observers.channel.payload import coalesce
+
+#: The transport's name (``handle.transport``).
+NAME = "ray"
+#: Seconds between two batches a relay forwards to the owner.
+RELAY_INTERVAL = 0.25
+#: Messages a relay holds before it coalesces per key, then drops.
+RELAY_CAPACITY = 65536
+#: Batches a relay has in flight to the ingest at most.
+RELAY_IN_FLIGHT = 4
+#: Seconds between two checks of a relay that its owner's ingest still exists.
+RELAY_CHECK_EVERY = 10.0
+#: Seconds without the owner's ingest after which a relay exits (its owner died unclosed).
+RELAY_ORPHAN_AFTER = 60.0
+#: The Ray namespace of the ingest and relay actors (their names hold the channel's token).
+ACTOR_NAMESPACE = "rl_observers"
+#: Messages the ingest actor holds before it drops.
+INGEST_CAPACITY = 1 << 18
+#: Messages the owner takes from the ingest per call.
+DRAIN_BATCH = 16384
+#: Seconds a drain call waits for messages in the ingest.
+DRAIN_WAIT = 0.1
+#: Seconds between two attempts to find the owner's ingest after a failure.
+RETRY_AFTER = 1.0
+
+Message = tuple  # (namespace, metrics, step, meta, (dropped, coalesced))
+
+
+class RayAddress(NamedTuple):
+    """What a sender needs to reach an owner through Ray (plain, picklable data)."""
+
+    token: str
+    ingest: str  # the ingest actor's name
+    namespace: str  # the Ray namespace it lives in
+    owner: str  # who the owner is, in words (for warnings)
+
+
+def _ray() -> Any:
+    """Ray if this process imported it (a Ray worker always has), else ``None``."""
+    return sys.modules.get("ray")
+
+
+def _is_address(address: Any) -> bool:
+    return (
+        isinstance(address, tuple)
+        and len(address) == 4
+        and all(isinstance(a, str) for a in address)
+    )
+
+
+def _relay_name(token: str, node: str) -> str:
+    return f"rl_observers-relay-{token}-{node}"
+
+
+def premerge(messages: list[Message]) -> list[Message]:
+    """Merges consecutive windows of one worker (see :mod:`~rl_observers.channel.ray_transport`).
+
+    "Consecutive" is per worker: windows of other workers may come in between
+    (their relative order was never defined: they come from other processes).
+    A closing window (``finish``) or a window with other settings ends the run
+    of windows that merge. The order of everything else is kept.
+    """
+    out: list[list] = []
+    # (namespace, observer, worker) -> (meta without counters, index in out)
+    open_runs: dict[tuple, tuple[dict, int]] = {}
+    for namespace, metrics, step, meta, counts in messages:
+        if meta and "aggregate" in meta:
+            key = (namespace, meta["aggregate"], _hashable(meta.get("worker")))
+            settings = {k: v for k, v in meta.items() if k != "counters"}
+            run = open_runs.get(key)
+            if not meta.get("finish"):
+                if run is not None and run[0] == settings:
+                    into = out[run[1]]
+                    coalesce(into[1], metrics)
+                    into[2] = step
+                    into[3] = meta  # the newest counters
+                    into[4] = (into[4][0] + counts[0], into[4][1] + counts[1])
+                    continue
+                open_runs[key] = (settings, len(out))
+            elif run is not None:
+                del open_runs[key]
+        out.append([namespace, dict(metrics), step, meta, counts])
+    return [tuple(m) for m in out]
+
+
+def _hashable(value: Any) -> Any:
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
+
+
+
+# ------------------------------------------------------------------------------- actors
+class _Ingest:
+    """The owner's mailbox: bounded, drained by the owner's thread (runs as a threaded actor).
+
+    It holds batches as the pickled bytes they came as: it never looks into a
+    payload, so it never imports the classes of partials (nor torch).
+    """
+
+    def __init__(self, capacity: int = INGEST_CAPACITY) -> None:
+        self._batches: deque[tuple[bytes, int]] = deque()
+        self._held = 0  # messages in _batches
+        self._capacity = capacity
+        self._dropped = 0  # messages dropped here, plus what dropped messages carried
+        self._coalesced = 0
+        self._received = 0
+        self._calls = 0
+        self._ready = threading.Condition()
+
+    def push(self, data: bytes, messages: int, dropped: int, coalesced: int) -> bool:
+        """Keeps one pickled batch of ``messages`` (carrying these counts), or drops it whole."""
+        with self._ready:
+            self._calls += 1
+            if self._held + messages > self._capacity:
+                self._dropped += messages + dropped
+                self._coalesced += coalesced
+                return False
+            self._batches.append((data, messages))
+            self._held += messages
+            self._received += messages
+            self._ready.notify_all()
+        return True
+
+    def drain(self, limit: int = DRAIN_BATCH, wait: float = DRAIN_WAIT) -> tuple[list, int, int]:
+        """Pickled batches of up to ``limit`` messages (at least one batch), and the drops here."""
+        with self._ready:
+            if not self._batches and wait > 0:
+                self._ready.wait(wait)
+            batches = self._batches
+            out: list[bytes] = []
+            taken = 0
+            while batches and (not out or taken + batches[0][1] <= limit):
+                data, count = batches.popleft()
+                out.append(data)
+                taken += count
+            self._held -= taken
+            dropped, coalesced = self._dropped, self._coalesced
+            self._dropped = self._coalesced = 0
+        return out, dropped, coalesced
+
+    def stats(self) -> dict[str, int]:
+        with self._ready:
+            return {
+                "calls": self._calls,
+                "received": self._received,
+                "pending": self._held,
+            }
+
+
+class _Forwarder:
+    """Bounded fire-and-forget ``push.remote`` calls to one target actor, found by ``resolve``.
+
+    Used by senders (to their relay or the ingest) and by relays (to the ingest);
+    runs on its owner's thread only. Each call's messages and the counts they
+    carry are remembered until it completes: a failed call adds them to the drops.
+    """
+
+    def __init__(self, resolve: Callable[[], Any], in_flight: int) -> None:
+        self._resolve = resolve
+        self._limit = in_flight
+        self._target: Any = None
+        self._failed_at = -float("inf")
+        self._calls: dict[Any, tuple[int, int, int]] = {}  # ref -> (messages, dropped, coalesced)
+        self.lost: tuple[int, int] = (0, 0)  # to add to the next batch's counts
+        self.dropped = 0
+        self.error: BaseException | None = None
+        self.sent_calls = 0
+        # (relay round that forwards them, messages): what a relay holds for us
+        self._unconfirmed: deque[tuple[int, int]] = deque()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._calls)
+
+    def reap(self) -> None:
+        """Accounts for the calls that finished (never waits)."""
+        if not self._calls:
+            return
+        ray = _ray()
+        refs = list(self._calls)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for ref in ready:
+            messages, dropped, coalesced = self._calls.pop(ref)
+            try:
+                result = ray.get(ref, timeout=0)
+            except Exception as err:  # the target died: what it held is lost
+                self._fail(err)
+                self._lose(messages + self._forget_unconfirmed(), dropped, coalesced)
+                continue
+            if result.__class__ is int:  # a relay: its forwarding rounds confirm what it held
+                self._confirm(result)
+                self._unconfirmed.append((result + 1, messages))
+
+    def _confirm(self, rounds: int) -> None:
+        """Forgets the messages a relay forwarded (it finished ``rounds`` rounds)."""
+        unconfirmed = self._unconfirmed
+        while unconfirmed and unconfirmed[0][0] <= rounds:
+            unconfirmed.popleft()
+
+    def _forget_unconfirmed(self) -> int:
+        """Messages a relay that died had not forwarded yet (lost with it)."""
+        lost = sum(m for _, m in self._unconfirmed)
+        self._unconfirmed.clear()
+        return lost
+
+    def confirmed_all(self) -> None:
+        """The relay forwarded everything (its flush returned)."""
+        self._unconfirmed.clear()
+
+    def _lose(self, messages: int, dropped: int, coalesced: int) -> None:
+        self.dropped += messages
+        d, c = self.lost
+        self.lost = (d + messages + dropped, c + coalesced)
+
+    def _fail(self, err: BaseException) -> None:
+        self.error = err
+        self._target = None
+        self._failed_at = time.monotonic()
+
+    def ready(self) -> bool:
+        """Whether a batch may be sent now (a target is known and a slot is free)."""
+        if len(self._calls) >= self._limit:
+            return False
+        if self._target is None:
+            if time.monotonic() - self._failed_at < RETRY_AFTER:
+                return False
+            try:
+                self._target = self._resolve()
+            except Exception as err:
+                self._fail(err)
+                return False
+            self.error = None
+        return True
+
+    def send(self, batch: list[Message]) -> bool:
+        """Sends ``batch`` (its first message carries ``lost``); ``False`` when it could not."""
+        if self.lost != (0, 0):
+            first = batch[0]
+            d, c = self.lost
+            batch[0] = (*first[:4], (first[4][0] + d, first[4][1] + c))
+            self.lost = (0, 0)
+        dropped = sum(m[4][0] for m in batch)
+        coalesced = sum(m[4][1] for m in batch)
+        try:
+            data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+            ref = self._target.push.remote(data, len(batch), dropped, coalesced)
+        except Exception as err:
+            self._fail(err)
+            self._lose(len(batch) + self._forget_unconfirmed(), dropped, coalesced)
+            return False
+        self._calls[ref] = (len(batch), dropped, coalesced)
+        self.sent_calls += 1
+        return True
+
+    def wait(self, deadline: float | None) -> bool:
+        """Waits for the calls in flight (flush/close only); whether none is left."""
+        ray = _ray()
+        while self._calls:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            refs = list(self._calls)
+            ray.wait(refs, num_returns=len(refs), timeout=left)
+            self.reap()
+        return True
+
+
+def _pinned(node_id: str) -> Any:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+
+
+_ACTOR_CLASSES: dict[str, Any] = {}
+
+
+def _actor_class(cls: type, **options: Any) -> Any:
+    remote = _ACTOR_CLASSES.get(cls.__name__)
+    if remote is None:
+        remote = _ACTOR_CLASSES[cls.__name__] = _ray().remote(**options)(cls)
+    return remote
+
+
+class _Relay:
+    """Merges what the senders of one node send, and forwards one batch per interval."""
+
+    def __init__(
+        self,
+        address: RayAddress,
+        interval: float = RELAY_INTERVAL,
+        capacity: int = RELAY_CAPACITY,
+        merge: bool = True,
+    ) -> None:
+        self._address = address
+        self._interval = interval
+        self._capacity = capacity
+        self._merge = merge
+        self._lock = threading.Lock()
+        self._messages: list[Message] = []
+        self._dropped = 0  # what this relay dropped (plus what dropped messages carried)
+        self._coalesced = 0
+        self.received = 0
+        self.forwarded = 0
+        self.rounds = 0  # forwarding rounds done: what was pushed before round n is forwarded after it
+        self._forwarder = _Forwarder(self._find_ingest, RELAY_IN_FLIGHT)
+        self._wake = threading.Event()
+        self._flushes: list[threading.Event] = []
+        threading.Thread(target=self._run, name="rl_observers-relay", daemon=True).start()
+
+    def _find_ingest(self) -> Any:
+        return _ray().get_actor(self._address.ingest, namespace=self._address.namespace)
+
+    def push(self, data: bytes, messages: int, dropped: int, coalesced: int) -> int:
+        """Holds a batch until the next round; returns the rounds done (what came before is forwarded)."""
+        batch = pickle.loads(data)
+        with self._lock:
+            self.received += len(batch)
+            room = self._capacity - len(self._messages)
+            if len(batch) > room:  # full: keep what fits, the rest merges or is dropped
+                for message in batch[max(room, 0) :]:
+                    self._dropped += 1 + message[4][0]
+                    self._coalesced += message[4][1]
+                batch = batch[: max(room, 0)]
+            self._messages.extend(batch)
+            return self.rounds
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Forwards what is held now and waits until the ingest has it."""
+        done = threading.Event()
+        with self._lock:
+            self._flushes.append(done)
+        self._wake.set()
+        return done.wait(timeout)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "received": self.received,
+                "forwarded": self.forwarded,
+                "calls": self._forwarder.sent_calls,
+                "dropped": self._dropped + self._forwarder.dropped,
+                "pending": len(self._messages),
+            }
+
+    def _orphaned(self) -> bool:
+        """Whether the owner's ingest has been gone for ``RELAY_ORPHAN_AFTER`` seconds."""
+        now = time.monotonic()
+        if now - self._checked < RELAY_CHECK_EVERY:
+            return False
+        self._checked = now
+        try:
+            self._find_ingest()
+        except Exception:
+            return now - self._ingest_seen > RELAY_ORPHAN_AFTER
+        self._ingest_seen = now
+        return False
+
+    def _run(self) -> None:
+        forwarder = self._forwarder
+        self._checked = self._ingest_seen = time.monotonic()
+        while True:
+            if self._orphaned():  # the owner died without closing: nobody will kill this relay
+                os._exit(0)
+            self._wake.wait(self._interval)
+            self._wake.clear()
+            with self._lock:
+                flushes, self._flushes = self._flushes, []
+            forwarder.reap()
+            self._forward()
+            if flushes:
+                forwarder.wait(time.monotonic() + 5.0)
+                self._forward()
+                forwarder.wait(time.monotonic() + 5.0)
+                for done in flushes:
+                    done.set()
+
+    def _forward(self) -> None:
+        forwarder = self._forwarder
+        if not self._messages:
+            with self._lock:
+                if not self._messages:
+                    self.rounds += 1
+                    return
+        if not forwarder.ready():
+            return
+        with self._lock:
+            messages, self._messages = self._messages, []
+            counts = (self._dropped, self._coalesced)
+            self._dropped = self._coalesced = 0
+            self.rounds += 1
+        batch = premerge(messages) if self._merge else messages
+        if not batch:  # only losses to report: they wait for the next message
+            with self._lock:
+                self._dropped += counts[0]
+                self._coalesced += counts[1]
+            return
+        first = batch[0]
+        batch[0] = (*first[:4], (first[4][0] + counts[0], first[4][1] + counts[1]))
+        if forwarder.send(batch):
+            with self._lock:
+                self.forwarded += len(batch)

@@ -1,0 +1,279 @@
+"""The owner's side of the Ray transport: its ingest actor and the thread that drains it.
+
+See :mod:`rl_observers.channel.ray_transport` for the flow.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from rl_observers.channel.ray_actors import (
+    ACTOR_NAMESPACE,
+    DRAIN_BATCH,
+    DRAIN_WAIT,
+    INGEST_CAPACITY,
+    NAME,
+    Message,
+    RayAddress,
+    _actor_class,
+    _Ingest,
+    _pinned,
+    _ray,
+    _relay_name,
+)
+
+# torchrl's logger (the same object as torchrl._utils.logger)
+torchrl_logger = logging.getLogger("torchrl")
+
+
+class RayReceiver:
+    """The owner's side: an ingest actor on the owner's node and a thread that drains it.
+
+    Args:
+        token (str): the channel's token (names the actors).
+
+    Keyword Args:
+        capacity (int, optional): messages the ingest holds before it drops.
+            Defaults to ``INGEST_CAPACITY``.
+        owner (str, optional): the owner, in words, for senders' warnings.
+            Defaults to the channel's name, this process and host.
+        name (str, optional): the channel's name. Defaults to ``""``.
+    """
+
+    name = NAME
+
+    def __init__(
+        self,
+        token: str,
+        *,
+        capacity: int = INGEST_CAPACITY,
+        owner: str | None = None,
+        name: str = "",
+    ) -> None:
+        self.token = token
+        self._capacity = capacity
+        channel = f"MetricsChannel {name!r} " if name else ""
+        self._owner = owner or f"{channel}(pid {os.getpid()} on {os.uname().nodename})"
+        self._pid = os.getpid()
+        self._actor: Any = None
+        self._address: RayAddress | None = None
+        self._accept: Callable[..., None] | None = None
+        self._refuse: Callable[[], None] | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._lock = threading.Lock()  # one drain at a time (thread, poll or close)
+        self.accepted = 0
+        self.drains = 0
+        self.restarts = 0  # ingest actors that died (what they held is lost, uncounted)
+        #: called once per restart (the owning channel counts it in its health)
+        self.on_restart: Callable[[], None] | None = None
+        self._held = (0, 0)  # counts waiting for the next accepted message
+        self.error: BaseException | None = None
+
+    def start(
+        self,
+        accept: Callable[[str, dict, int | None, Mapping | None, tuple[int, int]], None],
+        refuse: Callable[[], None] | None = None,
+        background: bool = True,
+    ) -> None:
+        """Creates the ingest actor (the owner must be connected to Ray) and the draining thread.
+
+        With ``background=False`` messages are accepted only by :meth:`poll`.
+        """
+        ray = _ray()
+        if ray is None or not ray.is_initialized():
+            raise RuntimeError(
+                "RayReceiver.start expected a process connected to Ray (ray.init())."
+            )
+        context = ray.get_runtime_context()
+        self._address = RayAddress(
+            token=self.token,
+            ingest=f"rl_observers-ingest-{self.token}",
+            namespace=ACTOR_NAMESPACE,
+            owner=self._owner,
+        )
+        self._node = context.get_node_id()
+        self._accept = accept
+        self._refuse = refuse
+        self._actor = self._create_ingest()
+        if background:
+            self._thread = threading.Thread(
+                target=self._run, name="rl_observers-ray-ingest", daemon=True
+            )
+            self._thread.start()
+
+    def _create_ingest(self) -> Any:
+        ingest_class = _actor_class(_Ingest, num_cpus=0, max_concurrency=8)
+        address = self._address
+        return ingest_class.options(
+            name=address.ingest,
+            namespace=address.namespace,
+            get_if_exists=True,
+            scheduling_strategy=_pinned(self._node),
+        ).remote(self._capacity)
+
+    def address(self) -> RayAddress:
+        if self._address is None:
+            raise RuntimeError("RayReceiver.address() is known once start() ran.")
+        return self._address
+
+    def _run(self) -> None:
+        while not self._stop:
+            self.drain(DRAIN_WAIT)
+
+    def poll(self, deadline: float | None) -> None:
+        """Accepts what the ingest holds now (flush, step), until ``deadline`` at most."""
+        while not self._stop or self._actor is not None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            if not self.drain(0.0, timeout=left, lock_timeout=left):
+                return
+
+    def drain(
+        self, wait: float = 0.0, timeout: float | None = None, lock_timeout: float | None = None
+    ) -> int:
+        """Takes what the ingest holds and accepts it; returns how many messages."""
+        ray = _ray()
+        if not self._lock.acquire(timeout=-1 if lock_timeout is None else max(lock_timeout, 0)):
+            return 0
+        try:
+            actor = self._actor
+            if actor is None:
+                return 0
+            try:
+                batches, dropped, coalesced = ray.get(
+                    actor.drain.remote(DRAIN_BATCH, wait), timeout=timeout
+                )
+            except Exception as err:  # the ingest died: start a new one, senders find it by name
+                self.error = err
+                if isinstance(err, ray.exceptions.GetTimeoutError):
+                    return 0
+                if not self._stop:
+                    time.sleep(min(wait, 0.1))
+                    self.restarts += 1
+                    if self.on_restart is not None:
+                        self.on_restart()
+                    try:
+                        self._actor = self._create_ingest()
+                    except Exception as again:
+                        self.error = again
+                return 0
+            self.drains += 1
+            messages = [message for data in batches for message in self._load(data)]
+            held_d, held_c = self._held
+            held_d += dropped
+            held_c += coalesced
+            accept = self._accept
+            for namespace, metrics, step, meta, (d, c) in messages:
+                if held_d or held_c:
+                    d, c = d + held_d, c + held_c
+                    held_d = held_c = 0
+                accept(namespace, metrics, step, meta, (d, c))
+            self._held = (held_d, held_c)
+            self.accepted += len(messages)
+            return len(messages)
+        finally:
+            self._lock.release()
+
+    def _load(self, data: bytes) -> list[Message]:
+        """The messages of one batch; an unreadable batch is refused (counted as dropped)."""
+        try:
+            messages = pickle.loads(data)
+            for namespace, metrics, _, meta, (d, c) in messages:
+                if (
+                    namespace.__class__ is not str
+                    or metrics.__class__ is not dict
+                    or not (meta is None or isinstance(meta, Mapping))
+                    or d.__class__ is not int
+                    or c.__class__ is not int
+                ):
+                    raise TypeError(f"not a message: {namespace!r}")
+        except Exception as err:
+            self.error = err
+            if self._refuse is not None:
+                self._refuse()
+            else:
+                held_d, held_c = self._held
+                self._held = (held_d + 1, held_c)
+            return []
+        return messages
+
+    def relays(self) -> list[Any]:
+        """This channel's relay actors, on every node."""
+        ray = _ray()
+        address = self._address
+        if address is None:
+            return []
+        prefix = _relay_name(self.token, "")
+        found = []
+        try:
+            named = ray.util.list_named_actors(all_namespaces=True)
+        except Exception:
+            return []
+        for entry in named:
+            if entry.get("namespace") == address.namespace and entry.get("name", "").startswith(
+                prefix
+            ):
+                try:
+                    found.append(ray.get_actor(entry["name"], namespace=address.namespace))
+                except Exception:  # gone meanwhile
+                    pass
+        return found
+
+    def close(self, deadline: float | None = None) -> None:
+        """Forwards what relays hold, accepts what is left, kills the relays and the ingest.
+
+        Everything waits until ``deadline`` (a ``time.monotonic()`` value) at
+        most: a dead relay, ingest or node costs what it held, never time.
+        """
+        if self._address is None or os.getpid() != self._pid:
+            return
+        ray = _ray()
+        relays = self.relays()
+        if relays:  # what the relays hold goes to the ingest first
+            left = 5.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                refs = [relay.flush.remote(min(left, 5.0)) for relay in relays]
+                ray.wait(refs, num_returns=len(refs), timeout=min(left, 5.0))
+            except Exception:
+                pass
+        self._stop = True
+        thread = self._thread
+        if thread is not None:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        while deadline is None or time.monotonic() < deadline:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self.drain(0.0, timeout=left, lock_timeout=left):
+                break
+        actor, self._actor = self._actor, None
+        for victim in [*relays, *([actor] if actor is not None else [])]:
+            try:
+                ray.kill(victim)
+            except Exception:
+                pass
+
+    def release(self) -> None:
+        """Stops without waiting (the channel was garbage-collected): the actors are killed."""
+        if os.getpid() != self._pid:
+            return
+        self._stop = True
+        actor, self._actor = self._actor, None
+        ray = _ray()
+        if actor is not None and ray is not None and ray.is_initialized():
+            try:
+                ray.kill(actor)
+            except Exception:
+                pass
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: forgets the parent's actors (never kills them)."""
+        self._stop = True
+        self._actor = None
+        self._address = None

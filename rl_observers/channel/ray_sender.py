@@ -1,0 +1,276 @@
+"""The sending side of the Ray transport: a bounded buffer and a thread per process.
+
+See :mod:`rl_observers.channel.ray_transport` for the flow.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+from rl_observers.channel.payload import coalesce
+from rl_observers.channel.ray_actors import (
+    NAME,
+    RELAY_INTERVAL,
+    Message,
+    RayAddress,
+    _actor_class,
+    _Forwarder,
+    _is_address,
+    _pinned,
+    _ray,
+    _Relay,
+    _relay_name,
+)
+
+# torchrl's logger (the same object as torchrl._utils.logger)
+torchrl_logger = logging.getLogger("torchrl")
+
+#: Messages a sender buffers before it coalesces per namespace.
+SENDER_CAPACITY = 1024
+#: Batches a sender has in flight to its relay (or the ingest) at most.
+SENDER_IN_FLIGHT = 4
+#: Seconds between two rounds of a sender's thread.
+SENDER_INTERVAL = 0.02
+
+
+class RaySender:
+    """Sends payloads to the owner at ``address`` through Ray; never blocks, never raises.
+
+    Args:
+        address (RayAddress): the owner's :meth:`RayReceiver.address`.
+
+    Keyword Args:
+        capacity (int, optional): messages buffered here before they coalesce
+            per namespace (then drop). Defaults to ``SENDER_CAPACITY``.
+        in_flight (int, optional): batches in flight at most. Defaults to
+            ``SENDER_IN_FLIGHT``.
+        relay (bool, optional): send through this node's relay actor
+            (per-node pre-merge); ``False`` sends straight to the ingest.
+            Defaults to ``True``.
+        node (str, optional): the key of this node's relay. Defaults to this
+            node's id (benchmarks simulate nodes with other keys; the relay is
+            always pinned to the real node).
+        interval (float, optional): seconds between two rounds of the
+            sending thread. Defaults to ``SENDER_INTERVAL``.
+    """
+
+    name = NAME
+
+    def __init__(
+        self,
+        address: RayAddress,
+        *,
+        capacity: int = SENDER_CAPACITY,
+        in_flight: int = SENDER_IN_FLIGHT,
+        relay: bool = True,
+        node: str | None = None,
+        interval: float = SENDER_INTERVAL,
+        relay_interval: float = RELAY_INTERVAL,
+    ) -> None:
+        if not _is_address(address):
+            raise TypeError(f"RaySender expected a RayAddress, got {address!r}.")
+        self.address = RayAddress(*address)
+        self.submitted = 0
+        self._dropped = 0
+        self.coalesced = 0
+        self._capacity = capacity
+        self._relay = relay
+        self._node = node
+        self._interval = interval
+        self._relay_interval = relay_interval
+        self._lock = threading.Lock()
+        self._pending: deque[list] = deque()
+        self._newest: dict[str, list] = {}
+        self._unreported = [0, 0]  # dropped, coalesced
+        self._forwarder = _Forwarder(self._find_target, in_flight)
+        self._relay_handle: Any = None
+        self._warned = False
+        self._wake = threading.Event()
+        self._thread_pid: int | None = None
+        self._closed = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("RaySender is not picklable: pickle its address and make a new one.")
+
+    # -- worker side: never waits ---------------------------------------------------------------
+    def send(
+        self,
+        metrics: dict[str, Any],
+        step: int | None,
+        namespace: str,
+        meta: Mapping[str, Any] | None,
+    ) -> None:
+        """Buffers one payload for the owner; returns at once."""
+        if self._thread_pid != os.getpid():
+            self._start_thread()
+        error = None
+        with self._lock:
+            self.submitted += 1
+            if len(self._pending) < self._capacity:
+                entry = [namespace, metrics, step, meta]
+                self._pending.append(entry)
+                self._newest[namespace] = entry
+            else:
+                entry = self._newest.get(namespace)
+                if entry is not None:
+                    error = coalesce(entry[1], metrics)
+                    entry[2] = step
+                    if meta is not None:
+                        entry[3] = meta
+                    self.coalesced += 1
+                    self._unreported[1] += 1
+                else:
+                    self._dropped += 1
+                    self._unreported[0] += 1
+                    error = "full"
+        if error == "full":
+            self._warn_once(
+                f"dropped a payload of namespace {namespace!r}: its buffer of {self._capacity} "
+                f"messages to its owner {self.address.owner} is full (Ray does not keep up)"
+            )
+        elif error is not None:
+            self._warn_once(f"could not merge a partial of namespace {namespace!r}: {error!r}")
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until what was sent before reached the owner's ingest (or ``timeout``)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._thread_pid != os.getpid():
+            self._start_thread()
+        done = threading.Event()
+        self._flush_request = (done, deadline)
+        self._wake.set()
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return done.wait(left) and self._flushed
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Flushes, then stops the sending thread."""
+        flushed = self.flush(timeout)
+        self._closed = True
+        self._wake.set()
+        return flushed
+
+    # -- the sending thread -----------------------------------------------------------------------
+    def _start_thread(self) -> None:
+        with self._lock:
+            if self._thread_pid == os.getpid():
+                return
+            self._thread_pid = os.getpid()
+            self._flush_request: tuple[threading.Event, float | None] | None = None
+            self._flushed = False
+            threading.Thread(target=self._run, name="rl_observers-ray-sender", daemon=True).start()
+
+    def _run(self) -> None:
+        forwarder = self._forwarder
+        while not self._closed:
+            self._wake.wait(self._interval)
+            self._wake.clear()
+            request, self._flush_request = self._flush_request, None
+            try:
+                forwarder.reap()
+                self._send_pending()
+                if request is not None:
+                    self._flushed = self._flush(request[1])
+                    request[0].set()
+            except Exception as err:  # never expected: keep sending, say it once
+                self._warn_once(f"failed to send through Ray: {err!r}")
+                if request is not None:
+                    self._flushed = False
+                    request[0].set()
+            if forwarder.error is not None:
+                self._warn_once(
+                    f"cannot reach its owner {self.address.owner} through Ray "
+                    f"({forwarder.error!r}); what it cannot send is dropped and counted"
+                )
+
+    def _take(self) -> list[Message]:
+        with self._lock:
+            if not self._pending:
+                return []
+            pending, self._pending = self._pending, deque()
+            self._newest = {}
+            d, c = self._unreported
+            self._unreported = [0, 0]
+        batch = [(e[0], e[1], e[2], e[3], (0, 0)) for e in pending]
+        first = batch[0]
+        batch[0] = (*first[:4], (d, c))
+        return batch
+
+    def _send_pending(self) -> None:
+        forwarder = self._forwarder
+        if not self._pending:
+            return
+        if not forwarder.ready():
+            return  # beyond its capacity, the buffer coalesces, then drops
+        batch = self._take()
+        if batch:
+            forwarder.send(batch)  # a failed call is counted by the forwarder
+
+    def _flush(self, deadline: float | None) -> bool:
+        forwarder = self._forwarder
+        while self._pending:
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            forwarder.reap()
+            if forwarder.ready():
+                self._send_pending()
+            elif forwarder.in_flight:
+                forwarder.wait(time.monotonic() + 0.05)
+            else:  # no target now: try again until the deadline
+                time.sleep(0.05)
+        if not forwarder.wait(deadline):
+            return False
+        relay = self._relay_handle if self._relay else None
+        if relay is None:
+            return forwarder.error is None
+        ray = _ray()
+        left = 5.0 if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            flushed = bool(ray.get(relay.flush.remote(left), timeout=left + 1.0))
+        except Exception:
+            return False
+        if flushed:
+            forwarder.confirmed_all()
+        return flushed
+
+    def _find_target(self) -> Any:
+        ray = _ray()
+        address = self.address
+        ingest = ray.get_actor(address.ingest, namespace=address.namespace)
+        if not self._relay:
+            return ingest
+        node_id = ray.get_runtime_context().get_node_id()
+        relay_class = _actor_class(_Relay, num_cpus=0, max_concurrency=4)
+        self._relay_handle = relay_class.options(
+            name=_relay_name(address.token, self._node or node_id),
+            namespace=address.namespace,
+            get_if_exists=True,
+            lifetime="detached",  # outlives the worker that made it; the owner kills it
+            scheduling_strategy=_pinned(node_id),
+        ).remote(address, self._relay_interval)
+        return self._relay_handle
+
+    def _warn_once(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            torchrl_logger.warning(f"MetricsHandle {message}. Further such errors are silent.")
+
+    @property
+    def dropped(self) -> int:
+        """Payloads dropped here: beyond the buffer, or lost with a call that failed."""
+        return self._dropped + self._forwarder.dropped
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Batches sent and in flight, and what the transport itself lost."""
+        forwarder = self._forwarder
+        return {
+            "calls": forwarder.sent_calls,
+            "in_flight": forwarder.in_flight,
+            "lost": forwarder.dropped,
+        }

@@ -1,0 +1,94 @@
+"""Histogram: a one-liner logging quantiles read off bin counts that merge exactly.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from rl_observers.metrics.oneliners import Metric, _check_tensor
+from rl_observers.stats import (
+    BinCounts,
+    Partial,
+)
+from rl_observers.stats.scalars import quantile_name
+
+__all__ = ["Histogram"]
+
+
+class Histogram(Metric):
+    """Counts of values over fixed bins; logs quantiles read off the counts.
+
+    Fixed bin edges make the counts merge exactly across windows and
+    workers; the quantiles are then exact up to the width of the bin they
+    fall in (values below or above the edges read as the outer edge). Logs
+    ``<name>_count`` and ``<name>_p50``, ``_p90``, ``_p99`` (``quantiles=``).
+    A tensor is binned on its device (``torch.bucketize``, no sync).
+
+    Args:
+        name (str): the prefix of the logged names.
+        fn (callable): a function of the payload.
+
+    Keyword Args:
+        edges (sequence of float): strictly increasing bin edges.
+        quantiles (sequence of float, optional): Defaults to ``(0.5, 0.9, 0.99)``.
+        on (str, optional): see :class:`Metric`.
+
+    Examples:
+        >>> import torch
+        >>> from rl_observers import Histogram
+        >>> metric = Histogram("lag", lambda batch: batch, edges=range(11), quantiles=(0.5,))
+        >>> metric.on_post_collect(None, torch.arange(10.0))
+        >>> metric.pull()["lag"].finalize()
+        {'lag_count': 10.0, 'lag_p50': 4.0}
+    """
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        *,
+        edges: Sequence[float],
+        quantiles: Sequence[float] = (0.5, 0.9, 0.99),
+        on: str = "post_collect",
+    ) -> None:
+        super().__init__(name, fn, on=on)
+        empty = BinCounts(name, edges, quantiles=quantiles)  # validates
+        self.edges, self.quantiles = empty.edges, empty.quantiles
+        self._counts: torch.Tensor | None = None
+        self._edges_t: torch.Tensor | None = None
+        self._host = [0.0] * (len(self.edges) + 1)
+
+    _transient = ("_edges_t",)
+
+    def fold(self, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            counts = self._counts
+            if counts is None:
+                counts = self._counts = torch.zeros(
+                    len(self.edges) + 1, dtype=torch.float64, device=value.device
+                )
+            edges = self._edges_t
+            if edges is None or edges.device != counts.device:
+                edges = self._edges_t = torch.tensor(self.edges, dtype=torch.float64).to(counts.device)
+            values = value.detach().reshape(-1).to(counts.device, torch.float64)
+            bins = torch.bucketize(values, edges)
+            counts.index_add_(0, bins, torch.ones_like(values))
+            return
+        _check_tensor(value, self)
+        self._host[bisect.bisect_left(self.edges, float(value))] += 1
+
+    def partials(self) -> dict[str, Partial]:
+        counts = list(self._host)
+        self._host = [0.0] * len(counts)
+        if self._counts is not None:
+            for i, c in enumerate(self._counts.tolist()):  # the one transfer of the window
+                counts[i] += c
+            self._counts.zero_()
+        return {self.name: BinCounts(self.name, self.edges, counts, quantiles=self.quantiles)}
+
+    def metric_names(self) -> tuple[str, ...]:
+        return (self.name, f"{self.name}_count", *(quantile_name(self.name, q) for q in self.quantiles))

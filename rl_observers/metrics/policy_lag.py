@@ -1,0 +1,120 @@
+"""PolicyLag: how many policy versions old collected or sampled data is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from rl_observers.metrics.oneliners import Summary
+
+__all__ = ["PolicyLag"]
+
+
+class PolicyLag(Summary):
+    """How many policy versions old the data is: ``policy_lag_mean``, ``policy_lag_max``.
+
+    torchrl collectors built with ``track_policy_version=True`` stamp each
+    step with the version of the policy that acted (``"policy_version"``),
+    which advances with every ``collector.update_policy_weights_()``. The
+    lag of a step is ``current - stamped``.
+
+    Keyword Args:
+        current_version (callable | object | None, optional): the current
+            version: a callable returning it (``lambda: learner.version``),
+            an object with a ``policy_version`` attribute (a collector), or
+            ``None``: the newest version this metric has seen (in the buffer's
+            writes for ``post_sample``, in the batches for ``post_collect``),
+            which needs nothing from the driver and works in workers and
+            actors. A callable or object is read on the host once per event,
+            where the metric runs: on a source in another process it must
+            be readable there. Defaults to ``None``.
+        on (str, optional): ``"post_sample"`` on a replay buffer (the age of
+            sampled data) or ``"post_collect"`` on a collector (the age of
+            collected data, for async collectors). Defaults to ``"post_collect"``.
+        key (NestedKey, optional): the stamped key. Defaults to ``"policy_version"``.
+        name (str, optional): Defaults to ``"policy_lag"``.
+        stats (sequence of str, optional): Defaults to ``("mean", "max")``.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from rl_observers import PolicyLag
+        >>> lag = PolicyLag(current_version=lambda: 5, on="post_sample")
+        >>> sampled = TensorDict({"policy_version": torch.tensor([5, 4, 2])}, [3])
+        >>> lag.on_post_sample(None, sampled, {})
+        >>> lag.pull()["policy_lag"].finalize()
+        {'policy_lag_mean': 1.3333333333333333, 'policy_lag_max': 3.0}
+    """
+
+    def __init__(
+        self,
+        current_version: Callable[[], int] | Any | None = None,
+        *,
+        on: str = "post_collect",
+        key: Any = "policy_version",
+        name: str = "policy_lag",
+        stats: Sequence[str] = ("mean", "max"),
+    ) -> None:
+        if on not in ("post_collect", "post_sample"):
+            raise ValueError(f"PolicyLag: on must be 'post_collect' or 'post_sample', got {on!r}.")
+        self.key = key
+        self.current_version = current_version
+        self._newest: torch.Tensor | None = None
+        super().__init__(name, self._lag, stats=stats, on=on)
+        if current_version is None and on == "post_sample":
+            self.folded_events = ("post_add", "post_extend", "post_sample")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["fn"] = None  # a bound method of self: rebuilt on unpickling
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.fn = self._lag
+
+    def _versions(self, data: Any) -> torch.Tensor:
+        try:
+            return data.get(self.key)
+        except KeyError:
+            raise KeyError(
+                f"{self!r}: no {self.key!r} entry in the data; build the collector with "
+                "track_policy_version=True (or pass key=)."
+            ) from None
+
+    def _seen(self, versions: torch.Tensor) -> None:
+        if not versions.numel():
+            return
+        newest = versions.detach().max().reshape(())
+        self._newest = newest.clone() if self._newest is None else torch.maximum(self._newest, newest)
+
+    def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
+        if self.current_version is None:
+            versions = self._versions(data)
+            with self._lock:
+                self._seen(versions)
+
+    on_post_add = on_post_extend
+
+    def _current(self) -> Any:
+        current = self.current_version
+        if callable(current):
+            return int(current())
+        return int(current.policy_version)
+
+    def _lag(self, batch: Any, info: Any = None) -> torch.Tensor | None:
+        versions = self._versions(batch)
+        if self.current_version is not None:
+            return self._current() - versions
+        if self.on == "post_collect":
+            with self._lock:
+                self._seen(versions)
+        if self._newest is None:
+            return None
+        return self._newest.to(versions.device) - versions
+
+    def __repr__(self) -> str:
+        return f"PolicyLag(on={self.on!r}, key={self.key!r})"

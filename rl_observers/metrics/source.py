@@ -1,0 +1,228 @@
+"""What a source counts and reports itself: its counters for schedules, scalars for ``stats()``.
+
+:class:`SourceCounters` are the source's own cumulative counters (``frames``,
+``write_count``, ``sample_calls``, ...), which a
+:class:`~rl_observers.LoggerObserver` adds when its metric sets do not count
+them (:func:`missing_source_counters`). :class:`StatsProvider` adds scalars to
+the source's ``stats()``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torchrl.collectors import BaseCollector
+from torchrl.data import ReplayBuffer
+
+from rl_observers.metrics.base import DATA_EVENTS, MetricSet
+from rl_observers.metrics.keys import leading_size
+
+__all__ = ["SourceCounters", "StatsProvider", "missing_source_counters"]
+
+
+_COUNTER_EVENTS = {
+    "frames": ("post_collect",),
+    "batches": ("post_collect",),
+    "write_count": ("post_add", "post_extend"),
+    "writes": ("post_add", "post_extend"),
+    "items_written": ("post_add", "post_extend"),
+    "sample_calls": ("post_sample",),
+    "samples_returned": ("post_sample",),
+}
+_COLLECTOR_COUNTERS = ("frames", "batches")
+_BUFFER_COUNTERS = ("write_count", "writes", "items_written", "sample_calls", "samples_returned")
+_COUNTER_GROUPS = (
+    ("frames", "batches"),
+    ("write_count", "writes", "items_written"),
+    ("sample_calls", "samples_returned"),
+)
+
+
+class SourceCounters(MetricSet):
+    """A source's own cumulative counters, for schedules and steps; logs nothing.
+
+    ``frames`` and ``batches`` on a collector; ``write_count`` (items
+    written, as :class:`~rl_observers.WriteMetrics` counts it), ``writes``,
+    ``items_written``, ``sample_calls`` and ``samples_returned`` on a replay
+    buffer. A :class:`~rl_observers.LoggerObserver` adds one for the
+    counters its metric sets do not keep (see :func:`missing_source_counters`),
+    so ``Every.counter("frames", n)`` works with one-liners alone. Frames
+    are the batch's ``numel()``; items are the leading size of what was
+    written or sampled.
+
+    Examples:
+        >>> import torch
+        >>> from rl_observers.metrics.source import SourceCounters
+        >>> counters = SourceCounters(("sample_calls", "samples_returned"))
+        >>> counters.on_post_sample(None, torch.zeros(4), {})
+        >>> counters.counters()
+        {'sample_calls': 1, 'samples_returned': 4}
+    """
+
+    _lock_folds = False
+
+    def __init__(self, names: Sequence[str]) -> None:
+        unknown = [n for n in names if n not in _COUNTER_EVENTS]
+        if unknown:
+            raise ValueError(f"SourceCounters: unknown counters {unknown}; known: {sorted(_COUNTER_EVENTS)}.")
+        self.counter_names = tuple(names)
+        super().__init__()
+        self.folded_events = tuple(
+            e for e in DATA_EVENTS if any(e in _COUNTER_EVENTS[n] for n in self.counter_names)
+        )
+        values = self._counters.values
+        self._frames = "frames" in values
+        self._writes = "writes" in values
+        self._write_count = "write_count" in values
+        self._items = "items_written" in values
+        self._samples = "sample_calls" in values
+
+    def __repr__(self) -> str:
+        return f"SourceCounters({self.counter_names!r})"
+
+    def gauges(self, counters: dict[str, int]) -> dict[str, float]:
+        return {}
+
+    def on_post_collect(self, source: Any, batch: Any) -> None:
+        with self._lock:
+            values = self._counters.values
+            if self._frames:
+                values["frames"] += batch.numel()
+                values["batches"] += 1
+
+    def _write(self, items: int) -> None:
+        with self._lock:
+            values = self._counters.values
+            if self._writes:
+                values["writes"] += 1
+            if self._items:
+                values["items_written"] += items
+            if self._write_count:
+                values["write_count"] += items
+
+    def on_post_add(self, source: Any, data: Any, index: Any) -> None:
+        self._write(1)
+
+    def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
+        self._write(leading_size(data))
+
+    def on_post_sample(self, source: Any, batch: Any, info: Any) -> None:
+        with self._lock:
+            values = self._counters.values
+            if self._samples:
+                values["sample_calls"] += 1
+                values["samples_returned"] += leading_size(batch)
+
+
+def missing_source_counters(source: Any, sets: Sequence[MetricSet]) -> SourceCounters | None:
+    """The :class:`SourceCounters` of ``source``'s counters that none of ``sets`` keeps.
+
+    ``None`` when every counter of the source's kind is kept already (or the
+    source is of an unknown kind).
+    """
+    if isinstance(source, BaseCollector):
+        names = _COLLECTOR_COUNTERS
+    elif isinstance(source, ReplayBuffer):
+        names = _BUFFER_COUNTERS
+    else:
+        return None
+    kept: set[str] = set()
+    for metric_set in sets:
+        kept.update(metric_set.counters())
+    # counted in groups that share their events: frames/batches, writes, samples
+    groups = [g for g in _COUNTER_GROUPS if set(g) & set(names)]
+    missing = tuple(n for g in groups if not set(g) <= kept for n in g)
+    if not missing:
+        return None
+    return SourceCounters(missing)
+
+
+# -- statistics providers for ``stats()`` ----------------------------------------------------
+
+
+class StatsProvider:
+    """An observer that adds cheap, source-side entries to ``source.stats()``.
+
+    Attach it like any observer (``target.add_observer(StatsProvider(...))``):
+    it travels where the source runs, like every observer, so on a Ray
+    replay buffer it runs in the actor and only the scalars cross (still one
+    round trip for ``stats()``), and on a multiprocessing collector the
+    driver's ``stats()`` calls it in the driver. torchrl's
+    ``LoggerMonitor`` and push observers reading ``stats()`` see the same
+    numbers. It folds no event: its only cost is at ``stats()`` time.
+
+    Args:
+        providers (mapping or callable, optional): ``{name: fn}``, or one
+            ``fn`` returning a mapping ``{name: number}``.
+        **named: more ``name=fn`` providers.
+
+    Each ``fn`` takes no argument or the source (decided once, from its
+    signature) and returns a number (or a mapping, for the unnamed form).
+
+    Examples:
+        >>> import torch
+        >>> import rl_observers
+        >>> from rl_observers import StatsProvider
+        >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
+        >>> rb = ReplayBuffer(storage=LazyTensorStorage(100))
+        >>> handle = rb.add_observer(StatsProvider(fill=lambda rb: len(rb) / 100))
+        >>> _ = rb.extend(torch.arange(25))
+        >>> rb.stats()["fill"]
+        0.25
+    """
+
+    def __init__(self, providers: Any = None, **named: Callable[..., Any]) -> None:
+        table: dict[str | None, Callable[..., Any]] = {}
+        if callable(providers):
+            table[None] = providers
+        elif providers is not None:
+            table.update(dict(providers))
+        table.update(named)
+        if not table:
+            raise ValueError("StatsProvider needs at least one provider ({name: fn} or fn).")
+        for name, fn in table.items():
+            if not callable(fn):
+                raise TypeError(f"StatsProvider: the provider of {name!r} must be callable, got {fn!r}.")
+        self._providers = tuple((name, fn, _takes_source(fn)) for name, fn in table.items())
+        self._source: Any = None
+
+    def attached(self, source: Any) -> None:
+        self._source = source
+
+    def detached(self, source: Any) -> None:
+        self._source = None
+
+    def on_shutdown(self, source: Any) -> None:
+        """Nothing: a provider only answers ``stats()``."""
+
+    def stats(self) -> dict[str, float]:
+        """Calls every provider and returns their entries."""
+        out: dict[str, float] = {}
+        source = self._source
+        for name, fn, takes_source in self._providers:
+            value = fn(source) if takes_source else fn()
+            if name is None:
+                out.update(value)
+            else:
+                out[name] = value
+        return out
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_providers": self._providers, "_source": None}
+
+    def __repr__(self) -> str:
+        return f"StatsProvider({[name for name, _, _ in self._providers]})"
+
+
+def _takes_source(fn: Callable[..., Any]) -> bool:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return False
+    try:
+        signature.bind()
+    except TypeError:
+        return True
+    return False
