@@ -10,6 +10,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -788,22 +789,27 @@ def test_files_sent_back_are_written_on_the_driver(tmp_path):
     assert far.read_bytes() == b"{}" and [p.name for p in far.parent.iterdir()] == ["t_0.json"]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("until", ["shutdown", "remove"])
-def test_ray_collector_traces_come_back_to_the_driver(ray_cluster, tmp_path, until):
+def one_actor_ray_collector(remote_configs: dict) -> Any:
+    """A synchronous one-actor ``RayCollector``: 8 batches of 8 frames, actor placed by ``remote_configs``."""
     from torchrl.collectors.distributed import RayCollector
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        collector = RayCollector(
+        return RayCollector(
             [CountingEnv],
             RandomPolicy(CountingEnv().action_spec),
             frames_per_batch=8,
             total_frames=8 * 8,
             sync=True,
-            remote_configs={"num_cpus": 1},
+            remote_configs=remote_configs,
         )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("until", ["shutdown", "remove"])
+def test_ray_collector_traces_come_back_to_the_driver(ray_cluster, tmp_path, until):
+    collector = one_actor_ray_collector({"num_cpus": 1})
     trace = tmp_path / "ray_{worker_idx}.json"
     profiler = ProfilerObserver(
         num_rollouts=3, warmup_rollouts=1, save_path=trace, start_after_frames=16, **FAST

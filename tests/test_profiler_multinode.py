@@ -11,13 +11,18 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from torchrl.envs.utils import RandomPolicy
-from torchrl.testing.mocking_classes import CountingEnv
 
 import rl_observers  # noqa: F401
 from rl_observers import ProfilerObserver
 from tests.multinode import cluster_fixture
-from tests.test_profiler import FAST, RECORDED_3_4, Marker, marked, trace_events
+from tests.test_profiler import (
+    FAST,
+    RECORDED_3_4,
+    Marker,
+    marked,
+    one_actor_ray_collector,
+    trace_events,
+)
 
 cluster = cluster_fixture()
 
@@ -32,18 +37,8 @@ def _node_id(collector) -> str:
 @pytest.mark.timeout(240)
 def test_trace_written_on_the_far_node_arrives_on_the_driver(cluster, tmp_path):
     import ray
-    from torchrl.collectors.distributed import RayCollector
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        collector = RayCollector(
-            [CountingEnv],
-            RandomPolicy(CountingEnv().action_spec),
-            frames_per_batch=8,
-            total_frames=8 * 8,
-            sync=True,
-            remote_configs={"num_cpus": 0, "resources": cluster.far},
-        )
+    collector = one_actor_ray_collector({"num_cpus": 0, "resources": cluster.far})
     written = tmp_path / "far" / "trace_0.json"
     profiler = ProfilerObserver(
         num_rollouts=3, warmup_rollouts=1, save_path=tmp_path / "far" / "trace_{worker_idx}.json",
