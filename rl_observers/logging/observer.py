@@ -22,26 +22,26 @@ from torchrl._utils import logger as torchrl_logger
 from torchrl.collectors import BaseCollector
 from torchrl.record.loggers.monitoring import Every
 
-from rl_observers.channel import MetricsChannel, MetricsHandle
+from rl_observers.channel import MetricsChannel
 from rl_observers.logging.aggregate import finish_aggregate, has_aggregate
 from rl_observers.logging.contributions import LIVE, Contributor
+from rl_observers.logging.defaults import (
+    DEFAULT_NAMES,
+    as_metric_sets,
+    as_sink,
+    check_sets_fit,
+    default_metrics,
+    default_schedule,
+    target_kind,
+)
 from rl_observers.logging.schedule import ScheduleClock
 from rl_observers.metrics import CollectorBatchMetrics, MetricSet, SampleMetrics, WriteMetrics
 from rl_observers.metrics.keys import MissingKeyError
-from rl_observers.metrics.oneliners import Metric
 from rl_observers.metrics.source import missing_source_counters
 from rl_observers.observer import ON_ERROR_POLICIES, Observer
-from rl_observers.signals import COLLECTOR_EVENTS, REPLAY_BUFFER_EVENTS
 from rl_observers.sources import observers_of
 
-__all__ = [
-    "DEFAULT_SCHEDULES",
-    "LoggerObserver",
-    "attach_logger",
-    "default_metrics",
-    "default_schedule",
-    "install_attach_logger",
-]
+__all__ = ["LoggerObserver", "attach_logger", "install_attach_logger"]
 
 Scope = Literal["aggregate", "per_worker", "both"]
 SCOPES: tuple[str, ...] = ("aggregate", "per_worker", "both")
@@ -53,61 +53,6 @@ _NAMES: weakref.WeakKeyDictionary[MetricsChannel, weakref.WeakValueDictionary[st
 )
 _NAMES_LOCK = threading.Lock()
 
-#: What ``schedule="auto"`` (the default) means per kind of target, in order of preference:
-#: the first whose counter the metric sets count. A collector emits every 1,000 frames; a
-#: replay buffer every 100 ``sample()`` calls (every 1,000 items written if it is not sampled
-#: by these sets). Sets counting none of these emit every 10 seconds.
-DEFAULT_SCHEDULES: dict[str, tuple[Every, ...]] = {
-    "collector": (Every.counter("frames", 1_000),),
-    "replay_buffer": (Every.counter("sample_calls", 100), Every.counter("items_written", 1_000)),
-}
-_FALLBACK_SCHEDULE = Every.seconds(10.0)
-#: The default namespace per kind of target, whatever torchrl class it is.
-_DEFAULT_NAMES = {"collector": "collector", "replay_buffer": "replay_buffer"}
-_EMITS = {"collector": COLLECTOR_EVENTS, "replay_buffer": REPLAY_BUFFER_EVENTS}
-_FITTING_SETS = {
-    "collector": "CollectorBatchMetrics() (or a MetricSet with on_post_collect)",
-    "replay_buffer": (
-        "WriteMetrics() or SampleMetrics() (or a MetricSet with on_post_add, on_post_extend "
-        "or on_post_sample)"
-    ),
-}
-
-
-def _kind(target: Any) -> str:
-    return "collector" if isinstance(target, BaseCollector) else "replay_buffer"
-
-
-def default_schedule(target: Any, metrics: Sequence[MetricSet] | None = None) -> Every:
-    """The schedule of a :class:`LoggerObserver` created with ``schedule="auto"`` (the default).
-
-    A collector emits every 1,000 frames; a replay buffer every 100
-    ``sample()`` calls, or every 1,000 items written when its metric sets
-    count no samples (see :data:`DEFAULT_SCHEDULES`); metric sets counting
-    none of these emit every 10 seconds. A few rows per second at most in a
-    typical run, never a row per event.
-
-    Args:
-        target: a torchrl collector or replay buffer.
-        metrics (Sequence[MetricSet], optional): the observer's metric sets.
-            Defaults to :func:`default_metrics` of ``target``.
-
-    Examples:
-        >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
-        >>> from rl_observers import WriteMetrics, default_schedule
-        >>> rb = ReplayBuffer(storage=LazyTensorStorage(4))
-        >>> default_schedule(rb)
-        Every(kind='counter', interval=100, key='sample_calls')
-        >>> default_schedule(rb, [WriteMetrics()])
-        Every(kind='counter', interval=1000, key='items_written')
-    """
-    sets = default_metrics(target) if metrics is None else metrics
-    counted = {name for m in sets for name in m.counters()}
-    for schedule in DEFAULT_SCHEDULES[_kind(target)]:
-        if schedule.key in counted:
-            return schedule
-    return _FALLBACK_SCHEDULE
-
 
 def _public_error_name(error: BaseException) -> str:
     """The name a message shows for ``error``: the builtin it stands for when its class is private."""
@@ -115,75 +60,6 @@ def _public_error_name(error: BaseException) -> str:
     if isinstance(error, MissingKeyError) or cls.__name__.startswith("_"):
         cls = next(c for c in cls.__mro__ if c.__module__ == "builtins")
     return cls.__name__
-
-
-def _metric_names(metric_set: MetricSet) -> set[str]:
-    """The names ``metric_set`` puts in its payload, as far as they are known before any data."""
-    return {*metric_set.metric_names(), *metric_set.counter_names, *metric_set.latest_gauges}
-
-
-def _describe_set(metric_set: MetricSet) -> str:
-    """A one-liner by its repr (it names the metric), a metric set by its class."""
-    return repr(metric_set) if isinstance(metric_set, Metric) else type(metric_set).__name__
-
-
-def _check_metric_names(sets: Sequence[MetricSet]) -> None:
-    """Refuses metric sets of one observer that would log under the same name.
-
-    Two sets logging ``reward`` in one namespace would overwrite each other's
-    values in every row; this is checked once, when the observer is attached.
-
-    Raises:
-        ValueError: naming both sets and the shared names.
-
-    Examples:
-        >>> from rl_observers import CollectorBatchMetrics
-        >>> from rl_observers.logging.observer import _check_metric_names
-        >>> try:
-        ...     _check_metric_names([CollectorBatchMetrics(), CollectorBatchMetrics()])
-        ... except ValueError as err:
-        ...     print(str(err).split(" both log")[0])
-        LoggerObserver: metric sets CollectorBatchMetrics (#1) and CollectorBatchMetrics (#2)
-    """
-    seen: dict[str, int] = {}
-    for index, metric_set in enumerate(sets):
-        clash: dict[int, list[str]] = {}
-        for name in _metric_names(metric_set):
-            other = seen.setdefault(name, index)
-            if other != index:
-                clash.setdefault(other, []).append(name)
-        for other, names in clash.items():
-            shown = ", ".join(repr(n) for n in sorted(names))
-            raise ValueError(
-                f"LoggerObserver: metric sets {_describe_set(sets[other])} (#{other + 1}) and "
-                f"{_describe_set(metric_set)} (#{index + 1}) both log {shown}; one would "
-                "overwrite the other in every row. Keep one of them, or log the other "
-                "from a second LoggerObserver with its own name=."
-            )
-
-
-def default_metrics(target: Any) -> tuple[MetricSet, ...]:
-    """The metric sets a :class:`LoggerObserver` uses when given none.
-
-    Collectors get :class:`~rl_observers.CollectorBatchMetrics`; replay
-    buffers get :class:`~rl_observers.WriteMetrics` and
-    :class:`~rl_observers.SampleMetrics`. The sets are bound to ``target``
-    (:meth:`MetricSet.bind <rl_observers.MetricSet.bind>`): a collector's
-    reward and done keys come from its env's specs.
-
-    Examples:
-        >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
-        >>> from rl_observers import default_metrics
-        >>> [type(m).__name__ for m in default_metrics(ReplayBuffer(storage=LazyTensorStorage(4)))]
-        ['WriteMetrics', 'SampleMetrics']
-    """
-    if isinstance(target, BaseCollector):
-        sets: tuple[MetricSet, ...] = (CollectorBatchMetrics(),)
-    else:
-        sets = (WriteMetrics(), SampleMetrics())
-    for metric_set in sets:
-        metric_set.bind(target)  # keys from the target's specs (the env's reward and done keys)
-    return sets
 
 
 def _frames_of(collector: BaseCollector) -> Callable[[], Any]:
@@ -195,52 +71,6 @@ def _frames_of(collector: BaseCollector) -> Callable[[], Any]:
         return None if target is None else target.stats().get("frames")
 
     return frames
-
-
-def _as_sink(logger_or_channel: Any) -> tuple[MetricsHandle, MetricsChannel | None]:
-    if isinstance(logger_or_channel, MetricsHandle):
-        return logger_or_channel, None
-    if isinstance(logger_or_channel, type):
-        cls = logger_or_channel.__name__
-        raise TypeError(
-            f"LoggerObserver expects a logger instance, got the class {cls}; create the logger "
-            f"first, e.g. LoggerObserver({cls}(exp_name=..., log_dir=...)), and pass that."
-        )
-    if isinstance(logger_or_channel, MetricsChannel):
-        channel = logger_or_channel
-    elif callable(getattr(logger_or_channel, "log_metrics", None)) or callable(
-        getattr(logger_or_channel, "log_scalar", None)
-    ):
-        channel = MetricsChannel.for_logger(logger_or_channel)
-    else:
-        raise TypeError(
-            "LoggerObserver expects a torchrl Logger (or logger service), a MetricsChannel or "
-            f"a MetricsHandle, got {logger_or_channel!r} of type {type(logger_or_channel).__name__}."
-        )
-    return channel.handle(), channel
-
-
-def _as_metric_sets(metrics: Any) -> tuple[MetricSet, ...] | None:
-    if metrics is None:
-        return None
-    given = (metrics,) if isinstance(metrics, (MetricSet, type)) else metrics
-    if isinstance(given, Iterable) and not isinstance(given, (str, bytes, Mapping)):
-        sets = tuple(given)
-        for item in sets:
-            if isinstance(item, type) and issubclass(item, MetricSet):
-                raise TypeError(
-                    f"LoggerObserver: metrics= got the class {item.__name__}, not a metric set; "
-                    f"instantiate it: metrics={item.__name__}()."
-                )
-    else:
-        sets = ()
-    if not sets or not all(isinstance(m, MetricSet) for m in sets):
-        raise TypeError(
-            "metrics must be a MetricSet (CollectorBatchMetrics, SampleMetrics, WriteMetrics, ...) "
-            f"or a non-empty sequence of them, got {metrics!r}."
-        )
-    _check_metric_names(sets)  # two sets logging one name: refused here, naming both
-    return sets
 
 
 def _fold_event(event: str) -> Callable[..., None]:
@@ -450,9 +280,9 @@ class LoggerObserver(Contributor, Observer):
                     f"collector or a callable returning the step, got {step!r}."
                 )
             step_fn, step = step, None
-        self._sink, channel = _as_sink(logger)
+        self._sink, channel = as_sink(logger)
         self._channel_ref = weakref.ref(channel) if channel is not None else None
-        self._sets = _as_metric_sets(metrics)
+        self._sets = as_metric_sets(metrics)
         self.schedule = schedule
         self._auto_schedule = auto
         self.name = name
@@ -547,11 +377,11 @@ class LoggerObserver(Contributor, Observer):
 
     def _bind(self, source: Any) -> None:
         """Resolves defaults, names and counters once, for ``source`` (a local one or a remote one)."""
-        kind = _kind(source)
+        kind = target_kind(source)
         if self._sets is None:
             self._sets = default_metrics(source)
         else:
-            self._check_sets_fit(source, kind)
+            check_sets_fit(self._sets, source)
         for metric_set in self._sets:
             metric_set.bind(source)
         counters = missing_source_counters(source, self._sets)  # the source's own, for schedules
@@ -580,21 +410,7 @@ class LoggerObserver(Contributor, Observer):
             self.step_key = key or next(iter(counters), None)
         if key is not None:
             self._clock.due(counters[key])  # primes the schedule at the counters' current value
-        self._claim_name(_DEFAULT_NAMES[kind] if self.name is None else self.name)
-
-    def _check_sets_fit(self, source: Any, kind: str) -> None:
-        """Refuses a metric set that folds none of the events ``source`` emits (it would log nothing)."""
-        emits = _EMITS[kind]
-        for metric_set in self._sets or ():
-            if isinstance(metric_set, Metric):
-                continue  # a one-liner refuses in its bind(), naming the on= to use
-            if not set(metric_set.folded_events) & set(emits):
-                folded = ", ".join(metric_set.folded_events) or "no event"
-                raise TypeError(
-                    f"LoggerObserver: {type(metric_set).__name__} folds {folded}, which a "
-                    f"{type(source).__name__} never emits, so it would log nothing; on a "
-                    f"{kind.replace('_', ' ')} use {_FITTING_SETS[kind]}."
-                )
+        self._claim_name(DEFAULT_NAMES[kind] if self.name is None else self.name)
 
     def _wire(self) -> None:
         """Resolves the per-event work once: each event's folds, and how to read the schedule's counter."""
