@@ -36,9 +36,10 @@ one more number in one line), :mod:`~rl_observers.metrics.histogram`,
 (the source's own counters, :class:`StatsProvider`),
 :mod:`~rl_observers.metrics.collector` (:class:`CollectorBatchMetrics`, whose
 episode kernel is :mod:`~rl_observers.metrics.episodes`),
-:mod:`~rl_observers.metrics.replay_buffer` (:class:`SampleMetrics`,
-:class:`WriteMetrics`) and :mod:`~rl_observers.metrics.keys` (key checks and
-replay-buffer index helpers).
+:mod:`~rl_observers.metrics.samples` (:class:`SampleMetrics`),
+:mod:`~rl_observers.metrics.writes` (:class:`WriteMetrics`) and
+:mod:`~rl_observers.metrics.keys` (key checks and replay-buffer index and
+writer helpers).
 """
 
 from rl_observers.metrics.base import MetricSet
@@ -57,8 +58,9 @@ from rl_observers.metrics.oneliners import (
     Summary,
 )
 from rl_observers.metrics.policy_lag import PolicyLag
-from rl_observers.metrics.replay_buffer import SampleMetrics, WriteMetrics
+from rl_observers.metrics.samples import SampleMetrics
 from rl_observers.metrics.source import StatsProvider
+from rl_observers.metrics.writes import WriteMetrics
 
 __all__ = [
     "CollectorBatchMetrics",

@@ -1,4 +1,4 @@
-"""Keys and indices: configuration checks, missing-key errors, replay-buffer index helpers."""
+"""Keys and indices: configuration checks, missing-key errors, replay-buffer index and writer helpers."""
 
 from __future__ import annotations
 
@@ -25,9 +25,11 @@ __all__ = [
     "leading_size",
     "leaf_keys",
     "missing_key",
+    "round_robin",
     "storage_device",
     "storage_of",
     "stored_slots",
+    "writer_cursor",
     "writer_may_skip",
 ]
 
@@ -155,6 +157,36 @@ def dim0_capacity(storage: Any) -> int | None:
     except Exception:
         capacity = getattr(storage, "max_size", None)
     return capacity if isinstance(capacity, int) and capacity > 0 else None
+
+
+def round_robin(source: Any) -> tuple[Any, Any, int] | None:
+    """``(writer, storage, capacity)`` when slots are written in turn, on a 1-D storage.
+
+    torchrl's round-robin writers write item ``k`` of the buffer's writes at
+    slot ``k % capacity`` and keep the next slot in their cursor, so the age
+    and the position of every stored item follow from the cursor alone.
+    """
+    writer = getattr(source, "_writer", None)
+    storage = storage_of(source)
+    if not isinstance(writer, RoundRobinWriter) or storage is None:
+        return None
+    if (getattr(storage, "ndim", 1) or 1) != 1:
+        return None
+    capacity = dim0_capacity(storage)
+    if capacity is None or capacity >= 2**62:
+        return None
+    return writer, storage, capacity
+
+
+def writer_cursor(writer: Any) -> int:
+    """A round-robin writer's cursor, read without taking its process-shared lock."""
+    value = getattr(writer, "_cursor_value", None)
+    if value is None:
+        return 0
+    if type(value) is int:
+        return value
+    get_obj = getattr(value, "get_obj", None)
+    return (get_obj() if get_obj is not None else value).value
 
 
 def leading_size(data: Any) -> int:

@@ -1,36 +1,31 @@
-"""SampleMetrics and WriteMetrics: what a replay buffer samples and what is written to it."""
+"""SampleMetrics: what a replay buffer samples (calls, sizes, weights, age of sampled items)."""
 
 from __future__ import annotations
 
 import functools
-import time
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
-from tensordict import is_tensor_collection
-from torchrl.data import RoundRobinWriter
 
 from rl_observers.metrics.base import MetricSet
 from rl_observers.metrics.keys import (
-    NestedKey,
     check_bool,
-    check_key,
     dim0_capacity,
     dim0_slots,
     leading_size,
-    leaf_keys,
-    missing_key,
+    round_robin,
     storage_device,
     storage_of,
     stored_slots,
+    writer_cursor,
     writer_may_skip,
 )
 from rl_observers.stats import Moments, Partial
 
-__all__ = ["SampleMetrics", "WriteMetrics"]
+__all__ = ["SampleMetrics"]
 
 # Stamps for storages up to this many slots are allocated in one go; larger or
 # unbounded storages grow on demand (which reads the largest index on the host,
@@ -48,46 +43,6 @@ _CURSOR_SAMPLES = 128
 _CURSOR_ENTRIES = 2**15
 _NO_AGES = (0, 0, 0, 0)
 _AGE_STATS = ("mean", "min", "max")
-# WriteMetrics folds the rows a round-robin writer stored from the storage itself, at the
-# latest when this many are pending (or a quarter of the storage: a later write of up to
-# three quarters cannot overwrite them).
-_RANGE_FOLD_AT = 2**17
-
-
-def _round_robin(source: Any) -> tuple[Any, Any, int] | None:
-    """``(writer, storage, capacity)`` when slots are written in turn, on a 1-D storage.
-
-    torchrl's round-robin writers write item ``k`` of the buffer's writes at
-    slot ``k % capacity`` and keep the next slot in their cursor, so the age
-    and the position of every stored item follow from the cursor alone.
-    """
-    writer = getattr(source, "_writer", None)
-    storage = storage_of(source)
-    if not isinstance(writer, RoundRobinWriter) or storage is None:
-        return None
-    if (getattr(storage, "ndim", 1) or 1) != 1:
-        return None
-    capacity = dim0_capacity(storage)
-    if capacity is None or capacity >= 2**62:
-        return None
-    return writer, storage, capacity
-
-
-def _written_rows(index: Any, data: Any) -> int:
-    if isinstance(index, torch.Tensor):
-        return index.shape[0] if index.ndim else 1
-    return leading_size(data)
-
-
-def _cursor(writer: Any) -> int:
-    """A round-robin writer's cursor, read without taking its process-shared lock."""
-    value = getattr(writer, "_cursor_value", None)
-    if value is None:
-        return 0
-    if type(value) is int:
-        return value
-    get_obj = getattr(value, "get_obj", None)
-    return (get_obj() if get_obj is not None else value).value
 
 
 class SampleMetrics(MetricSet):
@@ -227,7 +182,7 @@ class SampleMetrics(MetricSet):
     def _ring_of(self, source: Any) -> tuple[Any, Any, int] | bool:
         ring = self._ring
         if ring is None:
-            ring = self._ring = _round_robin(source) or False
+            ring = self._ring = round_robin(source) or False
         return ring
 
     def _stamp(self, source: Any, index: Any) -> None:
@@ -309,8 +264,8 @@ class SampleMetrics(MetricSet):
             if ring is None:
                 ring = self._ring_of(source)
             if ring:
-                cursor = getattr(ring[0], "_cursor_value", None)  # _cursor(), inlined for a plain int
-                self._stage_ring(slots, cursor if type(cursor) is int else _cursor(ring[0]))
+                cursor = getattr(ring[0], "_cursor_value", None)  # writer_cursor(), inlined for a plain int
+                self._stage_ring(slots, cursor if type(cursor) is int else writer_cursor(ring[0]))
                 return
             stamps = self._stamps
             if stamps is not None:
@@ -492,245 +447,3 @@ class SampleMetrics(MetricSet):
             self._stamps_fixed = bool(state_dict.get("stamps_fixed", False))
             self._sampled, self._sampled_written = None, []
             self._ring_slots, self._age_tally = None, _NO_AGES
-
-
-class WriteMetrics(MetricSet):
-    """What is written to a replay buffer: calls, items, rewards.
-
-    Folds ``post_add`` and ``post_extend`` events.
-
-    =========================  ========  ==============================================
-    name                       kind      meaning
-    =========================  ========  ==============================================
-    ``writes``                 gauge     cumulative ``add`` / ``extend`` calls
-    ``items_written``          gauge     cumulative items written (torchrl's write count)
-    ``reward_mean``            window    mean reward of the written data
-    ``reward_std``             window    population std of those rewards
-    ``reward_min``             window    minimum of those rewards
-    ``reward_max``             window    maximum of those rewards
-    =========================  ========  ==============================================
-
-    Items are counted like torchrl's ``write_count``: one per dim-0 slot
-    written. Items the writer did not store are **not** counted as written
-    and their rewards are left out: ``TensorDictMaxValueWriter`` marks them
-    with index ``-1`` in what ``extend`` returns, and returns ``None`` from an
-    ``add`` it skipped (a skipped ``add`` still counts in ``writes``, the
-    calls). With a writer other than torchrl's round-robin ones, the index
-    of each write is read on the host to find skipped items.
-
-    With a round-robin writer on a 1-D ``TensorStorage`` and no buffer
-    transform, the rows a write stored are the ones just before the writer's
-    cursor: a write only advances the pending range of slots, and the rewards
-    (and masks) are folded from the storage itself, once per window or when
-    a quarter of the storage is pending, with no copy per write. When the cursor shows
-    that something else wrote in between (another process sharing the
-    buffer, ``empty()``), the range folded so far is closed and a new one
-    starts; a write of more than a quarter of the storage is folded from its data.
-
-    :meth:`counters` gives ``write_count`` (= ``items_written``, as
-    observed), ``writes`` and ``items_written``; :meth:`stats` gives
-    ``writes``, ``items_written`` and ``seconds_since_last_write``.
-
-    Keyword Args:
-        reward_key (NestedKey, optional): reward entry of the written
-            TensorDicts; required in the data when given. Defaults to
-            ``None`` (no reward metrics).
-        mask_key (NestedKey, optional): valid-step mask, used when present
-            (padded trajectories). Defaults to ``("collector", "mask")``.
-
-    Examples:
-        >>> import torch
-        >>> from tensordict import TensorDict
-        >>> from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
-        >>> from rl_observers.metrics import WriteMetrics
-        >>> rb = TensorDictReplayBuffer(storage=LazyTensorStorage(10))
-        >>> metrics = WriteMetrics(reward_key=("next", "reward"))
-        >>> data = TensorDict({"next": {"reward": torch.tensor([[1.0], [3.0]])}}, batch_size=[2])
-        >>> metrics.on_post_extend(rb, data, rb.extend(data))
-        >>> metrics.counters()
-        {'write_count': 2, 'writes': 1, 'items_written': 2}
-        >>> metrics.pull()["reward"].finalize()
-        {'reward_mean': 2.0, 'reward_std': 1.0, 'reward_min': 1.0, 'reward_max': 3.0}
-    """
-
-    counter_names = ("writes", "items_written")
-    _lock_folds = False  # each write takes the lock itself
-    _transient = ("_ring",)
-
-    def __init__(
-        self,
-        *,
-        reward_key: NestedKey | None = None,
-        mask_key: NestedKey | None = ("collector", "mask"),
-    ) -> None:
-        super().__init__()
-        owner = type(self).__name__
-        self.reward_key = check_key(reward_key, "reward_key", owner)
-        self.mask_key = check_key(mask_key, "mask_key", owner)
-        self._reward = self.moments("reward") if self.reward_key is not None else None
-        self._last_write: float | None = None
-        self._skips: bool | None = None  # whether the source's writer may skip items
-        # Round-robin writer on a TensorStorage: (writer, storage, capacity); False: fold each
-        # write's data; None: undecided (decided after a first write folded from its data).
-        self._ring: tuple[Any, Any, int] | bool | None = None
-        self._range_start = 0  # first slot of the rows written and not folded yet
-        self._range_len = 0
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(reward_key={self.reward_key!r})"
-
-    def bind(self, source: Any) -> None:
-        """Notes whether the source's writer may skip items (any but torchrl's round-robin)."""
-        self._skips = writer_may_skip(source)
-        with self._lock:
-            self._fold_range()
-            self._ring = None
-
-    def on_post_add(self, source: Any, data: Any, index: Any) -> None:
-        """Counts the item, unless the writer skipped it (``index`` is ``None`` or ``-1``)."""
-        with self._lock:
-            skipped = index is None or (type(index) is int and index < 0)
-            self._write(data, 0 if skipped else 1, None)
-
-    def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
-        """Counts the items written and folds their rewards (skipped items are left out)."""
-        with self._lock:
-            ring = self._ring
-            if ring and type(index) is torch.Tensor and index.ndim == 1:
-                n = index.shape[0]
-                capacity = ring[2]
-                if 4 * n <= capacity:
-                    self._extend_range(n, _cursor(ring[0]), capacity)
-                    return
-            if ring is not False:
-                self._fold_range(overwritten=_written_rows(index, data))
-            slots, stored = stored_slots(index, storage_of(source), may_skip=self._may_skip(source))
-            self._write(data, leading_size(data) if slots is None else slots.numel(), stored)
-            if ring is None:
-                self._ring = self._ring_of(source, data)
-
-    def _ring_of(self, source: Any, data: Any) -> tuple[Any, Any, int] | bool:
-        """Whether the rows a write stored can be read back from the storage (see the class)."""
-        if self._reward is None or not is_tensor_collection(data):
-            return False
-        ring = _round_robin(source)
-        if ring is None or not is_tensor_collection(getattr(ring[1], "_storage", None)):
-            return False
-        transform = getattr(source, "_transform", None)
-        if transform is not None and len(getattr(transform, "transforms", (transform,))):
-            return False
-        return ring
-
-    def _extend_range(self, n: int, cursor: int, capacity: int) -> None:
-        """Counts a write of ``n`` rows that end at ``cursor``; their rewards wait in the storage."""
-        start = cursor - n
-        if start < 0:
-            start += capacity
-        pending = self._range_len
-        if pending:
-            end = (self._range_start + pending) % capacity
-            if start != end:  # something else wrote in between: (start - end) % capacity rows
-                self._fold_range(overwritten=(start - end) % capacity + n)
-                pending = 0
-        if not pending:
-            self._range_start = start
-        self._range_len = pending + n
-        values = self._counters.values
-        values["writes"] += 1
-        values["items_written"] += n
-        self._last_write = time.monotonic()
-        if 4 * self._range_len > capacity or self._range_len >= _RANGE_FOLD_AT:
-            self._fold_range()
-
-    def _fold_range(self, overwritten: int = 0) -> None:
-        """Folds the rewards of the pending rows, read from the storage (no copy).
-
-        ``overwritten``: rows written after them since (a write larger than
-        3/4 of the storage can overwrite the oldest pending rows, whose
-        rewards are then gone and left out).
-        """
-        n, self._range_len = self._range_len, 0
-        ring = self._ring
-        if not n or not ring:
-            return
-        capacity = ring[2]
-        lost = n + overwritten - capacity
-        if lost > 0:
-            self._range_start = (self._range_start + lost) % capacity
-            n -= lost
-            if n <= 0:
-                return
-        rows = ring[1]._storage
-        reward = rows.get(self.reward_key, None)
-        if reward is None:
-            raise missing_key(type(self).__name__, "reward_key", self.reward_key, leaf_keys(rows))
-        mask = rows.get(self.mask_key, None) if self.mask_key is not None else None
-        if mask is not None:
-            mask = mask.reshape(*mask.shape, *(1,) * (reward.ndim - mask.ndim))
-        start = self._range_start
-        first = min(n, capacity - start)
-        for a, b in ((start, start + first), (0, n - first)):
-            if b > a:
-                self._reward.fold(reward[a:b], None if mask is None else mask[a:b])  # type: ignore[union-attr]
-
-    def _fold_staged(self) -> None:
-        self._fold_range()
-
-    def _may_skip(self, source: Any) -> bool:
-        skips = self._skips
-        if skips is None:
-            skips = self._skips = writer_may_skip(source)
-        return skips
-
-    def _write(self, data: Any, items: int, stored: torch.Tensor | None) -> None:
-        """Counts a write of ``items`` items; ``stored``: which items of ``data`` were kept."""
-        counters = self._counters
-        counters.add("writes", 1)
-        counters.add("items_written", items)
-        self._last_write = time.monotonic()
-        if self._reward is None or not items:
-            return
-        owner = type(self).__name__
-        if not is_tensor_collection(data):
-            raise TypeError(
-                f"{owner}: reward_key={self.reward_key!r} needs TensorDict data, "
-                f"got {type(data).__name__}."
-            )
-        reward = data.get(self.reward_key, None)
-        if reward is None:
-            raise missing_key(owner, "reward_key", self.reward_key, leaf_keys(data))
-        mask = data.get(self.mask_key, None) if self.mask_key is not None else None
-        if mask is not None:
-            mask = mask.reshape(*mask.shape, *(1,) * (reward.ndim - mask.ndim))
-        if stored is not None and reward.ndim and reward.shape[0] == stored.numel():
-            stored = stored.reshape(-1, *(1,) * (reward.ndim - 1))
-            mask = stored if mask is None else mask & stored
-        self._reward.fold(reward, mask)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores what :meth:`state_dict` returned (the window starts empty)."""
-        with self._lock:
-            super().load_state_dict(state_dict)
-            self._range_len = 0
-
-    def counters(self) -> dict[str, float]:
-        """``write_count``, ``writes``, ``items_written`` (cumulative)."""
-        values = self._counters.values
-        return {"write_count": values["items_written"], **values}
-
-    def _counter_reader(self, name: str) -> Callable[[], int] | None:
-        values = self._counters.values
-        name = "items_written" if name == "write_count" else name
-        return functools.partial(values.__getitem__, name) if name in values else None
-
-    def stats(self) -> dict[str, float]:
-        """``writes``, ``items_written`` and, after a write, ``seconds_since_last_write``."""
-        values = self._counters.values
-        out = {"writes": values["writes"], "items_written": values["items_written"]}
-        if self._last_write is not None:
-            out["seconds_since_last_write"] = time.monotonic() - self._last_write
-        return out
-
-    def pull(self) -> dict[str, float | Partial]:
-        """Gauges ``writes``, ``items_written``; partial ``"reward"`` (when configured)."""
-        return super().pull()
