@@ -323,6 +323,8 @@ class LoggerObserver(Contributor, Observer):
         """The events this observer is wired to (those its metric sets fold, and shutdown)."""
         sets = self._sets or (CollectorBatchMetrics, WriteMetrics, SampleMetrics)
         folded = {event for m in sets for event in m.events}
+        if any(callable(getattr(m, "on_empty", None)) for m in sets):
+            folded.add("empty")
         return (*sorted(folded), "shutdown")
 
     @property
@@ -522,6 +524,8 @@ class LoggerObserver(Contributor, Observer):
                 self._emit(self._counters() if counters is None else counters)
 
     def _pull(self) -> dict[str, Any]:
+        # Before pulling: an event folded meanwhile (from another thread) marks the next window.
+        self._fresh = False
         payload: dict[str, Any] = {}
         for index, metric_set in enumerate(self._sets or ()):
             try:
@@ -529,7 +533,6 @@ class LoggerObserver(Contributor, Observer):
             except Exception as err:
                 self._set_failed(index, err, "pull")
         self._failed_now.clear()
-        self._fresh = False
         return payload
 
     def _emit(self, counters: Mapping[str, float]) -> None:
@@ -564,6 +567,17 @@ class LoggerObserver(Contributor, Observer):
     on_post_add = _fold_event("post_add")
     on_post_extend = _fold_event("post_extend")
     on_post_sample = _fold_event("post_sample")
+
+    def on_empty(self, source: Any) -> None:
+        """Tells the metric sets defining ``on_empty`` that the replay buffer was emptied."""
+        for position, metric_set in enumerate(self._sets or ()):
+            on_empty = getattr(metric_set, "on_empty", None)
+            if on_empty is not None:
+                try:
+                    on_empty(source)
+                except Exception as err:
+                    self._set_failed(position, err, "on_empty")
+                self._fresh = True  # what it folded is logged at removal or close
 
     def on_shutdown(self, source: Any) -> None:
         if self.log_on_close:

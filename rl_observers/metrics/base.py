@@ -82,7 +82,10 @@ class MetricSet:
 
     A set whose defaults depend on the source (such as the reward key of a
     collector's env) resolves them in :meth:`bind`, which the observer calls
-    once when it is attached, before any event, wherever the set runs.
+    once when it is attached, before any event, wherever the set runs. A set
+    may also define ``on_empty(source)``, called when a replay buffer is
+    emptied (after torchrl's ``empty()``, before any later write), e.g. to
+    fold what it still reads from the storage; it takes the lock itself.
 
     Examples:
         >>> import torch

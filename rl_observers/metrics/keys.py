@@ -165,10 +165,15 @@ def round_robin(source: Any) -> tuple[Any, Any, int] | None:
     torchrl's round-robin writers write item ``k`` of the buffer's writes at
     slot ``k % capacity`` and keep the next slot in their cursor, so the age
     and the position of every stored item follow from the cursor alone.
+    Not with a consuming sampler: its buffer writes into consumed slots
+    (``write_at``), wherever they are, without moving the cursor.
     """
     writer = getattr(source, "_writer", None)
     storage = storage_of(source)
     if not isinstance(writer, RoundRobinWriter) or storage is None:
+        return None
+    is_consuming = getattr(source, "_is_consuming", None)
+    if callable(is_consuming) and is_consuming():
         return None
     if (getattr(storage, "ndim", 1) or 1) != 1:
         return None

@@ -80,7 +80,8 @@ class SampleMetrics(MetricSet):
     bookkeeping, items written before this set was attached have their true
     age, and writes from other processes sharing the writer's cursor are
     counted. (``write_at``, which writes without moving the cursor, is not
-    seen.)
+    seen; a buffer with a consuming sampler, whose writes go to consumed
+    slots that way, takes the stamp path below.)
 
     With other writers or storages, every write stamps its dim-0 slots with
     the running item count (a ``scatter_reduce`` on the index's device, so a
@@ -93,6 +94,11 @@ class SampleMetrics(MetricSet):
     :class:`WriteMetrics`) stamp no slot and do not count as written.
     torchrl's ``info["index_generation"]`` counts rewrites *per slot*, not
     writes to the buffer, so it cannot give an age and is not used.
+
+    Ages are read when the sample's event runs, just after torchrl's
+    ``sample``: a write from another thread or process that lands in
+    between counts toward that sample's ages (each is one such write
+    older; an item the write overwrote is aged as the new one).
 
     :meth:`counters` and :meth:`stats` give ``sample_calls`` and
     ``samples_returned``.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -63,14 +64,19 @@ class WriteMetrics(MetricSet):
     calls). With a writer other than torchrl's round-robin ones, the index
     of each write is read on the host to find skipped items.
 
-    With a round-robin writer on a 1-D ``TensorStorage`` and no buffer
-    transform, the rows a write stored are the ones just before the writer's
-    cursor: a write only advances the pending range of slots, and the rewards
-    (and masks) are folded from the storage itself, once per window or when
-    a quarter of the storage is pending, with no copy per write. When the cursor shows
-    that something else wrote in between (another process sharing the
-    buffer, ``empty()``), the range folded so far is closed and a new one
-    starts; a write of more than a quarter of the storage is folded from its data.
+    With a round-robin writer on a 1-D ``TensorStorage``, no buffer
+    transform, no consuming sampler and no other process writing (a buffer
+    not ``shared``), the rows a write stored are the ones just before the
+    writer's cursor: a write only advances the pending range of slots, and
+    the rewards (and masks) are folded from the storage itself, once per
+    window, at ``empty()``, or when a quarter of the storage is pending, with
+    no copy per write. (Observed buffers run each write and its event under
+    the buffer's lock, so writes from other threads never interleave.) A
+    write of more than a quarter of the storage is folded from its data;
+    when one of more than three quarters overwrites pending rows, their
+    rewards are gone: a warning says how many, and from then on every write
+    is folded from its data. Once a buffer is shared with other processes,
+    every write is folded from its data.
 
     :meth:`counters` gives ``write_count`` (= ``items_written``, as
     observed), ``writes`` and ``items_written``; :meth:`stats` gives
@@ -141,6 +147,9 @@ class WriteMetrics(MetricSet):
         """Counts the items written and folds their rewards (skipped items are left out)."""
         with self._lock:
             ring = self._ring
+            if ring and source.__dict__.get("shared"):  # other processes write too: see the class
+                self._fold_range()
+                ring = self._ring = False
             if ring and type(index) is torch.Tensor and index.ndim == 1:
                 n = index.shape[0]
                 capacity = ring[2]
@@ -154,9 +163,14 @@ class WriteMetrics(MetricSet):
             if ring is None:
                 self._ring = self._ring_of(source, data)
 
+    def on_empty(self, source: Any) -> None:
+        """Folds the pending rows (the storage keeps them until they are written again)."""
+        with self._lock:
+            self._fold_range()
+
     def _ring_of(self, source: Any, data: Any) -> tuple[Any, Any, int] | bool:
         """Whether the rows a write stored can be read back from the storage (see the class)."""
-        if self._reward is None or not is_tensor_collection(data):
+        if self._reward is None or not is_tensor_collection(data) or getattr(source, "shared", False):
             return False
         ring = round_robin(source)
         if ring is None or not is_tensor_collection(getattr(ring[1], "_storage", None)):
@@ -192,7 +206,8 @@ class WriteMetrics(MetricSet):
 
         ``overwritten``: rows written after them since (a write larger than
         3/4 of the storage can overwrite the oldest pending rows, whose
-        rewards are then gone and left out).
+        rewards are then gone: left out, with a warning, and later writes are
+        folded from their data).
         """
         n, self._range_len = self._range_len, 0
         ring = self._ring
@@ -201,6 +216,14 @@ class WriteMetrics(MetricSet):
         capacity = ring[2]
         lost = n + overwritten - capacity
         if lost > 0:
+            self._ring = False
+            warnings.warn(
+                f"{type(self).__name__}: {min(lost, n)} rows written to the replay buffer were "
+                f"overwritten (by {overwritten} rows written after them into {capacity} slots) "
+                "before their rewards were read from the storage; they are left out of reward_*. "
+                "From now on every write is folded from its own data, so it cannot happen again.",
+                stacklevel=2,
+            )
             self._range_start = (self._range_start + lost) % capacity
             n -= lost
             if n <= 0:

@@ -6,6 +6,15 @@ sampler's info dict (whether or not the caller asked for it), so sampling is
 observed where the batch is made: in the calling thread, or in the prefetch
 thread when the buffer prefetches.
 
+A write and its event run together under the buffer's own reentrant lock
+(torchrl's ``_replay_lock``, which the write takes anyway): an observer
+sees the buffer as the write left it (a round-robin writer's cursor just
+past the rows stored), never as another thread's write moved it since.
+Observers may use the buffer from their methods; they must not wait for
+another thread that writes to it. Samples are not held that way (their
+transforms run outside torchrl's lock, in parallel when prefetching), and
+writers in other processes sharing a buffer are not held by it.
+
 Observers always run eagerly, outside any ``torch.compile``d region: a
 compiled function that writes to or samples from an observed buffer gets
 the graphs (and graph breaks) it gets without observers, and observer code
@@ -60,14 +69,15 @@ def _write_method(name: str, event: str) -> Callable[..., Any]:
     def write(self: Any, *args: Any, **kwargs: Any) -> Any:
         cls = type(self)
         method = getattr(cls.__dict__.get("_rl_base", cls), name)
-        index = method(self, *args, **kwargs)
-        data = args[0] if args else _data_argument(method, kwargs)
-        if torch.compiler.is_dynamo_compiling():
-            _emit_outside_graph(self, event, data, index)
-        else:
+        if torch.compiler.is_dynamo_compiling():  # torchrl takes no lock when compiled either
+            index = method(self, *args, **kwargs)
+            _emit_outside_graph(self, event, args[0] if args else _data_argument(method, kwargs), index)
+            return index
+        with self._replay_lock:  # reentrant; see the module docstring
+            index = method(self, *args, **kwargs)
             observers = self.__dict__.get("_rl_observers")
             if observers is not None:
-                observers.emit(event, data, index)
+                observers.emit(event, args[0] if args else _data_argument(method, kwargs), index)
         return index
 
     write.__name__ = name
@@ -139,8 +149,9 @@ class ObservedReplayBuffer:
         return result
 
     def empty(self, *args: Any, **kwargs: Any) -> None:
-        torchrl_class(type(self)).empty(self, *args, **kwargs)
-        emit_eagerly(self, "empty")
+        with self._replay_lock:  # as a write: no other thread's write lands before the event
+            torchrl_class(type(self)).empty(self, *args, **kwargs)
+            emit_eagerly(self, "empty")
 
     def shutdown(self, *args: Any, **kwargs: Any) -> None:
         # The buffer shuts down even if an observer raises (on_error="raise").
