@@ -25,6 +25,7 @@ from rl_observers.metrics import (
     WriteMetrics,
 )
 from rl_observers.metrics import episodes as episodes_module
+from rl_observers.metrics.keys import MissingKeyError
 from rl_observers.stats import Count, Moments, ObservedCounters
 from rl_observers.stats import reducers as reducers_module
 
@@ -506,6 +507,62 @@ def test_missing_key_names_key_and_keys_present():
     del batch["next", "done"]
     with pytest.raises(KeyError, match="done_key"):
         CollectorBatchMetrics().on_post_collect(None, batch)
+
+
+@pytest.mark.parametrize(
+    ("reward_sum", "key", "what"),
+    [
+        # running sums: plain CPU batches take the staged fast path after the first one
+        (False, ("next", "truncated"), "truncated_key"),
+        (False, ("next", "terminated"), "terminated_key"),
+        (False, ("next", "done"), "done_key"),
+        (False, ("next", "step_count"), "step_count_key"),
+        (False, ("collector", "traj_ids"), "traj_ids_key"),
+        # RewardSum / StepCounter entries, read at closing steps
+        (True, ("next", "truncated"), "truncated_key"),
+        (True, ("next", "episode_reward"), "episode_reward_key"),
+        (True, ("next", "reward"), "reward_key"),
+    ],
+)
+def test_a_key_of_the_first_batch_missing_from_a_later_one(reward_sum, key, what):
+    # Keys are resolved at the first batch; a later batch without one of them fails with
+    # the missing-key error of the first batch, and folds nothing.
+    batches = collect(make_env(reward_sum=reward_sum), 10, 30)
+    assert all(key in b.keys(include_nested=True) for b in batches)
+    later = batches[2].clone()
+    del later[key]
+    metrics = CollectorBatchMetrics()
+    for batch in batches[:2]:
+        metrics.on_post_collect(None, batch)
+    if not reward_sum:  # the later batch is not plain: the fast path hands it to the generic one
+        assert isinstance(metrics._ring.plain, episodes_module.PlainStage)
+    counters = metrics.counters()
+    with pytest.raises(MissingKeyError) as info:
+        metrics.on_post_collect(None, later)
+    message = str(info.value)
+    present = sorted(later.keys(include_nested=True, leaves_only=True), key=str)
+    assert message.startswith(f"CollectorBatchMetrics: {what}={key!r} is not in the data; ")
+    assert ", ".join(repr(k) for k in present) in message
+    assert f"Pass CollectorBatchMetrics({what}=...)" in message
+    if what in ("done_key", "reward_key"):  # required: the first batch fails the same way
+        with pytest.raises(MissingKeyError) as first:
+            CollectorBatchMetrics().on_post_collect(None, later)
+        assert str(first.value) == message
+    # Nothing of the failed batch was folded: the set goes on as if it had not been given.
+    assert metrics.counters() == counters
+    metrics.on_post_collect(None, batches[2])
+    reference = CollectorBatchMetrics()
+    for batch in batches:
+        reference.on_post_collect(None, batch)
+    assert metrics.counters() == reference.counters()
+    assert _finalized(metrics.pull()) == _finalized(reference.pull())
+
+
+def _finalized(payload):
+    return {
+        name: value.finalize() if hasattr(value, "finalize") else value
+        for name, value in payload.items()
+    }
 
 
 def test_configuration_is_validated():

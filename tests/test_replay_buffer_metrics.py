@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import pickle
 import statistics
 import warnings
@@ -10,11 +11,13 @@ import pytest
 import torch
 from tensordict import TensorDict
 from torchrl.data import (
+    LazyMemmapStorage,
     LazyTensorStorage,
     ListStorage,
     PrioritizedReplayBuffer,
     ReplayBuffer,
     RoundRobinWriter,
+    TensorDictMaxValueWriter,
     TensorDictReplayBuffer,
 )
 
@@ -183,6 +186,76 @@ def test_items_written_before_observing_have_their_true_age_with_a_round_robin_w
     age = metrics.pull()["sample_age"]
     assert age.count == 40
     assert age.finalize() == pytest.approx(_expected_ages(batch.tolist(), 12))
+
+
+def test_a_write_landing_while_a_sample_is_taken_counts_toward_its_ages():
+    # The cursor is read when the sample is folded: a write between the sampler
+    # drawing the index and post_sample (another process's) counts toward the ages.
+    rb = ReplayBuffer(storage=LazyTensorStorage(20))
+    rb.extend(torch.arange(10))
+    metrics = SampleMetrics()
+    metrics.bind(rb)
+    batch, info = rb.sample(30, return_info=True)
+    rb.extend(torch.arange(10, 13))  # not seen by the set; no sampled slot is rewritten
+    metrics.on_post_sample(rb, batch, info)
+    age = metrics.pull()["sample_age"]
+    assert age.count == 30
+    assert age.finalize() == pytest.approx(_expected_ages(batch.tolist(), 13))
+
+
+def _extend_in_child(rb, data):
+    rb.extend(data)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_writes_from_another_process_sharing_the_cursor_are_counted(tmp_path):
+    # docs/distributed.rst, docs/faq.rst: with a round-robin writer the ages come
+    # from the writer's cursor, which a shared buffer's copies share (the
+    # memory-mapped storage shares the data too, so the sample reads the child's items).
+    def rows(ids):
+        return TensorDict({"id": torch.tensor(ids)}, [len(ids)])
+
+    rb = ReplayBuffer(storage=LazyMemmapStorage(10, scratch_dir=tmp_path), shared=True)
+    rb.extend(rows(range(4)))  # a shared storage is initialised before it travels
+    metrics = SampleMetrics()
+    metrics.bind(rb)
+    child = multiprocessing.get_context("fork").Process(
+        target=_extend_in_child, args=(rb, rows(range(4, 12)))  # wraps: 10, 11 in slots 0, 1
+    )
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    assert rb.write_count == 12 and len(rb) == 10
+    batch, info = rb.sample(40, return_info=True)
+    ids = batch["id"].tolist()
+    assert set(ids) <= set(range(2, 12))  # the child's items, in the shared storage
+    metrics.on_post_sample(rb, batch, info)
+    age = metrics.pull()["sample_age"]
+    assert age.count == 40
+    assert age.finalize() == pytest.approx(_expected_ages(ids, 12))
+
+
+def test_items_written_before_observing_have_no_age_with_a_max_value_writer():
+    # Not a round-robin writer: the stamp path, which sees only the writes it is given.
+    rb = TensorDictReplayBuffer(
+        storage=LazyTensorStorage(10), writer=TensorDictMaxValueWriter(rank_key="k")
+    )
+
+    def rows(ids):
+        return TensorDict({"k": torch.tensor(ids, dtype=torch.float32)}, [len(ids)])
+
+    rb.extend(rows([0, 1, 2, 3, 4]))  # not observed
+    metrics = SampleMetrics()
+    metrics.bind(rb)
+    data = rows([5, 6, 7])
+    metrics.on_post_extend(rb, data, rb.extend(data))
+    batch, info = rb.sample(40, return_info=True)
+    metrics.on_post_sample(rb, batch, info)
+    observed = [int(k) for k in batch["k"].tolist() if k >= 5]
+    age = metrics.pull()["sample_age"]
+    assert age.count == len(observed) < 40
+    assert age.finalize() == pytest.approx(_expected_ages([k - 5 for k in observed], 3))
 
 
 def test_items_written_before_observing_have_no_age_with_stamps():

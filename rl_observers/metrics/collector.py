@@ -65,6 +65,12 @@ class CollectorBatchMetrics(MetricSet):
     from that batch on; ``split_trajs=True`` batches need ``RewardSum`` /
     ``StepCounter`` for episodes spanning batches.
 
+    Keys are resolved at the first batch: an optional key found there
+    (``terminated_key``, ``truncated_key``, ...) is read from every later
+    batch too. A later batch without it raises the :class:`KeyError` a
+    missing required key raises (naming the key, the keys present and the
+    argument to change), before anything of that batch is folded.
+
     **Keys follow the source.** Keys left to their default are taken from
     the collector's env specs when the set is bound to it (:meth:`bind`,
     called by the observer when attached, in the driver and in each worker
@@ -316,9 +322,8 @@ class CollectorBatchMetrics(MetricSet):
 
         reward = required(self.reward_key, "reward_key")
         done = required(self.done_key, "done_key")
-        closing = tuple(
-            k for k in (done, optional(self.terminated_key), optional(self.truncated_key)) if k
-        )
+        terminated, truncated = optional(self.terminated_key), optional(self.truncated_key)
+        closing = tuple(k for k in (done, terminated, truncated) if k)
         if not closing and self._episodes is not None:
             key = self.terminated_key or self.truncated_key
             raise missing_key(owner, "terminated_key/truncated_key", key, present)
@@ -340,17 +345,34 @@ class CollectorBatchMetrics(MetricSet):
             episode_sources.append((0, episode_reward))
         if self.episode_length:
             episode_sources.append((1, step_count))
+        traj_ids = optional(self.traj_ids_key)
+        mask = optional(self.mask_key)
+        # What _fold reads, each once, with the argument that names it.
+        reads: dict[NestedKey, str] = {}
+        for key, what in (
+            (mask, "mask_key"),
+            (reward, "reward_key"),
+            (done, "done_key"),
+            (terminated, "terminated_key"),
+            (truncated, "truncated_key"),
+            (episode_reward if self.episode_return else None, "episode_reward_key"),
+            (step_count if self.episode_length else None, "step_count_key"),
+            (traj_ids if running else None, "traj_ids_key"),  # read by the ring only
+        ):
+            if key is not None:
+                reads.setdefault(key, what)
         return CollectorPlan(
             reward=reward,
             done=done,
             closing=closing,
-            mask=optional(self.mask_key),
+            mask=mask,
             episode_reward=episode_reward,
             step_count=step_count,
-            traj_ids=optional(self.traj_ids_key),
+            traj_ids=traj_ids,
             running=running,
             episode_sources=tuple(episode_sources),
             entries=entries,
+            reads=tuple(reads.items()),
         )
 
     # -- events ---------------------------------------------------------------------
@@ -405,7 +427,15 @@ class CollectorBatchMetrics(MetricSet):
             )
         steps = batch_size[-1]
         rows = math.prod(batch_size[:-1])
-        get = batch.get
+        # Every entry the plan reads, before anything is folded: a key resolved at the first
+        # batch and missing from this one fails as it would have there.
+        read = {}
+        for key, what in plan.reads:
+            value = batch.get(key, None)
+            if value is None:
+                raise missing_key(type(self).__name__, what, key, leaf_keys(batch))
+            read[key] = value
+        get = read.__getitem__
         counters = self._counters
         counts = counters.values
         counts["batches"] += 1
@@ -430,7 +460,7 @@ class CollectorBatchMetrics(MetricSet):
             entries, dims = plan.entries, batch.batch_dims
 
             def get(key: Any) -> torch.Tensor:
-                return per_entry(batch.get(key), dims, entries)
+                return per_entry(read[key], dims, entries)
 
             rows *= math.prod(entries)
             if mask is not None:
@@ -446,7 +476,9 @@ class CollectorBatchMetrics(MetricSet):
                 value = value & episode_mask.view(value.shape)
             closing_flags.append(value)
         if plan.running:
-            self._fold_into_ring(plan, batch, get, rows, steps, closing_flags, mask, episode_mask)
+            self._fold_into_ring(
+                plan, batch, read, get, rows, steps, closing_flags, mask, episode_mask
+            )
             return
         if reward is not None:
             self._fold_reward(reward, mask, batch_size)
@@ -481,6 +513,7 @@ class CollectorBatchMetrics(MetricSet):
         self,
         plan: CollectorPlan,
         batch: Any,
+        read: dict[Any, torch.Tensor],
         get: Any,
         rows: int,
         steps: int,
@@ -488,13 +521,17 @@ class CollectorBatchMetrics(MetricSet):
         mask: torch.Tensor | None,
         episode_mask: torch.Tensor | None,
     ) -> None:
-        """Copies what the episode sums need into the ring's next slot (a few copies)."""
+        """Copies what the episode sums need into the ring's next slot (a few copies).
+
+        ``read`` holds the batch's entries read by :meth:`_fold`; ``get`` gives
+        them as ``[rows, steps]``.
+        """
         batch_size = batch.batch_size
         ring = self._ring
         key = (rows, steps, closing_flags[0].device, mask is None)
         if ring is None or ring.key != key:
             self._flush()  # a batch of another shape: the ring's batches are summed first
-            traj_dtype = None if plan.traj_ids is None else batch.get(plan.traj_ids).dtype
+            traj_dtype = None if plan.traj_ids is None else read[plan.traj_ids].dtype
             ring = self._ring = new_ring(
                 plan, key, rows, steps, key[2], masked=mask is not None, traj_dtype=traj_dtype
             )
@@ -502,7 +539,7 @@ class CollectorBatchMetrics(MetricSet):
         if ring.reward is not None:
             reward = get(plan.reward)  # its moments are folded from the ring
         elif plan.reward is not None:
-            self._fold_reward(batch.get(plan.reward), mask, batch_size)
+            self._fold_reward(read[plan.reward], mask, batch_size)
         if not ring.used and self._window is not None:
             ring.base = self._window_clocks
         n_closed = stage_batch(ring, plan, get, closing_flags, reward, episode_mask)

@@ -43,7 +43,8 @@ class CollectorPlan:
 
     ``entries`` is the shape of the entries of one step (agents, nested
     envs) when the per-step values have several, else ``()``: each entry
-    then has episodes of its own.
+    then has episodes of its own. ``reads`` are the keys a batch is read at,
+    each once, with the argument that names it: ``(key, "truncated_key")``.
     """
 
     __slots__ = (
@@ -57,6 +58,7 @@ class CollectorPlan:
         "running",
         "episode_sources",
         "entries",
+        "reads",
     )
 
     def __init__(self, **fields: Any) -> None:
@@ -539,7 +541,9 @@ def plain_stage(ring: EpisodeRing, plan: CollectorPlan, batch: Any) -> PlainStag
     if not ring.host or plan.entries or plan.mask is not None or type(batch) is not TensorDict:
         return False
     rows, _, steps = ring.closing.shape
-    flags = [batch.get(key) for key in plan.closing]
+    flags = [batch.get(key, None) for key in plan.closing]
+    if not all(isinstance(f, torch.Tensor) for f in flags):  # a key missing: not plain
+        return False
     shape = flags[0].shape
     if (
         any(f.dtype is not torch.bool or f.shape != shape for f in flags)

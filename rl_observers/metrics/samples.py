@@ -106,7 +106,8 @@ class SampleMetrics(MetricSet):
     Keyword Args:
         priority_weight (bool, optional): emit ``priority_weight_*``.
             Defaults to ``True``.
-        age (bool, optional): stamp writes and emit ``sample_age_*``.
+        age (bool, optional): emit ``sample_age_*`` (from the writer's
+            cursor, or from stamped writes with other writers or storages).
             Defaults to ``True``.
 
     Examples:
