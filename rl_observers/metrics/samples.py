@@ -97,8 +97,8 @@ class SampleMetrics(MetricSet):
 
     Ages are read when the sample's event runs, just after torchrl's
     ``sample``: a write from another thread or process that lands in
-    between counts toward that sample's ages (each is one such write
-    older; an item the write overwrote is aged as the new one).
+    between counts toward that sample's ages (they count its rows too; an
+    item it overwrote is aged as the one that replaced it).
 
     :meth:`counters` and :meth:`stats` give ``sample_calls`` and
     ``samples_returned``.
