@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import io
 import os
 import pickle
 import threading
 import weakref
+from collections import ChainMap
 from collections.abc import Callable, Iterable
 from multiprocessing.context import get_spawning_popen
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Literal
 
+import cloudpickle
 from torchrl._utils import logger as torchrl_logger
 
 from rl_observers import signals
@@ -542,14 +545,28 @@ def _pickle_apart(observers: ObserverList, attached: list[tuple[Any, str]]) -> l
         raise _PickledInline
     busy.add(id(observers))
     try:
-        return [
-            (bytes(ForkingPickler.dumps(observer)), on_error, _describe(observer))
-            for observer, on_error in attached
-        ]
+        return [(_dumps(observer), on_error, _describe(observer)) for observer, on_error in attached]
     except Exception:
         return None
     finally:
         busy.discard(id(observers))
+
+
+def _dumps(observer: Any) -> bytes:
+    """``observer`` pickled as ``multiprocessing`` pickles, or by value when it holds a lambda.
+
+    A lambda or a function of ``__main__`` (a one-liner's ``fn``) cannot be
+    pickled by reference for a ``spawn`` worker: cloudpickle (a torchrl
+    dependency) pickles it by value, with ``multiprocessing``'s reducers.
+    """
+    try:
+        return bytes(ForkingPickler.dumps(observer))
+    except Exception:
+        buffer = io.BytesIO()
+        pickler = cloudpickle.Pickler(buffer)
+        pickler.dispatch_table = ChainMap(ForkingPickler._extra_reducers, pickler.dispatch_table)
+        pickler.dump(observer)
+        return buffer.getvalue()
 
 
 def _describe(observer: Any) -> str:

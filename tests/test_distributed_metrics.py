@@ -20,6 +20,7 @@ from rl_observers import (
     LoggerObserver,
     MetricsChannel,
     SampleMetrics,
+    Sum,
     WriteMetrics,
 )
 from rl_observers.logging.aggregate import AggregateSpec
@@ -148,6 +149,42 @@ def test_shared_buffer_writes_from_every_worker_are_aggregated(tmp_path):
     assert scalars(logger, "rb/items_written") == [(rb.write_count, float(rb.write_count))]
     assert rb.write_count == 604
     assert scalars(logger, "rb/workers")[0][1] == 3  # two workers and the driver
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_shared_buffer_last_rows_per_worker_and_lambda_one_liners(tmp_path, method):
+    # Gauge-only sets still log each worker's last row; a one-liner's lambda travels to
+    # spawn workers, and fork workers start from an empty window, not the driver's.
+    logger = CSVLogger(exp_name="shared", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger, health_interval=None)
+    rb = ReplayBuffer(storage=LazyTensorStorage(10_000), shared=True)
+    items = Sum("summed_items", lambda data: data.numel(), on="post_extend")
+    rb.add_observer(
+        LoggerObserver(
+            channel, name="rb", scope="both", schedule=Every.counter("items_written", 300),
+            metrics=[WriteMetrics(), items],
+        )
+    )
+    rb.extend(_rows(100))  # the driver's own write, before the workers start
+    env = GymEnv("Pendulum-v1")
+    with start_method(method):
+        collector = MultiSyncCollector(
+            [partial(GymEnv, "Pendulum-v1")] * 2,
+            RandomPolicy(env.action_spec),
+            frames_per_batch=100,
+            total_frames=600,
+            replay_buffer=rb,
+        )
+    for _ in collector:
+        pass
+    collector.shutdown()
+    assert channel.close(timeout=60)
+    assert scalars(logger, "rb/items_written")[-1][1] == 700
+    assert sum(value for _, value in scalars(logger, "rb/summed_items")) == 700
+    last = [scalars(logger, f"rb/worker_{w}/items_written")[-1][1] for w in (0, 1)]
+    assert sum(last) == 600
 
 
 @pytest.fixture(scope="module")

@@ -344,3 +344,16 @@ def test_tensorboard_files_read_back(tmp_path):
     events = accumulator.Scalars("collector/episode_return_mean")
     assert [e.step for e in events] == [200, 400, 600]
     assert all(math.isfinite(e.value) and e.value < 0 for e in events)  # Pendulum rewards are negative
+
+
+def test_one_namespace_is_refused_on_one_logger_through_two_channels(tmp_path):
+    logger = CSVLogger(exp_name="two_channels", log_dir=str(tmp_path))
+    first = ReplayBuffer(storage=LazyTensorStorage(10))
+    second = ReplayBuffer(storage=LazyTensorStorage(10))
+    first.add_observer(LoggerObserver(logger))  # the logger's own channel
+    other = MetricsChannel(logger)
+    with pytest.raises(ValueError, match="namespace 'replay_buffer'.* is already used on this logger"):
+        second.add_observer(LoggerObserver(other))
+    second.add_observer(LoggerObserver(other, name="second"))
+    other.close(10)
+    MetricsChannel.for_logger(logger).close(10)

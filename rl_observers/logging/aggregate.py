@@ -113,13 +113,14 @@ class AggregateSpec:
 
 
 class _Worker:
-    __slots__ = ("clock", "counters", "gauges", "last_seen", "window")
+    __slots__ = ("clock", "counters", "fresh", "gauges", "last_seen", "window")
 
     def __init__(self, schedule: Every | None) -> None:
         self.clock = ScheduleClock(schedule)
         self.counters: dict[str, float] = {}
         self.gauges: dict[str, Any] = {}
         self.window: dict[str, Any] = {}
+        self.fresh = False  # contributed since its last row (gauges alone count too)
         self.last_seen = time.monotonic()
 
 
@@ -213,6 +214,7 @@ class Aggregate:
         rows: list[Row] = []
         if self.per_worker:
             _merge_window(state.window, partials)
+            state.fresh = True
             counter = counters.get(self._key) if self._key else None
             if state.clock.due(counter):
                 rows.append(self._worker_row(worker, state))
@@ -229,7 +231,7 @@ class Aggregate:
         rows: list[Row] = []
         if self.spec.log_on_close:
             if self.per_worker:
-                rows.extend(self._worker_row(w, s) for w, s in self._workers.items() if s.window)
+                rows.extend(self._worker_row(w, s) for w, s in self._workers.items() if s.fresh)
             if self.aggregate and self._fresh:
                 rows.append(self._aggregate_row())
         return rows
@@ -244,6 +246,7 @@ class Aggregate:
     def _worker_row(self, worker: Any, state: _Worker) -> Row:
         metrics = {**state.gauges, **state.window}
         state.window = {}
+        state.fresh = False
         state.clock.fired()
         return f"{self.name}/worker_{worker}", metrics, self._step(state.counters)
 

@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
+import cloudpickle
 from torchrl._utils import logger as torchrl_logger
 from torchrl.collectors import BaseCollector
 from torchrl.record.loggers.monitoring import Every
@@ -46,12 +47,39 @@ __all__ = ["LoggerObserver", "attach_logger", "install_attach_logger"]
 Scope = Literal["aggregate", "per_worker", "both"]
 SCOPES: tuple[str, ...] = ("aggregate", "per_worker", "both")
 _DATA_EVENTS = ("post_collect", "post_add", "post_extend", "post_sample")
-# Namespaces taken per channel (name -> the observer using it), so two observers on one
-# logger never write into one namespace without being told.
-_NAMES: weakref.WeakKeyDictionary[MetricsChannel, weakref.WeakValueDictionary[str, Any]] = (
+# Namespaces taken per logger (name -> the observer using it), so two observers on one
+# logger never write into one namespace without being told, even through two channels.
+_NAMES: weakref.WeakKeyDictionary[Any, weakref.WeakValueDictionary[str, Any]] = (
     weakref.WeakKeyDictionary()
 )
 _NAMES_LOCK = threading.Lock()
+
+
+def _names_on(channel: MetricsChannel) -> Any:
+    """What namespaces are unique on: the channel's logger, or the channel if it cannot be a key."""
+    logger = channel.logger
+    try:
+        weakref.ref(logger)
+        hash(logger)
+    except TypeError:
+        return channel
+    return logger
+
+
+def _pickled_sets(sets: tuple[MetricSet, ...]) -> bytes:
+    """``sets`` pickled, by value where they hold a lambda; ``b""`` when they cannot be pickled.
+
+    (Sets that cannot be pickled cannot travel either: only a fork copies them, and its
+    copy then keeps what the original had folded.)
+    """
+    try:
+        return pickle.dumps(sets)
+    except Exception:
+        pass
+    try:
+        return cloudpickle.dumps(sets)
+    except Exception:
+        return b""
 
 
 def _public_error_name(error: BaseException) -> str:
@@ -394,10 +422,7 @@ class LoggerObserver(Contributor, Observer):
             self._clock = ScheduleClock(self.schedule)
             self._auto_schedule = False
         if self._pristine is None:  # what a copy restarts from where it runs (see _resolve_mode)
-            try:
-                self._pristine = pickle.dumps(self._sets)
-            except Exception:  # sets that cannot pickle cannot travel either: only forks copy them
-                self._pristine = b""
+            self._pristine = _pickled_sets(self._sets)
         self._wire()
         counters = self._counters()
         key = self.schedule.key if self.schedule is not None and self.schedule.kind == "counter" else None
@@ -475,7 +500,7 @@ class LoggerObserver(Contributor, Observer):
         channel = self._channel()
         if channel is not None:
             with _NAMES_LOCK:
-                taken = _NAMES.setdefault(channel, weakref.WeakValueDictionary())
+                taken = _NAMES.setdefault(_names_on(channel), weakref.WeakValueDictionary())
                 other = taken.get(name)
                 if other is not None and other is not self:
                     hint = "" if self._name_given else " (the default for this kind of target)"
@@ -492,7 +517,7 @@ class LoggerObserver(Contributor, Observer):
         if channel is None or self.name is None:
             return
         with _NAMES_LOCK:
-            taken = _NAMES.get(channel)
+            taken = _NAMES.get(_names_on(channel))
             if taken is not None and taken.get(self.name) is self:
                 del taken[self.name]
 
