@@ -9,7 +9,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 from torchrl.collectors import MultiSyncCollector
-from torchrl.data import LazyTensorStorage, ReplayBuffer
+from torchrl.data import LazyTensorStorage, ReplayBuffer, TensorDictReplayBuffer
 from torchrl.envs import GymEnv
 from torchrl.envs.utils import RandomPolicy
 from torchrl.record import CSVLogger
@@ -185,6 +185,37 @@ def test_shared_buffer_last_rows_per_worker_and_lambda_one_liners(tmp_path, meth
     assert sum(value for _, value in scalars(logger, "rb/summed_items")) == 700
     last = [scalars(logger, f"rb/worker_{w}/items_written")[-1][1] for w in (0, 1)]
     assert sum(last) == 600
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_collector_s_set_up_write_into_a_fresh_shared_buffer_is_not_data(tmp_path):
+    # torchrl sets an uninitialised buffer up with one fake (zero-reward) write and empty().
+    logger = CSVLogger(exp_name="setup", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger, health_interval=None)
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(10_000), shared=True)
+    rb.add_observer(
+        LoggerObserver(
+            channel, name="rb", schedule=Every.counter("items_written", 10**9),
+            metrics=WriteMetrics(reward_key=("next", "reward")),
+        )
+    )
+    env = GymEnv("Pendulum-v1")
+    with start_method("fork"):
+        collector = MultiSyncCollector(
+            [partial(GymEnv, "Pendulum-v1")] * 2,
+            RandomPolicy(env.action_spec),
+            frames_per_batch=100,
+            total_frames=400,
+            replay_buffer=rb,
+        )
+    for _ in collector:
+        pass
+    collector.shutdown()
+    assert channel.close(timeout=60)
+    assert scalars(logger, "rb/items_written") == [(400, 400.0)]
+    assert scalars(logger, "rb/writes")[-1][1] == 8  # 2 workers x 4 batches: no set-up write
+    assert scalars(logger, "rb/reward_max")[-1][1] < 0  # Pendulum's rewards; no fake 0.0
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,10 @@ another thread that writes to it. Samples are not held that way (their
 transforms run outside torchrl's lock, in parallel when prefetching), and
 writers in other processes sharing a buffer are not held by it.
 
+torchrl's multiprocessing collectors set up the storage of a buffer given
+to them before its first write with a fake write and ``empty()``; neither is
+an event.
+
 Observers always run eagerly, outside any ``torch.compile``d region: a
 compiled function that writes to or samples from an observed buffer gets
 the graphs (and graph breaks) it gets without observers, and observer code
@@ -25,10 +29,13 @@ is never traced, specialised or recompiled. The cost is one
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
+from types import CodeType
 from typing import Any
 
 import torch
+from torchrl.collectors import MultiCollector
 from torchrl.data import ReplayBuffer
 
 from rl_observers.observer import ObserverList
@@ -36,6 +43,15 @@ from rl_observers.signals import REPLAY_BUFFER_EVENTS
 from rl_observers.sources.observed import observers_of, register_mixin, torchrl_class
 
 __all__ = ["ObservedReplayBuffer", "ReplayBufferObservers", "emit_eagerly"]
+
+
+def _code_of(function: Any) -> CodeType | None:
+    return getattr(inspect.unwrap(function), "__code__", None) if function is not None else None
+
+
+# torchrl's multiprocessing collectors set an empty buffer's storage up with a fake write and
+# an empty(): not data, so no event (told by the calling frame's code, as hook reads are).
+_SETUP_CODE = _code_of(getattr(MultiCollector, "_check_replay_buffer_init", None))
 
 
 def emit_eagerly(source: Any, event: str, *payload: Any) -> None:
@@ -76,7 +92,7 @@ def _write_method(name: str, event: str) -> Callable[..., Any]:
         with self._replay_lock:  # reentrant; see the module docstring
             index = method(self, *args, **kwargs)
             observers = self.__dict__.get("_rl_observers")
-            if observers is not None:
+            if observers is not None and sys._getframe(1).f_code is not _SETUP_CODE:
                 observers.emit(event, args[0] if args else _data_argument(method, kwargs), index)
         return index
 
@@ -151,7 +167,8 @@ class ObservedReplayBuffer:
     def empty(self, *args: Any, **kwargs: Any) -> None:
         with self._replay_lock:  # as a write: no other thread's write lands before the event
             torchrl_class(type(self)).empty(self, *args, **kwargs)
-            emit_eagerly(self, "empty")
+            if sys._getframe(1).f_code is not _SETUP_CODE:
+                emit_eagerly(self, "empty")
 
     def shutdown(self, *args: Any, **kwargs: Any) -> None:
         # The buffer shuts down even if an observer raises (on_error="raise").
