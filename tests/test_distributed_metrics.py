@@ -218,6 +218,44 @@ def test_the_collector_s_set_up_write_into_a_fresh_shared_buffer_is_not_data(tmp
     assert scalars(logger, "rb/reward_max")[-1][1] < 0  # Pendulum's rewards; no fake 0.0
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_two_collectors_writing_one_shared_buffer_are_four_workers(tmp_path):
+    # Both collectors have a worker 0 and a worker 1: four processes, none overwriting another.
+    logger = CSVLogger(exp_name="two", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger, health_interval=None)
+    rb = ReplayBuffer(storage=LazyTensorStorage(10_000), shared=True)
+    rb.extend(_rows(4))  # a shared storage is initialised before it travels
+    env = GymEnv("Pendulum-v1")
+    with start_method("fork"):
+        collectors = [
+            MultiSyncCollector(
+                [partial(GymEnv, "Pendulum-v1")] * 2,
+                RandomPolicy(env.action_spec),
+                frames_per_batch=100,
+                total_frames=400,
+                replay_buffer=rb,
+            )
+            for _ in range(2)
+        ]
+    rb.add_observer(
+        LoggerObserver(
+            channel, name="rb", scope="both", schedule=Every.counter("items_written", 200),
+            metrics=WriteMetrics(),
+        )
+    )
+    for _ in zip(*collectors):
+        pass
+    for collector in collectors:
+        collector.shutdown()
+    assert channel.close(timeout=60)
+    assert rb.write_count == 804
+    assert scalars(logger, "rb/items_written")[-1][1] == 800  # the workers' writes
+    assert scalars(logger, "rb/workers")[-1][1] == 4
+    rows = ("worker_0", "worker_1", "worker_0_2", "worker_1_2")
+    assert sum(scalars(logger, f"rb/{row}/items_written")[-1][1] for row in rows) == 800
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     with local_ray() as ray:

@@ -84,7 +84,7 @@ def premerge(messages: list[Message]) -> list[Message]:
     open_runs: dict[tuple, tuple[dict, int]] = {}
     for namespace, metrics, step, meta, counts in messages:
         if meta and "aggregate" in meta:
-            key = (namespace, meta["aggregate"], _hashable(meta.get("worker")))
+            key = (namespace, meta["aggregate"], _hashable(meta.get("worker")), meta.get("process"))
             settings = {k: v for k, v in meta.items() if k != "counters"}
             run = open_runs.get(key)
             if not meta.get("finish"):

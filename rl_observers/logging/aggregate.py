@@ -113,9 +113,10 @@ class AggregateSpec:
 
 
 class _Worker:
-    __slots__ = ("clock", "counters", "fresh", "gauges", "last_seen", "window")
+    __slots__ = ("clock", "counters", "fresh", "gauges", "label", "last_seen", "window")
 
-    def __init__(self, schedule: Every | None) -> None:
+    def __init__(self, schedule: Every | None, label: str) -> None:
+        self.label = label  # its rows' namespace suffix: worker_<index>
         self.clock = ScheduleClock(schedule)
         self.counters: dict[str, float] = {}
         self.gauges: dict[str, Any] = {}
@@ -163,7 +164,8 @@ class Aggregate:
         if key is not None:
             self.clock.due(0)  # counters start at zero
         self._key = key
-        self._workers: dict[Any, _Worker] = {}
+        self._workers: dict[tuple[Any, str | None], _Worker] = {}
+        self._processes_per_index: dict[Any, int] = {}
         self._window: dict[str, Any] = {}
         self._fresh = False
         # counters summed over workers, kept up to date by each contribution: a
@@ -191,12 +193,25 @@ class Aggregate:
         return self.spec.scope in ("aggregate", "both")
 
     def contribute(
-        self, worker: Any, metrics: Mapping[str, Any], counters: Mapping[str, float]
+        self,
+        worker: Any,
+        metrics: Mapping[str, Any],
+        counters: Mapping[str, float],
+        process: str | None = None,
     ) -> list[Row]:
-        """Folds one worker's window in; returns the rows now due."""
-        state = self._workers.get(worker)
+        """Folds one worker's window in; returns the rows now due.
+
+        A worker is its index *and* its process: two collectors writing into
+        one buffer both have a worker 0, and a restarted worker starts its
+        counts afresh. The second process with an index logs its rows as
+        ``worker_<index>_2`` (then ``_3``, ...).
+        """
+        key = (worker, process)
+        state = self._workers.get(key)
         if state is None:
-            state = self._workers[worker] = _Worker(self.spec.schedule)
+            n = self._processes_per_index[worker] = self._processes_per_index.get(worker, 0) + 1
+            label = f"worker_{worker}" if n == 1 else f"worker_{worker}_{n}"
+            state = self._workers[key] = _Worker(self.spec.schedule, label)
             if self._key is not None:
                 state.clock.due(0)
         state.last_seen = time.monotonic()
@@ -217,7 +232,7 @@ class Aggregate:
             state.fresh = True
             counter = counters.get(self._key) if self._key else None
             if state.clock.due(counter):
-                rows.append(self._worker_row(worker, state))
+                rows.append(self._worker_row(state))
         if self.aggregate:
             _merge_window(self._window, partials)
             self._fresh = True
@@ -231,7 +246,7 @@ class Aggregate:
         rows: list[Row] = []
         if self.spec.log_on_close:
             if self.per_worker:
-                rows.extend(self._worker_row(w, s) for w, s in self._workers.items() if s.fresh)
+                rows.extend(self._worker_row(s) for s in self._workers.values() if s.fresh)
             if self.aggregate and self._fresh:
                 rows.append(self._aggregate_row())
         return rows
@@ -243,12 +258,12 @@ class Aggregate:
         value = counters.get(key) if key else None
         return None if value is None else int(value)
 
-    def _worker_row(self, worker: Any, state: _Worker) -> Row:
+    def _worker_row(self, state: _Worker) -> Row:
         metrics = {**state.gauges, **state.window}
         state.window = {}
         state.fresh = False
         state.clock.fired()
-        return f"{self.name}/worker_{worker}", metrics, self._step(state.counters)
+        return f"{self.name}/{state.label}", metrics, self._step(state.counters)
 
     def _aggregate_row(self) -> Row:
         workers = self._workers.values()
@@ -291,7 +306,9 @@ class AggregationRouter:
             aggregate = self.aggregates[name] = Aggregate.from_meta(name, meta)
         rows: list[Row] = []
         if metrics or meta.get("counters"):
-            rows = aggregate.contribute(meta.get("worker"), metrics, meta.get("counters") or {})
+            rows = aggregate.contribute(
+                meta.get("worker"), metrics, meta.get("counters") or {}, process=meta.get("process")
+            )
         if meta.get("finish"):
             rows.extend(aggregate.finish())
             del self.aggregates[name]

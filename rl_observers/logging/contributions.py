@@ -22,7 +22,7 @@ import weakref
 from typing import Any
 
 from rl_observers.logging.aggregate import AggregateSpec
-from rl_observers.sources.placement import source_info
+from rl_observers.sources.placement import process_token, source_info
 
 __all__ = ["LIVE", "Contributor"]
 
@@ -106,6 +106,7 @@ class Contributor:
         meta = {
             "aggregate": self.name,
             "worker": self._worker,
+            "process": process_token(),
             "counters": counters,
             **AggregateSpec(self.schedule, self.step_key, self.scope, self.log_on_close, latest).as_meta(),
         }

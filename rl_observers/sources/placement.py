@@ -21,11 +21,12 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import uuid
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SourceInfo", "source_info"]
+__all__ = ["SourceInfo", "process_token", "source_info"]
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,22 @@ def place(source: Any, worker: int | None, num_workers: int | None, remote: bool
     _PLACEMENTS.set(source, _Placement(worker, num_workers, remote))
     if worker is not None:
         _PROCESS_WORKER = (worker, num_workers)
+
+
+def process_token() -> str:
+    """This process, told apart from every other one, on any machine: ``"<pid>-<random>"``.
+
+    Worker indices repeat across collectors (two collectors writing into one
+    buffer both have a worker 0) and pids across machines; this does not.
+    """
+    global _TOKEN
+    pid = os.getpid()
+    if _TOKEN is None or _TOKEN[0] != pid:  # a fork child gets its own
+        _TOKEN = (pid, f"{pid}-{uuid.uuid4().hex[:8]}")
+    return _TOKEN[1]
+
+
+_TOKEN: tuple[int, str] | None = None
 
 
 def _kind(source: Any) -> str:
