@@ -95,7 +95,7 @@ def test_a_write_overwriting_pending_rows_warns_and_later_writes_stay_exact():
     channel = _observed(rb, metrics)
     rb.extend(_rewards(5, 0.0))  # folded from its data; decides the range path
     rb.extend(_rewards(20, 1.0))  # pending in the storage
-    with pytest.warns(UserWarning, match="10 rows written to the replay buffer were overwritten"):
+    with pytest.warns(UserWarning, match="the rewards of 10 rows written to the replay buffer could not be read back"):
         rb.extend(_rewards(90, 0.0))  # overwrites 10 of the 20 pending rows
     assert metrics.pull()["reward"].count == 105  # the 10 overwritten rewards are gone
     with warnings.catch_warnings():
@@ -198,3 +198,28 @@ def test_a_sample_folded_during_another_threads_emission_is_logged_at_close():
     channel.close(10)
     logged = [m["replay_buffer/sample_calls"] for m, _ in logger.calls if "replay_buffer/sample_calls" in m]
     assert logged == [2.0, 3.0]
+
+
+def test_a_write_after_the_cursor_moved_unobserved_is_folded():
+    # load_state_dict moves the writer's cursor back without a write event: the pending rows it
+    # overwrites are reported, and every write's own rewards are still folded.
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(64))
+    metrics = WriteMetrics(reward_key="r")
+    channel = _observed(rb, metrics)
+
+    def write(value: float) -> None:
+        rb.extend(TensorDict({"r": torch.full((4,), value)}, [4]))
+
+    write(1.0)  # rows 0-3
+    checkpoint = rb.state_dict()  # cursor at 4
+    write(2.0)  # rows 4-7, pending
+    write(3.0)  # rows 8-11, pending
+    rb.load_state_dict(checkpoint)  # cursor back at 4
+    with pytest.warns(UserWarning, match="the rewards of 4 rows .* moved by 56 rows"):
+        write(5.0)  # rows 4-7: the 2.0 rows are gone
+    write(6.0)  # rows 8-11
+    window = metrics.pull()
+    channel.close(10)
+    assert window["items_written"] == 20
+    assert window["reward"].count == 16
+    assert window["reward"].finalize()["reward_mean"] == pytest.approx((4 + 12 + 20 + 24) / 16)

@@ -157,7 +157,10 @@ class WriteMetrics(MetricSet):
                     self._extend_range(n, writer_cursor(ring[0]), capacity)
                     return
             if ring is not False:
-                self._fold_range(overwritten=_written_rows(index, data))
+                written = _written_rows(index, data)
+                lost = self._fold_range(overwritten=written)
+                if lost:
+                    self._retire_ring(lost, f"by a write of {written} rows into {ring[2]} slots")
             slots, stored = stored_slots(index, storage_of(source), may_skip=self._may_skip(source))
             self._write(data, leading_size(data) if slots is None else slots.numel(), stored)
             if ring is None:
@@ -186,48 +189,65 @@ class WriteMetrics(MetricSet):
         if start < 0:
             start += capacity
         pending = self._range_len
-        if pending:
-            end = (self._range_start + pending) % capacity
-            if start != end:  # something else wrote in between: (start - end) % capacity rows
-                self._fold_range(overwritten=(start - end) % capacity + n)
-                pending = 0
-        if not pending:
-            self._range_start = start
-        self._range_len = pending + n
         values = self._counters.values
         values["writes"] += 1
         values["items_written"] += n
         self._last_write = time.monotonic()
+        if pending and start != (self._range_start + pending) % capacity:
+            if not self._after_unobserved(start, n, pending, capacity):
+                return  # this write was folded; later ones are folded from their data
+            pending = 0
+        if not pending:
+            self._range_start = start
+        self._range_len = pending + n
         if 4 * self._range_len > capacity or self._range_len >= _RANGE_FOLD_AT:
             self._fold_range()
 
-    def _fold_range(self, overwritten: int = 0) -> None:
+    def _after_unobserved(self, start: int, n: int, pending: int, capacity: int) -> bool:
+        """The cursor moved between two observed writes; whether the range path goes on.
+
+        Taken as rows written without an event in between (an unobserved
+        writer), which overwrote only the oldest pending rows, if any: the
+        rest are folded from the storage. A loss is reported and ends the
+        range path; this write's own rows, in place, are folded then.
+        """
+        unseen = (start - self._range_start - pending) % capacity
+        lost = self._fold_range(overwritten=unseen + n)
+        if not lost:
+            return True
+        self._range_start, self._range_len = start, n
+        self._fold_range()
+        self._retire_ring(lost, f"the writer's cursor moved by {unseen} rows without an observed write")
+        return False
+
+    def _retire_ring(self, lost: int, why: str) -> None:
+        """Reports ``lost`` pending rewards gone; every later write is folded from its own data."""
+        self._ring = False
+        warnings.warn(
+            f"{type(self).__name__}: the rewards of {lost} rows written to the replay buffer "
+            f"could not be read back from the storage ({why}); they are left out of reward_*. "
+            "From now on every write is folded from its own data, so it cannot happen again.",
+            stacklevel=3,
+        )
+
+    def _fold_range(self, overwritten: int = 0) -> int:
         """Folds the rewards of the pending rows, read from the storage (no copy).
 
         ``overwritten``: rows written after them since (a write larger than
         3/4 of the storage can overwrite the oldest pending rows, whose
-        rewards are then gone: left out, with a warning, and later writes are
-        folded from their data).
+        rewards are then gone). Returns how many pending rows were gone.
         """
         n, self._range_len = self._range_len, 0
         ring = self._ring
         if not n or not ring:
-            return
+            return 0
         capacity = ring[2]
-        lost = n + overwritten - capacity
-        if lost > 0:
-            self._ring = False
-            warnings.warn(
-                f"{type(self).__name__}: {min(lost, n)} rows written to the replay buffer were "
-                f"overwritten (by {overwritten} rows written after them into {capacity} slots) "
-                "before their rewards were read from the storage; they are left out of reward_*. "
-                "From now on every write is folded from its own data, so it cannot happen again.",
-                stacklevel=2,
-            )
+        lost = max(0, min(n, n + overwritten - capacity))
+        if lost:
             self._range_start = (self._range_start + lost) % capacity
             n -= lost
             if n <= 0:
-                return
+                return lost
         rows = ring[1]._storage
         reward = rows.get(self.reward_key, None)
         if reward is None:
@@ -240,6 +260,7 @@ class WriteMetrics(MetricSet):
         for a, b in ((start, start + first), (0, n - first)):
             if b > a:
                 self._reward.fold(reward[a:b], None if mask is None else mask[a:b])  # type: ignore[union-attr]
+        return lost
 
     def _fold_staged(self) -> None:
         self._fold_range()
