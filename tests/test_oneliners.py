@@ -35,6 +35,7 @@ from rl_observers import (
     Sum,
     Summary,
 )
+from rl_observers.metrics.keys import MissingKeyError
 from rl_observers.stats import BinCounts, Moments
 
 from .helpers import RecordingLogger, local_ray, start_method
@@ -279,6 +280,41 @@ def test_policy_lag_on_a_buffer_and_a_collector_against_the_stamps():
     assert newest["lag_to_newest_mean"] == pytest.approx(truth.mean().item())
     truth = torch.cat([e.reshape(-1) for e in expected_collect]).double()
     assert collect_lag.pull()["policy_lag"].finalize()["policy_lag_mean"] == pytest.approx(truth.mean().item())
+
+
+def test_policy_lag_without_the_stamp_raises_the_missing_key_error_on_every_path():
+    # Without track_policy_version, batches carry no "policy_version": each path names the fix.
+    env = CountingEnv(max_steps=5)
+    for lag in (PolicyLag(), PolicyLag(current_version=lambda: 3)):
+        collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=10, total_frames=10)
+        collector.attach_logger(RecordingLogger(), metrics=[lag], on_error="raise", log_on_close=False)
+        with pytest.raises(MissingKeyError, match="track_policy_version=True") as info:
+            next(iter(collector))
+        collector.shutdown()
+        assert "keys present" in str(info.value) and "'observation'" in str(info.value)
+    unstamped = TensorDict({"observation": torch.zeros(4, 1)}, [4])
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(10), batch_size=2)
+    newest = PolicyLag(on="post_sample")  # reads the newest version from the writes
+    rb.attach_logger(RecordingLogger(), metrics=[newest], on_error="raise", log_on_close=False)
+    with pytest.raises(MissingKeyError, match="track_policy_version=True"):
+        rb.extend(unstamped)
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(10), batch_size=2)
+    current = PolicyLag(current_version=lambda: 3, on="post_sample")
+    rb.attach_logger(RecordingLogger(), metrics=[current], on_error="raise", log_on_close=False)
+    rb.extend(unstamped)
+    with pytest.raises(MissingKeyError, match="track_policy_version=True"):
+        rb.sample()
+    # A collector writing into a replay buffer stamps ("next", "policy_version"): the error says so.
+    stamped_next = TensorDict({("next", "policy_version"): torch.tensor([2, 3])}, [2])
+    lag = PolicyLag(on="post_sample")
+    with pytest.raises(MissingKeyError, match=r"PolicyLag\(key=\('next', 'policy_version'\)\)"):
+        lag.on_post_extend(None, stamped_next, None)
+    lag = PolicyLag(on="post_sample", key=("next", "policy_version"))
+    lag.on_post_extend(None, stamped_next, None)
+    lag.on_post_sample(None, stamped_next[:1], {})
+    assert lag.pull()["policy_lag"].finalize() == {"policy_lag_mean": 1.0, "policy_lag_max": 1.0}
+    with pytest.raises(TypeError, match="needs TensorDict data"):
+        PolicyLag(current_version=lambda: 3).on_post_collect(None, torch.zeros(3))
 
 
 def test_host_numbers_and_tensors_merge_in_one_window():
