@@ -179,10 +179,13 @@ class _MomentsTable(_Reducer):
         "_row_views",
         "_stage",
         "_stage_mask",
+        "_stage_slots",
+        "_mask_slots",
+        "_stage_n",
         "_staged",
         "_spread",
     )
-    _transient = ("_view", "_row_views", "_stage", "_stage_mask")
+    _transient = ("_view", "_row_views", "_stage", "_stage_mask", "_stage_slots", "_mask_slots")
 
     def __init__(
         self,
@@ -203,6 +206,11 @@ class _MomentsTable(_Reducer):
         self._row_views: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self._stage: torch.Tensor | None = None  # [K, folds, N] float64
         self._stage_mask: torch.Tensor | None = None  # [folds, N] bool, for masked folds
+        # Views of each fold's place in the stage (and its mask), made with the stage: a
+        # view taken per fold (stage[:, i]) costs more than the copy into it.
+        self._stage_slots: tuple[torch.Tensor, ...] | None = None
+        self._mask_slots: tuple[torch.Tensor, ...] | None = None
+        self._stage_n = 0  # N of the staged folds
         self._staged = 0
 
     @property
@@ -272,20 +280,21 @@ class _MomentsTable(_Reducer):
         view = self._view
         if view is None:
             view = self._state(x.device)
-        stage = self._stage
+        slots = self._stage_slots
         n = x.shape[-1]
-        if stage is not None:
-            if stage.shape[-1] == n and (mask is None) is (self._stage_mask is None):
+        if slots is not None:
+            if self._stage_n == n and (mask is None) is (self._mask_slots is None):
                 slot = self._staged
-                stage[:, slot].copy_(x)
+                slots[slot].copy_(x)
                 if mask is not None:
-                    self._stage_mask[slot].copy_(mask)  # type: ignore[index]
-                self._staged = slot + 1
-                if self._staged == stage.shape[1]:
+                    self._mask_slots[slot].copy_(mask)  # type: ignore[index]
+                slot += 1
+                self._staged = slot
+                if slot == len(slots):
                     self._flush()
                 return
             self._flush()
-            self._stage = self._stage_mask = None
+            self._stage = self._stage_mask = self._stage_slots = self._mask_slots = None
         channels = x.shape[0]
         if channels * n > _STAGE_ENTRIES:
             self._reduce(x, mask)
@@ -293,8 +302,11 @@ class _MomentsTable(_Reducer):
         device = view.device
         folds = _STAGE_FOLDS
         self._stage = torch.empty((channels, folds, n), dtype=_F64, device=device)
+        self._stage_slots = self._stage.unbind(1)
+        self._stage_n = n
         if mask is not None:
             self._stage_mask = torch.empty((folds, n), dtype=_BOOL, device=device)
+            self._mask_slots = self._stage_mask.unbind(0)
         self._fold_rows(x, mask)
 
     def _flush(self) -> None:
