@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 import sys
 from functools import partial
 
@@ -337,6 +338,61 @@ def test_host_numbers_and_tensors_merge_in_one_window():
     assert gauge.pull()["g"].finalize() == {"g": 5.0}
     with pytest.raises(ValueError, match="merge must be"):
         Gauge("g", lambda b: b, merge="median")
+
+
+def test_sums_and_means_of_integers_are_exact():
+    # One integer per batch (a count of dones): a sum derived from the mean was off by
+    # rounding (27.000000000000004); the folded sum itself is exact.
+    rng = random.Random(0)
+    for _ in range(200):
+        values = [rng.randint(0, 7) for _ in range(rng.randint(1, 60))]
+        metrics = [Sum("s", _identity), Mean("m", _identity), Gauge("g", _identity, merge="sum")]
+        for metric in metrics:
+            for v in values:
+                metric.on_post_collect(None, torch.tensor(v))
+        assert metrics[0].pull()["s"].finalize() == {"s": sum(values)}
+        assert metrics[1].pull()["m"].finalize() == {"m": sum(values) / len(values)}
+        assert metrics[2].pull()["g"].finalize() == {"g": sum(values)}
+    env = _env()
+    collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=7, total_frames=700)
+    total = Sum("obs_total", lambda b: b["observation"].sum())
+    collector.attach_logger(RecordingLogger(), metrics=[total], log_on_close=False)
+    truth = sum(int(batch["observation"].sum()) for batch in collector)
+    collector.shutdown()
+    assert total.pull()["obs_total"].finalize() == {"obs_total": truth}
+
+
+def _identity(batch):
+    return batch
+
+
+def test_nan_makes_min_and_max_nan_in_any_order():
+    nan = float("nan")
+    for cls in (Min, Max):
+        for first, second in ((5.0, nan), (nan, 5.0), (torch.tensor([5.0]), torch.tensor([nan]))):
+            metric = cls("v", _identity)
+            metric.on_post_collect(None, first)
+            metric.on_post_collect(None, second)
+            assert math.isnan(metric.pull()["v"].finalize()["v"]), (cls, first, second)
+    summary = Summary("s", _identity, stats=("min", "max"))
+    for _ in range(20):  # past a stage of folds: the NaN lands in another row than the numbers
+        summary.on_post_collect(None, torch.tensor([1.0, 2.0]))
+    summary.on_post_collect(None, torch.tensor([nan, nan]))
+    out = summary.pull()["s"].finalize()
+    assert math.isnan(out["s_min"]) and math.isnan(out["s_max"])
+
+
+def test_histogram_counts_nan_apart_from_tensors_and_numbers():
+    metric = Histogram("h", _identity, edges=[0, 1, 2], quantiles=(0.5,))
+    metric.on_post_collect(None, torch.tensor([float("nan"), 0.5, float("inf"), -float("inf")]))
+    metric.on_post_collect(None, float("nan"))
+    metric.on_post_collect(None, 1.5)
+    pulled = metric.pull()["h"]
+    assert pulled.counts == (1.0, 1.0, 1.0, 1.0) and pulled.nan == 2.0  # +-inf: the outer bins
+    assert pulled.finalize() == {"h_count": 4.0, "h_p50": 1.0, "h_nan_count": 2.0}
+    assert "h_nan_count" in metric.metric_names()
+    metric.on_post_collect(None, 0.5)
+    assert metric.pull()["h"].finalize() == {"h_count": 1.0, "h_p50": 0.5}
 
 
 def test_one_liners_pickle_with_their_window():

@@ -264,9 +264,10 @@ class _Reduced(Metric):
             out = self.partials()[self.name]
             if isinstance(moments, Moments) and moments.count:
                 n, rule = moments.count, self.rule
+                # The folded sum itself (float64, exact for integers up to 2**53), not mean * n.
                 value = {
-                    "sum": moments.mean * n,
-                    "mean": moments.mean * n,
+                    "sum": moments.sum,
+                    "mean": moments.sum,
                     "min": moments.min,
                     "max": moments.max,
                 }[rule]
