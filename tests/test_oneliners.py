@@ -395,6 +395,49 @@ def test_histogram_counts_nan_apart_from_tensors_and_numbers():
     assert metric.pull()["h"].finalize() == {"h_count": 1.0, "h_p50": 0.5}
 
 
+def test_numpy_scalars_fold_like_python_numbers():
+    np = pytest.importorskip("numpy")
+    for value in (np.float32(2.5), np.float64(2.5), np.int64(3), np.bool_(True)):
+        want = float(value)
+        for metric in (Mean("m", _identity), Sum("m", _identity), Max("m", _identity),
+                       Gauge("m", _identity, merge="latest")):
+            metric.on_post_collect(None, value)
+            assert metric.pull()["m"].finalize() == {"m": want}, (metric, value)
+        summary = Summary("m", _identity, stats=("mean",))
+        summary.on_post_collect(None, value)
+        assert summary.pull()["m"].finalize() == {"m_mean": want}
+        histogram = Histogram("m", _identity, edges=[0, 5], quantiles=(0.5,))
+        histogram.on_post_collect(None, value)
+        assert histogram.pull()["m"].counts == (0.0, 1.0, 0.0)
+        rate = Rate("m", _identity)
+        rate.on_post_collect(None, value)
+        assert rate.pull()["m"].amount == want
+    ratio = Ratio("r", _identity)
+    ratio.on_post_collect(None, (np.int64(1), np.float32(4.0)))
+    assert ratio.pull()["r"].finalize() == {"r": 0.25}
+
+
+def test_complex_values_are_refused_naming_the_metric():
+    np = pytest.importorskip("numpy")
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    for metric in (Summary("s", _identity), Mean("s", _identity), Sum("s", _identity),
+                   Gauge("s", _identity, merge="latest"), Histogram("s", _identity, edges=[0, 1]),
+                   Rate("s", _identity)):
+        for value in (z, z[:1].reshape(()), 1 + 2j, np.complex64(1 + 2j)):
+            with pytest.raises(TypeError, match=r"\('s', .*complex") as info:
+                metric.on_post_collect(None, value)
+            assert "real" in str(info.value)
+    with pytest.raises(TypeError, match="complex tensor"):
+        Ratio("r", _identity).on_post_collect(None, (z, 2))
+    env = _env()
+    collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=10, total_frames=10)
+    summary = Summary("obs", lambda b: b["observation"].to(torch.complex64))
+    collector.attach_logger(RecordingLogger(), metrics=[summary], on_error="raise", log_on_close=False)
+    with pytest.raises(TypeError, match=r"Summary\('obs', on='post_collect'\): the function returned a complex tensor"):
+        next(iter(collector))
+    collector.shutdown()
+
+
 def test_one_liners_pickle_with_their_window():
     import pickle
 

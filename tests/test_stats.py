@@ -618,3 +618,13 @@ def test_bin_counts_count_nan_apart_and_merge_it():
         assert merged.finalize() == {"h_count": 3.0, "h_p50": 1.5, "h_nan_count": 2.0}
     assert "h_nan_count" not in BinCounts.from_values("h", [0.5], edges=edges).finalize()
     assert pickle.loads(pickle.dumps(a)).nan == 1.0
+
+
+def test_reducers_refuse_complex_values():
+    bank = ReducerBank()
+    with pytest.raises(TypeError, match=r"MomentsReducer\('z'\): cannot fold complex values"):
+        bank.moments("z").fold(torch.tensor([1 + 2j]))
+    with pytest.raises(TypeError, match="cannot fold complex values"):
+        group = bank.moments_group([("a", ("mean",)), ("b", ("mean",))])
+        group.fold(torch.ones(2, 3, dtype=torch.complex64))
+    assert bank.pull()["z"].finalize() == {}

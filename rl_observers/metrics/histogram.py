@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from rl_observers.metrics.oneliners import Metric, _check_tensor
+from rl_observers.metrics.oneliners import Metric, _complex_tensor, _host_number
 from rl_observers.stats import (
     BinCounts,
     Partial,
@@ -72,6 +72,8 @@ class Histogram(Metric):
 
     def fold(self, value: Any) -> None:
         if isinstance(value, torch.Tensor):
+            if value.is_complex():
+                raise _complex_tensor(value, self)
             counts = self._counts
             if counts is None:
                 counts = self._counts = torch.zeros(
@@ -84,12 +86,13 @@ class Histogram(Metric):
                 edges = self._edges_t = torch.tensor(
                     (*self.edges, math.inf), dtype=torch.float64
                 ).to(counts.device)
-            values = value.detach().reshape(-1).to(counts.device, torch.float64)
+            if value.requires_grad:  # (a check costs less than a detached view per fold)
+                value = value.detach()
+            values = value.reshape(-1).to(counts.device, torch.float64)
             bins = torch.bucketize(values, edges)
             counts.index_add_(0, bins, torch.ones_like(values))
             return
-        _check_tensor(value, self)
-        value = float(value)
+        value = _host_number(value, self)
         host = self._host
         host[-1 if value != value else bisect.bisect_left(self.edges, value)] += 1
 

@@ -150,6 +150,13 @@ _SCRATCH_ENTRIES = 2**18
 _SCRATCH = threading.local()
 
 
+def _complex(owner: str, values: torch.Tensor) -> TypeError:
+    return TypeError(
+        f"{owner}: cannot fold complex values ({values.dtype}), which a float64 fold would cut "
+        "to their real part; fold real ones, such as values.abs() or values.real."
+    )
+
+
 def _cpu_scratch(which: int, like: torch.Tensor) -> torch.Tensor:
     """A float64 CPU buffer shaped like ``like``, one of two per thread (``which``: 0 or 1)."""
     buffers = getattr(_SCRATCH, "buffers", None)
@@ -437,9 +444,14 @@ class MomentsReducer(_MomentsTable):
                 ``values``; only entries where it is ``True`` count.
                 Defaults to ``None`` (all entries count).
 
+        Raises:
+            TypeError: if ``values`` is complex.
+
         Never reads a value on the host: the count of masked entries stays a
         tensor.
         """
+        if values.is_complex():
+            raise _complex(f"MomentsReducer({self.prefixes[0]!r})", values)
         if values.numel() == 0:
             return
         if values.requires_grad:
@@ -482,7 +494,12 @@ class MomentsGroupReducer(_MomentsTable):
             values (torch.Tensor): ``[K, *S]``, any real dtype.
             mask (torch.Tensor, optional): boolean, broadcastable to ``S``.
                 Defaults to ``None`` (all entries count).
+
+        Raises:
+            TypeError: if ``values`` is complex.
         """
+        if values.is_complex():
+            raise _complex(f"MomentsGroupReducer({self.prefixes!r})", values)
         channels = len(self.prefixes)
         if values.ndim == 0 or values.shape[0] != channels:
             raise ValueError(
