@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 import sys
 from functools import partial
 
@@ -35,6 +36,7 @@ from rl_observers import (
     Sum,
     Summary,
 )
+from rl_observers.metrics.keys import MissingKeyError
 from rl_observers.stats import BinCounts, Moments
 
 from .helpers import RecordingLogger, local_ray, start_method
@@ -281,6 +283,41 @@ def test_policy_lag_on_a_buffer_and_a_collector_against_the_stamps():
     assert collect_lag.pull()["policy_lag"].finalize()["policy_lag_mean"] == pytest.approx(truth.mean().item())
 
 
+def test_policy_lag_without_the_stamp_raises_the_missing_key_error_on_every_path():
+    # Without track_policy_version, batches carry no "policy_version": each path names the fix.
+    env = CountingEnv(max_steps=5)
+    for lag in (PolicyLag(), PolicyLag(current_version=lambda: 3)):
+        collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=10, total_frames=10)
+        collector.attach_logger(RecordingLogger(), metrics=[lag], on_error="raise", log_on_close=False)
+        with pytest.raises(MissingKeyError, match="track_policy_version=True") as info:
+            next(iter(collector))
+        collector.shutdown()
+        assert "keys present" in str(info.value) and "'observation'" in str(info.value)
+    unstamped = TensorDict({"observation": torch.zeros(4, 1)}, [4])
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(10), batch_size=2)
+    newest = PolicyLag(on="post_sample")  # reads the newest version from the writes
+    rb.attach_logger(RecordingLogger(), metrics=[newest], on_error="raise", log_on_close=False)
+    with pytest.raises(MissingKeyError, match="track_policy_version=True"):
+        rb.extend(unstamped)
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(10), batch_size=2)
+    current = PolicyLag(current_version=lambda: 3, on="post_sample")
+    rb.attach_logger(RecordingLogger(), metrics=[current], on_error="raise", log_on_close=False)
+    rb.extend(unstamped)
+    with pytest.raises(MissingKeyError, match="track_policy_version=True"):
+        rb.sample()
+    # A collector writing into a replay buffer stamps ("next", "policy_version"): the error says so.
+    stamped_next = TensorDict({("next", "policy_version"): torch.tensor([2, 3])}, [2])
+    lag = PolicyLag(on="post_sample")
+    with pytest.raises(MissingKeyError, match=r"PolicyLag\(key=\('next', 'policy_version'\)\)"):
+        lag.on_post_extend(None, stamped_next, None)
+    lag = PolicyLag(on="post_sample", key=("next", "policy_version"))
+    lag.on_post_extend(None, stamped_next, None)
+    lag.on_post_sample(None, stamped_next[:1], {})
+    assert lag.pull()["policy_lag"].finalize() == {"policy_lag_mean": 1.0, "policy_lag_max": 1.0}
+    with pytest.raises(TypeError, match="needs TensorDict data"):
+        PolicyLag(current_version=lambda: 3).on_post_collect(None, torch.zeros(3))
+
+
 def test_host_numbers_and_tensors_merge_in_one_window():
     metric = Mean("m", lambda b: b)
     metric.on_post_collect(None, torch.tensor([1.0, 2.0, 3.0]))
@@ -301,6 +338,104 @@ def test_host_numbers_and_tensors_merge_in_one_window():
     assert gauge.pull()["g"].finalize() == {"g": 5.0}
     with pytest.raises(ValueError, match="merge must be"):
         Gauge("g", lambda b: b, merge="median")
+
+
+def test_sums_and_means_of_integers_are_exact():
+    # One integer per batch (a count of dones): a sum derived from the mean was off by
+    # rounding (27.000000000000004); the folded sum itself is exact.
+    rng = random.Random(0)
+    for _ in range(200):
+        values = [rng.randint(0, 7) for _ in range(rng.randint(1, 60))]
+        metrics = [Sum("s", _identity), Mean("m", _identity), Gauge("g", _identity, merge="sum")]
+        for metric in metrics:
+            for v in values:
+                metric.on_post_collect(None, torch.tensor(v))
+        assert metrics[0].pull()["s"].finalize() == {"s": sum(values)}
+        assert metrics[1].pull()["m"].finalize() == {"m": sum(values) / len(values)}
+        assert metrics[2].pull()["g"].finalize() == {"g": sum(values)}
+    env = _env()
+    collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=7, total_frames=700)
+    total = Sum("obs_total", lambda b: b["observation"].sum())
+    collector.attach_logger(RecordingLogger(), metrics=[total], log_on_close=False)
+    truth = sum(int(batch["observation"].sum()) for batch in collector)
+    collector.shutdown()
+    assert total.pull()["obs_total"].finalize() == {"obs_total": truth}
+
+
+def _identity(batch):
+    return batch
+
+
+def test_nan_makes_min_and_max_nan_in_any_order():
+    nan = float("nan")
+    for cls in (Min, Max):
+        for first, second in ((5.0, nan), (nan, 5.0), (torch.tensor([5.0]), torch.tensor([nan]))):
+            metric = cls("v", _identity)
+            metric.on_post_collect(None, first)
+            metric.on_post_collect(None, second)
+            assert math.isnan(metric.pull()["v"].finalize()["v"]), (cls, first, second)
+    summary = Summary("s", _identity, stats=("min", "max"))
+    for _ in range(20):  # past a stage of folds: the NaN lands in another row than the numbers
+        summary.on_post_collect(None, torch.tensor([1.0, 2.0]))
+    summary.on_post_collect(None, torch.tensor([nan, nan]))
+    out = summary.pull()["s"].finalize()
+    assert math.isnan(out["s_min"]) and math.isnan(out["s_max"])
+
+
+def test_histogram_counts_nan_apart_from_tensors_and_numbers():
+    metric = Histogram("h", _identity, edges=[0, 1, 2], quantiles=(0.5,))
+    metric.on_post_collect(None, torch.tensor([float("nan"), 0.5, float("inf"), -float("inf")]))
+    metric.on_post_collect(None, float("nan"))
+    metric.on_post_collect(None, 1.5)
+    pulled = metric.pull()["h"]
+    assert pulled.counts == (1.0, 1.0, 1.0, 1.0) and pulled.nan == 2.0  # +-inf: the outer bins
+    assert pulled.finalize() == {"h_count": 4.0, "h_p50": 1.0, "h_nan_count": 2.0}
+    assert "h_nan_count" in metric.metric_names()
+    metric.on_post_collect(None, 0.5)
+    assert metric.pull()["h"].finalize() == {"h_count": 1.0, "h_p50": 0.5}
+
+
+def test_numpy_scalars_fold_like_python_numbers():
+    np = pytest.importorskip("numpy")
+    for value in (np.float32(2.5), np.float64(2.5), np.int64(3), np.bool_(True)):
+        want = float(value)
+        for metric in (Mean("m", _identity), Sum("m", _identity), Max("m", _identity),
+                       Gauge("m", _identity, merge="latest")):
+            metric.on_post_collect(None, value)
+            assert metric.pull()["m"].finalize() == {"m": want}, (metric, value)
+        summary = Summary("m", _identity, stats=("mean",))
+        summary.on_post_collect(None, value)
+        assert summary.pull()["m"].finalize() == {"m_mean": want}
+        histogram = Histogram("m", _identity, edges=[0, 5], quantiles=(0.5,))
+        histogram.on_post_collect(None, value)
+        assert histogram.pull()["m"].counts == (0.0, 1.0, 0.0)
+        rate = Rate("m", _identity)
+        rate.on_post_collect(None, value)
+        assert rate.pull()["m"].amount == want
+    ratio = Ratio("r", _identity)
+    ratio.on_post_collect(None, (np.int64(1), np.float32(4.0)))
+    assert ratio.pull()["r"].finalize() == {"r": 0.25}
+
+
+def test_complex_values_are_refused_naming_the_metric():
+    np = pytest.importorskip("numpy")
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    for metric in (Summary("s", _identity), Mean("s", _identity), Sum("s", _identity),
+                   Gauge("s", _identity, merge="latest"), Histogram("s", _identity, edges=[0, 1]),
+                   Rate("s", _identity)):
+        for value in (z, z[:1].reshape(()), 1 + 2j, np.complex64(1 + 2j)):
+            with pytest.raises(TypeError, match=r"\('s', .*complex") as info:
+                metric.on_post_collect(None, value)
+            assert "real" in str(info.value)
+    with pytest.raises(TypeError, match="complex tensor"):
+        Ratio("r", _identity).on_post_collect(None, (z, 2))
+    env = _env()
+    collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=10, total_frames=10)
+    summary = Summary("obs", lambda b: b["observation"].to(torch.complex64))
+    collector.attach_logger(RecordingLogger(), metrics=[summary], on_error="raise", log_on_close=False)
+    with pytest.raises(TypeError, match=r"Summary\('obs', on='post_collect'\): the function returned a complex tensor"):
+        next(iter(collector))
+    collector.shutdown()
 
 
 def test_one_liners_pickle_with_their_window():

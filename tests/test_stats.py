@@ -15,10 +15,13 @@ from hypothesis import strategies as st
 
 from rl_observers.stats import (
     MOMENT_STATS,
+    BinCounts,
     Count,
+    LatestWindow,
     Moments,
     Partial,
     ReducerBank,
+    Scalar,
     reducers,
 )
 
@@ -506,3 +509,122 @@ def test_reducers_registered_after_the_first_fold_keep_the_window(shortcuts):
         clone = pickle.loads(pickle.dumps(bank))
         clone.count("later").add(1)
         assert clone.pull()["later"].finalize() == {"later": 1.0}
+
+
+# -- exact sums, NaN and complex values ------------------------------------------------
+
+
+@pytest.mark.parametrize("shortcuts", [True, False])
+@pytest.mark.parametrize("rows", [2, 32])
+def test_sums_of_integers_are_exact_through_folds_compactions_and_merges(rows, shortcuts):
+    # A sum derived from the mean (mean * n) is off by rounding (27.000000000000004); the
+    # rows, the compactions and the merges keep the sum itself, so integer data sums exactly.
+    rng = random.Random(0)
+    parts, truth, kept_truth, n = [], 0, 0, 0
+    with cpu_mask_shortcuts(shortcuts):
+        for _window in range(3):  # three windows: partials merged on the host
+            bank = ReducerBank()
+            plain = bank.moments("x", stats=("count", "mean"), rows=rows)
+            masked = bank.moments("m", stats=("count", "mean"), rows=rows)
+            for _ in range(rng.randint(1, 80)):
+                size = rng.choice((1, 1, 3, 3000))  # staged, and reduced at once
+                values = [rng.randint(0, 7) for _ in range(size)]
+                mask = [rng.random() < 0.5 for _ in range(size)]
+                plain.fold(torch.tensor(values))
+                masked.fold(torch.tensor(values), torch.tensor(mask))
+                truth += sum(values)
+                kept_truth += sum(v for v, k in zip(values, mask) if k)
+                n += size
+            parts.append(bank.pull())
+    for key, want in (("x", truth), ("m", kept_truth)):
+        for seed in range(4):
+            assert _merge_randomly([p[key] for p in parts], random.Random(seed)).sum == want
+    merged = _merge_randomly([p["x"] for p in parts], random.Random(0))
+    assert merged.count == n and merged.mean == truth / n  # divided once, from the exact sum
+
+
+def test_host_moments_keep_an_exact_sum():
+    values = [random.Random(1).randint(0, 7) for _ in range(100)]
+    singles = [Moments.from_values("x", [v], stats=("count", "mean")) for v in values]
+    merged = _merge_randomly(singles, random.Random(2))
+    assert merged.sum == sum(values) and merged.mean == sum(values) / len(values)
+    # A partial built from its sum, its mean, or both.
+    assert Moments("x", count=4, sum=10.0).mean == 2.5
+    assert Moments("x", count=3, mean=0.1).mean == 0.1
+    assert Moments("x", count=3, mean=0.1).sum == 0.1 * 3
+    assert Moments("x", count=2, mean=1.0, sum=2.0).merge(Moments("x", count=2, sum=4.0)).sum == 6.0
+    assert Moments("x").sum == 0.0 and Moments("x", sum=5.0).sum == 0.0  # no count: empty
+    # math.fsum refuses inf - inf; the partial reads it as NaN, as float addition does.
+    both = Moments.from_values("x", [math.inf, -math.inf], stats=("mean", "min", "max"))
+    assert math.isnan(both.finalize()["x_mean"])
+    assert (both.min, both.max) == (-math.inf, math.inf)
+
+
+def _is_nan_everywhere(out: dict[str, float], names: tuple[str, ...]) -> bool:
+    return all(math.isnan(out[name]) for name in names)
+
+
+def test_nan_makes_min_and_max_nan_whatever_the_order_of_merges():
+    nan = Moments.from_values("r", [math.nan], stats=ALL_STATS)
+    numbers = Moments.from_values("r", [1.0, 2.0], stats=ALL_STATS)
+    for merged in (nan.merge(numbers), numbers.merge(nan)):
+        out = merged.finalize()
+        assert out["r_count"] == 3.0
+        assert _is_nan_everywhere(out, ("r_mean", "r_std", "r_var", "r_min", "r_max"))
+    for values in ([math.nan, 1.0, 2.0], [1.0, math.nan, 2.0], [1.0, 2.0, math.nan]):
+        out = Moments.from_values("r", values, stats=("min", "max")).finalize()
+        assert _is_nan_everywhere(out, ("r_min", "r_max")), values
+    # Python's min/max keep the first operand when a NaN is compared: a Scalar merges like torch.
+    for rule in ("min", "max"):
+        a, b = Scalar("s", rule, math.nan), Scalar("s", rule, 5.0)
+        assert math.isnan(a.merge(b).value) and math.isnan(b.merge(a).value)
+    entries = [((1,), (math.nan,)), ((2,), (1.0,)), ((3,), (2.0,))]
+    stats = [("count", "mean", "min", "max", "median")]
+    out = LatestWindow(3, ("r",), stats=stats, entries=entries).finalize()
+    assert out["r_count_last_3"] == 3.0
+    assert _is_nan_everywhere(out, ("r_mean_last_3", "r_min_last_3", "r_max_last_3", "r_median_last_3"))
+
+
+@pytest.mark.parametrize("shortcuts", [True, False])
+@pytest.mark.parametrize("size", [2, 3000])  # staged, and reduced at once
+def test_nan_in_any_fold_makes_the_reducer_min_and_max_nan(size, shortcuts):
+    nan_fold = torch.full((size,), math.nan)
+    numbers = torch.arange(1.0, size + 1.0)
+    with cpu_mask_shortcuts(shortcuts):
+        for order in ((numbers, nan_fold), (nan_fold, numbers), (numbers, nan_fold, numbers)):
+            for rows in (2, 32):  # also combined on the device
+                bank = ReducerBank()
+                r = bank.moments("r", stats=("mean", "min", "max"), rows=rows)
+                for values in order:
+                    for _ in range(17 if size < 16 else 1):  # small folds: past a stage of 16
+                        r.fold(values)
+                out = bank.pull()["r"].finalize()
+                assert _is_nan_everywhere(out, ("r_mean", "r_min", "r_max")), (order, rows)
+        # A NaN the mask leaves out is not in the data.
+        bank = ReducerBank()
+        r = bank.moments("r", stats=("mean", "min", "max"))
+        keep = torch.cat((torch.zeros(size, dtype=torch.bool), torch.ones(size, dtype=torch.bool)))
+        r.fold(torch.cat((nan_fold, numbers)), keep)
+        assert bank.pull()["r"].finalize() == {"r_mean": (size + 1) / 2, "r_min": 1.0, "r_max": float(size)}
+
+
+def test_bin_counts_count_nan_apart_and_merge_it():
+    edges = (0.0, 1.0, 2.0)
+    a = BinCounts.from_values("h", [math.nan, 0.5, 5.0], edges=edges, quantiles=(0.5,))
+    b = BinCounts.from_values("h", [1.5, math.nan], edges=edges, quantiles=(0.5,))
+    assert a.counts == (0.0, 1.0, 0.0, 1.0) and a.nan == 1.0
+    for merged in (a.merge(b), b.merge(a)):
+        assert merged.counts == (0.0, 1.0, 1.0, 1.0) and merged.nan == 2.0
+        assert merged.finalize() == {"h_count": 3.0, "h_p50": 1.5, "h_nan_count": 2.0}
+    assert "h_nan_count" not in BinCounts.from_values("h", [0.5], edges=edges).finalize()
+    assert pickle.loads(pickle.dumps(a)).nan == 1.0
+
+
+def test_reducers_refuse_complex_values():
+    bank = ReducerBank()
+    with pytest.raises(TypeError, match=r"MomentsReducer\('z'\): cannot fold complex values"):
+        bank.moments("z").fold(torch.tensor([1 + 2j]))
+    with pytest.raises(TypeError, match="cannot fold complex values"):
+        group = bank.moments_group([("a", ("mean",)), ("b", ("mean",))])
+        group.fold(torch.ones(2, 3, dtype=torch.complex64))
+    assert bank.pull()["z"].finalize() == {}

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from rl_observers.metrics.oneliners import Metric, _check_tensor
+from rl_observers.metrics.oneliners import Metric, _complex_tensor, _host_number
 from rl_observers.stats import (
     BinCounts,
     Partial,
@@ -27,6 +28,11 @@ class Histogram(Metric):
     fall in (values below or above the edges read as the outer edge). Logs
     ``<name>_count`` and ``<name>_p50``, ``_p90``, ``_p99`` (``quantiles=``).
     A tensor is binned on its device (``torch.bucketize``, no sync).
+
+    NaN values fall in no bin: they are counted apart and logged as
+    ``<name>_nan_count`` (when there are any), and left out of
+    ``<name>_count`` and the quantiles, whether they come in tensors or as
+    Python numbers (see :class:`~rl_observers.stats.BinCounts`).
 
     Args:
         name (str): the prefix of the logged names.
@@ -60,26 +66,35 @@ class Histogram(Metric):
         self.edges, self.quantiles = empty.edges, empty.quantiles
         self._counts: torch.Tensor | None = None
         self._edges_t: torch.Tensor | None = None
-        self._host = [0.0] * (len(self.edges) + 1)
+        self._host = [0.0] * (len(self.edges) + 2)  # the bins, then NaN
 
     _transient = ("_edges_t",)
 
     def fold(self, value: Any) -> None:
         if isinstance(value, torch.Tensor):
+            if value.is_complex():
+                raise _complex_tensor(value, self)
             counts = self._counts
             if counts is None:
                 counts = self._counts = torch.zeros(
-                    len(self.edges) + 1, dtype=torch.float64, device=value.device
+                    len(self.edges) + 2, dtype=torch.float64, device=value.device
                 )
             edges = self._edges_t
             if edges is None or edges.device != counts.device:
-                edges = self._edges_t = torch.tensor(self.edges, dtype=torch.float64).to(counts.device)
-            values = value.detach().reshape(-1).to(counts.device, torch.float64)
+                # A last edge at +inf: bucketize puts NaN past every edge, so NaN gets a
+                # count of its own at no extra cost (and +inf stays in the top bin).
+                edges = self._edges_t = torch.tensor(
+                    (*self.edges, math.inf), dtype=torch.float64
+                ).to(counts.device)
+            if value.requires_grad:  # (a check costs less than a detached view per fold)
+                value = value.detach()
+            values = value.reshape(-1).to(counts.device, torch.float64)
             bins = torch.bucketize(values, edges)
             counts.index_add_(0, bins, torch.ones_like(values))
             return
-        _check_tensor(value, self)
-        self._host[bisect.bisect_left(self.edges, float(value))] += 1
+        value = _host_number(value, self)
+        host = self._host
+        host[-1 if value != value else bisect.bisect_left(self.edges, value)] += 1
 
     def partials(self) -> dict[str, Partial]:
         counts = list(self._host)
@@ -88,7 +103,16 @@ class Histogram(Metric):
             for i, c in enumerate(self._counts.tolist()):  # the one transfer of the window
                 counts[i] += c
             self._counts.zero_()
-        return {self.name: BinCounts(self.name, self.edges, counts, quantiles=self.quantiles)}
+        return {
+            self.name: BinCounts(
+                self.name, self.edges, counts[:-1], quantiles=self.quantiles, nan=counts[-1]
+            )
+        }
 
     def metric_names(self) -> tuple[str, ...]:
-        return (self.name, f"{self.name}_count", *(quantile_name(self.name, q) for q in self.quantiles))
+        return (
+            self.name,
+            f"{self.name}_count",
+            *(quantile_name(self.name, q) for q in self.quantiles),
+            f"{self.name}_nan_count",
+        )

@@ -65,18 +65,30 @@ class MissingKeyError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def missing_key(owner: str, what: str, key: NestedKey, present: Iterable[NestedKey]) -> KeyError:
+def missing_key(
+    owner: str, what: str, key: NestedKey, present: Iterable[NestedKey], *, fix: str | None = None
+) -> KeyError:
     """The error of a key missing from the data: names the key, the keys present and the fix.
+
+    Args:
+        owner (str): who reads the key (a class name).
+        what (str): the argument of ``owner`` that names the key.
+        key (NestedKey): the key missing.
+        present (iterable of NestedKey): the keys the data has.
+
+    Keyword Args:
+        fix (str, optional): what to change, when it is more than passing
+            another key or ``None``. Defaults to ``None``: pass
+            ``owner(what=...)`` one of the keys present, or ``None``.
 
     Examples:
         >>> print(missing_key("WriteMetrics", "reward_key", "rew", ["obs", ("next", "reward")]))
         WriteMetrics: reward_key='rew' is not in the data; keys present: ('next', 'reward'), 'obs'. Pass WriteMetrics(reward_key=...) one of these keys, or None to leave that metric out.
     """
     shown = ", ".join(repr(k) for k in sorted(present, key=str)) or "none"
-    return MissingKeyError(
-        f"{owner}: {what}={key!r} is not in the data; keys present: {shown}. "
-        f"Pass {owner}({what}=...) one of these keys, or None to leave that metric out."
-    )
+    if fix is None:
+        fix = f"Pass {owner}({what}=...) one of these keys, or None to leave that metric out."
+    return MissingKeyError(f"{owner}: {what}={key!r} is not in the data; keys present: {shown}. {fix}")
 
 
 def storage_of(source: Any) -> Any:

@@ -8,9 +8,11 @@ buffer). It receives the payload: ``fn(batch)`` for ``post_collect``,
 ``fn(batch)`` or ``fn(batch, info)`` for ``post_sample``, ``fn(data)`` or
 ``fn(data, index)`` for writes; which, is decided once from its signature.
 
-It returns a tensor (folded on its device, no host-device sync), a Python
-number, or ``None`` (nothing to fold). Each one-liner declares how its
-values merge across events, windows and workers:
+It returns a real tensor (folded on its device, no host-device sync), a
+real number (Python's, or a numpy scalar such as ``np.float32``), or
+``None`` (nothing to fold); complex values are refused, not cut to their
+real part. Each one-liner declares how its values merge across events,
+windows and workers:
 
 * :class:`Mean` (all values), :class:`Sum`, :class:`Min`, :class:`Max`,
   and :class:`Gauge` (``merge="latest"``, ``"mean"``, ``"max"``, ``"min"``
@@ -47,6 +49,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torchrl.collectors import BaseCollector
 from torchrl.data import ReplayBuffer
@@ -206,12 +209,29 @@ class Metric(MetricSet):
             self.partials()  # the window starts empty
 
 
-def _check_tensor(value: Any, owner: Metric) -> None:
-    if not isinstance(value, torch.Tensor) and not isinstance(value, (int, float)):
+def _host_number(value: Any, owner: Metric) -> float:
+    """``value`` (not a tensor) as a float: a Python or numpy real number, else a TypeError."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, np.generic) and value.dtype.kind in "biuf":  # np.float32(2.5), np.int64(3)
+        return float(value)
+    if isinstance(value, (complex, np.complexfloating)):
         raise TypeError(
-            f"{owner!r}: the function must return a tensor, a number or None, "
-            f"got {type(value).__name__}."
+            f"{owner!r}: the function returned a complex number ({value!r}); return a real "
+            "one, such as abs(value) or value.real."
         )
+    raise TypeError(
+        f"{owner!r}: the function must return a tensor, a real number (Python's or a numpy "
+        f"scalar) or None, got {type(value).__name__}."
+    )
+
+
+def _complex_tensor(value: torch.Tensor, owner: Metric) -> TypeError:
+    """The error of a complex tensor, which a float64 fold would cut to its real part."""
+    return TypeError(
+        f"{owner!r}: the function returned a complex tensor ({value.dtype}); return a "
+        "real one, such as value.abs() or value.real."
+    )
 
 
 class _Reduced(Metric):
@@ -231,6 +251,8 @@ class _Reduced(Metric):
         rule = self.rule
         if isinstance(value, torch.Tensor):
             if rule == "latest":
+                if value.is_complex():
+                    raise _complex_tensor(value, self)
                 if value.numel() != 1:
                     raise ValueError(
                         f"{self!r} with merge='latest' needs one number per event, got a tensor "
@@ -240,9 +262,14 @@ class _Reduced(Metric):
                 self._last_stamp = time.time()
                 self._host = Scalar(self.name, rule)
                 return
-            self._moments.fold(value)  # type: ignore[union-attr]
+            try:
+                self._moments.fold(value)  # type: ignore[union-attr]
+            except TypeError:  # the reducer refuses complex values: name the function's
+                if value.is_complex():
+                    raise _complex_tensor(value, self) from None
+                raise
             return
-        _check_tensor(value, self)
+        value = _host_number(value, self)
         stamp = time.time()
         if rule == "latest":
             self._last = None
@@ -264,9 +291,10 @@ class _Reduced(Metric):
             out = self.partials()[self.name]
             if isinstance(moments, Moments) and moments.count:
                 n, rule = moments.count, self.rule
+                # The folded sum itself (float64, exact for integers up to 2**53), not mean * n.
                 value = {
-                    "sum": moments.mean * n,
-                    "mean": moments.mean * n,
+                    "sum": moments.sum,
+                    "mean": moments.sum,
                     "min": moments.min,
                     "max": moments.max,
                 }[rule]
@@ -402,10 +430,14 @@ class Summary(Metric):
 
     def fold(self, value: Any) -> None:
         if isinstance(value, torch.Tensor):
-            self._moments.fold(value)
+            try:
+                self._moments.fold(value)
+            except TypeError:  # the reducer refuses complex values: name the function's
+                if value.is_complex():
+                    raise _complex_tensor(value, self) from None
+                raise
         else:
-            _check_tensor(value, self)
-            self._host.append(float(value))
+            self._host.append(_host_number(value, self))
 
     def partials(self) -> dict[str, Partial]:
         host, self._host = self._host, []
@@ -495,9 +527,11 @@ class Ratio(Metric):
             )
         for i, (part, reducer) in enumerate(zip(value, (self._num, self._den))):
             if isinstance(part, torch.Tensor):
+                if part.is_complex():
+                    raise _complex_tensor(part, self)
                 reducer.add(part.sum() if part.ndim else part)
             else:
-                self._host[i] += float(part)
+                self._host[i] += _host_number(part, self)
 
     def partials(self) -> dict[str, Partial]:
         num, den = self._host
@@ -554,10 +588,11 @@ class Rate(Metric):
 
     def fold(self, value: Any) -> None:
         if isinstance(value, torch.Tensor):
+            if value.is_complex():
+                raise _complex_tensor(value, self)
             self._amount.add(value.sum() if value.ndim else value)
         else:
-            _check_tensor(value, self)
-            self._host += float(value)
+            self._host += _host_number(value, self)
 
     def partials(self) -> dict[str, Partial]:
         now = time.time()

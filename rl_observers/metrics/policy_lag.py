@@ -7,7 +7,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from tensordict import is_tensor_collection, unravel_key
 
+from rl_observers.metrics.keys import leaf_keys, missing_key
 from rl_observers.metrics.oneliners import Summary
 
 __all__ = ["PolicyLag"]
@@ -34,7 +36,10 @@ class PolicyLag(Summary):
         on (str, optional): ``"post_sample"`` on a replay buffer (the age of
             sampled data) or ``"post_collect"`` on a collector (the age of
             collected data, for async collectors). Defaults to ``"post_collect"``.
-        key (NestedKey, optional): the stamped key. Defaults to ``"policy_version"``.
+        key (NestedKey, optional): the stamped key (a collector writing into a
+            replay buffer stamps ``("next", "policy_version")``). Data without
+            it raises a :class:`KeyError` naming the keys present and the fix.
+            Defaults to ``"policy_version"``.
         name (str, optional): Defaults to ``"policy_lag"``.
         stats (sequence of str, optional): Defaults to ``("mean", "max")``.
 
@@ -77,13 +82,34 @@ class PolicyLag(Summary):
         self.fn = self._lag
 
     def _versions(self, data: Any) -> torch.Tensor:
-        try:
-            return data.get(self.key)
-        except KeyError:
-            raise KeyError(
-                f"{self!r}: no {self.key!r} entry in the data; build the collector with "
-                "track_policy_version=True (or pass key=)."
-            ) from None
+        # TensorDict.get returns None for a missing key (it does not raise): check it here,
+        # or a missing stamp surfaces as an unrelated error (or as no lag at all).
+        if not is_tensor_collection(data):
+            raise TypeError(
+                f"{self!r}: needs TensorDict data with a {self.key!r} entry, got "
+                f"{type(data).__name__}."
+            )
+        versions = data.get(self.key, None)
+        if versions is None:
+            raise self._missing(data)
+        return versions
+
+    def _missing(self, data: Any) -> KeyError:
+        present = leaf_keys(data)
+        stamped = unravel_key(("next", self.key))
+        if stamped in present:
+            # Collectors that write into a replay buffer stamp the next step's entry.
+            fix = (
+                f"The data stamps the policy version under {stamped!r} (as a collector writing "
+                f"into a replay buffer does): pass PolicyLag(key={stamped!r})."
+            )
+        else:
+            fix = (
+                "Build the collector with track_policy_version=True, which stamps each step "
+                "with the version of the policy that acted, or pass PolicyLag(key=...) the "
+                "key holding that version."
+            )
+        return missing_key("PolicyLag", "key", self.key, present, fix=fix)
 
     def _seen(self, versions: torch.Tensor) -> None:
         if not versions.numel():

@@ -426,7 +426,7 @@ class SampleMetrics(MetricSet):
             if count:
                 self._age_tally = _NO_AGES
                 ages = Moments._trusted(
-                    "sample_age", _AGE_STATS, float(count), total / count, 0.0, low, high
+                    "sample_age", _AGE_STATS, float(count), float(total), 0.0, low, high
                 )
                 out["sample_age"] = ages.merge(out["sample_age"])
             return out

@@ -83,26 +83,49 @@ class Partial:
         raise NotImplementedError
 
 
-def _chan(
-    na: float, mean_a: float, m2_a: float, nb: float, mean_b: float, m2_b: float
-) -> tuple[float, float, float]:
-    """Count, mean and M2 of the union of two non-empty parts (Chan et al.)."""
-    n = na + nb
+def _chan(na: float, mean_a: float, m2_a: float, nb: float, mean_b: float, m2_b: float) -> float:
+    """M2 of the union of two non-empty parts (Chan et al.)."""
     delta = mean_b - mean_a
     # Symmetric in (a, b), so a merge is exactly commutative.
-    mean = (na * mean_a + nb * mean_b) / n
-    m2 = m2_a + m2_b + delta * delta * (na * nb / n)
-    return n, mean, m2
+    return m2_a + m2_b + delta * delta * (na * nb / (na + nb))
+
+
+def _min(a: float, b: float) -> float:
+    """The smaller of ``a`` and ``b``; NaN when either is NaN, as ``torch.minimum``.
+
+    Python's ``min`` keeps whichever NaN-compared operand comes first, which
+    would make a merge depend on its order.
+    """
+    return a if a <= b or a != a else b
+
+
+def _max(a: float, b: float) -> float:
+    """The larger of ``a`` and ``b``; NaN when either is NaN, as ``torch.maximum``."""
+    return a if a >= b or a != a else b
+
+
+def _total(values: Sequence[float]) -> float:
+    """The correctly rounded sum of ``values``; ``inf - inf`` is NaN, overflow is ``inf``."""
+    try:
+        return math.fsum(values)
+    except (ValueError, OverflowError):  # fsum refuses what float addition gives a value for
+        return sum(values, 0.0)
 
 
 class Moments(Partial):
-    """Count, mean, sum of squared deviations, minimum and maximum of some values.
+    """Count, sum, mean, sum of squared deviations, minimum and maximum of some values.
 
-    Merging uses Chan et al.'s parallel update, so the mean and standard
-    deviation of merged partials are those of the union of the data; the
-    standard deviation is the **population** one (``sqrt(M2 / count)``, what
-    ``torch.std(x, correction=0)`` and ``statistics.pstdev`` compute), which is
-    defined for a single value and does not depend on how data was split.
+    Merging adds the counts and the sums (so the sum of integer values is
+    exact up to ``2**53``, and the mean of the union is its sum over its
+    count) and uses Chan et al.'s parallel update for the squared
+    deviations, so the mean and standard deviation of merged partials are
+    those of the union of the data; the standard deviation is the
+    **population** one (``sqrt(M2 / count)``, what ``torch.std(x,
+    correction=0)`` and ``statistics.pstdev`` compute), which is defined for a
+    single value and does not depend on how data was split. A NaN among the
+    values makes the mean, the deviation, the minimum and the maximum NaN, as
+    ``torch.mean``, ``torch.amin`` and ``torch.amax`` do, whatever the order
+    of the merges.
 
     Args:
         prefix (str): output names are ``f"{prefix}_{stat}"`` (or ``stat`` when
@@ -114,7 +137,9 @@ class Moments(Partial):
             emits, among ``"count"``, ``"mean"``, ``"std"``, ``"var"``,
             ``"min"``, ``"max"``. Defaults to ``("mean", "std", "min", "max")``.
         count (float, optional): number of values. Defaults to ``0``.
-        mean (float, optional): their mean. Defaults to ``0``.
+        mean (float, optional): their mean. Defaults to ``sum / count``, or
+            ``0`` without ``sum``.
+        sum (float, optional): their sum. Defaults to ``mean * count``.
         m2 (float, optional): sum of squared deviations from the mean.
             Defaults to ``0``.
         min (float, optional): their minimum. Defaults to ``inf``.
@@ -130,7 +155,7 @@ class Moments(Partial):
         {'episode_return_count': 0.0}
     """
 
-    __slots__ = ("prefix", "stats", "count", "mean", "m2", "min", "max")
+    __slots__ = ("prefix", "stats", "count", "sum", "mean", "m2", "min", "max")
 
     def __init__(
         self,
@@ -138,7 +163,8 @@ class Moments(Partial):
         *,
         stats: Sequence[str] = _DEFAULT_MOMENT_STATS,
         count: float = 0.0,
-        mean: float = 0.0,
+        mean: float | None = None,
+        sum: float | None = None,
         m2: float = 0.0,
         min: float = math.inf,
         max: float = -math.inf,
@@ -148,7 +174,16 @@ class Moments(Partial):
         if count < 0:
             raise ValueError(f"count must be non-negative, got {count!r} (for {prefix!r}).")
         self.count = float(count)
-        self.mean = float(mean) if count else 0.0
+        if not count:
+            mean = sum = 0.0
+        elif mean is None:
+            sum = 0.0 if sum is None else float(sum)
+            mean = sum / self.count
+        elif sum is None:
+            mean = float(mean)
+            sum = mean * self.count
+        self.mean = float(mean)
+        self.sum = float(sum)
         self.m2 = float(m2) if count else 0.0
         self.min = float(min) if count else math.inf
         self.max = float(max) if count else -math.inf
@@ -167,17 +202,15 @@ class Moments(Partial):
         values = [float(v) for v in values]
         if not values:
             return cls(prefix, stats=stats)
-        mean = math.fsum(values) / len(values)
-        m2 = math.fsum((v - mean) ** 2 for v in values)
-        return cls(
-            prefix,
-            stats=stats,
-            count=len(values),
-            mean=mean,
-            m2=m2,
-            min=min(values),
-            max=max(values),
-        )
+        total = _total(values)
+        mean = total / len(values)
+        m2 = _total([(v - mean) * (v - mean) for v in values])
+        if total != total and any(v != v for v in values):
+            low = high = math.nan  # Python's min and max would depend on where the NaN is
+        else:
+            low, high = min(values), max(values)
+        prefix, stats = _check_name(prefix, "prefix"), _check_stats(stats, prefix)
+        return cls._trusted(prefix, stats, float(len(values)), total, m2, low, high)
 
     def merge(self, other: Partial) -> Moments:
         """Returns the moments of the union of both operands' values."""
@@ -192,15 +225,14 @@ class Moments(Partial):
             return self._copy()
         if not na:
             return other._copy()
-        n, mean, m2 = _chan(na, self.mean, self.m2, nb, other.mean, other.m2)
         return Moments._trusted(
             self.prefix,
             self.stats,
-            n,
-            mean,
-            m2,
-            min(self.min, other.min),
-            max(self.max, other.max),
+            na + nb,
+            self.sum + other.sum,
+            _chan(na, self.mean, self.m2, nb, other.mean, other.m2),
+            _min(self.min, other.min),
+            _max(self.max, other.max),
         )
 
     @classmethod
@@ -209,26 +241,31 @@ class Moments(Partial):
         prefix: str,
         stats: tuple[str, ...],
         count: float,
-        mean: float,
+        total: float,
         m2: float,
         min: float,
         max: float,
     ) -> Moments:
-        """Builds a partial from validated ``prefix``/``stats`` and a positive ``count``."""
+        """Builds a partial from validated ``prefix``/``stats``, a count and the values' sum.
+
+        The mean is ``total / count`` (``0`` when ``count`` is ``0``, the empty partial).
+        """
         self = object.__new__(cls)
         self.prefix = prefix
         self.stats = stats
-        self.count = float(count)
-        self.mean = float(mean)
+        self.count = count = float(count)
+        self.sum = total = float(total)
+        self.mean = total / count if count else 0.0
         self.m2 = float(m2)
         self.min = float(min)
         self.max = float(max)
         return self
 
     def _copy(self) -> Moments:
-        return Moments._trusted(
-            self.prefix, self.stats, self.count, self.mean, self.m2, self.min, self.max
-        )
+        out = object.__new__(Moments)
+        out.prefix, out.stats, out.count, out.sum = self.prefix, self.stats, self.count, self.sum
+        out.mean, out.m2, out.min, out.max = self.mean, self.m2, self.min, self.max
+        return out
 
     def finalize(self) -> dict[str, float]:
         """Returns the chosen statistics; an empty partial reports only its count."""
@@ -254,7 +291,7 @@ class Moments(Partial):
 
     def __repr__(self) -> str:
         return (
-            f"Moments({self.prefix!r}, count={self.count!r}, mean={self.mean!r}, "
+            f"Moments({self.prefix!r}, count={self.count!r}, sum={self.sum!r}, mean={self.mean!r}, "
             f"m2={self.m2!r}, min={self.min!r}, max={self.max!r})"
         )
 
@@ -329,7 +366,9 @@ class LatestWindow(Partial):
     the greatest keys, so any merge, in any grouping and order and with any
     repetition, is the window of the union: a source may re-send its window
     every time and the merge stays exact. Statistics are exact over the
-    entries held: quantiles too, since the partial holds the values.
+    entries held: quantiles too, since the partial holds the values. A NaN
+    value makes every statistic of its name NaN but the count (as
+    :class:`Moments`).
 
     Unlike a window partial, a :class:`LatestWindow` describes a *state*
     (:attr:`rolling` is ``True``): an owner merging contributions keeps it
@@ -435,8 +474,11 @@ class LatestWindow(Partial):
         suffix = f"_last_{self.size}"
         for column, (name, chosen) in enumerate(zip(self.names, self.stats)):
             values = [entry[1][column] for entry in self.entries]
-            ordered = sorted(values)
-            mean = math.fsum(values) / n if n else 0.0
+            mean = _total(values) / n if n else 0.0
+            if mean != mean and any(v != v for v in values):
+                ordered = [math.nan] * n  # NaN has no rank: min, max and quantiles are NaN
+            else:
+                ordered = sorted(values)
             for stat in chosen:
                 label = f"{name}_{stat}{suffix}"
                 if stat == "count":
@@ -446,7 +488,7 @@ class LatestWindow(Partial):
                 elif stat == "mean":
                     out[label] = mean
                 elif stat == "std":
-                    out[label] = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / n)
+                    out[label] = math.sqrt(_total([(v - mean) * (v - mean) for v in values]) / n)
                 elif stat == "min":
                     out[label] = ordered[0]
                 elif stat == "max":

@@ -54,6 +54,8 @@ from rl_observers.stats.partials import (
     _chan,
     _check_name,
     _check_stats,
+    _max,
+    _min,
 )
 
 __all__ = [
@@ -148,6 +150,13 @@ _SCRATCH_ENTRIES = 2**18
 _SCRATCH = threading.local()
 
 
+def _complex(owner: str, values: torch.Tensor) -> TypeError:
+    return TypeError(
+        f"{owner}: cannot fold complex values ({values.dtype}), which a float64 fold would cut "
+        "to their real part; fold real ones, such as values.abs() or values.real."
+    )
+
+
 def _cpu_scratch(which: int, like: torch.Tensor) -> torch.Tensor:
     """A float64 CPU buffer shaped like ``like``, one of two per thread (``which``: 0 or 1)."""
     buffers = getattr(_SCRATCH, "buffers", None)
@@ -160,7 +169,7 @@ def _cpu_scratch(which: int, like: torch.Tensor) -> torch.Tensor:
 
 
 class _MomentsTable(_Reducer):
-    """Count, mean, M2, min and max of ``K`` quantities, folded row by row on the device.
+    """Count, sum, M2, min and max of ``K`` quantities, folded row by row on the device.
 
     The slots are a ``[rows, K, 5]`` table. Each fold writes the statistics
     of its values (a handful of reductions over the last dimension, no
@@ -169,6 +178,11 @@ class _MomentsTable(_Reducer):
     formulas, vectorised over the rows), so the cost of combining is paid
     once every ``rows`` folds. At pull time the used rows reach the host with
     the rest of the bank and are merged there in plain floats.
+
+    Rows hold sums, not means: counts and sums then combine by addition, so
+    the sum of integer values stays exact (up to ``2**53``) through every
+    combination, and the mean is divided once, from the window's sum. Minima
+    and maxima combine as ``amin``/``amax`` do: a NaN makes them NaN.
     """
 
     __slots__ = (
@@ -179,10 +193,13 @@ class _MomentsTable(_Reducer):
         "_row_views",
         "_stage",
         "_stage_mask",
+        "_stage_slots",
+        "_mask_slots",
+        "_stage_n",
         "_staged",
         "_spread",
     )
-    _transient = ("_view", "_row_views", "_stage", "_stage_mask")
+    _transient = ("_view", "_row_views", "_stage", "_stage_mask", "_stage_slots", "_mask_slots")
 
     def __init__(
         self,
@@ -203,11 +220,16 @@ class _MomentsTable(_Reducer):
         self._row_views: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self._stage: torch.Tensor | None = None  # [K, folds, N] float64
         self._stage_mask: torch.Tensor | None = None  # [folds, N] bool, for masked folds
+        # Views of each fold's place in the stage (and its mask), made with the stage: a
+        # view taken per fold (stage[:, i]) costs more than the copy into it.
+        self._stage_slots: tuple[torch.Tensor, ...] | None = None
+        self._mask_slots: tuple[torch.Tensor, ...] | None = None
+        self._stage_n = 0  # N of the staged folds
         self._staged = 0
 
     @property
     def width(self) -> int:  # type: ignore[override]
-        return 5 * self.rows * len(self.prefixes)  # rows of K x (count, mean, m2, min, max)
+        return 5 * self.rows * len(self.prefixes)  # rows of K x (count, sum, m2, min, max)
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -235,32 +257,38 @@ class _MomentsTable(_Reducer):
     def _partials(self, values: Sequence[float]) -> dict[str, Partial]:
         out: dict[str, Partial] = {}
         channels = len(self.prefixes)
+        spread = self._spread
         for k, (prefix, stats) in enumerate(zip(self.prefixes, self.stats_of)):
-            n, mean, m2, lo, hi = 0.0, 0.0, 0.0, math.inf, -math.inf
+            n, total, m2, lo, hi = 0.0, 0.0, 0.0, math.inf, -math.inf
             for i in range(self._used):
                 j = self._offset + 5 * (i * channels + k)
                 count = values[j]
                 if not count:
                     continue
                 if n:
-                    n, mean, m2 = _chan(n, mean, m2, count, values[j + 1], values[j + 2])
-                    lo = min(lo, values[j + 3])
-                    hi = max(hi, values[j + 4])
+                    row_total = values[j + 1]
+                    if spread:
+                        m2 = _chan(n, total / n, m2, count, row_total / count, values[j + 2])
+                    n, total = n + count, total + row_total
+                    lo = _min(lo, values[j + 3])
+                    hi = _max(hi, values[j + 4])
                 else:
-                    n, mean, m2, lo, hi = values[j : j + 5]
+                    n, total, m2, lo, hi = values[j : j + 5]
             # With no count, these are still the empty partial's values.
-            out[prefix] = Moments._trusted(prefix, stats, n, mean, m2, lo, hi)
+            out[prefix] = Moments._trusted(prefix, stats, n, total, m2, lo, hi)
         return out
 
     def _compact(self) -> None:
         """Combines every row into the first one, on the device."""
         table = self._view.view(self.rows, len(self.prefixes), 5)  # type: ignore[union-attr]
-        n_i, mean_i, m2_i, lo_i, hi_i = table.unbind(-1)  # each [rows, K]
+        n_i, total_i, m2_i, lo_i, hi_i = table.unbind(-1)  # each [rows, K]
         n = n_i.sum(0)
-        mean = (n_i * mean_i).sum(0) / n.clamp(min=1.0)
-        spread = mean_i - mean
-        m2 = m2_i.sum(0) + (n_i * spread * spread).sum(0)
-        torch.stack((n, mean, m2, lo_i.amin(0), hi_i.amax(0)), -1, out=table[0])
+        total = total_i.sum(0)
+        m2 = m2_i.sum(0)
+        if self._spread:
+            spread = total_i / n_i.clamp(min=1.0) - (total / n.clamp(min=1.0))
+            m2 = m2 + (n_i * spread * spread).sum(0)
+        torch.stack((n, total, m2, lo_i.amin(0), hi_i.amax(0)), -1, out=table[0])
         self._used = 1
 
     def _fold_rows(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
@@ -272,20 +300,21 @@ class _MomentsTable(_Reducer):
         view = self._view
         if view is None:
             view = self._state(x.device)
-        stage = self._stage
+        slots = self._stage_slots
         n = x.shape[-1]
-        if stage is not None:
-            if stage.shape[-1] == n and (mask is None) is (self._stage_mask is None):
+        if slots is not None:
+            if self._stage_n == n and (mask is None) is (self._mask_slots is None):
                 slot = self._staged
-                stage[:, slot].copy_(x)
+                slots[slot].copy_(x)
                 if mask is not None:
-                    self._stage_mask[slot].copy_(mask)  # type: ignore[index]
-                self._staged = slot + 1
-                if self._staged == stage.shape[1]:
+                    self._mask_slots[slot].copy_(mask)  # type: ignore[index]
+                slot += 1
+                self._staged = slot
+                if slot == len(slots):
                     self._flush()
                 return
             self._flush()
-            self._stage = self._stage_mask = None
+            self._stage = self._stage_mask = self._stage_slots = self._mask_slots = None
         channels = x.shape[0]
         if channels * n > _STAGE_ENTRIES:
             self._reduce(x, mask)
@@ -293,8 +322,11 @@ class _MomentsTable(_Reducer):
         device = view.device
         folds = _STAGE_FOLDS
         self._stage = torch.empty((channels, folds, n), dtype=_F64, device=device)
+        self._stage_slots = self._stage.unbind(1)
+        self._stage_n = n
         if mask is not None:
             self._stage_mask = torch.empty((folds, n), dtype=_BOOL, device=device)
+            self._mask_slots = self._stage_mask.unbind(0)
         self._fold_rows(x, mask)
 
     def _flush(self) -> None:
@@ -334,36 +366,37 @@ class _MomentsTable(_Reducer):
         row, count, tail = self._row_views[self._used]  # type: ignore[index]
         if mask is None:
             n = x.shape[-1]
-            mean = x.sum(-1) / n
+            total = x.sum(-1)
             if self._spread:
-                centre = mean.unsqueeze(-1)
+                centre = (total / n).unsqueeze(-1)
                 dev = torch.sub(x, centre, out=_cpu_scratch(1, x)) if scratch else x - centre
                 m2 = torch.linalg.vecdot(dev, dev)
             else:
-                m2 = torch.zeros_like(mean)
+                m2 = torch.zeros_like(total)
             count.fill_(n)
-            torch.stack((mean, m2, x.amin(-1), x.amax(-1)), -1, out=tail)
+            torch.stack((total, m2, x.amin(-1), x.amax(-1)), -1, out=tail)
         else:
             n = mask.sum(-1, dtype=_F64)
-            mean = torch.where(mask, x, 0.0).sum(-1) / n.clamp(min=1.0)
+            total = torch.where(mask, x, 0.0).sum(-1)
             if self._spread:
+                mean = total / n.clamp(min=1.0)
                 dev = torch.where(mask, x - mean.unsqueeze(-1), 0.0)
                 m2 = torch.linalg.vecdot(dev, dev)
             else:
-                m2 = torch.zeros_like(mean)
+                m2 = torch.zeros_like(total)
             lo = torch.where(mask, x, math.inf).amin(-1)
             hi = torch.where(mask, x, -math.inf).amax(-1)
-            torch.stack((n.expand_as(mean), mean, m2, lo, hi), -1, out=row)
+            torch.stack((n.expand_as(total), total, m2, lo, hi), -1, out=row)
         self._used += 1
 
 
 class MomentsReducer(_MomentsTable):
-    """Folds tensors into count, mean, M2, min and max on their device.
+    """Folds tensors into count, sum, M2, min and max on their device.
 
     Created by :meth:`ReducerBank.moments`; pulled as a :class:`Moments`.
     Values are accumulated in ``float64`` whatever their dtype.
 
-    Each fold writes the statistics of its tensor (count, mean, M2, min, max:
+    Each fold writes the statistics of its tensor (count, sum, M2, min, max:
     a handful of reductions, no combination with the window; M2 only when
     ``std`` or ``var`` is among ``stats``, 0 otherwise) into the next of
     ``rows`` rows of the bank's state. A small fold (up to 2048 values) is
@@ -411,9 +444,14 @@ class MomentsReducer(_MomentsTable):
                 ``values``; only entries where it is ``True`` count.
                 Defaults to ``None`` (all entries count).
 
+        Raises:
+            TypeError: if ``values`` is complex.
+
         Never reads a value on the host: the count of masked entries stays a
         tensor.
         """
+        if values.is_complex():
+            raise _complex(f"MomentsReducer({self.prefixes[0]!r})", values)
         if values.numel() == 0:
             return
         if values.requires_grad:
@@ -456,7 +494,12 @@ class MomentsGroupReducer(_MomentsTable):
             values (torch.Tensor): ``[K, *S]``, any real dtype.
             mask (torch.Tensor, optional): boolean, broadcastable to ``S``.
                 Defaults to ``None`` (all entries count).
+
+        Raises:
+            TypeError: if ``values`` is complex.
         """
+        if values.is_complex():
+            raise _complex(f"MomentsGroupReducer({self.prefixes!r})", values)
         channels = len(self.prefixes)
         if values.ndim == 0 or values.shape[0] != channels:
             raise ValueError(
@@ -561,7 +604,7 @@ class ReducerBank:
         >>> lengths = bank.moments("episode_length", stats=("mean", "std", "max"))
         >>> lengths.fold(torch.tensor([3, 5]))
         >>> bank.pull()
-        {'episode_length': Moments('episode_length', count=2.0, mean=4.0, m2=2.0, min=3.0, max=5.0)}
+        {'episode_length': Moments('episode_length', count=2.0, sum=8.0, mean=4.0, m2=2.0, min=3.0, max=5.0)}
         >>> bank.pull()["episode_length"].finalize()  # the window was reset
         {}
     """

@@ -32,7 +32,7 @@ import bisect
 import math
 from collections.abc import Sequence
 
-from rl_observers.stats.partials import Partial, _check_name
+from rl_observers.stats.partials import Partial, _check_name, _max, _min
 
 __all__ = ["SCALAR_RULES", "BinCounts", "Fraction", "PerSecond", "Scalar"]
 
@@ -46,8 +46,9 @@ class Scalar(Partial):
     Args:
         name (str): the logged name.
         rule (str): ``"sum"`` (values add), ``"mean"`` (``value`` holds the
-            sum of ``count`` values), ``"min"``, ``"max"``, or ``"latest"``
-            (the value with the largest ``stamp`` wins).
+            sum of ``count`` values), ``"min"``, ``"max"`` (a NaN wins, as
+            with ``torch.minimum``), or ``"latest"`` (the value with the
+            largest ``stamp`` wins).
         value (float, optional): see ``rule``. Defaults to ``0``.
 
     Keyword Args:
@@ -100,10 +101,10 @@ class Scalar(Partial):
         count = self.count + other.count
         if rule in ("sum", "mean"):
             return self._with(a + b, count, max(self.stamp, other.stamp))
-        if rule == "min":
-            return self._with(min(a, b), count, max(self.stamp, other.stamp))
+        if rule == "min":  # a NaN wins, in either order (as torch.minimum)
+            return self._with(_min(a, b), count, max(self.stamp, other.stamp))
         if rule == "max":
-            return self._with(max(a, b), count, max(self.stamp, other.stamp))
+            return self._with(_max(a, b), count, max(self.stamp, other.stamp))
         newest = other if other.stamp > self.stamp else self  # ties: the left operand's
         return self._with(newest.value, count, newest.stamp)
 
@@ -255,6 +256,11 @@ class BinCounts(Partial):
     exact up to that bin's width; ranks in the outer bins read as the outer
     edges. Two partials merge when their name, edges and quantiles agree.
 
+    A NaN has no bin (it is neither below, inside nor above the edges): NaN
+    values are counted apart, in ``nan``, which merges by addition too.
+    ``<name>_count`` and the quantiles are those of the values in the bins;
+    ``<name>_nan_count`` is reported when there are NaN values.
+
     Args:
         name (str): outputs are ``<name>_p50`` etc. and ``<name>_count``.
         edges (sequence of float): the bin edges, strictly increasing.
@@ -264,6 +270,7 @@ class BinCounts(Partial):
     Keyword Args:
         quantiles (sequence of float, optional): which quantiles
             :meth:`finalize` reports. Defaults to ``(0.5, 0.9, 0.99)``.
+        nan (float, optional): how many NaN values were seen. Defaults to ``0``.
 
     Examples:
         >>> from rl_observers.stats import BinCounts
@@ -271,9 +278,11 @@ class BinCounts(Partial):
         >>> b = BinCounts.from_values("lag", [4, 5, 6, 7, 8, 9], edges=range(11))
         >>> a.merge(b).finalize()
         {'lag_count': 10.0, 'lag_p50': 4.0, 'lag_p90': 8.0, 'lag_p99': 8.9}
+        >>> BinCounts.from_values("lag", [1, float("nan")], edges=range(11), quantiles=(0.5,)).finalize()
+        {'lag_count': 1.0, 'lag_p50': 0.5, 'lag_nan_count': 1.0}
     """
 
-    __slots__ = ("name", "edges", "counts", "quantiles")
+    __slots__ = ("name", "edges", "counts", "quantiles", "nan")
 
     def __init__(
         self,
@@ -282,10 +291,12 @@ class BinCounts(Partial):
         counts: Sequence[float] | None = None,
         *,
         quantiles: Sequence[float] = (0.5, 0.9, 0.99),
+        nan: float = 0.0,
     ) -> None:
         self.name = _check_name(name, "name")
         self.edges = _check_edges(edges, name)
         self.quantiles = _check_quantiles(quantiles, name)
+        self.nan = float(nan)
         if counts is None:
             counts = (0.0,) * (len(self.edges) + 1)
         self.counts = tuple(float(c) for c in counts)
@@ -304,12 +315,18 @@ class BinCounts(Partial):
         edges: Sequence[float],
         quantiles: Sequence[float] = (0.5, 0.9, 0.99),
     ) -> BinCounts:
-        """Counts ``values`` on the host."""
+        """Counts ``values`` on the host (NaN values in ``nan``)."""
         out = cls(name, edges, quantiles=quantiles)
         counts = list(out.counts)
+        nan = 0
         for v in values:
-            counts[bisect.bisect_left(out.edges, float(v))] += 1
+            v = float(v)
+            if v != v:
+                nan += 1
+            else:
+                counts[bisect.bisect_left(out.edges, v)] += 1
         out.counts = tuple(counts)
+        out.nan = float(nan)
         return out
 
     def merge(self, other: Partial) -> BinCounts:
@@ -326,6 +343,7 @@ class BinCounts(Partial):
         out = object.__new__(BinCounts)
         out.name, out.edges, out.quantiles = self.name, self.edges, self.quantiles
         out.counts = tuple(a + b for a, b in zip(self.counts, other.counts))
+        out.nan = self.nan + other.nan
         return out
 
     def quantile(self, q: float) -> float | None:
@@ -347,12 +365,16 @@ class BinCounts(Partial):
         return edges[-1]
 
     def finalize(self) -> dict[str, float]:
-        """Returns ``<name>_count`` and one ``<name>_p<q>`` per quantile (none when empty)."""
+        """Returns ``<name>_count`` and one ``<name>_p<q>`` per quantile (none when empty),
+        and ``<name>_nan_count`` when NaN values were seen."""
         out = {f"{self.name}_count": float(sum(self.counts))}
         if out[f"{self.name}_count"]:
             for q in self.quantiles:
                 out[quantile_name(self.name, q)] = self.quantile(q)  # type: ignore[assignment]
+        if self.nan:
+            out[f"{self.name}_nan_count"] = self.nan
         return out
 
     def __repr__(self) -> str:
-        return f"BinCounts({self.name!r}, edges={self.edges!r}, counts={self.counts!r})"
+        nan = f", nan={self.nan!r}" if self.nan else ""
+        return f"BinCounts({self.name!r}, edges={self.edges!r}, counts={self.counts!r}{nan})"
