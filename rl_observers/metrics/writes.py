@@ -73,10 +73,13 @@ class WriteMetrics(MetricSet):
     no copy per write. (Observed buffers run each write and its event under
     the buffer's lock, so writes from other threads never interleave.) A
     write of more than a quarter of the storage is folded from its data;
-    when one of more than three quarters overwrites pending rows, their
-    rewards are gone: a warning says how many, and from then on every write
-    is folded from its data. Once a buffer is shared with other processes,
-    every write is folded from its data.
+    when one of more than three quarters, or a move of the cursor without
+    a write event (``load_state_dict``, an unobserved writer), overwrites
+    pending rows, their rewards are gone: a warning says how many, and from
+    then on every write is folded from its data. Once a buffer is shared
+    with other processes, every write is folded from its data. Rows
+    changed in place before they are folded (``rb[index] = data``,
+    relabelling) are read as changed.
 
     :meth:`counters` gives ``write_count`` (= ``items_written``, as
     observed), ``writes`` and ``items_written``; :meth:`stats` gives
