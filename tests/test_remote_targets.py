@@ -46,9 +46,11 @@ from torchrl.data import (
     TensorDictReplayBuffer,
 )
 from torchrl.envs.utils import RandomPolicy
+from torchrl.record import CSVLogger
 from torchrl.testing.mocking_classes import CountingEnv
 
 import rl_observers  # noqa: F401
+from rl_observers import LoggerObserver, MetricsChannel
 from rl_observers.sources.observed import observed_class
 from rl_observers.sources.placement import SourceInfo, source_info
 from rl_observers.sources.remote import RemoteAttachError, attach_here, detach_here, kind_of
@@ -315,6 +317,15 @@ def test_attach_errors_are_raised_on_the_driver(helpers, tmp_path):
     assert len(plain_pids) == 2 and DRIVER not in plain_pids and set(plain_pids.values()) == {3}
     with pytest.raises(RuntimeError, match="shut down"):
         collector.add_observer(helpers.CollectorLog(log, "too_late"))
+    # a LoggerObserver refused there leaves its namespace free on the logger
+    logger = CSVLogger(exp_name="refused", log_dir=str(tmp_path))
+    refused = LoggerObserver(logger)
+    with pytest.raises(RuntimeError, match="shut down"):
+        collector.add_observer(refused)
+    other = Collector(CountingEnv(), None, frames_per_batch=10, total_frames=10)
+    other.add_observer(LoggerObserver(logger))  # the same default namespace: accepted
+    other.shutdown()
+    MetricsChannel.for_logger(logger).close(10)
 
 
 # -- replay buffers inside a Ray actor, without Ray ------------------------------------------------

@@ -196,10 +196,16 @@ class RemoteKind:
             prepare = getattr(observer, "prepare_copies", None)
             if callable(prepare):
                 prepare(target)
-            payload = ship(observer, target, self.where)
-            self.check(target, "attach an observer to")
             attached = _Attached(observer, entry.on_error, next(_TOKENS))
-            self.attach_remote(target, payload, attached.on_error, attached.token)
+            try:
+                payload = ship(observer, target, self.where)
+                self.check(target, "attach an observer to")
+                self.attach_remote(target, payload, attached.on_error, attached.token)
+            except BaseException:
+                removed = getattr(observer, "copies_removed", None)
+                if callable(prepare) and callable(removed):
+                    removed(target)  # undoes prepare_copies (e.g. frees the logger namespace)
+                raise
             state.entries = (*state.entries, attached)
             if len(state.entries) == 1:
                 self.first_added(target)
