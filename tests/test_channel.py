@@ -251,6 +251,45 @@ def test_overflow_drops_the_oldest_entry_when_the_namespace_has_none_pending():
     channel.close()
 
 
+def test_dropping_an_entry_counts_every_payload_merged_into_it():
+    logger = RecordingLogger()
+    channel = sync_channel(logger, capacity=1)
+    for i in range(100):  # one pending entry of "a" holding 100 payloads
+        channel.submit_metrics({"r": ListPartial("r", [1.0])}, step=i, namespace="a")
+    health = channel.health()
+    assert health["coalesced"] == 99 and health["dropped"] == 0
+    channel.submit_metrics({"r": ListPartial("r", [1.0])}, namespace="b")  # drops "a"
+    health = channel.health()
+    assert health["dropped"] == 100 and health["coalesced"] == 0
+    assert_balanced(health)
+    channel.step()
+    assert logger.calls == [({"b/r_count": 1.0, "b/r_sum": 1.0}, None)]
+    assert_balanced(channel.health())
+    channel.close()
+
+
+def test_payloads_logged_plus_dropped_equal_those_submitted_under_a_flood():
+    import random
+
+    from rl_observers import Count
+
+    logger = RecordingLogger()
+    channel = sync_channel(logger, capacity=3)
+    rng = random.Random(0)
+    for i in range(5000):  # a busy namespace and rare ones: merged entries get dropped
+        namespace = "busy" if rng.random() < 0.8 else f"rare{rng.randrange(20)}"
+        channel.submit_metrics({"c": Count("c", 1)}, step=i, namespace=namespace)
+        if i % 97 == 0:
+            channel.step()
+    channel.step()
+    health = channel.health()
+    logged = sum(v for call, _ in logger.calls for k, v in call.items() if k.endswith("/c"))
+    assert health["dropped"] > 0 and health["coalesced"] > 0
+    assert logged + health["dropped"] == health["submitted"] == 5000
+    assert_balanced(health)
+    channel.close()
+
+
 def test_a_failing_merge_keeps_the_newest_value_and_is_reported(warnings_seen):
     logger = RecordingLogger()
     channel = sync_channel(logger, capacity=1)

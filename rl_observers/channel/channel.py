@@ -74,7 +74,8 @@ class MetricsChannel:
     coalesced into the newest pending entry of the same namespace (partials
     merge exactly, gauges keep the newest value, the step becomes the newest);
     if that namespace has no pending entry, the oldest pending entry is
-    dropped. Both are counted, so memory stays flat under any flood.
+    dropped. Both are counted, in payloads: every payload merged into a
+    dropped entry counts as dropped. Memory stays flat under any flood.
 
     The channel never takes ownership of the logger: :meth:`close` stops the
     channel's thread and leaves the logger running; shutting it down remains
@@ -421,8 +422,11 @@ class MetricsChannel:
           received from handles in other processes);
         - ``logged``: entries delivered to the logger (one logger call each);
         - ``pending``: entries not yet logged (queued or being logged);
-        - ``coalesced``: payloads merged into a pending entry on overflow;
-        - ``dropped``: entries dropped on overflow, after :meth:`close`, or
+        - ``coalesced``: payloads merged into a pending entry on overflow
+          (logged with it; when that entry is dropped they count in
+          ``dropped`` instead);
+        - ``dropped``: payloads lost here: every payload held by an entry
+          dropped on overflow, payloads submitted after :meth:`close`, and
           unreadable datagrams;
         - ``sink_errors``: entries whose logger call raised;
         - ``remote_dropped`` / ``remote_coalesced``: what handles in other
