@@ -206,6 +206,35 @@ def test_meta_travels_with_the_entry_to_a_router():
     channel.close()
 
 
+def test_a_row_the_logger_refuses_loses_no_other_row_of_the_entry(tmp_path, warnings_seen):
+    logger = CSVLogger(exp_name="rows", log_dir=str(tmp_path))
+    channel = sync_channel(logger, name="rows")
+
+    class Fanout:
+        """Routes one entry to three rows; the middle one's name is too long for a file."""
+
+        def route(self, namespace, metrics, step, meta):
+            return [("first", metrics, step), ("x" * 1000, metrics, step), ("last", metrics, step)]
+
+        def finish(self):
+            return []
+
+    channel.add_router("fanout", Fanout())
+    channel.submit_metrics({"v": 1.0}, step=4, namespace="w", meta={"fanout": True})
+    channel.submit_metrics({"v": 2.0}, step=5, namespace="w", meta={"fanout": True})
+    channel.step()
+    scalars = tmp_path / "rows" / "scalars"
+    assert read_csv(scalars / "first" / "v.csv") == [(4, 1.0), (5, 2.0)]
+    assert read_csv(scalars / "last" / "v.csv") == [(4, 1.0), (5, 2.0)]
+    health = channel.health()
+    assert health["sink_errors"] == 2 and health["logged"] == 0  # each entry lost a row
+    assert_balanced(health)
+    (message,) = [m for m in warnings_seen if "MetricsChannel 'rows'" in m]
+    assert "xxx" in message and "name too long" in message.lower()
+    assert channel.flush(timeout=10) is False
+    channel.close()
+
+
 # ---------------------------------------------------------------------------
 # bounded queue: coalescing and dropping
 # ---------------------------------------------------------------------------

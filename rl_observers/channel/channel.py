@@ -428,7 +428,8 @@ class MetricsChannel:
         - ``dropped``: payloads lost here: every payload held by an entry
           dropped on overflow, payloads submitted after :meth:`close`, and
           unreadable datagrams;
-        - ``sink_errors``: entries whose logger call raised;
+        - ``sink_errors``: entries whose logger call raised (for an entry
+          handed to a router: one of its rows, the others are still written);
         - ``remote_dropped`` / ``remote_coalesced``: what handles in other
           processes dropped or coalesced before sending (as far as they
           could report it), also on other nodes;
