@@ -319,6 +319,22 @@ def test_payloads_logged_plus_dropped_equal_those_submitted_under_a_flood():
     channel.close()
 
 
+def test_flush_and_close_return_false_when_payloads_were_dropped_since_the_last_check():
+    logger = RecordingLogger()
+    channel = sync_channel(logger, capacity=1)
+    for i in range(10):  # each namespace drops the previous one's entry
+        channel.submit_metrics({"x": float(i)}, step=i, namespace=f"ns{i}")
+    assert channel.flush(timeout=10) is False
+    assert logger.calls == [({"ns9/x": 9.0}, 9)]
+    assert channel.health()["dropped"] == 9
+    channel.submit_metrics({"x": 10.0}, step=10, namespace="ns10")
+    assert channel.flush(timeout=10)  # nothing lost since the previous flush
+    channel.submit_metrics({"x": 11.0}, namespace="a")
+    channel.submit_metrics({"x": 12.0}, namespace="b")  # drops "a"
+    assert channel.close(timeout=10) is False
+    assert_balanced(channel.health())
+
+
 def test_a_failing_merge_keeps_the_newest_value_and_is_reported(warnings_seen):
     logger = RecordingLogger()
     channel = sync_channel(logger, capacity=1)
@@ -343,9 +359,10 @@ def test_the_queue_stays_bounded_under_a_flood_with_a_hung_logger(gate):
     assert health["submitted"] == 20_000
     assert health["pending"] <= 65
     assert health["dropped"] + health["coalesced"] >= 20_000 - 65
+    assert health["dropped"] > 0
     assert_balanced(health)
     gate.set()
-    assert channel.close(timeout=10)
+    assert channel.close(timeout=10) is False  # processed, but payloads were dropped
     assert_balanced(channel.health())
 
 
@@ -576,6 +593,7 @@ def test_close_is_idempotent_never_shuts_the_logger_down_and_drops_late_submits(
     health = channel.health()
     assert health["dropped"] == 1 and health["logged"] == 1
     assert_balanced(health)
+    assert channel.close(timeout=10) is False  # the late payload was lost since
     with pytest.raises(RuntimeError, match="closed"):
         channel.handle()
 

@@ -139,9 +139,11 @@ class Delivery:
         self._poll = poll
         self._health_interval = health_interval
         self._log_health_always = log_health
-        # failures reported (sink, partials, routers, health): flush/close tell whether new ones came
+        # failures reported (sink, partials, routers, health) and losses counted by the queue:
+        # flush/close tell whether new ones came
         self.failures = 0
         self._failures_seen = 0
+        self._lost_seen = queue.lost()
         self._routers: dict[str, Router] = {}
         self._failing = False
         self._error: BaseException | None = None
@@ -322,10 +324,12 @@ class Delivery:
         self._failing = True
 
     def clean_since_last_check(self) -> bool:
-        """Whether no failure was reported since the previous call (what flush/close return)."""
+        """Whether nothing failed nor was lost since the previous call (what flush/close return)."""
         failures = self.failures
-        clean = failures == self._failures_seen
+        lost = self.queue.lost()
+        clean = failures == self._failures_seen and lost == self._lost_seen
         self._failures_seen = failures
+        self._lost_seen = lost
         return clean
 
     def raise_stored_error(self) -> None:

@@ -312,6 +312,7 @@ class Forwarder:
         self.queue = None
         self._sender = make_sender({} if owner.closed else addresses, owner=f"MetricsChannel {owner.name!r} (pid {owner.pid})")
         self._dropped_after_close = 0
+        self._lost_seen = self._sender.dropped
         self._close_callbacks: list[Callable[[], Any]] = []
 
     def submit_metrics(
@@ -328,7 +329,15 @@ class Forwarder:
         self._sender.send(metrics, step, namespace, meta)
 
     def flush(self, timeout: float | None) -> bool:
-        return self._sender.flush(timeout)
+        done = self._sender.flush(timeout)
+        return self._nothing_lost_since_last_check() and done
+
+    def _nothing_lost_since_last_check(self) -> bool:
+        """Whether nothing was dropped here since the previous flush/close (what they return)."""
+        lost = self._sender.dropped + self._dropped_after_close
+        clean = lost == self._lost_seen
+        self._lost_seen = lost
+        return clean
 
     def step(self) -> int:
         self._sender.flush(0)
@@ -348,7 +357,7 @@ class Forwarder:
                 )
         done = self._sender.flush(timeout)
         self.closed = True
-        return done
+        return self._nothing_lost_since_last_check() and done
 
     def health(self) -> dict[str, int]:
         sender = self._sender

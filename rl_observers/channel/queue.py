@@ -132,6 +132,11 @@ class PendingQueue:
                     self._newest[namespace] = entry
         return error
 
+    def lost(self) -> int:
+        """Losses counted so far: payloads dropped here or by senders, receivers restarted."""
+        with self._lock:
+            return self._dropped + self._remote_dropped + self._receiver_restarts
+
     def count_dropped(self) -> None:
         """Counts one submission dropped before it was queued (after close, unreadable)."""
         with self._lock:
