@@ -910,19 +910,87 @@ def test_unreadable_datagrams_are_counted_and_ignored():
     channel.close()
 
 
-def test_unpicklable_or_oversized_payloads_are_dropped_by_the_sender(warnings_seen):
+def _latest_window(size: int):
+    """A real window of the last ``size`` episodes (what ``episode_window=size`` sends)."""
+    from rl_observers.stats import LatestWindow
+
+    entries = [((i * 7, 1, i % 4), (float(i) * 0.37, float(i % 50))) for i in range(size)]
+    return LatestWindow(
+        size, ("episode_return", "episode_length"), stats=[("mean",), ("mean",)], entries=entries
+    )
+
+
+def test_payloads_larger_than_64_kib_cross_the_socket():
+    logger = RecordingLogger()
+    channel = sync_channel(logger)
+    handle = _remote_handle(channel)
+    window = _latest_window(3000)
+    assert len(pickle.dumps(window, protocol=pickle.HIGHEST_PROTOCOL)) > 1 << 16
+    handle.submit_metrics({"w": window}, step=1, namespace="collector")
+    channel.step()
+    assert handle.dropped == 0
+    assert logger.calls == [({f"collector/{k}": v for k, v in window.finalize().items()}, 1)]
+    assert channel.close()
+
+
+def test_a_payload_too_large_for_a_datagram_is_counted_at_the_owner_at_once(warnings_seen):
+    from rl_observers.channel.socket import SocketSender
+
+    logger = RecordingLogger()
+    channel = sync_channel(logger)
+    handle = _remote_handle(channel)
+    too_large = {f"k{i}": float(i) for i in range(SocketSender.max_payload() // 10)}
+    for step in range(3):  # every payload too large: no later datagram carries the count
+        handle.submit_metrics(too_large, step=step, namespace="w")
+    assert handle.dropped == 3
+    channel.step()
+    health = channel.health()
+    assert health["remote_dropped"] == 3 and health["submitted"] == 0
+    assert logger.calls == []
+    (message,) = [m for m in warnings_seen if "MetricsHandle" in m]
+    assert "bytes pickled" in message and "remote_dropped" in message
+    assert channel.close() is False  # payloads were lost: close() does not say all went well
+
+
+def test_unpicklable_payloads_are_dropped_by_the_sender_and_counted_at_the_owner(warnings_seen):
     channel = sync_channel(RecordingLogger())
     handle = _remote_handle(channel)
     unpicklable = ListPartial("x", [1.0])
     unpicklable.lock = threading.Lock()  # a partial that cannot travel
     handle.submit_metrics({"x": unpicklable})
-    handle.submit_metrics({f"k{i}": float(i) for i in range(10_000)})
-    assert handle.dropped == 2
+    assert handle.dropped == 1
     assert len(warnings_seen) == 1 and "pickle" in warnings_seen[0]
-    handle.submit_metrics({"x": 1.0})
     channel.step()
-    assert channel.health()["remote_dropped"] == 2  # reported with the next datagram
+    assert channel.health()["remote_dropped"] == 1  # reported at once, alone
     channel.close()
+
+
+_CHILD_SENDS_TOO_LARGE = """
+import pickle
+from rl_observers.channel.socket import SocketSender
+handle = pickle.loads(handle)
+payload = {f"k{i}": float(i) for i in range(SocketSender.max_payload() // 10)}
+for i in range(4):
+    handle.submit_metrics(payload, step=i, namespace="big")
+assert handle.transport == "socket" and handle.dropped == 4
+assert handle.flush(timeout=10)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_whose_every_payload_is_too_large_is_seen_at_the_owner():
+    logger = RecordingLogger()
+    channel = MetricsChannel(logger, health_interval=None)
+    ctx = mp.get_context("fork")
+    child = ctx.Process(
+        target=exec, args=(_CHILD_SENDS_TOO_LARGE, {"handle": pickle.dumps(channel.handle())})
+    )
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    assert channel.flush(timeout=10) is False
+    assert channel.health()["remote_dropped"] == 4
+    assert channel.close(timeout=10)  # nothing more was lost since the flush
 
 
 _CHILD_SUBMITS = """

@@ -43,8 +43,11 @@ class MetricsHandle:
       meta)`` into one datagram sent without blocking. If the owner's socket
       queue is full, the payload is coalesced into a small per-namespace
       backlog that is sent first on the next submission or by :meth:`flush`;
-      if the owner is gone, or the payload cannot be pickled or exceeds
-      64 KiB, it is dropped and counted in :attr:`dropped`.
+      if the owner is gone, or the payload cannot be pickled or is larger
+      than one datagram carries (the socket's send buffer as the kernel
+      grants it, at most 1 MiB; about 416 KiB with Linux's defaults), it is
+      dropped, counted in :attr:`dropped` and, unless the owner is gone,
+      reported at once to the owner's ``health()["remote_dropped"]``.
 
     A handle made with ``channel.handle(transport=name)`` always sends
     through that transport, even in the channel's own process.
@@ -125,7 +128,8 @@ class MetricsHandle:
 
         In the channel's process, this is :meth:`MetricsChannel.flush`. In
         another process, it retries what the transport holds back (the
-        socket's backlog while the owner's queue was full); it does not wait
+        socket's backlog while the owner's queue was full, and the count of
+        what it dropped that the owner has not heard of); it does not wait
         for the owner to log (a worker cannot see that), so call it before a
         worker exits.
 
