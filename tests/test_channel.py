@@ -1022,6 +1022,44 @@ def test_a_handle_submits_from_a_spawned_process():
     assert channel.close(timeout=10)
 
 
+_INHERITED_AFTER_CLOSE = """
+child_ready.set()  # the channel's stand-in here was made while the owner's socket existed
+owner_closed.wait()
+for i in range(5):
+    handle.submit_metrics({"x": 1.0}, namespace="w")
+assert handle.transport == "socket", handle.transport
+assert handle.dropped == 5 and channel.health()["dropped"] == 5, handle.dropped
+assert handle.flush(timeout=1)  # nothing is left in it: the drops are counted
+assert channel.flush(timeout=1) is False  # but the channel says payloads were lost
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_handle_inherited_by_a_forked_child_reports_its_transport_and_drops():
+    channel = MetricsChannel(RecordingLogger(), health_interval=None)
+    handle = channel.handle()
+    ctx = mp.get_context("fork")
+    child_ready, owner_closed = ctx.Event(), ctx.Event()
+    child = ctx.Process(
+        target=exec,
+        args=(
+            _INHERITED_AFTER_CLOSE,
+            {
+                "handle": handle,
+                "channel": channel,
+                "child_ready": child_ready,
+                "owner_closed": owner_closed,
+            },
+        ),
+    )
+    child.start()
+    assert child_ready.wait(30)
+    assert channel.close(timeout=10)  # the child's payloads now have nowhere to go
+    owner_closed.set()
+    child.join(30)
+    assert child.exitcode == 0
+
+
 _FORKED_CHILD = """
 import pickle
 for i in range(3):
