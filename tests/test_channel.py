@@ -206,6 +206,35 @@ def test_meta_travels_with_the_entry_to_a_router():
     channel.close()
 
 
+def test_a_row_the_logger_refuses_loses_no_other_row_of_the_entry(tmp_path, warnings_seen):
+    logger = CSVLogger(exp_name="rows", log_dir=str(tmp_path))
+    channel = sync_channel(logger, name="rows")
+
+    class Fanout:
+        """Routes one entry to three rows; the middle one's name is too long for a file."""
+
+        def route(self, namespace, metrics, step, meta):
+            return [("first", metrics, step), ("x" * 1000, metrics, step), ("last", metrics, step)]
+
+        def finish(self):
+            return []
+
+    channel.add_router("fanout", Fanout())
+    channel.submit_metrics({"v": 1.0}, step=4, namespace="w", meta={"fanout": True})
+    channel.submit_metrics({"v": 2.0}, step=5, namespace="w", meta={"fanout": True})
+    channel.step()
+    scalars = tmp_path / "rows" / "scalars"
+    assert read_csv(scalars / "first" / "v.csv") == [(4, 1.0), (5, 2.0)]
+    assert read_csv(scalars / "last" / "v.csv") == [(4, 1.0), (5, 2.0)]
+    health = channel.health()
+    assert health["sink_errors"] == 2 and health["logged"] == 0  # each entry lost a row
+    assert_balanced(health)
+    (message,) = [m for m in warnings_seen if "MetricsChannel 'rows'" in m]
+    assert "xxx" in message and "name too long" in message.lower()
+    assert channel.flush(timeout=10) is False
+    channel.close()
+
+
 # ---------------------------------------------------------------------------
 # bounded queue: coalescing and dropping
 # ---------------------------------------------------------------------------
@@ -251,6 +280,61 @@ def test_overflow_drops_the_oldest_entry_when_the_namespace_has_none_pending():
     channel.close()
 
 
+def test_dropping_an_entry_counts_every_payload_merged_into_it():
+    logger = RecordingLogger()
+    channel = sync_channel(logger, capacity=1)
+    for i in range(100):  # one pending entry of "a" holding 100 payloads
+        channel.submit_metrics({"r": ListPartial("r", [1.0])}, step=i, namespace="a")
+    health = channel.health()
+    assert health["coalesced"] == 99 and health["dropped"] == 0
+    channel.submit_metrics({"r": ListPartial("r", [1.0])}, namespace="b")  # drops "a"
+    health = channel.health()
+    assert health["dropped"] == 100 and health["coalesced"] == 0
+    assert_balanced(health)
+    channel.step()
+    assert logger.calls == [({"b/r_count": 1.0, "b/r_sum": 1.0}, None)]
+    assert_balanced(channel.health())
+    channel.close()
+
+
+def test_payloads_logged_plus_dropped_equal_those_submitted_under_a_flood():
+    import random
+
+    from rl_observers import Count
+
+    logger = RecordingLogger()
+    channel = sync_channel(logger, capacity=3)
+    rng = random.Random(0)
+    for i in range(5000):  # a busy namespace and rare ones: merged entries get dropped
+        namespace = "busy" if rng.random() < 0.8 else f"rare{rng.randrange(20)}"
+        channel.submit_metrics({"c": Count("c", 1)}, step=i, namespace=namespace)
+        if i % 97 == 0:
+            channel.step()
+    channel.step()
+    health = channel.health()
+    logged = sum(v for call, _ in logger.calls for k, v in call.items() if k.endswith("/c"))
+    assert health["dropped"] > 0 and health["coalesced"] > 0
+    assert logged + health["dropped"] == health["submitted"] == 5000
+    assert_balanced(health)
+    channel.close()
+
+
+def test_flush_and_close_return_false_when_payloads_were_dropped_since_the_last_check():
+    logger = RecordingLogger()
+    channel = sync_channel(logger, capacity=1)
+    for i in range(10):  # each namespace drops the previous one's entry
+        channel.submit_metrics({"x": float(i)}, step=i, namespace=f"ns{i}")
+    assert channel.flush(timeout=10) is False
+    assert logger.calls == [({"ns9/x": 9.0}, 9)]
+    assert channel.health()["dropped"] == 9
+    channel.submit_metrics({"x": 10.0}, step=10, namespace="ns10")
+    assert channel.flush(timeout=10)  # nothing lost since the previous flush
+    channel.submit_metrics({"x": 11.0}, namespace="a")
+    channel.submit_metrics({"x": 12.0}, namespace="b")  # drops "a"
+    assert channel.close(timeout=10) is False
+    assert_balanced(channel.health())
+
+
 def test_a_failing_merge_keeps_the_newest_value_and_is_reported(warnings_seen):
     logger = RecordingLogger()
     channel = sync_channel(logger, capacity=1)
@@ -275,9 +359,10 @@ def test_the_queue_stays_bounded_under_a_flood_with_a_hung_logger(gate):
     assert health["submitted"] == 20_000
     assert health["pending"] <= 65
     assert health["dropped"] + health["coalesced"] >= 20_000 - 65
+    assert health["dropped"] > 0
     assert_balanced(health)
     gate.set()
-    assert channel.close(timeout=10)
+    assert channel.close(timeout=10) is False  # processed, but payloads were dropped
     assert_balanced(channel.health())
 
 
@@ -508,6 +593,7 @@ def test_close_is_idempotent_never_shuts_the_logger_down_and_drops_late_submits(
     health = channel.health()
     assert health["dropped"] == 1 and health["logged"] == 1
     assert_balanced(health)
+    assert channel.close(timeout=10) is False  # the late payload was lost since
     with pytest.raises(RuntimeError, match="closed"):
         channel.handle()
 
@@ -824,19 +910,87 @@ def test_unreadable_datagrams_are_counted_and_ignored():
     channel.close()
 
 
-def test_unpicklable_or_oversized_payloads_are_dropped_by_the_sender(warnings_seen):
+def _latest_window(size: int):
+    """A real window of the last ``size`` episodes (what ``episode_window=size`` sends)."""
+    from rl_observers.stats import LatestWindow
+
+    entries = [((i * 7, 1, i % 4), (float(i) * 0.37, float(i % 50))) for i in range(size)]
+    return LatestWindow(
+        size, ("episode_return", "episode_length"), stats=[("mean",), ("mean",)], entries=entries
+    )
+
+
+def test_payloads_larger_than_64_kib_cross_the_socket():
+    logger = RecordingLogger()
+    channel = sync_channel(logger)
+    handle = _remote_handle(channel)
+    window = _latest_window(3000)
+    assert len(pickle.dumps(window, protocol=pickle.HIGHEST_PROTOCOL)) > 1 << 16
+    handle.submit_metrics({"w": window}, step=1, namespace="collector")
+    channel.step()
+    assert handle.dropped == 0
+    assert logger.calls == [({f"collector/{k}": v for k, v in window.finalize().items()}, 1)]
+    assert channel.close()
+
+
+def test_a_payload_too_large_for_a_datagram_is_counted_at_the_owner_at_once(warnings_seen):
+    from rl_observers.channel.socket import SocketSender
+
+    logger = RecordingLogger()
+    channel = sync_channel(logger)
+    handle = _remote_handle(channel)
+    too_large = {f"k{i}": float(i) for i in range(SocketSender.max_payload() // 10)}
+    for step in range(3):  # every payload too large: no later datagram carries the count
+        handle.submit_metrics(too_large, step=step, namespace="w")
+    assert handle.dropped == 3
+    channel.step()
+    health = channel.health()
+    assert health["remote_dropped"] == 3 and health["submitted"] == 0
+    assert logger.calls == []
+    (message,) = [m for m in warnings_seen if "MetricsHandle" in m]
+    assert "bytes pickled" in message and "remote_dropped" in message
+    assert channel.close() is False  # payloads were lost: close() does not say all went well
+
+
+def test_unpicklable_payloads_are_dropped_by_the_sender_and_counted_at_the_owner(warnings_seen):
     channel = sync_channel(RecordingLogger())
     handle = _remote_handle(channel)
     unpicklable = ListPartial("x", [1.0])
     unpicklable.lock = threading.Lock()  # a partial that cannot travel
     handle.submit_metrics({"x": unpicklable})
-    handle.submit_metrics({f"k{i}": float(i) for i in range(10_000)})
-    assert handle.dropped == 2
+    assert handle.dropped == 1
     assert len(warnings_seen) == 1 and "pickle" in warnings_seen[0]
-    handle.submit_metrics({"x": 1.0})
     channel.step()
-    assert channel.health()["remote_dropped"] == 2  # reported with the next datagram
+    assert channel.health()["remote_dropped"] == 1  # reported at once, alone
     channel.close()
+
+
+_CHILD_SENDS_TOO_LARGE = """
+import pickle
+from rl_observers.channel.socket import SocketSender
+handle = pickle.loads(handle)
+payload = {f"k{i}": float(i) for i in range(SocketSender.max_payload() // 10)}
+for i in range(4):
+    handle.submit_metrics(payload, step=i, namespace="big")
+assert handle.transport == "socket" and handle.dropped == 4
+assert handle.flush(timeout=10)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_whose_every_payload_is_too_large_is_seen_at_the_owner():
+    logger = RecordingLogger()
+    channel = MetricsChannel(logger, health_interval=None)
+    ctx = mp.get_context("fork")
+    child = ctx.Process(
+        target=exec, args=(_CHILD_SENDS_TOO_LARGE, {"handle": pickle.dumps(channel.handle())})
+    )
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    assert channel.flush(timeout=10) is False
+    assert channel.health()["remote_dropped"] == 4
+    assert channel.close(timeout=10)  # nothing more was lost since the flush
 
 
 _CHILD_SUBMITS = """
@@ -866,6 +1020,44 @@ def test_a_handle_submits_from_a_spawned_process():
     assert channel.flush(timeout=10)
     assert logger.series("spawned/x") == [(i, float(i)) for i in range(5)]
     assert channel.close(timeout=10)
+
+
+_INHERITED_AFTER_CLOSE = """
+child_ready.set()  # the channel's stand-in here was made while the owner's socket existed
+owner_closed.wait()
+for i in range(5):
+    handle.submit_metrics({"x": 1.0}, namespace="w")
+assert handle.transport == "socket", handle.transport
+assert handle.dropped == 5 and channel.health()["dropped"] == 5, handle.dropped
+assert handle.flush(timeout=1)  # nothing is left in it: the drops are counted
+assert channel.flush(timeout=1) is False  # but the channel says payloads were lost
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_handle_inherited_by_a_forked_child_reports_its_transport_and_drops():
+    channel = MetricsChannel(RecordingLogger(), health_interval=None)
+    handle = channel.handle()
+    ctx = mp.get_context("fork")
+    child_ready, owner_closed = ctx.Event(), ctx.Event()
+    child = ctx.Process(
+        target=exec,
+        args=(
+            _INHERITED_AFTER_CLOSE,
+            {
+                "handle": handle,
+                "channel": channel,
+                "child_ready": child_ready,
+                "owner_closed": owner_closed,
+            },
+        ),
+    )
+    child.start()
+    assert child_ready.wait(30)
+    assert channel.close(timeout=10)  # the child's payloads now have nowhere to go
+    owner_closed.set()
+    child.join(30)
+    assert child.exitcode == 0
 
 
 _FORKED_CHILD = """

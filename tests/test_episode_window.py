@@ -310,3 +310,36 @@ def test_multisync_workers_aggregate_by_episode_end_order(tmp_path):
     assert rows[-1] == (600, pytest.approx(final[f"episode_return_mean_last_{n}"], abs=1e-5))
     for key in (f"episode_return_median_last_{n}", f"episode_length_mean_last_{n}"):
         assert scalars(logger, "collector/" + key)[-1][1] == pytest.approx(final[key], abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_window_larger_than_64_kib_travels_from_the_workers(tmp_path):
+    n = 3000  # each worker's window pickles to ~100 KB once full
+    env = make_env(max_steps=1)
+    logger = CSVLogger(exp_name="wide", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger, health_interval=None)
+    with start_method("fork"):
+        collector = MultiSyncCollector(
+            [partial(make_env, max_steps=1, seed=0), partial(make_env, max_steps=1, seed=1)],
+            RandomPolicy(env.action_spec),
+            frames_per_batch=400,
+            total_frames=8000,
+        )
+    collector.add_observer(
+        LoggerObserver(
+            channel,
+            schedule=Every.counter("frames", 2000),
+            name="collector",
+            scope="aggregate",
+            metrics=CollectorBatchMetrics(episode_window=n),
+        )
+    )
+    batches = [batch.clone() for batch in collector]
+    collector.shutdown()
+    assert channel.close(timeout=60)  # nothing dropped on the way
+    assert channel.health()["remote_dropped"] == 0
+    episodes, _ = ended_episodes(batches, rows_are_workers=True)
+    name = f"collector/episode_return_mean_last_{n}"
+    final = expected(episodes, n)[f"episode_return_mean_last_{n}"]
+    assert scalars(logger, name)[-1] == (8000, pytest.approx(final, abs=1e-5))

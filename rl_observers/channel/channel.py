@@ -74,7 +74,8 @@ class MetricsChannel:
     coalesced into the newest pending entry of the same namespace (partials
     merge exactly, gauges keep the newest value, the step becomes the newest);
     if that namespace has no pending entry, the oldest pending entry is
-    dropped. Both are counted, so memory stays flat under any flood.
+    dropped. Both are counted, in payloads: every payload merged into a
+    dropped entry counts as dropped. Memory stays flat under any flood.
 
     The channel never takes ownership of the logger: :meth:`close` stops the
     channel's thread and leaves the logger running; shutting it down remains
@@ -266,13 +267,13 @@ class MetricsChannel:
         self._state.submit_metrics(metrics, step, namespace, meta)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Waits until everything submitted before this call reached the logger.
+        """Waits until everything submitted before this call was processed.
 
         Payloads that handles in other processes sent before the call are
-        included. "Reached" means delivered, failed (counted in
-        ``sink_errors``) or dropped on overflow. With ``background=False``
-        the entries are delivered in the calling thread, and ``timeout`` does
-        not bound the logger calls.
+        included. "Processed" means delivered, failed (counted in
+        ``sink_errors``) or dropped (on overflow, counted in ``dropped``).
+        With ``background=False`` the entries are delivered in the calling
+        thread, and ``timeout`` does not bound the logger calls.
 
         Args:
             timeout (float, optional): the most seconds to wait. Defaults to
@@ -280,11 +281,14 @@ class MetricsChannel:
 
         Returns:
             ``True`` if everything submitted before the call was processed
-            and no logger call (nor partial, nor router) failed since the
-            previous :meth:`flush` or :meth:`close`; ``False`` if the timeout
-            expired first (the logger is slow or hung) or something failed
-            (counted in ``sink_errors``, reported per ``on_error``): ``True``
-            never means "logged" when the logger refused the entries.
+            and, since the previous :meth:`flush` or :meth:`close`, no
+            logger call (nor partial, nor router) failed and no payload was
+            lost; ``False`` if the timeout expired first (the logger is slow
+            or hung), something failed (counted in ``sink_errors``, reported
+            per ``on_error``) or payloads were lost (counted in ``dropped``,
+            ``remote_dropped`` or ``receiver_restarts``). ``True`` thus means
+            that everything submitted since the previous check reached the
+            logger (coalesced payloads merged into the entry logged).
 
         Raises:
             Exception: with ``on_error="raise"``, the first logger error
@@ -375,9 +379,11 @@ class MetricsChannel:
 
         Returns:
             ``True`` if everything was delivered and the thread stopped;
-            ``False`` if the timeout expired first, or if a logger call (or
-            a partial, a router, a close callback) failed since the previous
-            :meth:`flush` or :meth:`close`: see ``health()["sink_errors"]``.
+            ``False`` if the timeout expired first, or if, since the previous
+            :meth:`flush` or :meth:`close`, a logger call (or a partial, a
+            router, a close callback) failed or payloads were lost: see
+            ``health()`` (``sink_errors``, ``dropped``, ``remote_dropped``,
+            ``receiver_restarts``).
 
         Raises:
             Exception: with ``on_error="raise"``, a stored logger error.
@@ -421,10 +427,14 @@ class MetricsChannel:
           received from handles in other processes);
         - ``logged``: entries delivered to the logger (one logger call each);
         - ``pending``: entries not yet logged (queued or being logged);
-        - ``coalesced``: payloads merged into a pending entry on overflow;
-        - ``dropped``: entries dropped on overflow, after :meth:`close`, or
+        - ``coalesced``: payloads merged into a pending entry on overflow
+          (logged with it; when that entry is dropped they count in
+          ``dropped`` instead);
+        - ``dropped``: payloads lost here: every payload held by an entry
+          dropped on overflow, payloads submitted after :meth:`close`, and
           unreadable datagrams;
-        - ``sink_errors``: entries whose logger call raised;
+        - ``sink_errors``: entries whose logger call raised (for an entry
+          handed to a router: one of its rows, the others are still written);
         - ``remote_dropped`` / ``remote_coalesced``: what handles in other
           processes dropped or coalesced before sending (as far as they
           could report it), also on other nodes;

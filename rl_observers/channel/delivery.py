@@ -45,7 +45,11 @@ class Router(Protocol):
     """Owner-side handling of the entries whose ``meta`` holds the router's key.
 
     Both methods run where entries are delivered (the channel's thread),
-    one call at a time.
+    one call at a time. The rows they return are written as they are
+    produced, each in its own logger call: a row the logger refuses is
+    reported through the channel's ``on_error`` policy and does not stop
+    the next ones. An entry with a row refused counts once in
+    ``sink_errors``.
     """
 
     def route(
@@ -56,12 +60,10 @@ class Router(Protocol):
     def finish(self) -> Iterable[Row]:
         """The last rows, when the channel closes.
 
-        Rows are written as they are produced, each in its own logger call:
-        a row the logger refuses does not stop the next ones. An error
-        raised while producing the rows is handled by the channel's
-        ``on_error`` policy after the rows produced so far are written (a
-        router that finishes independent parts yields every part it can,
-        then raises the first error).
+        An error raised while producing the rows (here or in :meth:`route`)
+        is handled by the channel's ``on_error`` policy after the rows
+        produced so far are written (a router that finishes independent
+        parts yields every part it can, then raises the first error).
         """
 
 
@@ -137,9 +139,11 @@ class Delivery:
         self._poll = poll
         self._health_interval = health_interval
         self._log_health_always = log_health
-        # failures reported (sink, partials, routers, health): flush/close tell whether new ones came
+        # failures reported (sink, partials, routers, health) and losses counted by the queue:
+        # flush/close tell whether new ones came
         self.failures = 0
         self._failures_seen = 0
+        self._lost_seen = queue.lost()
         self._routers: dict[str, Router] = {}
         self._failing = False
         self._error: BaseException | None = None
@@ -251,43 +255,48 @@ class Delivery:
             if entry is None:
                 return count
             try:
-                self._deliver(entry)
+                delivered = self._deliver(entry)
             except Exception as err:
                 delivered = False
                 self.report(err, f"failed to log namespace {entry.namespace!r}")
-            else:
-                delivered = True
+            if delivered:
                 self._failing = False
             queue.done(entry, delivered)
             count += 1
 
-    def _deliver(self, entry: PendingEntry) -> None:
-        """Turns one entry into logger calls (through its router, if its meta asks for one)."""
+    def _deliver(self, entry: PendingEntry) -> bool:
+        """Turns one entry into logger calls (through its router, if its meta asks for one).
+
+        Returns whether every call succeeded; a refused row of a router was
+        already reported.
+        """
         router = self._routed(entry.meta)
         if router is not None:
-            self._write_rows(router.route(entry.namespace, entry.metrics, entry.step, entry.meta))
-            return
+            rows = router.route(entry.namespace, entry.metrics, entry.step, entry.meta)
+            return self._write_rows(rows, "failed to log namespace")
         payload = expand(entry.namespace, entry.metrics)
         if payload:
             self.write(payload, entry.step)
+        return True
 
-    def _write_rows(self, rows: Iterable[Row]) -> None:
+    def _write_rows(self, rows: Iterable[Row], what: str) -> bool:
+        """Writes each row in its own try (one refused row loses no other); whether all went."""
+        written = True
         for namespace, metrics, step in rows:
-            payload = expand(namespace, metrics)
-            if payload:
-                self.write(payload, step)
+            try:
+                payload = expand(namespace, metrics)
+                if payload:
+                    self.write(payload, step)
+            except Exception as err:
+                written = False
+                self.report(err, f"{what} {namespace!r}")
+        return written
 
     def _finish_routers(self) -> None:
         """Writes every router's last rows (at close); a failure stops no other row nor router."""
         for key, router in list(self._routers.items()):
             try:
-                for namespace, metrics, step in router.finish():
-                    try:
-                        payload = expand(namespace, metrics)
-                        if payload:
-                            self.write(payload, step)
-                    except Exception as err:
-                        self.report(err, f"failed to log the last rows of namespace {namespace!r}")
+                self._write_rows(router.finish(), "failed to log the last rows of namespace")
             except Exception as err:
                 self.report(err, f"failed to finish router {key!r}")
 
@@ -315,10 +324,12 @@ class Delivery:
         self._failing = True
 
     def clean_since_last_check(self) -> bool:
-        """Whether no failure was reported since the previous call (what flush/close return)."""
+        """Whether nothing failed nor was lost since the previous call (what flush/close return)."""
         failures = self.failures
-        clean = failures == self._failures_seen
+        lost = self.queue.lost()
+        clean = failures == self._failures_seen and lost == self._lost_seen
         self._failures_seen = failures
+        self._lost_seen = lost
         return clean
 
     def raise_stored_error(self) -> None:

@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from rl_observers.channel.owner import Forwarder
 from rl_observers.channel.payload import check_metrics
 from rl_observers.channel.transport import Sender, make_sender
 
@@ -43,8 +44,11 @@ class MetricsHandle:
       meta)`` into one datagram sent without blocking. If the owner's socket
       queue is full, the payload is coalesced into a small per-namespace
       backlog that is sent first on the next submission or by :meth:`flush`;
-      if the owner is gone, or the payload cannot be pickled or exceeds
-      64 KiB, it is dropped and counted in :attr:`dropped`.
+      if the owner is gone, or the payload cannot be pickled or is larger
+      than one datagram carries (the socket's send buffer as the kernel
+      grants it, at most 1 MiB; about 416 KiB with Linux's defaults), it is
+      dropped, counted in :attr:`dropped` and, unless the owner is gone,
+      reported at once to the owner's ``health()["remote_dropped"]``.
 
     A handle made with ``channel.handle(transport=name)`` always sends
     through that transport, even in the channel's own process.
@@ -125,9 +129,11 @@ class MetricsHandle:
 
         In the channel's process, this is :meth:`MetricsChannel.flush`. In
         another process, it retries what the transport holds back (the
-        socket's backlog while the owner's queue was full); it does not wait
+        socket's backlog while the owner's queue was full, and the count of
+        what it dropped that the owner has not heard of); it does not wait
         for the owner to log (a worker cannot see that), so call it before a
-        worker exits.
+        worker exits. A handle a forked child inherited with its channel
+        pushes what the channel's stand-in there holds.
 
         Args:
             timeout (float, optional): the most seconds to wait. Defaults to
@@ -137,36 +143,63 @@ class MetricsHandle:
             ``True`` if nothing is left in the handle.
         """
         if self._channel is not None:
+            forwarder = self._forwarder()
+            if forwarder is not None:  # another process: what it holds, not what was lost
+                return forwarder.send_held(timeout)
             return self._channel.flush(timeout)
         if self._sender is None:
             return True
         return self._sender.flush(timeout)
 
+    def _forwarder(self) -> Forwarder | None:
+        """The channel's stand-in, for a handle a forked child inherited with its channel."""
+        channel = self._channel
+        state = None if channel is None else channel._state
+        return state if isinstance(state, Forwarder) else None
+
     @property
     def transport(self) -> str:
-        """How payloads travel: ``"local"`` in the channel's process, else the transport's name."""
+        """How payloads travel: ``"local"`` in the channel's process, else the transport's name.
+
+        A handle a forked child inherited with its channel submits to the
+        channel's stand-in there, which sends through a transport: its name.
+        """
         if self._channel is not None:
-            return "local"
+            forwarder = self._forwarder()
+            return "local" if forwarder is None else forwarder.transport
         return self._send_through().name
 
     @property
     def address(self) -> Any:
         """The address the handle's transport sends to (``None`` in the channel's process)."""
         if self._channel is not None:
-            return None
+            forwarder = self._forwarder()
+            return None if forwarder is None else forwarder.address
         return self._addresses.get(self.transport)
 
     @property
     def dropped(self) -> int:
         """Payloads this handle dropped in transit (owner gone, payload unpicklable or too large).
 
-        Always ``0`` in the channel's own process, where the channel counts its drops.
+        Always ``0`` in the channel's own process, where the channel counts its
+        drops. In a forked child that inherited the handle with its channel, what
+        the channel's stand-in there dropped (it sends for every such handle).
         """
+        forwarder = self._forwarder()
+        if forwarder is not None:
+            return forwarder.health()["dropped"]
         return self._sender.dropped if self._sender is not None else 0
 
     @property
     def coalesced(self) -> int:
-        """Payloads merged into the handle's backlog while the owner's queue was full."""
+        """Payloads merged into the handle's backlog while the owner's queue was full.
+
+        In a forked child that inherited the handle with its channel, those of
+        the channel's stand-in there.
+        """
+        forwarder = self._forwarder()
+        if forwarder is not None:
+            return forwarder.health()["coalesced"]
         return self._sender.coalesced if self._sender is not None else 0
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -310,8 +310,10 @@ class Forwarder:
         self.background = owner.background
         self.closed = owner.closed
         self.queue = None
-        self._sender = make_sender({} if owner.closed else addresses, owner=f"MetricsChannel {owner.name!r} (pid {owner.pid})")
+        self._addresses = {} if owner.closed else dict(addresses)
+        self._sender = make_sender(self._addresses, owner=f"MetricsChannel {owner.name!r} (pid {owner.pid})")
         self._dropped_after_close = 0
+        self._lost_seen = self._sender.dropped
         self._close_callbacks: list[Callable[[], Any]] = []
 
     def submit_metrics(
@@ -327,8 +329,30 @@ class Forwarder:
             return
         self._sender.send(metrics, step, namespace, meta)
 
+    @property
+    def transport(self) -> str:
+        """The name of the transport it sends through."""
+        return self._sender.name
+
+    @property
+    def address(self) -> Any:
+        """The owner's address it sends to."""
+        return self._addresses.get(self._sender.name)
+
     def flush(self, timeout: float | None) -> bool:
+        done = self._sender.flush(timeout)
+        return self._nothing_lost_since_last_check() and done
+
+    def send_held(self, timeout: float | None) -> bool:
+        """Sends what the sender holds back (a handle's flush); whether nothing is left."""
         return self._sender.flush(timeout)
+
+    def _nothing_lost_since_last_check(self) -> bool:
+        """Whether nothing was dropped here since the previous flush/close (what they return)."""
+        lost = self._sender.dropped + self._dropped_after_close
+        clean = lost == self._lost_seen
+        self._lost_seen = lost
+        return clean
 
     def step(self) -> int:
         self._sender.flush(0)
@@ -348,7 +372,7 @@ class Forwarder:
                 )
         done = self._sender.flush(timeout)
         self.closed = True
-        return done
+        return self._nothing_lost_since_last_check() and done
 
     def health(self) -> dict[str, int]:
         sender = self._sender

@@ -6,8 +6,11 @@ here; the delivery thread *takes* entries one at a time and marks them
 *done*. At most ``capacity`` entries wait: on overflow a payload coalesces
 into the newest pending entry of its namespace (:func:`~.payload.coalesce`)
 or, if that namespace has none, the oldest entry is dropped. Everything is
-counted, under one lock, so that ``submitted == logged + pending + coalesced +
-dropped + sink_errors`` holds at any moment.
+counted in payloads, under one lock, so that ``submitted == logged + pending +
+coalesced + dropped + sink_errors`` holds at any moment: an entry counts once
+in ``logged``, ``pending`` or ``sink_errors`` and the payloads merged into it
+in ``coalesced``; a dropped entry counts every payload it held in
+``dropped`` (and those merged into it leave ``coalesced``).
 
 Examples:
     >>> from rl_observers.channel.queue import PendingQueue
@@ -36,9 +39,12 @@ __all__ = ["PendingEntry", "PendingQueue"]
 
 
 class PendingEntry:
-    """One pending payload of one namespace; ``seq`` is its first submission number."""
+    """One pending payload of one namespace; ``seq`` is its first submission number.
 
-    __slots__ = ("meta", "metrics", "namespace", "seq", "step")
+    ``payloads`` is how many submissions it holds (1 + those coalesced into it).
+    """
+
+    __slots__ = ("meta", "metrics", "namespace", "payloads", "seq", "step")
 
     def __init__(
         self,
@@ -53,6 +59,7 @@ class PendingEntry:
         self.step = step
         self.meta = meta
         self.seq = seq
+        self.payloads = 1
 
 
 class PendingQueue:
@@ -111,16 +118,24 @@ class PendingQueue:
                     entry.step = step
                     if meta is not None:
                         entry.meta = meta
+                    entry.payloads += 1
                     self._coalesced += 1
                 else:
                     oldest = pending.popleft()
                     if self._newest.get(oldest.namespace) is oldest:
                         del self._newest[oldest.namespace]
-                    self._dropped += 1
+                    # every payload merged into it is lost with it
+                    self._dropped += oldest.payloads
+                    self._coalesced -= oldest.payloads - 1
                     entry = PendingEntry(namespace, metrics, step, meta, self._submitted)
                     pending.append(entry)
                     self._newest[namespace] = entry
         return error
+
+    def lost(self) -> int:
+        """Losses counted so far: payloads dropped here or by senders, receivers restarted."""
+        with self._lock:
+            return self._dropped + self._remote_dropped + self._receiver_restarts
 
     def count_dropped(self) -> None:
         """Counts one submission dropped before it was queued (after close, unreadable)."""

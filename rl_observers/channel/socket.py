@@ -6,6 +6,13 @@ owner binds a datagram socket in a private (0700) temporary directory
 pickles each payload into one datagram and sends it without ever blocking
 (:class:`SocketSender`). Unix-domain sockets reach only the owner's machine:
 :func:`reachable` is ``False`` where the socket file does not exist.
+
+How large a datagram can be is the kernel's call: Linux refuses one longer
+than the sender's send buffer (``SO_SNDBUF``) minus 32 bytes. The sender
+asks for a buffer of ``MAX_DATAGRAM`` bytes, reads back what the kernel
+granted (on Linux twice the request, capped at twice
+``net.core.wmem_max``: 416 KiB with the defaults) and sends payloads up to
+that, at most ``MAX_DATAGRAM`` (what the receiver reads at once).
 """
 
 from __future__ import annotations
@@ -28,8 +35,11 @@ from rl_observers.channel.transport import Accept, register_transport
 
 __all__ = ["SocketAddress", "SocketReceiver", "SocketSender", "machine_id", "reachable"]
 
-# The largest payload a handle sends in one datagram (pickled), in bytes.
-MAX_DATAGRAM = 1 << 16
+# The largest payload a handle sends in one datagram (pickled), in bytes: the receiver reads
+# this much at once. A sender's own limit is its send buffer, which the kernel may keep smaller.
+MAX_DATAGRAM = 1 << 20
+# Linux refuses a datagram longer than the sender's SO_SNDBUF minus this (EMSGSIZE).
+_SNDBUF_OVERHEAD = 32
 # How many datagrams the receiver reads in one go before releasing its lock.
 _RECEIVE_BATCH = 4096
 # How many namespaces a sender keeps in its backlog while the owner's socket queue is full.
@@ -94,11 +104,17 @@ class SocketSender:
     small per-namespace backlog (coalesced with
     :func:`~rl_observers.channel.payload.coalesce`) that is sent first on the
     next submission or by :meth:`flush`. Any other error (owner gone, payload
-    too large or not picklable) drops the payload. ``path=None`` drops all.
+    too large or not picklable) drops the payload, with every payload
+    coalesced into it. Drops are counted and reported to the owner
+    (``health()["remote_dropped"]``) with the next datagram; a payload too
+    large or not picklable is reported at once, in a datagram of its own
+    that carries only the counts (the next payload may never come).
+    ``path=None`` drops all.
     """
 
     name = "socket"
-    _sockets: tuple[int, socket.socket] | None = None
+    # this process's socket: (pid, socket, largest datagram it sends, its send buffer)
+    _sockets: tuple[int, socket.socket, int, int] | None = None
 
     def __init__(self, path: str | None) -> None:
         self.path = path
@@ -107,19 +123,37 @@ class SocketSender:
         self.coalesced = 0
         self._unreported_dropped = 0
         self._unreported_coalesced = 0
+        # namespace -> [metrics, step, meta, payloads held]
         self._backlog: dict[str, list[Any]] = {}
         self._lock = threading.Lock()
-        self._warned = False
+        self._warned: set[str] = set()
 
     @classmethod
-    def _socket(cls) -> socket.socket:
+    def _socket(cls) -> tuple[socket.socket, int, int]:
+        """This process's socket, the largest datagram it sends and its send buffer."""
         pid = os.getpid()
         entry = cls._sockets
         if entry is None or entry[0] != pid:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             sock.setblocking(False)
-            cls._sockets = entry = (pid, sock)
-        return entry[1]
+            # the send buffer bounds one datagram: ask for room for the largest, and
+            # read back what the kernel granted (it caps the request)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, MAX_DATAGRAM)
+            except OSError:
+                pass
+            try:
+                sndbuf = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+            except OSError:
+                sndbuf = MAX_DATAGRAM
+            limit = max(0, min(MAX_DATAGRAM, sndbuf - _SNDBUF_OVERHEAD))
+            cls._sockets = entry = (pid, sock, limit, sndbuf)
+        return entry[1], entry[2], entry[3]
+
+    @classmethod
+    def max_payload(cls) -> int:
+        """The most bytes a pickled payload may take to be sent from this process."""
+        return cls._socket()[1]
 
     def send(
         self,
@@ -145,7 +179,7 @@ class SocketSender:
         delay = 0.0005
         while True:
             with self._lock:
-                if not self._backlog or self._send_backlog_locked():
+                if (not self._backlog or self._send_backlog_locked()) and self._report_locked():
                     return True
             if deadline is not None and time.monotonic() + delay > deadline:
                 return False
@@ -161,13 +195,37 @@ class SocketSender:
         self.dropped += count
         self._unreported_dropped += count
 
+    def _lose_locked(self, payloads: int) -> None:
+        """Counts a payload dropped with the ``payloads - 1`` coalesced into it, as dropped."""
+        self.drop(payloads)
+        merged = payloads - 1
+        if merged:  # no longer coalesced: lost (the owner's counts follow, as its queue's do)
+            self.coalesced -= merged
+            self._unreported_coalesced -= merged
+
+    def _report_locked(self) -> bool:
+        """Sends the unreported counts alone, in a tiny datagram; ``False`` only to retry later.
+
+        It always fits, so the owner learns of a drop even when no payload
+        gets through after it.
+        """
+        counts = (self._unreported_dropped, self._unreported_coalesced)
+        if counts == (0, 0) or self.path is None:
+            return True
+        data = pickle.dumps(("", {}, None, None, counts), protocol=pickle.HIGHEST_PROTOCOL)
+        status = self._sendto_locked(data)
+        if status == "sent":
+            self._unreported_dropped -= counts[0]
+            self._unreported_coalesced -= counts[1]
+        return status != "retry"  # an owner that is gone never hears of them
+
     def _send_backlog_locked(self) -> bool:
         """Sends the backlog, oldest first; returns whether it is now empty."""
         backlog = self._backlog
         while backlog:
             namespace = next(iter(backlog))
-            metrics, step, meta = backlog[namespace]
-            if self._send_locked(namespace, metrics, step, meta) == "retry":
+            metrics, step, meta, payloads = backlog[namespace]
+            if self._send_locked(namespace, metrics, step, meta, payloads) == "retry":
                 return False
             del backlog[namespace]
         return True
@@ -187,10 +245,11 @@ class SocketSender:
             held[1] = step
             if meta is not None:
                 held[2] = meta
+            held[3] += 1
             self.coalesced += 1
             self._unreported_coalesced += 1
         elif len(self._backlog) < BACKLOG_NAMESPACES:
-            self._backlog[namespace] = [metrics, step, meta]
+            self._backlog[namespace] = [metrics, step, meta, 1]
         else:
             self.drop()
 
@@ -200,38 +259,65 @@ class SocketSender:
         metrics: dict[str, Any],
         step: int | None,
         meta: Mapping[str, Any] | None,
+        payloads: int = 1,
     ) -> str:
-        """Sends one payload; returns ``"sent"``, ``"retry"`` or ``"dropped"``."""
+        """Sends one payload (holding ``payloads``); returns ``"sent"``, ``"retry"`` or ``"dropped"``."""
         counts = (self._unreported_dropped, self._unreported_coalesced)
         try:
             data = pickle.dumps(
                 (namespace, metrics, step, meta, counts), protocol=pickle.HIGHEST_PROTOCOL
             )
         except Exception as err:
-            self.drop()
-            self._warn_once(f"could not pickle a payload of namespace {namespace!r}: {err!r}")
-            return "dropped"
-        if len(data) > MAX_DATAGRAM:
-            self.drop()
+            self._lose_locked(payloads)
             self._warn_once(
-                f"dropped a payload of namespace {namespace!r}: {len(data)} bytes pickled, "
-                f"more than the {MAX_DATAGRAM} a datagram carries"
+                "pickle",
+                f"could not pickle a payload of namespace {namespace!r}: {err!r}; it is dropped "
+                "and counted in the owner's health()['remote_dropped']",
             )
+            self._report_locked()
             return "dropped"
+        _, limit, sndbuf = self._socket()
+        status = "too large" if len(data) > limit else self._sendto_locked(data)
+        if status == "sent":
+            self._unreported_dropped -= counts[0]
+            self._unreported_coalesced -= counts[1]
+            return "sent"
+        if status == "retry":
+            return "retry"
+        self._lose_locked(payloads)
+        if status == "too large":
+            if limit < MAX_DATAGRAM:
+                why = (
+                    f"this process's socket send buffer is {sndbuf} bytes, as much as the kernel "
+                    "grants (on Linux, raise net.core.wmem_max for more)"
+                )
+            else:
+                why = "the most the channel's socket reads at once"
+            self._warn_once(
+                "size",
+                f"dropped a payload of namespace {namespace!r}: {len(data)} bytes pickled, more "
+                f"than the {limit} bytes one datagram carries here ({why}). It is counted in the "
+                "owner's health()['remote_dropped']; log less per payload (a smaller window, "
+                "fewer metrics)",
+            )
+            self._report_locked()  # at once: the next payload may be as large
+        return "dropped"
+
+    def _sendto_locked(self, data: bytes) -> str:
+        """One datagram: ``"sent"``, ``"retry"`` (queue full), ``"too large"`` or ``"gone"``."""
         try:
-            self._socket().sendto(data, self.path)
+            self._socket()[0].sendto(data, self.path)
         except OSError as err:
             if err.errno in _RETRY_ERRNOS:
                 return "retry"
-            self.drop()  # the owner is gone (ENOENT, ECONNREFUSED) or worse
-            return "dropped"
-        self._unreported_dropped = 0
-        self._unreported_coalesced = 0
+            if err.errno == errno.EMSGSIZE:
+                return "too large"
+            return "gone"  # the owner is gone (ENOENT, ECONNREFUSED) or worse
         return "sent"
 
-    def _warn_once(self, message: str) -> None:
-        if not self._warned:
-            self._warned = True
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
             torchrl_logger.warning(f"MetricsHandle {message}. Further such errors are silent.")
 
 
@@ -257,6 +343,9 @@ class SocketReceiver:
         self._thread: threading.Thread | None = None
         self._accept: Accept | None = None
         self._refuse: Callable[[], None] | None = None
+        # one buffer for every datagram, a byte longer than the largest: a datagram
+        # that fills it was cut short, and is refused
+        self._buffer = bytearray(MAX_DATAGRAM + 1)
 
     @classmethod
     def create(cls, token: str, name: str) -> SocketReceiver | None:
@@ -290,8 +379,8 @@ class SocketReceiver:
         try:
             sock.bind(path)
             sock.setblocking(False)
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
+            try:  # Linux ignores it for Unix datagrams; other kernels count them against it
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * MAX_DATAGRAM)
             except OSError:
                 pass
             self._wake_r, self._wake_w = socket.socketpair()
@@ -356,14 +445,16 @@ class SocketReceiver:
         if sock is None:
             return 0
         count = 0
+        buffer = self._buffer
+        view = memoryview(buffer)
         while count < _RECEIVE_BATCH:
             try:
-                data = sock.recv(MAX_DATAGRAM)
+                size = sock.recv_into(buffer)
             except OSError:  # nothing left (EAGAIN) or socket closed
                 break
             count += 1
             try:
-                message = pickle.loads(data)
+                message = None if size > MAX_DATAGRAM else pickle.loads(view[:size])
                 valid = message.__class__ is tuple and len(message) == 5
             except Exception:
                 valid = False

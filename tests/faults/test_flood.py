@@ -58,10 +58,12 @@ def test_a_million_submissions_from_eight_threads_into_a_hung_sink(gate):
     health = channel.health()
     assert health["submitted"] == SUBMITS + 10_000
     assert health["pending"] <= CAPACITY + 1
-    assert health["coalesced"] > 0 and health["dropped"] > 0
+    # entries the odd threads coalesced into may all have been dropped since: their
+    # payloads then count as dropped, and coalesced can end at 0
+    assert health["dropped"] > 0
     assert_balanced(health)
     gate.set()  # the sink comes back: what is pending is delivered, bounded
-    assert channel.close(timeout=60)
+    assert channel.close(timeout=60) is False  # delivered, but payloads were dropped
     assert channel.health()["pending"] == 0
     assert_balanced(channel.health())
 
