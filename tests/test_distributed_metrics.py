@@ -124,6 +124,19 @@ def _rows(n):
     return TensorDict(obs=torch.arange(n, dtype=torch.float32), batch_size=[n])
 
 
+def _pendulum_writing_into(rb, total_frames, method="fork"):
+    """A MultiSyncCollector of two Pendulum workers writing 100-frame batches into ``rb``."""
+    env = GymEnv("Pendulum-v1")
+    with start_method(method):
+        return MultiSyncCollector(
+            [partial(GymEnv, "Pendulum-v1")] * 2,
+            RandomPolicy(env.action_spec),
+            frames_per_batch=100,
+            total_frames=total_frames,
+            replay_buffer=rb,
+        )
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_shared_buffer_writes_from_every_worker_are_aggregated(tmp_path):
@@ -132,15 +145,7 @@ def test_shared_buffer_writes_from_every_worker_are_aggregated(tmp_path):
     rb = ReplayBuffer(storage=LazyTensorStorage(10_000), shared=True)
     rb.add_observer(LoggerObserver(channel, schedule=Every.counter("write_count", 10**9), metrics=WriteMetrics(), name="rb"))
     rb.extend(_rows(4))  # a shared storage is initialised before it travels
-    env = GymEnv("Pendulum-v1")
-    with start_method("fork"):
-        collector = MultiSyncCollector(
-            [partial(GymEnv, "Pendulum-v1")] * 2,
-            RandomPolicy(env.action_spec),
-            frames_per_batch=100,
-            total_frames=600,
-            replay_buffer=rb,
-        )
+    collector = _pendulum_writing_into(rb, 600)
     for _ in collector:
         pass
     collector.shutdown()
@@ -168,15 +173,7 @@ def test_shared_buffer_last_rows_per_worker_and_lambda_one_liners(tmp_path, meth
         )
     )
     rb.extend(_rows(100))  # the driver's own write, before the workers start
-    env = GymEnv("Pendulum-v1")
-    with start_method(method):
-        collector = MultiSyncCollector(
-            [partial(GymEnv, "Pendulum-v1")] * 2,
-            RandomPolicy(env.action_spec),
-            frames_per_batch=100,
-            total_frames=600,
-            replay_buffer=rb,
-        )
+    collector = _pendulum_writing_into(rb, 600, method)
     for _ in collector:
         pass
     collector.shutdown()
@@ -200,15 +197,7 @@ def test_the_collector_s_set_up_write_into_a_fresh_shared_buffer_is_not_data(tmp
             metrics=WriteMetrics(reward_key=("next", "reward")),
         )
     )
-    env = GymEnv("Pendulum-v1")
-    with start_method("fork"):
-        collector = MultiSyncCollector(
-            [partial(GymEnv, "Pendulum-v1")] * 2,
-            RandomPolicy(env.action_spec),
-            frames_per_batch=100,
-            total_frames=400,
-            replay_buffer=rb,
-        )
+    collector = _pendulum_writing_into(rb, 400)
     for _ in collector:
         pass
     collector.shutdown()
@@ -226,18 +215,7 @@ def test_two_collectors_writing_one_shared_buffer_are_four_workers(tmp_path):
     channel = MetricsChannel(logger, health_interval=None)
     rb = ReplayBuffer(storage=LazyTensorStorage(10_000), shared=True)
     rb.extend(_rows(4))  # a shared storage is initialised before it travels
-    env = GymEnv("Pendulum-v1")
-    with start_method("fork"):
-        collectors = [
-            MultiSyncCollector(
-                [partial(GymEnv, "Pendulum-v1")] * 2,
-                RandomPolicy(env.action_spec),
-                frames_per_batch=100,
-                total_frames=400,
-                replay_buffer=rb,
-            )
-            for _ in range(2)
-        ]
+    collectors = [_pendulum_writing_into(rb, 400) for _ in range(2)]
     rb.add_observer(
         LoggerObserver(
             channel, name="rb", scope="both", schedule=Every.counter("items_written", 200),
