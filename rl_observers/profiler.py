@@ -672,16 +672,16 @@ def disable_profile(self: BaseCollector) -> None:
     """
     if self._profile_config is None:
         return
-    try:
-        _detach_profiler(self)
-    finally:
-        self._profile_config = None
+    _detach_profiler(self)  # a collector refusing the removal now (being iterated) keeps both
+    self._profile_config = None
 
 
 def _detach_profiler(collector: BaseCollector) -> None:
-    observer = collector.__dict__.pop("_rl_profiler", None)
+    """Removes the profiler ``enable_profile`` attached; forgets it only once it is removed."""
+    observer = collector.__dict__.get("_rl_profiler")
     if observer is not None and any(o is observer for o in collector.observers):  # type: ignore[attr-defined]
         collector.remove_observer(observer)  # type: ignore[attr-defined]
+    collector.__dict__.pop("_rl_profiler", None)
 
 
 def _is_multiprocess(collector: BaseCollector) -> bool:

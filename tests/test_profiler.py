@@ -15,7 +15,13 @@ from typing import Any
 import pytest
 import torch
 from torch.profiler import record_function
-from torchrl.collectors import BaseCollector, Collector, MultiSyncCollector, ProfileConfig
+from torchrl.collectors import (
+    BaseCollector,
+    Collector,
+    MultiAsyncCollector,
+    MultiSyncCollector,
+    ProfileConfig,
+)
 from torchrl.envs.utils import RandomPolicy
 from torchrl.testing.mocking_classes import CountingEnv
 
@@ -475,6 +481,28 @@ def test_disable_then_hook_and_observers_survive(collectors, tmp_path):
     assert not (tmp_path / "t_0.json").exists()
     collector.disable_profile()  # a no-op the second time, and without profiling
     collectors(batches=1).disable_profile()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_disable_profile_refused_while_iterating_keeps_the_profiler_to_remove_later(tmp_path):
+    # An iterated MultiAsyncCollector refuses observer changes: the profiler stays, and is
+    # removed by a later disable_profile() once the loop is over.
+    collector = MultiAsyncCollector(
+        [CountingEnv] * 2, RandomPolicy(CountingEnv().action_spec), frames_per_batch=8, total_frames=48
+    )
+    try:
+        _enable(collector, tmp_path)
+        for index, _ in enumerate(collector):
+            if index == 1:
+                with pytest.raises(RuntimeError, match="being iterated"):
+                    collector.disable_profile()
+                assert collector.profile_config is not None
+                assert [type(o) for o in collector.observers] == [ProfilerObserver]
+        collector.disable_profile()
+        assert collector.profile_config is None and collector.observers == ()
+    finally:
+        collector.shutdown()
 
 
 @pytest.mark.timeout(60)
