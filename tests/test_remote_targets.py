@@ -328,6 +328,40 @@ def test_attach_errors_are_raised_on_the_driver(helpers, tmp_path):
     MetricsChannel.for_logger(logger).close(10)
 
 
+def test_on_error_raise_is_refused_for_a_buffer_written_in_workers():
+    # Its copies run in the workers, where "raise" would kill them: refused when the buffer is
+    # shared, or when a collector is about to start workers writing into it.
+    class Writes:
+        def on_post_extend(self, source, data, index):
+            pass
+
+    shared = ReplayBuffer(storage=LazyTensorStorage(100), shared=True)
+    with pytest.raises(ValueError, match="on_error='raise' cannot be honoured for an observer of a shared"):
+        shared.add_observer(Writes(), on_error="raise")
+    assert shared.observers == ()
+    local = ReplayBuffer(storage=LazyTensorStorage(100))
+    observer = Writes()
+    local.add_observer(observer, on_error="raise")  # no worker writes into it yet: accepted
+    with pytest.raises(ValueError, match="Use on_error='warn'"):
+        MultiSyncCollector(
+            [CountingEnv] * 2,
+            RandomPolicy(CountingEnv().action_spec),
+            frames_per_batch=8,
+            total_frames=16,
+            replay_buffer=local,
+        )
+    local.remove_observer(observer)
+    local.add_observer(observer)  # "warn": the collector starts
+    collector = MultiSyncCollector(
+        [CountingEnv] * 2,
+        RandomPolicy(CountingEnv().action_spec),
+        frames_per_batch=8,
+        total_frames=16,
+        replay_buffer=local,
+    )
+    collector.shutdown()
+
+
 # -- replay buffers inside a Ray actor, without Ray ------------------------------------------------
 
 _BUFFERS = {

@@ -107,6 +107,16 @@ def _data_argument(method: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
     return kwargs.get(params[1]) if len(params) > 1 else None
 
 
+def refused_raise(observer: Any) -> str:
+    """Why ``on_error="raise"`` is refused for an observer of a buffer written in workers."""
+    return (
+        "on_error='raise' cannot be honoured for an observer of a shared replay buffer: its "
+        "copies run in the workers of the collectors writing into it, where an error cannot "
+        "reach the caller (it would kill the worker, and the driver would only learn that a "
+        f"worker failed). Use on_error='warn' (the default) or 'ignore' for {observer!r}."
+    )
+
+
 class ReplayBufferObservers(ObserverList):
     """The observers of one in-process replay buffer."""
 
@@ -125,6 +135,9 @@ class ReplayBufferObservers(ObserverList):
 
     def add(self, observer: Any, on_error: str | None = None) -> Any:
         entry = super().add(observer, on_error)
+        if entry.on_error == "raise" and self.source.__dict__.get("shared"):
+            super().remove(observer)
+            raise ValueError(refused_raise(observer))
         mirror = type(self).mirror
         if mirror is not None and self.source.__dict__.get("shared"):
             try:

@@ -33,8 +33,9 @@ from rl_observers.sources.multiprocess import (
     raise_first_error,
     warn_dead_once,
 )
+from rl_observers.sources.observed import observers_of
 from rl_observers.sources.remote import portable_error, ship
-from rl_observers.sources.replay_buffers import ReplayBufferObservers
+from rl_observers.sources.replay_buffers import ReplayBufferObservers, refused_raise
 
 __all__ = ["propagate_to_shared_copies", "track_shared_buffer_writers"]
 
@@ -67,7 +68,12 @@ def track_shared_buffer_writers() -> None:
 
         @functools.wraps(original)
         def _run_processes(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.__dict__.get("replay_buffer") is not None:
+            buffer = self.__dict__.get("replay_buffer")
+            observers = None if buffer is None else observers_of(buffer)
+            for entry in observers.entries if observers is not None else ():
+                if entry.on_error == "raise":  # before any worker starts with a copy of it
+                    raise ValueError(refused_raise(entry.observer))
+            if buffer is not None:
                 with _WRITERS_LOCK:
                     _WRITERS[:] = [ref for ref in _WRITERS if ref() is not None]
                     _WRITERS.append(weakref.ref(self))
