@@ -144,6 +144,16 @@ _REMOTE = IdentityMap()
 _TOKENS = itertools.count()
 
 
+def refused_raise(observer: Any, target_name: str, where: str) -> str:
+    """Why ``on_error="raise"`` is refused for an observer whose copies run ``where``."""
+    return (
+        f"on_error='raise' cannot be honoured for an observer of a {target_name}: its copies "
+        f"run {where}, where an error cannot reach the caller (it would kill the worker, and the "
+        "driver would only learn that a worker failed). Use on_error='warn' (the default) or "
+        f"'ignore' for {observer!r}."
+    )
+
+
 def ship(observer: Any, target: Any, where: str) -> bytes:
     """Pickles ``observer`` with cloudpickle, raising a clear error if it cannot travel.
 
@@ -187,12 +197,7 @@ class RemoteKind:
                 )
             entry = resolve_observer(observer, self.emits, self.target_name, on_error)
             if entry.on_error == "raise" and not self.raise_reaches_caller:
-                raise ValueError(
-                    f"on_error='raise' cannot be honoured for an observer of a {type(target).__name__}: "
-                    f"its copies run {self.where}, where an error cannot reach the caller (it would "
-                    "kill the worker, and the driver would only learn that a worker failed). Use "
-                    f"on_error='warn' (the default) or 'ignore' for {observer!r}."
-                )
+                raise ValueError(refused_raise(observer, type(target).__name__, self.where))
             prepare = getattr(observer, "prepare_copies", None)
             if callable(prepare):
                 prepare(target)

@@ -41,6 +41,7 @@ from torchrl.data import ReplayBuffer
 from rl_observers.observer import ObserverList
 from rl_observers.signals import REPLAY_BUFFER_EVENTS
 from rl_observers.sources.observed import observers_of, register_mixin, torchrl_class
+from rl_observers.sources.remote import refused_raise
 
 __all__ = ["ObservedReplayBuffer", "ReplayBufferObservers", "emit_eagerly"]
 
@@ -107,14 +108,8 @@ def _data_argument(method: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
     return kwargs.get(params[1]) if len(params) > 1 else None
 
 
-def refused_raise(observer: Any) -> str:
-    """Why ``on_error="raise"`` is refused for an observer of a buffer written in workers."""
-    return (
-        "on_error='raise' cannot be honoured for an observer of a shared replay buffer: its "
-        "copies run in the workers of the collectors writing into it, where an error cannot "
-        "reach the caller (it would kill the worker, and the driver would only learn that a "
-        f"worker failed). Use on_error='warn' (the default) or 'ignore' for {observer!r}."
-    )
+#: Where the copies of a shared buffer's observers run (for ``on_error="raise"``'s refusal).
+SHARED_COPIES_RUN = "in the workers of the collectors writing into it"
 
 
 class ReplayBufferObservers(ObserverList):
@@ -137,7 +132,7 @@ class ReplayBufferObservers(ObserverList):
         entry = super().add(observer, on_error)
         if entry.on_error == "raise" and self.source.__dict__.get("shared"):
             super().remove(observer)
-            raise ValueError(refused_raise(observer))
+            raise ValueError(refused_raise(observer, "shared replay buffer", SHARED_COPIES_RUN))
         mirror = type(self).mirror
         if mirror is not None and self.source.__dict__.get("shared"):
             try:

@@ -34,8 +34,8 @@ from rl_observers.sources.multiprocess import (
     warn_dead_once,
 )
 from rl_observers.sources.observed import observers_of
-from rl_observers.sources.remote import portable_error, ship
-from rl_observers.sources.replay_buffers import ReplayBufferObservers, refused_raise
+from rl_observers.sources.remote import portable_error, refused_raise, ship
+from rl_observers.sources.replay_buffers import SHARED_COPIES_RUN, ReplayBufferObservers
 
 __all__ = ["propagate_to_shared_copies", "track_shared_buffer_writers"]
 
@@ -72,7 +72,9 @@ def track_shared_buffer_writers() -> None:
             observers = None if buffer is None else observers_of(buffer)
             for entry in observers.entries if observers is not None else ():
                 if entry.on_error == "raise":  # before any worker starts with a copy of it
-                    raise ValueError(refused_raise(entry.observer))
+                    raise ValueError(
+                        refused_raise(entry.observer, "shared replay buffer", SHARED_COPIES_RUN)
+                    )
             if buffer is not None:
                 with _WRITERS_LOCK:
                     _WRITERS[:] = [ref for ref in _WRITERS if ref() is not None]
