@@ -417,6 +417,18 @@ def test_numpy_scalars_fold_like_python_numbers():
     assert ratio.pull()["r"].finalize() == {"r": 0.25}
 
 
+def test_count_true_counts_numbers_and_refuses_other_values():
+    np = pytest.importorskip("numpy")
+    metric = CountTrue("c", _identity)
+    for value in (True, False, 1, 0, 2.5, np.bool_(True), np.int64(0), None):
+        metric.on_post_collect(None, value)
+    assert metric.pull()["c"].finalize() == {"c": 4.0}
+    for value in ("False", [False], 1 + 2j):
+        with pytest.raises(TypeError, match=r"CountTrue\('c'"):
+            metric.on_post_collect(None, value)
+    assert metric.pull()["c"].finalize() == {"c": 0.0}
+
+
 def test_complex_values_are_refused_naming_the_metric():
     np = pytest.importorskip("numpy")
     z = torch.tensor([1 + 2j, 3 - 1j])

@@ -456,8 +456,10 @@ class Summary(Metric):
 class CountTrue(Metric):
     """How many entries are true (non-zero) over the window, summed across workers.
 
-    A tensor counts its true entries (on its device); a Python value counts
-    one if it is truthy. Submitted as a :class:`~rl_observers.Count`.
+    A tensor counts its true entries (on its device); a Python or numpy
+    number (``bool`` included) counts one if it is non-zero, and anything
+    else (a ``str``, a list) is refused rather than counted by its
+    truthiness. Submitted as a :class:`~rl_observers.Count`.
 
     Examples:
         >>> import torch
@@ -477,7 +479,7 @@ class CountTrue(Metric):
         if isinstance(value, torch.Tensor):
             self._count.fold_true(value)
         else:
-            self._host += 1 if value else 0
+            self._host += 1 if _host_number(value, self) else 0
 
     def partials(self) -> dict[str, Partial]:
         host, self._host = self._host, 0
