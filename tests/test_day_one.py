@@ -22,6 +22,7 @@ from rl_observers import (
     CollectorBatchMetrics,
     Every,
     LoggerObserver,
+    Mean,
     MetricsChannel,
     MetricSet,
     SampleMetrics,
@@ -187,8 +188,11 @@ class Broken(MetricSet):
 def test_a_failing_metric_set_does_not_silence_the_others(logger, caplog):
     channel = MetricsChannel(logger, health_interval=None)
     source = collector(frames_per_batch=100, total_frames=300)
+    healthy = Mean("obs_mean", lambda batch: batch["observation"].float())
     source.add_observer(
-        LoggerObserver(channel, metrics=[Broken(), CollectorBatchMetrics(reward_key="nope")], schedule=None)
+        LoggerObserver(
+            channel, metrics=[Broken(), CollectorBatchMetrics(reward_key="nope"), healthy], schedule=None
+        )
     )
     with caplog.at_level(logging.WARNING, logger="torchrl"):
         assert sum(b.numel() for b in source) == 300
@@ -202,8 +206,37 @@ def test_a_failing_metric_set_does_not_silence_the_others(logger, caplog):
     assert "Pass CollectorBatchMetrics(reward_key=...)" in missing[0]
     assert "_MissingKeyError" not in missing[0] and "MissingKeyError" not in missing[0]
     assert "other metric sets keep logging" in missing[0]
-    # the broken set's counter still logs: the others were not skipped
-    assert [v for _, v in scalars(logger, "collector/broken_calls")] == [1.0, 2.0, 3.0]
+    # the healthy set logs every window; the failing ones log no rows of zeros
+    assert len(scalars(logger, "collector/obs_mean")) == 3
+    assert not scalars(logger, "collector/broken_calls")
+    assert not scalars(logger, "collector/frames") and not scalars(logger, "collector/episodes")
+
+
+class FailsOnce(MetricSet):
+    """Counts batches, but raises on the second one before counting it."""
+
+    counter_names = ("calls",)
+
+    def __init__(self):
+        super().__init__()
+        self.seen = 0
+
+    def on_post_collect(self, source, batch):
+        self.seen += 1
+        if self.seen == 2:
+            raise RuntimeError("a transient bug")
+        self.add_to_counter("calls", 1)
+
+
+def test_a_failing_set_skips_its_windows_and_logs_them_once_it_recovers(logger):
+    channel = MetricsChannel(logger, health_interval=None)
+    source = collector(frames_per_batch=100, total_frames=300)
+    source.add_observer(LoggerObserver(channel, metrics=[FailsOnce()], schedule=None), on_error="ignore")
+    assert sum(b.numel() for b in source) == 300
+    source.shutdown()
+    assert channel.close(timeout=10)
+    # window 1 logged; window 2 (failing) skipped, not logged as a stale row; window 3 logged
+    assert [v for _, v in scalars(logger, "collector/calls")] == [1.0, 2.0]
 
 
 def test_a_failing_metric_set_reaches_the_caller_under_raise(logger):

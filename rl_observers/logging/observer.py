@@ -477,8 +477,8 @@ class LoggerObserver(Contributor, Observer):
             metric_set = (self._sets or ())[index]
             torchrl_logger.warning(
                 f"rl_observers: LoggerObserver {self.name!r}: metric set {metric_set!r} raised in "
-                f"{where} ({_public_error_name(error)}: {error}). Its metrics are skipped until it "
-                "succeeds again (reported once per failure streak); the observer's other metric "
+                f"{where} ({_public_error_name(error)}: {error}). Its metrics are skipped (no rows) until "
+                "it succeeds again (reported once per failure streak); the observer's other metric "
                 "sets keep logging. Fix the set's configuration, or attach with "
                 'on_error="raise" to stop at the error.'
             )
@@ -553,6 +553,8 @@ class LoggerObserver(Contributor, Observer):
         self._fresh = False
         payload: dict[str, Any] = {}
         for index, metric_set in enumerate(self._sets or ()):
+            if index in self._failing_sets:  # its window waits for its recovery: no rows of zeros
+                continue
             try:
                 payload.update(metric_set.pull())
             except Exception as err:
