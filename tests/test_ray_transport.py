@@ -194,12 +194,12 @@ def test_bounded_in_flight_coalesces_then_drops_and_counts(ray_env):
 # -- per-node pre-merge ------------------------------------------------------------------------
 
 
-def contribution(worker, values, frames, **meta):
+def contribution(worker, values, frames, held=(1, 0), **meta):
     metrics = {"r": Moments.from_values("r", values, stats=("count", "mean", "std", "min", "max"))}
     metrics["n"] = Count("n", 1)
     metrics["batch"] = float(len(values))
     meta = {"aggregate": "obs", "worker": worker, "counters": {"frames": frames}, **meta}
-    return ("obs", metrics, None, meta, (0, 0))
+    return ("obs", metrics, None, meta, (0, 0), held)
 
 
 def test_premerge_merges_consecutive_windows_of_one_worker_only(ray_env):
@@ -207,12 +207,12 @@ def test_premerge_merges_consecutive_windows_of_one_worker_only(ray_env):
     messages = [
         contribution(0, [1.0], 1),
         contribution(1, [2.0], 1),
-        ("plain", {"x": 1.0}, 3, None, (1, 0)),
-        contribution(0, [3.0, 4.0], 3),
+        ("plain", {"x": 1.0}, 3, None, (1, 0), (1, 0)),
+        contribution(0, [3.0, 4.0], 3, held=(3, 2)),  # two payloads coalesced into it
         contribution(1, [5.0], 2, finish=True),
         contribution(1, [6.0], 3),
         contribution(0, [7.0], 4, scope="both"),  # other settings: a new window
-        ("plain", {"x": 2.0}, 4, None, (0, 2)),
+        ("plain", {"x": 2.0}, 4, None, (0, 2), (1, 0)),
     ]
     out = premerge(messages)
     assert [(m[0], (m[3] or {}).get("worker"), (m[3] or {}).get("finish")) for m in out] == [
@@ -234,6 +234,8 @@ def test_premerge_merges_consecutive_windows_of_one_worker_only(ray_env):
     )
     assert first[1]["batch"] == 2.0  # gauges keep the newest
     assert sum(m[4][0] for m in out) == 1 and sum(m[4][1] for m in out) == 2
+    # lost together from now on: the merged message holds every payload of both
+    assert first[5] == (4, 2) and sum(m[5][0] for m in out) == 10
     assert [m[1]["x"] for m in out if m[0] == "plain"] == [1.0, 2.0]
 
 
@@ -268,7 +270,7 @@ def test_relay_merge_is_exact_across_workers(ray_env, receiver):
             for i in range(rounds):
                 for worker in range(first, first + count):
                     values = [float((worker * 7 + i * 3) % 11 - 5), float(i)]
-                    _, metrics, _, meta, _ = contribution(worker, values, (i + 1) * 2)
+                    _, metrics, _, meta, *_ = contribution(worker, values, (i + 1) * 2)
                     sender.send(metrics, None, "obs", meta)
             ok = sender.flush(20.0)
             return ok, sender.submitted, sender.dropped
@@ -351,6 +353,202 @@ def test_killing_relay_or_ingest_mid_run(ray_env, receiver, victim):
     sender.close(1.0)
 
 
+# -- a lost message costs every payload merged into it -------------------------------------------
+
+
+def send_payloads(sender, namespace: str, count: int) -> int:
+    """Sends ``count`` payloads, each ``Count("n", 1)``: what reaches the owner adds up to ``n``."""
+    for _ in range(count):
+        sender.send({"n": Count("n", 1)}, None, namespace, None)
+    return count
+
+
+def flood(sender, namespace: str, bursts: int, size: int) -> int:
+    """Sends ``bursts`` bursts of ``size`` payloads, each waiting for the sender's next call.
+
+    With a sender of capacity 1 the payloads of a burst merge (coalesce) into
+    the one message it buffers: a burst mostly leaves in one call.
+    """
+    for _ in range(bursts):
+        calls = sender.stats["calls"]
+        send_payloads(sender, namespace, size)
+        wait_until(lambda calls=calls: sender.stats["calls"] > calls)
+    return bursts * size
+
+
+def wait_until(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def is_dead(ray, actor) -> bool:
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=10)
+    except ray.exceptions.RayActorError:
+        return True
+    return False
+
+
+def assert_exact(recorder: Recorder, sender, sent: int) -> None:
+    """The owner's counts are the sender's, and they account for every payload ``sent``.
+
+    Each message that got through holds one payload plus those coalesced into
+    it; every other payload is counted as dropped.
+    """
+    delivered = n_of(recorder)
+    dropped, coalesced = recorder.counts()
+    assert (dropped, coalesced) == (sender.dropped, sender.coalesced)
+    assert dropped == sent - delivered, (sent, delivered, dropped)
+    assert coalesced == delivered - sum("n" in m[1] for m in recorder.messages)
+
+
+def holding_relay(ray, address, node: str, capacity: int = 1 << 16) -> Any:
+    """The relay of ``node``, made before its senders: it holds ``capacity`` messages until flushed."""
+    from rl_observers.channel.ray_actors import _actor_class, _Relay, _relay_name
+
+    relay = (
+        _actor_class(_Relay, num_cpus=0, max_concurrency=4)
+        .options(
+            name=_relay_name(address.token, node),
+            namespace=address.namespace,
+            lifetime="detached",  # as its senders make it; the owner's close kills it
+        )
+        .remote(address, 3600.0, capacity)
+    )
+    ray.get(relay.__ray_ready__.remote())
+    return relay
+
+
+def test_a_full_relay_counts_every_merged_payload_it_drops_in_the_owners_health(ray_env):
+    """The owner's drops are exactly the payloads submitted that never reached its logger."""
+    from rl_observers import MetricsChannel
+    from tests.helpers import RecordingLogger
+
+    logger = RecordingLogger()
+    channel = MetricsChannel(logger, health_interval=None)
+    try:
+        address = channel.handle(transport="ray").address
+        holding_relay(ray_env.ray, address, "full", capacity=1)  # keeps one message, drops the rest
+        sender = ray_env.transport.RaySender(
+            address, relay=True, node="full", capacity=1, interval=0.005
+        )
+        sent = flood(sender, "flood", bursts=10, size=20)
+        assert sender.dropped == 0 and sender.coalesced > 0  # all merged and handed to the relay
+        assert sender.flush(30.0)
+        assert not channel.flush(timeout=30)  # payloads were lost: flush says so
+        logged = sum(n for _, n in logger.series("flood/n"))
+        health = channel.health()
+        assert 0 < logged < sent
+        assert health["dropped"] + health["remote_dropped"] == sent - logged, (sent, logged, health)
+        # what got through: one entry each, the rest of its payloads coalesced into it
+        assert health["logged"] + health["remote_coalesced"] == logged
+        sender.close(1.0)
+    finally:
+        channel.close(timeout=10)
+
+
+def test_a_full_ingest_counts_every_merged_payload_it_drops(ray_env):
+    transport = ray_env.transport
+    recorder = Recorder()
+    recv = transport.RayReceiver(uuid.uuid4().hex[:12], capacity=1)
+    recv.start(recorder, background=False)  # drained only when polled: it fills up
+    try:
+        sender = transport.RaySender(recv.address(), relay=False, capacity=1, interval=0.005)
+        sent = flood(sender, "a", bursts=10, size=20)
+        assert sender.flush(30.0)  # every call returned (the ingest kept one batch)
+        recv.poll(time.monotonic() + 10)
+        delivered = n_of(recorder)
+        dropped, coalesced = recorder.counts()
+        assert 0 < delivered < sent
+        assert dropped == sent - delivered, (sent, delivered, dropped)
+        assert len(recorder.messages) + coalesced == delivered
+        assert sender.dropped == 0
+        sender.close(1.0)
+    finally:
+        recv.close(time.monotonic() + 5)
+
+
+def test_a_call_that_fails_counts_every_payload_merged_into_its_messages(ray_env):
+    ray, transport = ray_env.ray, ray_env.transport
+    token = uuid.uuid4().hex[:12]
+
+    @ray.remote(num_cpus=0, max_concurrency=4)
+    class Stalled:
+        def push(self, data, messages, dropped, coalesced):
+            time.sleep(3600)
+
+    address = transport.RayAddress(
+        token, f"rl_observers-ingest-{token}", transport.ACTOR_NAMESPACE, "test owner"
+    )
+
+    def stall() -> Any:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                actor = Stalled.options(name=address.ingest, namespace=address.namespace).remote()
+                ray.get(actor.__ray_ready__.remote())
+                return actor
+            except ValueError:  # the name of the one killed before is not free yet
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    first = stall()
+    sender = transport.RaySender(address, relay=False, in_flight=1, capacity=1, interval=0.005)
+    sent = send_payloads(sender, "a", 1)
+    assert wait_until(lambda: sender.stats["calls"] == 1)  # out, and hanging
+    sent += send_payloads(sender, "a", 50)  # no call free: all merge into one buffered message
+    assert sender.coalesced == 49
+    ray.kill(first)
+    assert wait_until(lambda: sender.dropped == 1)  # the call in flight held one payload
+    second = stall()
+    assert wait_until(lambda: sender.stats["calls"] == 2)  # the merged message hangs in it
+    ray.kill(second)
+    assert wait_until(lambda: sender.stats["in_flight"] == 0)
+    assert (sender.dropped, sender.coalesced) == (51, 0)
+
+    recorder = Recorder()  # the owner comes: the losses travel with what gets through
+    recv = transport.RayReceiver(token)
+    recv.start(recorder)
+    try:
+        sent += send_payloads(sender, "b", 5)
+        assert sender.flush(15.0)
+        assert recorder.wait_for(lambda m: n_of(recorder) == 5)
+        assert_exact(recorder, sender, sent)
+    finally:
+        recv.close(time.monotonic() + 5)
+        sender.close(1.0)
+
+
+def test_a_relay_that_dies_counts_every_merged_payload_it_held(ray_env, receiver):
+    ray, transport = ray_env.ray, ray_env.transport
+    recv, recorder = receiver
+    address = recv.address()
+    relay = holding_relay(ray, address, "dies")
+    sender = transport.RaySender(
+        address, relay=True, node="dies", capacity=1, interval=0.005, relay_interval=0.05
+    )
+    sent = flood(sender, "a", bursts=3, size=20)
+    assert wait_until(lambda: sender.stats["in_flight"] == 0)  # all held by the relay
+    assert sender.coalesced > 0
+    ray.kill(relay)
+    assert wait_until(lambda: is_dead(ray, relay))  # before the next call reaches it
+    calls = sender.stats["calls"]
+    sent += send_payloads(sender, "a", 1)  # its call finds the relay dead: what it held is lost
+    assert wait_until(lambda: sender.stats["calls"] > calls and sender.stats["in_flight"] == 0)
+    assert sender.dropped == 61 and sender.coalesced == 0, (sender.dropped, sender.coalesced)
+    sent += send_payloads(sender, "b", 5)  # through a new relay
+    assert sender.flush(30.0)
+    assert recorder.wait_for(lambda m: n_of(recorder, "b") == 5)
+    assert n_of(recorder) == 5
+    assert_exact(recorder, sender, sent)
+    sender.close(1.0)
+
+
 # -- the channel's side ---------------------------------------------------------------------------
 
 
@@ -414,7 +612,7 @@ def test_far_node_reaches_the_owner_through_ray_and_not_through_its_socket(ray_e
             reached = err.errno not in (errno.ENOENT, errno.ECONNREFUSED)
         sender = load_transport().RaySender(address)
         for i in range(count):
-            _, metrics, _, meta, _ = contribution(0, [float(i)], i + 1)
+            _, metrics, _, meta, *_ = contribution(0, [float(i)], i + 1)
             sender.send(metrics, None, "obs", meta)
         return (
             ray.get_runtime_context().get_node_id(),

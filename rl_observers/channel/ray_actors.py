@@ -42,7 +42,11 @@ DRAIN_WAIT = 0.1
 #: Seconds between two attempts to find the owner's ingest after a failure.
 RETRY_AFTER = 1.0
 
-Message = tuple  # (namespace, metrics, step, meta, (dropped, coalesced))
+#: ``(namespace, metrics, step, meta, (dropped, coalesced), (payloads, merged))``: the
+#: counts not yet reported (they travel to the owner), then the payloads the message
+#: holds and how many of those were counted as coalesced (lost with the message, they
+#: count as dropped instead, as in the owner's queue).
+Message = tuple
 
 
 class RayAddress(NamedTuple):
@@ -82,7 +86,7 @@ def premerge(messages: list[Message]) -> list[Message]:
     out: list[list] = []
     # (namespace, observer, worker) -> (meta without counters, index in out)
     open_runs: dict[tuple, tuple[dict, int]] = {}
-    for namespace, metrics, step, meta, counts in messages:
+    for namespace, metrics, step, meta, counts, held in messages:
         if meta and "aggregate" in meta:
             key = (namespace, meta["aggregate"], _hashable(meta.get("worker")), meta.get("process"))
             settings = {k: v for k, v in meta.items() if k != "counters"}
@@ -94,11 +98,13 @@ def premerge(messages: list[Message]) -> list[Message]:
                     into[2] = step
                     into[3] = meta  # the newest counters
                     into[4] = (into[4][0] + counts[0], into[4][1] + counts[1])
+                    # not coalesced (nothing overflowed), but lost together from now on
+                    into[5] = (into[5][0] + held[0], into[5][1] + held[1])
                     continue
                 open_runs[key] = (settings, len(out))
             elif run is not None:
                 del open_runs[key]
-        out.append([namespace, dict(metrics), step, meta, counts])
+        out.append([namespace, dict(metrics), step, meta, counts, held])
     return [tuple(m) for m in out]
 
 
@@ -109,6 +115,29 @@ def _hashable(value: Any) -> Any:
         return repr(value)
     return value
 
+
+def _cost(batch: list[Message]) -> tuple[int, int, int, int]:
+    """What losing ``batch`` costs: ``(payloads, merged, dropped, coalesced)``.
+
+    ``payloads`` it holds, ``merged`` of them counted as coalesced, and the
+    ``dropped`` and ``coalesced`` counts it carries. The owner's counts stay
+    exact when a loss adds ``payloads + dropped`` to the drops and
+    ``coalesced - merged`` to the coalesced payloads.
+    """
+    payloads = merged = dropped = coalesced = 0
+    for message in batch:
+        counts, held = message[4], message[5]
+        dropped += counts[0]
+        coalesced += counts[1]
+        payloads += held[0]
+        merged += held[1]
+    return payloads, merged, dropped, coalesced
+
+
+def _carrying(message: Message, dropped: int, coalesced: int) -> Message:
+    """``message`` carrying ``dropped`` and ``coalesced`` more unreported counts."""
+    counts = message[4]
+    return (*message[:4], (counts[0] + dropped, counts[1] + coalesced), message[5])
 
 
 # ------------------------------------------------------------------------------- actors
@@ -123,18 +152,30 @@ class _Ingest:
         self._batches: deque[tuple[bytes, int]] = deque()
         self._held = 0  # messages in _batches
         self._capacity = capacity
-        self._dropped = 0  # messages dropped here, plus what dropped messages carried
+        self._dropped = 0  # payloads dropped here, plus what dropped batches carried
         self._coalesced = 0
         self._received = 0
         self._calls = 0
         self._ready = threading.Condition()
 
     def push(self, data: bytes, messages: int, dropped: int, coalesced: int) -> bool:
-        """Keeps one pickled batch of ``messages`` (carrying these counts), or drops it whole."""
+        """Keeps one pickled batch of ``messages``, or drops it whole.
+
+        Args:
+            data (bytes): the pickled batch.
+            messages (int): how many messages it holds (the room it takes).
+            dropped (int): what dropping it adds to the drops: the payloads it
+                holds and the drops it carries.
+            coalesced (int): what dropping it adds to the coalesced payloads:
+                the count it carries less the payloads merged into its messages.
+
+        Returns:
+            bool: whether it was kept.
+        """
         with self._ready:
             self._calls += 1
             if self._held + messages > self._capacity:
-                self._dropped += messages + dropped
+                self._dropped += dropped
                 self._coalesced += coalesced
                 return False
             self._batches.append((data, messages))
@@ -173,8 +214,8 @@ class _Forwarder:
     """Bounded fire-and-forget ``push.remote`` calls to one target actor, found by ``resolve``.
 
     Used by senders (to their relay or the ingest) and by relays (to the ingest);
-    runs on its owner's thread only. Each call's messages and the counts they
-    carry are remembered until it completes: a failed call adds them to the drops.
+    runs on its owner's thread only. Each call's :func:`_cost` is remembered until
+    it completes: a failed call adds every payload it held to the drops.
     """
 
     def __init__(self, resolve: Callable[[], Any], in_flight: int) -> None:
@@ -182,13 +223,14 @@ class _Forwarder:
         self._limit = in_flight
         self._target: Any = None
         self._failed_at = -float("inf")
-        self._calls: dict[Any, tuple[int, int, int]] = {}  # ref -> (messages, dropped, coalesced)
+        self._calls: dict[Any, tuple[int, int, int, int]] = {}  # ref -> its batch's cost
         self.lost: tuple[int, int] = (0, 0)  # to add to the next batch's counts
-        self.dropped = 0
+        self.dropped = 0  # payloads lost with calls that failed
+        self.merged_lost = 0  # of those, payloads counted as coalesced where they merged
         self.error: BaseException | None = None
         self.sent_calls = 0
-        # (relay round that forwards them, messages): what a relay holds for us
-        self._unconfirmed: deque[tuple[int, int]] = deque()
+        # (relay round that forwards them, their cost): what a relay holds for us
+        self._unconfirmed: deque[tuple[int, tuple[int, int, int, int]]] = deque()
 
     @property
     def in_flight(self) -> int:
@@ -202,16 +244,16 @@ class _Forwarder:
         refs = list(self._calls)
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         for ref in ready:
-            messages, dropped, coalesced = self._calls.pop(ref)
+            cost = self._calls.pop(ref)
             try:
                 result = ray.get(ref, timeout=0)
             except Exception as err:  # the target died: what it held is lost
                 self._fail(err)
-                self._lose(messages + self._forget_unconfirmed(), dropped, coalesced)
+                self._lose(cost)
                 continue
             if result.__class__ is int:  # a relay: its forwarding rounds confirm what it held
                 self._confirm(result)
-                self._unconfirmed.append((result + 1, messages))
+                self._unconfirmed.append((result + 1, cost))
 
     def _confirm(self, rounds: int) -> None:
         """Forgets the messages a relay forwarded (it finished ``rounds`` rounds)."""
@@ -219,20 +261,27 @@ class _Forwarder:
         while unconfirmed and unconfirmed[0][0] <= rounds:
             unconfirmed.popleft()
 
-    def _forget_unconfirmed(self) -> int:
-        """Messages a relay that died had not forwarded yet (lost with it)."""
-        lost = sum(m for _, m in self._unconfirmed)
-        self._unconfirmed.clear()
-        return lost
-
     def confirmed_all(self) -> None:
         """The relay forwarded everything (its flush returned)."""
         self._unconfirmed.clear()
 
-    def _lose(self, messages: int, dropped: int, coalesced: int) -> None:
-        self.dropped += messages
+    def _lose(self, cost: tuple[int, int, int, int]) -> None:
+        """Counts a failed call's batch lost, with what a dead relay had not forwarded yet.
+
+        Every payload merged into a lost message counts as dropped, and no
+        longer as coalesced (the owner's counts follow, as its queue's do).
+        """
+        payloads, merged, dropped, coalesced = cost
+        for _, held in self._unconfirmed:  # a target that failed lost what it held, too
+            payloads += held[0]
+            merged += held[1]
+            dropped += held[2]
+            coalesced += held[3]
+        self._unconfirmed.clear()
+        self.dropped += payloads
+        self.merged_lost += merged
         d, c = self.lost
-        self.lost = (d + messages + dropped, c + coalesced)
+        self.lost = (d + payloads + dropped, c + coalesced - merged)
 
     def _fail(self, err: BaseException) -> None:
         self.error = err
@@ -257,20 +306,19 @@ class _Forwarder:
     def send(self, batch: list[Message]) -> bool:
         """Sends ``batch`` (its first message carries ``lost``); ``False`` when it could not."""
         if self.lost != (0, 0):
-            first = batch[0]
-            d, c = self.lost
-            batch[0] = (*first[:4], (first[4][0] + d, first[4][1] + c))
+            batch[0] = _carrying(batch[0], *self.lost)
             self.lost = (0, 0)
-        dropped = sum(m[4][0] for m in batch)
-        coalesced = sum(m[4][1] for m in batch)
+        cost = _cost(batch)
+        payloads, merged, dropped, coalesced = cost
         try:
             data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
-            ref = self._target.push.remote(data, len(batch), dropped, coalesced)
+            # what the target adds to its counts if it has to drop the batch whole
+            ref = self._target.push.remote(data, len(batch), payloads + dropped, coalesced - merged)
         except Exception as err:
             self._fail(err)
-            self._lose(len(batch) + self._forget_unconfirmed(), dropped, coalesced)
+            self._lose(cost)
             return False
-        self._calls[ref] = (len(batch), dropped, coalesced)
+        self._calls[ref] = cost
         self.sent_calls += 1
         return True
 
@@ -319,7 +367,7 @@ class _Relay:
         self._merge = merge
         self._lock = threading.Lock()
         self._messages: list[Message] = []
-        self._dropped = 0  # what this relay dropped (plus what dropped messages carried)
+        self._dropped = 0  # payloads this relay dropped (plus what dropped messages carried)
         self._coalesced = 0
         self.received = 0
         self.forwarded = 0
@@ -338,10 +386,10 @@ class _Relay:
         with self._lock:
             self.received += len(batch)
             room = self._capacity - len(self._messages)
-            if len(batch) > room:  # full: keep what fits, the rest merges or is dropped
-                for message in batch[max(room, 0) :]:
-                    self._dropped += 1 + message[4][0]
-                    self._coalesced += message[4][1]
+            if len(batch) > room:  # full: keep what fits, drop the rest
+                payloads, merged, dropped, coalesced = _cost(batch[max(room, 0) :])
+                self._dropped += payloads + dropped
+                self._coalesced += coalesced - merged
                 batch = batch[: max(room, 0)]
             self._messages.extend(batch)
             return self.rounds
@@ -416,8 +464,7 @@ class _Relay:
                 self._dropped += counts[0]
                 self._coalesced += counts[1]
             return
-        first = batch[0]
-        batch[0] = (*first[:4], (first[4][0] + counts[0], first[4][1] + counts[1]))
+        batch[0] = _carrying(batch[0], *counts)
         if forwarder.send(batch):
             with self._lock:
                 self.forwarded += len(batch)

@@ -171,7 +171,7 @@ class RayReceiver:
             held_d += dropped
             held_c += coalesced
             accept = self._accept
-            for namespace, metrics, step, meta, (d, c) in messages:
+            for namespace, metrics, step, meta, (d, c), _ in messages:
                 if held_d or held_c:
                     d, c = d + held_d, c + held_c
                     held_d = held_c = 0
@@ -186,7 +186,7 @@ class RayReceiver:
         """The messages of one batch; an unreadable batch is refused (counted as dropped)."""
         try:
             messages = pickle.loads(data)
-            for namespace, metrics, _, meta, (d, c) in messages:
+            for namespace, metrics, _, meta, (d, c), _held in messages:
                 if (
                     namespace.__class__ is not str
                     or metrics.__class__ is not dict

@@ -78,13 +78,14 @@ class RaySender:
         self.address = RayAddress(*address)
         self.submitted = 0
         self._dropped = 0
-        self.coalesced = 0
+        self._coalesced = 0
         self._capacity = capacity
         self._relay = relay
         self._node = node
         self._interval = interval
         self._relay_interval = relay_interval
         self._lock = threading.Lock()
+        # [namespace, metrics, step, meta, payloads held]
         self._pending: deque[list] = deque()
         self._newest: dict[str, list] = {}
         self._unreported = [0, 0]  # dropped, coalesced
@@ -113,7 +114,7 @@ class RaySender:
         with self._lock:
             self.submitted += 1
             if len(self._pending) < self._capacity:
-                entry = [namespace, metrics, step, meta]
+                entry = [namespace, metrics, step, meta, 1]
                 self._pending.append(entry)
                 self._newest[namespace] = entry
             else:
@@ -123,9 +124,10 @@ class RaySender:
                     entry[2] = step
                     if meta is not None:
                         entry[3] = meta
-                    self.coalesced += 1
+                    entry[4] += 1  # lost with the entry later, it counts as dropped
+                    self._coalesced += 1
                     self._unreported[1] += 1
-                else:
+                else:  # only this payload is lost: nothing merged into it yet
                     self._dropped += 1
                     self._unreported[0] += 1
                     error = "full"
@@ -196,9 +198,9 @@ class RaySender:
             self._newest = {}
             d, c = self._unreported
             self._unreported = [0, 0]
-        batch = [(e[0], e[1], e[2], e[3], (0, 0)) for e in pending]
+        batch = [(e[0], e[1], e[2], e[3], (0, 0), (e[4], e[4] - 1)) for e in pending]
         first = batch[0]
-        batch[0] = (*first[:4], (d, c))
+        batch[0] = (*first[:4], (d, c), first[5])
         return batch
 
     def _send_pending(self) -> None:
@@ -262,8 +264,16 @@ class RaySender:
 
     @property
     def dropped(self) -> int:
-        """Payloads dropped here: beyond the buffer, or lost with a call that failed."""
+        """Payloads dropped here: beyond the buffer, or lost with a call that failed.
+
+        A lost message counts every payload merged into it.
+        """
         return self._dropped + self._forwarder.dropped
+
+    @property
+    def coalesced(self) -> int:
+        """Payloads merged into a buffered one, but for those lost with it (counted as dropped)."""
+        return self._coalesced - self._forwarder.merged_lost
 
     @property
     def stats(self) -> dict[str, int]:

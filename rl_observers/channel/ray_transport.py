@@ -17,9 +17,14 @@ node reaches the owner through Ray instead:
  RayReceiver → accept(namespace, metrics, step, meta, (remote_dropped, remote_coalesced))
 ```
 
-A message is ``(namespace, metrics, step, meta, (dropped, coalesced))``: the
-drops and coalescing not yet reported travel with the next message, so the
-owner shows losses that happened elsewhere once anything gets through.
+A message is ``(namespace, metrics, step, meta, (dropped, coalesced), (payloads,
+merged))``: the drops and coalescing not yet reported travel with the next
+message, so the owner shows losses that happened elsewhere once anything gets
+through. ``payloads`` is how many payloads the message holds and ``merged``
+how many of them were counted as coalesced: wherever a message is lost (a
+sender's call that fails, a full relay or ingest, a relay that dies), all its
+payloads count as dropped and its merged ones no longer as coalesced, as in
+the owner's queue.
 
 Nothing on a worker's path waits for Ray: :meth:`RaySender.send` appends to a
 bounded local buffer (coalescing per namespace beyond it, then dropping and
