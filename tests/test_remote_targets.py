@@ -50,11 +50,11 @@ from torchrl.record import CSVLogger
 from torchrl.testing.mocking_classes import CountingEnv
 
 import rl_observers  # noqa: F401
-from rl_observers import LoggerObserver, MetricsChannel
+from rl_observers import Every, LoggerObserver, MetricsChannel, SampleMetrics, WriteMetrics
 from rl_observers.sources.observed import observed_class
 from rl_observers.sources.placement import SourceInfo, source_info
 from rl_observers.sources.remote import RemoteAttachError, attach_here, detach_here, kind_of
-from tests.helpers import counting_rpcs, local_ray, start_method
+from tests.helpers import CountingHandle, counting_rpcs, local_ray, scalars, start_method
 
 HERE = Path(__file__).parent
 DRIVER = os.getpid()
@@ -493,6 +493,152 @@ def test_ray_replay_buffer_observers_run_in_its_actor(ray_cluster, helpers, tmp_
     assert [(line.tag, line.event) for line in helpers.read_lines(log)][-1] == ("closing", "shutdown")
     with pytest.raises(RuntimeError, match="closed"):
         rb.add_observer(helpers.BufferLog(log, "too_late"))
+
+
+@contextlib.contextmanager
+def counting_client_rpcs(client: Any) -> Iterator[Counter[str]]:
+    """Counts every call ``client`` (from ``rb.client()``) makes to its buffer's actor."""
+    counts: Counter[str] = Counter()
+    handle = client._actor
+    client._actor = CountingHandle(handle, counts)
+    try:
+        yield counts
+    finally:
+        client._actor = handle
+
+
+def rewards(value: float, n: int) -> TensorDict:
+    return TensorDict({"reward": torch.full((n,), value)}, [n])
+
+
+# Nothing is logged before the observer goes: the rows come from its last window.
+_NO_ROW = Every.counter("items_written", 10**12)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_ray_replay_buffer_client_stats_carry_the_observers_entries(ray_cluster, helpers, tmp_path):
+    """``client.stats()`` is the buffer's: torchrl's entries and the observers', in one call, in any process."""
+    from torchrl.data import RayReplayBuffer
+    from torchrl.data.replay_buffers.ray_buffer import _RayReplayBufferClient
+
+    logger = CSVLogger(exp_name="client_stats", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger, health_interval=None)
+    rb = RayReplayBuffer(
+        storage=partial(LazyTensorStorage, 100),
+        batch_size=4,
+        replay_buffer_cls=TensorDictReplayBuffer,
+        remote_config={"num_cpus": 0},
+    )
+
+    @ray_cluster.remote(num_cpus=0)
+    def use_elsewhere(client: Any) -> tuple[dict[str, Any], bool]:
+        client.extend(rewards(3.0, 10))
+        client.sample()
+        return client.stats(), hasattr(client, "add_observer")
+
+    try:
+        assert type(rb.client()) is _RayReplayBufferClient  # no observer: torchrl's own client
+        logged = LoggerObserver(
+            channel, name="rb", schedule=_NO_ROW, metrics=[WriteMetrics(reward_key="reward"), SampleMetrics()]
+        )
+        handles = [rb.add_observer(logged), rb.add_observer(helpers.BufferLog(tmp_path / "events.txt", "log"))]
+        client, sent = rb.clients(2)
+        assert isinstance(client, _RayReplayBufferClient) and repr(type(client)) == repr(_RayReplayBufferClient)
+        with counting_client_rpcs(client) as writes_and_samples:
+            client.extend(rewards(1.0, 10))
+            client.add(TensorDict({"reward": torch.tensor(2.0)}, []))
+            client.sample()
+        assert writes_and_samples == Counter(extend=1, add=1, sample=1)  # torchrl's calls, no extra one
+        with counting_client_rpcs(client) as counts:
+            stats = client.stats()
+        assert {key: stats[key] for key in ("size", "write_count", "initialized", "capacity")} == {
+            "size": 11,
+            "write_count": 11,
+            "initialized": True,
+            "capacity": 100,
+        }
+        assert (stats["writes"], stats["items_written"], stats["log/items_written"]) == (2, 11, 11)
+        assert (stats["sample_calls"], stats["samples_returned"]) == (1, 4)
+        assert stats.keys() == rb.stats().keys()
+        assert counts == Counter(__ray_call__=1)  # the same single call as rb.stats()
+        # a client pickled into another Ray process: its writes, samples and stats() reach them too
+        remote_stats, can_attach = ray_cluster.get(use_elsewhere.remote(sent))
+        assert (remote_stats["writes"], remote_stats["items_written"], remote_stats["log/items_written"]) == (3, 21, 21)
+        assert (remote_stats["sample_calls"], remote_stats["write_count"]) == (2, 21)
+        # observers are attached to the buffer: a client refuses, instead of attaching one in the actor
+        assert not can_attach
+        with pytest.raises(AttributeError, match="attach observers to the RayReplayBuffer itself"):
+            client.add_observer(helpers.BufferLog(tmp_path / "events.txt", "refused"))
+        for handle in handles:
+            handle.remove()
+        # no observer left: torchrl's answer (still one call), and new clients are torchrl's again
+        assert "items_written" not in client.stats() and client.stats()["write_count"] == 21
+        assert type(rb.client()) is _RayReplayBufferClient
+    finally:
+        rb.close()
+    assert channel.close(timeout=60)
+    assert scalars(logger, "rb/items_written")[-1][1] == 21
+    assert scalars(logger, "rb/sample_calls")[-1][1] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_ray_replay_buffer_client_empty_emits_empty(ray_cluster, helpers, tmp_path):
+    """``client.empty()`` emits ``empty`` in the actor once, so WriteMetrics folds the rows it kept pending."""
+    from torchrl.data import RayReplayBuffer
+
+    logger = CSVLogger(exp_name="client_empty", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger, health_interval=None)
+    log = tmp_path / "events.txt"
+    rb = RayReplayBuffer(
+        storage=partial(LazyTensorStorage, 100),
+        batch_size=4,
+        replay_buffer_cls=TensorDictReplayBuffer,
+        remote_config={"num_cpus": 0},
+    )
+
+    @ray_cluster.remote(num_cpus=0)
+    def empty_elsewhere(client: Any) -> int:
+        client.extend(rewards(3.0, 10))  # pending again, in slots 0-9 of the emptied storage
+        client.empty(empty_write_count=False)
+        return client.write_count
+
+    try:
+        # a long report interval: the actor's copy keeps every window until it is removed
+        rb.add_observer(
+            LoggerObserver(
+                channel,
+                name="rb",
+                schedule=_NO_ROW,
+                report_interval=3600,
+                metrics=[WriteMetrics(reward_key="reward")],
+            )
+        )
+        rb.add_observer(helpers.BufferLog(log, "log"))
+        client, sent = rb.clients(2)
+        # after a first write (folded from its data), a round-robin writer's rows wait in the
+        # storage: their rewards are read at a window's end, or at empty() before later writes
+        # overwrite them
+        client.extend(rewards(0.0, 10))
+        client.extend(rewards(1.0, 10))  # pending, in slots 10-19
+        with counting_client_rpcs(client) as counts:
+            client.empty()
+        assert [line.event for line in helpers.read_lines(log)] == ["post_extend", "post_extend", "empty"]
+        assert counts == Counter(__ray_call__=1)  # the same single call as rb.empty()
+        assert rb.stats()["write_count"] == 0 and len(client) == 0
+        client.extend(rewards(5.0, 30))  # slots 0-29: overwrites the 1.0 rewards
+        assert ray_cluster.get(empty_elsewhere.remote(sent)) == 40
+        events = [line.event for line in helpers.read_lines(log)]
+        assert events == ["post_extend", "post_extend", "empty", "post_extend", "post_extend", "empty"]
+    finally:
+        rb.close()
+    assert channel.close(timeout=60)
+    # every written reward once: 10 x 0.0, 10 x 1.0, 30 x 5.0, 10 x 3.0
+    assert scalars(logger, "rb/items_written")[-1][1] == 60
+    assert scalars(logger, "rb/reward_min")[-1][1] == 0.0
+    assert scalars(logger, "rb/reward_max")[-1][1] == 5.0
+    assert scalars(logger, "rb/reward_mean")[-1][1] == pytest.approx((10 * 1.0 + 30 * 5.0 + 10 * 3.0) / 60)
 
 
 @pytest.mark.slow

@@ -223,3 +223,40 @@ def test_a_write_after_the_cursor_moved_unobserved_is_folded():
     assert window["items_written"] == 20
     assert window["reward"].count == 16
     assert window["reward"].finalize()["reward_mean"] == pytest.approx((4 + 12 + 20 + 24) / 16)
+
+
+def test_a_large_write_after_the_cursor_moved_unobserved_reports_the_rows_it_overwrote():
+    # A write of more than a quarter of the storage is folded from its data; after the cursor
+    # moved back without an event (torchrl's own empty(), as a Ray actor runs it for a client
+    # handed out before the observers), the pending rows it overwrote hold its rewards now: they
+    # are reported, never read back as theirs.
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(100))
+    metrics = WriteMetrics(reward_key="r")
+    channel = _observed(rb, metrics)
+    rb.extend(TensorDict({"r": torch.zeros(10)}, [10]))  # folded from its data; decides the range path
+    rb.extend(TensorDict({"r": torch.ones(10)}, [10]))  # rows 10-19, pending
+    TensorDictReplayBuffer.empty(rb)  # torchrl's function: no event; the cursor is back at 0
+    with pytest.warns(UserWarning, match="the rewards of 10 rows .* moved by 80 rows"):
+        rb.extend(TensorDict({"r": torch.full((30,), 5.0)}, [30]))  # rows 0-29: the 1.0 rows are gone
+    window = metrics.pull()
+    channel.close(10)
+    assert window["items_written"] == 50
+    assert window["reward"].count == 40
+    assert window["reward"].finalize()["reward_min"] == 0.0
+    assert window["reward"].finalize()["reward_mean"] == pytest.approx(150 / 40)
+
+
+def test_a_large_write_after_an_unobserved_cursor_move_folds_the_pending_rows_it_spared():
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(100))
+    metrics = WriteMetrics(reward_key="r")
+    channel = _observed(rb, metrics)
+    rb.extend(TensorDict({"r": torch.zeros(50)}, [50]))  # folded from its data
+    rb.extend(TensorDict({"r": torch.ones(10)}, [10]))  # rows 50-59, pending
+    TensorDictReplayBuffer.empty(rb)  # torchrl's function: no event; the cursor is back at 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rb.extend(TensorDict({"r": torch.full((30,), 5.0)}, [30]))  # rows 0-29: spares rows 50-59
+    window = metrics.pull()
+    channel.close(10)
+    assert window["reward"].count == 90
+    assert window["reward"].finalize()["reward_mean"] == pytest.approx((10 + 150) / 90)

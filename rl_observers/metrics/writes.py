@@ -74,8 +74,9 @@ class WriteMetrics(MetricSet):
     the buffer's lock, so writes from other threads never interleave.) A
     write of more than a quarter of the storage is folded from its data;
     when one of more than three quarters, or a move of the cursor without
-    a write event (``load_state_dict``, an unobserved writer), overwrites
-    pending rows, their rewards are gone: a warning says how many, and from
+    a write event (``load_state_dict``, an unobserved writer, an ``empty()``
+    that emitted no event), overwrites pending rows, their rewards are
+    gone: a warning says how many, and from
     then on every write is folded from its data. Once a buffer is shared
     with other processes, every write is folded from its data. Rows
     changed in place before they are folded (``rb[index] = data``,
@@ -161,9 +162,15 @@ class WriteMetrics(MetricSet):
                     return
             if ring is not False:
                 written = _written_rows(index, data)
-                lost = self._fold_range(overwritten=written)
+                unseen = self._unseen_before(written) if ring else 0
+                lost = self._fold_range(overwritten=unseen + written)
                 if lost:
-                    self._retire_ring(lost, f"by a write of {written} rows into {ring[2]} slots")
+                    why = (
+                        f"the writer's cursor moved by {unseen} rows without an observed write"
+                        if unseen
+                        else f"by a write of {written} rows into {ring[2]} slots"
+                    )
+                    self._retire_ring(lost, why)
             slots, stored = stored_slots(index, storage_of(source), may_skip=self._may_skip(source))
             self._write(data, leading_size(data) if slots is None else slots.numel(), stored)
             if ring is None:
@@ -205,6 +212,22 @@ class WriteMetrics(MetricSet):
         self._range_len = pending + n
         if 4 * self._range_len > capacity or self._range_len >= _RANGE_FOLD_AT:
             self._fold_range()
+
+    def _unseen_before(self, n: int) -> int:
+        """Rows the cursor moved past without an event between the pending rows and a write of ``n``.
+
+        The write just stored ``n`` rows ending at the writer's cursor; they
+        start where the pending rows end unless the cursor moved in between
+        (an unobserved ``empty()`` or writer, ``load_state_dict``). A write
+        that fills the storage overwrites every pending row anyway: 0.
+        """
+        ring = self._ring
+        pending = self._range_len
+        if not pending or not ring or n >= ring[2]:
+            return 0
+        capacity = ring[2]
+        start = (writer_cursor(ring[0]) - n) % capacity
+        return (start - self._range_start - pending) % capacity
 
     def _after_unobserved(self, start: int, n: int, pending: int, capacity: int) -> bool:
         """The cursor moved between two observed writes; whether the range path goes on.

@@ -31,6 +31,21 @@ merged in the actor), ``empty()`` (emits ``empty`` in the actor). Before
 ``RayCollector.shutdown()`` / ``RayReplayBuffer.close()`` kill the actors,
 one call per actor emits ``shutdown`` there.
 
+**Clients.** ``rb.client()`` / ``rb.clients(n)`` hand out torchrl's
+lightweight clients, which call the actor directly (a ``RayCollector`` given
+``replay_buffer=rb`` writes through them). Their ``extend`` / ``add`` /
+``sample`` run in the actor, so the actor-side classes observe them as they
+observe the buffer's own calls. Their ``stats()`` and ``empty()`` would call
+torchrl's methods in the actor, past the observers: a client handed out by an
+observed buffer is therefore an observed client (context ``"ray_client"``)
+whose ``stats()`` and ``empty()`` make the same one call as the buffer's
+(``_stats_through`` / ``_empty_through``). It pickles as such, to any
+process, and keeps doing so once the buffer has no observer left (the answer
+is then torchrl's). A client handed out while the buffer had no observer is
+torchrl's own and stays so. Clients refuse ``add_observer`` /
+``remove_observer`` / ``observers``: observers are attached to the buffer,
+on the driver.
+
 **Files written in an actor come back to the driver.** The nodes of a Ray
 cluster share no files, so a file an observer writes in an actor (a
 profiler trace) would stay on that actor's node. An observer copy running
@@ -86,6 +101,8 @@ __all__ = ["RAY_COLLECTOR", "RAY_REPLAY_BUFFER", "send_file_to_driver"]
 ACTOR = "ray_actor"
 #: The context of the observed classes of the driver-side Ray objects.
 DRIVER = "ray_driver"
+#: The context of the observed clients an observed ``RayReplayBuffer`` hands out.
+CLIENT = "ray_client"
 # Seconds to wait for the actors to emit ``shutdown`` before torchrl kills them.
 _SHUTDOWN_TIMEOUT = 30.0
 # Seconds each actor is waited for at least, once the shared deadline has passed.
@@ -350,6 +367,35 @@ def _buffer_empty_here(buffer: Any, empty_write_count: bool) -> None:
         observers.emit("empty")
 
 
+def _stats_through(actor: Any) -> dict[str, Any]:
+    """The ``stats()`` of the replay buffer in ``actor``, with its observers' entries: one call.
+
+    Args:
+        actor: the Ray actor handle of a ``RayReplayBuffer`` (``rb._rb``, a
+            client's ``_actor``).
+
+    Returns:
+        dict: torchrl's entries, plus those of the observers running in the
+        actor (torchrl's entries alone when it has none).
+    """
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(_buffer_stats_here))
+
+
+def _empty_through(actor: Any, empty_write_count: bool = True) -> None:
+    """Empties the replay buffer in ``actor``, then emits ``empty`` to its observers there: one call.
+
+    Args:
+        actor: the Ray actor handle of a ``RayReplayBuffer``.
+        empty_write_count (bool, optional): passed to torchrl's ``empty()``.
+            Defaults to ``True``.
+    """
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(_buffer_empty_here, empty_write_count))
+
+
 def _buffer_shutdown_here(buffer: Any) -> list[tuple[str, bytes]]:
     try:
         observers = observers_of(buffer)
@@ -415,19 +461,53 @@ class _DriverObservedRayReplayBuffer:
     _rb: Any
 
     def stats(self) -> dict[str, Any]:
-        import ray
-
-        return ray.get(self._rb.__ray_call__.remote(_buffer_stats_here))
+        return _stats_through(self._rb)
 
     def empty(self, empty_write_count: bool = True) -> None:
-        import ray
+        return _empty_through(self._rb, empty_write_count)
 
-        return ray.get(self._rb.__ray_call__.remote(_buffer_empty_here, empty_write_count))
+    def client(self) -> Any:
+        # torchrl's clients() calls self.client() once per client: both hand out observed ones.
+        client = torchrl_class(type(self)).client(self)  # type: ignore[attr-defined]
+        if _is_ray_buffer_client(type(client)):
+            client.__class__ = observed_class(type(client), CLIENT)
+        return client
 
     def close(self) -> None:
         if hasattr(self, "_rb"):
             _emit_shutdown([self._rb], _buffer_shutdown_here)
         return torchrl_class(type(self)).close(self)  # type: ignore[attr-defined]
+
+
+#: What a client of a ``RayReplayBuffer`` refuses: observers are attached to the buffer itself.
+_OBSERVER_API = frozenset({"add_observer", "remove_observer", "observers"})
+
+
+class _ObservedRayReplayBufferClient:
+    """A client handed out by an observed ``RayReplayBuffer``: its observers see what it does.
+
+    ``extend`` / ``add`` / ``sample`` are torchrl's (their events happen in
+    the actor); ``stats()`` and ``empty()`` make the buffer's own single call
+    (see the module docstring).
+    """
+
+    _actor: Any
+
+    def stats(self) -> dict[str, Any]:
+        return _stats_through(self._actor)
+
+    def empty(self, empty_write_count: bool = True) -> None:
+        return _empty_through(self._actor, empty_write_count)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _OBSERVER_API:
+            # torchrl's client would forward the call to the actor, where an observer attached
+            # in process sees samples only (Ray calls the actor's public methods directly).
+            raise AttributeError(
+                f"a {type(self).__name__} has no {name!r}: attach observers to the RayReplayBuffer "
+                "itself, on the driver; they see the writes, samples, stats() and empty() of its clients."
+            )
+        return torchrl_class(type(self)).__getattr__(self, name)  # type: ignore[attr-defined]
 
 
 def _is_ray_collector(cls: type) -> bool:
@@ -440,11 +520,20 @@ def _is_ray_replay_buffer(cls: type) -> bool:
     return module is not None and issubclass(cls, module.RayReplayBuffer)
 
 
+def _is_ray_buffer_client(cls: type) -> bool:
+    # The Ray-transport client; the "distributed" transport's is never observed (refused at attach).
+    module = sys.modules.get("torchrl.data.replay_buffers.ray_buffer")
+    client = getattr(module, "_RayReplayBufferClient", None)
+    return client is not None and issubclass(cls, client)
+
+
 register_kind(_is_ray_replay_buffer, RAY_REPLAY_BUFFER)
 register_kind(_is_ray_collector, RAY_COLLECTOR)
 # The driver-side objects keep no observer list: their observers run in the actors.
 register_mixin(_is_ray_collector, _DriverObservedRayCollector, ObserverList, context=DRIVER)
 register_mixin(_is_ray_replay_buffer, _DriverObservedRayReplayBuffer, ObserverList, context=DRIVER)
+# Nor do the clients: they reach the observers in the buffer's actor.
+register_mixin(_is_ray_buffer_client, _ObservedRayReplayBufferClient, ObserverList, context=CLIENT)
 
 
 # -- the actor-side observed classes ---------------------------------------------------------------
