@@ -106,13 +106,15 @@ class Truth:
     """Episodes completed per batch, computed one step at a time.
 
     An episode is a trajectory (``("collector", "traj_ids")``, or the row when
-    the batch has no ids): its return and length add up every valid step of
+    the batch has no ids; with ``by_env``, the env of ``"env_index"`` in
+    interleaved batches): its return and length add up every valid step of
     that trajectory, in whatever batch and row it appears, and it completes
     at a step where done, terminated or truncated is set. A trajectory that
     never reaches such a step (interrupted by a reset) never completes.
+    ``reset_each_batch``: every batch starts new trajectories.
     """
 
-    def __init__(self, batches):
+    def __init__(self, batches, *, by_env=False, reset_each_batch=False):
         self.rewards: list[list[float]] = []  # valid per-step rewards, per batch
         self.episodes: list[list[tuple[float, int]]] = []  # (return, length) per batch
         self.spanning = 0  # episodes that ended in a later batch than they started
@@ -128,7 +130,9 @@ class Truth:
                 for key in ("done", "terminated", "truncated")
             )
             mask = _rows(batch, ("collector", "mask"), [[[True]] * steps] * rows)
-            traj = _rows(batch, ("collector", "traj_ids"))
+            traj = _rows(batch, "env_index" if by_env else ("collector", "traj_ids"))
+            if reset_each_batch:
+                running.clear()
             kept, closed, dones = [], [], 0
             for e in range(rows):
                 for t in range(steps):
@@ -257,6 +261,192 @@ def test_split_trajs_with_rewardsum_and_stepcounter():
     truth = Truth(batches)
     assert truth.spanning > 5
     run_per_batch(CollectorBatchMetrics(), batches, truth)
+
+
+@pytest.mark.filterwarnings("ignore:split_trajs=True produces:UserWarning")
+@pytest.mark.parametrize("entries", [False, True])
+def test_split_trajs_with_running_sums(shortcuts, entries):
+    # split_trajs rows are trajectory fragments: an episode spanning batches continues in a
+    # row of the next batch with the same trajectory id, whatever its row, and its carry
+    # follows the id.
+    env = make_env(batch_size=(2,), max_steps=40)
+    batches = collect(env, 10, 400, split_trajs=True)
+    assert ("collector", "mask") in batches[0].keys(True)
+    assert ("next", "episode_reward") not in batches[0].keys(True)
+    if entries:  # two entries per step (agents): each has its own episodes, ids repeat
+        batches = [_two_entries(b) for b in batches]
+    truth = Truth(batches)
+    assert truth.spanning > 5
+    if entries:
+        truth = _entry_truth(batches)
+    run_per_batch(CollectorBatchMetrics(step_count_key=None), batches, truth)
+
+
+def _two_entries(batch):
+    """Per-step rewards and flags of ``batch`` given two entries: the reward and 3 x it."""
+    batch = batch.clone()
+    reward = batch["next", "reward"]
+    batch["next", "reward"] = torch.stack([reward, 3 * reward], -2)  # [*B, T, 2, 1]
+    for key in ("done", "terminated", "truncated"):
+        flag = batch.get(("next", key), None)
+        if flag is not None:
+            batch["next", key] = torch.stack([flag, flag], -2)
+    return batch
+
+
+def _entry_truth(batches):
+    """``Truth`` of ``_two_entries`` batches: each entry's episodes, per batch, merged."""
+    plain = []
+    for batch in batches:
+        one = batch.clone()
+        for key in ("reward", "done", "terminated", "truncated"):
+            value = one.get(("next", key), None)
+            if value is not None:
+                one["next", key] = value[..., 0, :]
+        plain.append(one)
+    tripled = [b.clone() for b in plain]
+    for b in tripled:
+        b["next", "reward"] = 3 * b["next", "reward"]
+    first, second = Truth(plain), Truth(tripled)
+    for i in range(len(batches)):
+        first.rewards[i] += second.rewards[i]
+        first.episodes[i] += second.episodes[i]
+        first.dones[i] += second.dones[i]
+    return first
+
+
+# -- AsyncBatchedCollector: steps of several envs interleaved in one [N] batch -------------
+
+
+def _async_batched(make_envs, frames_per_batch, total_frames):
+    from tensordict.nn import TensorDictModule
+    from torchrl.collectors import AsyncBatchedCollector
+
+    policy = TensorDictModule(
+        lambda obs: torch.tanh(obs), in_keys=["observation"], out_keys=["action"]
+    )
+    return AsyncBatchedCollector(
+        make_envs,
+        policy=policy,
+        env_backend="threading",
+        frames_per_batch=frames_per_batch,
+        total_frames=total_frames,
+    )
+
+
+def _interleaving_env(seed, reward_sum=False):
+    # Long episodes, cut by StepCounter at 40 steps: most span several 30-step batches.
+    env = TransformedEnv(RandomRewardEnv(p_done=0.04, seed=seed), StepCounter(40))
+    if reward_sum:
+        env.append_transform(RewardSum())
+    return env
+
+
+@pytest.mark.parametrize(
+    "reward_sum, metric_kwargs",
+    [(False, {}), (False, {"step_count_key": None}), (True, {})],
+    ids=["running_return", "running_both", "rewardsum_stepcounter"],
+)
+def test_async_batched_collector_episodes_per_env(reward_sum, metric_kwargs):
+    # AsyncBatchedCollector yields flat [N] batches of steps of several envs interleaved in
+    # arrival order, each with its "env_index": an episode is the steps of one env index.
+    import functools
+
+    makers = [functools.partial(_interleaving_env, s, reward_sum) for s in (1, 2, 3)]
+    collector = _async_batched(makers, 30, 900)
+    metrics = CollectorBatchMetrics(episode_window=7, **metric_kwargs)
+    try:
+        metrics.bind(collector)  # as an observer binds its sets: the env count is known
+        collector.add_observer(lambda batch: metrics.on_post_collect(collector, batch))
+        batches = [batch.clone() for batch in collector]
+    finally:
+        collector.shutdown()
+    assert batches[0].batch_size == torch.Size([30])
+    envs = torch.cat([b["env_index"].reshape(-1) for b in batches])
+    assert set(envs.tolist()) == {0, 1, 2}
+    interleaved = Truth(batches)  # one time series: what the batches look like
+    truth = Truth(batches, by_env=True)
+    assert truth.spanning > 5 and truth.truncations > 0
+    assert interleaved.episodes != truth.episodes  # the test tells the two apart
+    fresh = CollectorBatchMetrics(**metric_kwargs)
+    run_per_batch(fresh, batches, truth)
+    # Bound to the collector and folding in its observer: the same numbers, and the last 7
+    # episodes in the order they ended.
+    want = truth.window(0, len(batches))
+    payload = metrics.pull()
+    got = finalized({k: v for k, v in payload.items() if k != "episode_window"})
+    assert_window(got, want)
+    last = [ret for b in truth.episodes for ret, _ in b][-7:]
+    assert payload["episode_window"].values("episode_return") == pytest.approx(last, rel=1e-5)
+    assert getattr(metrics, "_envs", None) in (None, 3)  # from the collector when running
+
+
+def test_interleaved_batches_carry_envs_absent_from_a_batch(shortcuts):
+    # Env 2 has no step in some batches: its episode in flight waits for its next step.
+    batches = []
+    rng = torch.Generator().manual_seed(0)
+    for i in range(12):
+        envs = torch.tensor([0, 1, 0, 1, 2, 0] if i % 3 == 0 else [1, 0, 0, 1, 1, 0])
+        steps = len(envs)
+        reward = torch.randint(0, 10, (steps, 1), generator=rng).float()
+        done = torch.rand((steps, 1), generator=rng) < 0.2
+        batches.append(
+            TensorDict(
+                {"env_index": envs, "next": {"reward": reward, "done": done}}, batch_size=[steps]
+            )
+        )
+    truth = Truth(batches, by_env=True)
+    assert truth.spanning > 3
+    run_per_batch(CollectorBatchMetrics(), batches, truth)
+    # The per-env carries survive a state_dict round trip.
+    first = CollectorBatchMetrics()
+    for batch in batches[:5]:
+        first.on_post_collect(None, batch)
+    first.pull()
+    resumed = CollectorBatchMetrics()
+    resumed.load_state_dict(pickle.loads(pickle.dumps(first.state_dict())))
+    for batch in batches[5:]:
+        resumed.on_post_collect(None, batch)
+    assert_window(finalized(resumed.pull()), truth.window(5, len(batches)))
+
+
+def test_interleaved_batches_off_the_cpu_need_the_env_count():
+    batch = TensorDict(
+        {
+            "env_index": torch.tensor([0, 1, 0, 1]),
+            "next": {"reward": torch.ones(4, 1), "done": torch.zeros(4, 1, dtype=torch.bool)},
+        },
+        batch_size=[4],
+    ).to("meta")
+    with pytest.raises(ValueError, match=r"RewardSum\(\) and StepCounter\(\)"):
+        CollectorBatchMetrics().on_post_collect(None, batch)
+
+
+def test_reset_at_each_iter_without_traj_ids():
+    # Bound to a collector that resets at each batch, episodes in flight are dropped even
+    # without trajectory ids to say so.
+    env = make_env(max_steps=50)
+    collector = Collector(
+        env,
+        RandomPolicy(env.action_spec),
+        frames_per_batch=6,
+        total_frames=360,
+        reset_at_each_iter=True,
+        track_traj_ids=False,
+    )
+    metrics = CollectorBatchMetrics(step_count_key=None)
+    metrics.bind(collector)
+    try:
+        batches = []
+        for batch in collector:
+            metrics.on_post_collect(collector, batch)
+            batches.append(batch.clone())
+    finally:
+        collector.shutdown()
+    assert ("collector", "traj_ids") not in batches[0].keys(True)
+    truth = Truth(batches, reset_each_batch=True)
+    assert truth.window(0, len(batches)) != pytest.approx(Truth(batches).window(0, len(batches)))
+    assert_window(finalized(metrics.pull()), truth.window(0, len(batches)))
 
 
 @pytest.mark.parametrize("traj_format", ["padded", "cat"])
@@ -622,6 +812,32 @@ def test_collector_fold_never_reads_a_value_on_the_host():
         assert metrics.counters()["batches"] == len(batches)
         with pytest.raises((NotImplementedError, RuntimeError)):
             metrics.pull()  # the one place values are read
+
+
+@pytest.mark.filterwarnings("ignore:split_trajs=True produces:UserWarning")
+def test_split_and_interleaved_folds_never_read_a_value_on_the_host():
+    import types
+
+    split = collect(make_env(batch_size=(2,), max_steps=40), 10, 100, split_trajs=True)
+    rows = collect(make_env(batch_size=(3,)), 12, 120)
+    interleaved = []
+    for batch in rows:  # [3, 4] -> [12], the envs' steps interleaved
+        flat = batch.transpose(0, 1).reshape(-1)
+        flat["env_index"] = torch.arange(3).repeat(4)
+        interleaved.append(flat)
+    on_cpu = CollectorBatchMetrics(step_count_key=None)
+    for batch in interleaved:
+        on_cpu.on_post_collect(None, batch)
+    assert_window(finalized(on_cpu.pull()), Truth(rows).window(0, len(rows)))
+    for batches, source in ((split, None), (interleaved, types.SimpleNamespace(_num_envs=3))):
+        metrics = CollectorBatchMetrics(step_count_key=None)
+        if source is not None:
+            metrics.bind(source)
+        for batch in batches:
+            metrics.on_post_collect(None, batch.to("meta"))
+        assert metrics.counters()["batches"] == len(batches)
+        with pytest.raises((NotImplementedError, RuntimeError)):
+            metrics.pull()
 
 
 def test_rings_of_batches_never_read_a_value_on_the_host():

@@ -15,6 +15,7 @@ from rl_observers.metrics.episodes import (
     EpisodeRing,
     PlainStage,
     close_episodes,
+    close_interleaved,
     entries_of,
     flags,
     new_ring,
@@ -44,8 +45,10 @@ class CollectorBatchMetrics(MetricSet):
     Folds ``post_collect`` batches: TensorDicts of shape ``[T]``, or
     ``[*B, T]`` for batched environments (``SerialEnv``, ``ParallelEnv``, an
     env with ``batch_size=[n]``): time is the last batch dimension. Padded
-    ``trajs_per_batch`` batches are supported: steps where ``mask_key`` is
-    false count nowhere.
+    ``split_trajs=True`` and ``trajs_per_batch`` batches are supported:
+    steps where ``mask_key`` is false count nowhere. So are the flat ``[N]``
+    batches of ``AsyncBatchedCollector``, whose steps of several envs are
+    interleaved (see ``env_index_key``).
 
     An episode closes at a step where ``done``, ``terminated`` **or**
     ``truncated`` is set, so a time-limit reset never leaks a return into the
@@ -60,10 +63,19 @@ class CollectorBatchMetrics(MetricSet):
     in the window where it ends, with its full return. When the batch has
     ``traj_ids_key``, a carry whose trajectory id does not continue in the
     next batch (``reset_at_each_iter``, a ``trajs_per_batch`` row) is
-    dropped, never added to another episode. Limits of the running sums: an
-    episode already under way when the set saw its first batch is counted
-    from that batch on; ``split_trajs=True`` batches need ``RewardSum`` /
-    ``StepCounter`` for episodes spanning batches.
+    dropped, never added to another episode. In padded batches with
+    ``traj_ids_key`` (``split_trajs=True``) a row is a trajectory, not an
+    env: each batch is summed on its own and an episode in flight is carried
+    by its trajectory id into the row of the next batch that continues it.
+    In batches with ``env_index_key`` (``AsyncBatchedCollector``: one
+    ``[N]`` time dimension of interleaved steps of several envs, each env's
+    in time order), the sums are kept per env index; the number of envs is
+    the bound collector's, or grows with the indices of CPU batches (batches
+    off the CPU from an unbound set are refused: add ``RewardSum`` and
+    ``StepCounter``). Bound to a collector with ``reset_at_each_iter=True``
+    and no trajectory ids, each batch's episodes in flight are dropped.
+    Limit of the running sums: an episode already under way when the set
+    saw its first batch is counted from that batch on.
 
     Keys are resolved at the first batch: an optional key found there
     (``terminated_key``, ``truncated_key``, ...) is read from every later
@@ -172,8 +184,13 @@ class CollectorBatchMetrics(MetricSet):
         mask_key (NestedKey, optional): valid-step mask of padded batches,
             used when present. Defaults to ``("collector", "mask")``.
         traj_ids_key (NestedKey, optional): trajectory ids, used when present
-            to drop carries that do not continue. Defaults to
+            to drop carries that do not continue (and, in padded batches, to
+            match each carry to the row that continues it). Defaults to
             ``("collector", "traj_ids")``.
+        env_index_key (NestedKey, optional): the env of each step in ``[N]``
+            batches of interleaved envs, used when present and running sums
+            are needed: the sums are kept per env index. Defaults to
+            ``"env_index"`` (``AsyncBatchedCollector``).
         episode_window (int, optional): also report the last
             ``episode_window`` episodes (``*_last_<N>``, see above). Defaults
             to ``None`` (not kept: the fold costs exactly what it did).
@@ -227,6 +244,7 @@ class CollectorBatchMetrics(MetricSet):
         step_count_key: NestedKey | None = FROM_SOURCE,
         mask_key: NestedKey | None = ("collector", "mask"),
         traj_ids_key: NestedKey | None = ("collector", "traj_ids"),
+        env_index_key: NestedKey | None = "env_index",
         episode_window: int | None = None,
     ) -> None:
         super().__init__()
@@ -248,6 +266,7 @@ class CollectorBatchMetrics(MetricSet):
         self.episode_length = check_bool(episode_length, "episode_length", owner)
         self.mask_key = check_key(mask_key, "mask_key", owner)
         self.traj_ids_key = check_key(traj_ids_key, "traj_ids_key", owner)
+        self.env_index_key = check_key(env_index_key, "env_index_key", owner)
         closing = (self.done_key, self.terminated_key, self.truncated_key)
         if (episode_return or episode_length) and all(k is None for k in closing):
             raise ValueError(
@@ -273,6 +292,12 @@ class CollectorBatchMetrics(MetricSet):
         self._carry = EpisodeCarry()
         self._ring: EpisodeRing | None = None
         self._stacked: torch.Tensor | None = None
+        # Env indices of interleaved batches are below this (the source's env count, when
+        # bound to an AsyncBatchedCollector; else learnt from CPU batches).
+        self._envs: int | None = None
+        # Bound to a collector that resets its envs at each batch (reset_at_each_iter): an
+        # episode in flight at the end of a batch never goes on in the next one.
+        self._reset_each_batch = False
         self._init_episode_window(episode_window, specs)
 
     def __repr__(self) -> str:
@@ -291,6 +316,15 @@ class CollectorBatchMetrics(MetricSet):
         their copies), nothing changes. Called before the first batch.
         """
         self._bind_episode_window(source)
+        envs = getattr(source, "_num_envs", None)  # AsyncBatchedCollector: one env per index
+        with self._lock:
+            if isinstance(envs, int) and not isinstance(envs, bool) and envs > 0:
+                self._envs = max(envs, self._envs or 0)
+            reset = getattr(source, "reset_at_each_iter", False) is True
+            if reset != self._reset_each_batch:
+                self._flush()
+                self._ring = None
+                self._reset_each_batch = reset
         if not self._from_source:
             return
         found = keys_from_source(source)
@@ -347,6 +381,11 @@ class CollectorBatchMetrics(MetricSet):
             episode_sources.append((1, step_count))
         traj_ids = optional(self.traj_ids_key)
         mask = optional(self.mask_key)
+        # Steps of several envs interleaved in one time dimension (AsyncBatchedCollector):
+        # the running sums are kept per env index.
+        env_index = optional(self.env_index_key) if running and batch.batch_dims == 1 else None
+        if env_index is not None:
+            traj_ids = None
         # What _fold reads, each once, with the argument that names it.
         reads: dict[NestedKey, str] = {}
         for key, what in (
@@ -358,6 +397,7 @@ class CollectorBatchMetrics(MetricSet):
             (episode_reward if self.episode_return else None, "episode_reward_key"),
             (step_count if self.episode_length else None, "step_count_key"),
             (traj_ids if running else None, "traj_ids_key"),  # read by the ring only
+            (env_index, "env_index_key"),
         ):
             if key is not None:
                 reads.setdefault(key, what)
@@ -369,6 +409,7 @@ class CollectorBatchMetrics(MetricSet):
             episode_reward=episode_reward,
             step_count=step_count,
             traj_ids=traj_ids,
+            env_index=env_index,
             running=running,
             episode_sources=tuple(episode_sources),
             entries=entries,
@@ -475,6 +516,11 @@ class CollectorBatchMetrics(MetricSet):
             if episode_mask is not None:
                 value = value & episode_mask.view(value.shape)
             closing_flags.append(value)
+        if plan.env_index is not None:
+            self._fold_interleaved(
+                plan, read, get, rows, steps, closing_flags, mask, episode_mask, batch_size
+            )
+            return
         if plan.running:
             self._fold_into_ring(
                 plan, batch, read, get, rows, steps, closing_flags, mask, episode_mask
@@ -509,6 +555,70 @@ class CollectorBatchMetrics(MetricSet):
                     cell_base=self._window_clocks[1],
                 )
 
+    def _fold_interleaved(
+        self,
+        plan: CollectorPlan,
+        read: dict[Any, torch.Tensor],
+        get: Any,
+        rows: int,
+        steps: int,
+        closing_flags: list[torch.Tensor],
+        mask: torch.Tensor | None,
+        episode_mask: torch.Tensor | None,
+        batch_size: torch.Size,
+    ) -> None:
+        """Folds a batch of interleaved env steps (``env_index``), carried per env index.
+
+        Each batch is summed on its own
+        (:func:`~rl_observers.metrics.episodes.close_interleaved`): its episodes
+        are folded at once.
+        """
+        self._flush()  # batches of another layout in the ring are summed first
+        self._ring = None
+        env = read[plan.env_index]
+        if env.numel() != batch_size.numel():
+            raise ValueError(
+                f"{type(self).__name__}: env_index_key {plan.env_index!r} must hold one env "
+                f"index per step, got shape {list(env.shape)} for batch_size "
+                f"{list(batch_size)}."
+            )
+        envs = self._envs
+        if env.is_cpu and env.numel():
+            # Read on the host at no device cost: the table grows to every index seen.
+            envs = self._envs = max(envs or 0, int(env.max()) + 1)
+        elif envs is None:
+            raise ValueError(
+                f"{type(self).__name__}: batches of interleaved env steps ({plan.env_index!r}) "
+                f"off the CPU need the number of envs, known when the set is bound to its "
+                f"AsyncBatchedCollector (attach it with add_observer). Otherwise add RewardSum() "
+                f"and StepCounter() transforms to the env, so that episodes are read from "
+                f"('next', 'episode_reward') and ('next', 'step_count')."
+            )
+        closing_flags = [value.reshape(rows, steps) for value in closing_flags]
+        closing = closing_flags[0]
+        for value in closing_flags[1:]:
+            closing = closing | value
+        if plan.reward is not None:
+            self._fold_reward(read[plan.reward], mask, batch_size)
+        if plan.done is not None and plan.closing != (plan.done,):
+            self._dones.fold_true(closing_flags[plan.closing.index(plan.done)])  # type: ignore[union-attr]
+        sources = plan.episode_sources
+        reward = None
+        if any(row == 0 and key is None for row, key in sources):
+            reward = get(plan.reward).reshape(rows, steps)
+        from_keys = [(row, get(key).reshape(rows, steps)) for row, key in sources if key]
+        values = close_interleaved(
+            self._carry, env, closing, reward, episode_mask, max(envs or 0, 1), from_keys
+        )
+        self._count_frames_and_episodes(torch.count_nonzero(closing), mask, batch_size)
+        if len(sources) == 1:
+            row = sources[0][0]
+            values = values[row : row + 1]
+        self._episode.fold(values, closing)  # type: ignore[union-attr]
+        if self._window is not None:
+            steps, cells = self._window_clocks
+            self._window.fold(values, closing, step_base=steps, cell_base=cells)
+
     def _fold_into_ring(
         self,
         plan: CollectorPlan,
@@ -532,8 +642,18 @@ class CollectorBatchMetrics(MetricSet):
         if ring is None or ring.key != key:
             self._flush()  # a batch of another shape: the ring's batches are summed first
             traj_dtype = None if plan.traj_ids is None else read[plan.traj_ids].dtype
+            # Reset at each batch, and no trajectory ids to say so: each batch is summed
+            # alone and its carries dropped (see _flush).
+            alone = self._reset_each_batch and traj_dtype is None
             ring = self._ring = new_ring(
-                plan, key, rows, steps, key[2], masked=mask is not None, traj_dtype=traj_dtype
+                plan,
+                key,
+                rows,
+                steps,
+                key[2],
+                masked=mask is not None,
+                traj_dtype=traj_dtype,
+                alone=alone,
             )
         reward = None
         if ring.reward is not None:
@@ -581,6 +701,8 @@ class CollectorBatchMetrics(MetricSet):
         ring = self._ring
         if ring is None:
             return
+        if self._reset_each_batch and ring.traj is None and ring.used:
+            self._carry = EpisodeCarry()  # the envs were reset: nothing goes on
         closed = close_episodes(ring, self._carry, self._plan.episode_sources)  # type: ignore[union-attr]
         if closed is None:
             return

@@ -29,6 +29,7 @@ __all__ = [
     "PlainStage",
     "Timeline",
     "close_episodes",
+    "close_interleaved",
     "entries_of",
     "flags",
     "new_ring",
@@ -55,6 +56,7 @@ class CollectorPlan:
         "episode_reward",
         "step_count",
         "traj_ids",
+        "env_index",
         "running",
         "episode_sources",
         "entries",
@@ -171,6 +173,8 @@ class EpisodeRing:
         "dones",
         "plain",
         "base",
+        "by_id",
+        "entry_count",
     )
 
     def __init__(
@@ -185,10 +189,20 @@ class EpisodeRing:
         mask: bool,
         traj_dtype: torch.dtype | None,
         from_keys: Sequence[int],
+        entry_count: int = 1,
+        alone: bool = False,
     ) -> None:
         self.key = key
         self.host = device.type == "cpu" and _CPU_SHORTCUTS and not mask
-        size = self.size = max(1, min(_RING_BATCHES, _RING_STEPS // max(1, rows * steps)))
+        # Padded batches with trajectory ids (split_trajs, trajs_per_batch): a row is a
+        # trajectory, not an env, and rows of two batches do not correspond. Each batch is
+        # summed on its own and its carries are matched by trajectory id (and entry).
+        self.by_id = mask and traj_dtype is not None
+        self.entry_count = entry_count
+        if self.by_id or alone:  # ``alone``: the caller sums every batch on its own
+            size = self.size = 1
+        else:
+            size = self.size = max(1, min(_RING_BATCHES, _RING_STEPS // max(1, rows * steps)))
         self.used = 0
         f64, shape = torch.float64, (rows, size, steps)
         self.reward = torch.zeros(shape, dtype=f64, device=device) if reward else None
@@ -342,6 +356,12 @@ class EpisodeCarry:
     ``neg``: ``[2, rows]`` float64, minus the (return, length) of each row's
     episode in flight; ``traj``: ``[rows]`` trajectory ids of the last step
     summed (when the batches have them). ``None`` before the first sum.
+    For padded batches with trajectory ids (:attr:`EpisodeRing.by_id`),
+    ``rows`` are the last batch's rows and ``traj`` the id of each row's
+    last valid step, matched by id (not by row) in the next batch. For
+    interleaved batches (:func:`close_interleaved`), ``neg`` is
+    ``[2, rows * envs]`` (one column per entry row and env index, env
+    fastest) and ``traj`` is ``None``.
     """
 
     __slots__ = ("neg", "traj")
@@ -376,8 +396,9 @@ def new_ring(
     *,
     masked: bool,
     traj_dtype: torch.dtype | None,
+    alone: bool = False,
 ) -> EpisodeRing:
-    """A ring for batches of ``rows`` x ``steps`` laid out as ``plan`` says."""
+    """A ring for batches of ``rows`` x ``steps`` laid out as ``plan`` says (``alone``: of one)."""
     return EpisodeRing(
         key,
         rows,
@@ -391,6 +412,8 @@ def new_ring(
         mask=masked,
         traj_dtype=traj_dtype,
         from_keys=[row for row, k in plan.episode_sources if k is not None],
+        entry_count=math.prod(plan.entries),
+        alone=alone,
     )
 
 
@@ -423,6 +446,8 @@ def stage_batch(
         for value in closing_flags[2:]:
             closing |= value.reshape(shape)
     if ring.reward is not None:
+        if ring.mask is not None:  # padding adds nothing to a return, whatever it holds
+            reward = torch.where(mask.view(reward.shape), reward, 0)  # type: ignore[union-attr]
         ring.slot(ring.reward, "reward", reward.shape).copy_(reward)  # type: ignore[union-attr]
     if ring.mask is not None:
         ring.slot(ring.mask, "mask", mask.shape).copy_(mask)  # type: ignore[union-attr]
@@ -555,6 +580,37 @@ def plain_stage(ring: EpisodeRing, plan: CollectorPlan, batch: Any) -> PlainStag
     return stage if stage.read(batch) is not None else False
 
 
+def _carry_by_id(ring: EpisodeRing, line: Timeline, carry: EpisodeCarry) -> None:
+    """Fills the carry column of a ring of one padded batch, matching trajectory ids.
+
+    A row of the batch takes the carry of the previous batch's row whose last
+    valid step has the trajectory id of its first step (and the same entry,
+    when steps have several): a trajectory that goes on in the next batch
+    keeps its id (``split_trajs``). Rows with no such carry start at zero.
+    No host read; ``[rows, previous rows]`` comparisons.
+    """
+    rows = ring.closing.shape[0]
+    previous, neg_carry = carry.traj, carry.neg
+    if (
+        previous is None
+        or neg_carry is None
+        or previous.ndim != 1
+        or neg_carry.shape != (2, previous.shape[0])
+    ):
+        line.carry.zero_()
+        return
+    device = ring.closing.device
+    previous = previous.to(device)
+    first = line.traj_first.to(torch.int64)
+    previous = previous.to(torch.int64)
+    entries = ring.entry_count
+    if entries > 1:  # rows are (trajectory, entry), entry fastest: the entry is part of the key
+        first = first * entries + torch.arange(rows, device=device) % entries
+        previous = previous * entries + torch.arange(previous.shape[0], device=device) % entries
+    match = (first.unsqueeze(1) == previous.unsqueeze(0)).to(torch.float64)
+    line.carry.copy_(torch.mm(neg_carry.to(device), match.T))
+
+
 def close_episodes(
     ring: EpisodeRing, carry: EpisodeCarry, sources: Sequence[tuple[int, Any]]
 ) -> Closed | None:
@@ -567,7 +623,8 @@ def close_episodes(
     (found with a running maximum of closing positions), or minus the
     prefix when none. Between two batches whose trajectory ids do not
     continue, the episode in flight is dropped (a segment start that
-    closes no episode). What follows the last closing is the new carry
+    closes no episode); padded batches with ids are summed one at a time
+    and their carries matched by id (:func:`_carry_by_id`). What follows the last closing is the new carry
     (``carry`` is updated in place). ``sources`` are the plan's
     ``episode_sources``. Returns ``None`` when the ring is empty.
     Off the CPU: tensor operations only, no host read, no data-dependent
@@ -591,7 +648,9 @@ def close_episodes(
     # The carry column: minus the episode in flight, unless its trajectory does not continue.
     neg_carry = carry.neg
     traj = ring.traj
-    if neg_carry is None or neg_carry.shape != (2, rows):
+    if ring.by_id:
+        _carry_by_id(ring, line, carry)
+    elif neg_carry is None or neg_carry.shape != (2, rows):
         line.carry.zero_()
     else:
         if neg_carry.device != device:
@@ -605,7 +664,7 @@ def close_episodes(
         else:
             line.carry.copy_(neg_carry)
     cut = None
-    if traj is not None:
+    if traj is not None and not ring.by_id:
         carry.traj = line.traj_last.clone()
         if used > 1:  # a trajectory that does not continue in the next batch is dropped
             cut = line.traj_next_first != line.traj_prev_last
@@ -640,6 +699,10 @@ def close_episodes(
     torch.cummax(line.positions, -1, out=(line.start, line.start_indices))
     torch.gather(line.sums, -1, line.start_index, out=line.at_start)
     carry.neg = line.at_end - line.sums_end
+    if ring.by_id:
+        # Each row's carry is keyed by the trajectory of its last valid step.
+        last = line.cum_length[:, -1].sub(1).clamp_(min=0).to(torch.int64)
+        carry.traj = traj[:, 0].gather(-1, last.unsqueeze(-1)).squeeze(-1)  # type: ignore[index]
     values = torch.sub(line.sums_tail, line.at_head, out=line.values)
     for row, key in sources:
         if key is not None:
@@ -648,3 +711,83 @@ def close_episodes(
         row = sources[0][0]
         values = values[row : row + 1]
     return Closed(line.reward, mask, dones, values, closing)
+
+
+def close_interleaved(
+    carry: EpisodeCarry,
+    env: torch.Tensor,
+    closing: torch.Tensor,
+    reward: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    envs: int,
+    from_keys: Sequence[tuple[int, torch.Tensor]],
+) -> torch.Tensor:
+    """Episodes of a batch of interleaved steps of several envs, carried per env index.
+
+    ``env`` (``[steps]`` integers below ``envs``) says which env each step
+    of the batch comes from (``AsyncBatchedCollector``'s ``env_index``);
+    each env's steps are in time order. ``closing``, ``reward`` and ``mask``
+    are ``[rows, steps]`` (``rows``: the entries of one step, ``1`` for
+    one); ``closing`` is already masked. The steps are stably sorted by env,
+    so every env's steps form one run: the running sums are those of
+    :func:`close_episodes` with a segment start at each env's first step,
+    where the env's carry (in ``carry.neg``, one column per entry row and
+    env index) is added. ``from_keys`` are (row, ``[rows, steps]`` values)
+    taken from batch keys instead of the sums. Returns the ``[2, rows,
+    steps]`` float64 (return, length) of the episodes closing at each step,
+    in the batch's order, and updates ``carry``. No host read, no
+    data-dependent shape.
+    """
+    rows, steps = closing.shape
+    device = closing.device
+    f64 = torch.float64
+    table = _interleaved_table(carry, rows, envs, device)
+    env = env.reshape(steps).to(device=device, dtype=torch.int64)
+    order = torch.argsort(env, stable=True)
+    env = env[order]
+    first = torch.ones(steps, dtype=torch.bool, device=device)  # an env's first step
+    torch.ne(env[1:], env[:-1], out=first[1:])
+    last = torch.ones(steps, dtype=torch.bool, device=device)  # an env's last step
+    last[:-1] = first[1:]
+    closing = closing[:, order]
+    per_step = torch.zeros((2, rows, steps), dtype=f64, device=device)
+    if reward is not None:
+        reward = reward[:, order]
+        per_step[0] = reward if mask is None else torch.where(mask[:, order], reward, 0)
+    if mask is None:
+        per_step[1] = 1
+    else:
+        per_step[1] = mask[:, order]
+    sums = torch.zeros((2, rows, steps + 1), dtype=f64, device=device)
+    torch.cumsum(per_step, -1, out=sums[..., 1:])
+    # A segment starts at an env's first step and after each closing step.
+    starts = first.expand(rows, steps).clone()
+    starts[:, 1:] |= closing[:, :-1]
+    index = torch.arange(steps, device=device)
+    start = torch.where(starts, index, 0).cummax(-1).values
+    values = sums[..., 1:] - sums.gather(-1, start.expand(2, rows, steps))
+    # Segments that start at the env's first step in the batch continue its carry.
+    carried = table.gather(-1, env.expand(2, rows, steps))
+    values += torch.where(first[start], carried, 0)
+    # The new carry: what is in flight at each env's last step; envs absent keep theirs.
+    present = torch.zeros(envs, dtype=torch.bool, device=device).index_fill_(0, env, True)
+    table.masked_fill_(present, 0)
+    table.index_add_(-1, env, torch.where(last & ~closing, values, 0))
+    carry.neg = table.reshape(2, rows * envs).neg()
+    carry.traj = None
+    out = torch.empty_like(values).index_copy_(-1, order, values)
+    for row, value in from_keys:
+        out[row].copy_(value)
+    return out
+
+
+def _interleaved_table(
+    carry: EpisodeCarry, rows: int, envs: int, device: torch.device
+) -> torch.Tensor:
+    """The per-env carry of :func:`close_interleaved` as ``[2, rows, envs]`` (a new tensor)."""
+    table = torch.zeros((2, rows, envs), dtype=torch.float64, device=device)
+    neg = carry.neg
+    if neg is not None and carry.traj is None and neg.shape[-1] % rows == 0:
+        known = min(envs, neg.shape[-1] // rows)
+        table[..., :known] = neg.to(device).reshape(2, rows, -1)[..., :known].neg()
+    return table
