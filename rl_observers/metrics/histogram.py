@@ -83,9 +83,10 @@ class Histogram(Metric):
             if edges is None or edges.device != counts.device:
                 # A last edge at +inf: bucketize puts NaN past every edge, so NaN gets a
                 # count of its own at no extra cost (and +inf stays in the top bin).
-                edges = self._edges_t = torch.tensor(
-                    (*self.edges, math.inf), dtype=torch.float64
-                ).to(counts.device)
+                edges = torch.tensor((*self.edges, math.inf), dtype=torch.float64)
+                if counts.device.type == "cuda":  # a pinned copy does not wait for the device
+                    edges = edges.pin_memory()
+                edges = self._edges_t = edges.to(counts.device, non_blocking=True)
             if value.requires_grad:  # (a check costs less than a detached view per fold)
                 value = value.detach()
             values = value.reshape(-1).to(counts.device, torch.float64)
