@@ -114,7 +114,12 @@ class Observer:
         """
 
     def copies_removed(self, target: Any) -> None:
-        """Called on the original, in the driver, once every copy was detached from ``target``."""
+        """Called once on the original, in the driver, when its copies are gone.
+
+        That is when every copy was detached from ``target``, or when
+        ``target`` shut down (the copies went with its worker processes or
+        actors), whichever comes first.
+        """
 
 
 def _check_optional_hooks(observer: Any) -> None:

@@ -195,7 +195,8 @@ class LoggerObserver(Contributor, Observer):
             any torchrl collector and ``"replay_buffer"`` on any replay
             buffer. A name another attached observer already uses on the
             same logger (or channel) is refused: pass ``name=`` to tell
-            them apart.
+            them apart. The name is freed when the observer is removed or
+            its source shuts down.
         scope (str, optional): for sources with several workers:
             ``"aggregate"`` (default) merges all workers' partials,
             ``"per_worker"`` logs ``<name>/worker_<i>/<metric>``, ``"both"``
@@ -339,6 +340,7 @@ class LoggerObserver(Contributor, Observer):
         self.report_interval = report_interval
         self._home_pid = os.getpid()
         self._mode: str | None = None  # "local" or "contribute", resolved at the first event
+        self._holds_name = False  # whether ``name`` is taken on the logger for this observer
         self._worker: Any = None
         self._last_report = 0.0
         self._last_report_counter = 0.0
@@ -378,11 +380,13 @@ class LoggerObserver(Contributor, Observer):
                 channel.add_close_callback(self._close_window)
 
     def detached(self, source: Any) -> None:
-        if self.log_on_close:
-            self._close_window()
-        if self._mode == "contribute":
-            self._sink.flush(timeout=5.0)
-        self._release_name()
+        try:
+            if self.log_on_close:
+                self._close_window()
+            if self._mode == "contribute":
+                self._sink.flush(timeout=5.0)
+        finally:
+            self._release_name()
 
     def prepare_copies(self, target: Any) -> None:
         """Called on the original, in the driver, before copies go where ``target``'s data is.
@@ -399,11 +403,22 @@ class LoggerObserver(Contributor, Observer):
         self._bind(target)
 
     def copies_removed(self, target: Any) -> None:
-        """Called on the original once every copy was detached: logs the last aggregate windows."""
+        """Called on the original once its copies are gone: logs the last aggregate windows.
+
+        That is when the last copy was detached, or when ``target`` shut
+        down (its workers or actors, and the copies in them, are gone). The
+        namespace is free afterwards. Does nothing the second time: by then
+        another observer may use the namespace, and finishing it again would
+        cut that observer's window short.
+        """
+        if not self._holds_name:
+            return
         channel = self._channel()
-        if channel is not None and self.name is not None:
-            finish_aggregate(channel, self.name)
-        self._release_name()
+        try:
+            if channel is not None and self.name is not None and not channel.closed:
+                finish_aggregate(channel, self.name)
+        finally:
+            self._release_name()
 
     def _bind(self, source: Any) -> None:
         """Resolves defaults, names and counters once, for ``source`` (a local one or a remote one)."""
@@ -511,8 +526,10 @@ class LoggerObserver(Contributor, Observer):
                     )
                 taken[name] = self
         self.name = name
+        self._holds_name = True
 
     def _release_name(self) -> None:
+        self._holds_name = False
         channel = self._channel()
         if channel is None or self.name is None:
             return
@@ -520,6 +537,28 @@ class LoggerObserver(Contributor, Observer):
             taken = _NAMES.get(_names_on(channel))
             if taken is not None and taken.get(self.name) is self:
                 del taken[self.name]
+
+    def _claim_name_again(self) -> None:
+        """Takes the namespace back for a source used again after its shutdown freed it.
+
+        A torchrl replay buffer still takes writes after ``shutdown()``.
+        If another observer took the namespace meanwhile, this window is not
+        logged: the error goes through the observer's ``on_error`` policy
+        (one warning per failure streak by default) rather than mixing two
+        sources' rows in one namespace.
+        """
+        name = self.name or ""
+        try:
+            self._claim_name(name)
+        except ValueError:
+            source = self._source() if self._source is not None else None
+            what = "its source" if source is None else f"its {type(source).__name__}"
+            raise ValueError(
+                f"LoggerObserver {name!r}: {what} is used again after shutdown(), which freed "
+                f"the namespace {name!r}, and another observer now uses it on this logger; "
+                "this window is not logged. Remove this observer, or attach one of them "
+                "with another name=."
+            ) from None
 
     def _counters(self) -> dict[str, float]:
         counters: dict[str, float] = {}
@@ -563,6 +602,8 @@ class LoggerObserver(Contributor, Observer):
         return payload
 
     def _emit(self, counters: Mapping[str, float]) -> None:
+        if not self._holds_name and self._channel_ref is not None:
+            self._claim_name_again()  # the namespace was freed when the source shut down
         channel = self._channel()
         if channel is not None and has_aggregate(channel, self.name or ""):
             # copies elsewhere contribute to this name: this instance becomes one more contributor
@@ -607,10 +648,20 @@ class LoggerObserver(Contributor, Observer):
                 self._fresh = True  # what it folded is logged at removal or close
 
     def on_shutdown(self, source: Any) -> None:
-        if self.log_on_close:
-            self._close_window()
-        if self._mode == "contribute":  # the process may end right after
-            self._sink.flush(timeout=5.0)
+        if self._mode == "contribute":
+            if self.log_on_close:
+                self._close_window()
+            self._sink.flush(timeout=5.0)  # the process may end right after
+            return
+        try:
+            if self.log_on_close:
+                self._close_window()
+        finally:
+            # The source's last window is logged: its namespace is free for the next source
+            # (a collector rebuilt in a loop), without waiting for this observer to be
+            # garbage-collected. A contributing observer keeps it: its copies elsewhere may
+            # still send windows under that name.
+            self._release_name()
 
     # -- pull interop and checkpoints ----------------------------------------------------------
 
@@ -660,8 +711,15 @@ class LoggerObserver(Contributor, Observer):
         LIVE.add(self)
 
     def __repr__(self) -> str:
-        sets = ", ".join(type(m).__name__ for m in self._sets or ())
-        return f"LoggerObserver(name={self.name!r}, schedule={self.schedule!r}, metrics=[{sets}])"
+        # Before attaching, defaults are not resolved yet: show what was passed, never a
+        # placeholder such as ``schedule=None`` (which would mean "every event").
+        fields = []
+        if self.name is not None:
+            fields.append(f"name={self.name!r}")
+        fields.append("schedule='auto'" if self._auto_schedule else f"schedule={self.schedule!r}")
+        if self._sets is not None:
+            fields.append(f"metrics=[{', '.join(type(m).__name__ for m in self._sets)}]")
+        return f"LoggerObserver({', '.join(fields)})"
 
 
 def attach_logger(

@@ -23,6 +23,18 @@ removing detaches from every live worker and warns once per dead worker.
 Shared replay buffers written by these workers: see
 :mod:`rl_observers.sources.shared_buffers`.
 
+Shutdown: while observed, the driver's collector is an instance of an
+observed class whose ``shutdown()`` runs torchrl's (the workers exit, and
+their copies send their last windows as they do) and then tells the driver's
+originals that their copies are gone (:meth:`RemoteKind.shut_down`): a
+``LoggerObserver`` logs its last aggregate windows and frees its namespace.
+A collector still running when the interpreter exits would otherwise never
+be shut down: multiprocessing's exit hook waits for its workers forever (they
+are not daemons), and the workers' last windows never reach the channel.
+So, at exit, observed collectors still running are shut down first (within
+``_EXIT_TIMEOUT`` seconds for all), before the channels close; a worker that
+had to be terminated lost what its copies had not sent, and a warning says so.
+
 The limits come from torchrl's worker loop: a control message that reaches a
 worker during a rollout makes the worker drop that rollout (torchrl does the
 same for its own messages, such as setting ``post_collect_hook``), and a
@@ -32,14 +44,21 @@ such a message would stall; attaching to it then raises.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import os
+import threading
+import time
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 from torchrl._utils import logger as torchrl_logger
 from torchrl.collectors import BaseCollector, MultiCollector
 
+from rl_observers.observer import ObserverList
 from rl_observers.signals import COLLECTOR_EVENTS
+from rl_observers.sources.observed import observed_class, register_mixin, torchrl_class
 from rl_observers.sources.placement import IdentityMap
 from rl_observers.sources.remote import (
     RemoteAttachError,
@@ -54,6 +73,17 @@ __all__ = ["MULTIPROCESS_COLLECTOR", "MultiprocessCollectorKind", "call_workers"
 
 # How often to check that a worker is still alive while waiting for its answer, in seconds.
 _HEALTH_INTERVAL = 0.5
+# The context of the driver-side observed class (see the module docstring).
+DRIVER = "multiprocess_driver"
+# The most seconds the interpreter's exit spends shutting down observed collectors, in all.
+_EXIT_TIMEOUT = 10.0
+# The least seconds each of them gets, even past that deadline.
+_EXIT_MIN_WAIT = 1.0
+# Observed collectors of this process, by id (weakly): those still running are shut down at exit.
+_OBSERVED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_OBSERVED_LOCK = threading.Lock()
+# The process whose exit hook is registered (a fork inherits the hook, not the workers).
+_EXIT_PID: int | None = None
 # The dead workers already reported, per collector: a dead worker is reported once.
 _REPORTED_DEAD = IdentityMap()
 
@@ -218,8 +248,94 @@ class MultiprocessCollectorKind(RemoteKind):
             warn_dead_once(target, dead, "observers are removed from")
         raise_first_error(target, answers, "detaching an observer from")
 
+    def first_added(self, target: Any) -> None:
+        target.__class__ = observed_class(type(target), DRIVER)
+        _shut_down_at_exit(target)
+
+    def last_removed(self, target: Any) -> None:
+        target.__class__ = torchrl_class(type(target))
+        with _OBSERVED_LOCK:
+            if _OBSERVED.get(id(target)) is target:
+                del _OBSERVED[id(target)]
+
 
 MULTIPROCESS_COLLECTOR = MultiprocessCollectorKind()
+
+
+class _DriverObservedMultiCollector:
+    """Driver-side ``MultiSyncCollector`` / ``MultiAsyncCollector`` with observers."""
+
+    def shutdown(self, *args: Any, **kwargs: Any) -> Any:
+        # torchrl's shutdown first: the workers exit and their copies send their last windows;
+        # then the originals learn that the copies are gone (last aggregate rows, namespace freed).
+        try:
+            return torchrl_class(type(self)).shutdown(self, *args, **kwargs)  # type: ignore[attr-defined]
+        finally:
+            MULTIPROCESS_COLLECTOR.shut_down(self)
+
+
+def _shut_down_at_exit(collector: Any) -> None:
+    """Has ``collector`` shut down at interpreter exit if it still runs then.
+
+    The hook is registered when the first collector is observed, hence after
+    multiprocessing's exit hook and the channels' (registered when their
+    modules were imported): ``atexit`` runs it before both of them.
+    """
+    global _EXIT_PID
+    with _OBSERVED_LOCK:
+        _OBSERVED[id(collector)] = collector
+        if _EXIT_PID != os.getpid():
+            _EXIT_PID = os.getpid()
+            atexit.register(_shut_down_observed_at_exit)
+
+
+def _worker_exit_codes(collector: Any) -> dict[int, Any]:
+    """Each worker's exit code (``None`` while alive, ``"closed"`` when torchrl closed it)."""
+    codes: dict[int, Any] = {}
+    for idx, proc in enumerate(getattr(collector, "procs", None) or ()):
+        try:
+            codes[idx] = proc.exitcode
+        except ValueError:
+            codes[idx] = "closed"
+    return codes
+
+
+def _shut_down_observed_at_exit() -> None:
+    """Shuts down the observed collectors still running, so that their workers report.
+
+    Without it, multiprocessing's exit hook would wait for the workers
+    forever, and what their observer copies folded since their last report
+    would never reach the channel. Each shutdown is bounded by torchrl's own
+    timeout (workers that do not stop are terminated); a worker that did not
+    exit cleanly lost its copies' last windows, which a warning reports.
+    """
+    if _EXIT_PID != os.getpid():
+        return
+    deadline = time.monotonic() + _EXIT_TIMEOUT
+    with _OBSERVED_LOCK:
+        collectors = list(_OBSERVED.values())
+    for collector in collectors:
+        if not MULTIPROCESS_COLLECTOR.is_running(collector):
+            continue
+        timeout = max(_EXIT_MIN_WAIT, deadline - time.monotonic())
+        error = None
+        try:
+            collector.shutdown(timeout=timeout, raise_on_error=False)
+        except Exception as raised:  # the process is going away; report, never fail its exit
+            error = raised
+        lost = {idx: code for idx, code in _worker_exit_codes(collector).items() if code != 0}
+        if lost or error is not None:
+            workers = ", ".join(
+                f"worker {idx} ({'still running' if code is None else f'exit code {code}'})"
+                for idx, code in sorted(lost.items())
+            )
+            why = f"{type(error).__name__}: {error}" if error is not None else workers
+            torchrl_logger.warning(
+                f"rl_observers: a {type(collector).__name__} was still running at interpreter "
+                f"exit; shutting it down so that its workers report their last windows failed "
+                f"({why}): what their observers folded since their last report is lost. Call "
+                "collector.shutdown() before the program ends."
+            )
 
 
 def _call_in_collector(self: BaseCollector, fn: Any, *args: Any) -> Any:
@@ -239,3 +355,5 @@ def _is_multiprocess_collector(cls: type) -> bool:
 
 
 register_kind(_is_multiprocess_collector, MULTIPROCESS_COLLECTOR)
+# The driver-side collector keeps no observer list: its observers run in the workers.
+register_mixin(_is_multiprocess_collector, _DriverObservedMultiCollector, ObserverList, context=DRIVER)

@@ -29,7 +29,9 @@ the actor. Only the calls that already are one round trip and need the
 observers change, and stay one round trip: ``stats()`` (observer entries
 merged in the actor), ``empty()`` (emits ``empty`` in the actor). Before
 ``RayCollector.shutdown()`` / ``RayReplayBuffer.close()`` kill the actors,
-one call per actor emits ``shutdown`` there.
+one call per actor emits ``shutdown`` there; once the actors are gone, the
+driver's originals are told (``copies_removed``), so a ``LoggerObserver``
+logs its last aggregate windows and frees its namespace.
 
 **Clients.** ``rb.client()`` / ``rb.clients(n)`` hand out torchrl's
 lightweight clients, which call the actor directly (a ``RayCollector`` given
@@ -454,6 +456,19 @@ class _DriverObservedRayCollector:
             _emit_shutdown(actors, _collector_shutdown_here)
         return torchrl_class(type(self)).stop_remote_collectors(self)  # type: ignore[attr-defined]
 
+    def shutdown(self, timeout: float | None = None, shutdown_ray: bool = False) -> None:
+        # Once the actors emitted shutdown and were killed, the originals learn that their
+        # copies are gone (last aggregate rows, namespace freed for the next collector);
+        # Ray stops only after that, as it would have at the end of torchrl's shutdown.
+        try:
+            torchrl_class(type(self)).shutdown(self, timeout=timeout)  # type: ignore[attr-defined]
+        finally:
+            RAY_COLLECTOR.shut_down(self)
+        if shutdown_ray:
+            import ray
+
+            ray.shutdown()
+
 
 class _DriverObservedRayReplayBuffer:
     """Driver-side ``RayReplayBuffer`` with observers: one round trip for what touches them."""
@@ -476,7 +491,10 @@ class _DriverObservedRayReplayBuffer:
     def close(self) -> None:
         if hasattr(self, "_rb"):
             _emit_shutdown([self._rb], _buffer_shutdown_here)
-        return torchrl_class(type(self)).close(self)  # type: ignore[attr-defined]
+        try:
+            torchrl_class(type(self)).close(self)  # type: ignore[attr-defined]
+        finally:
+            RAY_REPLAY_BUFFER.shut_down(self)  # the actor and its copies are gone
 
 
 #: What a client of a ``RayReplayBuffer`` refuses: observers are attached to the buffer itself.

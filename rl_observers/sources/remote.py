@@ -44,6 +44,11 @@ in the workers of a multiprocessing collector it kills the worker, in a
 a worker failed. In a ``RayReplayBuffer``'s actor Ray hands the error to the
 caller and the actor lives on, so ``"raise"`` is kept there.
 
+When the source shuts down, its kind calls :meth:`RemoteKind.shut_down`:
+each original's ``copies_removed`` runs then (once; ``remove_observer``
+afterwards does not call it again), so an original does not wait for its
+removal or for garbage collection to finish what its copies did.
+
 ``remove_observer`` always leaves the driver's record consistent: once the
 copies were asked to detach, the observer is forgotten on the driver even if
 detaching failed somewhere (a copy is dropped before its ``detached`` runs,
@@ -69,6 +74,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import cloudpickle
+from torchrl._utils import logger as torchrl_logger
 
 from rl_observers.observer import resolve_observer
 from rl_observers.sources import observed
@@ -133,11 +139,12 @@ class _Attached:
 class _RemoteObservers:
     """The driver's record of what is attached to one remote source."""
 
-    __slots__ = ("entries", "lock")
+    __slots__ = ("entries", "lock", "shut_down")
 
     def __init__(self) -> None:
         self.entries: tuple[_Attached, ...] = ()
         self.lock = threading.RLock()
+        self.shut_down = False  # the originals were told that their copies are gone
 
 
 _REMOTE = IdentityMap()
@@ -236,11 +243,41 @@ class RemoteKind:
             state.entries = tuple(a for a in state.entries if a is not found)
             if not state.entries:
                 self.last_removed(target)
+            told = state.shut_down
         removed = getattr(observer, "copies_removed", None)
-        if callable(removed):
+        if callable(removed) and not told:  # once per observer: it was told at shutdown
             removed(target)
         if error is not None:
             raise error
+
+    def shut_down(self, target: Any) -> None:
+        """Called on the driver once ``target`` shut down: its copies went with its processes.
+
+        Each original's ``copies_removed`` runs once, in registration order,
+        so that it does at shutdown what it would do when removed (a
+        ``LoggerObserver`` logs its last aggregate windows and frees its
+        namespace). An original that raises is reported with a warning; the
+        others are still told.
+        """
+        state = _REMOTE.get(target)
+        if state is None:
+            return
+        with state.lock:
+            if state.shut_down:
+                return
+            state.shut_down = True
+            entries = state.entries
+        for attached in entries:
+            removed = getattr(attached.observer, "copies_removed", None)
+            if not callable(removed):
+                continue
+            try:
+                removed(target)
+            except Exception as error:  # the source is shut down already; report, go on
+                torchrl_logger.warning(
+                    f"rl_observers: {attached.observer!r} raised in copies_removed after its "
+                    f"{type(target).__name__} shut down ({type(error).__name__}: {error})."
+                )
 
     def observers(self, target: Any) -> tuple[Any, ...]:
         state = _REMOTE.get(target)
