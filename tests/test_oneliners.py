@@ -515,3 +515,26 @@ def test_a_syncing_function_is_documented_not_refused():
     assert metric.pull()["m"].finalize() == {"m": 3.0}
     assert "synchronises the device" in rl_observers.metrics.oneliners.__doc__
     assert math.isfinite(3.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_values_fold_without_sync():
+    values = [torch.rand(64, device="cuda") * 2 for _ in range(8)]
+    metrics = [
+        Mean("m", _identity), Sum("s", _identity), Max("x", _identity), Summary("y", _identity),
+        CountTrue("c", lambda v: v > 1), Ratio("r", lambda v: v > 1),
+        Histogram("h", _identity, edges=[0.0, 0.5, 1.0, 2.0]),  # its edges reach the device too
+    ]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for metric in metrics:
+            for value in values:
+                metric.on_post_collect(None, value)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    data = torch.cat(values).double().cpu()
+    assert metrics[0].pull()["m"].finalize()["m"] == pytest.approx(data.mean().item())
+    assert metrics[2].pull()["x"].finalize()["x"] == pytest.approx(data.max().item())
+    assert metrics[4].pull()["c"].finalize()["c"] == (data > 1).sum().item()
+    assert sum(metrics[6].pull()["h"].counts) == data.numel()
