@@ -169,6 +169,7 @@ def test_bounded_in_flight_coalesces_then_drops_and_counts(ray_env):
     assert sender.stats["in_flight"] == 2  # bounded
     # a, b, a, b fill the buffer, the other 96 coalesce into them; c finds no room
     assert sender.coalesced == 96 and sender.dropped == 5
+    assert sender.pending() == 4  # a, b, a, b wait in the buffer (health()'s "pending")
     assert max(times) < 0.05, times  # never waits for Ray
     assert not sender.flush(0.2)  # cannot finish: returns at its timeout
 

@@ -262,6 +262,11 @@ class RaySender:
             self._warned = True
             torchrl_logger.warning(f"MetricsHandle {message}. Further such errors are silent.")
 
+    def pending(self) -> int:
+        """Entries buffered here, not yet handed to a call (the ``Sender`` protocol's ``pending``)."""
+        with self._lock:
+            return len(self._pending)
+
     @property
     def dropped(self) -> int:
         """Payloads dropped here: beyond the buffer, or lost with a call that failed.
