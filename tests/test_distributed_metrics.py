@@ -322,3 +322,40 @@ def test_an_aggregate_failing_at_close_does_not_stop_the_others_last_rows(monkey
     assert logger.series("c/workers") == [(40, 1)]
     assert not any(name.startswith(("broken/", "unwritable/")) for m, _ in logger.calls for name in m)
     assert aggregates == {}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("total_frames", "log_on_close", "last_step"),
+    [
+        (3000, False, 3000),  # the final counters cross 3000: that row is due, not a partial one
+        (2400, False, 2100),  # 2400 is below the next threshold: a trailing partial, dropped
+        (2400, True, 2400),  # ... and logged when log_on_close
+    ],
+)
+def test_log_on_close_false_still_logs_the_rows_the_final_counters_make_due(
+    tmp_path, total_frames, log_on_close, last_step
+):
+    logger = CSVLogger(exp_name="noclose", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger, health_interval=None)
+    # 150 frames per worker and batch: each worker reports at 1050 (its own interval), and
+    # sends what came after only when it shuts down
+    collector = pendulum_multisync("fork", frames_per_batch=300, total_frames=total_frames)
+    observer = LoggerObserver(
+        channel,
+        schedule=Every.counter("frames", 1000),
+        log_on_close=log_on_close,
+        report_interval=600,
+        name="mp",
+    )
+    collector.add_observer(observer)
+    batches = [batch.clone() for batch in collector]
+    collector.shutdown()
+    assert channel.close(timeout=60)
+    steps = [step for step, _ in scalars(logger, "mp/frames")]
+    assert steps == [1050, 2100, last_step][: 3 if last_step > 2100 else 2]
+    assert scalars(logger, "mp/frames")[-1] == (last_step, float(last_step))
+    if last_step == total_frames:  # every episode the driver received is in a row
+        truth = episodes_per_worker(batches)
+        assert sum(value for _, value in scalars(logger, "mp/episodes")) == len(truth)
