@@ -405,6 +405,9 @@ class LoggerObserver(Contributor, Observer):
                 'counter name instead, e.g. step="frames".'
             )
         self._bind(target)
+        channel = self._channel()
+        if channel is not None:  # closing the channel before the copies are gone loses their windows
+            channel.copies_attached(self, f"LoggerObserver {self.name!r} on a {type(target).__name__}")
 
     def copies_removed(self, target: Any) -> None:
         """Called on the original once its copies are gone: logs the last aggregate windows.
@@ -415,9 +418,11 @@ class LoggerObserver(Contributor, Observer):
         another observer may use the namespace, and finishing it again would
         cut that observer's window short.
         """
+        channel = self._channel()
+        if channel is not None:
+            channel.copies_gone(self)
         if not self._holds_name:
             return
-        channel = self._channel()
         try:
             if channel is not None and self.name is not None and not channel.closed:
                 finish_aggregate(channel, self.name)
