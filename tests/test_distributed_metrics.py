@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from functools import partial
 
 import pytest
 import torch
 from tensordict import TensorDict
+from torchrl._utils import logger as torchrl_logger
 from torchrl.collectors import MultiSyncCollector
 from torchrl.data import LazyTensorStorage, ReplayBuffer, TensorDictReplayBuffer
 from torchrl.envs import GymEnv
@@ -118,6 +120,92 @@ def test_global_counter_schedule_and_removal_flush(tmp_path):
     assert all(step >= 400 for step in steps), steps
     assert crossed == sorted(set(crossed)), steps
     assert received == 1600
+
+
+# (these run before the Ray tests of this module: a driver connected to Ray hands its
+# forked workers a Ray sender instead of the socket one)
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("total_frames", "log_on_close", "last_step"),
+    [
+        (3000, False, 3000),  # the final counters cross 3000: that row is due, not a partial one
+        (2400, False, 2100),  # 2400 is below the next threshold: a trailing partial, dropped
+        (2400, True, 2400),  # ... and logged when log_on_close
+    ],
+)
+def test_log_on_close_false_still_logs_the_rows_the_final_counters_make_due(
+    tmp_path, total_frames, log_on_close, last_step
+):
+    logger = CSVLogger(exp_name="noclose", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger, health_interval=None)
+    # 150 frames per worker and batch: each worker reports at 1050 (its own interval), and
+    # sends what came after only when it shuts down
+    collector = pendulum_multisync("fork", frames_per_batch=300, total_frames=total_frames)
+    observer = LoggerObserver(
+        channel,
+        schedule=Every.counter("frames", 1000),
+        log_on_close=log_on_close,
+        report_interval=600,
+        name="mp",
+    )
+    collector.add_observer(observer)
+    batches = [batch.clone() for batch in collector]
+    collector.shutdown()
+    assert channel.close(timeout=60)
+    steps = [step for step, _ in scalars(logger, "mp/frames")]
+    assert steps == [1050, 2100, last_step][: 3 if last_step > 2100 else 2]
+    assert scalars(logger, "mp/frames")[-1] == (last_step, float(last_step))
+    if last_step == total_frames:  # every episode the driver received is in a row
+        truth = episodes_per_worker(batches)
+        assert sum(value for _, value in scalars(logger, "mp/episodes")) == len(truth)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_closing_the_channel_before_the_collector_shuts_down_is_reported(tmp_path, warnings_seen):
+    logger = CSVLogger(exp_name="order", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger, health_interval=None)
+    # the forked workers inherit this handler: what they warn about ends up in the file
+    workers_log = logging.FileHandler(tmp_path / "workers.log")
+    torchrl_logger.addHandler(workers_log)
+    try:
+        collector = pendulum_multisync("fork", total_frames=800)
+    finally:
+        torchrl_logger.removeHandler(workers_log)
+    # the workers hold everything until they shut down
+    collector.add_observer(LoggerObserver(channel, schedule=NEVER, report_interval=600, name="mp"))
+    for _ in collector:
+        pass
+    assert not channel.close(timeout=30)  # the workers' windows cannot reach it any more
+    (warning,) = [m for m in warnings_seen if "closing while observers" in m]
+    assert "LoggerObserver 'mp' on a MultiSyncCollector" in warning
+    assert "Shut the source down (collector.shutdown()" in warning
+    collector.shutdown()
+    assert scalars(logger, "mp/frames") == []
+    # each worker names the likely cause of what it could not send
+    workers_log.close()
+    assert "channel was closed (channel.close()) before the source" in (
+        tmp_path / "workers.log"
+    ).read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_closing_the_channel_after_removing_the_observer_is_clean(tmp_path, warnings_seen):
+    logger = CSVLogger(exp_name="order", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger, health_interval=None)
+    collector = pendulum_multisync("fork", total_frames=800)
+    observer = LoggerObserver(channel, schedule=NEVER, report_interval=600, name="mp")
+    collector.add_observer(observer)
+    for _ in collector:
+        pass
+    collector.remove_observer(observer)  # its copies send their last windows
+    assert channel.close(timeout=30)
+    collector.shutdown()
+    assert not [m for m in warnings_seen if "closing while observers" in m]
+    assert scalars(logger, "mp/frames") == [(800, 800.0)]
 
 
 def _rows(n):
@@ -322,3 +410,4 @@ def test_an_aggregate_failing_at_close_does_not_stop_the_others_last_rows(monkey
     assert logger.series("c/workers") == [(40, 1)]
     assert not any(name.startswith(("broken/", "unwritable/")) for m, _ in logger.calls for name in m)
     assert aggregates == {}
+

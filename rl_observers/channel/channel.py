@@ -379,7 +379,10 @@ class MetricsChannel:
 
         Returns:
             ``True`` if everything was delivered and the thread stopped;
-            ``False`` if the timeout expired first, or if, since the previous
+            ``False`` if the timeout expired first, if observers still had
+            copies attached in other processes or actors (a collector not
+            shut down yet: a warning names them, see
+            :meth:`copies_attached`), or if, since the previous
             :meth:`flush` or :meth:`close`, a logger call (or a partial, a
             router, a close callback) failed or payloads were lost: see
             ``health()`` (``sink_errors``, ``dropped``, ``remote_dropped``,
@@ -419,6 +422,35 @@ class MetricsChannel:
             [(0, 1.0)]
         """
         self._state.add_close_callback(callback)
+
+    def copies_attached(self, feeder: Any, description: str) -> None:
+        """Notes that copies of ``feeder`` run in other processes or actors and send here.
+
+        Called by producers (a :class:`~rl_observers.LoggerObserver` whose
+        copies run in a multiprocessing collector's workers or a Ray
+        actor). Until :meth:`copies_gone` is called for it, :meth:`close`
+        warns, naming ``description``, and returns ``False``: a closed
+        channel cannot receive what those copies send when their source shuts
+        down. The feeder is held weakly.
+
+        Args:
+            feeder (Any): the producer in this process.
+            description (str): what it is, for the warning (e.g.
+                ``"LoggerObserver 'collector' on a MultiSyncCollector"``).
+        """
+        note = getattr(self._state, "copies_attached", None)
+        if note is not None:
+            note(feeder, description)
+
+    def copies_gone(self, feeder: Any) -> None:
+        """Notes that ``feeder``'s copies are gone (removed, or their source shut down).
+
+        Args:
+            feeder (Any): the producer given to :meth:`copies_attached`.
+        """
+        note = getattr(self._state, "copies_gone", None)
+        if note is not None:
+            note(feeder)
 
     def health(self) -> dict[str, int]:
         """Returns the channel's counters.

@@ -115,6 +115,8 @@ class Owner:
         self._closed_warned = False
         self.close_requested = False
         self._close_callbacks: list[Callable[[], Any]] = []
+        # producers whose copies elsewhere (workers, actors) still feed this channel, by id
+        self._feeders: dict[int, tuple[weakref.ref[Any], str]] = {}
         self._lock = threading.Lock()
         self._receivers: dict[str, Receiver] = {}
         self._receivers_started = False
@@ -246,6 +248,42 @@ class Owner:
             live.append(ref)
             self._close_callbacks = live
 
+    def copies_attached(self, feeder: Any, description: str) -> None:
+        """Notes that copies of ``feeder`` run elsewhere and send to this channel.
+
+        Until :meth:`copies_gone`, closing the channel warns and returns
+        ``False``: what those copies have not sent yet cannot be received.
+        """
+        key = id(feeder)
+
+        def forget(_: Any, key: int = key) -> None:
+            self._feeders.pop(key, None)
+
+        with self._lock:
+            self._feeders[key] = (weakref.ref(feeder, forget), description)
+
+    def copies_gone(self, feeder: Any) -> None:
+        """Notes that ``feeder``'s copies are gone (removed, or their source shut down)."""
+        with self._lock:
+            entry = self._feeders.get(id(feeder))
+            if entry is not None and entry[0]() is feeder:
+                del self._feeders[id(feeder)]
+
+    def _copies_still_attached(self) -> bool:
+        """Warns, naming them, if producers' copies elsewhere still feed this channel."""
+        with self._lock:
+            live = [description for ref, description in self._feeders.values() if ref() is not None]
+            self._feeders = {}
+        if not live:
+            return False
+        torchrl_logger.warning(
+            f"MetricsChannel {self.name!r} is closing while observers still have copies attached "
+            f"in other processes or actors ({'; '.join(live)}): what those copies have not sent "
+            "yet (their last windows at least) is lost. Shut the source down (collector.shutdown(), "
+            "the buffer's close()) or remove its observers before closing the channel."
+        )
+        return True
+
     def _run_close_callbacks(self) -> None:
         with self._lock:
             callbacks, self._close_callbacks = self._close_callbacks, []
@@ -263,7 +301,9 @@ class Owner:
         with self._lock:
             first = not self.close_requested
             self.close_requested = True
+        orphaned = False
         if first:
+            orphaned = self._copies_still_attached()
             # what other processes already sent is read first, so that close callbacks
             # see it (a router may decide from it, e.g. which observers have copies elsewhere)
             self.poll_remote(time.monotonic() + 1.0)
@@ -275,7 +315,7 @@ class Owner:
         done = self.delivery.join(deadline)
         clean = self.delivery.clean_since_last_check()
         self.delivery.raise_stored_error()
-        return done and clean
+        return done and clean and not orphaned
 
     def release(self) -> None:
         """Stops the owner's threads without waiting: the channel was garbage-collected.

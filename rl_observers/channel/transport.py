@@ -185,7 +185,10 @@ class Unreachable:
             torchrl_logger.warning(
                 f"MetricsHandle cannot reach its owner {self.owner} from pid {os.getpid()} on "
                 f"{os.uname().nodename}: {self.reason}. Its metrics are dropped and counted "
-                "(handle.dropped). This is reported once."
+                "(handle.dropped). If the owner is still running, the likely cause is that its "
+                "channel was closed (channel.close()) before the source feeding it (a collector's "
+                "workers, a buffer's actor) shut down: shut the source down, or remove its "
+                "observers, before closing the channel. This is reported once."
             )
 
     def flush(self, timeout: float | None) -> bool:

@@ -44,12 +44,18 @@ _EXIT_REPORT = False
 
 
 def _report_at_exit() -> None:
-    """Sends every contributing copy's last window: worker processes exit without shutdown events."""
+    """Sends every contributing copy's last window: worker processes exit without shutdown events.
+
+    Sent whatever ``log_on_close`` says: the owner's aggregate applies it
+    (a trailing partial window is dropped there), but rows that the final
+    counters make due must be logged.
+    """
     for observer in list(LIVE):
         if observer._mode == "contribute":
             try:
-                if observer.log_on_close:
-                    observer._close_window()
+                # always: the owner needs the final counters to log the rows they made due;
+                # its aggregate drops a trailing partial window itself unless log_on_close
+                observer._close_window()
                 observer._sink.flush(timeout=2.0)
             except Exception:  # the process is going away; never fail its exit
                 pass

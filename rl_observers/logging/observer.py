@@ -216,7 +216,10 @@ class LoggerObserver(Contributor, Observer):
             the schedule. Defaults to ``False``.
         log_on_close (bool, optional): emit the last partial window when the
             observer is removed, the target shuts down, or the channel
-            closes. Defaults to ``True``.
+            closes. With ``False``, rows the schedule made due are still
+            logged: copies away from the channel always send their last
+            window, and the owner drops only the trailing partial window
+            (below the next threshold). Defaults to ``True``.
         on_error (str, optional): the default error policy when attached
             (``"warn"``, ``"raise"`` or ``"ignore"``). Defaults to ``"warn"``.
         report_interval (float, optional): copies running away from the
@@ -381,7 +384,8 @@ class LoggerObserver(Contributor, Observer):
 
     def detached(self, source: Any) -> None:
         try:
-            if self.log_on_close:
+            # A copy always sends what it holds: the owner's aggregate applies log_on_close.
+            if self.log_on_close or self._mode == "contribute":
                 self._close_window()
             if self._mode == "contribute":
                 self._sink.flush(timeout=5.0)
@@ -401,6 +405,9 @@ class LoggerObserver(Contributor, Observer):
                 'counter name instead, e.g. step="frames".'
             )
         self._bind(target)
+        channel = self._channel()
+        if channel is not None:  # closing the channel before the copies are gone loses their windows
+            channel.copies_attached(self, f"LoggerObserver {self.name!r} on a {type(target).__name__}")
 
     def copies_removed(self, target: Any) -> None:
         """Called on the original once its copies are gone: logs the last aggregate windows.
@@ -411,9 +418,11 @@ class LoggerObserver(Contributor, Observer):
         another observer may use the namespace, and finishing it again would
         cut that observer's window short.
         """
+        channel = self._channel()
+        if channel is not None:
+            channel.copies_gone(self)
         if not self._holds_name:
             return
-        channel = self._channel()
         try:
             if channel is not None and self.name is not None and not channel.closed:
                 finish_aggregate(channel, self.name)
@@ -649,8 +658,9 @@ class LoggerObserver(Contributor, Observer):
 
     def on_shutdown(self, source: Any) -> None:
         if self._mode == "contribute":
-            if self.log_on_close:
-                self._close_window()
+            # Always sent: the final counters may make rows due at the owner, whose aggregate
+            # drops the trailing partial window itself when log_on_close is False.
+            self._close_window()
             self._sink.flush(timeout=5.0)  # the process may end right after
             return
         try:
