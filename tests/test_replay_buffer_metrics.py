@@ -525,3 +525,44 @@ def test_write_metrics_read_back_with_a_mask():
             "reward_max": max(kept),
         }
     )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_buffer_metrics_add_no_sync_to_writes_and_samples():
+    # torchrl's own extend/sample synchronise; the observers must add none (counted, not refused)
+    from rl_observers import Every, LoggerObserver
+
+    from .helpers import RecordingLogger
+
+    def data(k):
+        reward = torch.full((256, 1), float(k), device="cuda")
+        return TensorDict({"obs": torch.randn(256, 4, device="cuda"), ("next", "reward"): reward}, [256])
+
+    def syncs(rb, rounds):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for k in range(rounds):
+                    rb.extend(data(k))
+                    for _ in range(4):
+                        rb.sample(128)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    def buffer():
+        return TensorDictReplayBuffer(storage=LazyTensorStorage(100_000, device="cuda"), batch_size=128)
+
+    bare, observed = buffer(), buffer()
+    logger = RecordingLogger()
+    observer = LoggerObserver(
+        logger,
+        metrics=[WriteMetrics(reward_key=("next", "reward")), SampleMetrics()],
+        schedule=Every.counter("write_count", 10**9),  # no window inside the counted rounds
+    )
+    observed.add_observer(observer)
+    syncs(bare, 3)  # warm-up
+    syncs(observed, 3)
+    assert syncs(observed, 20) <= syncs(bare, 20)
+    observed.remove_observer(observer)  # the window: one transfer, outside the count
