@@ -14,7 +14,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -135,9 +135,11 @@ def test_round_trip_keeps_every_payload(ray_env, receiver, relay):
     sender.close(1.0)
 
 
-def test_bounded_in_flight_coalesces_then_drops_and_counts(ray_env):
-    """A stalled ingest: at most ``in_flight`` calls wait, the buffer coalesces, then drops."""
-    ray, transport = ray_env.ray, ray_env.transport
+def stalled_ingest(ray, transport) -> tuple[str, Any, Callable[[], Any]]:
+    """An owner's token and address, and a call starting an ingest there whose pushes hang.
+
+    The call can be made again once the previous ingest was killed (its name is reused).
+    """
     token = uuid.uuid4().hex[:12]
 
     @ray.remote(num_cpus=0, max_concurrency=4)
@@ -148,8 +150,27 @@ def test_bounded_in_flight_coalesces_then_drops_and_counts(ray_env):
     address = transport.RayAddress(
         token, f"rl_observers-ingest-{token}", transport.ACTOR_NAMESPACE, "test owner"
     )
-    stalled = Stalled.options(name=address.ingest, namespace=address.namespace).remote()
-    ray.get(stalled.__ray_ready__.remote())
+
+    def stall() -> Any:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                actor = Stalled.options(name=address.ingest, namespace=address.namespace).remote()
+                ray.get(actor.__ray_ready__.remote())
+                return actor
+            except ValueError:  # the name of the one killed before is not free yet
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    return token, address, stall
+
+
+def test_bounded_in_flight_coalesces_then_drops_and_counts(ray_env):
+    """A stalled ingest: at most ``in_flight`` calls wait, the buffer coalesces, then drops."""
+    ray, transport = ray_env.ray, ray_env.transport
+    token, address, stall = stalled_ingest(ray, transport)
+    stalled = stall()
     sender = transport.RaySender(address, relay=False, in_flight=2, capacity=4, interval=0.005)
 
     def send(ns):
@@ -475,29 +496,7 @@ def test_a_full_ingest_counts_every_merged_payload_it_drops(ray_env):
 
 def test_a_call_that_fails_counts_every_payload_merged_into_its_messages(ray_env):
     ray, transport = ray_env.ray, ray_env.transport
-    token = uuid.uuid4().hex[:12]
-
-    @ray.remote(num_cpus=0, max_concurrency=4)
-    class Stalled:
-        def push(self, data, messages, dropped, coalesced):
-            time.sleep(3600)
-
-    address = transport.RayAddress(
-        token, f"rl_observers-ingest-{token}", transport.ACTOR_NAMESPACE, "test owner"
-    )
-
-    def stall() -> Any:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                actor = Stalled.options(name=address.ingest, namespace=address.namespace).remote()
-                ray.get(actor.__ray_ready__.remote())
-                return actor
-            except ValueError:  # the name of the one killed before is not free yet
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
+    token, address, stall = stalled_ingest(ray, transport)
     first = stall()
     sender = transport.RaySender(address, relay=False, in_flight=1, capacity=1, interval=0.005)
     sent = send_payloads(sender, "a", 1)
