@@ -257,3 +257,87 @@ def test_every_module_imports_on_its_own(mode):
     assert done.returncode == 0, done.stderr[-4000:]
     failures = json.loads(done.stdout.strip().splitlines()[-1])
     assert failures == {}, "\n\n".join(f"{name}:\n{text}" for name, text in failures.items())
+
+
+# -- the table of observed classes -------------------------------------------------------------
+
+
+def _class_assignments() -> list[str]:
+    """``module (line)`` of every ``<obj>.__class__ = ...`` in the package."""
+    found = []
+    for module in MODULES:
+        path = _path_of(module)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            for target in targets:
+                for inner in ast.walk(target):
+                    if isinstance(inner, ast.Attribute) and inner.attr == "__class__":
+                        found.append(f"{module} (line {node.lineno})")
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("setattr", "object.__setattr__"):
+                args = node.args
+                if len(args) > 1 and isinstance(args[1], ast.Constant) and args[1].value == "__class__":
+                    found.append(f"{module} (line {node.lineno}, setattr)")
+    return found
+
+
+def test_only_sources_observed_switches_a_class():
+    outside = [where for where in _class_assignments() if not where.startswith("rl_observers.sources.observed ")]
+    assert outside == []
+    assert _class_assignments(), "the scan found no __class__ assignment at all: is it still scanning?"
+
+
+def _calls_of(name: str) -> list[str]:
+    found = []
+    for module in MODULES:
+        path = _path_of(module)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                fn = node.func
+                called = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+                if called == name:
+                    found.append(f"{module} (line {node.lineno})")
+    return found
+
+
+def test_the_table_is_the_only_registration():
+    # One call hands the table to the mechanism; no module registers mixins or kinds of its own.
+    assert _calls_of("use_table") == [f"{PACKAGE}.sources (line {_line_of_use_table()})"]
+    assert _calls_of("register_mixin") == [] and _calls_of("register_kind") == []
+    # Nothing outside the table module fills a class attribute of the observer lists from afar.
+    for module in MODULES:
+        path = _path_of(module)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Assign):
+                for target in node.targets:
+                    if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name):
+                        assert not target.value.id.endswith("Observers"), f"{module} (line {node.lineno})"
+
+
+def _line_of_use_table() -> int:
+    path = _path_of(f"{PACKAGE}.sources")
+    (line,) = [
+        node.lineno
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "use_table"
+    ]
+    return line
+
+
+def test_the_table_names_every_class_it_decides_for():
+    # Every torchrl class the table names exists in this torchrl (a renamed module would turn
+    # a known class into a refused one), and its rows are what attaching uses.
+    import importlib
+
+    import rl_observers  # noqa: F401
+    from rl_observers.sources.observed import how_observed
+    from rl_observers.sources.table import TABLE
+
+    for context, rows in TABLE.items():
+        for name, how in rows.items():
+            module_name, _, qualname = name.partition(":")
+            cls = getattr(importlib.import_module(module_name), qualname)
+            assert how_observed(cls, context) is how, (context, name)

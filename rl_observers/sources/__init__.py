@@ -1,17 +1,20 @@
 """Where events come from: the torchrl objects that can be observed.
 
 :func:`install` adds ``add_observer``, ``remove_observer`` and ``observers`` to
-torchrl's collectors and replay buffers. What attaching means depends on
-where the data lives: an in-process source becomes its observed class
-(:mod:`~rl_observers.sources.observed`, emitting as
-:mod:`~rl_observers.sources.collectors` and
-:mod:`~rl_observers.sources.replay_buffers` say); a source whose data lives
-in other processes or Ray actors forwards its observers there through its
-remote kind (:mod:`~rl_observers.sources.remote`; the kinds
-:mod:`~rl_observers.sources.multiprocess`, :mod:`~rl_observers.sources.ray`
-and the mirroring of :mod:`~rl_observers.sources.shared_buffers` register
-themselves). :mod:`~rl_observers.sources.placement` tells an observer where
-its source runs.
+torchrl's collectors and replay buffers. What attaching means for each
+torchrl class is one table, :data:`rl_observers.sources.table.TABLE`, handed
+to :mod:`~rl_observers.sources.observed` here and nowhere else: an
+in-process source becomes its observed class (emitting as
+:mod:`~rl_observers.sources.collectors`,
+:mod:`~rl_observers.sources.replay_buffers` and
+:mod:`~rl_observers.sources.distributed` say); a source whose data lives in
+other processes or Ray actors forwards its observers there through its
+remote kind (:class:`~rl_observers.sources.remote.RemoteKind`:
+:mod:`~rl_observers.sources.multiprocess`, :mod:`~rl_observers.sources.ray`;
+a shared buffer's copies, :mod:`~rl_observers.sources.shared_buffers`). A
+class the table does not know is refused at ``add_observer``.
+:mod:`~rl_observers.sources.placement` tells an observer where its source
+runs.
 """
 
 from __future__ import annotations
@@ -23,9 +26,6 @@ from torchrl.data import ReplayBuffer
 
 from rl_observers import signals
 from rl_observers.observer import ObserverHandle
-
-# Each module registers its mixins, remote kinds or shared-buffer mirroring when imported.
-from rl_observers.sources import collectors, multiprocess, ray, replay_buffers, shared_buffers  # noqa: F401
 from rl_observers.sources.observed import (
     ATTACH_LOCK,
     attach,
@@ -34,9 +34,13 @@ from rl_observers.sources.observed import (
     observe,
     observers_of,
     release,
+    use_table,
 )
 from rl_observers.sources.placement import SourceInfo, source_info
 from rl_observers.sources.remote import kind_of
+from rl_observers.sources.table import TABLE
+
+use_table(TABLE)  # the one registration: every torchrl class -> how it is observed
 
 __all__ = ["SourceInfo", "install", "observers_of", "source_info"]
 

@@ -20,11 +20,9 @@ import sys
 from types import CodeType, FunctionType
 from typing import Any
 
-from torchrl.collectors import BaseCollector
-
 from rl_observers.observer import ObserverList
 from rl_observers.signals import COLLECTOR_EVENTS
-from rl_observers.sources.observed import observers_of, register_mixin, torchrl_class
+from rl_observers.sources.observed import observers_of, torchrl_class
 
 __all__ = ["CollectorObservers", "ObservedCollector"]
 
@@ -131,10 +129,3 @@ class ObservedCollector:
         stats = torchrl_class(type(self)).stats(self, *args, **kwargs)
         observers = observers_of(self)
         return stats if observers is None else observers.contribute_stats(stats)
-
-
-def _is_local_collector(cls: type) -> bool:
-    return issubclass(cls, BaseCollector)
-
-
-register_mixin(_is_local_collector, ObservedCollector, CollectorObservers)

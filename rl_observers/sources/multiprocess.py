@@ -54,18 +54,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchrl._utils import logger as torchrl_logger
-from torchrl.collectors import BaseCollector, MultiCollector
+from torchrl.collectors import BaseCollector
 
-from rl_observers.observer import ObserverList
 from rl_observers.signals import COLLECTOR_EVENTS
-from rl_observers.sources.observed import observed_class, register_mixin, torchrl_class
+from rl_observers.sources.observed import torchrl_class
 from rl_observers.sources.placement import IdentityMap
 from rl_observers.sources.remote import (
     RemoteAttachError,
     RemoteKind,
     attach_here,
     detach_here,
-    register_kind,
 )
 
 __all__ = ["MULTIPROCESS_COLLECTOR", "MultiprocessCollectorKind", "call_workers"]
@@ -198,6 +196,7 @@ class MultiprocessCollectorKind(RemoteKind):
     target_name = "collector"
     emits = COLLECTOR_EVENTS
     where = "in its worker processes"
+    context = DRIVER
     # An observer raising in a worker kills it: torchrl then reports only "worker <i> failed".
     raise_reaches_caller = False
 
@@ -249,11 +248,11 @@ class MultiprocessCollectorKind(RemoteKind):
         raise_first_error(target, answers, "detaching an observer from")
 
     def first_added(self, target: Any) -> None:
-        target.__class__ = observed_class(type(target), DRIVER)
+        super().first_added(target)
         _shut_down_at_exit(target)
 
     def last_removed(self, target: Any) -> None:
-        target.__class__ = torchrl_class(type(target))
+        super().last_removed(target)
         with _OBSERVED_LOCK:
             if _OBSERVED.get(id(target)) is target:
                 del _OBSERVED[id(target)]
@@ -348,12 +347,3 @@ def _call_in_collector(self: BaseCollector, fn: Any, *args: Any) -> Any:
 
 
 BaseCollector._rl_observers_call = _call_in_collector  # type: ignore[attr-defined]
-
-
-def _is_multiprocess_collector(cls: type) -> bool:
-    return issubclass(cls, MultiCollector)
-
-
-register_kind(_is_multiprocess_collector, MULTIPROCESS_COLLECTOR)
-# The driver-side collector keeps no observer list: its observers run in the workers.
-register_mixin(_is_multiprocess_collector, _DriverObservedMultiCollector, ObserverList, context=DRIVER)

@@ -26,19 +26,31 @@ An observed object behaves like the torchrl object it is:
   copies of its observers (see :class:`~rl_observers.observer.ObserverList`
   for observers that cannot be unpickled in a ``spawn`` worker).
 
+Which mixin a torchrl class gets is read from one table
+(:mod:`rl_observers.sources.table`), handed to :func:`use_table` once: a
+class is matched by the nearest class of its MRO that the table names, so
+neither import order nor registration order decides anything. A class the
+table does not know (a torchrl class it does not name, or a subclass that
+replaces a method through which its events are emitted) is refused with a
+message saying what to use instead.
+
 A *context* names another way of observing the same torchrl class, for
 places where the in-process mixin cannot work: inside a Ray actor, torchrl's
 public methods are called through functions captured when the actor class
-was made, so :mod:`rl_observers.sources.ray` registers mixins that intercept
-private lookups instead. The default context (``None``) is the in-process one.
+was made, so the table's ``"ray_actor"`` rows intercept private lookups
+instead. The default context (``None``) is the in-process one; the
+driver-side object of a source whose observers run elsewhere (a remote
+kind, :class:`~rl_observers.sources.remote.RemoteKind`) is switched with
+its kind's own context by :func:`switch_class` and back by
+:func:`switch_back`, the only ``__class__`` assignments besides
+:func:`observe` / :func:`release`.
 """
 
 from __future__ import annotations
 
 import importlib
 import threading
-from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from blinker import ANY
 
@@ -47,20 +59,23 @@ from rl_observers.observer import ObserverList
 
 __all__ = [
     "ATTACH_LOCK",
+    "How",
     "attach",
     "detach",
+    "how_observed",
     "is_observable",
     "observe",
     "observed_class",
     "observers_of",
-    "register_mixin",
+    "refusal",
     "release",
+    "switch_back",
+    "switch_class",
     "torchrl_class",
+    "use_table",
 ]
 
 _PREFIX = "Observed@"
-# (predicate on torchrl's class, mixin, observer-list type), per context, first match wins.
-_MIXINS: dict[str | None, list[tuple[Callable[[type], bool], type, type[ObserverList]]]] = {}
 _CLASSES: dict[tuple[type, str | None], type] = {}
 _METACLASSES: dict[type, type] = {}
 _NOT_COPIED = frozenset({"__dict__", "__weakref__", "__slots__", "__module__", "__qualname__", "__doc__"})
@@ -68,24 +83,105 @@ _NOT_COPIED = frozenset({"__dict__", "__weakref__", "__slots__", "__module__", "
 ATTACH_LOCK = threading.RLock()
 
 
-def register_mixin(
-    predicate: Callable[[type], bool],
-    mixin: type,
-    observer_list: type[ObserverList],
-    context: str | None = None,
-) -> None:
-    """Registers the event-emitting ``mixin`` for torchrl classes where ``predicate(cls)`` holds.
+class How(NamedTuple):
+    """How one torchrl class is observed: a row of :data:`rl_observers.sources.table.TABLE`.
 
-    Args:
-        predicate: called with a torchrl class; the first registered one that
-            holds (per context) picks the mixin.
-        mixin: a class whose methods the observed class gets.
+    Attributes:
+        mixin: the class whose methods the observed class gets (for a
+            remote kind, the driver-side object's).
         observer_list: the :class:`~rl_observers.observer.ObserverList`
-            subclass such a source keeps its observers in.
-        context: ``None`` for in-process sources, else the name of another
-            way of observing (``"ray_actor"``, ...).
+            subclass an in-process source keeps its observers in (a remote
+            kind's driver-side object keeps none).
+        kind: the :class:`~rl_observers.sources.remote.RemoteKind` of a
+            source whose observers run as copies elsewhere, else ``None``.
+        loop: the methods through which the events are emitted: a subclass
+            that replaces one of them is refused (its events would never
+            reach the observers).
     """
-    _MIXINS.setdefault(context, []).append((predicate, mixin, observer_list))
+
+    mixin: type
+    observer_list: type[ObserverList]
+    kind: Any = None
+    loop: tuple[str, ...] = ()
+
+
+# The table, by context: {context: {"module:qualname" of a torchrl class: How}}; see use_table.
+_TABLE: dict[str | None, dict[str, How]] = {}
+# Each class's answer, per context: its How, or why it is refused.
+_ANSWERS: dict[tuple[type, str | None], How | str] = {}
+_TABLE_LOCK = threading.Lock()
+
+
+def use_table(table: dict[str | None, dict[str, How]]) -> None:
+    """Makes ``table`` the one answer to "how is this torchrl class observed?".
+
+    Called once, by :mod:`rl_observers.sources` with
+    :data:`rl_observers.sources.table.TABLE`. Rows whose :class:`How` has a
+    ``kind`` are also the driver-side rows of that kind's context.
+    """
+    with _TABLE_LOCK:
+        contexts: dict[str | None, dict[str, How]] = {c: dict(rows) for c, rows in table.items()}
+        for name, how in table.get(None, {}).items():
+            if how.kind is not None:
+                contexts.setdefault(how.kind.context, {})[name] = how
+        _TABLE.clear()
+        _TABLE.update(contexts)
+        _ANSWERS.clear()
+
+
+def _name(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _answer(cls: type, context: str | None) -> How | str:
+    """The row for ``cls`` in ``context`` (the nearest class of its MRO the table names), or why not."""
+    answer = _ANSWERS.get((cls, context))
+    if answer is not None:
+        return answer
+    rows = _TABLE.get(context, {})
+    mro = cls.__mro__
+    answer = f"{cls.__qualname__} is not a torchrl collector or replay buffer."
+    for position, klass in enumerate(mro):
+        how = rows.get(_name(klass))
+        if how is not None:
+            replaced = sorted({name for k in mro[:position] for name in how.loop if name in vars(k)})
+            answer = how if not replaced else (
+                f"{cls.__qualname__} replaces {', '.join(replaced)} of torchrl's "
+                f"{klass.__qualname__}, through which the events observers receive are emitted: "
+                "attached, they would hear nothing."
+            )
+            break
+        if klass.__module__.split(".")[0] == "torchrl":
+            answer = (
+                f"{cls.__qualname__} is a torchrl class (or derives from one, {klass.__qualname__}) "
+                "that this version of rl_observers does not know how to observe: attached, its "
+                "observers could hear nothing."
+            )
+            break
+    _ANSWERS[(cls, context)] = answer
+    return answer
+
+
+def how_observed(cls: type, context: str | None = None) -> How | None:
+    """The table's row for the torchrl class behind ``cls`` in ``context``, or ``None`` if it is refused."""
+    answer = _answer(torchrl_class(cls), context)
+    return answer if isinstance(answer, How) else None
+
+
+def refusal(cls: type, context: str | None = None) -> str:
+    """Why ``cls`` cannot be observed in ``context``, and what to use instead."""
+    answer = _answer(torchrl_class(cls), context)
+    if isinstance(answer, How):
+        return ""
+    where = "" if context is None else f" (in {context!r})"
+    return (
+        f"rl_observers cannot observe a {cls.__qualname__}{where}: {answer} Attach observers to a "
+        "torchrl class that rl_observers.sources.table names (Collector, AsyncBatchedCollector, "
+        "MultiSyncCollector, MultiAsyncCollector, AsyncCollector, RayCollector, "
+        "DistributedCollector, DistributedSyncCollector, RPCCollector, ReplayBuffer and its torchrl "
+        "subclasses, RayReplayBuffer), or to a subclass of one that keeps those methods; a loop "
+        "of your own can call its observers itself (observer.on_post_collect(collector, batch))."
+    )
 
 
 def torchrl_class(cls: type) -> type:
@@ -166,8 +262,7 @@ def observed_class(base: type, context: str | None = None) -> type:
         return cls
     found = _find(base, context)
     if found is None:
-        where = "" if context is None else f" in {context!r}"
-        raise TypeError(f"rl_observers cannot observe instances of {base.__qualname__}{where}.")
+        raise TypeError(refusal(base, context))
     mixin = found[0]
     # The mixins' methods are copied into a single-inheritance subclass: a second base
     # would change the instance layout and forbid the ``__class__`` switch.
@@ -183,15 +278,15 @@ def observed_class(base: type, context: str | None = None) -> type:
 
 
 def _find(base: type, context: str | None) -> tuple[type, type[ObserverList]] | None:
-    for predicate, mixin, observer_list in _MIXINS.get(context, ()):
-        if predicate(base):
-            return mixin, observer_list
-    return None
+    how = how_observed(base, context)
+    if how is None or (context is None and how.kind is not None):
+        return None  # a remote kind's driver-side object is switched in its kind's context
+    return how.mixin, how.observer_list
 
 
 def __getattr__(name: str) -> type:
     # Called by pickle / cloudpickle to find an observed class by its generated name; importing
-    # this module imported rl_observers, which registered every context's mixins.
+    # this module imported rl_observers.sources, which handed it the table.
     if not name.startswith(_PREFIX):
         raise AttributeError(name)
     context, at, rest = name[len(_PREFIX) :].partition("@")
@@ -217,10 +312,7 @@ def observe(source: Any, context: str | None = None) -> ObserverList:
                 base = torchrl_class(type(source))
                 found = _find(base, context)
                 if found is None:
-                    raise TypeError(
-                        "rl_observers observes torchrl collectors and replay buffers, "
-                        f"got {base.__name__}."
-                    )
+                    raise TypeError(refusal(base, context))
                 observers = found[1](source)
                 cls = observed_class(base, context)
                 source._rl_observers = observers
@@ -236,6 +328,23 @@ def release(source: Any) -> None:
             return
         source.__class__ = torchrl_class(type(source))
         del source._rl_observers
+
+
+def switch_class(source: Any, context: str) -> None:
+    """Makes the driver-side object of a remote kind an instance of its observed class in ``context``.
+
+    Its observers run elsewhere (:class:`~rl_observers.sources.remote.RemoteKind`);
+    the observed class only adds what the driver side does differently (for
+    example letting the copies report before torchrl's shutdown kills them).
+    """
+    with ATTACH_LOCK:
+        source.__class__ = observed_class(type(source), context)
+
+
+def switch_back(source: Any) -> None:
+    """Makes ``source`` an instance of its torchrl class again (see :func:`switch_class`)."""
+    with ATTACH_LOCK:
+        source.__class__ = torchrl_class(type(source))
 
 
 def attach(source: Any, observer: Any, on_error: str | None, context: str | None = None) -> None:

@@ -76,14 +76,12 @@ from pathlib import Path
 from typing import Any
 
 from torchrl._utils import logger as torchrl_logger
-from torchrl.data import ReplayBuffer, TensorDictReplayBuffer
 
-from rl_observers.observer import ObserverList
 from rl_observers.signals import COLLECTOR_EVENTS, REPLAY_BUFFER_EVENTS
 from rl_observers.sources.observed import (
-    observed_class,
+    how_observed,
     observers_of,
-    register_mixin,
+    switch_class,
     torchrl_class,
 )
 from rl_observers.sources.remote import (
@@ -92,10 +90,9 @@ from rl_observers.sources.remote import (
     attach_here,
     detach_here,
     kind_of,
-    register_kind,
     ship,
 )
-from rl_observers.sources.replay_buffers import ReplayBufferObservers, emit_eagerly
+from rl_observers.sources.replay_buffers import emit_eagerly
 
 __all__ = ["RAY_COLLECTOR", "RAY_REPLAY_BUFFER", "send_file_to_driver"]
 
@@ -135,6 +132,7 @@ class RayCollectorKind(RemoteKind):
     target_name = "collector"
     emits = COLLECTOR_EVENTS
     where = "in its remote collector actors"
+    context = DRIVER
     # An observer raising in a collector actor kills the actor: the driver gets ActorDiedError.
     raise_reaches_caller = False
 
@@ -204,12 +202,6 @@ class RayCollectorKind(RemoteKind):
         finally:
             _write_files([_get_or_none(ref) for ref in refs])
 
-    def first_added(self, target: Any) -> None:
-        target.__class__ = observed_class(type(target), DRIVER)
-
-    def last_removed(self, target: Any) -> None:
-        target.__class__ = torchrl_class(type(target))
-
 
 class RayReplayBufferKind(RemoteKind):
     """Observers of a ``RayReplayBuffer``: a copy inside the buffer's actor."""
@@ -217,6 +209,7 @@ class RayReplayBufferKind(RemoteKind):
     target_name = "replay buffer"
     emits = REPLAY_BUFFER_EVENTS
     where = "inside its Ray actor"
+    context = DRIVER
 
     def is_running(self, target: Any) -> bool:
         return hasattr(target, "_rb")
@@ -240,12 +233,6 @@ class RayReplayBufferKind(RemoteKind):
             _gather([ref], "detaching an observer from", target)
         finally:
             _write_files([_get_or_none(ref)])
-
-    def first_added(self, target: Any) -> None:
-        target.__class__ = observed_class(type(target), DRIVER)
-
-    def last_removed(self, target: Any) -> None:
-        target.__class__ = torchrl_class(type(target))
 
 
 RAY_COLLECTOR = RayCollectorKind()
@@ -484,8 +471,8 @@ class _DriverObservedRayReplayBuffer:
     def client(self) -> Any:
         # torchrl's clients() calls self.client() once per client: both hand out observed ones.
         client = torchrl_class(type(self)).client(self)  # type: ignore[attr-defined]
-        if _is_ray_buffer_client(type(client)):
-            client.__class__ = observed_class(type(client), CLIENT)
+        if how_observed(type(client), CLIENT) is not None:  # the Ray transport's client
+            switch_class(client, CLIENT)
         return client
 
     def close(self) -> None:
@@ -526,32 +513,6 @@ class _ObservedRayReplayBufferClient:
                 "itself, on the driver; they see the writes, samples, stats() and empty() of its clients."
             )
         return torchrl_class(type(self)).__getattr__(self, name)  # type: ignore[attr-defined]
-
-
-def _is_ray_collector(cls: type) -> bool:
-    module = sys.modules.get("torchrl.collectors.distributed.ray")
-    return module is not None and issubclass(cls, module.RayCollector)
-
-
-def _is_ray_replay_buffer(cls: type) -> bool:
-    module = sys.modules.get("torchrl.data.replay_buffers.ray_buffer")
-    return module is not None and issubclass(cls, module.RayReplayBuffer)
-
-
-def _is_ray_buffer_client(cls: type) -> bool:
-    # The Ray-transport client; the "distributed" transport's is never observed (refused at attach).
-    module = sys.modules.get("torchrl.data.replay_buffers.ray_buffer")
-    client = getattr(module, "_RayReplayBufferClient", None)
-    return client is not None and issubclass(cls, client)
-
-
-register_kind(_is_ray_replay_buffer, RAY_REPLAY_BUFFER)
-register_kind(_is_ray_collector, RAY_COLLECTOR)
-# The driver-side objects keep no observer list: their observers run in the actors.
-register_mixin(_is_ray_collector, _DriverObservedRayCollector, ObserverList, context=DRIVER)
-register_mixin(_is_ray_replay_buffer, _DriverObservedRayReplayBuffer, ObserverList, context=DRIVER)
-# Nor do the clients: they reach the observers in the buffer's actor.
-register_mixin(_is_ray_buffer_client, _ObservedRayReplayBufferClient, ObserverList, context=CLIENT)
 
 
 # -- the actor-side observed classes ---------------------------------------------------------------
@@ -597,15 +558,3 @@ class _ActorObservedTensorDictReplayBuffer:
         result = torchrl_class(type(self))._sample(self, *args, **kwargs)  # type: ignore[attr-defined]
         emit_eagerly(self, "post_sample", result[0], result[1])
         return result
-
-
-def _is_tensordict_buffer(cls: type) -> bool:
-    return issubclass(cls, TensorDictReplayBuffer)
-
-
-def _is_buffer(cls: type) -> bool:
-    return issubclass(cls, ReplayBuffer)
-
-
-register_mixin(_is_tensordict_buffer, _ActorObservedTensorDictReplayBuffer, ReplayBufferObservers, context=ACTOR)
-register_mixin(_is_buffer, _ActorObservedReplayBuffer, ReplayBufferObservers, context=ACTOR)

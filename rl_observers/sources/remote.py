@@ -70,7 +70,7 @@ import itertools
 import os
 import threading
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import cloudpickle
@@ -87,39 +87,16 @@ __all__ = [
     "detach_here",
     "kind_of",
     "portable_error",
-    "register_kind",
     "ship",
 ]
-
-_MISSING = object()
-# (predicate on torchrl's class, kind), in registration order: the first that holds wins.
-_KINDS: list[tuple[Callable[[type], bool], RemoteKind]] = []
-_KIND_BY_CLASS: dict[type, Any] = {}
-_KINDS_LOCK = threading.Lock()
-
-
-def register_kind(predicate: Callable[[type], bool], kind: RemoteKind) -> None:
-    """Registers ``kind`` for the torchrl classes where ``predicate(cls)`` holds.
-
-    Each kind's module registers itself when it is imported
-    (:mod:`~rl_observers.sources.multiprocess`, :mod:`~rl_observers.sources.ray`).
-    """
-    with _KINDS_LOCK:
-        _KINDS.append((predicate, kind))
-        _KIND_BY_CLASS.clear()
-
 
 def kind_of(target: Any) -> RemoteKind | None:
     """Returns how to attach observers to ``target`` when its data is remote, else ``None``.
 
-    Decided once per class, by the registered kinds.
+    Read from the table (:data:`rl_observers.sources.table.TABLE`), once per class.
     """
-    cls = observed.torchrl_class(type(target))
-    kind = _KIND_BY_CLASS.get(cls, _MISSING)
-    if kind is _MISSING:
-        kind = next((k for predicate, k in _KINDS if predicate(cls)), None)
-        _KIND_BY_CLASS[cls] = kind
-    return kind
+    how = observed.how_observed(type(target))
+    return None if how is None else how.kind
 
 
 # -- the driver side -------------------------------------------------------------------------------
@@ -181,12 +158,16 @@ class RemoteKind:
 
     ``add`` / ``remove`` / ``observers`` are what ``add_observer``,
     ``remove_observer`` and ``observers`` delegate to. Subclasses implement
-    :meth:`check`, :meth:`attach_remote` and :meth:`detach_remote`, and may
-    react to the first and last observer (:meth:`first_added`,
-    :meth:`last_removed`).
+    :meth:`check`, :meth:`attach_remote` and :meth:`detach_remote`. With its
+    first observer the driver-side object becomes its observed class in the
+    kind's :attr:`context` (the table's row for its class gives the mixin),
+    and a plain torchrl object again once the last one is removed
+    (:meth:`first_added`, :meth:`last_removed`).
     """
 
     target_name = "source"
+    #: The context of the driver-side observed classes (see :mod:`~rl_observers.sources.observed`).
+    context = "remote_driver"
     #: The events the source emits.
     emits: tuple[str, ...] = ()
     #: Where the copies run, for error messages.
@@ -312,10 +293,12 @@ class RemoteKind:
         raise NotImplementedError
 
     def first_added(self, target: Any) -> None:
-        """Called once the source has its first observer."""
+        """Called once the source has its first observer: it becomes its driver-side observed class."""
+        observed.switch_class(target, self.context)
 
     def last_removed(self, target: Any) -> None:
-        """Called once the source has no observer left."""
+        """Called once the source has no observer left: it becomes torchrl's own object again."""
+        observed.switch_back(target)
 
 
 # -- the side where the data is: worker processes and actors ---------------------------------------

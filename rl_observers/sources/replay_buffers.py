@@ -36,11 +36,10 @@ from typing import Any
 
 import torch
 from torchrl.collectors import MultiCollector
-from torchrl.data import ReplayBuffer
 
 from rl_observers.observer import ObserverList
 from rl_observers.signals import REPLAY_BUFFER_EVENTS
-from rl_observers.sources.observed import observers_of, register_mixin, torchrl_class
+from rl_observers.sources.observed import observers_of, torchrl_class
 from rl_observers.sources.remote import refused_raise
 
 __all__ = ["ObservedReplayBuffer", "ReplayBufferObservers", "emit_eagerly"]
@@ -113,12 +112,13 @@ SHARED_COPIES_RUN = "in the workers of the collectors writing into it"
 
 
 class ReplayBufferObservers(ObserverList):
-    """The observers of one in-process replay buffer."""
+    """The observers of one in-process replay buffer.
 
-    #: Mirrors an observer change of a shared buffer onto its copies in worker processes:
-    #: ``mirror(buffer, action, observer, on_error, position)``; set by
-    #: :mod:`rl_observers.sources.shared_buffers`.
-    mirror: Callable[[Any, str, Any, str, int], None] | None = None
+    A buffer shared with the workers of multiprocessing collectors
+    (``shared=True``) refuses ``on_error="raise"``: its copies run
+    :data:`SHARED_COPIES_RUN`. The copies' side of such a buffer is
+    :class:`~rl_observers.sources.shared_buffers.SharedBufferObservers`.
+    """
 
     def __init__(
         self,
@@ -133,22 +133,7 @@ class ReplayBufferObservers(ObserverList):
         if entry.on_error == "raise" and self.source.__dict__.get("shared"):
             super().remove(observer)
             raise ValueError(refused_raise(observer, "shared replay buffer", SHARED_COPIES_RUN))
-        mirror = type(self).mirror
-        if mirror is not None and self.source.__dict__.get("shared"):
-            try:
-                mirror(self.source, "add", observer, entry.on_error, len(self.entries) - 1)
-            except BaseException:
-                super().remove(observer)
-                raise
         return entry
-
-    def remove(self, observer: Any) -> Any:
-        mirror = type(self).mirror
-        if mirror is not None and self.source.__dict__.get("shared"):
-            position = next((i for i, e in enumerate(self.entries) if e.observer is observer), None)
-            if position is not None:
-                mirror(self.source, "remove", observer, "", position)
-        return super().remove(observer)
 
 
 class ObservedReplayBuffer:
@@ -191,10 +176,3 @@ class ObservedReplayBuffer:
         stats = torchrl_class(type(self)).stats(self, *args, **kwargs)
         observers = observers_of(self)
         return stats if observers is None else observers.contribute_stats(stats)
-
-
-def _is_local_replay_buffer(cls: type) -> bool:
-    return issubclass(cls, ReplayBuffer)
-
-
-register_mixin(_is_local_replay_buffer, ObservedReplayBuffer, ReplayBufferObservers)

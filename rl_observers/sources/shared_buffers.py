@@ -26,7 +26,7 @@ from typing import Any
 import cloudpickle
 from torchrl.collectors import MultiCollector
 
-from rl_observers.observer import ObserverLeftBehind
+from rl_observers.observer import ObserverLeftBehind, ObserverList
 from rl_observers.sources.multiprocess import (
     MULTIPROCESS_COLLECTOR,
     call_workers,
@@ -37,7 +37,7 @@ from rl_observers.sources.observed import observers_of
 from rl_observers.sources.remote import portable_error, refused_raise, ship
 from rl_observers.sources.replay_buffers import SHARED_COPIES_RUN, ReplayBufferObservers
 
-__all__ = ["propagate_to_shared_copies", "track_shared_buffer_writers"]
+__all__ = ["SharedBufferObservers", "propagate_to_shared_copies", "track_shared_buffer_writers"]
 
 _LOCAL = threading.local()
 
@@ -202,5 +202,30 @@ def propagate_to_shared_copies(buffer: Any, action: str, observer: Any, on_error
         raise
 
 
-ReplayBufferObservers.mirror = staticmethod(propagate_to_shared_copies)
+class SharedBufferObservers(ReplayBufferObservers):
+    """The observers of one in-process replay buffer, mirrored to its copies when it is shared.
+
+    Every observer change of a buffer with ``shared=True`` is applied to the
+    buffer's copies in the workers of the running multiprocessing
+    collectors that write into it (:func:`propagate_to_shared_copies`).
+    """
+
+    def add(self, observer: Any, on_error: str | None = None) -> Any:
+        entry = super().add(observer, on_error)
+        if self.source.__dict__.get("shared"):
+            try:
+                propagate_to_shared_copies(self.source, "add", observer, entry.on_error, len(self.entries) - 1)
+            except BaseException:
+                ObserverList.remove(self, observer)
+                raise
+        return entry
+
+    def remove(self, observer: Any) -> Any:
+        if self.source.__dict__.get("shared"):
+            position = next((i for i, e in enumerate(self.entries) if e.observer is observer), None)
+            if position is not None:
+                propagate_to_shared_copies(self.source, "remove", observer, "", position)
+        return super().remove(observer)
+
+
 track_shared_buffer_writers()
