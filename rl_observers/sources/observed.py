@@ -153,10 +153,12 @@ def _answer(cls: type, context: str | None) -> How | str:
             break
         if klass.__module__.split(".")[0] == "torchrl":
             answer = (
-                f"{cls.__qualname__} is a torchrl class (or derives from one, {klass.__qualname__}) "
-                "that this version of rl_observers does not know how to observe: attached, its "
-                "observers could hear nothing."
-            )
+                f"{cls.__qualname__} is a torchrl class this version of rl_observers does not know "
+                "how to observe"
+                if klass is cls
+                else f"{cls.__qualname__} derives from torchrl's {klass.__qualname__}, which "
+                "rl_observers does not know how to observe (only the classes its table names)"
+            ) + ": attached, its observers could hear nothing."
             break
     _ANSWERS[(cls, context)] = answer
     return answer
