@@ -1,0 +1,178 @@
+"""torch.distributed and RPC collectors (``launcher="mp"``): observed on the driver.
+
+Each test runs one collector in a fresh interpreter, which starts real
+torchrl workers (gloo over loopback, its own free TCP port), and checks, against the batches the driver received: a plain callable
+is called once per batch, the events come in order (``pre_collect`` before
+each batch, ``shutdown`` last), and a ``LoggerObserver`` with
+``CollectorBatchMetrics`` logs the frames, rewards and episodes of those
+batches into a real ``CSVLogger``.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+from torchrl.collectors import Collector
+from torchrl.collectors.distributed import (
+    DistributedCollector,
+    DistributedSyncCollector,
+    RPCCollector,
+)
+from torchrl.envs import RewardScaling, TransformedEnv
+from torchrl.envs.utils import RandomPolicy
+from torchrl.record import CSVLogger
+from torchrl.testing.mocking_classes import CountingEnv
+
+from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel
+from tests.helpers import read_csv
+
+FRAMES_PER_BATCH = 100
+TOTAL_FRAMES = 400
+
+
+def make_env():
+    # One reward per step, so that rewards and returns are not all zero.
+    return TransformedEnv(CountingEnv(max_steps=7), RewardScaling(loc=1.0, scale=1.0))
+
+
+def _free_port() -> int:
+    """A free port whose next one is free too (torchrl's store listens on port + 1)."""
+    while True:
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+        try:
+            with socket.socket() as second:
+                second.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        return port
+
+
+def _build(route: str):
+    policy = RandomPolicy(make_env().action_spec)
+    kwargs = dict(frames_per_batch=FRAMES_PER_BATCH, total_frames=TOTAL_FRAMES)
+    options = dict(launcher="mp", tcp_port=_free_port())
+    if route == "Collector(backend='distributed')":
+        return Collector([make_env] * 2, policy, backend="distributed", sync=True, backend_options=options, **kwargs)
+    if route == "DistributedCollector(sync=False)":
+        return DistributedCollector([make_env] * 2, policy, sync=False, **options, **kwargs)
+    if route == "DistributedSyncCollector":
+        return DistributedSyncCollector([make_env] * 2, policy, **options, **kwargs)
+    if route == "Collector(backend='rpc')":
+        return Collector([make_env] * 2, policy, backend="rpc", sync=True, backend_options=options, **kwargs)
+    if route == "RPCCollector(sync=False)":
+        return RPCCollector([make_env] * 2, policy, sync=False, **options, **kwargs)
+    raise AssertionError(route)
+
+
+class _Order:
+    """Records the event names it receives."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def on_pre_collect(self, source):
+        self.events.append("pre_collect")
+
+    def on_post_collect(self, source, batch):
+        self.events.append("post_collect")
+
+    def on_shutdown(self, source):
+        self.events.append("shutdown")
+
+
+ROUTES = [
+    "Collector(backend='distributed')",
+    "DistributedCollector(sync=False)",
+    "DistributedSyncCollector",
+    "Collector(backend='rpc')",
+    "RPCCollector(sync=False)",
+]
+EXPECTED_CLASS = {
+    "Collector(backend='distributed')": DistributedCollector,
+    "DistributedCollector(sync=False)": DistributedCollector,
+    "DistributedSyncCollector": DistributedSyncCollector,
+    "Collector(backend='rpc')": RPCCollector,
+    "RPCCollector(sync=False)": RPCCollector,
+}
+
+
+def _scenario(route: str, out: str) -> None:
+    """Runs one collector with its observers and writes what was seen to ``out/seen.json``.
+
+    Run in a fresh interpreter per test: torch.distributed and RPC keep process-wide state
+    (a second RPC collector in the same process waits forever), and a test that fails
+    midway must not leave a process group behind for the next one.
+    """
+    import json
+    from pathlib import Path
+
+    collector = _build(route)
+    built = type(collector)  # before observers: torchrl's own class
+    logger = CSVLogger(exp_name="dist", log_dir=out)
+    channel = MetricsChannel(logger)
+    sizes: list[int] = []
+    order = _Order()
+    try:
+        collector.add_observer(lambda batch: sizes.append(batch.numel()))
+        collector.add_observer(order)
+        collector.add_observer(
+            LoggerObserver(channel, schedule=Every.counter("frames", 10**9), metrics=CollectorBatchMetrics())
+        )
+        batches = [batch.clone() for batch in collector]
+    finally:
+        collector.shutdown()
+    flushed = channel.flush(timeout=30)
+    channel.close()
+    rewards = torch.cat([batch["next", "reward"].reshape(-1) for batch in batches])
+    seen = {
+        "class": built.__qualname__,
+        "module": built.__module__,
+        "sizes": sizes,
+        "events": order.events,
+        "received": [batch.numel() for batch in batches],
+        "reward_mean": rewards.mean().item(),
+        "dones": sum(int(batch["next", "done"].sum()) for batch in batches),
+        "flushed": flushed,
+    }
+    Path(out, "seen.json").write_text(json.dumps(seen))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("route", ROUTES)
+def test_observers_hear_every_batch_the_driver_receives(route, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    code = "import sys; from tests.test_distributed_collectors import _scenario; _scenario(sys.argv[1], sys.argv[2])"
+    done = subprocess.run(
+        [sys.executable, "-c", code, route, str(tmp_path)], cwd=root, env=env, capture_output=True, text=True, timeout=280
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    expected = EXPECTED_CLASS[route]
+    assert (seen["module"], seen["class"]) == (expected.__module__, expected.__qualname__)
+
+    # once per driver batch, exactly the batches the caller got
+    assert seen["sizes"] == seen["received"] and sum(seen["sizes"]) == TOTAL_FRAMES
+    batches = len(seen["received"])
+    # pre_collect before each batch (none after the last), shutdown last
+    assert seen["events"] == ["pre_collect", "post_collect"] * batches + ["shutdown"]
+
+    # one window over everything, logged at shutdown: the driver's batches, exactly
+    assert seen["flushed"]
+    scalars_dir = tmp_path / "dist" / "scalars" / "collector"
+    assert read_csv(scalars_dir / "frames.csv") == [(TOTAL_FRAMES, float(TOTAL_FRAMES))]
+    assert read_csv(scalars_dir / "batches.csv")[-1][1] == batches
+    assert read_csv(scalars_dir / "reward_mean.csv")[-1][1] == pytest.approx(seen["reward_mean"])
+    assert read_csv(scalars_dir / "dones.csv")[-1][1] == seen["dones"]
+    assert read_csv(scalars_dir / "episodes_total.csv")[-1][1] == seen["dones"]
