@@ -25,6 +25,11 @@ an observed distributed collector's ``iterator`` wraps torchrl's and emits
   are exactly those of the batches the driver received;
 * ``shutdown`` when ``shutdown()`` is called, before torchrl's.
 
+The wrapping happens when iteration starts (``for batch in collector``,
+``collector.next()``'s first call): observers attached while the driver is
+already iterating are heard from the next iteration on; removing an
+observer takes effect at the next batch.
+
 Batches are not split per worker: a sync batch stacks (``DistributedCollector``,
 ``DistributedSyncCollector``) or concatenates in arrival order
 (``RPCCollector``) the workers' batches, an async one is one worker's, and
