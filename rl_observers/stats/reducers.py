@@ -51,17 +51,20 @@ from rl_observers.stats.partials import (
     Count,
     Moments,
     Partial,
+    QuantileSketch,
     _chan,
     _check_name,
     _check_stats,
     _max,
     _min,
+    sketch_key_range,
 )
 
 __all__ = [
     "CountReducer",
     "MomentsGroupReducer",
     "MomentsReducer",
+    "QuantileReducer",
     "ReducerBank",
 ]
 
@@ -733,3 +736,191 @@ class ReducerBank:
             self._state.zero_()
         for reducer in self._reducers:
             reducer._reset()
+
+
+# Resolutions up to this many mantissa bits map a value's bits to its bucket through one
+# lookup table (2**(9 + p) entries: 256 KiB at 1 %); finer ones compute it.
+_TABLE_BITS = 10
+_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _slot_table(p: int, device: torch.device) -> torch.Tensor:
+    """Slot of each ``[sign | exponent | p mantissa bits]`` pattern of a float32, on ``device``."""
+    table = _TABLES.get((p, device))
+    if table is None:
+        low, high = sketch_key_range(p)
+        width = high - low
+        pattern = torch.arange(1 << (9 + p), dtype=torch.int64)
+        magnitude = pattern & ((1 << (8 + p)) - 1)
+        slots = magnitude.clamp(low, high - 1) - low + (pattern >> (8 + p)) * width
+        slots[magnitude == 0] = 2 * width
+        slots[magnitude >= 255 << p] = 2 * width + 1
+        table = _TABLES[(p, device)] = slots.to(device)
+    return table
+
+
+class QuantileReducer:
+    """Folds tensors into a :class:`~rl_observers.stats.QuantileSketch` on their device.
+
+    The counts live in one ``float64`` buffer on the device of the first
+    tensor folded: a bucket per magnitude key of each sign over
+    ``[2**-64, 2**64)`` (``2 * 128 * 2**p`` slots: 16,384 at 1 %), one for
+    zeros and one for non-finite values. A fold converts its values to
+    float32, reads each value's bucket off its bits (a shift and a table
+    lookup, no logarithm) and adds ones there (``index_add_``): tensor
+    operations only, no host read, so folding never waits for the device.
+    :meth:`pull` moves the buffer to the host in one transfer, keeps its
+    non-zero buckets and resets it. Unlike the reducers of a
+    :class:`ReducerBank`, it owns its buffer (the bank's state reaches the
+    host as a list; thousands of buckets would cost more there).
+
+    Args:
+        name (str): the sketch's name.
+
+    Keyword Args:
+        quantiles, accuracy, max_buckets: as for
+            :class:`~rl_observers.stats.QuantileSketch` (validated here).
+
+    Examples:
+        >>> import torch
+        >>> from rl_observers.stats import QuantileReducer
+        >>> ages = QuantileReducer("age", quantiles=(0.5, 0.9))
+        >>> ages.fold(torch.arange(1.0, 101.0))
+        >>> ages.fold(torch.tensor([5.0, 1e9]), mask=torch.tensor([True, False]))
+        >>> {k: round(v, 1) for k, v in ages.pull().finalize().items()}  # true: 50 and 90
+        {'age_p50': 50.2, 'age_p90': 90.5}
+        >>> ages.pull().finalize()  # the window was reset
+        {}
+    """
+
+    __slots__ = ("_empty", "_buffer", "_table", "_ones", "_width")
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        quantiles: Sequence[float] = (0.05, 0.5, 0.95),
+        accuracy: float = 0.01,
+        max_buckets: int = 2048,
+    ) -> None:
+        self._empty = QuantileSketch(
+            name, quantiles=quantiles, accuracy=accuracy, max_buckets=max_buckets
+        )
+        low, high = sketch_key_range(self._empty.p)
+        self._width = high - low
+        self._buffer: torch.Tensor | None = None
+        self._table: torch.Tensor | None = None
+        self._ones: torch.Tensor | None = None
+
+    @property
+    def name(self) -> str:
+        return self._empty.name
+
+    def empty(self) -> QuantileSketch:
+        """The empty sketch (no transfer)."""
+        return self._empty
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_empty": self._empty, "_width": self._width, "_buffer": self._buffer}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._table = self._ones = None
+        for name, value in state.items():
+            setattr(self, name, value)
+
+    def fold(self, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Counts ``values`` (those where ``mask`` is true) in their buckets, on their device.
+
+        Args:
+            values (torch.Tensor): any shape and real dtype.
+            mask (torch.Tensor, optional): boolean, broadcastable to
+                ``values``. Defaults to ``None`` (all entries count).
+
+        Raises:
+            TypeError: if ``values`` is complex.
+        """
+        if values.is_complex():
+            raise _complex(f"QuantileReducer({self.name!r})", values)
+        if values.numel() == 0:
+            return
+        if values.requires_grad:
+            values = values.detach()
+        buffer = self._buffer
+        if buffer is None:
+            buffer = self._buffer = torch.zeros(
+                2 * self._width + 2, dtype=_F64, device=values.device
+            )
+        device = buffer.device
+        if mask is not None and mask.shape != values.shape:
+            values, mask = torch.broadcast_tensors(values, mask)
+        x = values.reshape(-1)
+        if x.dtype is not torch.float32 or x.device != device:
+            x = x.to(device, torch.float32)
+        p = self._empty.p
+        bits = x.view(torch.int32) >> (23 - p)  # sign, exponent and p mantissa bits
+        if p <= _TABLE_BITS:
+            table = self._table
+            if table is None or table.device != device:
+                table = self._table = _slot_table(p, device)
+            slots = table[bits.bitwise_and_((1 << (9 + p)) - 1)]
+        else:
+            slots = self._slots(bits)
+        if mask is None:
+            ones = self._ones
+            if ones is None or ones.numel() < x.numel() or ones.device != device:
+                ones = self._ones = torch.ones(max(x.numel(), 1024), dtype=_F64, device=device)
+            weights = ones[: x.numel()]
+        else:
+            weights = mask.reshape(-1).to(device, _F64)
+        buffer.index_add_(0, slots, weights)
+
+    def _slots(self, bits: torch.Tensor) -> torch.Tensor:
+        """The table's mapping, computed (for resolutions whose table would be large)."""
+        p, width = self._empty.p, self._width
+        low, high = sketch_key_range(p)
+        magnitude = bits & ((1 << (8 + p)) - 1)
+        slots = magnitude.clamp(low, high - 1) - low
+        slots = torch.where(bits < 0, slots + width, slots)
+        slots = torch.where(magnitude == 0, 2 * width, slots)
+        return torch.where(magnitude >= 255 << p, 2 * width + 1, slots).long()
+
+    def pull(self) -> QuantileSketch:
+        """Closes the window: one device-to-host transfer, then a reset on the device."""
+        buffer = self._buffer
+        empty = self._empty
+        if buffer is None:
+            return empty
+        host = buffer.cpu()  # the one transfer (and sync) of a window; on the CPU, the buffer
+        found = host.nonzero().reshape(-1)
+        counts = host[found].tolist()
+        slots = found.tolist()
+        buffer.zero_()
+        width = self._width
+        low, _ = sketch_key_range(empty.p)
+        positive: dict[int, float] = {}
+        negative: dict[int, float] = {}
+        zero = nonfinite = 0.0
+        for slot, c in zip(slots, counts):
+            if slot < width:
+                positive[low + slot] = c
+            elif slot < 2 * width:
+                negative[low + slot - width] = c
+            elif slot == 2 * width:
+                zero = c
+            else:
+                nonfinite = c
+        return QuantileSketch(
+            empty.name,
+            quantiles=empty.quantiles,
+            accuracy=empty.accuracy,
+            max_buckets=empty.max_buckets,
+            positive=positive,
+            negative=negative,
+            zero=zero,
+            nonfinite=nonfinite,
+        )
+
+    def reset(self) -> None:
+        """Drops the current window without reading it."""
+        if self._buffer is not None:
+            self._buffer.zero_()
