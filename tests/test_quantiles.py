@@ -219,3 +219,42 @@ def test_four_workers_aggregate_and_per_worker_quantiles_are_within_accuracy():
             truth = float(np.quantile(finite, q, method="lower"))
             logged = last[f"{ns}/v_p{q * 100:g}"]
             assert abs(logged - truth) <= 0.01 * abs(truth), (ns, q, truth, logged)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_folds_do_not_sync():
+    values = [torch.randn(1000, device="cuda") * 10 for _ in range(8)]
+    fine = QuantileReducer("fine", quantiles=QS, accuracy=0.0002)  # the computed mapping
+    metric = Quantiles("v", lambda v: v, q=QS)
+    masked = QuantileReducer("masked", quantiles=QS)
+    for v in values[:1]:  # the first fold allocates the buffers and tables
+        metric.on_post_collect(None, v)
+        fine.fold(v)
+        masked.fold(v, mask=v > 0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for v in values[1:]:
+            metric.on_post_collect(None, v)
+            fine.fold(v)
+            masked.fold(v, mask=v > 0)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    data = torch.cat(values).double().cpu()
+    _within(metric.pull()["v"], data.tolist(), 0.01)
+    _within(fine.pull(), data.tolist(), 0.0002)
+    _within(masked.pull(), data[data > 0].tolist(), 0.01)
+
+
+def test_staged_folds_survive_pickling_and_size_changes():
+    reducer = QuantileReducer("x", quantiles=QS)
+    chunks = [torch.randn(n) * 50 for n in (10, 10, 10, 7, 3000, 7)]
+    for chunk in chunks[:3]:
+        reducer.fold(chunk)  # staged, not counted yet
+    reducer = pickle.loads(pickle.dumps(reducer))
+    for chunk in chunks[3:]:
+        reducer.fold(chunk)
+    data = torch.cat(chunks).tolist()
+    folded = reducer.pull()
+    assert folded.positive == QuantileSketch.from_values("x", data, quantiles=QS).positive
+    _within(folded, data, 0.01)
