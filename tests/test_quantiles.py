@@ -258,3 +258,127 @@ def test_staged_folds_survive_pickling_and_size_changes():
     folded = reducer.pull()
     assert folded.positive == QuantileSketch.from_values("x", data, quantiles=QS).positive
     _within(folded, data, 0.01)
+
+
+def _check_episode_quantiles(payload, episodes, quantiles, accuracy=0.01):
+    returns = [r for r, _ in episodes]
+    lengths = [float(n) for _, n in episodes]
+    assert payload["episode_return_quantiles"].count == len(episodes)
+    for name, values in (("episode_return", returns), ("episode_length", lengths)):
+        sketch = payload[f"{name}_quantiles"]
+        finalized = sketch.finalize()
+        for q in quantiles:
+            truth = float(np.quantile(np.asarray(values), q, method="lower"))
+            got = finalized[f"{name}_p{q * 100:g}"]
+            # float32 rewards summed in float64 vs python floats: a hair more than the accuracy
+            assert abs(got - truth) <= accuracy * abs(truth) + 1e-5, (name, q, truth, got)
+
+
+@pytest.mark.parametrize(
+    "reward_sum, kwargs",
+    [(False, {}), (True, {}), (True, {"episode_reward_key": None, "step_count_key": None})],
+    ids=["running_sums", "rewardsum_keys", "ring_with_keys_ignored"],
+)
+def test_collector_batch_metrics_episode_quantiles_match_the_episodes(reward_sum, kwargs):
+    from rl_observers import CollectorBatchMetrics
+
+    from .test_collector_metrics import Truth, collect, make_env
+
+    batches = collect(make_env(batch_size=(3,), reward_sum=reward_sum), 15, 1500)
+    truth = Truth(batches)
+    metrics = CollectorBatchMetrics(quantiles=QS, episode_window=25, **kwargs)
+    plain = CollectorBatchMetrics(**kwargs)
+    for batch in batches[:40]:
+        metrics.on_post_collect(None, batch)
+        plain.on_post_collect(None, batch)
+    first = metrics.pull()
+    _check_episode_quantiles(first, [e for b in truth.episodes[:40] for e in b], QS)
+    for batch in batches[40:]:
+        metrics.on_post_collect(None, batch)
+    second = metrics.pull()
+    episodes = [e for b in truth.episodes[40:] for e in b]
+    _check_episode_quantiles(second, episodes, QS)
+    # merged windows are the sketch of all the episodes
+    _check_episode_quantiles(
+        {k: first[k].merge(second[k]) for k in ("episode_return_quantiles", "episode_length_quantiles")},
+        [e for b in truth.episodes for e in b],
+        QS,
+    )
+    # the rolling window reports the same quantiles of its last 25 episodes, exactly
+    last = [r for b in truth.episodes for r, _ in b][-25:]
+    rolling = second["episode_window"].finalize()
+    assert rolling["episode_return_p50_last_25"] == pytest.approx(float(np.quantile(last, 0.5)), rel=1e-5)
+    assert "episode_length_p95_last_25" in rolling
+    # the other metrics are those of the set without quantiles
+    plain_payload = plain.pull()
+    assert first["episode_return"].finalize() == plain_payload["episode_return"].finalize()
+    names = metrics.metric_names()
+    assert "episode_return_p5" in names and "episode_length_p95" in names
+    with pytest.raises(ValueError, match=r"quantile must be a number in \(0, 1\)"):
+        CollectorBatchMetrics(quantiles=(0.5, 1.0))
+
+
+def test_interleaved_batches_episode_quantiles():
+    import functools
+
+    from rl_observers import CollectorBatchMetrics
+
+    from .test_collector_metrics import Truth, _async_batched, _interleaving_env
+
+    makers = [functools.partial(_interleaving_env, s, False) for s in (1, 2, 3)]
+    collector = _async_batched(makers, 30, 900)
+    try:
+        batches = [batch.clone() for batch in collector]
+    finally:
+        collector.shutdown()
+    truth = Truth(batches, by_env=True)
+    metrics = CollectorBatchMetrics(quantiles=QS)
+    for batch in batches:
+        metrics.on_post_collect(None, batch)
+    _check_episode_quantiles(metrics.pull(), [e for b in truth.episodes for e in b], QS)
+
+
+def test_sample_metrics_age_and_weight_quantiles_match_every_sample():
+    from tensordict import TensorDict
+    from torchrl.data import LazyTensorStorage, TensorDictPrioritizedReplayBuffer
+
+    from rl_observers import SampleMetrics
+
+    rb = TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=LazyTensorStorage(500), batch_size=64)
+    logger = RecordingLogger()
+    channel = MetricsChannel(logger)
+    rb.add_observer(
+        LoggerObserver(
+            channel,
+            name="rb",
+            schedule=Every.counter("sample_calls", 40),
+            metrics=[SampleMetrics(quantiles=QS)],
+        )
+    )
+    written = 0
+    ages, weights = [], []
+    generator = torch.Generator().manual_seed(0)
+    for step in range(80):
+        n = 37
+        index = rb.extend(TensorDict({"x": torch.arange(written, written + n)}, [n]))
+        rb.update_priority(index, torch.rand(n, generator=generator) + 0.01)
+        written += n
+        for _ in range(1 if step < 40 else 0):
+            batch = rb.sample()
+            ages.extend((written - 1 - batch["x"]).tolist())
+            weights.extend(batch["priority_weight"].tolist())
+    for _ in range(40):  # no writes in between: one cursor for the whole second window
+        batch = rb.sample()
+        ages.extend((written - 1 - batch["x"]).tolist())
+        weights.extend(batch["priority_weight"].tolist())
+    assert channel.flush(timeout=20)
+    channel.close()
+    rows = [m for m, _ in logger.calls if "rb/sample_age_p50" in m]
+    assert len(rows) == 2
+    half = len(ages) // 2
+    for row, window in zip(rows, (slice(0, half), slice(half, None))):
+        for name, values in (("sample_age", ages[window]), ("priority_weight", weights[window])):
+            for q in QS:
+                truth = float(np.quantile(np.asarray(values), q, method="lower"))
+                got = row[f"rb/{name}_p{q * 100:g}"]
+                assert abs(got - truth) <= 0.01 * abs(truth) + 1e-7, (name, q, truth, got)

@@ -65,7 +65,7 @@ class Quantiles(Metric):
     ) -> None:
         super().__init__(name, fn, on=on)
         self._reducer = QuantileReducer(name, quantiles=q, accuracy=accuracy)
-        self.quantiles = self._reducer.empty().quantiles
+        self.q = self._reducer.empty().quantiles
         self.accuracy = float(accuracy)
         self._host: list[float] = []
 

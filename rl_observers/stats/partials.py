@@ -339,7 +339,8 @@ class Count(Partial):
 
 
 #: Statistics a :class:`LatestWindow` partial can emit, in output order. ``pNN`` are
-#: quantiles (``p50`` is ``median``), interpolated linearly between the closest values.
+#: quantiles (``p50`` is ``median``), interpolated linearly between the closest values; any
+#: other ``p<100 q>`` (``p5``, ``p99.9``) is accepted too.
 WINDOW_STATS: tuple[str, ...] = (
     "count",
     "mean",
@@ -352,6 +353,17 @@ WINDOW_STATS: tuple[str, ...] = (
     "p75",
     "p90",
 )
+
+
+def _is_quantile_stat(stat: object) -> bool:
+    """Whether ``stat`` names a quantile ``p<100 q>`` with ``q`` in (0, 1), such as ``p5``."""
+    if not isinstance(stat, str) or not stat.startswith("p"):
+        return False
+    try:
+        q = float(stat[1:]) / 100
+    except ValueError:
+        return False
+    return 0.0 < q < 1.0 and stat == f"p{q * 100:g}"
 
 
 def _quantile(ordered: Sequence[float], q: float) -> float:
@@ -429,11 +441,11 @@ class LatestWindow(Partial):
         if len(stats) != len(names):
             raise ValueError(f"stats must have one sequence per name, got {stats!r} for {names!r}.")
         for name, chosen in zip(names, stats):
-            unknown = [s for s in chosen if s not in WINDOW_STATS]
+            unknown = [s for s in chosen if s not in WINDOW_STATS and not _is_quantile_stat(s)]
             if unknown or not chosen or len(set(chosen)) != len(chosen):
                 raise ValueError(
-                    f"stats must be non-empty sequences of distinct names among {WINDOW_STATS}, "
-                    f"got {chosen!r} (for {name!r})."
+                    f"stats must be non-empty sequences of distinct names among {WINDOW_STATS} "
+                    f"or 'p<100 q>' quantiles such as 'p5', got {chosen!r} (for {name!r})."
                 )
         self.size = size
         self.names = names
@@ -505,7 +517,7 @@ class LatestWindow(Partial):
                 elif stat == "median":
                     out[label] = _quantile(ordered, 0.5)
                 else:
-                    out[label] = _quantile(ordered, int(stat[1:]) / 100)
+                    out[label] = _quantile(ordered, float(stat[1:]) / 100)
         return out
 
     def __repr__(self) -> str:
