@@ -70,3 +70,64 @@ def test_quantiles_fold_costs_at_most_one_and_a_half_means(benchmark):
         f"(Mean {seconds['mean'] * 1e6:.1f} us, Quantiles {seconds['quantiles'] * 1e6:.1f} us per fold)"
     )
     assert ratios["quantiles"] <= 1.5
+
+
+# -- the collector budget with episode quantiles on ---------------------------------------
+
+
+def _collector(stack, make_env, metrics, logger):
+    from torchrl.collectors import Collector
+    from torchrl.envs.utils import RandomPolicy
+
+    from rl_observers import Every, LoggerObserver, MetricsChannel
+
+    env = make_env()
+    collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=1000, total_frames=-1)
+    stack.callback(collector.shutdown)
+    if metrics is not None:
+        collector.add_observer(
+            LoggerObserver(logger, schedule=Every.counter("frames", 10_000), metrics=metrics)
+        )
+        stack.callback(MetricsChannel.for_logger(logger).close, 30)
+    iterator = iter(collector)
+    return lambda: next(iterator)
+
+
+@pytest.mark.parametrize(
+    ("env_name", "budget", "calls", "blocks"),
+    [("cartpole_transforms", 0.97, 1, 13), ("counting_100", 0.90, 20, 21)],
+)
+@pytest.mark.timeout(300)
+def test_collector_budget_holds_with_episode_quantiles(benchmark, tmp_path, env_name, budget, calls, blocks):
+    """DESIGN.md's collector budgets (>= 0.97 on CartPole, >= 0.90 on the worst case), quantiles on."""
+    from contextlib import ExitStack
+
+    from torchrl.record import CSVLogger
+
+    from benchmarks.test_bench_logger_observer import ENVS, measured_twice_if_missed, paired_compare
+    from rl_observers import CollectorBatchMetrics, MetricsChannel
+
+    with ExitStack() as stack:
+        loggers = {kind: CSVLogger(kind, log_dir=str(tmp_path)) for kind in ("plain", "observer")}
+        candidates = {
+            "bare": _collector(stack, ENVS[env_name], None, None),
+            "plain": _collector(stack, ENVS[env_name], CollectorBatchMetrics(), loggers["plain"]),
+            "observer": _collector(
+                stack,
+                ENVS[env_name],
+                CollectorBatchMetrics(quantiles=(0.05, 0.5, 0.95)),
+                loggers["observer"],
+            ),
+        }
+        flush = {kind: MetricsChannel.for_logger(logger).flush for kind, logger in loggers.items()}
+        timings, ratios = measured_twice_if_missed(
+            lambda: paired_compare(candidates, calls=calls, blocks=blocks, warmup=1, block_end=flush),
+            budget,
+        )
+        benchmark.extra_info.update({f"{env_name}_ratio_{k}": v for k, v in ratios.items()})
+        print(
+            f"\n{env_name}: throughput / bare, CollectorBatchMetrics() {ratios['plain']:.3f}, "
+            f"with quantiles {ratios['observer']:.3f}"
+        )
+        assert ratios["observer"] >= budget, ratios
+        benchmark.pedantic(candidates["observer"], rounds=3, iterations=1)
