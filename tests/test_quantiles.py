@@ -382,3 +382,64 @@ def test_sample_metrics_age_and_weight_quantiles_match_every_sample():
                 truth = float(np.quantile(np.asarray(values), q, method="lower"))
                 got = row[f"rb/{name}_p{q * 100:g}"]
                 assert abs(got - truth) <= 0.01 * abs(truth) + 1e-7, (name, q, truth, got)
+
+
+def _sampled_x(batch):
+    return batch["x"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_ray_replay_buffer_actor_quantiles_of_ages_and_sampled_values():
+    import sys
+    from functools import partial
+
+    from tensordict import TensorDict
+    from torchrl.data import LazyTensorStorage, RayReplayBuffer, TensorDictReplayBuffer
+
+    from rl_observers import SampleMetrics
+
+    from .helpers import local_ray
+
+    with local_ray(sys.modules[__name__]):
+        rb = RayReplayBuffer(
+            storage=partial(LazyTensorStorage, 300),
+            batch_size=50,
+            replay_buffer_cls=TensorDictReplayBuffer,
+            remote_config={"num_cpus": 0},
+        )
+        logger = RecordingLogger()
+        channel = MetricsChannel(logger)
+        try:
+            handle = rb.add_observer(
+                LoggerObserver(
+                    channel,
+                    name="rrb",
+                    schedule=Every.counter("sample_calls", 10**9),
+                    metrics=[
+                        SampleMetrics(quantiles=QS),
+                        Quantiles("x", _sampled_x, q=QS, on="post_sample"),
+                    ],
+                )
+            )
+            written, ages, xs = 0, [], []
+            for _ in range(8):  # the storage wraps around: ages and values part ways
+                rb.extend(TensorDict({"x": torch.arange(written, written + 100.0)}, [100]))
+                written += 100
+                for _ in range(3):
+                    x = rb.sample()["x"]
+                    xs.extend(x.tolist())
+                    ages.extend((written - 1 - x).tolist())
+            handle.remove()
+            assert channel.flush(timeout=30)
+        finally:
+            channel.close()
+            rb.close() if hasattr(rb, "close") else None
+    last = {}
+    for metrics, _ in logger.calls:
+        last.update(metrics)
+    for name, values in (("sample_age", ages), ("x", xs)):
+        for q in QS:
+            truth = float(np.quantile(np.asarray(values), q, method="lower"))
+            got = last[f"rrb/{name}_p{q * 100:g}"]
+            assert abs(got - truth) <= 0.01 * abs(truth), (name, q, truth, got)
