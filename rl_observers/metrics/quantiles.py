@@ -81,7 +81,7 @@ class Quantiles(Metric):
         host, self._host = self._host, []
         sketch = self._reducer.pull()
         if host:
-            empty = sketch if not sketch.count and not sketch.nonfinite else self._reducer.empty()
+            empty = self._reducer.empty()
             sketch = sketch.merge(
                 QuantileSketch.from_values(
                     self.name, host, quantiles=empty.quantiles, accuracy=empty.accuracy
