@@ -4,9 +4,13 @@ The agent (``examples/dqn_cartpole.py``) collects 128 frames, writes them into
 a replay buffer and trains on 8 sampled batches, again and again. Observers
 next to the data log reward and episode statistics of the collector, the
 buffer's writes and the age of the data it samples, to CSV and TensorBoard
-under ``runs/``. The console shows the logged numbers as training goes; the
-run ends with a table of every series and a plot of the episode return read
-back from the run's own CSV files (a run replaces the previous one's). Run
+under ``runs/``, with the 5th, 50th and 95th percentiles of the episode
+return, the episode length and the sample age (each within 1 % of the true
+quantile of the window). The console shows the logged numbers as training
+goes; the run ends with a table of every series and a plot read back from
+the run's own CSV files (a run replaces the previous one's): the median
+episode return and sample age of each window, inside the band of their
+5th to 95th percentiles, and the episodes completed per window. Run
 it with ``make demo`` (about a minute on 2 CPU cores), or
 ``python examples/demo.py --frames 10000`` for less.
 """
@@ -28,10 +32,14 @@ from dqn_cartpole import DQN, close, make_dqn, observe, train
 
 import rl_observers
 
+QUANTILES = (0.05, 0.5, 0.95)
+#: (series, y label, x label): a series logged with quantiles is drawn as its median inside
+#: its p5-p95 band. (CartPole's episode length is its return, and its reward is 1 at every
+#: step: the third panel counts the episodes completed per window, fewer as they get longer.)
 PLOTTED = (
-    ("collector/episode_return_mean", "episode return (mean per window)"),
-    ("collector/reward_mean", "reward per step (mean)"),
-    ("replay_buffer/sample_age_mean", "age of sampled data (mean)"),
+    ("collector/episode_return", "episode return", "frames"),
+    ("replay_buffer/sample_age", "age of sampled data (items)", "sample calls"),
+    ("collector/episodes", "episodes completed per window", "frames"),
 )
 
 
@@ -61,9 +69,10 @@ class Progress:
         get = self.latest.get
         line = (
             f"{dqn.frames:>6}/{self.total_frames} frames {time.monotonic() - self.start:4.0f} s | "
-            f"episode return {get('collector/episode_return_mean', float('nan')):5.1f} | "
+            f"episode return {get('collector/episode_return_p50', float('nan')):5.1f} "
+            f"(p5 {get('collector/episode_return_p5', float('nan')):5.1f}) | "
             f"episodes {get('collector/episodes_total', 0):4.0f} | "
-            f"sample age {get('replay_buffer/sample_age_mean', float('nan')):5.0f} | "
+            f"sample age {get('replay_buffer/sample_age_p50', float('nan')):5.0f} | "
             f"eps {dqn.greedy.eps.item():.2f}"
         )
         if self.in_place:  # a line that wraps cannot be rewritten: cut it to the terminal's width
@@ -92,28 +101,35 @@ def read_scalars(csv_dir: pathlib.Path) -> dict[str, list[tuple[float, float]]]:
 
 
 def plot(scalars: dict[str, list[tuple[float, float]]], out: pathlib.Path) -> pathlib.Path:
-    """Episode return, reward mean and sample age, as logged, into one PNG."""
+    """Episode return, sample age and episodes per window, as logged, into one PNG.
+
+    A series with quantiles is drawn as its median per window (``_p50``)
+    inside the band of its 5th to 95th percentiles (``_p5``, ``_p95``).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(PLOTTED), 1, figsize=(7, 7), sharex=False)
-    for ax, (name, label) in zip(axes, PLOTTED):
-        rows = scalars.get(name, [])
-        ax.plot([s for s, _ in rows], [v for _, v in rows], marker=".")
-        ax.set_title(name, fontsize=10)
+    for ax, (name, label, x_label) in zip(axes, PLOTTED):
+        banded = f"{name}_p50" in scalars
+        rows = scalars.get(f"{name}_p50" if banded else name, [])
+        ax.plot([s for s, _ in rows], [v for _, v in rows], marker=".", label="median" if banded else None)
+        low, high = scalars.get(f"{name}_p5", []), scalars.get(f"{name}_p95", [])
+        if banded and low and len(low) == len(high):
+            ax.fill_between(
+                [s for s, _ in low],
+                [v for _, v in low],
+                [v for _, v in high],
+                alpha=0.2,
+                label="p5-p95",
+            )
+            ax.legend(fontsize=7, loc="upper left")
+        ax.set_title(f"{name}_p5 / _p50 / _p95" if banded else name, fontsize=10)
         ax.set_ylabel(label, fontsize=8)
+        ax.set_xlabel(x_label, fontsize=8)
         ax.grid(alpha=0.3)
-    low, high = (f"collector/episode_return_{s}" for s in ("min", "max"))
-    if low in scalars and high in scalars:
-        steps = [s for s, _ in scalars[low]]
-        axes[0].fill_between(
-            steps, [v for _, v in scalars[low]], [v for _, v in scalars[high]], alpha=0.2
-        )
-    axes[0].set_xlabel("frames", fontsize=8)
-    axes[1].set_xlabel("frames", fontsize=8)
-    axes[2].set_xlabel("sample calls", fontsize=8)
     fig.suptitle("DQN on CartPole-v1, logged by rl_observers")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
@@ -129,7 +145,7 @@ def main(out_dir: str = "runs", total_frames: int = 50_000) -> dict[str, tuple[i
     print(f"rl_observers {rl_observers.__version__}: DQN on CartPole-v1, {total_frames:,} frames")
     with quiet_torchrl():
         dqn = make_dqn()
-        observed = observe(dqn, out)
+        observed = observe(dqn, out, quantiles=QUANTILES)
         progress = Progress(total_frames, observed.fan_out.latest)
         start = time.monotonic()
         train(dqn, -(-total_frames // dqn.config.frames_per_batch), on_batch=progress)

@@ -238,7 +238,12 @@ class Observed:
 
 
 def observe(
-    dqn: DQN, out_dir: str | pathlib.Path, *, every_batches: int = 10, log_on_close: bool = True
+    dqn: DQN,
+    out_dir: str | pathlib.Path,
+    *,
+    every_batches: int = 10,
+    log_on_close: bool = True,
+    quantiles: tuple[float, ...] | None = None,
 ) -> Observed:
     """Watches ``dqn`` fully: collector, buffer writes and samples, into CSV and TensorBoard.
 
@@ -250,6 +255,9 @@ def observe(
     ``CSVLogger`` (``<out_dir>/csv``) and ``TensorboardLogger``
     (``<out_dir>/tensorboard``). ``log_on_close`` logs the last partial
     windows when the observers are detached (see ``LoggerObserver``).
+    ``quantiles`` (such as ``(0.05, 0.5, 0.95)``) adds those quantiles of
+    the episode return and length and of the sample age
+    (``collector/episode_return_p5``, ..., ``replay_buffer/sample_age_p95``).
     """
     out = pathlib.Path(out_dir)
     csv_logger = CSVLogger(exp_name="dqn", log_dir=str(out / "csv"))
@@ -266,7 +274,9 @@ def observe(
                 name="collector",
                 log_on_close=log_on_close,
                 schedule=Every.counter("frames", every_batches * config.frames_per_batch),
-                metrics=CollectorBatchMetrics(episode_return=True, episode_length=True),
+                metrics=CollectorBatchMetrics(
+                    episode_return=True, episode_length=True, quantiles=quantiles
+                ),
             ),
         ),
         (
@@ -276,7 +286,10 @@ def observe(
                 name="replay_buffer",
                 log_on_close=log_on_close,
                 schedule=Every.counter("sample_calls", every_batches * config.updates_per_batch),
-                metrics=[WriteMetrics(reward_key=("next", "reward")), SampleMetrics()],
+                metrics=[
+                    WriteMetrics(reward_key=("next", "reward")),
+                    SampleMetrics(quantiles=quantiles),
+                ],
             ),
         ),
     ]

@@ -141,8 +141,13 @@ def test_quantiles_are_exact_over_the_window():
 def test_partial_validates_and_pickles():
     with pytest.raises(ValueError, match="size must be a positive int"):
         LatestWindow(0, ("x",))
-    with pytest.raises(ValueError, match="stats must be"):
-        LatestWindow(3, ("x",), stats=[("p42",)])
+    for stat in ("p100", "p0", "q5", "p05"):
+        with pytest.raises(ValueError, match="stats must be"):
+            LatestWindow(3, ("x",), stats=[(stat,)])
+    assert LatestWindow(3, ("x",), stats=[("p42", "p5")], entries=[((0, 0, 0), (1.0,))]).finalize() == {
+        "x_p42_last_3": 1.0,
+        "x_p5_last_3": 1.0,
+    }
     with pytest.raises(ValueError, match="must agree"):
         LatestWindow(3, ("x",)).merge(LatestWindow(4, ("x",)))
     window = _window([((1, 0, 0), (2.0,))])

@@ -26,6 +26,9 @@ def test_demo(tmp_path, capsys, monkeypatch):
     assert summary["collector/frames"] == (2, 2_560.0)
     assert summary["collector/episodes_total"][1] > 0
     assert summary["replay_buffer/sample_calls"][1] == 13 * 8
+    for name in ("collector/episode_return", "collector/episode_length", "replay_buffer/sample_age"):
+        low, median, high = (summary[f"{name}_p{p}"][1] for p in (5, 50, 95))  # the plot's bands
+        assert low <= median <= high
     csv_files = list((tmp_path / "csv").rglob("episode_return_mean.csv"))
     assert len(csv_files) == 1 and csv_files[0].read_text().count("\n") == 2
     png = tmp_path / "dqn_cartpole.png"

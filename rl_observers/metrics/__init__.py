@@ -32,6 +32,7 @@ may lag by a batch or so. They are exact again after every :meth:`pull`.
 Modules: :mod:`~rl_observers.metrics.base` (:class:`MetricSet`),
 :mod:`~rl_observers.metrics.oneliners` (:class:`Mean`, :class:`Gauge`, ...:
 one more number in one line), :mod:`~rl_observers.metrics.histogram`,
+:mod:`~rl_observers.metrics.quantiles`,
 :mod:`~rl_observers.metrics.policy_lag`, :mod:`~rl_observers.metrics.source`
 (the source's own counters, :class:`StatsProvider`),
 :mod:`~rl_observers.metrics.collector` (:class:`CollectorBatchMetrics`, whose
@@ -58,6 +59,7 @@ from rl_observers.metrics.oneliners import (
     Summary,
 )
 from rl_observers.metrics.policy_lag import PolicyLag
+from rl_observers.metrics.quantiles import Quantiles
 from rl_observers.metrics.samples import SampleMetrics
 from rl_observers.metrics.source import StatsProvider
 from rl_observers.metrics.writes import WriteMetrics
@@ -73,6 +75,7 @@ __all__ = [
     "MetricSet",
     "Min",
     "PolicyLag",
+    "Quantiles",
     "Rate",
     "Ratio",
     "SampleMetrics",

@@ -17,6 +17,7 @@ from rl_observers.stats import (
     MomentsReducer,
     ObservedCounters,
     Partial,
+    QuantileReducer,
     ReducerBank,
 )
 
@@ -154,6 +155,8 @@ class MetricSet:
         self._lock = threading.RLock()
         self._bank = ReducerBank()
         self._reducers: dict[str, Any] = {}
+        # Quantile sketches own their device buffers (see QuantileReducer), pulled next to the bank.
+        self._sketches: dict[str, QuantileReducer] = {}
         self._counters = ObservedCounters(self.counter_names)
 
     # -- what a source decides -------------------------------------------------------
@@ -199,6 +202,23 @@ class MetricSet:
             reducer = self._reducers[name] = self._bank.count(name)
         return reducer
 
+    def quantiles(
+        self, name: str, *, q: Sequence[float] = (0.05, 0.5, 0.95), accuracy: float = 0.01
+    ) -> QuantileReducer:
+        """The :class:`~rl_observers.stats.QuantileReducer` of ``name``, created on first use.
+
+        Pulled under the key ``"<name>_quantiles"`` as a
+        :class:`~rl_observers.stats.QuantileSketch` that logs ``<name>_p5``,
+        ``<name>_p50``, ``<name>_p95`` (one per ``q``), each within
+        ``accuracy`` of the true quantile of the window's values (relative),
+        and ``<name>_nonfinite`` when NaN or infinite values were folded.
+        """
+        key = f"{name}_quantiles"
+        reducer = self._sketches.get(key)
+        if reducer is None:
+            reducer = self._sketches[key] = QuantileReducer(name, quantiles=q, accuracy=accuracy)
+        return reducer
+
     def add_to_counter(self, name: str, amount: int | torch.Tensor) -> None:
         """Adds ``amount`` to the cumulative counter ``name`` (one of :attr:`counter_names`).
 
@@ -242,6 +262,8 @@ class MetricSet:
             partials = self._bank.pull()
             out: dict[str, float | Partial] = dict(self.gauges(self._counters.drain()))
             out.update(partials)
+            for key, sketch in self._sketches.items():
+                out[key] = sketch.pull()
             return out
 
     def metric_names(self) -> tuple[str, ...]:
@@ -260,6 +282,9 @@ class MetricSet:
                     names.extend(prefix + stat for stat in partial.stats)
                 else:
                     names.extend(partial.finalize())
+            for key, sketch in self._sketches.items():
+                names.append(key)
+                names.extend(sketch.empty().metric_names())
             return tuple(dict.fromkeys(names))
 
     def stats(self) -> dict[str, float]:
@@ -277,6 +302,8 @@ class MetricSet:
         with self._lock:
             self._counters.load(state_dict.get("counters", {}))
             self._bank.reset()
+            for sketch in self._sketches.values():
+                sketch.reset()
 
     # -- internals -------------------------------------------------------------------
 

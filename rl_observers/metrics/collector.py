@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ from rl_observers.metrics.keys import (
     missing_key,
 )
 from rl_observers.sources.placement import source_info
-from rl_observers.stats import Count, LatestWindow, Partial
+from rl_observers.stats import Count, LatestWindow, Partial, QuantileReducer
 from rl_observers.stats.latest import LatestReducer, latest_reducer
 
 __all__ = ["CollectorBatchMetrics"]
@@ -152,6 +153,18 @@ class CollectorBatchMetrics(MetricSet):
     reach the host with the window's one transfer. :meth:`state_dict` keeps
     the last ``N``.
 
+    With ``quantiles=(0.05, 0.5, 0.95)`` (opt-in), the episodes completed in
+    the window also give ``episode_return_p5``, ``episode_return_p50``,
+    ``episode_return_p95`` and ``episode_length_p5``, ... (one per
+    quantile): :class:`~rl_observers.stats.QuantileSketch` partials (keys
+    ``"episode_return_quantiles"``, ``"episode_length_quantiles"``), each
+    quantile within 1 % (relative) of the lower quantile of the returns of
+    every episode completed in the window, over all workers with
+    ``scope="aggregate"``; folded on the batch's device where the moments
+    are. With ``episode_window`` too, the rolling window reports the same
+    quantiles of its ``N`` episodes, exactly (``episode_return_p5_last_<N>``,
+    ...).
+
     A window with no reward (or no completed episode) omits the ``*_mean``,
     ``*_std``, ``*_min``, ``*_max`` entries; counts are then ``0``.
     :meth:`counters` gives ``frames``, ``batches`` and ``episodes``
@@ -194,6 +207,9 @@ class CollectorBatchMetrics(MetricSet):
         episode_window (int, optional): also report the last
             ``episode_window`` episodes (``*_last_<N>``, see above). Defaults
             to ``None`` (not kept: the fold costs exactly what it did).
+        quantiles (sequence of float, optional): also report these quantiles
+            (each in (0, 1)) of the episodes' returns and lengths (see
+            above). Defaults to ``None`` (not kept).
 
     Examples:
         >>> import torch
@@ -246,6 +262,7 @@ class CollectorBatchMetrics(MetricSet):
         traj_ids_key: NestedKey | None = ("collector", "traj_ids"),
         env_index_key: NestedKey | None = "env_index",
         episode_window: int | None = None,
+        quantiles: Sequence[float] | None = None,
     ) -> None:
         super().__init__()
         owner = type(self).__name__
@@ -288,6 +305,16 @@ class CollectorBatchMetrics(MetricSet):
         if episode_length:
             specs.append(("episode_length", ("mean", "min", "max")))
         self._episode = self.moments_group(specs) if specs else None
+        # Opt-in: a quantile sketch per episode quantity, folded where its moments are.
+        self._episode_quantiles: tuple[QuantileReducer, ...] = ()
+        if quantiles is not None:
+            if not specs:
+                raise ValueError(
+                    f"{owner}: quantiles needs episode_return=True or episode_length=True."
+                )
+            self._episode_quantiles = tuple(
+                self.quantiles(prefix, q=quantiles) for prefix, _ in specs
+            )
         self._plan: CollectorPlan | None = None
         self._carry = EpisodeCarry()
         self._ring: EpisodeRing | None = None
@@ -298,7 +325,7 @@ class CollectorBatchMetrics(MetricSet):
         # Bound to a collector that resets its envs at each batch (reset_at_each_iter): an
         # episode in flight at the end of a batch never goes on in the next one.
         self._reset_each_batch = False
-        self._init_episode_window(episode_window, specs)
+        self._init_episode_window(episode_window, specs, self._episode_quantiles)
 
     def __repr__(self) -> str:
         return (
@@ -547,6 +574,7 @@ class CollectorBatchMetrics(MetricSet):
                 values = self._stacked = closing.new_empty(shape, dtype=torch.float64)
             torch.stack([get(key).reshape(rows, steps) for _, key in sources], out=values)
             self._episode.fold(values, closing)
+            self._fold_episode_quantiles(values, closing)
             if self._window is not None:
                 self._window.fold(
                     values,
@@ -615,6 +643,7 @@ class CollectorBatchMetrics(MetricSet):
             row = sources[0][0]
             values = values[row : row + 1]
         self._episode.fold(values, closing)  # type: ignore[union-attr]
+        self._fold_episode_quantiles(values, closing)
         if self._window is not None:
             steps, cells = self._window_clocks
             self._window.fold(values, closing, step_base=steps, cell_base=cells)
@@ -712,9 +741,15 @@ class CollectorBatchMetrics(MetricSet):
             self._dones.add(closed.dones)  # type: ignore[union-attr]
         if closed.values is not None:
             self._episode.fold(closed.values, closed.closing)  # type: ignore[union-attr]
+            self._fold_episode_quantiles(closed.values, closed.closing)
             if self._window is not None:
                 steps, cells = ring.base  # type: ignore[misc]
                 self._window.fold(closed.values, closed.closing, step_base=steps, cell_base=cells)
+
+    def _fold_episode_quantiles(self, values: torch.Tensor, closing: torch.Tensor) -> None:
+        """Folds ``values[k]`` at the closing steps into the ``k``-th quantile sketch."""
+        for reducer, quantity in zip(self._episode_quantiles, values):
+            reducer.fold(quantity, closing.view(quantity.shape))
 
     # -- host side ------------------------------------------------------------------
 
@@ -781,7 +816,10 @@ class CollectorBatchMetrics(MetricSet):
     # -- the episode window: the last N episodes, across logging windows -------------
 
     def _init_episode_window(
-        self, size: int | None, specs: list[tuple[str, tuple[str, ...]]]
+        self,
+        size: int | None,
+        specs: list[tuple[str, tuple[str, ...]]],
+        quantiles: tuple[QuantileReducer, ...] = (),
     ) -> None:
         """Registers the reducer of the last ``size`` episodes (``episode_window``)."""
         owner = type(self).__name__
@@ -797,7 +835,11 @@ class CollectorBatchMetrics(MetricSet):
                 f"{owner}: episode_window needs episode_return=True or episode_length=True."
             )
         names = tuple(prefix for prefix, _ in specs)
-        stats = tuple(_WINDOW_STATS[name] for name in names)
+        extra = tuple(f"p{q * 100:g}" for q in quantiles[0].empty().quantiles) if quantiles else ()
+        stats = tuple(
+            _WINDOW_STATS[name] + tuple(s for s in extra if s not in _WINDOW_STATS[name])
+            for name in names
+        )
         self._window = latest_reducer(self._bank, "episode_window", size, names, stats=stats)
         # (steps, cells) folded before the next batch: the stamps and the order of episode ends.
         self._window_clocks = (0, 0)

@@ -51,11 +51,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from torchrl.collectors import BaseCollector
-from torchrl.data import ReplayBuffer
 
 from rl_observers.metrics.base import DATA_EVENTS, MetricSet
 from rl_observers.signals import COLLECTOR_EVENTS, EVENT_PAYLOADS, REPLAY_BUFFER_EVENTS
+from rl_observers.sources.placement import source_kind
 from rl_observers.stats import (
     MOMENT_STATS,
     Fraction,
@@ -83,11 +82,10 @@ __all__ = [
 
 def source_events(source: Any) -> tuple[str, ...] | None:
     """The events ``source`` emits (``None`` for an object of unknown kind)."""
-    if isinstance(source, BaseCollector):
-        return COLLECTOR_EVENTS
-    if isinstance(source, ReplayBuffer):
-        return REPLAY_BUFFER_EVENTS
-    return None
+    return _EVENTS_OF_KIND.get(source_kind(source))  # type: ignore[arg-type]
+
+
+_EVENTS_OF_KIND = {"collector": COLLECTOR_EVENTS, "replay_buffer": REPLAY_BUFFER_EVENTS}
 
 
 def _arity(fn: Callable[..., Any], event: str, owner: str) -> int:

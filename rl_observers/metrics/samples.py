@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,6 +43,20 @@ _CURSOR_SAMPLES = 128
 _CURSOR_ENTRIES = 2**15
 _NO_AGES = (0, 0, 0, 0)
 _AGE_STATS = ("mean", "min", "max")
+
+
+class _WithQuantiles:
+    """A moments reducer that also folds what it gets into a quantile sketch."""
+
+    __slots__ = ("moments", "sketch")
+
+    def __init__(self, moments: Any, sketch: Any) -> None:
+        self.moments = moments
+        self.sketch = sketch
+
+    def fold(self, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        self.moments.fold(values, mask)
+        self.sketch.fold(values, mask)
 
 
 class SampleMetrics(MetricSet):
@@ -109,6 +123,14 @@ class SampleMetrics(MetricSet):
         age (bool, optional): emit ``sample_age_*`` (from the writer's
             cursor, or from stamped writes with other writers or storages).
             Defaults to ``True``.
+        quantiles (sequence of float, optional): also report these
+            quantiles (each in (0, 1)) of the sampled ages and importance
+            weights: ``sample_age_p5``, ``sample_age_p50``, ... and
+            ``priority_weight_p5``, ... (:class:`~rl_observers.stats.QuantileSketch`
+            partials keyed ``"sample_age_quantiles"`` and
+            ``"priority_weight_quantiles"``), each within 1 % (relative) of
+            the lower quantile of every value the window sampled, merged
+            exactly across workers. Defaults to ``None`` (not kept).
 
     Examples:
         >>> import torch
@@ -134,7 +156,13 @@ class SampleMetrics(MetricSet):
     _transient = ("_sampled", "_ring", "_ring_slots", "_ring_block")
     _lock_folds = False  # writes take the lock only when ages are on
 
-    def __init__(self, *, priority_weight: bool = True, age: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        priority_weight: bool = True,
+        age: bool = True,
+        quantiles: Sequence[float] | None = None,
+    ) -> None:
         super().__init__()
         owner = type(self).__name__
         self.priority_weight = check_bool(priority_weight, "priority_weight", owner)
@@ -142,6 +170,16 @@ class SampleMetrics(MetricSet):
         stats = _AGE_STATS
         self._weights = self.moments("priority_weight", stats=stats) if priority_weight else None
         self._ages = self.moments("sample_age", stats=stats) if age else None
+        # Opt-in quantiles: what folds into the moments folds into a sketch too.
+        self._age_quantiles = None
+        if quantiles is not None:
+            if self._weights is not None:
+                self._weights = _WithQuantiles(
+                    self._weights, self.quantiles("priority_weight", q=quantiles)
+                )
+            if self._ages is not None:
+                self._age_quantiles = self.quantiles("sample_age", q=quantiles)
+                self._ages = _WithQuantiles(self._ages, self._age_quantiles)
         self._batch_size = 0
         self._skips: bool | None = None  # whether the source's writer may skip items
         self._written = 0  # items written while observed: the stamp of the latest item
@@ -357,6 +395,8 @@ class SampleMetrics(MetricSet):
             ages = ages[keep]
             if not ages.size:
                 return
+        if self._age_quantiles is not None:  # (the moments of these ages are tallied on the host)
+            self._age_quantiles.fold(torch.from_numpy(ages))
         tally = self._age_tally
         count, total, low, high = ages.size, int(ages.sum()), int(ages.min()), int(ages.max())
         if tally[0]:

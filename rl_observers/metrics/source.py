@@ -13,11 +13,9 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from torchrl.collectors import BaseCollector
-from torchrl.data import ReplayBuffer
-
 from rl_observers.metrics.base import DATA_EVENTS, MetricSet
 from rl_observers.metrics.keys import leading_size
+from rl_observers.sources.placement import source_kind
 
 __all__ = ["SourceCounters", "StatsProvider", "missing_source_counters"]
 
@@ -122,12 +120,10 @@ def missing_source_counters(source: Any, sets: Sequence[MetricSet]) -> SourceCou
     ``None`` when every counter of the source's kind is kept already (or the
     source is of an unknown kind).
     """
-    if isinstance(source, BaseCollector):
-        names = _COLLECTOR_COUNTERS
-    elif isinstance(source, ReplayBuffer):
-        names = _BUFFER_COUNTERS
-    else:
+    kind = source_kind(source)
+    if kind is None:
         return None
+    names = _COLLECTOR_COUNTERS if kind == "collector" else _BUFFER_COUNTERS
     kept: set[str] = set()
     for metric_set in sets:
         kept.update(metric_set.counters())

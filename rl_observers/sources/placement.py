@@ -135,10 +135,23 @@ def process_token() -> str:
 _TOKEN: tuple[int, str] | None = None
 
 
-def _kind(source: Any) -> str:
-    from torchrl.collectors import BaseCollector
+def source_kind(source: Any) -> str | None:
+    """``"collector"``, ``"replay_buffer"``, or ``None`` for an object of neither kind.
 
-    return "collector" if isinstance(source, BaseCollector) else "replay_buffer"
+    The one place that tells a torchrl collector from a replay buffer.
+    """
+    from torchrl.collectors import BaseCollector
+    from torchrl.data import ReplayBuffer
+
+    if isinstance(source, BaseCollector):
+        return "collector"
+    if isinstance(source, ReplayBuffer):
+        return "replay_buffer"
+    return None
+
+
+def _kind(source: Any) -> str:
+    return source_kind(source) or "replay_buffer"
 
 
 def _in_ray_worker() -> bool:

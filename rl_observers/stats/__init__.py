@@ -1,7 +1,8 @@
 """Statistics that merge exactly: torch-free partials, device reducers, observed counters.
 
 * :mod:`~rl_observers.stats.partials`: :class:`Partial`, :class:`Moments`,
-  :class:`Count` (host side, torch-free, picklable, mergeable);
+  :class:`Count`, :class:`QuantileSketch` (host side, torch-free, picklable,
+  mergeable);
 * :mod:`~rl_observers.stats.scalars`: :class:`Scalar` (one value with a
   declared merge rule), :class:`Fraction`, :class:`PerSecond`,
   :class:`BinCounts` (torch-free partials too);
@@ -22,11 +23,13 @@ from rl_observers.stats.partials import (
     LatestWindow,
     Moments,
     Partial,
+    QuantileSketch,
 )
 from rl_observers.stats.reducers import (
     CountReducer,
     MomentsGroupReducer,
     MomentsReducer,
+    QuantileReducer,
     ReducerBank,
 )
 from rl_observers.stats.scalars import SCALAR_RULES, BinCounts, Fraction, PerSecond, Scalar
@@ -47,6 +50,8 @@ __all__ = [
     "MomentsReducer",
     "ObservedCounters",
     "Partial",
+    "QuantileReducer",
+    "QuantileSketch",
     "ReducerBank",
     "WINDOW_STATS",
 ]

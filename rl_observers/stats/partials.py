@@ -24,7 +24,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-__all__ = ["MOMENT_STATS", "WINDOW_STATS", "Count", "LatestWindow", "Moments", "Partial"]
+__all__ = [
+    "MOMENT_STATS",
+    "SKETCH_EXPONENTS",
+    "WINDOW_STATS",
+    "Count",
+    "LatestWindow",
+    "Moments",
+    "Partial",
+    "QuantileSketch",
+]
 
 #: Statistics a :class:`Moments` partial can emit, in output order.
 MOMENT_STATS: tuple[str, ...] = ("count", "mean", "std", "var", "min", "max")
@@ -330,7 +339,8 @@ class Count(Partial):
 
 
 #: Statistics a :class:`LatestWindow` partial can emit, in output order. ``pNN`` are
-#: quantiles (``p50`` is ``median``), interpolated linearly between the closest values.
+#: quantiles (``p50`` is ``median``), interpolated linearly between the closest values; any
+#: other ``p<100 q>`` (``p5``, ``p99.9``) is accepted too.
 WINDOW_STATS: tuple[str, ...] = (
     "count",
     "mean",
@@ -343,6 +353,17 @@ WINDOW_STATS: tuple[str, ...] = (
     "p75",
     "p90",
 )
+
+
+def _is_quantile_stat(stat: object) -> bool:
+    """Whether ``stat`` names a quantile ``p<100 q>`` with ``q`` in (0, 1), such as ``p5``."""
+    if not isinstance(stat, str) or not stat.startswith("p"):
+        return False
+    try:
+        q = float(stat[1:]) / 100
+    except ValueError:
+        return False
+    return 0.0 < q < 1.0 and stat == f"p{q * 100:g}"
 
 
 def _quantile(ordered: Sequence[float], q: float) -> float:
@@ -420,11 +441,11 @@ class LatestWindow(Partial):
         if len(stats) != len(names):
             raise ValueError(f"stats must have one sequence per name, got {stats!r} for {names!r}.")
         for name, chosen in zip(names, stats):
-            unknown = [s for s in chosen if s not in WINDOW_STATS]
+            unknown = [s for s in chosen if s not in WINDOW_STATS and not _is_quantile_stat(s)]
             if unknown or not chosen or len(set(chosen)) != len(chosen):
                 raise ValueError(
-                    f"stats must be non-empty sequences of distinct names among {WINDOW_STATS}, "
-                    f"got {chosen!r} (for {name!r})."
+                    f"stats must be non-empty sequences of distinct names among {WINDOW_STATS} "
+                    f"or 'p<100 q>' quantiles such as 'p5', got {chosen!r} (for {name!r})."
                 )
         self.size = size
         self.names = names
@@ -496,8 +517,299 @@ class LatestWindow(Partial):
                 elif stat == "median":
                     out[label] = _quantile(ordered, 0.5)
                 else:
-                    out[label] = _quantile(ordered, int(stat[1:]) / 100)
+                    out[label] = _quantile(ordered, float(stat[1:]) / 100)
         return out
 
     def __repr__(self) -> str:
         return f"LatestWindow({self.size!r}, {self.names!r}, entries={len(self.entries)})"
+
+
+# -- quantile sketch --------------------------------------------------------------------
+
+#: Magnitudes a :class:`QuantileSketch` buckets apart: ``[2**-64, 2**64)``. Smaller non-zero
+#: magnitudes share the lowest bucket, larger finite ones the highest.
+SKETCH_EXPONENTS: tuple[int, int] = (-64, 64)
+_F32_BIAS = 127
+_F32_MANTISSA = 23
+
+
+def check_quantile(q: object, owner: str) -> float:
+    """``q`` as a float in ``(0, 1)``, else a ValueError naming the valid range and ``owner``."""
+    if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 < float(q) < 1.0:
+        raise ValueError(f"{owner}: each quantile must be a number in (0, 1), got {q!r}.")
+    return float(q)
+
+
+def sketch_resolution(accuracy: object, owner: str = "QuantileSketch") -> int:
+    """Mantissa bits ``p`` whose buckets are within ``accuracy`` (relative), for ``accuracy`` in (0, 0.5).
+
+    A bucket holds the magnitudes whose float32 exponent and ``p`` leading mantissa bits
+    agree: its relative width is at most ``2**-p``, and the point reported for it is
+    within ``2**-p / (2 + 2**-p)`` of any value in it (relative). ``p`` is the smallest
+    that keeps this (plus the float32 rounding of the values) within ``accuracy``.
+    """
+    if (
+        isinstance(accuracy, bool)
+        or not isinstance(accuracy, (int, float))
+        or not 0.0 < float(accuracy) < 0.5
+    ):
+        raise ValueError(f"{owner}: accuracy must be a number in (0, 0.5), got {accuracy!r}.")
+    margin = 2.0**-_F32_MANTISSA  # the float32 rounding of a value, relative
+    for p in range(_F32_MANTISSA - 4):
+        width = 2.0**-p
+        if width / (2.0 + width) * (1.0 + margin) + margin <= accuracy:
+            return p
+    raise ValueError(
+        f"{owner}: accuracy must be at least {2.0 ** -(_F32_MANTISSA - 5):g} (float32 buckets), "
+        f"got {accuracy!r}."
+    )
+
+
+def sketch_key_range(p: int) -> tuple[int, int]:
+    """The lowest and one past the highest magnitude key of resolution ``p``."""
+    low, high = SKETCH_EXPONENTS
+    return (_F32_BIAS + low) << p, (_F32_BIAS + high) << p
+
+
+def sketch_bucket_value(key: int, p: int) -> float:
+    """The point reported for the magnitude bucket ``key``: the harmonic mean of its bounds.
+
+    ``2 L U / (L + U)`` is as far (relatively) from its lower bound ``L`` as from its
+    upper bound ``U``.
+    """
+    shift = _F32_MANTISSA - p
+    exponent, mantissa = divmod(key, 1 << p)
+    low = math.ldexp(1.0 + mantissa * 2.0**-p, exponent - _F32_BIAS)
+    high = math.ldexp(1.0 + (mantissa + 1) * 2.0**-p, exponent - _F32_BIAS) if shift else low
+    return 2.0 * low * high / (low + high)
+
+
+def _collapse(store: dict[int, float], limit: int) -> dict[int, float]:
+    """Keeps the ``limit`` highest keys; the counts of the others add to the lowest kept."""
+    if len(store) <= limit:
+        return store
+    keys = sorted(store)
+    cut = len(keys) - limit
+    lowest = keys[cut]
+    kept = {key: store[key] for key in keys[cut:]}
+    kept[lowest] += math.fsum(store[key] for key in keys[:cut])
+    return kept
+
+
+class QuantileSketch(Partial):
+    """Quantiles within a declared relative accuracy, from bucket counts that add (DDSketch).
+
+    Values are counted in logarithmic buckets of bounded relative width,
+    kept apart for positive values, negative values (by magnitude) and
+    zeros. A bucket holds the magnitudes whose float32 exponent and leading
+    ``p`` mantissa bits agree, ``p`` the smallest that makes every bucket
+    narrower than ``accuracy`` (so a 1 % sketch uses 64 buckets per power of
+    two: DDSketch's logarithmic mapping, linearly interpolated between
+    powers of two, computed from the bits without a logarithm). Merging adds
+    the counts, so any merge of sketches, in any grouping and any order,
+    *is* the sketch of the union of the data, exactly.
+
+    **The quantile** ``q`` of ``n`` values is the lower rank-based one: the
+    value of rank ``floor(q (n - 1))`` (0-based) in sorted order, what
+    ``numpy.quantile(values, q, method="lower")`` computes. The sketch
+    reports the point of the bucket that value fell in, within ``accuracy``
+    of it, relatively: ``|reported - true| <= accuracy * |true|``.
+
+    **Bounded memory:** each sign keeps at most ``max_buckets`` buckets
+    (default 2048: at 1 %, a span of 2**32 in magnitude). Past that, the
+    buckets of the smallest magnitudes are collapsed into the lowest one
+    kept (DDSketch's collapsing-lowest store): quantiles that fall among the
+    collapsed values lose their accuracy (they read as the lowest bucket
+    kept), the others keep it, and merges stay exact. Magnitudes outside
+    ``[2**-64, 2**64)`` share the outer buckets (and float32's limits
+    apply: a magnitude below ~1e-45 counts as a zero, one above ~3.4e38 as
+    non-finite).
+
+    **Non-finite values** (NaN, ``inf``, ``-inf``) are counted apart, never
+    bucketed; :meth:`finalize` reports ``<name>_nonfinite`` when there were
+    any.
+
+    Args:
+        name (str): output names are ``<name>_p5``, ``<name>_p50``, ... (see
+            :func:`~rl_observers.stats.scalars.quantile_name`).
+
+    Keyword Args:
+        quantiles (sequence of float, optional): each in (0, 1). Defaults to
+            ``(0.05, 0.5, 0.95)``.
+        accuracy (float, optional): the relative accuracy, in (0, 0.5).
+            Defaults to ``0.01``.
+        max_buckets (int, optional): the most buckets per sign. Defaults to
+            ``2048``.
+        positive (dict of int to float, optional): counts per magnitude key
+            of positive values. Defaults to none.
+        negative (dict of int to float, optional): the same for negative
+            values. Defaults to none.
+        zero (float, optional): how many zeros. Defaults to ``0``.
+        nonfinite (float, optional): how many NaN or infinite values.
+            Defaults to ``0``.
+
+    Raises:
+        ValueError: a quantile outside (0, 1), an accuracy outside (0, 0.5).
+
+    Examples:
+        >>> from rl_observers.stats import QuantileSketch
+        >>> a = QuantileSketch.from_values("ret", [1.0, 2.0, 3.0, 4.0], quantiles=(0.5,))
+        >>> b = QuantileSketch.from_values("ret", [5.0, 6.0, 7.0, float("nan")], quantiles=(0.5,))
+        >>> merged = a.merge(b)  # the lower median of 1..7 is 4: reported within 1 %
+        >>> round(merged.quantile(0.5), 3), merged.nonfinite
+        (4.031, 1.0)
+        >>> sorted(merged.finalize())
+        ['ret_nonfinite', 'ret_p50']
+        >>> a.merge(b).finalize() == b.merge(a).finalize()
+        True
+    """
+
+    __slots__ = (
+        "name",
+        "quantiles",
+        "accuracy",
+        "max_buckets",
+        "p",
+        "positive",
+        "negative",
+        "zero",
+        "nonfinite",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        quantiles: Sequence[float] = (0.05, 0.5, 0.95),
+        accuracy: float = 0.01,
+        max_buckets: int = 2048,
+        positive: dict[int, float] | None = None,
+        negative: dict[int, float] | None = None,
+        zero: float = 0.0,
+        nonfinite: float = 0.0,
+    ) -> None:
+        self.name = _check_name(name, "name")
+        owner = f"QuantileSketch({name!r})"
+        if isinstance(quantiles, (str, float, int)):
+            raise TypeError(f"{owner}: quantiles must be a sequence of numbers, got {quantiles!r}.")
+        self.quantiles = tuple(check_quantile(q, owner) for q in quantiles)
+        if not self.quantiles:
+            raise ValueError(f"{owner}: quantiles must not be empty.")
+        self.p = sketch_resolution(accuracy, owner)
+        self.accuracy = float(accuracy)
+        if isinstance(max_buckets, bool) or not isinstance(max_buckets, int) or max_buckets < 1:
+            raise ValueError(f"{owner}: max_buckets must be a positive int, got {max_buckets!r}.")
+        self.max_buckets = max_buckets
+        self.positive = _collapse({int(k): float(c) for k, c in (positive or {}).items() if c}, max_buckets)
+        self.negative = _collapse({int(k): float(c) for k, c in (negative or {}).items() if c}, max_buckets)
+        self.zero = float(zero)
+        self.nonfinite = float(nonfinite)
+
+    @classmethod
+    def from_values(
+        cls,
+        name: str,
+        values: Iterable[float],
+        *,
+        quantiles: Sequence[float] = (0.05, 0.5, 0.95),
+        accuracy: float = 0.01,
+        max_buckets: int = 2048,
+    ) -> QuantileSketch:
+        """The sketch of ``values``, built on the host (the buckets the device fold uses)."""
+        import numpy as np  # (numpy comes with torch; imported here to keep this module light)
+
+        out = cls(name, quantiles=quantiles, accuracy=accuracy, max_buckets=max_buckets)
+        x = np.asarray(list(values) if not hasattr(values, "__array__") else values, dtype=np.float64)
+        if not x.size:
+            return out
+        with np.errstate(over="ignore", invalid="ignore"):
+            bits = x.reshape(-1).astype(np.float32).view(np.int32)
+        p = out.p
+        magnitude = (bits & 0x7FFFFFFF) >> (_F32_MANTISSA - p)
+        low, high = sketch_key_range(p)
+        finite = magnitude < (255 << p)
+        zero = magnitude == 0
+        keys = np.clip(magnitude, low, high - 1)
+        positive = finite & ~zero & (bits > 0)
+        negative = finite & ~zero & (bits < 0)
+        for store, chosen in ((out.positive, positive), (out.negative, negative)):
+            found, counts = np.unique(keys[chosen], return_counts=True)
+            store.update(zip(found.tolist(), map(float, counts.tolist())))
+        out.positive = _collapse(out.positive, max_buckets)
+        out.negative = _collapse(out.negative, max_buckets)
+        out.zero = float(np.count_nonzero(zero))
+        out.nonfinite = float(np.count_nonzero(~finite))
+        return out
+
+    @property
+    def count(self) -> float:
+        """How many finite values the sketch holds."""
+        return math.fsum(self.positive.values()) + math.fsum(self.negative.values()) + self.zero
+
+    def merge(self, other: Partial) -> QuantileSketch:
+        """The sketch of the union of both operands' values: counts add, bucket by bucket."""
+        if (
+            not isinstance(other, QuantileSketch)
+            or other.name != self.name
+            or other.quantiles != self.quantiles
+            or other.accuracy != self.accuracy
+            or other.max_buckets != self.max_buckets
+        ):
+            raise ValueError(
+                f"cannot merge {self!r} with {other!r}: name, quantiles, accuracy and "
+                "max_buckets must agree."
+            )
+        out = object.__new__(QuantileSketch)
+        out.name, out.quantiles, out.accuracy = self.name, self.quantiles, self.accuracy
+        out.max_buckets, out.p = self.max_buckets, self.p
+        for side in ("positive", "negative"):
+            mine, theirs = getattr(self, side), getattr(other, side)
+            if len(theirs) > len(mine):
+                mine, theirs = theirs, mine
+            union = dict(mine)
+            for key, c in theirs.items():
+                union[key] = union.get(key, 0.0) + c
+            setattr(out, side, _collapse(union, self.max_buckets))
+        out.zero = self.zero + other.zero
+        out.nonfinite = self.nonfinite + other.nonfinite
+        return out
+
+    def quantile(self, q: float) -> float:
+        """The reported lower ``q`` quantile (NaN when the sketch holds no finite value)."""
+        n = self.count
+        if not n:
+            return math.nan
+        rank = math.floor(q * (n - 1))  # 0-based, what numpy's method="lower" takes
+        seen = 0.0
+        for key in sorted(self.negative, reverse=True):  # the most negative first
+            seen += self.negative[key]
+            if seen > rank:
+                return -sketch_bucket_value(key, self.p)
+        seen += self.zero
+        if seen > rank:
+            return 0.0
+        for key in sorted(self.positive):
+            seen += self.positive[key]
+            if seen > rank:
+                return sketch_bucket_value(key, self.p)
+        return sketch_bucket_value(max(self.positive), self.p) if self.positive else 0.0
+
+    def finalize(self) -> dict[str, float]:
+        """``<name>_p<100 q>`` per quantile (none when empty), ``<name>_nonfinite`` when any."""
+        out: dict[str, float] = {}
+        if self.count:
+            for q in self.quantiles:
+                out[f"{self.name}_p{q * 100:g}"] = self.quantile(q)
+        if self.nonfinite:
+            out[f"{self.name}_nonfinite"] = self.nonfinite
+        return out
+
+    def metric_names(self) -> tuple[str, ...]:
+        """Every name :meth:`finalize` may report."""
+        return (*(f"{self.name}_p{q * 100:g}" for q in self.quantiles), f"{self.name}_nonfinite")
+
+    def __repr__(self) -> str:
+        return (
+            f"QuantileSketch({self.name!r}, quantiles={self.quantiles!r}, accuracy={self.accuracy!r}, "
+            f"count={self.count!r}, buckets={len(self.positive) + len(self.negative)})"
+        )

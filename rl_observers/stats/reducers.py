@@ -51,17 +51,20 @@ from rl_observers.stats.partials import (
     Count,
     Moments,
     Partial,
+    QuantileSketch,
     _chan,
     _check_name,
     _check_stats,
     _max,
     _min,
+    sketch_key_range,
 )
 
 __all__ = [
     "CountReducer",
     "MomentsGroupReducer",
     "MomentsReducer",
+    "QuantileReducer",
     "ReducerBank",
 ]
 
@@ -733,3 +736,242 @@ class ReducerBank:
             self._state.zero_()
         for reducer in self._reducers:
             reducer._reset()
+
+
+# Resolutions up to this many mantissa bits count values by their raw bit pattern
+# ([sign | exponent | p mantissa bits]: 2**(9 + p) slots, 256 KiB at 1 %), mapped to buckets
+# at the pull; finer ones compute each value's bucket over the sketch's exponent range.
+_RAW_BITS = 10
+_I32 = torch.int32
+
+
+class QuantileReducer:
+    """Folds tensors into a :class:`~rl_observers.stats.QuantileSketch` on their device.
+
+    The counts live in one ``float64`` buffer on the device of the first
+    tensor folded. At the default resolutions (accuracy down to about
+    0.05 %), a fold converts its values to float32 and counts each under its
+    ``[sign | exponent | p leading mantissa bits]`` pattern (a shift, a mask
+    and an ``index_add_``: ``2**(9 + p)`` slots, 32,768 at 1 %); :meth:`pull`
+    maps the patterns to the sketch's buckets (zeros, non-finite values,
+    the exponent range) on the host. Finer resolutions compute each value's
+    bucket on the device instead (``2 * 128 * 2**p`` slots). Tensor
+    operations only, no host read: folding never waits for the device. Small
+    unmasked folds (up to 2048 values) are staged like a
+    :class:`MomentsReducer`'s, copied next to the previous folds of their
+    size and counted 16 at a time, so such a fold costs about one copy.
+    :meth:`pull` moves the buffer to the host in one transfer, keeps its
+    non-zero slots and resets it. Unlike the reducers of a
+    :class:`ReducerBank` it owns its buffer (the bank's state reaches the
+    host as a list; thousands of slots would cost more there).
+
+    Args:
+        name (str): the sketch's name.
+
+    Keyword Args:
+        quantiles, accuracy, max_buckets: as for
+            :class:`~rl_observers.stats.QuantileSketch` (validated here).
+
+    Examples:
+        >>> import torch
+        >>> from rl_observers.stats import QuantileReducer
+        >>> ages = QuantileReducer("age", quantiles=(0.5, 0.9))
+        >>> ages.fold(torch.arange(1.0, 101.0))
+        >>> ages.fold(torch.tensor([5.0, 1e9]), mask=torch.tensor([True, False]))
+        >>> {k: round(v, 1) for k, v in ages.pull().finalize().items()}  # true: 50 and 90
+        {'age_p50': 50.2, 'age_p90': 90.5}
+        >>> ages.pull().finalize()  # the window was reset
+        {}
+    """
+
+    __slots__ = ("_empty", "_raw", "_buffer", "_ones", "_stage", "_stage_slots", "_staged")
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        quantiles: Sequence[float] = (0.05, 0.5, 0.95),
+        accuracy: float = 0.01,
+        max_buckets: int = 2048,
+    ) -> None:
+        self._empty = QuantileSketch(
+            name, quantiles=quantiles, accuracy=accuracy, max_buckets=max_buckets
+        )
+        self._raw = self._empty.p <= _RAW_BITS
+        self._buffer: torch.Tensor | None = None
+        self._ones: torch.Tensor | None = None
+        self._stage: torch.Tensor | None = None  # [folds, N] float32
+        self._stage_slots: tuple[torch.Tensor, ...] | None = None
+        self._staged = 0
+
+    @property
+    def name(self) -> str:
+        """The sketch's name."""
+        return self._empty.name
+
+    def empty(self) -> QuantileSketch:
+        """The empty sketch (no transfer)."""
+        return self._empty
+
+    def _slot_count(self) -> int:
+        p = self._empty.p
+        if self._raw:
+            return 1 << (9 + p)
+        low, high = sketch_key_range(p)
+        return 2 * (high - low) + 2
+
+    def __getstate__(self) -> dict[str, Any]:
+        self._flush()
+        return {"_empty": self._empty, "_raw": self._raw, "_buffer": self._buffer}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._ones = self._stage = self._stage_slots = None
+        self._staged = 0
+        for name, value in state.items():
+            setattr(self, name, value)
+
+    def fold(self, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Counts ``values`` (those where ``mask`` is true) in their buckets, on their device.
+
+        Args:
+            values (torch.Tensor): any shape and real dtype.
+            mask (torch.Tensor, optional): boolean, broadcastable to
+                ``values``. Defaults to ``None`` (all entries count).
+
+        Raises:
+            TypeError: if ``values`` is complex.
+        """
+        if values.is_complex():
+            raise _complex(f"QuantileReducer({self._empty.name!r})", values)
+        n = values.numel()
+        if n == 0:
+            return
+        if values.requires_grad:
+            values = values.detach()
+        buffer = self._buffer
+        if buffer is None:
+            buffer = self._buffer = torch.zeros(
+                self._slot_count(), dtype=_F64, device=values.device
+            )
+        if mask is None:
+            slots = self._stage_slots
+            if slots is not None:
+                if slots[0].shape[0] == n:
+                    slot = self._staged
+                    slots[slot].copy_(values.reshape(-1))
+                    slot += 1
+                    self._staged = slot
+                    if slot == len(slots):
+                        self._flush()
+                    return
+                self._flush()
+                self._stage = self._stage_slots = None
+            if n <= _STAGE_ENTRIES:
+                self._stage = torch.empty(
+                    (_STAGE_FOLDS, n), dtype=torch.float32, device=buffer.device
+                )
+                self._stage_slots = self._stage.unbind(0)
+                self.fold(values)
+                return
+            self._count(values.reshape(-1), None)
+            return
+        if mask.shape != values.shape:
+            values, mask = torch.broadcast_tensors(values, mask)
+        self._count(values.reshape(-1), mask.reshape(-1))
+
+    def _flush(self) -> None:
+        """Counts the staged folds."""
+        staged = self._staged
+        if staged:
+            self._staged = 0
+            self._count(self._stage[:staged].reshape(-1), None)  # type: ignore[index]
+
+    def _count(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """Adds the values of ``x`` (1-D; those where ``mask`` is true) to their slots."""
+        buffer = self._buffer
+        device = buffer.device  # type: ignore[union-attr]
+        if x.dtype is not torch.float32 or x.device != device:
+            x = x.to(device, torch.float32)
+        p = self._empty.p
+        bits = x.view(_I32) >> (23 - p)  # sign, exponent and p mantissa bits (sign-extended)
+        if self._raw:
+            slots = bits.bitwise_and_((1 << (9 + p)) - 1)
+        else:
+            slots = self._slots(bits)
+        if mask is None:
+            ones = self._ones
+            n = x.numel()
+            if ones is None or ones.numel() < n or ones.device != device:
+                ones = self._ones = torch.ones(max(n, 1024), dtype=_F64, device=device)
+            weights = ones[:n]
+        else:
+            weights = mask.to(device, _F64)
+        buffer.index_add_(0, slots, weights)  # type: ignore[union-attr]
+
+    def _slots(self, bits: torch.Tensor) -> torch.Tensor:
+        """Each value's bucket slot, computed (for resolutions whose raw slots would be many)."""
+        p = self._empty.p
+        low, high = sketch_key_range(p)
+        width = high - low
+        magnitude = bits & ((1 << (8 + p)) - 1)
+        slots = magnitude.clamp(low, high - 1) - low
+        slots = torch.where(bits < 0, slots + width, slots)
+        slots = torch.where(magnitude == 0, 2 * width, slots)
+        return torch.where(magnitude >= 255 << p, 2 * width + 1, slots)
+
+    def pull(self) -> QuantileSketch:
+        """Closes the window: one device-to-host transfer, then a reset on the device."""
+        buffer = self._buffer
+        empty = self._empty
+        if buffer is None:
+            return empty
+        self._flush()
+        host = buffer.cpu()  # the one transfer (and sync) of a window; the buffer itself on CPU
+        found = host.nonzero().reshape(-1)
+        counts = host[found].tolist()
+        slots = found.tolist()
+        buffer.zero_()
+        p = empty.p
+        low, high = sketch_key_range(p)
+        positive: dict[int, float] = {}
+        negative: dict[int, float] = {}
+        zero = nonfinite = 0.0
+        if self._raw:
+            sign_bit, magnitudes, infinite = 1 << (8 + p), (1 << (8 + p)) - 1, 255 << p
+            for slot, c in zip(slots, counts):
+                magnitude = slot & magnitudes
+                if not magnitude:
+                    zero += c
+                elif magnitude >= infinite:
+                    nonfinite += c
+                else:
+                    store = negative if slot & sign_bit else positive
+                    key = low if magnitude < low else high - 1 if magnitude >= high else magnitude
+                    store[key] = store.get(key, 0.0) + c
+        else:
+            width = high - low
+            for slot, c in zip(slots, counts):
+                if slot < width:
+                    positive[low + slot] = c
+                elif slot < 2 * width:
+                    negative[low + slot - width] = c
+                elif slot == 2 * width:
+                    zero = c
+                else:
+                    nonfinite = c
+        return QuantileSketch(
+            empty.name,
+            quantiles=empty.quantiles,
+            accuracy=empty.accuracy,
+            max_buckets=empty.max_buckets,
+            positive=positive,
+            negative=negative,
+            zero=zero,
+            nonfinite=nonfinite,
+        )
+
+    def reset(self) -> None:
+        """Drops the current window without reading it."""
+        self._staged = 0
+        if self._buffer is not None:
+            self._buffer.zero_()
