@@ -153,6 +153,18 @@ class WriteMetrics(MetricSet):
     def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
         """Counts the items written and folds their rewards (skipped items are left out)."""
         with self._lock:
+            if (
+                self._reward is None
+                and self._skips is False
+                and type(index) is torch.Tensor
+                and index.ndim == 1
+                and index.dtype is torch.int64
+            ):  # the usual count-only write: one slot per item, every item stored
+                values = self._counters.values
+                values["writes"] += 1
+                values["items_written"] += index.shape[0]
+                self._last_write = time.monotonic()
+                return
             ring = self._ring
             if ring and source.__dict__.get("shared"):  # other processes write too: see the class
                 self._fold_range()
