@@ -377,7 +377,9 @@ class SampleMetrics(MetricSet):
         ages = slots.numpy()
         for (start, cursor), (end, _) in zip(runs, [*runs[1:], (ages.size, 0)]):
             np.subtract(cursor - 1, ages[start:end], out=ages[start:end])
-        np.remainder(ages, capacity, out=ages)
+        # ``% capacity`` for a slot and a cursor inside the storage (cursor - 1 - slot lies in
+        # [-capacity, capacity - 2]): one conditional add, ~5x cheaper than an integer modulo.
+        np.add(ages, capacity, out=ages, where=ages < 0)
         if [t._version for t in staged] != versions:  # changed in place since sampled
             self._ring_copy = True  # copied from now on; the changed ones are left out
             keep = np.repeat(
@@ -387,7 +389,11 @@ class SampleMetrics(MetricSet):
             if not ages.size:
                 return
         tally = self._age_tally
-        count, total, low, high = ages.size, int(ages.sum()), int(ages.min()), int(ages.max())
+        low, high = int(ages.min()), int(ages.max())
+        if low < 0 or high >= capacity:  # a slot or a cursor outside the storage: the modulo
+            np.remainder(ages, capacity, out=ages)
+            low, high = int(ages.min()), int(ages.max())
+        count, total = ages.size, int(ages.sum())
         if tally[0]:
             count, total = tally[0] + count, tally[1] + total
             low, high = min(low, tally[2]), max(high, tally[3])
