@@ -260,3 +260,34 @@ def test_a_large_write_after_an_unobserved_cursor_move_folds_the_pending_rows_it
     channel.close(10)
     assert window["reward"].count == 90
     assert window["reward"].finalize()["reward_mean"] == pytest.approx((10 + 150) / 90)
+
+
+def test_ages_and_rewards_follow_a_writer_whose_shared_cursor_was_replaced():
+    # The sets keep the writer's shared cursor cell between events; a writer given a new one
+    # (as torchrl's writer gets when unpickled) is read from its new cell from then on.
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(64))
+    samples = SampleMetrics()
+    writes = WriteMetrics(reward_key="r")
+    channel = _observed(rb, writes, samples)
+
+    def write(value: float) -> None:
+        rb.extend(TensorDict({"r": torch.full((4,), value)}, [4]))
+
+    def sampled_ages() -> list[int]:
+        _, info = rb.sample(8, return_info=True)
+        return (rb._writer._cursor - 1 - info["index"]).remainder(64).tolist()
+
+    write(1.0)
+    expected = sampled_ages()
+    writer = rb._writer
+    writer._cursor_value = multiprocessing.Value("i", writer._cursor)  # a new shared cell
+    write(2.0)  # rows 4-7, from the new cell
+    expected += sampled_ages()
+    window = samples.pull()
+    rewards = writes.pull()["reward"]
+    channel.close(10)
+    ages = window["sample_age"].finalize()
+    assert ages["sample_age_mean"] == pytest.approx(sum(expected) / len(expected))
+    assert (ages["sample_age_min"], ages["sample_age_max"]) == (min(expected), max(expected))
+    assert rewards.count == 8
+    assert rewards.finalize()["reward_mean"] == pytest.approx(1.5)

@@ -89,6 +89,20 @@ def test_sample_age_over_many_samples_in_one_window():
     )
 
 
+@pytest.mark.parametrize("written", [8, 16, 9, 15])
+def test_sample_age_at_every_cursor_position_including_zero(written):
+    # Cursor 0 (the storage just filled): slot capacity - 1 is the newest item, age 0.
+    rb = ReplayBuffer(storage=LazyTensorStorage(8))
+    metrics = SampleMetrics()
+    data = torch.arange(written)
+    metrics.on_post_extend(rb, data, rb.extend(data))
+    batch, info = rb.sample(64, return_info=True)
+    metrics.on_post_sample(rb, batch, info)
+    assert metrics.pull()["sample_age"].finalize() == pytest.approx(
+        _expected_ages(batch.tolist(), written)
+    )
+
+
 def test_sample_age_with_an_index_changed_in_place_after_sampling():
     # Sampled indices are kept until their ages are folded: a sampler that reuses its index
     # buffer must not change the ages of samples already taken.

@@ -16,6 +16,7 @@ import pickle
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from time import monotonic as _monotonic
 from typing import Any, Literal
 
 import cloudpickle
@@ -123,14 +124,18 @@ def _fold_event(event: str) -> Callable[..., None]:
         self._fresh = True  # again: an emission from another thread may have pulled meanwhile
         if self._failing_sets:
             self._recovered(event)
-        read = self._read_schedule_counter
-        if read is not None and self._mode == "local" and (self._emitted or not self.log_on_start):
-            counter = read()
-            clock = self._clock
-            last = clock.last_counter
-            if last is not None and last <= counter < clock.next_threshold:
-                clock.last_counter = counter  # one attribute store: no lock
-                return
+        if self._mode == "local" and (self._emitted or not self.log_on_start):
+            read = self._read_schedule_counter
+            if read is not None:
+                counter = read()
+                clock = self._clock
+                last = clock.last_counter
+                if last is not None and last <= counter < clock.next_threshold:
+                    clock.last_counter = counter  # one attribute store: no lock
+                    return
+            elif self._schedule_seconds is not None:  # a seconds schedule: one clock read
+                if _monotonic() - self._clock.last_time < self._schedule_seconds:
+                    return
         self._after()
 
     on_event.__name__ = where
@@ -336,6 +341,7 @@ class LoggerObserver(Contributor, Observer):
         self._post_extend_folds: tuple[Any, ...] = ()
         self._post_sample_folds: tuple[Any, ...] = ()
         self._read_schedule_counter: Callable[[], Any] | None = None
+        self._schedule_seconds: float | None = None  # a seconds schedule's interval
         self._source: weakref.ref[Any] | None = None
         self._fresh = False  # data folded since the last emission
         self._emitted = False
@@ -479,6 +485,10 @@ class LoggerObserver(Contributor, Observer):
         self._post_extend_folds = folds["post_extend"]
         self._post_sample_folds = folds["post_sample"]
         self._read_schedule_counter = self._schedule_counter_reader()
+        schedule = self.schedule
+        self._schedule_seconds = (
+            float(schedule.interval) if schedule is not None and schedule.kind == "seconds" else None
+        )
 
     def _schedule_counter_reader(self) -> Callable[[], Any] | None:
         """A call reading the counter schedule's counter as ``_counters()`` would, or ``None``.

@@ -20,7 +20,6 @@ from rl_observers.metrics.keys import (
     storage_device,
     storage_of,
     stored_slots,
-    writer_cursor,
     writer_may_skip,
 )
 from rl_observers.stats import Moments, Partial
@@ -153,7 +152,7 @@ class SampleMetrics(MetricSet):
     counter_names = ("sample_calls", "samples_returned")
     #: Gauges that are not cumulative counters: merged across workers by keeping the newest.
     latest_gauges: tuple[str, ...] = ("batch_size",)
-    _transient = ("_sampled", "_ring", "_ring_slots", "_ring_block")
+    _transient = ("_sampled", "_ring", "_ring_slots", "_ring_block", "_cursor_shared", "_cursor_cell")
     _lock_folds = False  # writes take the lock only when ages are on
 
     def __init__(
@@ -200,6 +199,9 @@ class SampleMetrics(MetricSet):
         self._ring_block: torch.Tensor | None = None  # where the fold gathers them
         self._ring_copy = False  # a sampler changed its index in place: copy it
         self._age_tally: tuple[int, int, int, int] = _NO_AGES
+        # The writer's shared cursor value last read and its lock-free cell (see _cursor_from).
+        self._cursor_shared: Any = None
+        self._cursor_cell: Any = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(priority_weight={self.priority_weight}, age={self.age})"
@@ -309,8 +311,27 @@ class SampleMetrics(MetricSet):
             if ring is None:
                 ring = self._ring_of(source)
             if ring:
-                cursor = getattr(ring[0], "_cursor_value", None)  # writer_cursor(), inlined for a plain int
-                self._stage_ring(slots, cursor if type(cursor) is int else writer_cursor(ring[0]))
+                # writer_cursor(), inlined: a plain int, or the shared value's cell read lock-free
+                value = getattr(ring[0], "_cursor_value", None)
+                if value is self._cursor_shared and value is not None:
+                    cursor = self._cursor_cell.value
+                elif type(value) is int:
+                    cursor = value
+                else:
+                    cursor = self._cursor_from(value)
+                staged = self._ring_slots
+                if staged and slots.is_cpu and staged[-1].is_cpu and not self._ring_copy:
+                    # _stage_ring's CPU path, inlined: keep the index, note a cursor that moved
+                    runs = self._ring_runs
+                    if runs[-1][1] != cursor:
+                        runs.append((self._ring_entries, cursor))
+                    staged.append(slots)
+                    self._ring_versions.append(slots._version)
+                    self._ring_entries += n
+                    if len(staged) >= _CURSOR_SAMPLES or self._ring_entries >= _CURSOR_ENTRIES:
+                        self._fold_ring()
+                else:
+                    self._stage_ring(slots, cursor)
                 return
             stamps = self._stamps
             if stamps is not None:
@@ -323,6 +344,14 @@ class SampleMetrics(MetricSet):
                     stamp = stamps.index_select(0, slots.clamp(0, size - 1))
                     valid = (stamp > 0) & (slots < size)
                     self._ages.fold(self._written - stamp, valid)
+
+    def _cursor_from(self, value: Any) -> int:
+        """The cursor held in a writer's shared ``_cursor_value``; its cell is kept for the next read."""
+        get_obj = getattr(value, "get_obj", None)
+        if value is None or get_obj is None:
+            return 0 if value is None else value.value
+        self._cursor_shared, self._cursor_cell = value, get_obj()
+        return self._cursor_cell.value
 
     def _stage_ring(self, slots: torch.Tensor, cursor: int) -> None:
         """Keeps a sample's slots and the writer's cursor; their ages are folded together.
@@ -386,7 +415,9 @@ class SampleMetrics(MetricSet):
         ages = slots.numpy()
         for (start, cursor), (end, _) in zip(runs, [*runs[1:], (ages.size, 0)]):
             np.subtract(cursor - 1, ages[start:end], out=ages[start:end])
-        np.remainder(ages, capacity, out=ages)
+        # ``% capacity`` for a slot and a cursor inside the storage (cursor - 1 - slot lies in
+        # [-capacity, capacity - 2]): one conditional add, ~5x cheaper than an integer modulo.
+        np.add(ages, capacity, out=ages, where=ages < 0)
         if [t._version for t in staged] != versions:  # changed in place since sampled
             self._ring_copy = True  # copied from now on; the changed ones are left out
             keep = np.repeat(
@@ -398,7 +429,11 @@ class SampleMetrics(MetricSet):
         if self._age_quantiles is not None:  # (the moments of these ages are tallied on the host)
             self._age_quantiles.fold(torch.from_numpy(ages))
         tally = self._age_tally
-        count, total, low, high = ages.size, int(ages.sum()), int(ages.min()), int(ages.max())
+        low, high = int(ages.min()), int(ages.max())
+        if low < 0 or high >= capacity:  # a slot or a cursor outside the storage: the modulo
+            np.remainder(ages, capacity, out=ages)
+            low, high = int(ages.min()), int(ages.max())
+        count, total = ages.size, int(ages.sum())
         if tally[0]:
             count, total = tally[0] + count, tally[1] + total
             low, high = min(low, tally[2]), max(high, tally[3])

@@ -110,7 +110,7 @@ class WriteMetrics(MetricSet):
 
     counter_names = ("writes", "items_written")
     _lock_folds = False  # each write takes the lock itself
-    _transient = ("_ring",)
+    _transient = ("_ring", "_cursor_shared", "_cursor_cell")
 
     def __init__(
         self,
@@ -130,6 +130,9 @@ class WriteMetrics(MetricSet):
         self._ring: tuple[Any, Any, int] | bool | None = None
         self._range_start = 0  # first slot of the rows written and not folded yet
         self._range_len = 0
+        # The writer's shared cursor value last read and its lock-free cell (see _cursor_from).
+        self._cursor_shared: Any = None
+        self._cursor_cell: Any = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(reward_key={self.reward_key!r})"
@@ -150,6 +153,18 @@ class WriteMetrics(MetricSet):
     def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
         """Counts the items written and folds their rewards (skipped items are left out)."""
         with self._lock:
+            if (
+                self._reward is None
+                and self._skips is False
+                and type(index) is torch.Tensor
+                and index.ndim == 1
+                and index.dtype is torch.int64
+            ):  # the usual count-only write: one slot per item, every item stored
+                values = self._counters.values
+                values["writes"] += 1
+                values["items_written"] += index.shape[0]
+                self._last_write = time.monotonic()
+                return
             ring = self._ring
             if ring and source.__dict__.get("shared"):  # other processes write too: see the class
                 self._fold_range()
@@ -158,7 +173,15 @@ class WriteMetrics(MetricSet):
                 n = index.shape[0]
                 capacity = ring[2]
                 if 4 * n <= capacity:
-                    self._extend_range(n, writer_cursor(ring[0]), capacity)
+                    # writer_cursor(), inlined: the shared value's cell read lock-free, or an int
+                    value = getattr(ring[0], "_cursor_value", None)
+                    if value is self._cursor_shared and value is not None:
+                        cursor = self._cursor_cell.value
+                    elif type(value) is int:
+                        cursor = value
+                    else:
+                        cursor = self._cursor_from(value)
+                    self._extend_range(n, cursor, capacity)
                     return
             if ring is not False:
                 written = _written_rows(index, data)
@@ -175,6 +198,14 @@ class WriteMetrics(MetricSet):
             self._write(data, leading_size(data) if slots is None else slots.numel(), stored)
             if ring is None:
                 self._ring = self._ring_of(source, data)
+
+    def _cursor_from(self, value: Any) -> int:
+        """The cursor held in a writer's shared ``_cursor_value``; its cell is kept for the next read."""
+        get_obj = getattr(value, "get_obj", None)
+        if value is None or get_obj is None:
+            return 0 if value is None else value.value
+        self._cursor_shared, self._cursor_cell = value, get_obj()
+        return self._cursor_cell.value
 
     def on_empty(self, source: Any) -> None:
         """Folds the pending rows (the storage keeps them until they are written again)."""
