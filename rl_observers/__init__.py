@@ -46,17 +46,6 @@ from rl_observers.profiler import ProfilerObserver
 from rl_observers.profiler import install_profiling as _install_profiling
 from rl_observers.sources import install as _install
 from rl_observers.sources.placement import SourceInfo, source_info
-from rl_observers.stats import (
-    BinCounts,
-    Count,
-    Fraction,
-    LatestWindow,
-    Moments,
-    Partial,
-    PerSecond,
-    ReducerBank,
-    Scalar,
-)
 
 _install()
 _install_attach_logger()
@@ -65,45 +54,42 @@ _install_profiling()
 __version__ = "0.1.0"
 
 __all__ = [
+    # observers
     "ON_ERROR_POLICIES",
-    "BinCounts",
-    "CollectorBatchMetrics",
-    "Count",
-    "CountTrue",
-    "Every",
-    "Fraction",
-    "Gauge",
-    "Histogram",
-    "LoggerObserver",
-    "Max",
-    "Mean",
-    "Metric",
-    "MetricSet",
-    "MetricsChannel",
-    "MetricsHandle",
-    "LatestWindow",
-    "Min",
-    "Moments",
     "Observer",
     "ObserverHandle",
     "OnError",
-    "Partial",
-    "PerSecond",
-    "PolicyLag",
+    "LoggerObserver",
     "ProfilerObserver",
+    # metric sets
+    "CollectorBatchMetrics",
+    "MetricSet",
+    "SampleMetrics",
+    "StatsProvider",
+    "WriteMetrics",
+    "default_metrics",
+    # one-liners
+    "CountTrue",
+    "Gauge",
+    "Histogram",
+    "Max",
+    "Mean",
+    "Metric",
+    "Min",
+    "PolicyLag",
     "Quantiles",
     "Rate",
     "Ratio",
-    "ReducerBank",
-    "SampleMetrics",
-    "Scalar",
-    "SourceInfo",
-    "StatsProvider",
     "Sum",
     "Summary",
-    "WriteMetrics",
-    "default_metrics",
+    # channel
+    "MetricsChannel",
+    "MetricsHandle",
+    # schedule
+    "Every",
     "default_schedule",
+    # where a source runs, and its events
+    "SourceInfo",
     "signals",
     "source_info",
 ]

@@ -300,7 +300,7 @@ def test_dropping_an_entry_counts_every_payload_merged_into_it():
 def test_payloads_logged_plus_dropped_equal_those_submitted_under_a_flood():
     import random
 
-    from rl_observers import Count
+    from rl_observers.stats import Count
 
     logger = RecordingLogger()
     channel = sync_channel(logger, capacity=3)

@@ -11,7 +11,7 @@ delivered (:func:`expand`).
 
 Examples:
     >>> from rl_observers.channel.payload import coalesce, expand
-    >>> from rl_observers import Count
+    >>> from rl_observers.stats import Count
     >>> pending = {"dones": Count("dones", 2), "lr": 0.1}
     >>> coalesce(pending, {"dones": Count("dones", 1), "lr": 0.2}) is None
     True

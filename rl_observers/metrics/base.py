@@ -65,7 +65,7 @@ class MetricSet:
       and a pull from another thread never interleave;
     * **the reducers**: :meth:`moments`, :meth:`count` and
       :meth:`moments_group` return the reducer of a name, created in the
-      set's :class:`~rl_observers.ReducerBank` on first use, so a set may
+      set's :class:`~rl_observers.stats.ReducerBank` on first use, so a set may
       create them in ``__init__`` or where it folds;
     * **the counters** named in :attr:`counter_names`, cumulative host ints
       advanced with :meth:`add_to_counter` (a host number, or a device

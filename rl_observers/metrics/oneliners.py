@@ -18,7 +18,7 @@ windows and workers:
   and :class:`Gauge` (``merge="latest"``, ``"mean"``, ``"max"``, ``"min"``
   or ``"sum"``) log ``name`` (a :class:`~rl_observers.stats.Scalar`);
 * :class:`Summary` logs ``name_mean``, ``name_std``, ``name_min``,
-  ``name_max`` (exact moments, a :class:`~rl_observers.Moments`);
+  ``name_max`` (exact moments, a :class:`~rl_observers.stats.Moments`);
 * :class:`CountTrue` logs the number of true entries (a sum);
 * :class:`Ratio` logs a fraction whose numerator and denominator are summed
   (a :class:`~rl_observers.stats.Fraction`);
@@ -400,7 +400,7 @@ class Summary(Metric):
 
     Logs ``<name>_mean``, ``<name>_std``, ``<name>_min``, ``<name>_max`` (or
     the ``stats`` chosen, among ``count``, ``mean``, ``std``, ``var``,
-    ``min``, ``max``); merges like :class:`~rl_observers.Moments`, whose
+    ``min``, ``max``); merges like :class:`~rl_observers.stats.Moments`, whose
     partial it submits.
 
     Examples:
@@ -457,7 +457,7 @@ class CountTrue(Metric):
     A tensor counts its true entries (on its device); a Python or numpy
     number (``bool`` included) counts one if it is non-zero, and anything
     else (a ``str``, a list) is refused rather than counted by its
-    truthiness. Submitted as a :class:`~rl_observers.Count`.
+    truthiness. Submitted as a :class:`~rl_observers.stats.Count`.
 
     Examples:
         >>> import torch
