@@ -24,7 +24,12 @@ from torchrl.collectors import BaseCollector
 from torchrl.record.loggers.monitoring import Every
 
 from rl_observers.channel import MetricsChannel
-from rl_observers.logging.aggregate import finish_aggregate, has_aggregate
+from rl_observers.logging.aggregate import (
+    aggregate_state,
+    finish_aggregate,
+    has_aggregate,
+    load_aggregate_state,
+)
 from rl_observers.logging.contributions import LIVE, Contributor
 from rl_observers.logging.defaults import (
     DEFAULT_NAMES,
@@ -34,6 +39,14 @@ from rl_observers.logging.defaults import (
     default_metrics,
     default_schedule,
     target_kind,
+)
+from rl_observers.logging.resume import (
+    AXIS_COUNTERS,
+    STATE_VERSION,
+    describe,
+    misfit,
+    shift_counters,
+    source_axis,
 )
 from rl_observers.logging.schedule import ScheduleClock
 from rl_observers.metrics import CollectorBatchMetrics, MetricSet, SampleMetrics, WriteMetrics
@@ -112,8 +125,9 @@ def _fold_event(event: str) -> Callable[..., None]:
     where = f"on_{event}"
 
     def on_event(self: LoggerObserver, source: Any, *payload: Any) -> None:
-        if self._mode is None:
-            self._resolve_mode(source)
+        if self._mode is None:  # the first event since attached, forked or loaded
+            self._first_event(event, source, payload)
+            return
         self._fresh = True  # before folding: a window closed meanwhile is not skipped
         for position, fold in getattr(self, folds_of):
             try:
@@ -347,6 +361,10 @@ class LoggerObserver(Contributor, Observer):
         self._worker: Any = None
         self._last_report = 0.0
         self._last_report_counter = 0.0
+        self._align_pending = False  # line the counters up with the source's at the next event
+        self._last_step: int | None = None  # the last step submitted: steps never go backwards
+        self._pending_state: Mapping[str, Any] | None = None  # loaded before attaching
+        self._has_copies = False  # copies run elsewhere: the aggregate at the owner is the state
         LIVE.add(self)
 
     # -- wiring, resolved once when attached ------------------------------------------------
@@ -373,6 +391,8 @@ class LoggerObserver(Contributor, Observer):
             )
         self._bind(source)
         self._source = weakref.ref(source)
+        self._align_pending = True
+        self._mode = None  # resolved (and the counters lined up) at the next event
         observers = observers_of(source)
         for entry in observers.entries if observers is not None else ():
             if entry.observer is self:  # add_observer(..., on_error=) overrides the observer's own
@@ -381,6 +401,9 @@ class LoggerObserver(Contributor, Observer):
             channel = self._channel()
             if channel is not None:
                 channel.add_close_callback(self._close_window)
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self.load_state_dict(state)
 
     def detached(self, source: Any) -> None:
         try:
@@ -405,6 +428,7 @@ class LoggerObserver(Contributor, Observer):
                 'counter name instead, e.g. step="frames".'
             )
         self._bind(target)
+        self._has_copies = True
         channel = self._channel()
         if channel is not None:  # closing the channel before the copies are gone loses their windows
             channel.copies_attached(self, f"LoggerObserver {self.name!r} on a {type(target).__name__}")
@@ -492,6 +516,50 @@ class LoggerObserver(Contributor, Observer):
             if schedule.key in metric_set.counters():
                 return metric_set._counter_reader(schedule.key)
         return None
+
+    def _first_event(self, event: str, source: Any, payload: tuple[Any, ...]) -> None:
+        """The first event since attached, forked or loaded: the mode, then the source's axis.
+
+        Folds like :func:`_fold_event`; a local observer then lines its
+        counters up with the source's (:mod:`~rl_observers.logging.resume`).
+        """
+        self._resolve_mode(source)
+        align = self._align_pending and self._mode == "local"
+        self._align_pending = False
+        before = self._counters() if align else None
+        self._fresh = True
+        for position, fold in getattr(self, f"_{event}_folds"):
+            try:
+                fold(source, *payload)
+            except Exception as err:
+                self._set_failed(position, err, f"on_{event}")
+        self._fresh = True
+        if self._failing_sets:
+            self._recovered(event)
+        if before is not None:
+            self._align(source, before)
+        self._after()
+
+    def _align(self, source: Any, before: Mapping[str, float]) -> None:
+        """Moves counters below the source's own (restored, or counted before attaching) up to it."""
+        axis = source_axis(source)
+        if axis is None:
+            return
+        schedule = self.schedule
+        key = schedule.key if schedule is not None and schedule.kind == "counter" else None
+        with self._lock:
+            counters = self._counters()
+            for counter, value in axis.items():
+                ours = counters.get(counter)
+                if ours is None or value <= ours:
+                    continue  # the observer's own count is ahead (its saved state): steps go on
+                names = AXIS_COUNTERS[counter]
+                offset = int(value - ours)
+                shift_counters(self._sets or (), names, offset)
+                if key in names:  # the threshold the source's axis had before this event
+                    prior = before.get(key, 0) + offset
+                    if self._clock.last_counter is None or prior > self._clock.last_counter:
+                        self._clock.rebase(prior)
 
     def _set_failed(self, index: int, error: Exception, where: str) -> None:
         """One metric set raised: the policy applies to it alone; the other sets go on."""
@@ -624,6 +692,11 @@ class LoggerObserver(Contributor, Observer):
             step = self._step_fn()
         else:
             step = counters.get(self.step_key) if self.step_key else None
+            if step is not None:  # a counter step: never below the namespace's last one
+                step = int(step)
+                if self._last_step is not None and step < self._last_step:
+                    step = self._last_step
+                self._last_step = step
         payload = self._pull()
         self._clock.fired()
         self._emitted = True
@@ -683,25 +756,111 @@ class LoggerObserver(Contributor, Observer):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """Metric-set state (in-flight episodes, counters) and the schedule's baseline."""
+        """What a resumed run needs to go on where this one stopped.
+
+        The metric sets' state (lifetime counters such as ``episodes``,
+        ``items_written``, ``sample_calls``, ``samples_returned``; rolling
+        episode windows; the running sums of episodes in flight), the
+        schedule's baseline and the last step logged. For a source whose
+        copies run elsewhere (multiprocessing workers, Ray actors), the
+        aggregate kept by the channel's owner. A
+        :class:`~torchrl.checkpoint.Checkpoint` component in one line:
+        ``Checkpoint(..., observers=observer)``.
+
+        Examples:
+            >>> import torch
+            >>> import rl_observers
+            >>> import tempfile
+            >>> from rl_observers import LoggerObserver, MetricsChannel
+            >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
+            >>> from torchrl.record import CSVLogger
+            >>> logger = CSVLogger(exp_name="resume", log_dir=tempfile.mkdtemp())
+            >>> rb = ReplayBuffer(storage=LazyTensorStorage(100))
+            >>> observer = LoggerObserver(MetricsChannel(logger, background=False))
+            >>> handle = rb.add_observer(observer)
+            >>> _ = rb.extend(torch.arange(10)); _ = rb.sample(4)
+            >>> state = observer.state_dict()
+            >>> again = ReplayBuffer(storage=LazyTensorStorage(100))
+            >>> other = CSVLogger(exp_name="resumed", log_dir=tempfile.mkdtemp())
+            >>> resumed = LoggerObserver(MetricsChannel(other, background=False))
+            >>> handle = again.add_observer(resumed)
+            >>> resumed.load_state_dict(state)
+            >>> resumed.stats()["sample_calls"], resumed.stats()["items_written"]
+            (1, 10)
+        """
         with self._lock:
-            return {
-                "metrics": [m.state_dict() for m in self._sets or ()],
-                "schedule": self._clock.state_dict(),
+            sets = self._sets or ()
+            state: dict[str, Any] = {
+                "version": STATE_VERSION,
+                **describe(self.name, self._kind(), self.scope, sets),
+                "schedule": self._schedule_spec(),
+                "metrics": [m.state_dict() for m in sets],
+                "clock": self._clock.state_dict(),
+                "last_step": self._last_step,
             }
+        if self._has_copies:
+            state["aggregate"] = aggregate_state(self._channel(), self.name or "")
+        return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restores :meth:`state_dict`; call after attaching (metric sets exist then)."""
-        states = state_dict["metrics"]
-        sets = self._sets or ()
-        if len(states) != len(sets):
+        """Restores :meth:`state_dict`: counters, windows and steps go on from there.
+
+        Call it before or after attaching (before, it applies when
+        attached). A state that does not fit this observer (another
+        namespace, kind of source, scope or list of metric sets) is refused
+        with a message naming the difference. Counters follow the source's
+        own at the next event (see :mod:`~rl_observers.logging.resume`); a
+        state saved further than what it replaces never makes steps go
+        backwards.
+
+        Raises:
+            ValueError: the state does not fit this observer.
+        """
+        if self._sets is None:  # not attached yet: metric sets and name are resolved then
+            self._pending_state = state_dict
+            return
+        sets = self._sets
+        problem = misfit(state_dict, describe(self.name, self._kind(), self.scope, sets))
+        if problem is not None:
             raise ValueError(
-                f"state_dict holds {len(states)} metric sets, this observer has {len(sets)}."
+                f"LoggerObserver {self.name!r}: cannot load this state: {problem}. Load it "
+                "into an observer built like the one that saved it (same name=, scope= and "
+                "metrics=)."
             )
         with self._lock:
-            for metric_set, state in zip(sets, states):
+            for metric_set, state in zip(sets, state_dict["metrics"]):
                 metric_set.load_state_dict(state)
-            self._clock.load_state_dict(state_dict["schedule"])
+            if state_dict.get("schedule") == self._schedule_spec():
+                self._clock.load_state_dict(state_dict["clock"])
+            else:  # another schedule: its thresholds start from the restored counters
+                self._clock = ScheduleClock(self.schedule)
+                self._prime_clock()
+            saved_step = state_dict.get("last_step")
+            if saved_step is not None and (self._last_step is None or saved_step > self._last_step):
+                self._last_step = int(saved_step)
+            self._emitted = self._emitted or saved_step is not None
+            self._align_pending = True
+            self._mode = None
+        if state_dict.get("aggregate") is not None:
+            load_aggregate_state(self._channel(), self.name or "", state_dict["aggregate"])
+
+    def _kind(self) -> str:
+        source = self._source() if self._source is not None else None
+        if source is not None:
+            return target_kind(source)
+        names = {n for m in self._sets or () for n in m.counters()}
+        return "collector" if "frames" in names else "replay_buffer"
+
+    def _schedule_spec(self) -> list[Any] | None:
+        schedule = self.schedule
+        return None if schedule is None else [schedule.kind, float(schedule.interval), schedule.key]
+
+    def _prime_clock(self) -> None:
+        schedule = self.schedule
+        if schedule is not None and schedule.kind == "counter":
+            value = self._counters().get(schedule.key)
+            if value is not None:
+                self._clock.due(value)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
