@@ -115,13 +115,31 @@ class AggregateSpec:
         )
 
 
+def _plus(base: Mapping[str, float], values: Mapping[str, float]) -> dict[str, float]:
+    out = dict(base)
+    for key, value in values.items():
+        out[key] = out.get(key, 0) + value
+    return out
+
+
 class _Worker:
-    __slots__ = ("base", "clock", "counters", "fresh", "gauges", "label", "last_seen", "window")
+    __slots__ = (
+        "base",
+        "base_gauges",
+        "clock",
+        "counters",
+        "fresh",
+        "gauges",
+        "label",
+        "last_seen",
+        "window",
+    )
 
     def __init__(self, schedule: Every | None, label: str) -> None:
         self.label = label  # its rows' namespace suffix: worker_<index>
         self.clock = ScheduleClock(schedule)
         self.base: dict[str, float] = {}  # where a resumed run's worker started counting
+        self.base_gauges: dict[str, float] = {}  # and its cumulative gauges
         self.counters: dict[str, float] = {}
         self.gauges: dict[str, Any] = {}
         self.window: dict[str, Any] = {}
@@ -176,7 +194,8 @@ class Aggregate:
         # contribution costs O(its own counters), not O(workers)
         self._totals: dict[str, float] = {}
         # what a resumed run starts from, per worker index (see load_state_dict)
-        self._worker_base: dict[Any, dict[str, float]] = {}
+        self._worker_base: dict[Any, dict[str, Any]] = {}
+        self._gauge_base: dict[str, float] = {}
 
     def state_dict(self) -> dict[str, Any]:
         """The counters summed over workers, each worker index's counters and the schedules' baselines.
@@ -188,22 +207,33 @@ class Aggregate:
         workers: dict[Any, dict[str, Any]] = {}
         for (index, _), state in self._workers.items():
             if index not in workers:  # the first process of each index
-                counters = {k: state.base.get(k, 0) + v for k, v in state.counters.items()}
-                workers[index] = {"counters": counters, "clock": state.clock.state_dict()}
+                workers[index] = {
+                    "counters": _plus(state.base, state.counters),
+                    "gauges": _plus(state.base_gauges, self._cumulative(state.gauges)),
+                    "clock": state.clock.state_dict(),
+                }
         for index, base in self._worker_base.items():
-            workers.setdefault(index, {"counters": dict(base), "clock": None})
-        return {"totals": dict(self._totals), "clock": self.clock.state_dict(), "workers": workers}
+            workers.setdefault(index, base)
+        gauges: dict[str, float] = dict(self._gauge_base)
+        for state in self._workers.values():
+            gauges = _plus(gauges, self._cumulative(state.gauges))
+        return {
+            "totals": dict(self._totals),
+            "gauges": gauges,
+            "clock": self.clock.state_dict(),
+            "workers": workers,
+        }
+
+    def _cumulative(self, gauges: Mapping[str, Any]) -> dict[str, float]:
+        """The gauges that add up across workers (not the ``latest`` ones)."""
+        return {k: float(v) for k, v in gauges.items() if k not in self.spec.latest}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores :meth:`state_dict`: later contributions count on top of it."""
         self._totals = {k: float(v) for k, v in state["totals"].items()}
+        self._gauge_base = {k: float(v) for k, v in state.get("gauges", {}).items()}
         self.clock.load_state_dict(state["clock"])
-        self._worker_base = {}
-        self._worker_clocks = {}
-        for index, saved in state.get("workers", {}).items():
-            self._worker_base[index] = {k: float(v) for k, v in saved["counters"].items()}
-            if saved.get("clock") is not None:
-                self._worker_clocks[index] = saved["clock"]
+        self._worker_base = {index: dict(saved) for index, saved in state.get("workers", {}).items()}
 
     @classmethod
     def from_meta(cls, name: str, meta: Mapping[str, Any]) -> Aggregate:
@@ -246,10 +276,11 @@ class Aggregate:
             label = f"worker_{worker}" if n == 1 else f"worker_{worker}_{n}"
             state = self._workers[key] = _Worker(self.spec.schedule, label)
             if n == 1 and worker in self._worker_base:  # a resumed run: this index goes on
-                state.base = self._worker_base.pop(worker)
-                clock = getattr(self, "_worker_clocks", {}).pop(worker, None)
-                if clock is not None:
-                    state.clock.load_state_dict(clock)
+                saved = self._worker_base.pop(worker)
+                state.base = dict(saved["counters"])
+                state.base_gauges = dict(saved.get("gauges", {}))
+                if saved.get("clock") is not None:
+                    state.clock.load_state_dict(saved["clock"])
             if self._key is not None and state.clock.last_counter is None:
                 state.clock.due(state.base.get(self._key, 0))
         state.last_seen = time.monotonic()
@@ -300,6 +331,9 @@ class Aggregate:
 
     def _worker_row(self, state: _Worker) -> Row:
         metrics = {**state.gauges, **state.window}
+        for key, value in state.base_gauges.items():
+            if key in state.gauges and key not in self.spec.latest:
+                metrics[key] = state.gauges[key] + value
         state.window = {}
         state.fresh = False
         state.clock.fired()
@@ -317,6 +351,9 @@ class Aggregate:
                     gauges[key] = value
                 else:
                     gauges[key] = gauges.get(key, 0) + value
+        for key, value in self._gauge_base.items():
+            if key in gauges and key not in self.spec.latest:
+                gauges[key] += value
         now = time.monotonic()
         gauges["workers"] = len(self._workers)
         gauges["workers_reporting"] = sum(now - s.last_seen < STALE_AFTER for s in workers)
