@@ -40,6 +40,7 @@ from rl_observers.logging.defaults import (
     default_schedule,
     target_kind,
 )
+from rl_observers.logging.namespaces import claim, release
 from rl_observers.logging.resume import (
     AXIS_COUNTERS,
     STATE_VERSION,
@@ -60,23 +61,6 @@ __all__ = ["LoggerObserver", "attach_logger", "install_attach_logger"]
 Scope = Literal["aggregate", "per_worker", "both"]
 SCOPES: tuple[str, ...] = ("aggregate", "per_worker", "both")
 _DATA_EVENTS = ("post_collect", "post_add", "post_extend", "post_sample")
-# Namespaces taken per logger (name -> the observer using it), so two observers on one
-# logger never write into one namespace without being told, even through two channels.
-_NAMES: weakref.WeakKeyDictionary[Any, weakref.WeakValueDictionary[str, Any]] = (
-    weakref.WeakKeyDictionary()
-)
-_NAMES_LOCK = threading.Lock()
-
-
-def _names_on(channel: MetricsChannel) -> Any:
-    """What namespaces are unique on: the channel's logger, or the channel if it cannot be a key."""
-    logger = channel.logger
-    try:
-        weakref.ref(logger)
-        hash(logger)
-    except TypeError:
-        return channel
-    return logger
 
 
 def _pickled_sets(sets: tuple[MetricSet, ...]) -> bytes:
@@ -591,29 +575,16 @@ class LoggerObserver(Contributor, Observer):
         """Takes ``name`` on the channel; refuses a name another attached observer uses there."""
         channel = self._channel()
         if channel is not None:
-            with _NAMES_LOCK:
-                taken = _NAMES.setdefault(_names_on(channel), weakref.WeakValueDictionary())
-                other = taken.get(name)
-                if other is not None and other is not self:
-                    hint = "" if self._name_given else " (the default for this kind of target)"
-                    raise ValueError(
-                        f"LoggerObserver: the namespace {name!r}{hint} is already used on this "
-                        f"logger by {other!r}; pass name= to tell them apart, e.g. "
-                        f"name={name + '_2'!r}."
-                    )
-                taken[name] = self
+            hint = "" if self._name_given else " (the default for this kind of target)"
+            claim(channel, name, self, hint=hint)
         self.name = name
         self._holds_name = True
 
     def _release_name(self) -> None:
         self._holds_name = False
         channel = self._channel()
-        if channel is None or self.name is None:
-            return
-        with _NAMES_LOCK:
-            taken = _NAMES.get(_names_on(channel))
-            if taken is not None and taken.get(self.name) is self:
-                del taken[self.name]
+        if channel is not None and self.name is not None:
+            release(channel, self.name, self)
 
     def _claim_name_again(self) -> None:
         """Takes the namespace back for a source used again after its shutdown freed it.
