@@ -11,7 +11,6 @@ running away from the channel contribute windows instead
 
 from __future__ import annotations
 
-import os
 import pickle
 import threading
 import weakref
@@ -25,12 +24,13 @@ from torchrl.record.loggers.monitoring import Every
 
 from rl_observers.channel import MetricsChannel
 from rl_observers.logging.aggregate import (
+    AggregateSpec,
     aggregate_state,
     finish_aggregate,
     has_aggregate,
     load_aggregate_state,
 )
-from rl_observers.logging.contributions import LIVE, Contributor
+from rl_observers.logging.contributions import LIVE, Contribution
 from rl_observers.logging.defaults import (
     DEFAULT_NAMES,
     as_metric_sets,
@@ -136,7 +136,7 @@ def _fold_event(event: str) -> Callable[..., None]:
     return on_event
 
 
-class LoggerObserver(Contributor, Observer):
+class LoggerObserver(Observer):
     """Folds what a source sees into metrics and logs them on a schedule.
 
     The metric sets fold every batch, write or sample into mergeable partial
@@ -337,14 +337,11 @@ class LoggerObserver(Contributor, Observer):
         self._source: weakref.ref[Any] | None = None
         self._fresh = False  # data folded since the last emission
         self._emitted = False
-        self._pristine: bytes | None = None
         self.report_interval = report_interval
-        self._home_pid = os.getpid()
-        self._mode: str | None = None  # "local" or "contribute", resolved at the first event
+        self._contribution = Contribution()  # the copies' side: where it runs, when it reported
+        # "local" or "contribute": fixed at the first event in each process (see Contribution.resolve)
+        self._mode: str | None = None
         self._holds_name = False  # whether ``name`` is taken on the logger for this observer
-        self._worker: Any = None
-        self._last_report = 0.0
-        self._last_report_counter = 0.0
         self._align_pending = False  # line the counters up with the source's at the next event
         self._last_step: int | None = None  # the last step submitted: steps never go backwards
         self._pending_state: Mapping[str, Any] | None = None  # loaded before attaching
@@ -413,9 +410,15 @@ class LoggerObserver(Contributor, Observer):
             )
         self._bind(target)
         self._has_copies = True
+        # from now on this instance is one more contributor to its copies' aggregate (worker
+        # "main"): the driver may write into a shared buffer too
+        self._mode = self._contribution.join_as_original()
         channel = self._channel()
         if channel is not None:  # closing the channel before the copies are gone loses their windows
             channel.copies_attached(self, f"LoggerObserver {self.name!r} on a {type(target).__name__}")
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self.load_state_dict(state)
 
     def copies_removed(self, target: Any) -> None:
         """Called on the original once its copies are gone: logs the last aggregate windows.
@@ -453,8 +456,8 @@ class LoggerObserver(Contributor, Observer):
             self.schedule = default_schedule(source, self._sets)
             self._clock = ScheduleClock(self.schedule)
             self._auto_schedule = False
-        if self._pristine is None:  # what a copy restarts from where it runs (see _resolve_mode)
-            self._pristine = _pickled_sets(self._sets)
+        if self._contribution.pristine is None:  # what a copy restarts from where it runs
+            self._contribution.pristine = _pickled_sets(self._sets)
         self._wire()
         counters = self._counters()
         key = self.schedule.key if self.schedule is not None and self.schedule.kind == "counter" else None
@@ -500,6 +503,24 @@ class LoggerObserver(Contributor, Observer):
             if schedule.key in metric_set.counters():
                 return metric_set._counter_reader(schedule.key)
         return None
+
+    def _resolve_mode(self, source: Any) -> None:
+        """Fixes the mode for this process: local, or contributing (see :class:`Contribution`)."""
+        self._mode, sets = self._contribution.resolve(source, has_copies=self._has_copies)
+        if sets is not None:
+            self._sets = sets
+            self._wire()
+
+    def _contribute(self) -> None:
+        """Sends this copy's window to the channel's owner, which merges it (see ``aggregate``)."""
+        counters = self._counters()
+        latest = tuple(g for m in self._sets or () for g in m.latest_gauges)
+        spec = AggregateSpec(self.schedule, self.step_key, self.scope, self.log_on_close, latest)
+        meta = self._contribution.meta(self.name, counters, spec)
+        payload = self._pull()
+        self._sink.submit_metrics(
+            payload, namespace=f"{self.name}/worker_{self._contribution.worker}", meta=meta
+        )
 
     def _first_event(self, event: str, source: Any, payload: tuple[Any, ...]) -> None:
         """The first event since attached, forked or loaded: the mode, then the source's axis.
@@ -620,7 +641,7 @@ class LoggerObserver(Contributor, Observer):
         """Emits, contributes or advances the schedule after an event (see :func:`_fold_event`)."""
         with self._lock:
             if self._mode == "contribute":
-                if self._report_due():
+                if self._contribution.due(self.schedule, self.report_interval, self._counters):
                     self._contribute()
                 return
             schedule = self.schedule
@@ -654,9 +675,9 @@ class LoggerObserver(Contributor, Observer):
             self._claim_name_again()  # the namespace was freed when the source shut down
         channel = self._channel()
         if channel is not None and has_aggregate(channel, self.name or ""):
-            # copies elsewhere contribute to this name: this instance becomes one more contributor
-            self._mode = "contribute"
-            self._worker = "main"
+            # copies of a shared buffer, pickled with it, contribute to this name: this instance
+            # becomes one more contributor (the original is not told when such copies start)
+            self._mode = self._contribution.join_as_original()
             self._contribute()
             return
         if self._step_fn is not None:
@@ -799,7 +820,8 @@ class LoggerObserver(Contributor, Observer):
                 "metrics=)."
             )
         with self._lock:
-            for metric_set, state in zip(sets, state_dict["metrics"]):
+            # with copies elsewhere, the aggregate at the owner holds this instance's counts too
+            for metric_set, state in zip(sets, () if self._has_copies else state_dict["metrics"]):
                 metric_set.load_state_dict(state)
             if state_dict.get("schedule") == self._schedule_spec():
                 self._clock.load_state_dict(state_dict["clock"])
@@ -810,8 +832,9 @@ class LoggerObserver(Contributor, Observer):
             if saved_step is not None and (self._last_step is None or saved_step > self._last_step):
                 self._last_step = int(saved_step)
             self._emitted = self._emitted or saved_step is not None
-            self._align_pending = True
-            self._mode = None
+            if not self._has_copies:  # resolved (and lined up) again at the next event
+                self._align_pending = True
+                self._mode = None
         if state_dict.get("aggregate") is not None:
             load_aggregate_state(self._channel(), self.name or "", state_dict["aggregate"])
 
