@@ -53,7 +53,7 @@ from rl_observers.logging.schedule import ScheduleClock
 from rl_observers.metrics import CollectorBatchMetrics, MetricSet, SampleMetrics, WriteMetrics
 from rl_observers.metrics.keys import MissingKeyError
 from rl_observers.metrics.source import missing_source_counters
-from rl_observers.observer import ON_ERROR_POLICIES, Observer
+from rl_observers.observer import Observer, check_on_error
 from rl_observers.sources import observers_of
 
 __all__ = ["LoggerObserver"]
@@ -295,8 +295,7 @@ class LoggerObserver(Observer):
             raise ValueError(f"schedule interval must be a number > 0, got {schedule!r}.")
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of 'aggregate', 'per_worker' or 'both', got {scope!r}.")
-        if on_error not in ON_ERROR_POLICIES:
-            raise ValueError(f"on_error must be one of 'warn', 'raise' or 'ignore', got {on_error!r}.")
+        check_on_error(on_error)
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"name must be a non-empty string, got {name!r}.")
         step_fn: Callable[[], Any] | None = None
