@@ -140,3 +140,49 @@ def test_observer_is_a_checkpoint_component_loaded_before_or_after_attaching(tmp
     assert scalars(again, "replay_buffer/sample_calls") == [(4, 4.0)]
     # the buffer was not restored (write_count 10): items written go on from the observer's 10
     assert scalars(again, "replay_buffer/items_written") == [(4, 20.0)]
+
+
+def test_a_step_never_goes_below_the_namespaces_last_one(tmp_path):
+    """Loading an older state of a counter torchrl does not keep (sample_calls): no row below the last step."""
+    logger = CSVLogger(exp_name="back", log_dir=str(tmp_path))
+    rb, observer = _observed_buffer(logger, schedule=None, metrics=SampleMetrics())
+    rb.extend(torch.arange(10))
+    rb.sample(2)
+    older = observer.state_dict()
+    rb.sample(2)
+    rb.sample(2)
+    observer.load_state_dict(older)  # sample_calls back to 1
+    for _ in range(3):
+        rb.sample(2)
+    observer._channel().flush(timeout=10)
+    rows = scalars(logger, "replay_buffer/sample_calls")
+    # a row after every event (schedule=None), the extend's first
+    assert [step for step, _ in rows] == [0, 1, 2, 3, 3, 3, 4]
+    assert [value for _, value in rows] == [0.0, 1.0, 2.0, 3.0, 2.0, 3.0, 4.0]  # the counts are the state's
+
+
+def test_the_owners_aggregate_goes_on_from_its_saved_state():
+    """Restarted workers (new processes) count on top of the saved totals, gauges and thresholds."""
+    from rl_observers.logging.aggregate import Aggregate
+    from rl_observers.stats import Count
+
+    def contribution(frames):
+        return {"frames": float(frames), "dones": Count("dones", 1)}, {"frames": frames}
+
+    first = Aggregate("collector", schedule=Every.counter("frames", 100), step_key="frames", scope="both")
+    first.contribute(0, *contribution(60), process="a")
+    rows = first.contribute(1, *contribution(50), process="b")
+    assert [(namespace, step) for namespace, _, step in rows] == [("collector", 110)]
+    state = first.state_dict()
+    resumed = Aggregate("collector", schedule=Every.counter("frames", 100), step_key="frames", scope="both")
+    resumed.load_state_dict(state)
+    assert resumed.contribute(0, *contribution(30), process="c") == []  # 140: below 200
+    # (a contribution carries its process's cumulative counters)
+    rows = resumed.contribute(1, *contribution(70), process="d")  # worker 1 at 120, total 210
+    rows += resumed.contribute(0, *contribution(70), process="c")  # worker 0 at 130, total 250
+    by_namespace = {namespace: (step, metrics["frames"]) for namespace, metrics, step in rows}
+    assert by_namespace == {
+        "collector/worker_1": (120, 120.0),
+        "collector": (210, 210.0),
+        "collector/worker_0": (130, 130.0),
+    }
