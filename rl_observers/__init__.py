@@ -18,9 +18,9 @@ from torchrl.record.loggers.monitoring import Every
 
 from rl_observers import signals
 from rl_observers.channel import MetricsChannel, MetricsHandle
+from rl_observers.logging.attach import install_attach_logger as _install_attach_logger
 from rl_observers.logging.defaults import default_metrics, default_schedule
 from rl_observers.logging.observer import LoggerObserver
-from rl_observers.logging.observer import install_attach_logger as _install_attach_logger
 from rl_observers.metrics import (
     CollectorBatchMetrics,
     CountTrue,

@@ -33,6 +33,13 @@ OnError = Literal["warn", "raise", "ignore"]
 #: The accepted values of ``on_error``.
 ON_ERROR_POLICIES: tuple[str, ...] = ("warn", "raise", "ignore")
 
+
+def check_on_error(on_error: Any) -> str:
+    """``on_error`` if it is one of :data:`ON_ERROR_POLICIES`; raises ``ValueError`` saying so otherwise."""
+    if on_error not in ON_ERROR_POLICIES:
+        raise ValueError(f"on_error must be one of 'warn', 'raise' or 'ignore', got {on_error!r}.")
+    return on_error
+
 _SIGNALS = {event: signals.signal_for(event) for event in signals.EVENT_PAYLOADS}
 # Attributes named ``on_*`` that are not events.
 _NOT_EVENTS = frozenset({"on_error"})
@@ -247,8 +254,7 @@ def resolve_observer(
     if on_error is None:
         own = getattr(observer, "on_error", None)
         on_error = own if isinstance(own, str) else "warn"
-    if on_error not in ON_ERROR_POLICIES:
-        raise ValueError(f"on_error must be one of 'warn', 'raise' or 'ignore', got {on_error!r}.")
+    check_on_error(on_error)
     every = _event_methods(observer)
     if every:  # a plain callable has no hooks to misspell
         _check_optional_hooks(observer)

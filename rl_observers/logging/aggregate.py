@@ -38,6 +38,7 @@ Examples:
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -54,8 +55,10 @@ __all__ = [
     "AggregateSpec",
     "AggregationRouter",
     "Row",
+    "aggregate_state",
     "finish_aggregate",
     "has_aggregate",
+    "load_aggregate_state",
 ]
 
 #: The ``meta`` key that sends a payload to the aggregation router.
@@ -112,12 +115,31 @@ class AggregateSpec:
         )
 
 
+def _plus(base: Mapping[str, float], values: Mapping[str, float]) -> dict[str, float]:
+    out = dict(base)
+    for key, value in values.items():
+        out[key] = out.get(key, 0) + value
+    return out
+
+
 class _Worker:
-    __slots__ = ("clock", "counters", "fresh", "gauges", "label", "last_seen", "window")
+    __slots__ = (
+        "base",
+        "base_gauges",
+        "clock",
+        "counters",
+        "fresh",
+        "gauges",
+        "label",
+        "last_seen",
+        "window",
+    )
 
     def __init__(self, schedule: Every | None, label: str) -> None:
         self.label = label  # its rows' namespace suffix: worker_<index>
         self.clock = ScheduleClock(schedule)
+        self.base: dict[str, float] = {}  # where a resumed run's worker started counting
+        self.base_gauges: dict[str, float] = {}  # and its cumulative gauges
         self.counters: dict[str, float] = {}
         self.gauges: dict[str, Any] = {}
         self.window: dict[str, Any] = {}
@@ -171,6 +193,47 @@ class Aggregate:
         # counters summed over workers, kept up to date by each contribution: a
         # contribution costs O(its own counters), not O(workers)
         self._totals: dict[str, float] = {}
+        # what a resumed run starts from, per worker index (see load_state_dict)
+        self._worker_base: dict[Any, dict[str, Any]] = {}
+        self._gauge_base: dict[str, float] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters summed over workers, each worker index's counters and the schedules' baselines.
+
+        What a resumed run needs for its steps and totals to go on (the
+        workers' copies restart from zero there). Windows not logged yet are
+        not kept.
+        """
+        workers: dict[Any, dict[str, Any]] = {}
+        for (index, _), state in self._workers.items():
+            if index not in workers:  # the first process of each index
+                workers[index] = {
+                    "counters": _plus(state.base, state.counters),
+                    "gauges": _plus(state.base_gauges, self._cumulative(state.gauges)),
+                    "clock": state.clock.state_dict(),
+                }
+        for index, base in self._worker_base.items():
+            workers.setdefault(index, base)
+        gauges: dict[str, float] = dict(self._gauge_base)
+        for state in self._workers.values():
+            gauges = _plus(gauges, self._cumulative(state.gauges))
+        return {
+            "totals": dict(self._totals),
+            "gauges": gauges,
+            "clock": self.clock.state_dict(),
+            "workers": workers,
+        }
+
+    def _cumulative(self, gauges: Mapping[str, Any]) -> dict[str, float]:
+        """The gauges that add up across workers (not the ``latest`` ones)."""
+        return {k: float(v) for k, v in gauges.items() if k not in self.spec.latest}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores :meth:`state_dict`: later contributions count on top of it."""
+        self._totals = {k: float(v) for k, v in state["totals"].items()}
+        self._gauge_base = {k: float(v) for k, v in state.get("gauges", {}).items()}
+        self.clock.load_state_dict(state["clock"])
+        self._worker_base = {index: dict(saved) for index, saved in state.get("workers", {}).items()}
 
     @classmethod
     def from_meta(cls, name: str, meta: Mapping[str, Any]) -> Aggregate:
@@ -212,8 +275,14 @@ class Aggregate:
             n = self._processes_per_index[worker] = self._processes_per_index.get(worker, 0) + 1
             label = f"worker_{worker}" if n == 1 else f"worker_{worker}_{n}"
             state = self._workers[key] = _Worker(self.spec.schedule, label)
-            if self._key is not None:
-                state.clock.due(0)
+            if n == 1 and worker in self._worker_base:  # a resumed run: this index goes on
+                saved = self._worker_base.pop(worker)
+                state.base = dict(saved["counters"])
+                state.base_gauges = dict(saved.get("gauges", {}))
+                if saved.get("clock") is not None:
+                    state.clock.load_state_dict(saved["clock"])
+            if self._key is not None and state.clock.last_counter is None:
+                state.clock.due(state.base.get(self._key, 0))
         state.last_seen = time.monotonic()
         totals = self._totals
         previous = state.counters
@@ -231,6 +300,8 @@ class Aggregate:
             _merge_window(state.window, partials)
             state.fresh = True
             counter = counters.get(self._key) if self._key else None
+            if counter is not None and state.base:
+                counter += state.base.get(self._key, 0)
             if state.clock.due(counter):
                 rows.append(self._worker_row(state))
         if self.aggregate:
@@ -260,10 +331,16 @@ class Aggregate:
 
     def _worker_row(self, state: _Worker) -> Row:
         metrics = {**state.gauges, **state.window}
+        for key, value in state.base_gauges.items():
+            if key in state.gauges and key not in self.spec.latest:
+                metrics[key] = state.gauges[key] + value
         state.window = {}
         state.fresh = False
         state.clock.fired()
-        return f"{self.name}/{state.label}", metrics, self._step(state.counters)
+        counters = state.counters
+        if state.base:
+            counters = {k: state.base.get(k, 0) + v for k, v in counters.items()}
+        return f"{self.name}/{state.label}", metrics, self._step(counters)
 
     def _aggregate_row(self) -> Row:
         workers = self._workers.values()
@@ -274,6 +351,9 @@ class Aggregate:
                     gauges[key] = value
                 else:
                     gauges[key] = gauges.get(key, 0) + value
+        for key, value in self._gauge_base.items():
+            if key in gauges and key not in self.spec.latest:
+                gauges[key] += value
         now = time.monotonic()
         gauges["workers"] = len(self._workers)
         gauges["workers_reporting"] = sum(now - s.last_seen < STALE_AFTER for s in workers)
@@ -296,14 +376,23 @@ class AggregationRouter:
 
     def __init__(self) -> None:
         self.aggregates: dict[str, Aggregate] = {}
+        # saved states waiting for their aggregate's first contribution (a resumed run)
+        self.restored: dict[str, Mapping[str, Any]] = {}
+        self.lock = threading.Lock()  # route (the delivery thread) vs. state reads and loads
 
     def route(
         self, namespace: str, metrics: dict[str, Any], step: int | None, meta: Mapping[str, Any]
     ) -> list[Row]:
-        name = meta[META_KEY]
+        with self.lock:
+            return self._route(meta[META_KEY], metrics, meta)
+
+    def _route(self, name: str, metrics: dict[str, Any], meta: Mapping[str, Any]) -> list[Row]:
         aggregate = self.aggregates.get(name)
         if aggregate is None:
             aggregate = self.aggregates[name] = Aggregate.from_meta(name, meta)
+            restored = self.restored.pop(name, None)
+            if restored is not None:
+                aggregate.load_state_dict(restored)
         rows: list[Row] = []
         if metrics or meta.get("counters"):
             rows = aggregate.contribute(
@@ -335,6 +424,39 @@ class AggregationRouter:
 
 
 register_router(META_KEY, AggregationRouter)
+
+
+def _owned_router(channel: MetricsChannel | None, what: str) -> AggregationRouter:
+    router = None if channel is None else channel.router(META_KEY)
+    if not isinstance(router, AggregationRouter):
+        raise ValueError(
+            f"LoggerObserver: {what} the aggregate of an observer whose copies run elsewhere "
+            "needs the channel's owner: call it in the process that created the channel."
+        )
+    return router
+
+
+def aggregate_state(channel: MetricsChannel | None, name: str) -> dict[str, Any] | None:
+    """The state of the aggregate ``name`` after every contribution sent so far (see :meth:`Aggregate.state_dict`)."""
+    router = _owned_router(channel, "saving")
+    channel.flush(timeout=10.0)  # type: ignore[union-attr]
+    with router.lock:
+        aggregate = router.aggregates.get(name)
+        if aggregate is not None:
+            return aggregate.state_dict()
+        restored = router.restored.get(name)
+        return None if restored is None else dict(restored)
+
+
+def load_aggregate_state(channel: MetricsChannel | None, name: str, state: Mapping[str, Any]) -> None:
+    """Restores the aggregate ``name`` now, or at its first contribution if it has none yet."""
+    router = _owned_router(channel, "loading")
+    with router.lock:
+        aggregate = router.aggregates.get(name)
+        if aggregate is not None:
+            aggregate.load_state_dict(state)
+        else:
+            router.restored[name] = state
 
 
 def has_aggregate(channel: MetricsChannel, name: str) -> bool:

@@ -24,7 +24,7 @@ from typing import Any
 from rl_observers.logging.aggregate import AggregateSpec
 from rl_observers.sources.placement import process_token, source_info
 
-__all__ = ["LIVE", "Contributor"]
+__all__ = ["LIVE", "Contribution"]
 
 # Every LoggerObserver of this process: a forked child resolves their mode again.
 LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -71,54 +71,80 @@ def _report_contributors_at_exit() -> None:
 
 
 
-class Contributor:
-    """The contributing half of :class:`~rl_observers.LoggerObserver` (a mixin).
+class Contribution:
+    """The copies' side of a :class:`~rl_observers.LoggerObserver`, held by the observer.
 
-    Uses the observer's ``schedule``, ``step_key``, ``scope``,
-    ``log_on_close``, ``report_interval``, metric sets and sink.
+    Where the observer was created (``home_pid``), the metric sets a copy
+    restarts from where it runs (``pristine``, pickled), which worker it is
+    once resolved, and when it last reported. The observer decides its mode
+    once per process with :meth:`resolve`, asks :meth:`due` after each event
+    when contributing, and sends what :meth:`meta` describes.
     """
 
-    def _resolve_mode(self, source: Any) -> None:
-        """Local where the channel lives, contributor anywhere else (a worker, an actor, a fork)."""
-        info = source_info(source)
-        away = os.getpid() != self._home_pid or info.remote
-        self._mode = "contribute" if away else "local"
-        if away:
-            if os.getpid() != self._home_pid and self._pristine:
-                # a copy counts what its own process sees, not what the original had seen
-                self._sets = pickle.loads(self._pristine)
-                for metric_set in self._sets:
-                    metric_set.bind(source)
-                self._wire()
-                self._home_pid = os.getpid()
-            self._worker = info.worker if info.worker is not None else 0
-            self._last_report = time.monotonic()
-            _report_contributors_at_exit()
+    __slots__ = ("home_pid", "last_report", "last_report_counter", "pristine", "worker")
 
-    def _report_due(self) -> bool:
-        schedule = self.schedule
+    def __init__(self) -> None:
+        self.home_pid = os.getpid()
+        self.pristine: bytes | None = None
+        self.worker: Any = None
+        self.last_report = 0.0
+        self.last_report_counter = 0.0
+
+    def resolve(self, source: Any, *, has_copies: bool) -> tuple[str, tuple[Any, ...] | None]:
+        """``("local" | "contribute", fresh metric sets or None)`` for the process this runs in.
+
+        Local where the channel lives, contributing anywhere else (a worker,
+        an actor, a fork), and also where the channel lives when copies
+        elsewhere feed the same namespace (``has_copies``: the original is
+        one more contributor, ``worker="main"``). A copy in another process
+        gets fresh metric sets: it counts what its own process sees, not
+        what the original had seen.
+        """
+        info = source_info(source)
+        moved = os.getpid() != self.home_pid
+        if not (moved or info.remote or has_copies):
+            return "local", None
+        sets = None
+        if moved and self.pristine:
+            sets = tuple(pickle.loads(self.pristine))
+            for metric_set in sets:
+                metric_set.bind(source)
+            self.home_pid = os.getpid()
+        if moved or info.remote:
+            self.worker = info.worker if info.worker is not None else 0
+        else:
+            self.worker = "main"
+        self.last_report = time.monotonic()
+        _report_contributors_at_exit()
+        return "contribute", sets
+
+    def join_as_original(self) -> str:
+        """The mode of the original once it has copies elsewhere: contributing, as worker ``"main"``."""
+        self.worker = "main"
+        self.last_report = time.monotonic()
+        _report_contributors_at_exit()
+        return "contribute"
+
+    def due(self, schedule: Any, report_interval: float, counters: Any) -> bool:
+        """Whether to report now: at least every ``report_interval`` s, and per schedule interval."""
         if schedule is None:
             return True
-        if time.monotonic() - self._last_report >= self.report_interval:
+        if time.monotonic() - self.last_report >= report_interval:
             return True
         if schedule.kind == "counter":
-            counter = self._counters().get(schedule.key, 0)
-            return counter - self._last_report_counter >= schedule.interval
+            return counters().get(schedule.key, 0) - self.last_report_counter >= schedule.interval
         return False
 
-    def _contribute(self) -> None:
-        counters = self._counters()
-        latest = tuple(g for m in self._sets or () for g in m.latest_gauges)
-        meta = {
-            "aggregate": self.name,
-            "worker": self._worker,
+    def meta(self, name: str | None, counters: dict[str, float], spec: AggregateSpec) -> dict[str, Any]:
+        """The ``meta`` of one contribution (and the report's time and counter are recorded)."""
+        self.last_report = time.monotonic()
+        schedule = spec.schedule
+        if schedule is not None and schedule.kind == "counter":
+            self.last_report_counter = counters.get(schedule.key, 0)
+        return {
+            "aggregate": name,
+            "worker": self.worker,
             "process": process_token(),
             "counters": counters,
-            **AggregateSpec(self.schedule, self.step_key, self.scope, self.log_on_close, latest).as_meta(),
+            **spec.as_meta(),
         }
-        payload = self._pull()
-        self._last_report = time.monotonic()
-        if self.schedule is not None and self.schedule.kind == "counter":
-            self._last_report_counter = counters.get(self.schedule.key, 0)
-        self._sink.submit_metrics(payload, namespace=f"{self.name}/worker_{self._worker}", meta=meta)
-

@@ -11,11 +11,10 @@ running away from the channel contribute windows instead
 
 from __future__ import annotations
 
-import os
 import pickle
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from time import monotonic as _monotonic
 from typing import Any, Literal
 
@@ -25,8 +24,14 @@ from torchrl.collectors import BaseCollector
 from torchrl.record.loggers.monitoring import Every
 
 from rl_observers.channel import MetricsChannel
-from rl_observers.logging.aggregate import finish_aggregate, has_aggregate
-from rl_observers.logging.contributions import LIVE, Contributor
+from rl_observers.logging.aggregate import (
+    AggregateSpec,
+    aggregate_state,
+    finish_aggregate,
+    has_aggregate,
+    load_aggregate_state,
+)
+from rl_observers.logging.contributions import LIVE, Contribution
 from rl_observers.logging.defaults import (
     DEFAULT_NAMES,
     as_metric_sets,
@@ -36,35 +41,27 @@ from rl_observers.logging.defaults import (
     default_schedule,
     target_kind,
 )
+from rl_observers.logging.namespaces import claim, release
+from rl_observers.logging.resume import (
+    AXIS_COUNTERS,
+    STATE_VERSION,
+    describe,
+    misfit,
+    shift_counters,
+    source_axis,
+)
 from rl_observers.logging.schedule import ScheduleClock
 from rl_observers.metrics import CollectorBatchMetrics, MetricSet, SampleMetrics, WriteMetrics
 from rl_observers.metrics.keys import MissingKeyError
 from rl_observers.metrics.source import missing_source_counters
-from rl_observers.observer import ON_ERROR_POLICIES, Observer
+from rl_observers.observer import Observer, check_on_error
 from rl_observers.sources import observers_of
 
-__all__ = ["LoggerObserver", "attach_logger", "install_attach_logger"]
+__all__ = ["LoggerObserver"]
 
 Scope = Literal["aggregate", "per_worker", "both"]
 SCOPES: tuple[str, ...] = ("aggregate", "per_worker", "both")
 _DATA_EVENTS = ("post_collect", "post_add", "post_extend", "post_sample")
-# Namespaces taken per logger (name -> the observer using it), so two observers on one
-# logger never write into one namespace without being told, even through two channels.
-_NAMES: weakref.WeakKeyDictionary[Any, weakref.WeakValueDictionary[str, Any]] = (
-    weakref.WeakKeyDictionary()
-)
-_NAMES_LOCK = threading.Lock()
-
-
-def _names_on(channel: MetricsChannel) -> Any:
-    """What namespaces are unique on: the channel's logger, or the channel if it cannot be a key."""
-    logger = channel.logger
-    try:
-        weakref.ref(logger)
-        hash(logger)
-    except TypeError:
-        return channel
-    return logger
 
 
 def _pickled_sets(sets: tuple[MetricSet, ...]) -> bytes:
@@ -113,8 +110,9 @@ def _fold_event(event: str) -> Callable[..., None]:
     where = f"on_{event}"
 
     def on_event(self: LoggerObserver, source: Any, *payload: Any) -> None:
-        if self._mode is None:
-            self._resolve_mode(source)
+        if self._mode is None:  # the first event since attached, forked or loaded
+            self._first_event(event, source, payload)
+            return
         self._fresh = True  # before folding: a window closed meanwhile is not skipped
         for position, fold in getattr(self, folds_of):
             try:
@@ -143,7 +141,7 @@ def _fold_event(event: str) -> Callable[..., None]:
     return on_event
 
 
-class LoggerObserver(Contributor, Observer):
+class LoggerObserver(Observer):
     """Folds what a source sees into metrics and logs them on a schedule.
 
     The metric sets fold every batch, write or sample into mergeable partial
@@ -302,8 +300,7 @@ class LoggerObserver(Contributor, Observer):
             raise ValueError(f"schedule interval must be a number > 0, got {schedule!r}.")
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of 'aggregate', 'per_worker' or 'both', got {scope!r}.")
-        if on_error not in ON_ERROR_POLICIES:
-            raise ValueError(f"on_error must be one of 'warn', 'raise' or 'ignore', got {on_error!r}.")
+        check_on_error(on_error)
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"name must be a non-empty string, got {name!r}.")
         step_fn: Callable[[], Any] | None = None
@@ -345,14 +342,15 @@ class LoggerObserver(Contributor, Observer):
         self._source: weakref.ref[Any] | None = None
         self._fresh = False  # data folded since the last emission
         self._emitted = False
-        self._pristine: bytes | None = None
         self.report_interval = report_interval
-        self._home_pid = os.getpid()
-        self._mode: str | None = None  # "local" or "contribute", resolved at the first event
+        self._contribution = Contribution()  # the copies' side: where it runs, when it reported
+        # "local" or "contribute": fixed at the first event in each process (see Contribution.resolve)
+        self._mode: str | None = None
         self._holds_name = False  # whether ``name`` is taken on the logger for this observer
-        self._worker: Any = None
-        self._last_report = 0.0
-        self._last_report_counter = 0.0
+        self._align_pending = False  # line the counters up with the source's at the next event
+        self._last_step: int | None = None  # the last step submitted: steps never go backwards
+        self._pending_state: Mapping[str, Any] | None = None  # loaded before attaching
+        self._has_copies = False  # copies run elsewhere: the aggregate at the owner is the state
         LIVE.add(self)
 
     # -- wiring, resolved once when attached ------------------------------------------------
@@ -379,6 +377,8 @@ class LoggerObserver(Contributor, Observer):
             )
         self._bind(source)
         self._source = weakref.ref(source)
+        self._align_pending = True
+        self._mode = None  # resolved (and the counters lined up) at the next event
         observers = observers_of(source)
         for entry in observers.entries if observers is not None else ():
             if entry.observer is self:  # add_observer(..., on_error=) overrides the observer's own
@@ -387,6 +387,9 @@ class LoggerObserver(Contributor, Observer):
             channel = self._channel()
             if channel is not None:
                 channel.add_close_callback(self._close_window)
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self.load_state_dict(state)
 
     def detached(self, source: Any) -> None:
         try:
@@ -411,9 +414,16 @@ class LoggerObserver(Contributor, Observer):
                 'counter name instead, e.g. step="frames".'
             )
         self._bind(target)
+        self._has_copies = True
+        # from now on this instance is one more contributor to its copies' aggregate (worker
+        # "main"): the driver may write into a shared buffer too
+        self._mode = self._contribution.join_as_original()
         channel = self._channel()
         if channel is not None:  # closing the channel before the copies are gone loses their windows
             channel.copies_attached(self, f"LoggerObserver {self.name!r} on a {type(target).__name__}")
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self.load_state_dict(state)
 
     def copies_removed(self, target: Any) -> None:
         """Called on the original once its copies are gone: logs the last aggregate windows.
@@ -451,8 +461,8 @@ class LoggerObserver(Contributor, Observer):
             self.schedule = default_schedule(source, self._sets)
             self._clock = ScheduleClock(self.schedule)
             self._auto_schedule = False
-        if self._pristine is None:  # what a copy restarts from where it runs (see _resolve_mode)
-            self._pristine = _pickled_sets(self._sets)
+        if self._contribution.pristine is None:  # what a copy restarts from where it runs
+            self._contribution.pristine = _pickled_sets(self._sets)
         self._wire()
         counters = self._counters()
         key = self.schedule.key if self.schedule is not None and self.schedule.kind == "counter" else None
@@ -503,6 +513,68 @@ class LoggerObserver(Contributor, Observer):
                 return metric_set._counter_reader(schedule.key)
         return None
 
+    def _resolve_mode(self, source: Any) -> None:
+        """Fixes the mode for this process: local, or contributing (see :class:`Contribution`)."""
+        self._mode, sets = self._contribution.resolve(source, has_copies=self._has_copies)
+        if sets is not None:
+            self._sets = sets
+            self._wire()
+
+    def _contribute(self) -> None:
+        """Sends this copy's window to the channel's owner, which merges it (see ``aggregate``)."""
+        counters = self._counters()
+        latest = tuple(g for m in self._sets or () for g in m.latest_gauges)
+        spec = AggregateSpec(self.schedule, self.step_key, self.scope, self.log_on_close, latest)
+        meta = self._contribution.meta(self.name, counters, spec)
+        payload = self._pull()
+        self._sink.submit_metrics(
+            payload, namespace=f"{self.name}/worker_{self._contribution.worker}", meta=meta
+        )
+
+    def _first_event(self, event: str, source: Any, payload: tuple[Any, ...]) -> None:
+        """The first event since attached, forked or loaded: the mode, then the source's axis.
+
+        Folds like :func:`_fold_event`; a local observer then lines its
+        counters up with the source's (:mod:`~rl_observers.logging.resume`).
+        """
+        self._resolve_mode(source)
+        align = self._align_pending and self._mode == "local"
+        self._align_pending = False
+        before = self._counters() if align else None
+        self._fresh = True
+        for position, fold in getattr(self, f"_{event}_folds"):
+            try:
+                fold(source, *payload)
+            except Exception as err:
+                self._set_failed(position, err, f"on_{event}")
+        self._fresh = True
+        if self._failing_sets:
+            self._recovered(event)
+        if before is not None:
+            self._align(source, before)
+        self._after()
+
+    def _align(self, source: Any, before: Mapping[str, float]) -> None:
+        """Moves counters below the source's own (restored, or counted before attaching) up to it."""
+        axis = source_axis(source)
+        if axis is None:
+            return
+        schedule = self.schedule
+        key = schedule.key if schedule is not None and schedule.kind == "counter" else None
+        with self._lock:
+            counters = self._counters()
+            for counter, value in axis.items():
+                ours = counters.get(counter)
+                if ours is None or value <= ours:
+                    continue  # the observer's own count is ahead (its saved state): steps go on
+                names = AXIS_COUNTERS[counter]
+                offset = int(value - ours)
+                shift_counters(self._sets or (), names, offset)
+                if key in names:  # the threshold the source's axis had before this event
+                    prior = before.get(key, 0) + offset
+                    if self._clock.last_counter is None or prior > self._clock.last_counter:
+                        self._clock.rebase(prior)
+
     def _set_failed(self, index: int, error: Exception, where: str) -> None:
         """One metric set raised: the policy applies to it alone; the other sets go on."""
         if self._policy == "raise":
@@ -533,29 +605,16 @@ class LoggerObserver(Contributor, Observer):
         """Takes ``name`` on the channel; refuses a name another attached observer uses there."""
         channel = self._channel()
         if channel is not None:
-            with _NAMES_LOCK:
-                taken = _NAMES.setdefault(_names_on(channel), weakref.WeakValueDictionary())
-                other = taken.get(name)
-                if other is not None and other is not self:
-                    hint = "" if self._name_given else " (the default for this kind of target)"
-                    raise ValueError(
-                        f"LoggerObserver: the namespace {name!r}{hint} is already used on this "
-                        f"logger by {other!r}; pass name= to tell them apart, e.g. "
-                        f"name={name + '_2'!r}."
-                    )
-                taken[name] = self
+            hint = "" if self._name_given else " (the default for this kind of target)"
+            claim(channel, name, self, hint=hint)
         self.name = name
         self._holds_name = True
 
     def _release_name(self) -> None:
         self._holds_name = False
         channel = self._channel()
-        if channel is None or self.name is None:
-            return
-        with _NAMES_LOCK:
-            taken = _NAMES.get(_names_on(channel))
-            if taken is not None and taken.get(self.name) is self:
-                del taken[self.name]
+        if channel is not None and self.name is not None:
+            release(channel, self.name, self)
 
     def _claim_name_again(self) -> None:
         """Takes the namespace back for a source used again after its shutdown freed it.
@@ -591,7 +650,7 @@ class LoggerObserver(Contributor, Observer):
         """Emits, contributes or advances the schedule after an event (see :func:`_fold_event`)."""
         with self._lock:
             if self._mode == "contribute":
-                if self._report_due():
+                if self._contribution.due(self.schedule, self.report_interval, self._counters):
                     self._contribute()
                 return
             schedule = self.schedule
@@ -625,15 +684,20 @@ class LoggerObserver(Contributor, Observer):
             self._claim_name_again()  # the namespace was freed when the source shut down
         channel = self._channel()
         if channel is not None and has_aggregate(channel, self.name or ""):
-            # copies elsewhere contribute to this name: this instance becomes one more contributor
-            self._mode = "contribute"
-            self._worker = "main"
+            # copies of a shared buffer, pickled with it, contribute to this name: this instance
+            # becomes one more contributor (the original is not told when such copies start)
+            self._mode = self._contribution.join_as_original()
             self._contribute()
             return
         if self._step_fn is not None:
             step = self._step_fn()
         else:
             step = counters.get(self.step_key) if self.step_key else None
+            if step is not None:  # a counter step: never below the namespace's last one
+                step = int(step)
+                if self._last_step is not None and step < self._last_step:
+                    step = self._last_step
+                self._last_step = step
         payload = self._pull()
         self._clock.fired()
         self._emitted = True
@@ -693,25 +757,113 @@ class LoggerObserver(Contributor, Observer):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """Metric-set state (in-flight episodes, counters) and the schedule's baseline."""
+        """What a resumed run needs to go on where this one stopped.
+
+        The metric sets' state (lifetime counters such as ``episodes``,
+        ``items_written``, ``sample_calls``, ``samples_returned``; rolling
+        episode windows; the running sums of episodes in flight), the
+        schedule's baseline and the last step logged. For a source whose
+        copies run elsewhere (multiprocessing workers, Ray actors), the
+        aggregate kept by the channel's owner. A
+        :class:`~torchrl.checkpoint.Checkpoint` component in one line:
+        ``Checkpoint(..., observers=observer)``.
+
+        Examples:
+            >>> import torch
+            >>> import rl_observers
+            >>> import tempfile
+            >>> from rl_observers import LoggerObserver, MetricsChannel
+            >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
+            >>> from torchrl.record import CSVLogger
+            >>> logger = CSVLogger(exp_name="resume", log_dir=tempfile.mkdtemp())
+            >>> rb = ReplayBuffer(storage=LazyTensorStorage(100))
+            >>> observer = LoggerObserver(MetricsChannel(logger, background=False))
+            >>> handle = rb.add_observer(observer)
+            >>> _ = rb.extend(torch.arange(10)); _ = rb.sample(4)
+            >>> state = observer.state_dict()
+            >>> again = ReplayBuffer(storage=LazyTensorStorage(100))
+            >>> other = CSVLogger(exp_name="resumed", log_dir=tempfile.mkdtemp())
+            >>> resumed = LoggerObserver(MetricsChannel(other, background=False))
+            >>> handle = again.add_observer(resumed)
+            >>> resumed.load_state_dict(state)
+            >>> resumed.stats()["sample_calls"], resumed.stats()["items_written"]
+            (1, 10)
+        """
         with self._lock:
-            return {
-                "metrics": [m.state_dict() for m in self._sets or ()],
-                "schedule": self._clock.state_dict(),
+            sets = self._sets or ()
+            state: dict[str, Any] = {
+                "version": STATE_VERSION,
+                **describe(self.name, self._kind(), self.scope, sets),
+                "schedule": self._schedule_spec(),
+                "metrics": [m.state_dict() for m in sets],
+                "clock": self._clock.state_dict(),
+                "last_step": self._last_step,
             }
+        if self._has_copies:
+            state["aggregate"] = aggregate_state(self._channel(), self.name or "")
+        return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restores :meth:`state_dict`; call after attaching (metric sets exist then)."""
-        states = state_dict["metrics"]
-        sets = self._sets or ()
-        if len(states) != len(sets):
+        """Restores :meth:`state_dict`: counters, windows and steps go on from there.
+
+        Call it before or after attaching (before, it applies when
+        attached). A state that does not fit this observer (another
+        namespace, kind of source, scope or list of metric sets) is refused
+        with a message naming the difference. Counters follow the source's
+        own at the next event (see :mod:`~rl_observers.logging.resume`); a
+        state saved further than what it replaces never makes steps go
+        backwards.
+
+        Raises:
+            ValueError: the state does not fit this observer.
+        """
+        if self._sets is None:  # not attached yet: metric sets and name are resolved then
+            self._pending_state = state_dict
+            return
+        sets = self._sets
+        problem = misfit(state_dict, describe(self.name, self._kind(), self.scope, sets))
+        if problem is not None:
             raise ValueError(
-                f"state_dict holds {len(states)} metric sets, this observer has {len(sets)}."
+                f"LoggerObserver {self.name!r}: cannot load this state: {problem}. Load it "
+                "into an observer built like the one that saved it (same name=, scope= and "
+                "metrics=)."
             )
         with self._lock:
-            for metric_set, state in zip(sets, states):
+            # with copies elsewhere, the aggregate at the owner holds this instance's counts too
+            for metric_set, state in zip(sets, () if self._has_copies else state_dict["metrics"]):
                 metric_set.load_state_dict(state)
-            self._clock.load_state_dict(state_dict["schedule"])
+            if state_dict.get("schedule") == self._schedule_spec():
+                self._clock.load_state_dict(state_dict["clock"])
+            else:  # another schedule: its thresholds start from the restored counters
+                self._clock = ScheduleClock(self.schedule)
+                self._prime_clock()
+            saved_step = state_dict.get("last_step")
+            if saved_step is not None and (self._last_step is None or saved_step > self._last_step):
+                self._last_step = int(saved_step)
+            self._emitted = self._emitted or saved_step is not None
+            if not self._has_copies:  # resolved (and lined up) again at the next event
+                self._align_pending = True
+                self._mode = None
+        if state_dict.get("aggregate") is not None:
+            load_aggregate_state(self._channel(), self.name or "", state_dict["aggregate"])
+
+    def _kind(self) -> str:
+        source = self._source() if self._source is not None else None
+        if source is not None:
+            return target_kind(source)
+        names = {n for m in self._sets or () for n in m.counters()}
+        return "collector" if "frames" in names else "replay_buffer"
+
+    def _schedule_spec(self) -> list[Any] | None:
+        schedule = self.schedule
+        return None if schedule is None else [schedule.kind, float(schedule.interval), schedule.key]
+
+    def _prime_clock(self) -> None:
+        schedule = self.schedule
+        if schedule is not None and schedule.kind == "counter":
+            value = self._counters().get(schedule.key)
+            if value is not None:
+                self._clock.due(value)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -740,61 +892,3 @@ class LoggerObserver(Contributor, Observer):
         if self._sets is not None:
             fields.append(f"metrics=[{', '.join(type(m).__name__ for m in self._sets)}]")
         return f"LoggerObserver({', '.join(fields)})"
-
-
-def attach_logger(
-    self: Any,
-    logger: Any,
-    *,
-    schedule: Every | Literal["auto"] | None = "auto",
-    metrics: MetricSet | Iterable[MetricSet] | None = None,
-    name: str | None = None,
-    **kwargs: Any,
-) -> Any:
-    """Logs this source's metrics: ``add_observer(LoggerObserver(logger, ...))`` in one line.
-
-    Metrics default to those fitting the source (:func:`default_metrics`),
-    the schedule to one that does not flood (``"auto"``: every 1,000 frames
-    on a collector, every 100 ``sample()`` calls on a replay buffer, see
-    :func:`default_schedule`), the namespace to ``"collector"`` or
-    ``"replay_buffer"``. Returns the same handle as :meth:`add_observer`.
-
-    Args:
-        logger (Logger | MetricsChannel | MetricsHandle): where the metrics go.
-
-    Keyword Args:
-        schedule (Every | str, optional): see :class:`LoggerObserver`.
-            Defaults to ``"auto"``.
-        metrics (MetricSet | Sequence[MetricSet], optional): see :class:`LoggerObserver`.
-        name (str, optional): see :class:`LoggerObserver`.
-        **kwargs: the other keyword arguments of :class:`LoggerObserver`.
-
-    Examples:
-        >>> import tempfile
-        >>> import torch
-        >>> import rl_observers
-        >>> from rl_observers import Every
-        >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
-        >>> from torchrl.record import CSVLogger
-        >>> logger = CSVLogger(exp_name="sugar", log_dir=tempfile.mkdtemp())
-        >>> rb = ReplayBuffer(storage=LazyTensorStorage(100))
-        >>> handle = rb.attach_logger(logger, schedule=Every.counter("sample_calls", 2))
-        >>> _ = rb.extend(torch.arange(10))
-        >>> for _ in range(4):
-        ...     _ = rb.sample(5)
-        >>> handle.remove()
-        >>> rl_observers.MetricsChannel.for_logger(logger).flush(timeout=10)
-        True
-        >>> [step for step, _ in logger.experiment.scalars["replay_buffer/samples_returned"]]
-        [2, 4]
-    """
-    observer = LoggerObserver(logger, schedule=schedule, metrics=metrics, name=name, **kwargs)
-    return self.add_observer(observer)
-
-
-def install_attach_logger() -> None:
-    """Adds :func:`attach_logger` to torchrl's collectors and replay buffers (idempotent)."""
-    from torchrl.data import ReplayBuffer
-
-    for cls in (BaseCollector, ReplayBuffer):
-        cls.attach_logger = attach_logger  # type: ignore[attr-defined]

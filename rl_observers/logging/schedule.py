@@ -62,15 +62,16 @@ class ScheduleClock:
         if self.next_threshold is None or (
             self.last_counter is not None and counter < self.last_counter
         ):
-            self._rebase(counter)
+            self.rebase(counter)
             return False
         self.last_counter = counter
         if counter >= self.next_threshold:
-            self._rebase(counter)
+            self.rebase(counter)
             return True
         return False
 
-    def _rebase(self, counter: float) -> None:
+    def rebase(self, counter: float) -> None:
+        """The next threshold is the first multiple of the interval above ``counter``."""
         interval = self.schedule.interval  # type: ignore[union-attr]
         self.next_threshold = (counter // interval + 1) * interval
         self.last_counter = counter

@@ -1,0 +1,188 @@
+"""Resuming from torchrl's Checkpoint: the observers' curves go on where the first run stopped.
+
+Each run is a new process (``tests/resume_runs.py``), as a resumed training
+script is: run, save, rebuild everything, load, continue; the series logged
+by the two parts together equal those of one uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torchrl.checkpoint import Checkpoint
+from torchrl.collectors import Collector
+from torchrl.data import LazyTensorStorage, ReplayBuffer
+from torchrl.envs.utils import RandomPolicy
+from torchrl.record import CSVLogger
+from torchrl.testing.mocking_classes import CountingEnv
+
+from rl_observers import (
+    CollectorBatchMetrics,
+    Every,
+    LoggerObserver,
+    MetricsChannel,
+    SampleMetrics,
+    WriteMetrics,
+)
+from tests.helpers import scalars
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(where: Path, phase: str, *args: str) -> dict[str, list[list[float]]]:
+    out = where / f"{phase}{'_'.join(args).replace('-', '')}.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
+    command = [sys.executable, "-W", "ignore", "-m", "tests.resume_runs", "--phase", phase]
+    command += ["--checkpoint", str(where / "checkpoint"), "--out", str(out), *args]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def joined(first: dict, second: dict) -> dict:
+    return {name: first.get(name, []) + second.get(name, []) for name in {*first, *second}}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One uninterrupted run and the first part of a split one (saved as a directory and an archive)."""
+    where = tmp_path_factory.mktemp("resume")
+    return where, run(where, "whole"), run(where, "first")
+
+
+@pytest.mark.parametrize("archive", [False, True], ids=["directory", "archive"])
+def test_resumed_collector_and_buffer_log_what_one_run_logs(runs, archive):
+    where, whole, first = runs
+    second = run(where, "second", *(["--archive"] if archive else []))
+    assert joined(first, second) == whole  # steps, totals and values, every series
+    assert [step for step, _ in second["collector/frames"]] == [60, 80]
+    assert second["collector/episodes_total"][-1][1] == whole["collector/episodes_total"][-1][1] == 16
+    for name in ("items_written", "sample_calls", "samples_returned"):
+        assert second[f"replay_buffer/{name}"][-1] == whole[f"replay_buffer/{name}"][-1]
+
+
+def test_observers_left_out_of_the_checkpoint_still_log_on_the_source_axis(runs):
+    """Without their state, steps follow the restored frames and write_count; sample_calls restart."""
+    where, _, _ = runs
+    second = run(where, "second", "--without-observers")
+    assert second["collector/frames"] == [[60, 60.0], [80, 80.0]]
+    assert second["collector/batches"] == [[60, 6.0], [80, 8.0]]
+    assert [value for _, value in second["replay_buffer/items_written"]] == [60.0, 80.0]
+    assert second["replay_buffer/sample_calls"] == [[2, 2.0], [4, 4.0]]  # torchrl does not keep them
+    assert second["collector/episodes_total"] == [[60, 4.0], [80, 8.0]]
+
+
+def test_resumed_multiprocessing_collector_goes_on_from_the_owners_aggregate(tmp_path):
+    """Two workers, 10 frames a batch each: the aggregate at the owner is saved and restored."""
+    first = run(tmp_path, "first", "--source", "multisync")
+    second = run(tmp_path, "second", "--source", "multisync")
+    steps = [step for step, _ in first["collector/frames"] + second["collector/frames"]]
+    assert steps == sorted(set(steps)) and steps[-1] == 160
+    assert second["collector/frames"][0][0] > first["collector/frames"][-1][0] == 80
+    # totals go on from the first part's (one run logs the same: 160 frames, 8 batches of
+    # each worker, two episodes per worker batch)
+    assert second["collector/frames"][-1] == [160, 160.0]
+    assert second["collector/batches"][-1] == [160, 16.0]
+    assert second["collector/episodes_total"][-1] == [160, 32.0]
+    assert set(second["collector/episode_length_mean"][-1][1:]) == {5.0}
+
+
+def _observed_buffer(logger, **kwargs):
+    rb = ReplayBuffer(storage=LazyTensorStorage(100))
+    observer = LoggerObserver(MetricsChannel(logger, background=False), **kwargs)
+    rb.add_observer(observer)
+    return rb, observer
+
+
+def test_a_state_that_does_not_fit_is_refused_naming_the_difference(tmp_path):
+    logger = CSVLogger(exp_name="fit", log_dir=str(tmp_path))
+    rb, observer = _observed_buffer(logger, metrics=[WriteMetrics(), SampleMetrics()])
+    rb.extend(torch.arange(10))
+    state = observer.state_dict()
+    other = CSVLogger(exp_name="other", log_dir=str(tmp_path))
+    _, renamed = _observed_buffer(other, metrics=[WriteMetrics(), SampleMetrics()], name="rb")
+    with pytest.raises(ValueError, match=r"namespace 'replay_buffer' \(this observer: 'rb'\)"):
+        renamed.load_state_dict(state)
+    _, fewer = _observed_buffer(other, metrics=[WriteMetrics()], name="fewer")
+    with pytest.raises(ValueError, match=r"metric sets \['WriteMetrics', 'SampleMetrics'\]"):
+        fewer.load_state_dict(state)
+    env = CountingEnv(max_steps=3)
+    collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=4, total_frames=8)
+    collector_observer = LoggerObserver(MetricsChannel(other, background=False), metrics=CollectorBatchMetrics())
+    collector.add_observer(collector_observer)
+    with pytest.raises(ValueError, match="kind of source 'replay_buffer'"):
+        collector_observer.load_state_dict(state)
+    collector.shutdown()
+
+
+def test_observer_is_a_checkpoint_component_loaded_before_or_after_attaching(tmp_path):
+    logger = CSVLogger(exp_name="first", log_dir=str(tmp_path))
+    rb, observer = _observed_buffer(logger, schedule=Every.counter("sample_calls", 2))
+    rb.extend(torch.arange(10))
+    for _ in range(3):
+        rb.sample(2)
+    Checkpoint(observer=observer).save(tmp_path / "ckpt")
+    again = CSVLogger(exp_name="again", log_dir=str(tmp_path))
+    # loaded before attaching: applied when attached, once the metric sets exist
+    resumed = LoggerObserver(MetricsChannel(again, background=False), schedule=Every.counter("sample_calls", 2))
+    Checkpoint(observer=resumed).load(tmp_path / "ckpt")
+    rb2 = ReplayBuffer(storage=LazyTensorStorage(100))
+    rb2.add_observer(resumed)
+    rb2.extend(torch.arange(10))
+    rb2.sample(2)  # the 4th sample call overall: crosses 4
+    resumed._channel().flush(timeout=10)
+    assert scalars(again, "replay_buffer/sample_calls") == [(4, 4.0)]
+    # the buffer was not restored (write_count 10): items written go on from the observer's 10
+    assert scalars(again, "replay_buffer/items_written") == [(4, 20.0)]
+
+
+def test_a_step_never_goes_below_the_namespaces_last_one(tmp_path):
+    """Loading an older state of a counter torchrl does not keep (sample_calls): no row below the last step."""
+    logger = CSVLogger(exp_name="back", log_dir=str(tmp_path))
+    rb, observer = _observed_buffer(logger, schedule=None, metrics=SampleMetrics())
+    rb.extend(torch.arange(10))
+    rb.sample(2)
+    older = observer.state_dict()
+    rb.sample(2)
+    rb.sample(2)
+    observer.load_state_dict(older)  # sample_calls back to 1
+    for _ in range(3):
+        rb.sample(2)
+    observer._channel().flush(timeout=10)
+    rows = scalars(logger, "replay_buffer/sample_calls")
+    # a row after every event (schedule=None), the extend's first
+    assert [step for step, _ in rows] == [0, 1, 2, 3, 3, 3, 4]
+    assert [value for _, value in rows] == [0.0, 1.0, 2.0, 3.0, 2.0, 3.0, 4.0]  # the counts are the state's
+
+
+def test_the_owners_aggregate_goes_on_from_its_saved_state():
+    """Restarted workers (new processes) count on top of the saved totals, gauges and thresholds."""
+    from rl_observers.logging.aggregate import Aggregate
+    from rl_observers.stats import Count
+
+    def contribution(frames):
+        return {"frames": float(frames), "dones": Count("dones", 1)}, {"frames": frames}
+
+    first = Aggregate("collector", schedule=Every.counter("frames", 100), step_key="frames", scope="both")
+    first.contribute(0, *contribution(60), process="a")
+    rows = first.contribute(1, *contribution(50), process="b")
+    assert [(namespace, step) for namespace, _, step in rows] == [("collector", 110)]
+    state = first.state_dict()
+    resumed = Aggregate("collector", schedule=Every.counter("frames", 100), step_key="frames", scope="both")
+    resumed.load_state_dict(state)
+    assert resumed.contribute(0, *contribution(30), process="c") == []  # 140: below 200
+    # (a contribution carries its process's cumulative counters)
+    rows = resumed.contribute(1, *contribution(70), process="d")  # worker 1 at 120, total 210
+    rows += resumed.contribute(0, *contribution(70), process="c")  # worker 0 at 130, total 250
+    by_namespace = {namespace: (step, metrics["frames"]) for namespace, metrics, step in rows}
+    assert by_namespace == {
+        "collector/worker_1": (120, 120.0),
+        "collector": (210, 210.0),
+        "collector/worker_0": (130, 130.0),
+    }
