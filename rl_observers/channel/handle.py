@@ -11,20 +11,41 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from rl_observers.channel.owner import Forwarder
 from rl_observers.channel.payload import check_metrics
 from rl_observers.channel.transport import Sender, make_sender
 
-if TYPE_CHECKING:
-    from rl_observers.channel.channel import MetricsChannel
-
 __all__ = ["MetricsHandle"]
+
+
+class _Channel(Protocol):
+    """What a handle uses of the :class:`~rl_observers.MetricsChannel` it refers to.
+
+    A protocol, so that this module never imports :mod:`~rl_observers.channel.channel`
+    (which imports this one).
+    """
+
+    _state: Any
+
+    def submit_metrics(
+        self,
+        metrics: Mapping[str, Any],
+        step: int | None = None,
+        *,
+        namespace: str = "",
+        meta: Mapping[str, Any] | None = None,
+    ) -> None: ...
+
+    def flush(self, timeout: float | None = None) -> bool: ...
+
+    def _current_addresses(self, known: Mapping[str, Any]) -> dict[str, Any]: ...
+
 
 # Channels owned by this process, by token: an unpickled handle whose token is
 # found here submits to the channel itself. A forked child forgets them.
-OWNERS: weakref.WeakValueDictionary[str, MetricsChannel] = weakref.WeakValueDictionary()
+OWNERS: weakref.WeakValueDictionary[str, _Channel] = weakref.WeakValueDictionary()
 
 
 class MetricsHandle:
@@ -80,7 +101,7 @@ class MetricsHandle:
         addresses: Mapping[str, Any],
         meta: Mapping[str, Any] | None = None,
         *,
-        channel: MetricsChannel | None = None,
+        channel: _Channel | None = None,
         transport: str | None = None,
         owner: str | None = None,
     ) -> None:

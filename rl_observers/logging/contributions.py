@@ -21,6 +21,7 @@ import time
 import weakref
 from typing import Any
 
+from rl_observers.channel.meta import AGGREGATE, COUNTERS, PROCESS, WORKER
 from rl_observers.logging.aggregate import AggregateSpec
 from rl_observers.sources.placement import process_token, source_info
 
@@ -110,10 +111,10 @@ class Contributor:
         counters = self._counters()
         latest = tuple(g for m in self._sets or () for g in m.latest_gauges)
         meta = {
-            "aggregate": self.name,
-            "worker": self._worker,
-            "process": process_token(),
-            "counters": counters,
+            AGGREGATE: self.name,
+            WORKER: self._worker,
+            PROCESS: process_token(),
+            COUNTERS: counters,
             **AggregateSpec(self.schedule, self.step_key, self.scope, self.log_on_close, latest).as_meta(),
         }
         payload = self._pull()

@@ -1,6 +1,6 @@
 """The sending side of the Ray transport: a bounded buffer and a thread per process.
 
-See :mod:`rl_observers.channel.ray_transport` for the flow.
+See :mod:`rl_observers.channel.ray.transport` for the flow.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rl_observers.channel.payload import coalesce
-from rl_observers.channel.ray_actors import (
+from rl_observers.channel.ray.actors import (
     NAME,
     RELAY_INTERVAL,
     Message,

@@ -1,6 +1,6 @@
 """The Ray transport's actors: one relay per node and the owner's ingest.
 
-See :mod:`rl_observers.channel.ray_transport` for the flow. Also here: the
+See :mod:`rl_observers.channel.ray.transport` for the flow. Also here: the
 bounded fire-and-forget :class:`_Forwarder` that senders and relays push
 through, and :func:`premerge`, the relay's exact merge of one worker's
 consecutive windows.
@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from rl_observers.channel.meta import AGGREGATE, COUNTERS, FINISH, PROCESS, WORKER
 from rl_observers.channel.payload import coalesce
 
 #: The transport's name (``handle.transport``).
@@ -76,7 +77,7 @@ def _relay_name(token: str, node: str) -> str:
 
 
 def premerge(messages: list[Message]) -> list[Message]:
-    """Merges consecutive windows of one worker (see :mod:`~rl_observers.channel.ray_transport`).
+    """Merges consecutive windows of one worker (see :mod:`~rl_observers.channel.ray.transport`).
 
     "Consecutive" is per worker: windows of other workers may come in between
     (their relative order was never defined: they come from other processes).
@@ -87,11 +88,11 @@ def premerge(messages: list[Message]) -> list[Message]:
     # (namespace, observer, worker) -> (meta without counters, index in out)
     open_runs: dict[tuple, tuple[dict, int]] = {}
     for namespace, metrics, step, meta, counts, held in messages:
-        if meta and "aggregate" in meta:
-            key = (namespace, meta["aggregate"], _hashable(meta.get("worker")), meta.get("process"))
-            settings = {k: v for k, v in meta.items() if k != "counters"}
+        if meta and AGGREGATE in meta:
+            key = (namespace, meta[AGGREGATE], _hashable(meta.get(WORKER)), meta.get(PROCESS))
+            settings = {k: v for k, v in meta.items() if k != COUNTERS}
             run = open_runs.get(key)
-            if not meta.get("finish"):
+            if not meta.get(FINISH):
                 if run is not None and run[0] == settings:
                     into = out[run[1]]
                     coalesce(into[1], metrics)
