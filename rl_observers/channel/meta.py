@@ -20,7 +20,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["AGGREGATE", "COUNTERS", "FINISH", "PROCESS", "WORKER", "is_final", "is_window"]
+__all__ = [
+    "AGGREGATE",
+    "COPY",
+    "COUNTERS",
+    "FINISH",
+    "LAST",
+    "PROCESS",
+    "SEQ",
+    "UNMERGED",
+    "WINDOWS",
+    "WORKER",
+    "is_final",
+    "is_window",
+    "spanning",
+]
 
 #: The name of the observer whose window this is (routes the payload to its aggregate).
 AGGREGATE = "aggregate"
@@ -30,8 +44,21 @@ WORKER = "worker"
 PROCESS = "process"
 #: The sending copy's cumulative counters (newest wins when windows merge).
 COUNTERS = "counters"
-#: ``True`` on the last window of an observer (or of one copy): it is never merged into another.
+#: ``True`` on the marker the owner queues behind an observer's last windows (ends its aggregate).
 FINISH = "finish"
+
+# -- the end-to-end account (set by the channel's handles, read by the owner) --------------------
+#: Who sent the window: one copy of an observer in one process (``"host/pid"``, and the Ray node).
+COPY = "copy"
+#: The window's number among those its copy sent (1, 2, ...).
+SEQ = "seq"
+#: How many of its copy's windows this one holds, merged on the way (absent: one).
+WINDOWS = "windows"
+#: ``True`` on a copy's last window (its source shut down, it was removed, its process exits).
+LAST = "last"
+
+#: Keys that differ between two windows that may still merge on the way.
+UNMERGED = frozenset({COUNTERS, SEQ, WINDOWS})
 
 
 def is_window(meta: Mapping[str, Any] | None) -> bool:
@@ -40,5 +67,27 @@ def is_window(meta: Mapping[str, Any] | None) -> bool:
 
 
 def is_final(meta: Mapping[str, Any] | None) -> bool:
-    """Whether ``meta`` marks a last window (``FINISH``)."""
-    return bool(meta) and bool(meta.get(FINISH))
+    """Whether ``meta`` ends a run of windows that merge (``FINISH`` or a copy's ``LAST``)."""
+    return bool(meta) and bool(meta.get(FINISH) or meta.get(LAST))
+
+
+def spanning(older: Mapping[str, Any] | None, newer: Mapping[str, Any] | None) -> Any:
+    """The meta of a window that ``older``'s and ``newer``'s windows merged into on the way.
+
+    The newest of the two (the higher ``SEQ``: windows can pass each other
+    on the way) gives the counters and the number; ``WINDOWS`` counts every
+    window merged, so the owner counts each of them. Without numbers,
+    ``newer`` (the later arrival) wins.
+
+    Examples:
+        >>> from rl_observers.channel.meta import spanning
+        >>> spanning({"seq": 3, "counters": {"frames": 30}}, {"seq": 5, "counters": {"frames": 50}})
+        {'seq': 5, 'counters': {'frames': 50}, 'windows': 2}
+        >>> spanning({"seq": 6, "windows": 2}, {"seq": 4})  # arrived out of order
+        {'seq': 6, 'windows': 3}
+    """
+    if not newer or SEQ not in newer or not older or SEQ not in older:
+        return newer
+    windows = older.get(WINDOWS, 1) + newer.get(WINDOWS, 1)
+    base = newer if newer[SEQ] >= older[SEQ] else older
+    return {**base, WINDOWS: windows}

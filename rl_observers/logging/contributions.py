@@ -21,7 +21,7 @@ import time
 import weakref
 from typing import Any
 
-from rl_observers.channel.meta import AGGREGATE, COUNTERS, PROCESS, WORKER
+from rl_observers.channel.meta import AGGREGATE, COUNTERS, LAST, PROCESS, WORKER
 from rl_observers.logging.aggregate import AggregateSpec
 from rl_observers.sources.placement import process_token, source_info
 
@@ -56,7 +56,7 @@ def _report_at_exit() -> None:
             try:
                 # always: the owner needs the final counters to log the rows they made due;
                 # its aggregate drops a trailing partial window itself unless log_on_close
-                observer._close_window()
+                observer._close_window(final=True)
                 observer._sink.flush(timeout=2.0)
             except Exception:  # the process is going away; never fail its exit
                 pass
@@ -107,7 +107,7 @@ class Contributor:
             return counter - self._last_report_counter >= schedule.interval
         return False
 
-    def _contribute(self) -> None:
+    def _contribute(self, final: bool = False) -> None:
         counters = self._counters()
         latest = tuple(g for m in self._sets or () for g in m.latest_gauges)
         meta = {
@@ -117,6 +117,8 @@ class Contributor:
             COUNTERS: counters,
             **AggregateSpec(self.schedule, self.step_key, self.scope, self.log_on_close, latest).as_meta(),
         }
+        if final:  # the copy's last window: the owner's account expects it (channel.account)
+            meta[LAST] = True
         payload = self._pull()
         self._last_report = time.monotonic()
         if self.schedule is not None and self.schedule.kind == "counter":

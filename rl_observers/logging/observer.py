@@ -386,7 +386,7 @@ class LoggerObserver(Contributor, Observer):
         try:
             # A copy always sends what it holds: the owner's aggregate applies log_on_close.
             if self.log_on_close or self._mode == "contribute":
-                self._close_window()
+                self._close_window(final=self._mode == "contribute")
             if self._mode == "contribute":
                 self._sink.flush(timeout=5.0)
         finally:
@@ -631,8 +631,12 @@ class LoggerObserver(Contributor, Observer):
             payload, None if step is None else int(step), namespace=self.name or ""
         )
 
-    def _close_window(self) -> None:
+    def _close_window(self, final: bool = False) -> None:
+        """Sends the open window; ``final``: a copy's last one, sent even if empty (the owner's account)."""
         with self._lock:
+            if final and self._mode == "contribute":
+                self._contribute(final=True)
+                return
             if not self._fresh:
                 return
             if self._mode == "contribute":
@@ -660,7 +664,7 @@ class LoggerObserver(Contributor, Observer):
         if self._mode == "contribute":
             # Always sent: the final counters may make rows due at the owner, whose aggregate
             # drops the trailing partial window itself when log_on_close is False.
-            self._close_window()
+            self._close_window(final=True)
             self._sink.flush(timeout=5.0)  # the process may end right after
             return
         try:

@@ -17,11 +17,13 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from rl_observers.channel.meta import AGGREGATE, COUNTERS, FINISH, PROCESS, WORKER
+from rl_observers.channel.meta import AGGREGATE, PROCESS, UNMERGED, WORKER, is_final, spanning
 from rl_observers.channel.payload import coalesce
 
 #: The transport's name (``handle.transport``).
 NAME = "ray"
+#: Seconds between two rounds of a sender's thread.
+SENDER_INTERVAL = 0.02
 #: Seconds between two batches a relay forwards to the owner.
 RELAY_INTERVAL = 0.25
 #: Messages a relay holds before it coalesces per key, then drops.
@@ -90,14 +92,14 @@ def premerge(messages: list[Message]) -> list[Message]:
     for namespace, metrics, step, meta, counts, held in messages:
         if meta and AGGREGATE in meta:
             key = (namespace, meta[AGGREGATE], _hashable(meta.get(WORKER)), meta.get(PROCESS))
-            settings = {k: v for k, v in meta.items() if k != COUNTERS}
+            settings = {k: v for k, v in meta.items() if k not in UNMERGED}
             run = open_runs.get(key)
-            if not meta.get(FINISH):
+            if not is_final(meta):
                 if run is not None and run[0] == settings:
                     into = out[run[1]]
                     coalesce(into[1], metrics)
                     into[2] = step
-                    into[3] = meta  # the newest counters
+                    into[3] = spanning(into[3], meta)  # the newest counters, every window counted
                     into[4] = (into[4][0] + counts[0], into[4][1] + counts[1])
                     # not coalesced (nothing overflowed), but lost together from now on
                     into[5] = (into[5][0] + held[0], into[5][1] + held[1])
