@@ -119,7 +119,8 @@ class Contributor:
         }
         if final:  # the copy's last window: the owner's account expects it (channel.account)
             meta[LAST] = True
-        payload = self._pull()
+        # a last window with nothing new in it is only the marker the owner's account expects
+        payload = self._pull() if self._fresh or not final else {}
         self._last_report = time.monotonic()
         if self.schedule is not None and self.schedule.kind == "counter":
             self._last_report_counter = counters.get(self.schedule.key, 0)
