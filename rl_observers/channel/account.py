@@ -58,7 +58,7 @@ torchrl_logger = logging.getLogger("torchrl")
 class _Copy:
     """What the owner knows of one copy of one observer."""
 
-    __slots__ = ("counters", "last", "received", "sent", "where", "worker")
+    __slots__ = ("counters", "counters_seq", "last", "received", "sent", "where", "worker")
 
     def __init__(self, worker: Any, where: str) -> None:
         self.worker = worker
@@ -67,6 +67,7 @@ class _Copy:
         self.received = 0  # windows received (a merged one counts every window it holds)
         self.last = False
         self.counters: Mapping[str, Any] = {}
+        self.counters_seq = 0  # the number of the window the newest counters came with
 
 
 class Account:
@@ -112,13 +113,15 @@ class Account:
             copy.received += windows if windows.__class__ is int and windows > 0 else 1
             if meta.get(LAST):
                 copy.last = True
-            if seq > copy.sent:
-                copy.sent = seq
-                copy.counters = meta.get(COUNTERS) or {}
+            copy.sent = max(copy.sent, seq)
+            counters = meta.get(COUNTERS)
+            if counters is None:  # a last window that only marks the end
                 return meta
-            if COUNTERS in meta:
-                return {**meta, COUNTERS: copy.counters}
-            return meta
+            if seq >= copy.counters_seq:
+                copy.counters_seq = seq
+                copy.counters = counters
+                return meta
+            return {**meta, COUNTERS: copy.counters}
 
     def waiting(self, name: str) -> list[str]:
         """The copies of the observer ``name`` whose last window (or an earlier one) has not arrived."""

@@ -119,8 +119,11 @@ class Contributor:
         }
         if final:  # the copy's last window: the owner's account expects it (channel.account)
             meta[LAST] = True
-        # a last window with nothing new in it is only the marker the owner's account expects
-        payload = self._pull() if self._fresh or not final else {}
+            if not self._fresh:  # nothing new since the last window: only the marker, no counters
+                del meta[COUNTERS]
+                self._sink.submit_metrics({}, namespace=f"{self.name}/worker_{self._worker}", meta=meta)
+                return
+        payload = self._pull()
         self._last_report = time.monotonic()
         if self.schedule is not None and self.schedule.kind == "counter":
             self._last_report_counter = counters.get(self.schedule.key, 0)

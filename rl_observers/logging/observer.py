@@ -44,6 +44,11 @@ from rl_observers.sources import observers_of
 
 __all__ = ["LoggerObserver", "attach_logger", "install_attach_logger"]
 
+#: Seconds a copy waits at its source's shutdown for its last window to be acknowledged by the
+#: owner's ingest (a relay or ingest actor still starting on a busy node takes seconds); within
+#: the source's own bound (30 s for the actors of a Ray source, see ``sources/ray.py``).
+LAST_WINDOW_TIMEOUT = 20.0
+
 Scope = Literal["aggregate", "per_worker", "both"]
 SCOPES: tuple[str, ...] = ("aggregate", "per_worker", "both")
 _DATA_EVENTS = ("post_collect", "post_add", "post_extend", "post_sample")
@@ -665,7 +670,7 @@ class LoggerObserver(Contributor, Observer):
             # Always sent: the final counters may make rows due at the owner, whose aggregate
             # drops the trailing partial window itself when log_on_close is False.
             self._close_window(final=True)
-            self._sink.flush(timeout=5.0)  # the process may end right after
+            self._sink.flush(timeout=LAST_WINDOW_TIMEOUT)  # acknowledged before the process may end
             return
         try:
             if self.log_on_close:

@@ -377,7 +377,7 @@ class _Relay:
         self.rounds = 0  # forwarding rounds done: what was pushed before round n is forwarded after it
         self._forwarder = _Forwarder(self._find_ingest, RELAY_IN_FLIGHT)
         self._wake = threading.Event()
-        self._flushes: list[threading.Event] = []
+        self._flushes: list[tuple[threading.Event, float, list[bool]]] = []
         threading.Thread(target=self._run, name="rl_observers-relay", daemon=True).start()
 
     def _find_ingest(self) -> Any:
@@ -398,12 +398,13 @@ class _Relay:
             return self.rounds
 
     def flush(self, timeout: float = 5.0) -> bool:
-        """Forwards what is held now and waits until the ingest has it."""
+        """Forwards what is held now and waits until the ingest has it; whether it has."""
         done = threading.Event()
+        result: list[bool] = []
         with self._lock:
-            self._flushes.append(done)
+            self._flushes.append((done, timeout, result))
         self._wake.set()
-        return done.wait(timeout)
+        return done.wait(timeout + 0.5) and bool(result) and result[0]
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -440,11 +441,20 @@ class _Relay:
                 flushes, self._flushes = self._flushes, []
             forwarder.reap()
             self._forward()
-            if flushes:
-                forwarder.wait(time.monotonic() + 5.0)
-                self._forward()
-                forwarder.wait(time.monotonic() + 5.0)
-                for done in flushes:
+            if flushes:  # until everything held reached the ingest (an ingest still starting: retried)
+                deadline = time.monotonic() + max(timeout for _, timeout, _ in flushes)
+                while True:
+                    forwarder.wait(deadline)
+                    self._forward()
+                    forwarder.wait(deadline)
+                    with self._lock:
+                        held = bool(self._messages)
+                    if (not held and not forwarder.in_flight) or time.monotonic() >= deadline:
+                        break
+                    time.sleep(0.05)
+                flushed = not held and not forwarder.in_flight and forwarder.error is None
+                for done, _, result in flushes:
+                    result.append(flushed)
                     done.set()
 
     def _forward(self) -> None:
