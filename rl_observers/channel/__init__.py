@@ -24,6 +24,7 @@ Modules, in the order a payload meets them:
   :mod:`~rl_observers.channel.ray.sender` (workers), :mod:`~rl_observers.channel.ray.actors`
   (per-node relays, the owner's ingest) and :mod:`~rl_observers.channel.ray.receiver` (the owner);
 - :mod:`~rl_observers.channel.meta`: the ``meta`` keys the channel reads (defined once);
+- :mod:`~rl_observers.channel.account`: what each observer copy sent and what reached the owner;
 - :mod:`~rl_observers.channel.channel`: :class:`MetricsChannel`, the public face;
 - :mod:`~rl_observers.channel.owner`: what the channel is in its process (owner) or a forked child;
 - :mod:`~rl_observers.channel.queue`: the bounded, coalescing queue and its counters;
