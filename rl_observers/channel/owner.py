@@ -30,8 +30,8 @@ from torchrl._utils import logger as torchrl_logger
 
 from rl_observers.channel.account import Account
 from rl_observers.channel.delivery import Delivery
-from rl_observers.channel.meta import COPY
-from rl_observers.channel.payload import check_metrics
+from rl_observers.channel.meta import COPY, COUNTERS
+from rl_observers.channel.payload import check_metrics, is_partial
 from rl_observers.channel.queue import PendingQueue
 from rl_observers.channel.transport import Receiver, make_sender, transports
 from rl_observers.observer import ON_ERROR_POLICIES
@@ -206,7 +206,10 @@ class Owner:
         if lost or coalesced:
             self.queue.count_remote(lost, coalesced)
         if meta is not None and COPY in meta:
-            meta = self.account.note(meta)
+            noted = self.account.note(meta)
+            if noted is not meta and COUNTERS in meta:  # a late window: its gauges are older too
+                metrics = {k: v for k, v in metrics.items() if is_partial(v)}
+            meta = noted
         self._put(metrics, step, namespace, meta)
 
     # -------------------------------------------------------------- receivers
