@@ -393,7 +393,7 @@ class LoggerObserver(Contributor, Observer):
             if self.log_on_close or self._mode == "contribute":
                 self._close_window(final=self._mode == "contribute")
             if self._mode == "contribute":
-                self._sink.flush(timeout=5.0)
+                self._sink.flush(timeout=LAST_WINDOW_TIMEOUT)  # acknowledged before detach returns
         finally:
             self._release_name()
 
