@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 from torchrl.record.loggers.monitoring import Every
 
-from rl_observers.channel import ray_transport
+from rl_observers.channel.ray import transport as ray_transport
 from rl_observers.logging.aggregate import Aggregate
 from rl_observers.stats import Count, Moments
 from tests.helpers import local_ray
@@ -85,7 +85,7 @@ def _simulated_nodes(ray):
     class SimulatedNodes:
         def prepare(self, address, nodes, relay):
             """Starts the senders (and finds or creates the relays) before the clock runs."""
-            from rl_observers.channel.ray_transport import RaySender
+            from rl_observers.channel.ray.transport import RaySender
 
             self.senders = {
                 node: RaySender(address, relay=relay, node=node, capacity=1 << 16) for node in nodes

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from rl_observers.channel import ray_transport
+from rl_observers.channel.ray import transport as ray_transport
 from rl_observers.logging.aggregate import Aggregate
 from rl_observers.stats import Count, Moments
 from tests.helpers import local_ray
@@ -28,7 +28,7 @@ from tests.multinode import Cluster, _groups_of_sessions, two_node_cluster
 
 
 def load_transport() -> ModuleType:
-    """``rl_observers.channel.ray_transport`` (kept for the benchmarks that import it)."""
+    """``rl_observers.channel.ray.transport`` (kept for the benchmarks that import it)."""
     return ray_transport
 
 
@@ -430,7 +430,7 @@ def assert_exact(recorder: Recorder, sender, sent: int) -> None:
 
 def holding_relay(ray, address, node: str, capacity: int = 1 << 16) -> Any:
     """The relay of ``node``, made before its senders: it holds ``capacity`` messages until flushed."""
-    from rl_observers.channel.ray_actors import _actor_class, _Relay, _relay_name
+    from rl_observers.channel.ray.actors import _actor_class, _Relay, _relay_name
 
     relay = (
         _actor_class(_Relay, num_cpus=0, max_concurrency=4)

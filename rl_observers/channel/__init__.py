@@ -20,9 +20,11 @@ Modules, in the order a payload meets them:
 - :mod:`~rl_observers.channel.handle`: :class:`MetricsHandle`, for other processes;
 - :mod:`~rl_observers.channel.transport`: the transport interface and registry;
 - :mod:`~rl_observers.channel.socket`: the Unix-datagram transport (the owner's machine);
-- :mod:`~rl_observers.channel.ray_transport`: the Ray transport (any node), merged per node: its
-  :mod:`~rl_observers.channel.ray_sender` (workers), :mod:`~rl_observers.channel.ray_actors`
-  (per-node relays, the owner's ingest) and :mod:`~rl_observers.channel.ray_receiver` (the owner);
+- :mod:`~rl_observers.channel.ray`: the Ray transport (any node), merged per node: its
+  :mod:`~rl_observers.channel.ray.sender` (workers), :mod:`~rl_observers.channel.ray.actors`
+  (per-node relays, the owner's ingest) and :mod:`~rl_observers.channel.ray.receiver` (the owner);
+- :mod:`~rl_observers.channel.meta`: the ``meta`` keys the channel reads (defined once);
+- :mod:`~rl_observers.channel.account`: what each observer copy sent and what reached the owner;
 - :mod:`~rl_observers.channel.channel`: :class:`MetricsChannel`, the public face;
 - :mod:`~rl_observers.channel.owner`: what the channel is in its process (owner) or a forked child;
 - :mod:`~rl_observers.channel.queue`: the bounded, coalescing queue and its counters;
@@ -31,11 +33,11 @@ Modules, in the order a payload meets them:
 
 from __future__ import annotations
 
-from rl_observers.channel import ray_transport as _ray_transport  # registers Ray (never imports it)
 from rl_observers.channel import socket as _socket  # registers the socket transport
 from rl_observers.channel.channel import MetricsChannel
 from rl_observers.channel.delivery import Router, register_router
 from rl_observers.channel.handle import MetricsHandle
+from rl_observers.channel.ray import transport as _ray_transport  # registers Ray (never imports it)
 from rl_observers.channel.transport import register_transport
 
 del _ray_transport, _socket

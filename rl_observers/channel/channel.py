@@ -270,8 +270,11 @@ class MetricsChannel:
         """Waits until everything submitted before this call was processed.
 
         Payloads that handles in other processes sent before the call are
-        included. "Processed" means delivered, failed (counted in
-        ``sink_errors``) or dropped (on overflow, counted in ``dropped``).
+        included: the flush is a barrier through every hop (the senders'
+        buffers, Ray's per-node relays, the owner's ingest; see
+        ``docs/distributed.rst``, "What flush guarantees"). "Processed" means
+        delivered, failed (counted in ``sink_errors``) or dropped (on
+        overflow, counted in ``dropped``).
         With ``background=False`` the entries are delivered in the calling
         thread, and ``timeout`` does not bound the logger calls.
 
@@ -286,7 +289,8 @@ class MetricsChannel:
             lost; ``False`` if the timeout expired first (the logger is slow
             or hung), something failed (counted in ``sink_errors``, reported
             per ``on_error``) or payloads were lost (counted in ``dropped``,
-            ``remote_dropped`` or ``receiver_restarts``). ``True`` thus means
+            ``remote_dropped``, ``receiver_restarts``, ``copies_lost`` or
+            ``windows_lost``). ``True`` thus means
             that everything submitted since the previous check reached the
             logger (coalesced payloads merged into the entry logged).
 
@@ -472,6 +476,12 @@ class MetricsChannel:
           could report it), also on other nodes;
         - ``receiver_restarts``: times a receiver lost its mailbox and
           started a new one (Ray's ingest actor died; what it held is lost).
+        - ``copies_lost``: copies of observers (in workers, actors, other
+          nodes) that vanished without their final report (actor killed,
+          node lost, worker SIGKILLed), each reported once in a warning
+          naming it and what its last report held;
+        - ``windows_lost``: windows that those copies numbered and that
+          never reached the owner (see :mod:`~rl_observers.channel.account`).
 
         ``submitted == logged + pending + coalesced + dropped + sink_errors``.
         """

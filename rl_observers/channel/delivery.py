@@ -84,7 +84,15 @@ def health_problem(counts: Mapping[str, int], capacity: int) -> bool:
         return True
     return any(
         counts.get(key, 0)
-        for key in ("dropped", "coalesced", "sink_errors", "remote_dropped", "remote_coalesced")
+        for key in (
+            "dropped",
+            "coalesced",
+            "sink_errors",
+            "remote_dropped",
+            "remote_coalesced",
+            "copies_lost",
+            "windows_lost",
+        )
     )
 
 

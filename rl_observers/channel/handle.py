@@ -9,22 +9,47 @@ when it is first used.
 
 from __future__ import annotations
 
+import os
+import socket
+import sys
 import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from rl_observers.channel.meta import AGGREGATE, COPY, SEQ
 from rl_observers.channel.owner import Forwarder
 from rl_observers.channel.payload import check_metrics
 from rl_observers.channel.transport import Sender, make_sender
 
-if TYPE_CHECKING:
-    from rl_observers.channel.channel import MetricsChannel
-
 __all__ = ["MetricsHandle"]
+
+
+class _Channel(Protocol):
+    """What a handle uses of the :class:`~rl_observers.MetricsChannel` it refers to.
+
+    A protocol, so that this module never imports :mod:`~rl_observers.channel.channel`
+    (which imports this one).
+    """
+
+    _state: Any
+
+    def submit_metrics(
+        self,
+        metrics: Mapping[str, Any],
+        step: int | None = None,
+        *,
+        namespace: str = "",
+        meta: Mapping[str, Any] | None = None,
+    ) -> None: ...
+
+    def flush(self, timeout: float | None = None) -> bool: ...
+
+    def _current_addresses(self, known: Mapping[str, Any]) -> dict[str, Any]: ...
+
 
 # Channels owned by this process, by token: an unpickled handle whose token is
 # found here submits to the channel itself. A forked child forgets them.
-OWNERS: weakref.WeakValueDictionary[str, MetricsChannel] = weakref.WeakValueDictionary()
+OWNERS: weakref.WeakValueDictionary[str, _Channel] = weakref.WeakValueDictionary()
 
 
 class MetricsHandle:
@@ -67,10 +92,13 @@ class MetricsHandle:
         "__weakref__",
         "_addresses",
         "_channel",
+        "_copy",
+        "_copy_pid",
         "_forced",
         "_meta",
         "_owner",
         "_sender",
+        "_seq",
         "_token",
     )
 
@@ -80,7 +108,7 @@ class MetricsHandle:
         addresses: Mapping[str, Any],
         meta: Mapping[str, Any] | None = None,
         *,
-        channel: MetricsChannel | None = None,
+        channel: _Channel | None = None,
         transport: str | None = None,
         owner: str | None = None,
     ) -> None:
@@ -91,6 +119,9 @@ class MetricsHandle:
         self._forced = transport
         self._channel = channel if transport is None else None
         self._sender: Sender | None = None
+        self._copy_pid: int | None = None  # the process _copy and _seq belong to
+        self._copy = ""
+        self._seq = 0
 
     def _send_through(self) -> Sender:
         sender = self._sender
@@ -122,6 +153,12 @@ class MetricsHandle:
             channel.submit_metrics(metrics, step, namespace=namespace, meta=meta)
             return
         metrics = check_metrics(metrics, namespace, "MetricsHandle")
+        if meta is not None and AGGREGATE in meta:
+            # an observer copy's window: numbered, so that the owner knows what it sent
+            if self._copy_pid != os.getpid():
+                self._copy_pid, self._copy, self._seq = os.getpid(), _copy_identity(), 0
+            self._seq += 1
+            meta = {**meta, COPY: self._copy, SEQ: self._seq}
         self._send_through().send(metrics, step, namespace, meta)
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -216,6 +253,18 @@ class MetricsHandle:
         if transport == "local":
             return f"{type(self).__name__}(transport='local')"
         return f"{type(self).__name__}(transport={transport!r}, address={self.address!r})"
+
+
+def _copy_identity() -> str:
+    """Who sends from this process, in words: ``host/pid``, and the Ray node where there is one."""
+    where = f"{socket.gethostname()}/pid {os.getpid()}"
+    ray = sys.modules.get("ray")
+    try:
+        if ray is not None and ray.is_initialized():
+            where += f"/node {ray.get_runtime_context().get_node_id()[:12]}"
+    except Exception:  # a Ray that cannot say: the host and pid name the copy
+        pass
+    return where
 
 
 def _rebuild_handle(

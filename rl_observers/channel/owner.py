@@ -28,13 +28,20 @@ from typing import Any
 
 from torchrl._utils import logger as torchrl_logger
 
+from rl_observers.channel.account import Account
 from rl_observers.channel.delivery import Delivery
-from rl_observers.channel.payload import check_metrics
+from rl_observers.channel.meta import COPY, COUNTERS
+from rl_observers.channel.payload import check_metrics, is_partial
 from rl_observers.channel.queue import PendingQueue
 from rl_observers.channel.transport import Receiver, make_sender, transports
 from rl_observers.observer import ON_ERROR_POLICIES
 
-__all__ = ["Forwarder", "Owner", "check_alive"]
+__all__ = ["LAST_WINDOWS_WAIT", "Forwarder", "Owner", "check_alive"]
+
+#: Seconds the owner waits, once an observer's copies are gone, for their last windows to arrive.
+#: A source's shutdown already waited for its live copies' last windows to be acknowledged, so
+#: only a copy that vanished (or whose acknowledgement timed out) makes the owner wait this long.
+LAST_WINDOWS_WAIT = 3.0
 
 
 def check_alive(logger: Any) -> None:
@@ -119,6 +126,8 @@ class Owner:
         self._feeders: dict[int, tuple[weakref.ref[Any], str]] = {}
         self._lock = threading.Lock()
         self._receivers: dict[str, Receiver] = {}
+        self.account = Account(name)
+        self._account_seen = (0, 0)
         self._receivers_started = False
         self._receivers_lock = threading.Lock()
         self.delivery = Delivery(
@@ -196,6 +205,11 @@ class Owner:
             return
         if lost or coalesced:
             self.queue.count_remote(lost, coalesced)
+        if meta is not None and COPY in meta:
+            noted = self.account.note(meta)
+            if noted is not meta and COUNTERS in meta:  # a late window: its gauges are older too
+                metrics = {k: v for k, v in metrics.items() if is_partial(v)}
+            meta = noted
         self._put(metrics, step, namespace, meta)
 
     # -------------------------------------------------------------- receivers
@@ -220,6 +234,19 @@ class Owner:
         for receiver in list(self._receivers.values()):
             receiver.poll(deadline)
 
+    def barrier(self, deadline: float | None) -> None:
+        """Brings in everything sent before the call, through every hop a receiver has.
+
+        A receiver with hops of its own (Ray's per-node relays) pushes them
+        through first (``barrier``); the others are polled.
+        """
+        for receiver in list(self._receivers.values()):
+            through = getattr(receiver, "barrier", None)
+            if through is not None:
+                through(deadline)
+            else:
+                receiver.poll(deadline)
+
     def _close_receivers(self, deadline: float | None) -> None:
         with self._receivers_lock:
             self._receivers_started = True
@@ -228,13 +255,23 @@ class Owner:
 
     # ------------------------------------------------------------ flush/close
     def flush(self, timeout: float | None) -> bool:
-        return self.delivery.flush(None if timeout is None else time.monotonic() + timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.barrier(deadline)
+        return self.delivery.flush(deadline) & self._account_clean()
+
+    def _account_clean(self) -> bool:
+        """Whether no copy nor window was counted lost since the previous check."""
+        counts = self.account.counts()
+        seen = (counts["copies_lost"], counts["windows_lost"])
+        clean = seen == self._account_seen
+        self._account_seen = seen
+        return clean
 
     def step(self) -> int:
         return self.delivery.step()
 
     def health(self) -> dict[str, int]:
-        return self.queue.counts()
+        return {**self.queue.counts(), **self.account.counts()}
 
     def add_close_callback(self, callback: Callable[[], Any]) -> None:
         if getattr(callback, "__self__", None) is not None and hasattr(callback, "__func__"):
@@ -261,13 +298,33 @@ class Owner:
 
         with self._lock:
             self._feeders[key] = (weakref.ref(feeder, forget), description)
+        name = getattr(feeder, "name", None)
+        if isinstance(name, str):  # the name its copies' windows carry (meta["aggregate"])
+            self.account.describe(name, description)
 
     def copies_gone(self, feeder: Any) -> None:
-        """Notes that ``feeder``'s copies are gone (removed, or their source shut down)."""
+        """Notes that ``feeder``'s copies are gone (removed, or their source shut down).
+
+        Waits (at most ``LAST_WINDOWS_WAIT`` seconds, only while some are
+        missing) for the last windows of the copies that reported, then
+        settles their account (:mod:`~rl_observers.channel.account`): a copy
+        whose last window never came is reported and counted lost.
+        """
         with self._lock:
             entry = self._feeders.get(id(feeder))
             if entry is not None and entry[0]() is feeder:
                 del self._feeders[id(feeder)]
+        name = getattr(feeder, "name", None)
+        if not isinstance(name, str) or self.close_requested:
+            return
+        deadline = time.monotonic() + LAST_WINDOWS_WAIT
+        self.poll_remote(deadline)
+        if self.account.waiting(name):
+            self.barrier(deadline)
+            while self.account.waiting(name) and time.monotonic() < deadline:
+                time.sleep(0.05)
+                self.poll_remote(deadline)
+        self.account.settle(name)
 
     def _copies_still_attached(self) -> bool:
         """Warns, naming them, if producers' copies elsewhere still feed this channel."""
@@ -309,11 +366,12 @@ class Owner:
             self.poll_remote(time.monotonic() + 1.0)
             self._run_close_callbacks()
             self._close_receivers(deadline)
+            self.account.settle()  # copies that never sent their last window are reported
             self.closed = True
             self.queue.close()
             self.delivery.stop(at_exit)
         done = self.delivery.join(deadline)
-        clean = self.delivery.clean_since_last_check()
+        clean = self.delivery.clean_since_last_check() & self._account_clean()
         self.delivery.raise_stored_error()
         return done and clean and not orphaned
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from torchrl._utils import logger as torchrl_logger
 
+from rl_observers.channel.meta import spanning
 from rl_observers.channel.payload import coalesce
 from rl_observers.channel.transport import Accept, register_transport
 
@@ -244,7 +245,7 @@ class SocketSender:
                 self._warn_once(f"could not merge a partial of namespace {namespace!r}: {error!r}")
             held[1] = step
             if meta is not None:
-                held[2] = meta
+                held[2] = spanning(held[2], meta)
             held[3] += 1
             self.coalesced += 1
             self._unreported_coalesced += 1

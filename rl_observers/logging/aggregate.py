@@ -47,6 +47,7 @@ from torchrl.record.loggers.monitoring import Every
 
 from rl_observers.channel import MetricsChannel, register_router
 from rl_observers.channel.delivery import Row
+from rl_observers.channel.meta import AGGREGATE, COUNTERS, FINISH, PROCESS, WORKER
 from rl_observers.channel.payload import coalesce, is_partial
 from rl_observers.logging.schedule import ScheduleClock
 
@@ -62,7 +63,7 @@ __all__ = [
 ]
 
 #: The ``meta`` key that sends a payload to the aggregation router.
-META_KEY = "aggregate"
+META_KEY = AGGREGATE
 #: Seconds without a contribution after which a worker no longer counts as reporting.
 STALE_AFTER = 10.0
 
@@ -394,11 +395,11 @@ class AggregationRouter:
             if restored is not None:
                 aggregate.load_state_dict(restored)
         rows: list[Row] = []
-        if metrics or meta.get("counters"):
+        if metrics or meta.get(COUNTERS):
             rows = aggregate.contribute(
-                meta.get("worker"), metrics, meta.get("counters") or {}, process=meta.get("process")
+                meta.get(WORKER), metrics, meta.get(COUNTERS) or {}, process=meta.get(PROCESS)
             )
-        if meta.get("finish"):
+        if meta.get(FINISH):
             rows.extend(aggregate.finish())
             del self.aggregates[name]
         return rows
@@ -481,4 +482,4 @@ def finish_aggregate(channel: MetricsChannel, name: str) -> None:
     removed.
     """
     channel.receive(timeout=5.0)
-    channel.submit_metrics({}, namespace=name, meta={META_KEY: name, "finish": True})
+    channel.submit_metrics({}, namespace=name, meta={META_KEY: name, FINISH: True})

@@ -21,6 +21,7 @@ import time
 import weakref
 from typing import Any
 
+from rl_observers.channel.meta import AGGREGATE, COUNTERS, PROCESS, WORKER
 from rl_observers.logging.aggregate import AggregateSpec
 from rl_observers.sources.placement import process_token, source_info
 
@@ -55,7 +56,7 @@ def _report_at_exit() -> None:
             try:
                 # always: the owner needs the final counters to log the rows they made due;
                 # its aggregate drops a trailing partial window itself unless log_on_close
-                observer._close_window()
+                observer._close_window(final=True)
                 observer._sink.flush(timeout=2.0)
             except Exception:  # the process is going away; never fail its exit
                 pass
@@ -142,9 +143,9 @@ class Contribution:
         if schedule is not None and schedule.kind == "counter":
             self.last_report_counter = counters.get(schedule.key, 0)
         return {
-            "aggregate": name,
-            "worker": self.worker,
-            "process": process_token(),
-            "counters": counters,
+            AGGREGATE: name,
+            WORKER: self.worker,
+            PROCESS: process_token(),
+            COUNTERS: counters,
             **spec.as_meta(),
         }

@@ -24,6 +24,7 @@ from torchrl.collectors import BaseCollector
 from torchrl.record.loggers.monitoring import Every
 
 from rl_observers.channel import MetricsChannel
+from rl_observers.channel.meta import COUNTERS, LAST
 from rl_observers.logging.aggregate import (
     AggregateSpec,
     aggregate_state,
@@ -58,6 +59,11 @@ from rl_observers.observer import Observer, check_on_error
 from rl_observers.sources import observers_of
 
 __all__ = ["LoggerObserver"]
+
+#: Seconds a copy waits at its source's shutdown for its last window to be acknowledged by the
+#: owner's ingest (a relay or ingest actor still starting on a busy node takes seconds); within
+#: the source's own bound (30 s for the actors of a Ray source, see ``sources/ray.py``).
+LAST_WINDOW_TIMEOUT = 20.0
 
 Scope = Literal["aggregate", "per_worker", "both"]
 SCOPES: tuple[str, ...] = ("aggregate", "per_worker", "both")
@@ -395,9 +401,9 @@ class LoggerObserver(Observer):
         try:
             # A copy always sends what it holds: the owner's aggregate applies log_on_close.
             if self.log_on_close or self._mode == "contribute":
-                self._close_window()
+                self._close_window(final=self._mode == "contribute")
             if self._mode == "contribute":
-                self._sink.flush(timeout=5.0)
+                self._sink.flush(timeout=LAST_WINDOW_TIMEOUT)  # acknowledged before detach returns
         finally:
             self._release_name()
 
@@ -520,16 +526,27 @@ class LoggerObserver(Observer):
             self._sets = sets
             self._wire()
 
-    def _contribute(self) -> None:
-        """Sends this copy's window to the channel's owner, which merges it (see ``aggregate``)."""
+    def _contribute(self, final: bool = False) -> None:
+        """Sends this copy's window to the channel's owner, which merges it (see ``aggregate``).
+
+        ``final``: the copy's last window, which the owner's account expects
+        (:mod:`~rl_observers.channel.account`); with nothing new since the
+        previous window it is only the marker, without counters.
+        """
+        namespace = f"{self.name}/worker_{self._contribution.worker}"
         counters = self._counters()
         latest = tuple(g for m in self._sets or () for g in m.latest_gauges)
         spec = AggregateSpec(self.schedule, self.step_key, self.scope, self.log_on_close, latest)
+        if final and not self._fresh:
+            meta = self._contribution.meta(self.name, counters, spec)
+            del meta[COUNTERS]
+            meta[LAST] = True
+            self._sink.submit_metrics({}, namespace=namespace, meta=meta)
+            return
         meta = self._contribution.meta(self.name, counters, spec)
-        payload = self._pull()
-        self._sink.submit_metrics(
-            payload, namespace=f"{self.name}/worker_{self._contribution.worker}", meta=meta
-        )
+        if final:
+            meta[LAST] = True
+        self._sink.submit_metrics(self._pull(), namespace=namespace, meta=meta)
 
     def _first_event(self, event: str, source: Any, payload: tuple[Any, ...]) -> None:
         """The first event since attached, forked or loaded: the mode, then the source's axis.
@@ -705,8 +722,12 @@ class LoggerObserver(Observer):
             payload, None if step is None else int(step), namespace=self.name or ""
         )
 
-    def _close_window(self) -> None:
+    def _close_window(self, final: bool = False) -> None:
+        """Sends the open window; ``final``: a copy's last one, sent even if empty (the owner's account)."""
         with self._lock:
+            if final and self._mode == "contribute":
+                self._contribute(final=True)
+                return
             if not self._fresh:
                 return
             if self._mode == "contribute":
@@ -734,8 +755,8 @@ class LoggerObserver(Observer):
         if self._mode == "contribute":
             # Always sent: the final counters may make rows due at the owner, whose aggregate
             # drops the trailing partial window itself when log_on_close is False.
-            self._close_window()
-            self._sink.flush(timeout=5.0)  # the process may end right after
+            self._close_window(final=True)
+            self._sink.flush(timeout=LAST_WINDOW_TIMEOUT)  # acknowledged before the process may end
             return
         try:
             if self.log_on_close:

@@ -456,6 +456,19 @@ class _DriverObservedRayCollector:
 
             ray.shutdown()
 
+    async def async_shutdown(self, shutdown_ray: bool = False) -> None:
+        # torchrl's async_shutdown stops the actors through stop_remote_collectors (above: they
+        # emit shutdown and their copies' last windows are acknowledged first); then, as in
+        # shutdown(), the originals learn that their copies are gone.
+        try:
+            await torchrl_class(type(self)).async_shutdown(self, shutdown_ray=False)  # type: ignore[attr-defined]
+        finally:
+            RAY_COLLECTOR.shut_down(self)
+        if shutdown_ray:
+            import ray
+
+            ray.shutdown()
+
 
 class _DriverObservedRayReplayBuffer:
     """Driver-side ``RayReplayBuffer`` with observers: one round trip for what touches them."""

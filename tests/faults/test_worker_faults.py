@@ -78,7 +78,10 @@ def test_a_worker_killed_while_the_collector_is_iterated(tmp_path, cls):
         collector.shutdown()
         assert time.monotonic() - start < 30
     assert set(lines_of(log, "rec", "post_collect")) == {0, 1}  # both collected before the kill
-    assert channel.flush(timeout=30)
+    # torchrl terminated the survivor too: both copies vanished without their final report,
+    # which the account counts (and this flush reports); what they sent is logged
+    assert channel.health()["copies_lost"] >= 1
+    assert not channel.flush(timeout=30)
     assert frames_logged(logger) and max(frames_logged(logger)) > 0  # what was sent is logged
     channel.submit_metrics({"after": 1.0})  # the channel is unaffected
     assert channel.flush(timeout=10) and logger.series("after") == [(None, 1.0)]
@@ -100,7 +103,7 @@ def kill_outside_buffer_writes(rb: ReplayBuffer, proc: Any) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_worker_killed_while_the_collector_runs_free(tmp_path, monkeypatch):
+def test_a_worker_killed_while_the_collector_runs_free(tmp_path, monkeypatch, told):
     import rl_observers.logging.aggregate as aggregate
 
     if hasattr(aggregate, "STALE_AFTER"):
@@ -136,6 +139,15 @@ def test_a_worker_killed_while_the_collector_runs_free(tmp_path, monkeypatch):
         collector.shutdown()
         assert time.monotonic() - start < 30
     assert lines_of(log, "rec", "shutdown") == {1: 1}  # the survivor closed its window
+    # the end-to-end account: the dead worker's copy is reported once and counted; what it
+    # had reported stays in the aggregate
+    assert channel.health()["copies_lost"] == 1
+    vanished = [m for m in told if "vanished without their final report" in m]
+    assert len(vanished) == 1 and "1 copies of LoggerObserver 'workers'" in vanished[0]
+    assert "worker 0 (" in vanished[0] and "'frames'" in vanished[0] and "worker 1" not in vanished[0]
+    assert not channel.flush(timeout=10)  # the loss is what this flush reports
+    assert frames_logged(logger)[-1] > at_kill + 200
+    assert channel.flush(timeout=10)  # nothing more was lost since
     assert channel.close(timeout=10)
 
 
@@ -239,9 +251,16 @@ def test_a_killed_ray_collector_actor(ray_cluster, tmp_path, told):
         collector.shutdown()
         assert time.monotonic() - start < 60
     assert set(lines_of(log, "rec", "post_collect")) == {0, 1}
-    assert channel.flush(timeout=30)
+    # the killed actor's copy vanished without its final report: reported once, counted, and
+    # what this flush reports; what it had reported stays in the aggregate
+    assert channel.health()["copies_lost"] == 1
+    vanished = [m for m in told if "vanished without their final report" in m]
+    assert len(vanished) == 1 and "1 copies of LoggerObserver 'workers' on a RayCollector" in vanished[0]
+    assert "worker 0 (" in vanished[0] and "/node " in vanished[0] and "'frames'" in vanished[0]
+    assert not channel.flush(timeout=30)
     assert frames_logged(logger) and max(frames_logged(logger)) > 0
     assert len([m for m in told if "could not emit 'shutdown'" in m]) <= 1
+    assert channel.flush(timeout=10)
     assert channel.close(timeout=10)
 
 

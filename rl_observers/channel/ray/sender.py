@@ -1,6 +1,6 @@
 """The sending side of the Ray transport: a bounded buffer and a thread per process.
 
-See :mod:`rl_observers.channel.ray_transport` for the flow.
+See :mod:`rl_observers.channel.ray.transport` for the flow.
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
+from rl_observers.channel.meta import spanning
 from rl_observers.channel.payload import coalesce
-from rl_observers.channel.ray_actors import (
+from rl_observers.channel.ray.actors import (
     NAME,
     RELAY_INTERVAL,
+    SENDER_INTERVAL,
     Message,
     RayAddress,
     _actor_class,
@@ -35,8 +37,6 @@ torchrl_logger = logging.getLogger("torchrl")
 SENDER_CAPACITY = 1024
 #: Batches a sender has in flight to its relay (or the ingest) at most.
 SENDER_IN_FLIGHT = 4
-#: Seconds between two rounds of a sender's thread.
-SENDER_INTERVAL = 0.02
 
 
 class RaySender:
@@ -93,6 +93,8 @@ class RaySender:
         self._relay_handle: Any = None
         self._warned = False
         self._wake = threading.Event()
+        # (done, deadline, result) of each flush waiting for the sending thread
+        self._flush_requests: list[tuple[threading.Event, float | None, list[bool]]] = []
         self._thread_pid: int | None = None
         self._closed = False
 
@@ -123,7 +125,7 @@ class RaySender:
                     error = coalesce(entry[1], metrics)
                     entry[2] = step
                     if meta is not None:
-                        entry[3] = meta
+                        entry[3] = spanning(entry[3], meta)
                     entry[4] += 1  # lost with the entry later, it counts as dropped
                     self._coalesced += 1
                     self._unreported[1] += 1
@@ -145,10 +147,12 @@ class RaySender:
         if self._thread_pid != os.getpid():
             self._start_thread()
         done = threading.Event()
-        self._flush_request = (done, deadline)
+        result: list[bool] = []
+        with self._lock:  # a list, not one slot: a request made while the thread takes one waits its turn
+            self._flush_requests.append((done, deadline, result))
         self._wake.set()
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        return done.wait(left) and self._flushed
+        return done.wait(left) and bool(result) and result[0]
 
     def close(self, timeout: float | None = None) -> bool:
         """Flushes, then stops the sending thread."""
@@ -163,8 +167,6 @@ class RaySender:
             if self._thread_pid == os.getpid():
                 return
             self._thread_pid = os.getpid()
-            self._flush_request: tuple[threading.Event, float | None] | None = None
-            self._flushed = False
             threading.Thread(target=self._run, name="rl_observers-ray-sender", daemon=True).start()
 
     def _run(self) -> None:
@@ -172,18 +174,22 @@ class RaySender:
         while not self._closed:
             self._wake.wait(self._interval)
             self._wake.clear()
-            request, self._flush_request = self._flush_request, None
+            with self._lock:
+                requests, self._flush_requests = self._flush_requests, []
             try:
                 forwarder.reap()
                 self._send_pending()
-                if request is not None:
-                    self._flushed = self._flush(request[1])
-                    request[0].set()
+                if requests:
+                    deadlines = [r[1] for r in requests]
+                    flushed = self._flush(None if None in deadlines else max(deadlines))
+                    for done, _, result in requests:
+                        result.append(flushed)
+                        done.set()
             except Exception as err:  # never expected: keep sending, say it once
                 self._warn_once(f"failed to send through Ray: {err!r}")
-                if request is not None:
-                    self._flushed = False
-                    request[0].set()
+                for done, _, result in requests:
+                    result.append(False)
+                    done.set()
             if forwarder.error is not None:
                 self._warn_once(
                     f"cannot reach its owner {self.address.owner} through Ray "

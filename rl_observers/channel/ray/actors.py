@@ -1,6 +1,6 @@
 """The Ray transport's actors: one relay per node and the owner's ingest.
 
-See :mod:`rl_observers.channel.ray_transport` for the flow. Also here: the
+See :mod:`rl_observers.channel.ray.transport` for the flow. Also here: the
 bounded fire-and-forget :class:`_Forwarder` that senders and relays push
 through, and :func:`premerge`, the relay's exact merge of one worker's
 consecutive windows.
@@ -17,10 +17,13 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from rl_observers.channel.meta import AGGREGATE, PROCESS, UNMERGED, WORKER, is_final, spanning
 from rl_observers.channel.payload import coalesce
 
 #: The transport's name (``handle.transport``).
 NAME = "ray"
+#: Seconds between two rounds of a sender's thread.
+SENDER_INTERVAL = 0.02
 #: Seconds between two batches a relay forwards to the owner.
 RELAY_INTERVAL = 0.25
 #: Messages a relay holds before it coalesces per key, then drops.
@@ -76,7 +79,7 @@ def _relay_name(token: str, node: str) -> str:
 
 
 def premerge(messages: list[Message]) -> list[Message]:
-    """Merges consecutive windows of one worker (see :mod:`~rl_observers.channel.ray_transport`).
+    """Merges consecutive windows of one worker (see :mod:`~rl_observers.channel.ray.transport`).
 
     "Consecutive" is per worker: windows of other workers may come in between
     (their relative order was never defined: they come from other processes).
@@ -87,16 +90,16 @@ def premerge(messages: list[Message]) -> list[Message]:
     # (namespace, observer, worker) -> (meta without counters, index in out)
     open_runs: dict[tuple, tuple[dict, int]] = {}
     for namespace, metrics, step, meta, counts, held in messages:
-        if meta and "aggregate" in meta:
-            key = (namespace, meta["aggregate"], _hashable(meta.get("worker")), meta.get("process"))
-            settings = {k: v for k, v in meta.items() if k != "counters"}
+        if meta and AGGREGATE in meta:
+            key = (namespace, meta[AGGREGATE], _hashable(meta.get(WORKER)), meta.get(PROCESS))
+            settings = {k: v for k, v in meta.items() if k not in UNMERGED}
             run = open_runs.get(key)
-            if not meta.get("finish"):
+            if not is_final(meta):
                 if run is not None and run[0] == settings:
                     into = out[run[1]]
                     coalesce(into[1], metrics)
                     into[2] = step
-                    into[3] = meta  # the newest counters
+                    into[3] = spanning(into[3], meta)  # the newest counters, every window counted
                     into[4] = (into[4][0] + counts[0], into[4][1] + counts[1])
                     # not coalesced (nothing overflowed), but lost together from now on
                     into[5] = (into[5][0] + held[0], into[5][1] + held[1])
@@ -374,7 +377,7 @@ class _Relay:
         self.rounds = 0  # forwarding rounds done: what was pushed before round n is forwarded after it
         self._forwarder = _Forwarder(self._find_ingest, RELAY_IN_FLIGHT)
         self._wake = threading.Event()
-        self._flushes: list[threading.Event] = []
+        self._flushes: list[tuple[threading.Event, float, list[bool]]] = []
         threading.Thread(target=self._run, name="rl_observers-relay", daemon=True).start()
 
     def _find_ingest(self) -> Any:
@@ -395,12 +398,13 @@ class _Relay:
             return self.rounds
 
     def flush(self, timeout: float = 5.0) -> bool:
-        """Forwards what is held now and waits until the ingest has it."""
+        """Forwards what is held now and waits until the ingest has it; whether it has."""
         done = threading.Event()
+        result: list[bool] = []
         with self._lock:
-            self._flushes.append(done)
+            self._flushes.append((done, timeout, result))
         self._wake.set()
-        return done.wait(timeout)
+        return done.wait(timeout + 0.5) and bool(result) and result[0]
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -437,11 +441,20 @@ class _Relay:
                 flushes, self._flushes = self._flushes, []
             forwarder.reap()
             self._forward()
-            if flushes:
-                forwarder.wait(time.monotonic() + 5.0)
-                self._forward()
-                forwarder.wait(time.monotonic() + 5.0)
-                for done in flushes:
+            if flushes:  # until everything held reached the ingest (an ingest still starting: retried)
+                deadline = time.monotonic() + max(timeout for _, timeout, _ in flushes)
+                while True:
+                    forwarder.wait(deadline)
+                    self._forward()
+                    forwarder.wait(deadline)
+                    with self._lock:
+                        held = bool(self._messages)
+                    if (not held and not forwarder.in_flight) or time.monotonic() >= deadline:
+                        break
+                    time.sleep(0.05)
+                flushed = not held and not forwarder.in_flight and forwarder.error is None
+                for done, _, result in flushes:
+                    result.append(flushed)
                     done.set()
 
     def _forward(self) -> None:

@@ -1,6 +1,6 @@
 """The owner's side of the Ray transport: its ingest actor and the thread that drains it.
 
-See :mod:`rl_observers.channel.ray_transport` for the flow.
+See :mod:`rl_observers.channel.ray.transport` for the flow.
 """
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rl_observers.channel.ray_actors import (
+from rl_observers.channel.ray.actors import (
     ACTOR_NAMESPACE,
     DRAIN_BATCH,
     DRAIN_WAIT,
     INGEST_CAPACITY,
     NAME,
+    SENDER_INTERVAL,
     Message,
     RayAddress,
     _actor_class,
@@ -30,6 +31,9 @@ from rl_observers.channel.ray_actors import (
 
 # torchrl's logger (the same object as torchrl._utils.logger)
 torchrl_logger = logging.getLogger("torchrl")
+
+#: Seconds a relay is given to forward what it holds, at a flush or close.
+RELAY_FLUSH = 5.0
 
 
 class RayReceiver:
@@ -204,6 +208,29 @@ class RayReceiver:
                 self._held = (held_d + 1, held_c)
             return []
         return messages
+
+    def barrier(self, deadline: float | None) -> None:
+        """Accepts everything sent before the call that left its sender (flush's barrier).
+
+        Waits two rounds of the senders' threads (what was submitted before
+        has left their buffers unless Ray does not keep up), has every relay
+        forward what it holds and wait until the ingest has it, then accepts
+        what the ingest holds. A relay that does not answer by ``deadline``
+        costs its share, never more time.
+        """
+        if self._address is None or os.getpid() != self._pid:
+            return
+        time.sleep(2 * SENDER_INTERVAL)
+        ray = _ray()
+        relays = self.relays()
+        if relays:
+            left = RELAY_FLUSH if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                refs = [relay.flush.remote(min(left, RELAY_FLUSH)) for relay in relays]
+                ray.wait(refs, num_returns=len(refs), timeout=min(left, RELAY_FLUSH) + 1.0)
+            except Exception:
+                pass
+        self.poll(deadline)
 
     def relays(self) -> list[Any]:
         """This channel's relay actors, on every node."""

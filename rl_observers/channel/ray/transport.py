@@ -43,10 +43,10 @@ a row boundary can move by at most one relay interval, as if the worker had
 contributed a little less often.
 
 The transport lives in four modules: this one (registration, ``make_sender``,
-``make_receiver``), :mod:`~rl_observers.channel.ray_sender`,
-:mod:`~rl_observers.channel.ray_actors` (the relay, the ingest, and the
+``make_receiver``), :mod:`~rl_observers.channel.ray.sender`,
+:mod:`~rl_observers.channel.ray.actors` (the relay, the ingest, and the
 bounded forwarder both push through) and
-:mod:`~rl_observers.channel.ray_receiver`.
+:mod:`~rl_observers.channel.ray.receiver`.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ import os
 import threading
 from typing import Any
 
-from rl_observers.channel.ray_actors import (
+from rl_observers.channel.ray.actors import (
     ACTOR_NAMESPACE,
     NAME,
     RayAddress,
@@ -63,8 +63,8 @@ from rl_observers.channel.ray_actors import (
     _ray,
     premerge,
 )
-from rl_observers.channel.ray_receiver import RayReceiver
-from rl_observers.channel.ray_sender import RaySender
+from rl_observers.channel.ray.receiver import RayReceiver
+from rl_observers.channel.ray.sender import RaySender
 from rl_observers.channel.transport import register_transport
 
 __all__ = [

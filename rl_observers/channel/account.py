@@ -1,0 +1,196 @@
+"""The end-to-end account: what each copy of an observer sent, and what reached the owner.
+
+Step of the flow: **channel**, at the owner (source → observer → channel →
+logger). A copy of an observer running away from the channel (in a worker,
+an actor, on another node) sends its windows through a
+:class:`~rl_observers.MetricsHandle`, which numbers them (``meta["seq"]``,
+per copy, named by ``meta["copy"]``); a copy marks its last window
+(``meta["last"]``) when its source shuts down, when it is removed and when
+its process exits. A window that others merged into on the way says how
+many it holds (``meta["windows"]``), so the owner counts each of them.
+Windows may pass each other on the way (a relay takes calls concurrently):
+the owner delivers a late one with its copy's newest counters, which are
+cumulative and so never go back.
+
+The owner's :class:`Account` notes every numbered window it receives. When a
+copy's observer is done (its copies removed, its source shut down, the
+channel closing), each copy is settled:
+
+- a copy whose last window arrived: the windows it numbered and the owner
+  never got count in ``windows_lost``;
+- a copy whose last window never came (its actor was killed, its node is
+  gone, its worker was SIGKILLed): it is reported once, in a warning naming
+  the source, the worker, where it ran and what its last report held, and
+  counted in ``copies_lost`` (and its missing numbers in ``windows_lost``).
+  What it reported stays in the aggregate; what it collected after its last
+  report is what was lost.
+
+So ``health()["copies_lost"] == health()["windows_lost"] == 0`` means every
+copy that ever reported was heard to its end.
+
+Examples:
+    >>> from rl_observers.channel.account import Account
+    >>> account = Account("demo")
+    >>> window = {"aggregate": "train", "worker": 0, "copy": "h/pid 1"}
+    >>> _ = account.note({**window, "seq": 1, "counters": {"frames": 10}})
+    >>> _ = account.note({**window, "seq": 3, "last": True, "counters": {"frames": 30}})
+    >>> account.waiting("train")  # window 2 has not arrived
+    ['worker 0 (h/pid 1)']
+    >>> account.settle("train")  # warns: window 2 never arrived
+    >>> account.counts()
+    {'copies_lost': 0, 'windows_lost': 1}
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from rl_observers.channel.meta import AGGREGATE, COPY, COUNTERS, LAST, SEQ, WINDOWS, WORKER
+
+__all__ = ["Account"]
+
+torchrl_logger = logging.getLogger("torchrl")
+
+
+class _Copy:
+    """What the owner knows of one copy of one observer."""
+
+    __slots__ = ("counters", "counters_seq", "last", "received", "sent", "where", "worker")
+
+    def __init__(self, worker: Any, where: str) -> None:
+        self.worker = worker
+        self.where = where
+        self.sent = 0  # the highest window number seen
+        self.received = 0  # windows received (a merged one counts every window it holds)
+        self.last = False
+        self.counters: Mapping[str, Any] = {}
+        self.counters_seq = 0  # the number of the window the newest counters came with
+
+
+class Account:
+    """Per copy: the windows it numbered, those that arrived, whether its last one did.
+
+    Args:
+        channel (str): the channel's name (for warnings).
+    """
+
+    def __init__(self, channel: str) -> None:
+        self._channel = channel
+        self._lock = threading.Lock()
+        self._copies: dict[tuple[str, Any, str], _Copy] = {}
+        self._sources: dict[str, str] = {}  # observer name -> its source, in words
+        self._settled: set[tuple[str, Any, str]] = set()  # copies whose account is closed
+        self.copies_lost = 0
+        self.windows_lost = 0
+
+    def describe(self, name: str, description: str) -> None:
+        """Names the source of the observer ``name`` in warnings (``description``)."""
+        with self._lock:
+            self._sources[name] = description
+
+    def note(self, meta: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Notes one window received by the owner; returns the ``meta`` to deliver it with.
+
+        A ``meta`` without ``COPY`` and ``SEQ`` is returned as it is. A window
+        that arrives after a newer one of its copy (windows can pass each other
+        on the way) is delivered with the newest counters of its copy: counters
+        are cumulative, so they never go back.
+        """
+        seq = meta.get(SEQ)
+        if seq.__class__ is not int:
+            return meta
+        key = (meta.get(AGGREGATE), _hashable(meta.get(WORKER)), meta.get(COPY))
+        with self._lock:
+            copy = self._copies.get(key)
+            if copy is None:
+                if key in self._settled:  # a window sent after its account closed (at exit)
+                    return meta
+                copy = self._copies[key] = _Copy(meta.get(WORKER), str(meta.get(COPY)))
+            windows = meta.get(WINDOWS, 1)
+            copy.received += windows if windows.__class__ is int and windows > 0 else 1
+            if meta.get(LAST):
+                copy.last = True
+            copy.sent = max(copy.sent, seq)
+            counters = meta.get(COUNTERS)
+            if counters is None:  # a last window that only marks the end
+                return meta
+            if seq >= copy.counters_seq:
+                copy.counters_seq = seq
+                copy.counters = counters
+                return meta
+            return {**meta, COUNTERS: copy.counters}
+
+    def waiting(self, name: str) -> list[str]:
+        """The copies of the observer ``name`` whose last window (or an earlier one) has not arrived."""
+        with self._lock:
+            return [
+                f"worker {c.worker} ({c.where})"
+                for (n, _, _), c in self._copies.items()
+                if n == name and (not c.last or c.received < c.sent)
+            ]
+
+    def settle(self, name: str | None = None) -> None:
+        """Closes the account of the observer ``name`` (every observer's with ``None``).
+
+        Copies whose last window arrived count the windows they numbered and
+        the owner never received; copies whose last window never came are
+        reported (one warning per observer) and counted lost. Their entries
+        are forgotten: the name may be used again.
+        """
+        with self._lock:
+            done = [key for key in self._copies if name is None or key[0] == name]
+            copies = [(key, self._copies.pop(key)) for key in done]
+            self._settled.update(done)
+            sources = dict(self._sources)
+            if name is None:
+                self._sources.clear()
+            else:
+                self._sources.pop(name, None)
+        vanished: dict[str, list[str]] = {}
+        gaps: list[str] = []
+        for (observer, _, _), copy in copies:
+            missing = max(copy.sent - copy.received, 0)
+            with self._lock:
+                self.windows_lost += missing
+                if not copy.last:
+                    self.copies_lost += 1
+            if copy.last and missing:
+                gaps.append(
+                    f"{sources.get(observer, repr(observer))}, worker {copy.worker} ({copy.where}): "
+                    f"{missing} of its {copy.sent} windows"
+                )
+            if not copy.last:
+                vanished.setdefault(observer, []).append(
+                    f"worker {copy.worker} ({copy.where}): its last report was window {copy.sent}"
+                    f" with counters {dict(copy.counters)}"
+                    + (f", and {missing} of its windows never arrived" if missing else "")
+                )
+        if gaps:
+            torchrl_logger.warning(
+                f"MetricsChannel {self._channel!r}: windows that copies numbered never arrived: "
+                f"{'; '.join(gaps)}. Counted in health()['windows_lost']."
+            )
+        for observer, lines in vanished.items():
+            source = sources.get(observer, f"observer {observer!r}")
+            torchrl_logger.warning(
+                f"MetricsChannel {self._channel!r}: {len(lines)} copies of {source} vanished "
+                f"without their final report (actor killed, node lost or worker killed): "
+                f"{'; '.join(lines)}. What they reported is in the aggregate; what they collected "
+                "after it is lost. Counted in health()['copies_lost']."
+            )
+
+    def counts(self) -> dict[str, int]:
+        """``copies_lost`` and ``windows_lost`` so far."""
+        with self._lock:
+            return {"copies_lost": self.copies_lost, "windows_lost": self.windows_lost}
+
+
+def _hashable(value: Any) -> Any:
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
