@@ -690,3 +690,16 @@ def test_cluster_stops_cleanly_and_plain_ray_init_works_after(ray_env):
         f"two-node cluster: started in {cluster.start_seconds:.1f} s, stopped in {stop_seconds:.1f} s"
     )
 
+
+
+def test_premerge_keeps_the_newest_plain_numbers_of_windows_that_passed_each_other():
+    # A relay receives a copy's windows out of order (4 calls in flight, a threaded actor):
+    # the gauges of the window sent last win, the partials merge, the counters are the newest.
+    newer = contribution(0, [1.0], 5, seq=5)
+    older = contribution(0, [2.0, 3.0], 4, seq=4)
+    (merged,) = ray_transport.premerge([newer, older])
+    assert merged[1]["batch"] == 1.0  # not 2.0, the stale window's gauge
+    assert merged[1]["r"].finalize()["r_count"] == 3
+    assert merged[3]["counters"] == {"frames": 5} and merged[3]["seq"] == 5
+    (in_order,) = ray_transport.premerge([older, newer])
+    assert in_order[1]["batch"] == 1.0 and in_order[3]["counters"] == {"frames": 5}

@@ -14,10 +14,10 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from rl_observers.channel.meta import AGGREGATE, PROCESS, UNMERGED, WORKER, is_final, spanning
+from rl_observers.channel.meta import AGGREGATE, PROCESS, SEQ, UNMERGED, WORKER, is_final, spanning
 from rl_observers.channel.payload import coalesce
 
 #: The transport's name (``handle.transport``).
@@ -97,8 +97,13 @@ def premerge(messages: list[Message]) -> list[Message]:
             if not is_final(meta):
                 if run is not None and run[0] == settings:
                     into = out[run[1]]
-                    coalesce(into[1], metrics)
-                    into[2] = step
+                    if _older(meta, into[3]):  # passed on the way: its plain numbers are stale
+                        merged = dict(metrics)
+                        coalesce(merged, into[1])
+                        into[1] = merged
+                    else:
+                        coalesce(into[1], metrics)
+                        into[2] = step
                     into[3] = spanning(into[3], meta)  # the newest counters, every window counted
                     into[4] = (into[4][0] + counts[0], into[4][1] + counts[1])
                     # not coalesced (nothing overflowed), but lost together from now on
@@ -109,6 +114,11 @@ def premerge(messages: list[Message]) -> list[Message]:
                 del open_runs[key]
         out.append([namespace, dict(metrics), step, meta, counts, held])
     return [tuple(m) for m in out]
+
+
+def _older(meta: Mapping[str, Any], than: Mapping[str, Any] | None) -> bool:
+    """Whether ``meta``'s window was sent before ``than``'s (both numbered, see ``SEQ``)."""
+    return bool(than) and SEQ in meta and SEQ in than and meta[SEQ] < than[SEQ]
 
 
 def _hashable(value: Any) -> Any:
