@@ -81,6 +81,14 @@ def _scalars(logger: Any, name: str) -> list[tuple[int, float]]:
     return list(logger.experiment.scalars.get(name, []))
 
 
+def _settled(channel: Any, logger: Any, key: str, expected: float) -> Result:
+    """The end of every flow: ``flush(timeout=20)``, the channel's health, ``close()``."""
+    flushed = channel.flush(timeout=20)
+    health = dict(channel.health())
+    closed = channel.close()
+    return Result(key, expected, _scalars(logger, key), health, flushed, closed)
+
+
 def collect_shutdown_flush_close(cluster: Any, tmp: str) -> Result:
     """Iterate to the end, ``shutdown()``, ``flush(timeout=20)``, ``close()``."""
     logger = CSVLogger(exp_name="far", log_dir=tmp)
@@ -94,10 +102,7 @@ def collect_shutdown_flush_close(cluster: Any, tmp: str) -> Result:
         for _ in collector:
             pass
     collector.shutdown()
-    flushed = channel.flush(timeout=20)
-    health = dict(channel.health())
-    closed = channel.close()
-    return Result("collector/frames", FRAMES, _scalars(logger, "collector/frames"), health, flushed, closed)
+    return _settled(channel, logger, "collector/frames", FRAMES)
 
 
 FLOWS: dict[str, Callable[[Any, str], Result]] = {
@@ -129,10 +134,7 @@ def start_async_shutdown(cluster: Any, tmp: str) -> Result:
         collector._collection_thread.join(timeout=240)
         asyncio.run(collector.async_shutdown())
     rb.close()
-    flushed = channel.flush(timeout=20)
-    health = dict(channel.health())
-    closed = channel.close()
-    return Result("collector/frames", FRAMES, _scalars(logger, "collector/frames"), health, flushed, closed)
+    return _settled(channel, logger, "collector/frames", FRAMES)
 
 
 def replay_buffer_write_sample_close(cluster: Any, tmp: str) -> Result:
@@ -164,10 +166,7 @@ def replay_buffer_write_sample_close(cluster: Any, tmp: str) -> Result:
             rb.sample()
             samples += 1
     rb.close()
-    flushed = channel.flush(timeout=20)
-    health = dict(channel.health())
-    closed = channel.close()
-    return Result("rb/sample_calls", samples, _scalars(logger, "rb/sample_calls"), health, flushed, closed)
+    return _settled(channel, logger, "rb/sample_calls", samples)
 
 
 def remove_observer_mid_run(cluster: Any, tmp: str) -> Result:
@@ -186,10 +185,7 @@ def remove_observer_mid_run(cluster: Any, tmp: str) -> Result:
                 collector.remove_observer(observer)
                 at_removal = received
     collector.shutdown()
-    flushed = channel.flush(timeout=20)
-    health = dict(channel.health())
-    closed = channel.close()
-    return Result("collector/frames", at_removal, _scalars(logger, "collector/frames"), health, flushed, closed)
+    return _settled(channel, logger, "collector/frames", at_removal)
 
 
 _EXIT_SCRIPT = r"""
