@@ -38,9 +38,10 @@ one more number in one line), :mod:`~rl_observers.metrics.histogram`,
 :mod:`~rl_observers.metrics.collector` (:class:`CollectorBatchMetrics`, whose
 episode kernel is :mod:`~rl_observers.metrics.episodes`),
 :mod:`~rl_observers.metrics.samples` (:class:`SampleMetrics`),
-:mod:`~rl_observers.metrics.writes` (:class:`WriteMetrics`) and
-:mod:`~rl_observers.metrics.keys` (key checks and replay-buffer index and
-writer helpers).
+:mod:`~rl_observers.metrics.writes` (:class:`WriteMetrics`),
+:mod:`~rl_observers.metrics.keys` (key checks, missing-key errors, the keys
+of a source's env) and :mod:`~rl_observers.metrics.storage` (replay-buffer
+storage, writer and index helpers).
 """
 
 from rl_observers.metrics.base import MetricSet

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from rl_observers.metrics.base import MetricSet
-from rl_observers.metrics.keys import (
-    check_bool,
+from rl_observers.metrics.keys import check_bool
+from rl_observers.metrics.storage import (
     dim0_capacity,
     dim0_slots,
     leading_size,

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rl_observers.metrics.base import DATA_EVENTS, MetricSet
-from rl_observers.metrics.keys import leading_size
+from rl_observers.metrics.storage import leading_size
 from rl_observers.sources.placement import source_kind
 
 __all__ = ["SourceCounters", "StatsProvider", "missing_source_counters"]

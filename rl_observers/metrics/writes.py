@@ -12,12 +12,9 @@ import torch
 from tensordict import is_tensor_collection
 
 from rl_observers.metrics.base import MetricSet
-from rl_observers.metrics.keys import (
-    NestedKey,
-    check_key,
+from rl_observers.metrics.keys import NestedKey, check_key, leaf_keys, missing_key
+from rl_observers.metrics.storage import (
     leading_size,
-    leaf_keys,
-    missing_key,
     round_robin,
     storage_of,
     stored_slots,

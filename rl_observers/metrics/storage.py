@@ -1,0 +1,168 @@
+"""Replay-buffer storage, writer and index helpers: where a write landed, who writes next.
+
+What :class:`~rl_observers.metrics.WriteMetrics` and
+:class:`~rl_observers.metrics.SampleMetrics` read from a replay buffer besides
+its event data: its storage (slots, capacity, device), its writer (whether it
+writes round-robin, its cursor), the dim-0 slots of an index, and the size of
+the data of a write.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from tensordict import is_tensor_collection
+from torch.utils._pytree import tree_leaves
+from torchrl.data import RoundRobinWriter
+
+__all__ = [
+    "dim0_capacity",
+    "dim0_slots",
+    "info_get",
+    "leading_size",
+    "round_robin",
+    "storage_device",
+    "storage_of",
+    "stored_slots",
+    "writer_cursor",
+    "writer_may_skip",
+]
+
+
+def storage_of(source: Any) -> Any:
+    return getattr(source, "_storage", None)
+
+
+def dim0_slots(index: Any, storage: Any, *, per_item: bool = False) -> torch.Tensor | None:
+    """The dim-0 storage slots of a replay-buffer index, as a 1-D int64 tensor.
+
+    ``index`` is what ``add``/``extend`` return or ``info["index"]``: an int, a
+    tensor of slots, a ``[N, ndim]`` tensor of cells (multi-dim storages), or
+    a tuple of per-dim tensors. With ``per_item``, a write's cells are reduced
+    to one slot per item written (their dim-0 slot, repeated consecutively).
+    """
+    if index is None:
+        return None
+    if isinstance(index, tuple):
+        if not index:
+            return None
+        index = index[0]
+    if not isinstance(index, torch.Tensor):
+        index = torch.as_tensor(index)
+    elif index.ndim == 1 and index.dtype is torch.int64:
+        return index  # slots already (a cell index has two dimensions)
+    ndim = getattr(storage, "ndim", 1) or 1
+    if ndim > 1 and index.ndim >= 2 and index.shape[-1] == ndim:
+        index = index[..., 0]
+        if per_item:
+            try:
+                cells = math.prod(storage.shape[1:])
+            except (AttributeError, TypeError, RuntimeError):
+                cells = 1
+            if cells > 1 and index.numel() % cells == 0:
+                index = index.reshape(-1, cells)[:, 0]
+    return index.reshape(-1).to(torch.int64)
+
+
+def writer_may_skip(source: Any) -> bool:
+    """Whether a replay buffer's writer may leave items of a write unstored (index ``-1``).
+
+    torchrl's round-robin writers store every item; others (such as
+    ``TensorDictMaxValueWriter``, which keeps the best items) may not.
+    """
+    return not isinstance(getattr(source, "_writer", None), RoundRobinWriter)
+
+
+def stored_slots(
+    index: Any, storage: Any, *, may_skip: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The dim-0 slots of the items a write stored, and which items of the write those are.
+
+    Returns ``(slots, stored)``: one slot per item stored, and a boolean
+    ``[items]`` mask of the items stored, or ``None`` when every item was
+    (always, unless ``may_skip``). A writer marks an item it did not store
+    with index ``-1``; dropping those reads the index on the host (such
+    writers, like ``TensorDictMaxValueWriter``, read every item's rank on the
+    host anyway).
+    """
+    slots = dim0_slots(index, storage, per_item=True)
+    if slots is None or not may_skip or not slots.numel():
+        return slots, None
+    stored = slots >= 0
+    if bool(stored.all()):
+        return slots, None
+    return slots[stored], stored
+
+
+def storage_device(storage: Any, default: torch.device) -> torch.device:
+    device = getattr(storage, "device", None)
+    if isinstance(device, (str, torch.device)) and device != "auto":
+        return torch.device(device)
+    return default
+
+
+def dim0_capacity(storage: Any) -> int | None:
+    try:
+        capacity = storage._max_size_along_dim0()
+    except Exception:
+        capacity = getattr(storage, "max_size", None)
+    return capacity if isinstance(capacity, int) and capacity > 0 else None
+
+
+def round_robin(source: Any) -> tuple[Any, Any, int] | None:
+    """``(writer, storage, capacity)`` when slots are written in turn, on a 1-D storage.
+
+    torchrl's round-robin writers write item ``k`` of the buffer's writes at
+    slot ``k % capacity`` and keep the next slot in their cursor, so the age
+    and the position of every stored item follow from the cursor alone.
+    Not with a consuming sampler: its buffer writes into consumed slots
+    (``write_at``), wherever they are, without moving the cursor.
+    """
+    writer = getattr(source, "_writer", None)
+    storage = storage_of(source)
+    if not isinstance(writer, RoundRobinWriter) or storage is None:
+        return None
+    is_consuming = getattr(source, "_is_consuming", None)
+    if callable(is_consuming) and is_consuming():
+        return None
+    if (getattr(storage, "ndim", 1) or 1) != 1:
+        return None
+    capacity = dim0_capacity(storage)
+    if capacity is None or capacity >= 2**62:
+        return None
+    return writer, storage, capacity
+
+
+def writer_cursor(writer: Any) -> int:
+    """A round-robin writer's cursor, read without taking its process-shared lock."""
+    value = getattr(writer, "_cursor_value", None)
+    if value is None:
+        return 0
+    if type(value) is int:
+        return value
+    get_obj = getattr(value, "get_obj", None)
+    return (get_obj() if get_obj is not None else value).value
+
+
+def leading_size(data: Any) -> int:
+    if is_tensor_collection(data):
+        return data.batch_size.numel()
+    if isinstance(data, torch.Tensor):
+        return data.shape[0] if data.ndim else 1
+    if isinstance(data, list):
+        return len(data)
+    leaves = tree_leaves(data)
+    first = leaves[0] if leaves else None
+    if isinstance(first, torch.Tensor) and first.ndim:
+        return first.shape[0]
+    return 1
+
+
+def info_get(info: Any, *keys: str) -> Any:
+    for key in keys:
+        value = info.get(key, None)
+        if value is not None:
+            return value
+    return None
