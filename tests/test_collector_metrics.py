@@ -24,7 +24,7 @@ from rl_observers.metrics import (
     SampleMetrics,
     WriteMetrics,
 )
-from rl_observers.metrics import episodes as episodes_module
+from rl_observers.metrics.collector import ring as episodes_module
 from rl_observers.metrics.keys import MissingKeyError
 from rl_observers.stats import Count, Moments, ObservedCounters
 from rl_observers.stats import reducers as reducers_module

@@ -36,7 +36,7 @@ one more number in one line), :mod:`~rl_observers.metrics.histogram`,
 :mod:`~rl_observers.metrics.policy_lag`, :mod:`~rl_observers.metrics.source`
 (the source's own counters, :class:`StatsProvider`),
 :mod:`~rl_observers.metrics.collector` (:class:`CollectorBatchMetrics`, whose
-episode kernel is :mod:`~rl_observers.metrics.episodes`),
+fold paths are modules of that package),
 :mod:`~rl_observers.metrics.samples` (:class:`SampleMetrics`),
 :mod:`~rl_observers.metrics.writes` (:class:`WriteMetrics`),
 :mod:`~rl_observers.metrics.keys` (key checks, missing-key errors, the keys

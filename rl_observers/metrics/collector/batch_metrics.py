@@ -1,4 +1,13 @@
-"""CollectorBatchMetrics: reward, done and episode metrics of collector batches."""
+"""CollectorBatchMetrics: reward, done and episode metrics of collector batches.
+
+The class resolves a batch's keys once (:mod:`~rl_observers.metrics.collector.plan`),
+reads each batch's entries and hands the batch to its fold path:
+:mod:`~rl_observers.metrics.collector.from_keys` (episodes read at closing
+steps), :mod:`~rl_observers.metrics.collector.ring` (running sums of ``[*B, T]``
+batches, padded split trajectories included) or
+:mod:`~rl_observers.metrics.collector.interleaved` (``AsyncBatchedCollector``'s
+interleaved envs). The episode window is :mod:`~rl_observers.metrics.collector.window`.
+"""
 
 from __future__ import annotations
 
@@ -7,23 +16,25 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from tensordict import is_tensor_collection
 
 from rl_observers.metrics.base import MetricSet
-from rl_observers.metrics.episodes import (
+from rl_observers.metrics.collector.from_keys import fold_from_keys
+from rl_observers.metrics.collector.interleaved import fold_interleaved
+from rl_observers.metrics.collector.plan import (
     CollectorPlan,
     EpisodeCarry,
-    EpisodeRing,
-    PlainStage,
-    close_episodes,
-    close_interleaved,
-    entries_of,
     flags,
-    new_ring,
     per_entry,
-    plain_stage,
-    stage_batch,
+    resolve_plan,
 )
+from rl_observers.metrics.collector.ring import (
+    EpisodeRing,
+    flush_ring,
+    fold_into_ring,
+    fold_plain,
+    plain_stage,
+)
+from rl_observers.metrics.collector.window import EpisodeWindow
 from rl_observers.metrics.keys import (
     FROM_SOURCE,
     NestedKey,
@@ -33,9 +44,7 @@ from rl_observers.metrics.keys import (
     leaf_keys,
     missing_key,
 )
-from rl_observers.sources.placement import source_info
-from rl_observers.stats import Count, LatestWindow, Partial, QuantileReducer
-from rl_observers.stats.latest import LatestReducer, latest_reducer
+from rl_observers.stats import Count, Partial, QuantileReducer
 
 __all__ = ["CollectorBatchMetrics"]
 
@@ -325,7 +334,23 @@ class CollectorBatchMetrics(MetricSet):
         # Bound to a collector that resets its envs at each batch (reset_at_each_iter): an
         # episode in flight at the end of a batch never goes on in the next one.
         self._reset_each_batch = False
-        self._init_episode_window(episode_window, specs, self._episode_quantiles)
+        self._window: EpisodeWindow | None = None
+        if episode_window is not None:
+            if (
+                not isinstance(episode_window, int)
+                or isinstance(episode_window, bool)
+                or episode_window < 1
+            ):
+                raise ValueError(
+                    f"{owner}: episode_window must be a positive int or None, "
+                    f"got {episode_window!r}."
+                )
+            if not specs:
+                raise ValueError(
+                    f"{owner}: episode_window needs episode_return=True or episode_length=True."
+                )
+            names = tuple(prefix for prefix, _ in specs)
+            self._window = EpisodeWindow(self._bank, episode_window, names, self._episode_quantiles)
 
     def __repr__(self) -> str:
         return (
@@ -342,14 +367,15 @@ class CollectorBatchMetrics(MetricSet):
         a multiprocessing collector seen from the driver: its workers bind
         their copies), nothing changes. Called before the first batch.
         """
-        self._bind_episode_window(source)
+        if self._window is not None:
+            self._window.bind(source)
         envs = getattr(source, "_num_envs", None)  # AsyncBatchedCollector: one env per index
         with self._lock:
             if isinstance(envs, int) and not isinstance(envs, bool) and envs > 0:
                 self._envs = max(envs, self._envs or 0)
             reset = getattr(source, "reset_at_each_iter", False) is True
             if reset != self._reset_each_batch:
-                self._flush()
+                flush_ring(self)
                 self._ring = None
                 self._reset_each_batch = reset
         if not self._from_source:
@@ -362,88 +388,7 @@ class CollectorBatchMetrics(MetricSet):
                 setattr(self, f"{name}_key", found[name])
             self._plan = None  # resolved again at the next batch
 
-    def _resolve(self, batch: Any) -> CollectorPlan:
-        owner = type(self).__name__
-        if not is_tensor_collection(batch):
-            raise TypeError(f"{owner} expects TensorDict batches, got {type(batch).__name__}.")
-        if not batch.batch_dims:
-            raise ValueError(
-                f"{owner} expects batches with a time dimension (batch_size [T] or [*B, T]), "
-                f"got batch_size={list(batch.batch_size)}."
-            )
-        present = leaf_keys(batch)
-
-        def required(key: NestedKey | None, what: str) -> NestedKey | None:
-            if key is not None and key not in present:
-                raise missing_key(owner, what, key, present)
-            return key
-
-        def optional(key: NestedKey | None) -> NestedKey | None:
-            return key if key is not None and key in present else None
-
-        reward = required(self.reward_key, "reward_key")
-        done = required(self.done_key, "done_key")
-        terminated, truncated = optional(self.terminated_key), optional(self.truncated_key)
-        closing = tuple(k for k in (done, terminated, truncated) if k)
-        if not closing and self._episodes is not None:
-            key = self.terminated_key or self.truncated_key
-            raise missing_key(owner, "terminated_key/truncated_key", key, present)
-        episode_reward = optional(self.episode_reward_key) if self.episode_return else None
-        step_count = optional(self.step_count_key) if self.episode_length else None
-        running = (self.episode_return and episode_reward is None) or (
-            self.episode_length and step_count is None
-        )
-        if self.episode_return and episode_reward is None and reward is None:
-            raise missing_key(owner, "episode_reward_key", self.episode_reward_key, present)
-        per_step = [(episode_reward, "episode_reward_key"), (step_count, "step_count_key")]
-        if self.episode_return and episode_reward is None:
-            per_step.append((reward, "reward_key"))
-        entries = entries_of(batch, per_step, closing, owner)
-        # Per quantity of the episode group: its row of the running sums (0: return,
-        # 1: length) and the batch key it is read from at closing steps, if any.
-        episode_sources = []
-        if self.episode_return:
-            episode_sources.append((0, episode_reward))
-        if self.episode_length:
-            episode_sources.append((1, step_count))
-        traj_ids = optional(self.traj_ids_key)
-        mask = optional(self.mask_key)
-        # Steps of several envs interleaved in one time dimension (AsyncBatchedCollector):
-        # the running sums are kept per env index.
-        env_index = optional(self.env_index_key) if running and batch.batch_dims == 1 else None
-        if env_index is not None:
-            traj_ids = None
-        # What _fold reads, each once, with the argument that names it.
-        reads: dict[NestedKey, str] = {}
-        for key, what in (
-            (mask, "mask_key"),
-            (reward, "reward_key"),
-            (done, "done_key"),
-            (terminated, "terminated_key"),
-            (truncated, "truncated_key"),
-            (episode_reward if self.episode_return else None, "episode_reward_key"),
-            (step_count if self.episode_length else None, "step_count_key"),
-            (traj_ids if running else None, "traj_ids_key"),  # read by the ring only
-            (env_index, "env_index_key"),
-        ):
-            if key is not None:
-                reads.setdefault(key, what)
-        return CollectorPlan(
-            reward=reward,
-            done=done,
-            closing=closing,
-            mask=mask,
-            episode_reward=episode_reward,
-            step_count=step_count,
-            traj_ids=traj_ids,
-            env_index=env_index,
-            running=running,
-            episode_sources=tuple(episode_sources),
-            entries=entries,
-            reads=tuple(reads.items()),
-        )
-
-    # -- events ---------------------------------------------------------------------
+    # -- events: each batch goes to its fold path ---------------------------------------
 
     def on_post_collect(self, source: Any, batch: Any) -> None:
         """Folds one collector batch (no host-device sync)."""
@@ -456,36 +401,16 @@ class CollectorBatchMetrics(MetricSet):
                 if stage and stage.plan is plan:  # type: ignore[union-attr]
                     values = stage.read(batch)  # type: ignore[union-attr]
                     if values is not None and values[0].is_cpu:
-                        self._fold_plain(ring, stage, values, batch.batch_size)  # type: ignore[arg-type]
+                        fold_plain(self, ring, stage, values, batch.batch_size)  # type: ignore[arg-type]
                         return
             if plan is None:
-                plan = self._plan = self._resolve(batch)
+                plan = self._plan = resolve_plan(self, batch)
             self._fold(plan, batch)
             if self._window is not None:
-                self._advance_window_clocks(batch.batch_size)
+                self._window.advance(batch.batch_size)
             ring = self._ring
             if ring is not None and ring.plain is None and plan.running:
                 ring.plain = plain_stage(ring, plan, batch)
-
-    def _fold_plain(
-        self, ring: EpisodeRing, stage: PlainStage, values: list[torch.Tensor], batch_size: Any
-    ) -> None:
-        """What :meth:`_fold` does with a plain batch (see :class:`PlainStage`), in fewer steps."""
-        window = self._window
-        if window is not None and not ring.used:
-            ring.base = self._window_clocks
-        closed = stage.stage(ring, values)
-        if stage.direct_reward:
-            self._reward.fold(values[-1])  # type: ignore[union-attr]
-        counts = self._counters.values
-        counts["batches"] += 1
-        counts["frames"] += batch_size.numel()
-        counts["episodes"] += closed
-        ring.used += 1
-        if ring.used == ring.size:
-            self._flush()
-        if window is not None:
-            self._advance_window_clocks(batch_size)
 
     def _fold(self, plan: CollectorPlan, batch: Any) -> None:
         batch_size = batch.batch_size
@@ -544,162 +469,18 @@ class CollectorBatchMetrics(MetricSet):
                 value = value & episode_mask.view(value.shape)
             closing_flags.append(value)
         if plan.env_index is not None:
-            self._fold_interleaved(
+            fold_interleaved(
+                self,
                 plan, read, get, rows, steps, closing_flags, mask, episode_mask, batch_size
             )
             return
         if plan.running:
-            self._fold_into_ring(
+            fold_into_ring(
+                self,
                 plan, batch, read, get, rows, steps, closing_flags, mask, episode_mask
             )
             return
-        if reward is not None:
-            self._fold_reward(reward, mask, batch_size)
-        closing = closing_flags[0]
-        for key, value in zip(plan.closing, closing_flags):
-            if key == plan.done:
-                self._dones.fold_true(value)
-            if value is not closing:
-                closing = closing | value
-        n_closed = torch.count_nonzero(closing)
-        self._count_frames_and_episodes(n_closed, mask, batch_size)
-        self._episodes.add(n_closed)
-        if self._episode is not None:
-            # Read at the closing steps, stacked straight into float64 (exact step counts
-            # whatever the reward's dtype).
-            sources = plan.episode_sources
-            values = self._stacked
-            shape = (len(sources), rows, steps)
-            if values is None or values.shape != shape or values.device != closing.device:
-                values = self._stacked = closing.new_empty(shape, dtype=torch.float64)
-            torch.stack([get(key).reshape(rows, steps) for _, key in sources], out=values)
-            self._episode.fold(values, closing)
-            self._fold_episode_quantiles(values, closing)
-            if self._window is not None:
-                self._window.fold(
-                    values,
-                    closing,
-                    step_base=self._window_clocks[0],
-                    cell_base=self._window_clocks[1],
-                )
-
-    def _fold_interleaved(
-        self,
-        plan: CollectorPlan,
-        read: dict[Any, torch.Tensor],
-        get: Any,
-        rows: int,
-        steps: int,
-        closing_flags: list[torch.Tensor],
-        mask: torch.Tensor | None,
-        episode_mask: torch.Tensor | None,
-        batch_size: torch.Size,
-    ) -> None:
-        """Folds a batch of interleaved env steps (``env_index``), carried per env index.
-
-        Each batch is summed on its own
-        (:func:`~rl_observers.metrics.episodes.close_interleaved`): its episodes
-        are folded at once.
-        """
-        self._flush()  # batches of another layout in the ring are summed first
-        self._ring = None
-        env = read[plan.env_index]
-        if env.numel() != batch_size.numel():
-            raise ValueError(
-                f"{type(self).__name__}: env_index_key {plan.env_index!r} must hold one env "
-                f"index per step, got shape {list(env.shape)} for batch_size "
-                f"{list(batch_size)}."
-            )
-        envs = self._envs
-        if env.is_cpu and env.numel():
-            # Read on the host at no device cost: the table grows to every index seen.
-            envs = self._envs = max(envs or 0, int(env.max()) + 1)
-        elif envs is None:
-            raise ValueError(
-                f"{type(self).__name__}: batches of interleaved env steps ({plan.env_index!r}) "
-                f"off the CPU need the number of envs, known when the set is bound to its "
-                f"AsyncBatchedCollector (attach it with add_observer). Otherwise add RewardSum() "
-                f"and StepCounter() transforms to the env, so that episodes are read from "
-                f"('next', 'episode_reward') and ('next', 'step_count')."
-            )
-        closing_flags = [value.reshape(rows, steps) for value in closing_flags]
-        closing = closing_flags[0]
-        for value in closing_flags[1:]:
-            closing = closing | value
-        if plan.reward is not None:
-            self._fold_reward(read[plan.reward], mask, batch_size)
-        if plan.done is not None and plan.closing != (plan.done,):
-            self._dones.fold_true(closing_flags[plan.closing.index(plan.done)])  # type: ignore[union-attr]
-        sources = plan.episode_sources
-        reward = None
-        if any(row == 0 and key is None for row, key in sources):
-            reward = get(plan.reward).reshape(rows, steps)
-        from_keys = [(row, get(key).reshape(rows, steps)) for row, key in sources if key]
-        values = close_interleaved(
-            self._carry, env, closing, reward, episode_mask, max(envs or 0, 1), from_keys
-        )
-        self._count_frames_and_episodes(torch.count_nonzero(closing), mask, batch_size)
-        if len(sources) == 1:
-            row = sources[0][0]
-            values = values[row : row + 1]
-        self._episode.fold(values, closing)  # type: ignore[union-attr]
-        self._fold_episode_quantiles(values, closing)
-        if self._window is not None:
-            steps, cells = self._window_clocks
-            self._window.fold(values, closing, step_base=steps, cell_base=cells)
-
-    def _fold_into_ring(
-        self,
-        plan: CollectorPlan,
-        batch: Any,
-        read: dict[Any, torch.Tensor],
-        get: Any,
-        rows: int,
-        steps: int,
-        closing_flags: list[torch.Tensor],
-        mask: torch.Tensor | None,
-        episode_mask: torch.Tensor | None,
-    ) -> None:
-        """Copies what the episode sums need into the ring's next slot (a few copies).
-
-        ``read`` holds the batch's entries read by :meth:`_fold`; ``get`` gives
-        them as ``[rows, steps]``.
-        """
-        batch_size = batch.batch_size
-        ring = self._ring
-        key = (rows, steps, closing_flags[0].device, mask is None)
-        if ring is None or ring.key != key:
-            self._flush()  # a batch of another shape: the ring's batches are summed first
-            traj_dtype = None if plan.traj_ids is None else read[plan.traj_ids].dtype
-            # Reset at each batch, and no trajectory ids to say so: each batch is summed
-            # alone and its carries dropped (see _flush).
-            alone = self._reset_each_batch and traj_dtype is None
-            ring = self._ring = new_ring(
-                plan,
-                key,
-                rows,
-                steps,
-                key[2],
-                masked=mask is not None,
-                traj_dtype=traj_dtype,
-                alone=alone,
-            )
-        reward = None
-        if ring.reward is not None:
-            reward = get(plan.reward)  # its moments are folded from the ring
-        elif plan.reward is not None:
-            self._fold_reward(read[plan.reward], mask, batch_size)
-        if not ring.used and self._window is not None:
-            ring.base = self._window_clocks
-        n_closed = stage_batch(ring, plan, get, closing_flags, reward, episode_mask)
-        if ring.host:  # CPU, no mask: counted at once, no device to wait for
-            self._counters.values["frames"] += batch_size.numel()
-            self._counters.values["episodes"] += n_closed  # type: ignore[operator]
-        else:
-            self._count_frames_and_episodes(n_closed, mask, batch_size)  # type: ignore[arg-type]
-        ring.used += 1
-        if ring.used == ring.size:
-            self._flush()
+        fold_from_keys(self, plan, get, rows, steps, closing_flags, reward, mask, batch_size)
 
     def _count_frames_and_episodes(
         self, n_closed: torch.Tensor, mask: torch.Tensor | None, batch_size: torch.Size
@@ -723,28 +504,7 @@ class CollectorBatchMetrics(MetricSet):
             self._reward.fold(reward, mask.reshape(*batch_size, *extra))
 
     def _fold_staged(self) -> None:
-        self._flush()
-
-    def _flush(self) -> None:
-        """Sums the batches in the ring (:func:`~rl_observers.metrics.episodes.close_episodes`)."""
-        ring = self._ring
-        if ring is None:
-            return
-        if self._reset_each_batch and ring.traj is None and ring.used:
-            self._carry = EpisodeCarry()  # the envs were reset: nothing goes on
-        closed = close_episodes(ring, self._carry, self._plan.episode_sources)  # type: ignore[union-attr]
-        if closed is None:
-            return
-        if closed.reward is not None:
-            self._reward.fold(closed.reward, closed.mask)  # type: ignore[union-attr]
-        if closed.dones is not None:
-            self._dones.add(closed.dones)  # type: ignore[union-attr]
-        if closed.values is not None:
-            self._episode.fold(closed.values, closed.closing)  # type: ignore[union-attr]
-            self._fold_episode_quantiles(closed.values, closed.closing)
-            if self._window is not None:
-                steps, cells = ring.base  # type: ignore[misc]
-                self._window.fold(closed.values, closed.closing, step_base=steps, cell_base=cells)
+        flush_ring(self)
 
     def _fold_episode_quantiles(self, values: torch.Tensor, closing: torch.Tensor) -> None:
         """Folds ``values[k]`` at the closing steps into the ``k``-th quantile sketch."""
@@ -779,8 +539,7 @@ class CollectorBatchMetrics(MetricSet):
                 if plan.closing == (plan.done,):
                     out["dones"] = Count("dones", counted.n)
             if self._window is not None:
-                self._recent = self._recent.merge(out[self._window.key])
-                out[self._window.key] = self._recent
+                self._window.pulled(out)
             return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -791,7 +550,7 @@ class CollectorBatchMetrics(MetricSet):
             state["carry"] = None if neg is None else neg.neg().T.contiguous()
             state["carry_traj_ids"] = None if traj is None else traj.clone()
             if self._window is not None:
-                state["episode_window"] = self._episode_window_state()
+                state["episode_window"] = self._window.state()
             return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -811,78 +570,4 @@ class CollectorBatchMetrics(MetricSet):
                 None if traj is None else traj.clone(),
             )
             if self._window is not None:
-                self._load_episode_window(state_dict.get("episode_window"))
-
-    # -- the episode window: the last N episodes, across logging windows -------------
-
-    def _init_episode_window(
-        self,
-        size: int | None,
-        specs: list[tuple[str, tuple[str, ...]]],
-        quantiles: tuple[QuantileReducer, ...] = (),
-    ) -> None:
-        """Registers the reducer of the last ``size`` episodes (``episode_window``)."""
-        owner = type(self).__name__
-        self._window: LatestReducer | None = None
-        if size is None:
-            return
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(
-                f"{owner}: episode_window must be a positive int or None, got {size!r}."
-            )
-        if not specs:
-            raise ValueError(
-                f"{owner}: episode_window needs episode_return=True or episode_length=True."
-            )
-        names = tuple(prefix for prefix, _ in specs)
-        extra = tuple(f"p{q * 100:g}" for q in quantiles[0].empty().quantiles) if quantiles else ()
-        stats = tuple(
-            _WINDOW_STATS[name] + tuple(s for s in extra if s not in _WINDOW_STATS[name])
-            for name in names
-        )
-        self._window = latest_reducer(self._bank, "episode_window", size, names, stats=stats)
-        # (steps, cells) folded before the next batch: the stamps and the order of episode ends.
-        self._window_clocks = (0, 0)
-        self._recent = LatestWindow(size, names, stats=stats)
-
-    def _bind_episode_window(self, source: Any) -> None:
-        """Episodes are keyed by the worker they end in (``0`` outside workers)."""
-        if self._window is not None:
-            worker = source_info(source).worker
-            self._window.source = 0 if worker is None else int(worker)
-
-    def _advance_window_clocks(self, batch_size: torch.Size) -> None:
-        steps, cells = self._window_clocks
-        self._window_clocks = (steps + batch_size[-1], cells + batch_size.numel())
-
-    def _episode_window_state(self) -> dict[str, Any]:
-        """The last episodes (with those of the open window) and the clocks."""
-        recent = self._recent.merge(self._window.peek())  # type: ignore[union-attr]
-        return {
-            "size": recent.size,
-            "names": recent.names,
-            "entries": [(list(key), list(values)) for key, values in recent.entries],
-            "clocks": self._window_clocks,
-        }
-
-    def _load_episode_window(self, state: dict[str, Any] | None) -> None:
-        window = self._window
-        recent = LatestWindow(window.size, window.names, stats=window.stats)  # type: ignore[union-attr]
-        if state is not None:
-            if state["size"] != window.size or tuple(state["names"]) != window.names:  # type: ignore[union-attr]
-                raise ValueError(
-                    f"{type(self).__name__}.load_state_dict: the episode window holds "
-                    f"{tuple(state['names'])!r} over {state['size']} episodes, this set keeps "
-                    f"{window.names!r} over {window.size}."  # type: ignore[union-attr]
-                )
-            entries = [(tuple(key), values) for key, values in state["entries"]]
-            recent = LatestWindow(window.size, window.names, stats=window.stats, entries=entries)  # type: ignore[union-attr]
-            self._window_clocks = tuple(state["clocks"])  # type: ignore[assignment]
-        self._recent = recent
-
-
-#: What the episode window reports per quantity.
-_WINDOW_STATS: dict[str, tuple[str, ...]] = {
-    "episode_return": ("mean", "std", "min", "max", "p10", "median", "p90"),
-    "episode_length": ("mean",),
-}
+                self._window.load(state_dict.get("episode_window"), type(self).__name__)

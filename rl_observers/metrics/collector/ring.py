@@ -1,15 +1,21 @@
-"""The episode kernel: episodes that close in collector batches, carried across batches.
+"""Running episode sums of ``[*B, T]`` batches: staged into a ring, summed a ring at a time.
 
-Episode returns and lengths come either from the batch (``RewardSum`` /
-``StepCounter`` entries read at closing steps) or from per-env running sums.
-The running sums are computed here, as functions of the batches and of the
-episodes in flight (:class:`EpisodeCarry`): batches are copied into an
-:class:`EpisodeRing` by :func:`stage_batch` and summed, as one timeline per
-env, by :func:`close_episodes`, which returns what to fold and updates the
-carry. Everything works on ``[rows, steps]`` tensors (time last); batches
-whose steps have several entries (agents, nested envs) are first laid out
-with one row per env and entry by :func:`per_entry`. No function reads a
-tensor value on the host off the CPU.
+Without ``RewardSum`` / ``StepCounter`` entries, an episode's return and length
+are running sums over the steps of its env, carried across batches
+(:class:`~rl_observers.metrics.collector.plan.EpisodeCarry`).
+:func:`fold_into_ring` copies each batch into an :class:`EpisodeRing`
+(:func:`fold_plain`, with the views of a :class:`PlainStage` made once, for
+plain CPU batches); :func:`flush_ring` sums the staged batches as one
+timeline per env (:func:`close_episodes`) and folds what closed. Padded
+batches of split trajectories are summed one at a time, their carries matched
+by trajectory id (:mod:`~rl_observers.metrics.collector.split_trajs`).
+No function reads a tensor value on the host off the CPU.
+
+Why one module of ~650 lines: the ring's buffers, the views a flush works
+with (:class:`Timeline`), the staging of a batch (:func:`stage_batch`, and
+:class:`PlainStage`, its fast path) and the sum that reads them
+(:func:`close_episodes`) share one memory layout, ``[rows, slots, steps]``;
+split, each half would depend on the other's slot arithmetic.
 """
 
 from __future__ import annotations
@@ -21,110 +27,22 @@ from typing import Any, NamedTuple
 import torch
 from tensordict import TensorDict
 
+from rl_observers.metrics.collector.plan import CollectorPlan, EpisodeCarry
+from rl_observers.metrics.collector.split_trajs import carry_by_id
+
 __all__ = [
     "Closed",
-    "CollectorPlan",
-    "EpisodeCarry",
     "EpisodeRing",
     "PlainStage",
     "Timeline",
     "close_episodes",
-    "close_interleaved",
-    "entries_of",
-    "flags",
+    "flush_ring",
+    "fold_into_ring",
+    "fold_plain",
     "new_ring",
-    "per_entry",
     "plain_stage",
     "stage_batch",
 ]
-
-
-class CollectorPlan:
-    """Keys of a collector batch, resolved at the first batch.
-
-    ``entries`` is the shape of the entries of one step (agents, nested
-    envs) when the per-step values have several, else ``()``: each entry
-    then has episodes of its own. ``reads`` are the keys a batch is read at,
-    each once, with the argument that names it: ``(key, "truncated_key")``.
-    """
-
-    __slots__ = (
-        "reward",
-        "done",
-        "closing",
-        "mask",
-        "episode_reward",
-        "step_count",
-        "traj_ids",
-        "env_index",
-        "running",
-        "episode_sources",
-        "entries",
-        "reads",
-    )
-
-    def __init__(self, **fields: Any) -> None:
-        for name in self.__slots__:
-            setattr(self, name, fields[name])
-
-
-def per_entry(value: torch.Tensor, batch_dims: int, entries: tuple[int, ...]) -> torch.Tensor:
-    """``[*B, T, *extra]`` -> ``[B * E, T]``: one row per env and entry, time last.
-
-    ``extra`` is ``entries`` (possibly with a trailing 1), or one value per
-    step, which is broadcast to every entry. Makes a copy.
-    """
-    lead = value.shape[:batch_dims]
-    steps = lead[-1]
-    if math.prod(value.shape[batch_dims:]) == 1:
-        value = value.reshape(*lead[:-1], *(1,) * len(entries), steps)
-        value = value.expand(*lead[:-1], *entries, steps)
-    else:
-        value = value.reshape(*lead, *entries).movedim(batch_dims - 1, -1)
-    return value.reshape(-1, steps)
-
-
-def flags(value: torch.Tensor, rows: int, steps: int) -> torch.Tensor:
-    """``[*B, T, *extra]`` flags -> ``[rows, steps]`` booleans (any over the extra dims)."""
-    if value.numel() == rows * steps:
-        value = value.reshape(rows, steps)
-        return value if value.dtype is torch.bool else value.to(torch.bool)
-    return value.reshape(rows, steps, -1).to(torch.bool).any(-1)
-
-
-def entries_of(
-    batch: Any, per_step: list[tuple[Any, str]], closing: tuple[Any, ...], owner: str
-) -> tuple[int, ...]:
-    """The shape of the entries of one step (agents, nested envs), ``()`` for one entry.
-
-    Decided by the per-step values of the episodes (rewards, ``RewardSum``
-    and ``StepCounter`` entries); with one entry, closing flags with several
-    close the env's episode when any is set. Otherwise every key has one
-    value per step (broadcast to the entries) or one per entry.
-    """
-    dims = batch.batch_dims
-    entries: tuple[int, ...] = ()
-    seen = None
-    for key, what in [*per_step, *((k, "closing key") for k in closing)]:
-        if key is None:
-            continue
-        shape = tuple(batch.get(key).shape[dims:])
-        if math.prod(shape) == 1:
-            continue
-        if shape and shape[-1] == 1:
-            shape = shape[:-1]
-        if seen is None and what == "closing key":
-            break  # per-step values have one entry: flags are reduced with any
-        if seen is None:
-            entries, seen = shape, (key, what)
-        elif shape != entries:
-            raise ValueError(
-                f"{owner}: episode metrics need the entries of one step to agree, got {key!r} "
-                f"({what}) with {list(shape)} entries per step and {seen[0]!r} ({seen[1]}) with "
-                f"{list(entries)}, for batch_size {list(batch.batch_size)}."
-            )
-    return entries
-
 
 # Batches folded with running episode sums are kept in a ring of up to this many batches
 # (and this many steps in all) and summed together: the cost of the running sums is paid
@@ -350,27 +268,6 @@ class Timeline:
             self.traj_prev_last = traj[:, : used - 1, -1]
 
 
-class EpisodeCarry:
-    """The episodes in flight at the end of the batches summed so far.
-
-    ``neg``: ``[2, rows]`` float64, minus the (return, length) of each row's
-    episode in flight; ``traj``: ``[rows]`` trajectory ids of the last step
-    summed (when the batches have them). ``None`` before the first sum.
-    For padded batches with trajectory ids (:attr:`EpisodeRing.by_id`),
-    ``rows`` are the last batch's rows and ``traj`` the id of each row's
-    last valid step, matched by id (not by row) in the next batch. For
-    interleaved batches (:func:`close_interleaved`), ``neg`` is
-    ``[2, rows * envs]`` (one column per entry row and env index, env
-    fastest) and ``traj`` is ``None``.
-    """
-
-    __slots__ = ("neg", "traj")
-
-    def __init__(self, neg: torch.Tensor | None = None, traj: torch.Tensor | None = None) -> None:
-        self.neg = neg
-        self.traj = traj
-
-
 class Closed(NamedTuple):
     """What :func:`close_episodes` found in a ring's batches, to fold into reducers."""
 
@@ -580,37 +477,6 @@ def plain_stage(ring: EpisodeRing, plan: CollectorPlan, batch: Any) -> PlainStag
     return stage if stage.read(batch) is not None else False
 
 
-def _carry_by_id(ring: EpisodeRing, line: Timeline, carry: EpisodeCarry) -> None:
-    """Fills the carry column of a ring of one padded batch, matching trajectory ids.
-
-    A row of the batch takes the carry of the previous batch's row whose last
-    valid step has the trajectory id of its first step (and the same entry,
-    when steps have several): a trajectory that goes on in the next batch
-    keeps its id (``split_trajs``). Rows with no such carry start at zero.
-    No host read; ``[rows, previous rows]`` comparisons.
-    """
-    rows = ring.closing.shape[0]
-    previous, neg_carry = carry.traj, carry.neg
-    if (
-        previous is None
-        or neg_carry is None
-        or previous.ndim != 1
-        or neg_carry.shape != (2, previous.shape[0])
-    ):
-        line.carry.zero_()
-        return
-    device = ring.closing.device
-    previous = previous.to(device)
-    first = line.traj_first.to(torch.int64)
-    previous = previous.to(torch.int64)
-    entries = ring.entry_count
-    if entries > 1:  # rows are (trajectory, entry), entry fastest: the entry is part of the key
-        first = first * entries + torch.arange(rows, device=device) % entries
-        previous = previous * entries + torch.arange(previous.shape[0], device=device) % entries
-    match = (first.unsqueeze(1) == previous.unsqueeze(0)).to(torch.float64)
-    line.carry.copy_(torch.mm(neg_carry.to(device), match.T))
-
-
 def close_episodes(
     ring: EpisodeRing, carry: EpisodeCarry, sources: Sequence[tuple[int, Any]]
 ) -> Closed | None:
@@ -624,7 +490,7 @@ def close_episodes(
     prefix when none. Between two batches whose trajectory ids do not
     continue, the episode in flight is dropped (a segment start that
     closes no episode); padded batches with ids are summed one at a time
-    and their carries matched by id (:func:`_carry_by_id`). What follows the last closing is the new carry
+    and their carries matched by id (:func:`~rl_observers.metrics.collector.split_trajs.carry_by_id`). What follows the last closing is the new carry
     (``carry`` is updated in place). ``sources`` are the plan's
     ``episode_sources``. Returns ``None`` when the ring is empty.
     Off the CPU: tensor operations only, no host read, no data-dependent
@@ -649,7 +515,7 @@ def close_episodes(
     neg_carry = carry.neg
     traj = ring.traj
     if ring.by_id:
-        _carry_by_id(ring, line, carry)
+        carry_by_id(ring, line, carry)
     elif neg_carry is None or neg_carry.shape != (2, rows):
         line.carry.zero_()
     else:
@@ -713,81 +579,97 @@ def close_episodes(
     return Closed(line.reward, mask, dones, values, closing)
 
 
-def close_interleaved(
-    carry: EpisodeCarry,
-    env: torch.Tensor,
-    closing: torch.Tensor,
-    reward: torch.Tensor | None,
+def fold_into_ring(
+    metrics: Any,
+    plan: CollectorPlan,
+    batch: Any,
+    read: dict[Any, torch.Tensor],
+    get: Any,
+    rows: int,
+    steps: int,
+    closing_flags: list[torch.Tensor],
     mask: torch.Tensor | None,
-    envs: int,
-    from_keys: Sequence[tuple[int, torch.Tensor]],
-) -> torch.Tensor:
-    """Episodes of a batch of interleaved steps of several envs, carried per env index.
+    episode_mask: torch.Tensor | None,
+) -> None:
+    """Copies what the episode sums need into the ring's next slot (a few copies).
 
-    ``env`` (``[steps]`` integers below ``envs``) says which env each step
-    of the batch comes from (``AsyncBatchedCollector``'s ``env_index``);
-    each env's steps are in time order. ``closing``, ``reward`` and ``mask``
-    are ``[rows, steps]`` (``rows``: the entries of one step, ``1`` for
-    one); ``closing`` is already masked. The steps are stably sorted by env,
-    so every env's steps form one run: the running sums are those of
-    :func:`close_episodes` with a segment start at each env's first step,
-    where the env's carry (in ``carry.neg``, one column per entry row and
-    env index) is added. ``from_keys`` are (row, ``[rows, steps]`` values)
-    taken from batch keys instead of the sums. Returns the ``[2, rows,
-    steps]`` float64 (return, length) of the episodes closing at each step,
-    in the batch's order, and updates ``carry``. No host read, no
-    data-dependent shape.
+    ``read`` holds the batch's entries read by the set; ``get`` gives
+    them as ``[rows, steps]``.
     """
-    rows, steps = closing.shape
-    device = closing.device
-    f64 = torch.float64
-    table = _interleaved_table(carry, rows, envs, device)
-    env = env.reshape(steps).to(device=device, dtype=torch.int64)
-    order = torch.argsort(env, stable=True)
-    env = env[order]
-    first = torch.ones(steps, dtype=torch.bool, device=device)  # an env's first step
-    torch.ne(env[1:], env[:-1], out=first[1:])
-    last = torch.ones(steps, dtype=torch.bool, device=device)  # an env's last step
-    last[:-1] = first[1:]
-    closing = closing[:, order]
-    per_step = torch.zeros((2, rows, steps), dtype=f64, device=device)
-    if reward is not None:
-        reward = reward[:, order]
-        per_step[0] = reward if mask is None else torch.where(mask[:, order], reward, 0)
-    if mask is None:
-        per_step[1] = 1
+    batch_size = batch.batch_size
+    ring = metrics._ring
+    key = (rows, steps, closing_flags[0].device, mask is None)
+    if ring is None or ring.key != key:
+        flush_ring(metrics)  # a batch of another shape: the ring's batches are summed first
+        traj_dtype = None if plan.traj_ids is None else read[plan.traj_ids].dtype
+        # Reset at each batch, and no trajectory ids to say so: each batch is summed
+        # alone and its carries dropped (see flush_ring).
+        alone = metrics._reset_each_batch and traj_dtype is None
+        ring = metrics._ring = new_ring(
+            plan,
+            key,
+            rows,
+            steps,
+            key[2],
+            masked=mask is not None,
+            traj_dtype=traj_dtype,
+            alone=alone,
+        )
+    reward = None
+    if ring.reward is not None:
+        reward = get(plan.reward)  # its moments are folded from the ring
+    elif plan.reward is not None:
+        metrics._fold_reward(read[plan.reward], mask, batch_size)
+    if not ring.used and metrics._window is not None:
+        ring.base = metrics._window.clocks
+    n_closed = stage_batch(ring, plan, get, closing_flags, reward, episode_mask)
+    if ring.host:  # CPU, no mask: counted at once, no device to wait for
+        metrics._counters.values["frames"] += batch_size.numel()
+        metrics._counters.values["episodes"] += n_closed  # type: ignore[operator]
     else:
-        per_step[1] = mask[:, order]
-    sums = torch.zeros((2, rows, steps + 1), dtype=f64, device=device)
-    torch.cumsum(per_step, -1, out=sums[..., 1:])
-    # A segment starts at an env's first step and after each closing step.
-    starts = first.expand(rows, steps).clone()
-    starts[:, 1:] |= closing[:, :-1]
-    index = torch.arange(steps, device=device)
-    start = torch.where(starts, index, 0).cummax(-1).values
-    values = sums[..., 1:] - sums.gather(-1, start.expand(2, rows, steps))
-    # Segments that start at the env's first step in the batch continue its carry.
-    carried = table.gather(-1, env.expand(2, rows, steps))
-    values += torch.where(first[start], carried, 0)
-    # The new carry: what is in flight at each env's last step; envs absent keep theirs.
-    present = torch.zeros(envs, dtype=torch.bool, device=device).index_fill_(0, env, True)
-    table.masked_fill_(present, 0)
-    table.index_add_(-1, env, torch.where(last & ~closing, values, 0))
-    carry.neg = table.reshape(2, rows * envs).neg()
-    carry.traj = None
-    out = torch.empty_like(values).index_copy_(-1, order, values)
-    for row, value in from_keys:
-        out[row].copy_(value)
-    return out
+        metrics._count_frames_and_episodes(n_closed, mask, batch_size)  # type: ignore[arg-type]
+    ring.used += 1
+    if ring.used == ring.size:
+        flush_ring(metrics)
 
 
-def _interleaved_table(
-    carry: EpisodeCarry, rows: int, envs: int, device: torch.device
-) -> torch.Tensor:
-    """The per-env carry of :func:`close_interleaved` as ``[2, rows, envs]`` (a new tensor)."""
-    table = torch.zeros((2, rows, envs), dtype=torch.float64, device=device)
-    neg = carry.neg
-    if neg is not None and carry.traj is None and neg.shape[-1] % rows == 0:
-        known = min(envs, neg.shape[-1] // rows)
-        table[..., :known] = neg.to(device).reshape(2, rows, -1)[..., :known].neg()
-    return table
+def fold_plain(
+    metrics: Any, ring: EpisodeRing, stage: PlainStage, values: list[torch.Tensor], batch_size: Any
+) -> None:
+    """What :func:`fold_into_ring` does with a plain batch (see :class:`PlainStage`), in fewer steps."""
+    window = metrics._window
+    if window is not None and not ring.used:
+        ring.base = window.clocks
+    closed = stage.stage(ring, values)
+    if stage.direct_reward:
+        metrics._reward.fold(values[-1])  # type: ignore[union-attr]
+    counts = metrics._counters.values
+    counts["batches"] += 1
+    counts["frames"] += batch_size.numel()
+    counts["episodes"] += closed
+    ring.used += 1
+    if ring.used == ring.size:
+        flush_ring(metrics)
+    if window is not None:
+        window.advance(batch_size)
+
+
+def flush_ring(metrics: Any) -> None:
+    """Sums the batches in the ring (:func:`close_episodes`)."""
+    ring = metrics._ring
+    if ring is None:
+        return
+    if metrics._reset_each_batch and ring.traj is None and ring.used:
+        metrics._carry = EpisodeCarry()  # the envs were reset: nothing goes on
+    closed = close_episodes(ring, metrics._carry, metrics._plan.episode_sources)  # type: ignore[union-attr]
+    if closed is None:
+        return
+    if closed.reward is not None:
+        metrics._reward.fold(closed.reward, closed.mask)  # type: ignore[union-attr]
+    if closed.dones is not None:
+        metrics._dones.add(closed.dones)  # type: ignore[union-attr]
+    if closed.values is not None:
+        metrics._episode.fold(closed.values, closed.closing)  # type: ignore[union-attr]
+        metrics._fold_episode_quantiles(closed.values, closed.closing)
+        if metrics._window is not None:
+            metrics._window.fold(closed.values, closed.closing, ring.base)

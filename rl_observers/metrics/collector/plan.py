@@ -1,0 +1,213 @@
+"""What a collector batch's fold needs: its keys resolved once, its layout, the episodes in flight.
+
+:func:`resolve_plan` reads the keys of a
+:class:`~rl_observers.metrics.CollectorBatchMetrics` from its first batch into a
+:class:`CollectorPlan`, which decides the batch's fold path (episodes read from
+keys, running sums over a ring, interleaved envs). :func:`per_entry` and
+:func:`flags` lay entries out as ``[rows, steps]`` (time last, one row per env
+and entry); :class:`EpisodeCarry` holds the episodes in flight between batches.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from tensordict import is_tensor_collection
+
+from rl_observers.metrics.keys import NestedKey, leaf_keys, missing_key
+
+__all__ = ["CollectorPlan", "EpisodeCarry", "entries_of", "flags", "per_entry", "resolve_plan"]
+
+
+class CollectorPlan:
+    """Keys of a collector batch, resolved at the first batch.
+
+    ``entries`` is the shape of the entries of one step (agents, nested
+    envs) when the per-step values have several, else ``()``: each entry
+    then has episodes of its own. ``reads`` are the keys a batch is read at,
+    each once, with the argument that names it: ``(key, "truncated_key")``.
+    """
+
+    __slots__ = (
+        "reward",
+        "done",
+        "closing",
+        "mask",
+        "episode_reward",
+        "step_count",
+        "traj_ids",
+        "env_index",
+        "running",
+        "episode_sources",
+        "entries",
+        "reads",
+    )
+
+    def __init__(self, **fields: Any) -> None:
+        for name in self.__slots__:
+            setattr(self, name, fields[name])
+
+
+def per_entry(value: torch.Tensor, batch_dims: int, entries: tuple[int, ...]) -> torch.Tensor:
+    """``[*B, T, *extra]`` -> ``[B * E, T]``: one row per env and entry, time last.
+
+    ``extra`` is ``entries`` (possibly with a trailing 1), or one value per
+    step, which is broadcast to every entry. Makes a copy.
+    """
+    lead = value.shape[:batch_dims]
+    steps = lead[-1]
+    if math.prod(value.shape[batch_dims:]) == 1:
+        value = value.reshape(*lead[:-1], *(1,) * len(entries), steps)
+        value = value.expand(*lead[:-1], *entries, steps)
+    else:
+        value = value.reshape(*lead, *entries).movedim(batch_dims - 1, -1)
+    return value.reshape(-1, steps)
+
+
+def flags(value: torch.Tensor, rows: int, steps: int) -> torch.Tensor:
+    """``[*B, T, *extra]`` flags -> ``[rows, steps]`` booleans (any over the extra dims)."""
+    if value.numel() == rows * steps:
+        value = value.reshape(rows, steps)
+        return value if value.dtype is torch.bool else value.to(torch.bool)
+    return value.reshape(rows, steps, -1).to(torch.bool).any(-1)
+
+
+def entries_of(
+    batch: Any, per_step: list[tuple[Any, str]], closing: tuple[Any, ...], owner: str
+) -> tuple[int, ...]:
+    """The shape of the entries of one step (agents, nested envs), ``()`` for one entry.
+
+    Decided by the per-step values of the episodes (rewards, ``RewardSum``
+    and ``StepCounter`` entries); with one entry, closing flags with several
+    close the env's episode when any is set. Otherwise every key has one
+    value per step (broadcast to the entries) or one per entry.
+    """
+    dims = batch.batch_dims
+    entries: tuple[int, ...] = ()
+    seen = None
+    for key, what in [*per_step, *((k, "closing key") for k in closing)]:
+        if key is None:
+            continue
+        shape = tuple(batch.get(key).shape[dims:])
+        if math.prod(shape) == 1:
+            continue
+        if shape and shape[-1] == 1:
+            shape = shape[:-1]
+        if seen is None and what == "closing key":
+            break  # per-step values have one entry: flags are reduced with any
+        if seen is None:
+            entries, seen = shape, (key, what)
+        elif shape != entries:
+            raise ValueError(
+                f"{owner}: episode metrics need the entries of one step to agree, got {key!r} "
+                f"({what}) with {list(shape)} entries per step and {seen[0]!r} ({seen[1]}) with "
+                f"{list(entries)}, for batch_size {list(batch.batch_size)}."
+            )
+    return entries
+
+
+class EpisodeCarry:
+    """The episodes in flight at the end of the batches summed so far.
+
+    ``neg``: ``[2, rows]`` float64, minus the (return, length) of each row's
+    episode in flight; ``traj``: ``[rows]`` trajectory ids of the last step
+    summed (when the batches have them). ``None`` before the first sum.
+    For padded batches with trajectory ids (:attr:`EpisodeRing.by_id`),
+    ``rows`` are the last batch's rows and ``traj`` the id of each row's
+    last valid step, matched by id (not by row) in the next batch. For
+    interleaved batches (:func:`close_interleaved`), ``neg`` is
+    ``[2, rows * envs]`` (one column per entry row and env index, env
+    fastest) and ``traj`` is ``None``.
+    """
+
+    __slots__ = ("neg", "traj")
+
+    def __init__(self, neg: torch.Tensor | None = None, traj: torch.Tensor | None = None) -> None:
+        self.neg = neg
+        self.traj = traj
+
+
+
+def resolve_plan(metrics: Any, batch: Any) -> CollectorPlan:
+    """Resolves the keys of ``metrics`` (a :class:`CollectorBatchMetrics`) on its first ``batch``."""
+    owner = type(metrics).__name__
+    if not is_tensor_collection(batch):
+        raise TypeError(f"{owner} expects TensorDict batches, got {type(batch).__name__}.")
+    if not batch.batch_dims:
+        raise ValueError(
+            f"{owner} expects batches with a time dimension (batch_size [T] or [*B, T]), "
+            f"got batch_size={list(batch.batch_size)}."
+        )
+    present = leaf_keys(batch)
+
+    def required(key: NestedKey | None, what: str) -> NestedKey | None:
+        if key is not None and key not in present:
+            raise missing_key(owner, what, key, present)
+        return key
+
+    def optional(key: NestedKey | None) -> NestedKey | None:
+        return key if key is not None and key in present else None
+
+    reward = required(metrics.reward_key, "reward_key")
+    done = required(metrics.done_key, "done_key")
+    terminated, truncated = optional(metrics.terminated_key), optional(metrics.truncated_key)
+    closing = tuple(k for k in (done, terminated, truncated) if k)
+    if not closing and metrics._episodes is not None:
+        key = metrics.terminated_key or metrics.truncated_key
+        raise missing_key(owner, "terminated_key/truncated_key", key, present)
+    episode_reward = optional(metrics.episode_reward_key) if metrics.episode_return else None
+    step_count = optional(metrics.step_count_key) if metrics.episode_length else None
+    running = (metrics.episode_return and episode_reward is None) or (
+        metrics.episode_length and step_count is None
+    )
+    if metrics.episode_return and episode_reward is None and reward is None:
+        raise missing_key(owner, "episode_reward_key", metrics.episode_reward_key, present)
+    per_step = [(episode_reward, "episode_reward_key"), (step_count, "step_count_key")]
+    if metrics.episode_return and episode_reward is None:
+        per_step.append((reward, "reward_key"))
+    entries = entries_of(batch, per_step, closing, owner)
+    # Per quantity of the episode group: its row of the running sums (0: return,
+    # 1: length) and the batch key it is read from at closing steps, if any.
+    episode_sources = []
+    if metrics.episode_return:
+        episode_sources.append((0, episode_reward))
+    if metrics.episode_length:
+        episode_sources.append((1, step_count))
+    traj_ids = optional(metrics.traj_ids_key)
+    mask = optional(metrics.mask_key)
+    # Steps of several envs interleaved in one time dimension (AsyncBatchedCollector):
+    # the running sums are kept per env index.
+    env_index = optional(metrics.env_index_key) if running and batch.batch_dims == 1 else None
+    if env_index is not None:
+        traj_ids = None
+    # What _fold reads, each once, with the argument that names it.
+    reads: dict[NestedKey, str] = {}
+    for key, what in (
+        (mask, "mask_key"),
+        (reward, "reward_key"),
+        (done, "done_key"),
+        (terminated, "terminated_key"),
+        (truncated, "truncated_key"),
+        (episode_reward if metrics.episode_return else None, "episode_reward_key"),
+        (step_count if metrics.episode_length else None, "step_count_key"),
+        (traj_ids if running else None, "traj_ids_key"),  # read by the ring only
+        (env_index, "env_index_key"),
+    ):
+        if key is not None:
+            reads.setdefault(key, what)
+    return CollectorPlan(
+        reward=reward,
+        done=done,
+        closing=closing,
+        mask=mask,
+        episode_reward=episode_reward,
+        step_count=step_count,
+        traj_ids=traj_ids,
+        env_index=env_index,
+        running=running,
+        episode_sources=tuple(episode_sources),
+        entries=entries,
+        reads=tuple(reads.items()),
+    )
