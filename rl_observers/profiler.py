@@ -33,6 +33,12 @@ Boundaries at ``post_collect`` keep every rollout whole inside one step
 written right after the last profiled batch; boundaries at ``pre_collect``
 would cut each rollout range in two and delay the trace until the next
 rollout starts.
+
+Why one module of ~730 lines: ``ProfilerObserver`` (most of it) and the
+``enable_profile`` / ``disable_profile`` methods it installs share one
+process-wide profiler slot (torch runs one profile per process) and one
+lifecycle (warm-up, rollouts, trace, stop); split, the slot's rules would be
+written twice.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ from rl_observers.observer import Observer
 from rl_observers.sources import observers_of, source_info
 from rl_observers.sources.ray import send_file_to_driver
 
-__all__ = ["ProfilerObserver", "install_profiling"]
+__all__ = ["ProfilerObserver", "disable_profile", "enable_profile"]
 
 _IDLE, _RUNNING, _DONE = "idle", "running", "done"
 # torch.profiler supports one profile per process (two at once crash Kineto): the

@@ -21,7 +21,7 @@ from rl_observers.stats import (
     ReducerBank,
 )
 
-__all__ = ["DATA_EVENTS", "MetricSet"]
+__all__ = ["MetricSet"]
 
 #: The events a metric set may fold: those that carry data (``post_collect``, ``post_add``,
 #: ``post_extend``, ``post_sample``).

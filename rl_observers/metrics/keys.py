@@ -10,17 +10,8 @@ from typing import Any
 
 from tensordict import unravel_key
 
-__all__ = [
-    "FROM_SOURCE",
-    "MissingKeyError",
-    "NestedKey",
-    "check_bool",
-    "check_key",
-    "env_of",
-    "keys_from_source",
-    "leaf_keys",
-    "missing_key",
-]
+# Helpers of the metric sets: nothing public here (see docs/api.rst).
+__all__: list[str] = []
 
 NestedKey = str | tuple[str, ...]
 

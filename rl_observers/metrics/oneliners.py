@@ -39,6 +39,10 @@ torchrl collectors stamp with ``track_policy_version=True``), and in
 :class:`~rl_observers.LoggerObserver` adds when its metric sets do not count
 them, so counter schedules work with one-liners alone, and
 :class:`~rl_observers.StatsProvider`.
+
+Why one module of ~600 lines: each one-liner is a short subclass of
+:class:`Metric` (a declared merge rule over one function of the data); read
+together they show every merge rule a one-liner can declare.
 """
 
 from __future__ import annotations
@@ -76,7 +80,6 @@ __all__ = [
     "Ratio",
     "Sum",
     "Summary",
-    "source_events",
 ]
 
 

@@ -17,18 +17,8 @@ from tensordict import is_tensor_collection
 from torch.utils._pytree import tree_leaves
 from torchrl.data import RoundRobinWriter
 
-__all__ = [
-    "dim0_capacity",
-    "dim0_slots",
-    "info_get",
-    "leading_size",
-    "round_robin",
-    "storage_device",
-    "storage_of",
-    "stored_slots",
-    "writer_cursor",
-    "writer_may_skip",
-]
+# Helpers of the replay-buffer sets: nothing public here (see docs/api.rst).
+__all__: list[str] = []
 
 
 def storage_of(source: Any) -> Any:

@@ -33,7 +33,7 @@ import torch
 from rl_observers.stats.partials import LatestWindow, Partial
 from rl_observers.stats.reducers import ReducerBank, _Reducer
 
-__all__ = ["LatestReducer", "latest_reducer"]
+__all__ = ["LatestReducer"]
 
 _F64 = torch.float64
 # Columns of an entry before its values: order key (0: empty slot), stamp, index.

@@ -17,6 +17,12 @@ Examples:
     3.0
     >>> Count("dones", 1).merge(Count("dones", 0)).finalize()
     {'dones': 1.0}
+
+Why one module of ~800 lines: it is the whole host side of the merge contract
+(what crosses a process boundary and what the channel merges), kept torch-free
+in one place so that the channel, which may import only this module of
+``stats``, sees every partial it merges; ``QuantileSketch`` (the last ~280
+lines) is the seam to split at if it grows.
 """
 
 from __future__ import annotations
@@ -26,7 +32,6 @@ from collections.abc import Iterable, Sequence
 
 __all__ = [
     "MOMENT_STATS",
-    "SKETCH_EXPONENTS",
     "WINDOW_STATS",
     "Count",
     "LatestWindow",

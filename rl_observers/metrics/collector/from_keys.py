@@ -14,7 +14,8 @@ import torch
 
 from rl_observers.metrics.collector.plan import CollectorPlan
 
-__all__ = ["fold_from_keys"]
+# Implementation of CollectorBatchMetrics: nothing public here (see docs/api.rst).
+__all__: list[str] = []
 
 
 def fold_from_keys(

@@ -16,7 +16,8 @@ import torch
 from rl_observers.metrics.collector.plan import CollectorPlan, EpisodeCarry
 from rl_observers.metrics.collector.ring import flush_ring
 
-__all__ = ["close_interleaved", "fold_interleaved"]
+# Implementation of CollectorBatchMetrics: nothing public here (see docs/api.rst).
+__all__: list[str] = []
 
 
 def fold_interleaved(

@@ -18,7 +18,8 @@ from tensordict import is_tensor_collection
 
 from rl_observers.metrics.keys import NestedKey, leaf_keys, missing_key
 
-__all__ = ["CollectorPlan", "EpisodeCarry", "entries_of", "flags", "per_entry", "resolve_plan"]
+# Implementation of CollectorBatchMetrics: nothing public here (see docs/api.rst).
+__all__: list[str] = []
 
 
 class CollectorPlan:

@@ -30,19 +30,8 @@ from tensordict import TensorDict
 from rl_observers.metrics.collector.plan import CollectorPlan, EpisodeCarry
 from rl_observers.metrics.collector.split_trajs import carry_by_id
 
-__all__ = [
-    "Closed",
-    "EpisodeRing",
-    "PlainStage",
-    "Timeline",
-    "close_episodes",
-    "flush_ring",
-    "fold_into_ring",
-    "fold_plain",
-    "new_ring",
-    "plain_stage",
-    "stage_batch",
-]
+# Implementation of CollectorBatchMetrics: nothing public here (see docs/api.rst).
+__all__: list[str] = []
 
 # Batches folded with running episode sums are kept in a ring of up to this many batches
 # (and this many steps in all) and summed together: the cost of the running sums is paid

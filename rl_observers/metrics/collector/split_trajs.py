@@ -16,7 +16,8 @@ import torch
 
 from rl_observers.metrics.collector.plan import EpisodeCarry
 
-__all__ = ["carry_by_id"]
+# Implementation of CollectorBatchMetrics: nothing public here (see docs/api.rst).
+__all__: list[str] = []
 
 
 def carry_by_id(ring: Any, line: Any, carry: EpisodeCarry) -> None:

@@ -16,7 +16,8 @@ from rl_observers.sources.placement import source_info
 from rl_observers.stats import LatestWindow, Partial, QuantileReducer, ReducerBank
 from rl_observers.stats.latest import latest_reducer
 
-__all__ = ["EpisodeWindow"]
+# Implementation of CollectorBatchMetrics: nothing public here (see docs/api.rst).
+__all__: list[str] = []
 
 #: What the episode window reports per quantity.
 WINDOW_STATS: dict[str, tuple[str, ...]] = {
