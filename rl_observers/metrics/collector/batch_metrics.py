@@ -67,8 +67,9 @@ class CollectorBatchMetrics(MetricSet):
     (:class:`~torchrl.envs.StepCounter`) at that step when the batch has them;
     otherwise from per-env running sums carried across batches (cumulative
     sums over the batches' steps plus the carry: vectorised, no loop over
-    time, no sync; the batches are copied into a ring and summed 16 at a
-    time, or when the window closes). Either way an episode spanning several
+    time, no sync; the batches are copied into a ring and summed up to 16 at
+    a time, fewer for large batches, or when the window closes). Either way an
+    episode spanning several
     batches is counted once,
     in the window where it ends, with its full return. When the batch has
     ``traj_ids_key``, a carry whose trajectory id does not continue in the
