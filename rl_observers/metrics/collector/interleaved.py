@@ -35,7 +35,7 @@ def fold_interleaved(
     """Folds a batch of interleaved env steps (``env_index``), carried per env index.
 
     Each batch is summed on its own
-    (:func:`~rl_observers.metrics.episodes.close_interleaved`): its episodes
+    (:func:`close_interleaved`): its episodes
     are folded at once.
     """
     flush_ring(metrics)  # batches of another layout in the ring are summed first
