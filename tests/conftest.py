@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import threading
 
@@ -14,6 +15,14 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RL_WARNINGS", "0")
 
 import rl_observers  # noqa: E402,F401  (installs add_observer on torchrl's classes)
+
+# torchrl starts its workers with the global start method (spawn when unset). A
+# forkserver has spawn's semantics (a fresh process, arguments pickled) but forks
+# each worker from a server that imported torch and torchrl once, instead of
+# importing them again per worker (~6 s of CPU each). Tests about a start method
+# set it themselves (tests.helpers.start_method).
+multiprocessing.set_start_method("forkserver", force=True)
+multiprocessing.set_forkserver_preload(["torch", "torchrl.collectors", "torchrl.envs", "rl_observers"])
 
 
 @pytest.fixture
