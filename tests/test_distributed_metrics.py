@@ -394,7 +394,7 @@ def test_an_aggregate_failing_at_close_does_not_stop_the_others_last_rows(monkey
     channel.step()
     assert logger.calls == []  # the schedule is never due: only close logs the last windows
 
-    aggregates = channel.router("aggregate").aggregates
+    aggregates = channel._logging.router("aggregate").aggregates
     assert list(aggregates) == ["a", "broken", "unwritable", "c"]
 
     def finish():
