@@ -117,7 +117,9 @@ class Observer:
         Sources whose data lives elsewhere (multiprocessing workers, Ray
         actors) run copies of their observers; ``attached``/``detached`` are
         called on the copies. This is the original's chance to fix what all
-        copies must share.
+        copies must share. Also called for a shared replay buffer (attached
+        here too) before its copies start in the workers of a collector
+        writing into it, or are mirrored to running ones.
         """
 
     def copies_removed(self, target: Any) -> None:

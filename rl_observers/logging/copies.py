@@ -18,8 +18,14 @@ from typing import Any
 from rl_observers.channel.meta import COUNTERS, LAST
 from rl_observers.logging.aggregate import AggregateSpec, finish_aggregate
 from rl_observers.observer import dumps
+from rl_observers.sources import observers_of
 
-__all__ = ["contribute", "finish", "pickled", "prepare"]
+__all__ = ["LAST_WINDOW_TIMEOUT", "contribute", "finish", "pickled", "prepare", "state_to_travel"]
+
+#: Seconds a copy waits at its source's shutdown for its last window to be acknowledged by the
+#: owner's ingest (a relay or ingest actor still starting on a busy node takes seconds); within
+#: the source's own bound (30 s for the actors of a Ray source, see ``sources/ray.py``).
+LAST_WINDOW_TIMEOUT = 20.0
 
 
 def pickled(sets: Any) -> bytes:
@@ -37,8 +43,9 @@ def pickled(sets: Any) -> bytes:
 def prepare(observer: Any, target: Any) -> None:
     """What :meth:`~rl_observers.LoggerObserver.prepare_copies` does (see the module docstring).
 
-    For a source the observer is attached to here (a shared replay buffer),
-    only the mode changes; for a remote source, the metric sets, namespace
+    For a source the observer is attached to here, or being attached to (a
+    shared replay buffer), only the mode changes (``attached`` resolves it
+    again, to the same); for a remote source, the metric sets, namespace
     and step counter every copy shares are resolved for ``target``, and the
     channel is told that copies send to it until :func:`finish`.
 
@@ -46,8 +53,8 @@ def prepare(observer: Any, target: Any) -> None:
         ValueError: ``step=`` is a collector or a callable, which copies cannot read.
     """
     observer._copies_elsewhere = True
-    if observer._source is not None and observer._source() is target:
-        with observer._lock:
+    if any(e.observer is observer for e in getattr(observers_of(target), "entries", ())):
+        with observer._lock:  # attached here (or being attached): its next event keeps this mode
             observer._mode = observer._contribution.join_as_original()
         return
     if observer._step_fn is not None:
@@ -104,3 +111,13 @@ def contribute(observer: Any, final: bool = False) -> None:
             observer._sink.submit_metrics({}, namespace=namespace, meta=meta)
             return
     observer._sink.submit_metrics(observer._pull(), namespace=namespace, meta=meta)
+
+
+def state_to_travel(observer: Any) -> dict[str, Any]:
+    """The observer's ``__getstate__``: what a copy takes to where it runs (not this process's links)."""
+    state = observer.__dict__.copy()
+    del state["_lock"]
+    state["_channel_ref"] = state["_source"] = None
+    state["_step_fn"] = None  # read where the channel lives (refused for copies elsewhere)
+    state["_read_schedule_counter"] = None  # resolved again where the copy runs
+    return state

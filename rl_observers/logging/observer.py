@@ -1,16 +1,15 @@
 """LoggerObserver: metric sets folded at the source, submitted on a schedule into a channel.
 
-Step of the flow: **observer → channel** (source → observer → channel →
-logger), read in this file as fold → schedule → submit. What is resolved
-once is elsewhere: the arguments (:mod:`~.arguments`), the sets, schedule
-and folds for a source (:mod:`~.wiring`), namespaces (:mod:`~.namespaces`),
-failure warnings (:mod:`~.failures`), checkpoints (:mod:`~.state`). Copies
-running away from the channel contribute windows instead
-(:mod:`~.contributions`), which the owner merges (:mod:`~.aggregate`).
+Step of the flow: **observer → channel** (source → observer → channel → logger),
+read here as fold → schedule → submit. Resolved once, elsewhere: arguments
+(:mod:`~.arguments`), sets, schedule and folds (:mod:`~.wiring`), namespaces
+(:mod:`~.namespaces`), failure warnings (:mod:`~.failures`), checkpoints
+(:mod:`~.state`), the copies' side (:mod:`~.copies`, :mod:`~.contributions`).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -35,18 +34,12 @@ from rl_observers.sources import observers_of
 
 __all__ = ["LoggerObserver"]
 
-#: Seconds a copy waits at its source's shutdown for its last window to be acknowledged by the
-#: owner's ingest (a relay or ingest actor still starting on a busy node takes seconds); within
-#: the source's own bound (30 s for the actors of a Ray source, see ``sources/ray.py``).
-LAST_WINDOW_TIMEOUT = 20.0
-
 
 def _fold_event(event: str) -> Callable[..., None]:
     """``LoggerObserver.on_<event>``: folds the payload into the sets, then checks the schedule.
 
-    The check of a counter schedule inside its interval is inlined (one read,
-    one comparison): this runs at every event, where each Python call costs
-    ~0.5 us next to the source's cold caches.
+    The check of a schedule inside its interval is inlined (one read, one comparison):
+    this runs at every event, where each Python call costs ~0.5 us next to cold caches.
     """
     folds_of = f"_{event}_folds"
     where = f"on_{event}"
@@ -88,9 +81,9 @@ def _fold_event(event: str) -> Callable[..., None]:
 class LoggerObserver(Observer):
     """Folds what a source sees into metrics and logs them on a schedule.
 
-    The metric sets fold every batch, write or sample into mergeable partials
-    next to the data, without a host-device sync; when the schedule is due,
-    the window reaches the host in one transfer and is submitted to a
+    The metric sets fold each batch, write or sample into mergeable partials
+    next to the data, with no host-device sync; when the schedule is due the
+    window reaches the host in one transfer and goes to a
     :class:`~rl_observers.MetricsChannel`, which logs from its own thread.
     Rows are ``<name>/<metric>``, each namespace on its own step. Each metric
     set fails alone (``on_error``, once per failure streak). The long form is
@@ -102,26 +95,20 @@ class LoggerObserver(Observer):
 
     Keyword Args:
         schedule (Every | str, optional): ``Every.counter(key, n)`` over a
-            counter of the sets (``frames``, ``batches``, ``episodes``,
-            ``write_count``, ``items_written``, ``sample_calls``,
-            ``samples_returned``), ``Every.seconds(s)``, or ``None`` (every
-            data event). Defaults to ``"auto"``
-            (:func:`~rl_observers.logging.defaults.default_schedule`).
+            counter of the sets, ``Every.seconds(s)``, or ``None`` (every data
+            event). Defaults to ``"auto"`` (:func:`~.defaults.default_schedule`).
         metrics (MetricSet | Sequence[MetricSet], optional): instances.
-            Defaults to :func:`~rl_observers.logging.defaults.default_metrics`.
-        name (str, optional): the namespace, unique on its logger. Defaults to
-            ``"collector"`` or ``"replay_buffer"``.
-        scope (str, optional): with several workers: ``"aggregate"``
-            (default), ``"per_worker"`` (``<name>/worker_<i>/<metric>``) or ``"both"``.
+            Defaults to :func:`~.defaults.default_metrics`.
+        name (str, optional): the namespace, unique on its logger. Defaults
+            to ``"collector"`` or ``"replay_buffer"``.
+        scope (str, optional): ``"aggregate"`` (default), ``"per_worker"``
+            (``<name>/worker_<i>/<metric>``) or ``"both"``.
         step (str | Callable[[], int] | collector, optional): a counter name,
-            a collector (its frames) or a callable (counter names only for
-            copies elsewhere). Defaults to the schedule's counter.
+            a collector (its frames) or a callable. Defaults to the schedule's counter.
         log_on_start (bool, optional): emit at the first data event. Defaults to ``False``.
-        log_on_close (bool, optional): emit the last partial window at removal,
-            shutdown or channel close. Defaults to ``True``.
+        log_on_close (bool, optional): emit the last partial window. Defaults to ``True``.
         on_error (str, optional): ``"warn"``, ``"raise"`` or ``"ignore"``. Defaults to ``"warn"``.
-        report_interval (float, optional): seconds between a copy's reports
-            (and one per schedule interval). Defaults to ``0.5``.
+        report_interval (float, optional): seconds between a copy's reports. Defaults to ``0.5``.
 
     Examples:
         >>> import tempfile
@@ -160,21 +147,17 @@ class LoggerObserver(Observer):
         self._sink, channel = as_sink(logger)
         self._channel_ref = weakref.ref(channel) if channel is not None else None
         self._sets = as_metric_sets(metrics)
-        self.schedule, self.name, self.scope = schedule, name, scope
-        self._namespace = Namespace(self._channel_ref, given=name is not None)  # held while attached
+        self.schedule, self.name, self.scope, self.on_error = schedule, name, scope, on_error
         self.log_on_start, self.log_on_close, self.report_interval = log_on_start, log_on_close, report_interval
-        self.on_error = on_error
+        self._namespace = Namespace(self._channel_ref, given=name is not None)  # held while attached
         self._policy = on_error  # the policy in force once attached (add_observer may override it)
         self._streaks = FailureStreaks()  # metric sets (by position) in a failure streak
-        self._clock = ScheduleClock(schedule)
-        self._lock = threading.Lock()
+        self._clock, self._lock = ScheduleClock(schedule), threading.Lock()
         self._wire()  # the per-event folds (none before attaching) and the schedule's reader
         self._source: weakref.ref[Any] | None = None
-        self._fresh = False  # data folded since the last emission
-        self._emitted = False
+        self._fresh = self._emitted = False  # data folded since the last emission; emitted once
         self._contribution = Contribution()  # the copies' side: where it runs, when it reported
-        # "local" or "contribute": fixed once per process (see Contribution.resolve), never by a window
-        self._mode: str | None = None
+        self._mode: str | None = None  # "local" or "contribute": fixed once per process
         self._align_pending = False  # line the counters up with the source's at the next event
         self._last_step: int | None = None  # the last step submitted: steps never go backwards
         self._pending_state: Mapping[str, Any] | None = None  # loaded before attaching
@@ -204,10 +187,8 @@ class LoggerObserver(Observer):
         self._source = weakref.ref(source)
         self._align_pending = True
         self._mode = None  # resolved (and the counters lined up) at the next event
-        observers = observers_of(source)
-        for entry in observers.entries if observers is not None else ():
-            if entry.observer is self:  # add_observer(..., on_error=) overrides the observer's own
-                self._policy = entry.on_error
+        entries = getattr(observers_of(source), "entries", ())  # add_observer(on_error=) wins
+        self._policy = next((e.on_error for e in entries if e.observer is self), self._policy)
         channel = self._channel()
         if self.log_on_close and channel is not None:
             channel._logging.add_close_callback(self._close_window)
@@ -217,7 +198,7 @@ class LoggerObserver(Observer):
         try:
             self._last_window()
         finally:
-            self._release_name()
+            self._namespace.release(self.name, self)
 
     def prepare_copies(self, target: Any) -> None:
         """Called on the original before copies start where ``target``'s data is (see :mod:`~.copies`)."""
@@ -245,7 +226,7 @@ class LoggerObserver(Observer):
     def _wire(self) -> None:
         """Resolves the per-event work once: each event's folds, and how to read the schedule's counter."""
         sets, schedule = self._sets or (), self.schedule
-        self._folds = folds = wiring.event_folds(sets)
+        folds = wiring.event_folds(sets)
         self._post_collect_folds, self._post_add_folds = folds["post_collect"], folds["post_add"]
         self._post_extend_folds, self._post_sample_folds = folds["post_extend"], folds["post_sample"]
         self._read_schedule_counter = wiring.schedule_counter_reader(schedule, sets)
@@ -260,23 +241,14 @@ class LoggerObserver(Observer):
     def _channel(self) -> MetricsChannel | None:
         return self._channel_ref() if self._channel_ref is not None else None
 
-    def _release_name(self) -> None:
-        self._namespace.release(self.name, self)
-
     def _counters(self) -> dict[str, float]:
-        counters: dict[str, float] = {}
-        for metric_set in self._sets or ():
-            counters.update(metric_set.counters())
-        return counters
+        return wiring.merged_counters(self._sets or ())
 
     # -- fold ---------------------------------------------------------------------------------
 
     def _first_event(self, source: Any) -> dict[str, float] | None:
-        """Fixes the mode for this process (see :class:`Contribution`).
-
-        Returns the counters before the event's fold when they are to be
-        lined up with the source's after it (a local observer, once attached or loaded).
-        """
+        """Fixes the mode for this process (:class:`Contribution`); returns the counters to
+        line up with the source's after the fold (a local observer, once attached or loaded)."""
         self._mode, sets = self._contribution.resolve(source, has_copies=self._copies_elsewhere)
         if sets is not None:
             self._sets = sets
@@ -288,9 +260,8 @@ class LoggerObserver(Observer):
     def _set_failed(self, index: int, error: Exception, where: str) -> None:
         """One metric set raised: the policy applies to it alone; the other sets go on."""
         metric_set = (self._sets or ())[index]
-        self._streaks.fail(
-            index, error, self._policy, lambda: metric_set_warning(self.name, metric_set, where, error)
-        )
+        warning = functools.partial(metric_set_warning, self.name, metric_set, where, error)
+        self._streaks.fail(index, error, self._policy, warning)
 
     def on_empty(self, source: Any) -> None:
         """Tells the metric sets defining ``on_empty`` that the replay buffer was emptied."""
@@ -315,24 +286,19 @@ class LoggerObserver(Observer):
         with self._lock:
             if self._mode == "contribute":
                 if self._contribution.due(self.schedule, self.report_interval, self._counters):
-                    self._contribute()
+                    copies.contribute(self)
                 return
-            counters = None
-            if wiring.counter_key(self.schedule) is not None:
-                counters = self._counters()
-                due = self._clock.due(counters.get(self.schedule.key))  # type: ignore[union-attr]
-            else:  # no schedule or a time one: counters are read only when a window is emitted
-                due = self._clock.due(None)
+            key = wiring.counter_key(self.schedule)  # else counters are read only when emitting
+            counters = None if key is None else self._counters()
+            due = self._clock.due(None if counters is None else counters.get(key))
             if due or (self.log_on_start and not self._emitted):
                 self._emit(self._counters() if counters is None else counters)
 
     def _close_window(self, final: bool = False) -> None:
         """Sends the open window; ``final``: a copy's last one, sent even if empty (the owner's account)."""
         with self._lock:
-            if final and self._mode == "contribute":
-                self._contribute(final=True)
-            elif self._fresh and self._mode == "contribute":
-                self._contribute()
+            if self._mode == "contribute" and (final or self._fresh):
+                copies.contribute(self, final=final)
             elif self._fresh:
                 self._emit(self._counters())
 
@@ -341,17 +307,15 @@ class LoggerObserver(Observer):
         try:
             self._last_window()
         finally:
-            # The source's last window is logged: its namespace is free for the next source (a
-            # collector rebuilt in a loop). A contributor keeps it: its copies may still send.
-            if not contributing:
-                self._release_name()
+            if not contributing:  # free for the next source; a contributor's copies may still send
+                self._namespace.release(self.name, self)
 
     def _last_window(self) -> None:
         """The last window: a contributor's always (its final counters may make rows due at the
         owner, whose aggregate applies ``log_on_close``), acknowledged before the process may end."""
         if self._mode == "contribute":
             self._close_window(final=True)
-            self._sink.flush(timeout=LAST_WINDOW_TIMEOUT)
+            self._sink.flush(timeout=copies.LAST_WINDOW_TIMEOUT)
         elif self.log_on_close:
             self._close_window()
 
@@ -391,9 +355,6 @@ class LoggerObserver(Observer):
         self._emitted = True
         self._sink.submit_metrics(payload, None if step is None else int(step), namespace=self.name or "")
 
-    def _contribute(self, final: bool = False) -> None:
-        copies.contribute(self, final)
-
     # -- pull interop and checkpoints ----------------------------------------------------------
 
     def stats(self) -> dict[str, float]:
@@ -406,17 +367,15 @@ class LoggerObserver(Observer):
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to go on where this one stopped (see :mod:`~.state`).
 
-        A :class:`~torchrl.checkpoint.Checkpoint` component in one line:
-        ``Checkpoint(..., observers=observer)``.
+        A :class:`~torchrl.checkpoint.Checkpoint` component: ``Checkpoint(..., observers=observer)``.
         """
         return _state.save(self)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restores :meth:`state_dict` (applied when attached if called before).
+        """Restores :meth:`state_dict` (when attached, if called before).
 
         Raises:
-            ValueError: the state does not fit this observer (namespace, kind
-                of source, scope or metric sets).
+            ValueError: the state does not fit (namespace, kind of source, scope or metric sets).
         """
         if self._sets is None:  # not attached yet: metric sets and name are resolved then
             self._pending_state = state_dict
@@ -424,24 +383,16 @@ class LoggerObserver(Observer):
             _state.load(self, state_dict)
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["_lock"]
-        state["_channel_ref"] = state["_source"] = None
-        state["_step_fn"] = None  # read where the channel lives (refused for copies elsewhere)
-        state["_read_schedule_counter"] = None  # resolved again where the copy runs
-        return state
+        return copies.state_to_travel(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
-        self._mode = None  # a copy: resolved again where it runs
-        if self._sets is not None:
-            self._wire()
+        self._lock, self._mode = threading.Lock(), None  # a copy: its mode is resolved where it runs
+        self._wire()
         LIVE.add(self)
 
     def __repr__(self) -> str:
-        # Before attaching, defaults are not resolved yet: show what was passed, never a
-        # placeholder such as ``schedule=None`` (which would mean "every event").
+        # Before attaching, show what was passed: never ``schedule=None`` ("every event").
         fields = [] if self.name is None else [f"name={self.name!r}"]
         fields.append("schedule='auto'" if self._auto_schedule else f"schedule={self.schedule!r}")
         if self._sets is not None:

@@ -29,7 +29,15 @@ from rl_observers.logging.defaults import check_sets_fit, default_metrics, defau
 from rl_observers.metrics import CollectorBatchMetrics, MetricSet, SampleMetrics, WriteMetrics
 from rl_observers.metrics.source import missing_source_counters
 
-__all__ = ["DATA_EVENTS", "bind_sets", "counter_key", "event_folds", "observed_events", "schedule_counter_reader"]
+__all__ = [
+    "DATA_EVENTS",
+    "bind_sets",
+    "counter_key",
+    "event_folds",
+    "merged_counters",
+    "observed_events",
+    "schedule_counter_reader",
+]
 
 #: The events whose payload the metric sets fold.
 DATA_EVENTS: tuple[str, ...] = ("post_collect", "post_add", "post_extend", "post_sample")
@@ -66,7 +74,7 @@ def bind_sets(
         sets = (*sets, extra)
     if auto:
         schedule = default_schedule(source, sets)
-    counters = _counters(sets)
+    counters = merged_counters(sets)
     key = counter_key(schedule)
     for wanted, argument in ((key, "Every.counter(key, n)"), (step_key, "step=")):
         if wanted is not None and wanted not in counters:
@@ -80,7 +88,8 @@ def bind_sets(
     return sets, schedule, step_key
 
 
-def _counters(sets: Sequence[MetricSet]) -> dict[str, float]:
+def merged_counters(sets: Sequence[MetricSet]) -> dict[str, float]:
+    """The counters of all ``sets`` in one mapping (a later set wins for a name kept twice)."""
     counters: dict[str, float] = {}
     for metric_set in sets:
         counters.update(metric_set.counters())
