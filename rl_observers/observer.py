@@ -5,6 +5,12 @@ defines are wired. A plain callable is a ``post_collect`` receiver ``fn(batch)``
 Everything about an observer (which events, how to call them, its error
 policy) is resolved once, when it is attached, so that emitting an event is a
 walk over a tuple.
+
+Why it is long: the observer protocol, the ordered list that emits to it, its
+one error policy and failure-streak tracker, and how the list pickles with
+its source (observers left behind where they cannot be unpickled) are one
+contract that every source relies on; the lowest layer may import only
+``signals``, so these cannot move to a module of their own under it.
 """
 
 from __future__ import annotations
