@@ -89,7 +89,7 @@ def finish(observer: Any) -> None:
         if channel is not None and observer.name is not None and not channel.closed:
             finish_aggregate(channel, observer.name)
     finally:
-        observer._release_name()
+        observer._namespace.release(observer.name, observer)
 
 
 def contribute(observer: Any, final: bool = False) -> None:
