@@ -5,6 +5,12 @@ defines are wired. A plain callable is a ``post_collect`` receiver ``fn(batch)``
 Everything about an observer (which events, how to call them, its error
 policy) is resolved once, when it is attached, so that emitting an event is a
 walk over a tuple.
+
+Why it is long: the observer protocol, the ordered list that emits to it, its
+one error policy and failure-streak tracker, and how the list pickles with
+its source (observers left behind where they cannot be unpickled) are one
+contract that every source relies on; the lowest layer may import only
+``signals``, so these cannot move to a module of their own under it.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from torchrl._utils import logger as torchrl_logger
 
 from rl_observers import signals
 
-__all__ = ["ON_ERROR_POLICIES", "Observer", "ObserverHandle", "OnError"]
+__all__ = ["ON_ERROR_POLICIES", "FailureStreaks", "Observer", "ObserverHandle", "OnError", "check_on_error", "dumps"]
 
 OnError = Literal["warn", "raise", "ignore"]
 #: The accepted values of ``on_error``.
@@ -117,7 +123,9 @@ class Observer:
         Sources whose data lives elsewhere (multiprocessing workers, Ray
         actors) run copies of their observers; ``attached``/``detached`` are
         called on the copies. This is the original's chance to fix what all
-        copies must share.
+        copies must share. Also called for a shared replay buffer (attached
+        here too) before its copies start in the workers of a collector
+        writing into it, or are mirrored to running ones.
         """
 
     def copies_removed(self, target: Any) -> None:
@@ -196,7 +204,62 @@ class _CallablePostCollect:
         self.fn(batch)
 
 
-class _Entry:
+class FailureStreaks:
+    """Which parts of an observer are in a failure streak: the one tracker of ``on_error``'s rule.
+
+    A key is what fails (an event of an observer, the position of a metric
+    set). :meth:`fail` applies the policy: ``"raise"`` raises the error,
+    ``"warn"`` warns when a streak starts (once per streak), ``"ignore"``
+    only records it. A key's streak ends with :meth:`succeeded`, or with
+    :meth:`recover` for the keys that did not fail again since the last call.
+
+    Examples:
+        >>> from rl_observers.observer import FailureStreaks
+        >>> streaks = FailureStreaks()
+        >>> streaks.fail("post_collect", ValueError("no key"), "ignore", str)
+        >>> streaks.failing
+        {'post_collect'}
+        >>> streaks.recover(["post_collect"])  # it failed since the last call: still failing
+        >>> streaks.recover(["post_collect"])
+        >>> streaks.failing
+        set()
+    """
+
+    __slots__ = ("failed_now", "failing")
+
+    def __init__(self) -> None:
+        self.failing: set[Any] = set()
+        self.failed_now: set[Any] = set()
+
+    def fail(
+        self, key: Any, error: Exception, policy: str, warning: Callable[[], str], *, per_key: bool = True
+    ) -> None:
+        """``key`` raised ``error``: raises, warns (``warning()``, once per streak) or records it.
+
+        With ``per_key=False`` all keys form one streak: it is warned when
+        the first key starts failing and ends when every key succeeded again.
+        """
+        if policy == "raise":
+            raise error
+        if policy == "warn" and (key not in self.failing if per_key else not self.failing):
+            torchrl_logger.warning(warning())
+        self.failing.add(key)
+        self.failed_now.add(key)
+
+    def succeeded(self, key: Any) -> None:
+        """Ends the streak of ``key``."""
+        self.failing.discard(key)
+
+    def recover(self, keys: Iterable[Any]) -> None:
+        """Ends the streaks of ``keys`` that did not fail since the previous call."""
+        failed_now = self.failed_now
+        for key in keys:
+            if key not in failed_now:
+                self.failing.discard(key)
+        failed_now.clear()
+
+
+class _Entry(FailureStreaks):
     """One attached observer: its resolved event calls and its error state.
 
     ``failing`` holds the events whose last call raised. A failure streak
@@ -205,13 +268,13 @@ class _Entry:
     not reported again each time another of its events succeeds.
     """
 
-    __slots__ = ("calls", "failing", "observer", "on_error", "stats")
+    __slots__ = ("calls", "observer", "on_error", "stats")
 
     def __init__(self, observer: Any, calls: dict[str, Callable[..., Any]], on_error: str):
+        super().__init__()
         self.observer = observer
         self.calls = calls
         self.on_error = on_error
-        self.failing: set[str] = set()
         stats = getattr(observer, "stats", None)
         self.stats: Callable[[], Any] | None = stats if callable(stats) else None
 
@@ -219,16 +282,15 @@ class _Entry:
     label, call = "observer", "on_{}"
 
     def failed(self, error: Exception, event: str) -> None:
-        if self.on_error == "raise":
-            raise error
-        if self.on_error == "warn" and not self.failing:
+        def warning() -> str:
             call = self.call.format(event)
-            torchrl_logger.warning(
+            return (
                 f"rl_observers: {self.label} {self.observer!r} raised in {call} "
                 f"({type(error).__name__}: {error}); the source goes on, and this is "
                 f"reported once until {call} succeeds again."
             )
-        self.failing.add(event)
+
+        self.fail(event, error, self.on_error, warning, per_key=False)
 
 
 class _ReceiverEntry(_Entry):
@@ -556,28 +618,43 @@ def _pickle_apart(observers: ObserverList, attached: list[tuple[Any, str]]) -> l
         raise _PickledInline
     busy.add(id(observers))
     try:
-        return [(_dumps(observer), on_error, _describe(observer)) for observer, on_error in attached]
+        return [(dumps(observer, spawn=True), on_error, _describe(observer)) for observer, on_error in attached]
     except Exception:
         return None
     finally:
         busy.discard(id(observers))
 
 
-def _dumps(observer: Any) -> bytes:
-    """``observer`` pickled as ``multiprocessing`` pickles, or by value when it holds a lambda.
+def dumps(obj: Any, *, by_value: bool = False, spawn: bool = False) -> bytes:
+    """``obj`` pickled to travel to another process: the one pickling helper of the package.
 
-    A lambda or a function of ``__main__`` (a one-liner's ``fn``) cannot be
-    pickled by reference for a ``spawn`` worker: cloudpickle (a torchrl
-    dependency) pickles it by value, with ``multiprocessing``'s reducers.
+    By reference first (:mod:`pickle`; with ``spawn=True``, ``multiprocessing``'s
+    pickler and its reducers, as a ``spawn`` worker receives its arguments),
+    then by value with cloudpickle (a torchrl dependency) when that fails: a
+    lambda or a function of ``__main__`` (a one-liner's ``fn``) cannot be
+    pickled by reference. ``by_value=True`` goes to cloudpickle at once, for
+    a process that does not share this one's ``__main__`` (a Ray actor).
+
+    Raises:
+        Exception: what cloudpickle raised when ``obj`` cannot be pickled at all.
+
+    Examples:
+        >>> import pickle
+        >>> from rl_observers.observer import dumps
+        >>> pickle.loads(dumps(lambda x: x + 1))(1)
+        2
     """
-    try:
-        return bytes(ForkingPickler.dumps(observer))
-    except Exception:
-        buffer = io.BytesIO()
-        pickler = cloudpickle.Pickler(buffer)
+    if not by_value:
+        try:
+            return bytes(ForkingPickler.dumps(obj)) if spawn else pickle.dumps(obj)
+        except Exception:
+            pass
+    buffer = io.BytesIO()
+    pickler = cloudpickle.Pickler(buffer)
+    if spawn:
         pickler.dispatch_table = ChainMap(ForkingPickler._extra_reducers, pickler.dispatch_table)
-        pickler.dump(observer)
-        return buffer.getvalue()
+    pickler.dump(obj)
+    return buffer.getvalue()
 
 
 def _describe(observer: Any) -> str:

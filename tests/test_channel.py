@@ -196,7 +196,7 @@ def test_meta_travels_with_the_entry_to_a_router():
         def finish(self):
             return []
 
-    channel.add_router("worker", Recorder())
+    channel._logging.add_router("worker", Recorder())
     channel.submit_metrics({"a": 1.0}, namespace="w", meta={"worker": 3})
     channel.handle(meta={"worker": 1, "source": "collector"}).submit_metrics(
         {"a": 2.0}, namespace="w", meta={"worker": 2}
@@ -219,7 +219,7 @@ def test_a_row_the_logger_refuses_loses_no_other_row_of_the_entry(tmp_path, warn
         def finish(self):
             return []
 
-    channel.add_router("fanout", Fanout())
+    channel._logging.add_router("fanout", Fanout())
     channel.submit_metrics({"v": 1.0}, step=4, namespace="w", meta={"fanout": True})
     channel.submit_metrics({"v": 2.0}, step=5, namespace="w", meta={"fanout": True})
     channel.step()
@@ -745,16 +745,16 @@ def test_close_callbacks_submit_their_last_window_before_the_final_flush(warning
             channel.submit_metrics({"last": self.value}, namespace="p")
 
     kept, dropped = Producer(1.0), Producer(2.0)
-    channel.add_close_callback(kept.close_window)
-    channel.add_close_callback(dropped.close_window)  # bound methods are held weakly
+    channel._logging.add_close_callback(kept.close_window)
+    channel._logging.add_close_callback(dropped.close_window)  # bound methods are held weakly
     del dropped
     gc.collect()
 
     def broken():
         raise ValueError("callback failure")
 
-    channel.add_close_callback(broken)
-    channel.add_close_callback(lambda: channel.submit_metrics({"other": 3.0}))
+    channel._logging.add_close_callback(broken)
+    channel._logging.add_close_callback(lambda: channel.submit_metrics({"other": 3.0}))
     assert not channel.close()  # a close callback failed: close says so
     assert logger.calls == [({"p/last": 1.0}, None), ({"other": 3.0}, None)]
     assert len(warnings_seen) == 1 and "callback failure" in warnings_seen[0]
@@ -777,7 +777,7 @@ class SlowCSV(CSVLogger):
 logger = SlowCSV(exp_name="exit", log_dir=sys.argv[1])
 channel = MetricsChannel(logger)
 channel.handle()
-channel.add_close_callback(lambda: channel.submit_metrics({"last": 9.0}, step=9))
+channel._logging.add_close_callback(lambda: channel.submit_metrics({"last": 9.0}, step=9))
 for i in range(3):
     channel.submit_metrics({"x": float(i)}, step=i)
 print(channel.handle(transport="socket").address)

@@ -231,9 +231,14 @@ def test_shared_buffer_writes_from_every_worker_are_aggregated(tmp_path):
     logger = CSVLogger(exp_name="shared", log_dir=str(tmp_path))
     channel = MetricsChannel(logger, health_interval=None)
     rb = ReplayBuffer(storage=LazyTensorStorage(10_000), shared=True)
-    rb.add_observer(LoggerObserver(channel, schedule=Every.counter("write_count", 10**9), metrics=WriteMetrics(), name="rb"))
+    observer = LoggerObserver(channel, schedule=Every.counter("write_count", 10**9), metrics=WriteMetrics(), name="rb")
+    rb.add_observer(observer)
     rb.extend(_rows(4))  # a shared storage is initialised before it travels
+    assert observer._mode == "local"  # no copies yet
     collector = _pendulum_writing_into(rb, 600)
+    # told before its copies started in the workers: one more contributor from now on, fixed
+    # before any copy's window (never switched by a window arriving)
+    assert observer._mode == "contribute"
     for _ in collector:
         pass
     collector.shutdown()
@@ -304,12 +309,13 @@ def test_two_collectors_writing_one_shared_buffer_are_four_workers(tmp_path):
     rb = ReplayBuffer(storage=LazyTensorStorage(10_000), shared=True)
     rb.extend(_rows(4))  # a shared storage is initialised before it travels
     collectors = [_pendulum_writing_into(rb, 400) for _ in range(2)]
-    rb.add_observer(
-        LoggerObserver(
-            channel, name="rb", scope="both", schedule=Every.counter("items_written", 200),
-            metrics=WriteMetrics(),
-        )
+    observer = LoggerObserver(
+        channel, name="rb", scope="both", schedule=Every.counter("items_written", 200),
+        metrics=WriteMetrics(),
     )
+    rb.add_observer(observer)  # mirrored to the running workers' copies
+    # told when its copies were prepared: a contributor from its first event on, never local
+    assert observer._copies_elsewhere and observer._mode != "local"
     for _ in zip(*collectors):
         pass
     for collector in collectors:
@@ -394,7 +400,7 @@ def test_an_aggregate_failing_at_close_does_not_stop_the_others_last_rows(monkey
     channel.step()
     assert logger.calls == []  # the schedule is never due: only close logs the last windows
 
-    aggregates = channel.router("aggregate").aggregates
+    aggregates = channel._logging.router("aggregate").aggregates
     assert list(aggregates) == ["a", "broken", "unwritable", "c"]
 
     def finish():

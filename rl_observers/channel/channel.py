@@ -13,8 +13,8 @@ the interpreter-exit and fork hooks.
 
 The channel knows nothing about reinforcement learning nor about
 aggregation: entries whose ``meta`` asks for owner-side handling go to a
-router added with :meth:`MetricsChannel.add_router` (or registered for every
-channel with :func:`~.delivery.register_router`).
+router registered for every channel with :func:`~.delivery.register_router`
+(what only the logging package uses of a channel is in :mod:`~.logging_side`).
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from rl_observers.channel.delivery import Router
 from rl_observers.channel.handle import OWNERS, MetricsHandle
+from rl_observers.channel.logging_side import LoggingSide
 from rl_observers.channel.owner import Forwarder, Owner, check_alive
 from rl_observers.channel.transport import transport as find_transport
 from rl_observers.observer import OnError
@@ -315,56 +315,15 @@ class MetricsChannel:
         """
         return self._state.step()
 
-    def add_router(self, key: str, router: Router) -> None:
-        """Hands entries whose ``meta`` holds ``key`` to ``router`` instead of the logger.
-
-        The router runs where entries are delivered (the channel's thread):
-        ``router.route(namespace, metrics, step, meta)`` returns the rows
-        ``(namespace, metrics, step)`` to log now, and ``router.finish()``
-        the last ones when the channel closes. This is how owner-side
-        handling plugs in (the logging package registers its worker
-        aggregation for every channel with
-        :func:`~rl_observers.channel.delivery.register_router`). Does nothing
-        in a process that does not own the channel.
-
-        Args:
-            key (str): the ``meta`` key that selects the router.
-            router (Router): an object with ``route`` and ``finish``.
-        """
-        state = self._state
-        if isinstance(state, Owner):
-            state.delivery.add_router(key, router)
-
-    def router(self, key: str) -> Router | None:
-        """The router that handles entries whose ``meta`` holds ``key`` (``None`` if none or not the owner)."""
-        state = self._state
-        return state.delivery.router(key) if isinstance(state, Owner) else None
-
-    def has_pending(self, key: str, value: Any) -> bool:
-        """Whether an entry with ``meta[key] == value`` waits for delivery (or is being delivered).
-
-        Payloads that handles in other processes sent are not read by this
-        call (see :meth:`receive`). Always ``False`` in a process that does
-        not own the channel.
-        """
-        state = self._state
-        return isinstance(state, Owner) and state.queue.has_meta(key, value)
-
-    def receive(self, timeout: float | None = None) -> None:
-        """Queues what handles in other processes have sent so far, without delivering it.
-
-        Args:
-            timeout (float, optional): the most seconds to wait for a receiver
-                busy in another thread. Defaults to ``None``.
-        """
-        state = self._state
-        if isinstance(state, Owner):
-            state.poll_remote(None if timeout is None else time.monotonic() + timeout)
+    @property
+    def _logging(self) -> LoggingSide:
+        """What :mod:`rl_observers.logging` uses beyond the contract (see :mod:`~.logging_side`)."""
+        return LoggingSide(self._state)
 
     def close(self, timeout: float | None = None) -> bool:
         """Runs the close callbacks, flushes, logs the health counters once more and stops.
 
-        Idempotent. The close callbacks (:meth:`add_close_callback`) run
+        Idempotent. The close callbacks (the observers' last windows) run
         first, in the calling thread, so what they submit is still logged.
         Then the socket used by handles in other processes is removed; later
         submissions (local or remote) are dropped and counted. The logger is
@@ -385,8 +344,7 @@ class MetricsChannel:
             ``True`` if everything was delivered and the thread stopped;
             ``False`` if the timeout expired first, if observers still had
             copies attached in other processes or actors (a collector not
-            shut down yet: a warning names them, see
-            :meth:`copies_attached`), or if, since the previous
+            shut down yet: a warning names them), or if, since the previous
             :meth:`flush` or :meth:`close`, a logger call (or a partial, a
             router, a close callback) failed or payloads were lost: see
             ``health()`` (``sink_errors``, ``dropped``, ``remote_dropped``,
@@ -400,61 +358,6 @@ class MetricsChannel:
             if _SHARED.get(id(state.logger)) is self:
                 del _SHARED[id(state.logger)]
         return state.close(timeout)
-
-    def add_close_callback(self, callback: Callable[[], Any]) -> None:
-        """Registers ``callback()`` to run once when the channel closes, before its final flush.
-
-        Producers use it to submit their last, partial window (an observer's
-        ``log_on_close``). Callbacks run in the thread that calls
-        :meth:`close` (or at interpreter exit), in registration order; an
-        error is handled by the channel's ``on_error`` policy. A bound method
-        is held weakly, so registering does not keep its object alive.
-
-        Args:
-            callback (Callable[[], Any]): called with no argument.
-
-        Examples:
-            >>> from rl_observers import MetricsChannel
-            >>> from torchrl.record import CSVLogger
-            >>> import tempfile
-            >>> logger = CSVLogger(exp_name="close_demo", log_dir=tempfile.mkdtemp())
-            >>> channel = MetricsChannel(logger, background=False)
-            >>> channel.add_close_callback(lambda: channel.submit_metrics({"last": 1.0}))
-            >>> channel.close()
-            True
-            >>> logger.experiment.scalars["last"]
-            [(0, 1.0)]
-        """
-        self._state.add_close_callback(callback)
-
-    def copies_attached(self, feeder: Any, description: str) -> None:
-        """Notes that copies of ``feeder`` run in other processes or actors and send here.
-
-        Called by producers (a :class:`~rl_observers.LoggerObserver` whose
-        copies run in a multiprocessing collector's workers or a Ray
-        actor). Until :meth:`copies_gone` is called for it, :meth:`close`
-        warns, naming ``description``, and returns ``False``: a closed
-        channel cannot receive what those copies send when their source shuts
-        down. The feeder is held weakly.
-
-        Args:
-            feeder (Any): the producer in this process.
-            description (str): what it is, for the warning (e.g.
-                ``"LoggerObserver 'collector' on a MultiSyncCollector"``).
-        """
-        note = getattr(self._state, "copies_attached", None)
-        if note is not None:
-            note(feeder, description)
-
-    def copies_gone(self, feeder: Any) -> None:
-        """Notes that ``feeder``'s copies are gone (removed, or their source shut down).
-
-        Args:
-            feeder (Any): the producer given to :meth:`copies_attached`.
-        """
-        note = getattr(self._state, "copies_gone", None)
-        if note is not None:
-            note(feeder)
 
     def health(self) -> dict[str, int]:
         """Returns the channel's counters.

@@ -34,7 +34,7 @@ from rl_observers.channel.meta import COPY, COUNTERS
 from rl_observers.channel.payload import check_metrics, is_partial
 from rl_observers.channel.queue import PendingQueue
 from rl_observers.channel.transport import Receiver, make_sender, transports
-from rl_observers.observer import ON_ERROR_POLICIES
+from rl_observers.observer import check_on_error
 
 __all__ = ["LAST_WINDOWS_WAIT", "Forwarder", "Owner", "check_alive"]
 
@@ -102,10 +102,7 @@ class Owner:
         check_alive(logger)
         if capacity.__class__ is bool or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be an int >= 1, got {capacity!r}.")
-        if on_error not in ON_ERROR_POLICIES:
-            raise ValueError(
-                f"on_error must be one of 'warn', 'raise' or 'ignore', got {on_error!r}."
-            )
+        check_on_error(on_error)
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty str, got {name!r}.")
         if health_interval is not None and not health_interval >= 0:

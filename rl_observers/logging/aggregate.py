@@ -428,7 +428,7 @@ register_router(META_KEY, AggregationRouter)
 
 
 def _owned_router(channel: MetricsChannel | None, what: str) -> AggregationRouter:
-    router = None if channel is None else channel.router(META_KEY)
+    router = None if channel is None else channel._logging.router(META_KEY)
     if not isinstance(router, AggregationRouter):
         raise ValueError(
             f"LoggerObserver: {what} the aggregate of an observer whose copies run elsewhere "
@@ -466,10 +466,10 @@ def has_aggregate(channel: MetricsChannel, name: str) -> bool:
     Contributions received but not delivered yet count too. Always ``False``
     in a process that does not own the channel.
     """
-    router = channel.router(META_KEY)
+    router = channel._logging.router(META_KEY)
     if isinstance(router, AggregationRouter) and name in router.aggregates:
         return True
-    return channel.has_pending(META_KEY, name)
+    return channel._logging.has_pending(META_KEY, name)
 
 
 def finish_aggregate(channel: MetricsChannel, name: str) -> None:
@@ -481,5 +481,5 @@ def finish_aggregate(channel: MetricsChannel, name: str) -> None:
     reached the logger. Used when an observer whose copies contribute is
     removed.
     """
-    channel.receive(timeout=5.0)
+    channel._logging.receive(timeout=5.0)
     channel.submit_metrics({}, namespace=name, meta={META_KEY: name, FINISH: True})

@@ -33,7 +33,7 @@ import threading
 import weakref
 from typing import Any
 
-__all__ = ["claim", "release"]
+__all__ = ["Namespace", "claim", "claim_again", "release"]
 
 # name -> the observer using it, per logger
 _NAMES: weakref.WeakKeyDictionary[Any, weakref.WeakValueDictionary[str, Any]] = (
@@ -77,3 +77,72 @@ def release(channel: Any, name: str, owner: Any) -> None:
         taken = _NAMES.get(_names_on(channel))
         if taken is not None and taken.get(name) is owner:
             del taken[name]
+
+
+def claim_again(channel: Any, name: str, owner: Any, what: str) -> None:
+    """Takes ``name`` back for ``owner``, whose source (``what``) is used again after its shutdown.
+
+    A torchrl replay buffer still takes writes after ``shutdown()``, which
+    freed the namespace. If another observer took it meanwhile, the window is
+    not logged rather than mixing two sources' rows in one namespace.
+
+    Raises:
+        ValueError: another live owner holds ``name`` on that logger now.
+    """
+    try:
+        claim(channel, name, owner)
+    except ValueError:
+        raise ValueError(
+            f"LoggerObserver {name!r}: {what} is used again after shutdown(), which freed "
+            f"the namespace {name!r}, and another observer now uses it on this logger; "
+            "this window is not logged. Remove this observer, or attach one of them "
+            "with another name=."
+        ) from None
+
+
+class Namespace:
+    """One observer's hold on its namespace on its channel's logger (the channel held weakly).
+
+    ``held`` says whether the observer holds it now: it is taken when the
+    observer is attached (:meth:`claim`), freed when it is removed or its
+    source shuts down (:meth:`release`), and taken back when the source is
+    used again (:meth:`claim_again`).
+    """
+
+    __slots__ = ("channel_ref", "given", "held")
+
+    def __init__(self, channel_ref: Any, given: bool) -> None:
+        self.channel_ref = channel_ref  # a weak reference to the channel, or None (a handle)
+        self.given = given  # the user passed name=
+        self.held = False
+
+    def claim(self, name: str, owner: Any) -> str:
+        """Takes ``name`` for ``owner`` and returns it; refuses a name another owner holds there."""
+        channel = None if self.channel_ref is None else self.channel_ref()
+        if channel is not None:
+            claim(channel, name, owner, hint="" if self.given else " (the default for this kind of target)")
+        self.held = True
+        return name
+
+    def claim_again(self, name: str, owner: Any, what: str) -> None:
+        """Takes ``name`` back if it was freed (see :func:`claim_again`)."""
+        if self.held or self.channel_ref is None:
+            return
+        channel = self.channel_ref()
+        if channel is not None:
+            claim_again(channel, name, owner, what)
+        self.held = True
+
+    def __getstate__(self) -> tuple[bool, bool]:
+        return self.given, self.held  # a copy elsewhere has no channel here
+
+    def __setstate__(self, state: tuple[bool, bool]) -> None:
+        self.channel_ref = None
+        self.given, self.held = state
+
+    def release(self, name: str | None, owner: Any) -> None:
+        """Frees ``name`` if ``owner`` holds it."""
+        self.held = False
+        channel = None if self.channel_ref is None else self.channel_ref()
+        if channel is not None and name is not None:
+            release(channel, name, owner)

@@ -76,7 +76,7 @@ from typing import Any
 import cloudpickle
 from torchrl._utils import logger as torchrl_logger
 
-from rl_observers.observer import resolve_observer
+from rl_observers.observer import dumps, resolve_observer
 from rl_observers.sources import observed
 from rl_observers.sources.placement import IdentityMap, place
 
@@ -145,7 +145,7 @@ def ship(observer: Any, target: Any, where: str) -> bytes:
     instead of killing a worker.
     """
     try:
-        return cloudpickle.dumps(observer)
+        return dumps(observer, by_value=True)
     except Exception as error:
         raise TypeError(
             f"observers of a {type(target).__name__} run {where} and must be picklable "

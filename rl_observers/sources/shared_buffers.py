@@ -10,6 +10,8 @@ Observers attached to the buffer *later* are propagated to the copies of the
 buffer in the workers of every running multiprocessing collector that
 writes into it, and removals likewise, so a buffer's observers always see
 the writes made in every process; see :func:`propagate_to_shared_copies`.
+Either way each observer's ``prepare_copies`` hook runs on the driver first,
+before its copies start (see :func:`_prepare_copies`).
 
 """
 
@@ -79,10 +81,26 @@ def track_shared_buffer_writers() -> None:
                 with _WRITERS_LOCK:
                     _WRITERS[:] = [ref for ref in _WRITERS if ref() is not None]
                     _WRITERS.append(weakref.ref(self))
+            for entry in observers.entries if observers is not None else ():
+                _prepare_copies(entry.observer, buffer)  # before any worker starts with a copy
             return original(self, *args, **kwargs)
 
         _run_processes._rl_observers_tracked = True  # type: ignore[attr-defined]
         MultiCollector._run_processes = _run_processes  # type: ignore[method-assign]
+
+
+def _prepare_copies(observer: Any, buffer: Any) -> None:
+    """Tells the driver's ``observer`` that copies of it start in workers writing into ``buffer``.
+
+    Its optional ``prepare_copies`` hook runs on the driver before the first
+    copy can emit anything: the workers of a collector about to start, or a
+    running collector's workers about to receive a new observer. A
+    ``LoggerObserver`` fixes its mode then (one more contributor to its
+    copies' aggregate), once, never in the middle of a window.
+    """
+    prepare = getattr(observer, "prepare_copies", None)
+    if callable(prepare):
+        prepare(buffer)
 
 
 def _collectors_writing_into(buffer: Any) -> list[Any]:
@@ -180,6 +198,7 @@ def propagate_to_shared_copies(buffer: Any, action: str, observer: Any, on_error
     if not collectors:
         return
     if action == "add":
+        _prepare_copies(observer, buffer)
         payload = ship(observer, buffer, "in every process that writes into it")
         call: tuple[Any, ...] = (_attach_to_worker_buffer, payload, on_error)
     else:

@@ -1,0 +1,129 @@
+"""What a LoggerObserver resolves once per source: its metric sets, schedule, step and folds.
+
+Step of the flow: **observer** (source → observer → channel → logger), when
+attached (or when its copies are prepared): :func:`bind_sets` picks the
+metric sets and schedule for the source, binds the sets to it and checks the
+counter names; :func:`event_folds` and :func:`schedule_counter_reader` turn
+them into what each event walks, so the event path does no lookup.
+
+Examples:
+    >>> import torch
+    >>> from rl_observers.logging.wiring import bind_sets, event_folds
+    >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
+    >>> rb = ReplayBuffer(storage=LazyTensorStorage(10))
+    >>> sets, schedule, step_key = bind_sets(rb, None, None, None)
+    >>> [type(m).__name__ for m in sets], schedule, step_key
+    (['WriteMetrics', 'SampleMetrics'], Every(kind='counter', interval=100, key='sample_calls'), 'sample_calls')
+    >>> [position for position, _ in event_folds(sets)["post_sample"]]
+    [1]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torchrl.record.loggers.monitoring import Every
+
+from rl_observers.logging.defaults import check_sets_fit, default_metrics, default_schedule
+from rl_observers.metrics import CollectorBatchMetrics, MetricSet, SampleMetrics, WriteMetrics
+from rl_observers.metrics.source import missing_source_counters
+
+__all__ = [
+    "DATA_EVENTS",
+    "bind_sets",
+    "counter_key",
+    "event_folds",
+    "merged_counters",
+    "observed_events",
+    "schedule_counter_reader",
+]
+
+#: The events whose payload the metric sets fold.
+DATA_EVENTS: tuple[str, ...] = ("post_collect", "post_add", "post_extend", "post_sample")
+
+
+def counter_key(schedule: Every | None) -> str | None:
+    """The counter a counter schedule runs on, else ``None``."""
+    return schedule.key if schedule is not None and schedule.kind == "counter" else None
+
+
+def bind_sets(
+    source: Any, sets: tuple[MetricSet, ...] | None, schedule: Every | None, step_key: str | None,
+    *, auto: bool = True,
+) -> tuple[tuple[MetricSet, ...], Every | None, str | None]:
+    """``(sets, schedule, step_key)`` resolved for ``source``; the sets are bound to it.
+
+    ``sets=None``: the default sets for the source; the source's own
+    counters the sets do not keep are added (for schedules). ``auto``: the
+    default schedule for the source replaces ``schedule``. ``step_key=None``:
+    the schedule's counter, else the sets' first counter.
+
+    Raises:
+        ValueError: a set that folds no event of the source, or a schedule or
+            ``step=`` naming a counter that no set counts.
+    """
+    if sets is None:
+        sets = default_metrics(source)
+    else:
+        check_sets_fit(sets, source)
+    for metric_set in sets:
+        metric_set.bind(source)
+    extra = missing_source_counters(source, sets)
+    if extra is not None:
+        sets = (*sets, extra)
+    if auto:
+        schedule = default_schedule(source, sets)
+    counters = merged_counters(sets)
+    key = counter_key(schedule)
+    for wanted, argument in ((key, "Every.counter(key, n)"), (step_key, "step=")):
+        if wanted is not None and wanted not in counters:
+            names = ", ".join(type(m).__name__ for m in sets)
+            raise ValueError(
+                f"LoggerObserver: {argument} names the counter {wanted!r}, which none of its "
+                f"metric sets ({names}) counts; use one of {sorted(counters)}."
+            )
+    if step_key is None:
+        step_key = key or next(iter(counters), None)
+    return sets, schedule, step_key
+
+
+def merged_counters(sets: Sequence[MetricSet]) -> dict[str, float]:
+    """The counters of all ``sets`` in one mapping (a later set wins for a name kept twice)."""
+    counters: dict[str, float] = {}
+    for metric_set in sets:
+        counters.update(metric_set.counters())
+    return counters
+
+
+def event_folds(sets: Sequence[MetricSet]) -> dict[str, tuple[tuple[int, Callable[..., Any]], ...]]:
+    """Per data event, the ``(position, on_<event>)`` of each set folding it, in order."""
+    return {
+        event: tuple(
+            (index, getattr(m, "on_" + event)) for index, m in enumerate(sets) if event in m.folded_events
+        )
+        for event in DATA_EVENTS
+    }
+
+
+def schedule_counter_reader(schedule: Every | None, sets: Sequence[MetricSet]) -> Callable[[], Any] | None:
+    """A call reading the counter schedule's counter as the sets' merged counters would, or ``None``.
+
+    The sets later in the list win when counters are merged: the last set counting the key is read.
+    """
+    key = counter_key(schedule)
+    if key is None:
+        return None
+    for metric_set in reversed(sets):
+        if key in metric_set.counters():
+            return metric_set._counter_reader(key)
+    return None
+
+
+def observed_events(sets: Sequence[MetricSet] | None) -> tuple[str, ...]:
+    """The events an observer folding ``sets`` is wired to (``None``: any default set), and shutdown."""
+    candidates = sets or (CollectorBatchMetrics, WriteMetrics, SampleMetrics)
+    folded = {event for m in candidates for event in m.events}
+    if any(callable(getattr(m, "on_empty", None)) for m in candidates):
+        folded.add("empty")
+    return (*sorted(folded), "shutdown")
