@@ -24,7 +24,7 @@ from torchrl.collectors import BaseCollector
 from torchrl.record.loggers.monitoring import Every
 
 from rl_observers.channel import MetricsChannel
-from rl_observers.channel.meta import COUNTERS, LAST
+from rl_observers.channel.meta import BASE, COUNTERS, LAST
 from rl_observers.logging.aggregate import (
     AggregateSpec,
     aggregate_state,
@@ -48,6 +48,7 @@ from rl_observers.logging.resume import (
     STATE_VERSION,
     describe,
     misfit,
+    owns_axis,
     shift_counters,
     source_axis,
 )
@@ -354,6 +355,7 @@ class LoggerObserver(Observer):
         self._mode: str | None = None
         self._holds_name = False  # whether ``name`` is taken on the logger for this observer
         self._align_pending = False  # line the counters up with the source's at the next event
+        self._axis_base: dict[str, int] = {}  # what lining up added (a copy tells its aggregate)
         self._last_step: int | None = None  # the last step submitted: steps never go backwards
         self._pending_state: Mapping[str, Any] | None = None  # loaded before attaching
         self._has_copies = False  # copies run elsewhere: the aggregate at the owner is the state
@@ -544,6 +546,8 @@ class LoggerObserver(Observer):
             self._sink.submit_metrics({}, namespace=namespace, meta=meta)
             return
         meta = self._contribution.meta(self.name, counters, spec)
+        if self._axis_base:
+            meta[BASE] = self._axis_base
         if final:
             meta[LAST] = True
         self._sink.submit_metrics(self._pull(), namespace=namespace, meta=meta)
@@ -555,8 +559,9 @@ class LoggerObserver(Observer):
         counters up with the source's (:mod:`~rl_observers.logging.resume`).
         """
         self._resolve_mode(source)
-        align = self._align_pending and self._mode == "local"
+        align = self._align_pending and (self._mode == "local" or owns_axis(source))
         self._align_pending = False
+        self._axis_base = {}
         before = self._counters() if align else None
         self._fresh = True
         for position, fold in getattr(self, f"_{event}_folds"):
@@ -587,6 +592,7 @@ class LoggerObserver(Observer):
                 names = AXIS_COUNTERS[counter]
                 offset = int(value - ours)
                 shift_counters(self._sets or (), names, offset)
+                self._axis_base.update(dict.fromkeys(names, offset))
                 if key in names:  # the threshold the source's axis had before this event
                     prior = before.get(key, 0) + offset
                     if self._clock.last_counter is None or prior > self._clock.last_counter:
