@@ -24,6 +24,13 @@ loop) keeps its own count: steps never go backwards. Counters torchrl does
 not keep (``sample_calls``, ``samples_returned``, ``episodes``) come back
 only from the observer's own saved state.
 
+Copies that run away from the channel (multiprocessing workers, Ray actors)
+line up the same way when their source counts for them alone
+(:func:`owns_axis`): a worker of a restored ``MultiSyncCollector`` starts at
+its restored ``frames``, and its windows carry how much of the count came
+from there (``meta["base"]``), so the owner's aggregate counts on from the
+restored sum and fires no threshold for it, saved state or not.
+
 Examples:
     >>> import torch
     >>> import rl_observers
