@@ -111,6 +111,41 @@ def test_multiprocessing_aggregate_without_saved_state_goes_on_from_the_restored
     assert second["collector/episodes_total"][-1] == [160, 16.0]
 
 
+@pytest.fixture(scope="module")
+def ray_buffer(tmp_path_factory):
+    """A RayReplayBuffer, its observer in the actor: saved after 4 writes and 4 samples, resumed twice.
+
+    Each part starts Ray in its process (``ray.init(num_cpus=2)``) and shuts it down.
+    """
+    pytest.importorskip("ray")
+    where = tmp_path_factory.mktemp("raybuffer")
+    first = run(where, "first", source="raybuffer")
+    return {**first, **run(where, "second", "--variants", "directory,without", source="raybuffer")}
+
+
+#: What a Ray buffer's observer logs that does not depend on the actor's sampling RNG (not in the checkpoint).
+RAY_DETERMINISTIC = ("items_written", "writes", "batch_size", "sample_calls", "samples_returned")
+
+
+def test_resumed_ray_replay_buffer_logs_what_one_run_logs(ray_buffer):
+    """torchrl's Checkpoint saves the buffer (an actor round trip) and the observer (the owner's aggregate)."""
+    whole, resumed = ray_buffer["whole"], joined(ray_buffer["first"], ray_buffer["directory"])
+    assert sorted(resumed) == sorted(whole)
+    for name, rows in whole.items():  # the same steps in every series
+        assert [step for step, _ in resumed[name]] == [step for step, _ in rows], name
+    for name in RAY_DETERMINISTIC:  # and the same values where they do not depend on the sampler's RNG
+        assert resumed[f"replay_buffer/{name}"] == whole[f"replay_buffer/{name}"], name
+    assert ray_buffer["directory"]["replay_buffer/items_written"] == [[6, 30.0], [8, 40.0]]
+    assert ray_buffer["directory"]["replay_buffer/samples_returned"] == [[6, 24.0], [8, 32.0]]
+
+
+def test_ray_replay_buffer_without_observer_state_goes_on_from_the_restored_write_count(ray_buffer):
+    """The actor's copy lines up with the restored write_count; sample_calls (not kept by torchrl) restart."""
+    second = ray_buffer["without"]
+    assert second["replay_buffer/items_written"] == [[2, 30.0], [4, 40.0]]
+    assert second["replay_buffer/sample_calls"] == [[2, 2.0], [4, 4.0]]
+
+
 def _observed_buffer(logger, **kwargs):
     rb = ReplayBuffer(storage=LazyTensorStorage(100))
     observer = LoggerObserver(MetricsChannel(logger, background=False), **kwargs)
