@@ -1,8 +1,13 @@
 """Resuming from torchrl's Checkpoint: the observers' curves go on where the first run stopped.
 
-Each run is a new process (``tests/resume_runs.py``), as a resumed training
-script is: run, save, rebuild everything, load, continue; the series logged
-by the two parts together equal those of one uninterrupted run.
+The first part and the resumes run in separate processes
+(``tests/resume_runs.py``), as a resumed training script does: run, save,
+rebuild everything, load, continue; the series logged by the two parts
+together equal those of one uninterrupted run. Two processes per kind of
+source: the first part goes on to the end after saving (a save changes
+nothing: that is the uninterrupted run), and the resumes of one source
+(directory, archive, without the observers' state) share one interpreter,
+each with everything rebuilt.
 """
 
 from __future__ import annotations
