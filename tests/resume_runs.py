@@ -3,17 +3,24 @@
 Run as a script by ``tests/test_checkpoint_resume.py``, each part in a new
 process, as a resumed training script would be::
 
-    python -m tests.resume_runs --phase whole --out whole.json
     python -m tests.resume_runs --phase first --checkpoint ckpt --out first.json
-    python -m tests.resume_runs --phase second --checkpoint ckpt --out second.json
+    python -m tests.resume_runs --phase second --checkpoint ckpt --out second.json \\
+        --variants directory,archive,without
 
 The first part saves the checkpoint twice, as a directory (``ckpt``) and as
-an archive (``ckpt.zip``); ``--archive`` resumes from the archive.
+an archive (``ckpt.zip``), and records what was logged until then
+(``"first"``); then it goes on to the end, uninterrupted: what it logged in
+all is the reference (``"whole"``; a save does not change a run). The second
+part resumes once per variant, each with everything rebuilt (a new logger,
+channel, source and observers): ``directory``, ``archive`` (from the
+archive), ``without`` (the directory, all but the observers' state).
 
-Each part writes what its ``CSVLogger`` logged, ``{name: [[step, value], ...]}``,
-to ``--out``. The environment is a ``CountingEnv`` driven by a constant
-policy: its episodes end at batch boundaries, so a rebuilt collector (whose
-environments start afresh, as torchrl's do) sees what the whole run sees.
+Each part writes ``{run: {name: [[step, value], ...]}}`` to ``--out``, what
+each run's ``CSVLogger`` logged. The environment is a ``CountingEnv`` driven
+by a constant policy: its episodes end at batch boundaries, so a rebuilt
+collector (whose environments start afresh, as torchrl's do) sees what the
+whole run sees. ``--source raybuffer`` starts Ray in the process
+(``ray.init(num_cpus=2)``) and shuts it down at the end.
 """
 
 from __future__ import annotations
@@ -21,8 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from functools import partial
 
 import torch
+from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torchrl.checkpoint import Checkpoint, GlobalRNGState
 from torchrl.collectors import Collector, MultiSyncCollector
@@ -35,7 +44,8 @@ from rl_observers import Every, LoggerObserver, MetricsChannel
 
 FRAMES_PER_BATCH = 10  # two whole episodes of CountingEnv(max_steps=4) per batch
 TOTAL_FRAMES = 80
-SPLIT_AT = 4  # batches in the first part
+SPLIT_AT = 4  # batches (or writes into the Ray buffer) in the first part
+RAY_WRITES = 8
 
 
 class Env(CountingEnv):
@@ -61,66 +71,139 @@ def make_policy() -> TensorDictModule:
     return TensorDictModule(constant_action, in_keys=["observation"], out_keys=["action"])
 
 
-def build(source: str, logger: CSVLogger) -> tuple[object, ...]:
+class Run:
+    """One observed run: a source (and buffer), its observers, its channel and the checkpoint."""
+
+    def __init__(self, source: str, name: str) -> None:
+        self.logger = CSVLogger(exp_name=name, log_dir=tempfile.mkdtemp())
+        self.channel = MetricsChannel(self.logger, health_interval=None)
+        self.collector = self.rb = self.ray_rb = None
+        if source == "raybuffer":
+            from torchrl.data import RayReplayBuffer
+
+            self.ray_rb = RayReplayBuffer(
+                storage=partial(LazyTensorStorage, 1_000),
+                batch_size=4,
+                replay_buffer_cls=TensorDictReplayBuffer,
+                remote_config={"num_cpus": 0},
+            )
+            observer = LoggerObserver(self.channel, schedule=Every.counter("sample_calls", 2))
+            self.ray_rb.add_observer(observer)
+            self.checkpoint = Checkpoint(replay_buffer=self.ray_rb, buffer_observer=observer)
+            return
+        if source == "multisync":
+            self.collector = MultiSyncCollector(
+                [make_env, make_env],
+                make_policy(),
+                frames_per_batch=FRAMES_PER_BATCH * 2,
+                total_frames=TOTAL_FRAMES * 2,
+                cat_results="stack",
+            )
+        else:
+            self.collector = Collector(
+                make_env(), make_policy(), frames_per_batch=FRAMES_PER_BATCH, total_frames=TOTAL_FRAMES
+            )
+            self.rb = TensorDictReplayBuffer(storage=LazyTensorStorage(1_000))
+        collector_observer = LoggerObserver(
+            self.channel, schedule=Every.counter("frames", 2 * FRAMES_PER_BATCH if self.rb is not None else 40)
+        )
+        self.collector.add_observer(collector_observer)
+        self.checkpoint = Checkpoint(
+            rng=GlobalRNGState(), collector=self.collector, collector_observer=collector_observer
+        )
+        if self.rb is not None:
+            buffer_observer = LoggerObserver(self.channel, schedule=Every.counter("sample_calls", 2))
+            self.rb.add_observer(buffer_observer)
+            self.checkpoint.register("replay_buffer", self.rb)
+            self.checkpoint.register("buffer_observer", buffer_observer)
+
+    def load(self, path: str, without_observers: bool = False) -> None:
+        checkpoint = self.checkpoint
+        names = [n for n in checkpoint.components if not (without_observers and "observer" in n)]
+        checkpoint.load(path, components=names, strict="ignore" if without_observers else None)
+
+    def steps(self):  # noqa: ANN201
+        """Yields after each batch (or each write and sample of the Ray buffer)."""
+        if self.ray_rb is not None:
+            start = self.ray_rb.write_count
+            for i in range(start // 5, RAY_WRITES):
+                data = TensorDict(
+                    {"obs": torch.arange(5) + 5 * i, ("next", "reward"): torch.full((5, 1), float(i))}, [5]
+                )
+                self.ray_rb.extend(data)
+                self.ray_rb.sample(4)
+                yield
+            return
+        for batch in self.collector:
+            if self.rb is not None:
+                self.rb.extend(batch.reshape(-1))
+                self.rb.sample(4)
+            yield
+
+    def logged(self) -> dict[str, list[list[float]]]:
+        assert self.channel.flush(timeout=30)
+        return {name: [[int(s), float(v)] for s, v in rows] for name, rows in self.logger.experiment.scalars.items()}
+
+    def close(self) -> dict[str, list[list[float]]]:
+        if self.collector is not None:
+            self.collector.shutdown()
+        else:
+            self.ray_rb.close()
+        assert self.channel.close(timeout=30)
+        return self.logged()
+
+
+def first(source: str, path: str) -> dict[str, dict]:
+    """Saves at the split, records what was logged by then, goes on to the end (the whole run)."""
+    run = Run(source, "first")
+    out = {}
+    for i, _ in enumerate(run.steps()):
+        if i + 1 == SPLIT_AT:
+            run.checkpoint.save(path)
+            run.checkpoint.save(path + ".zip", format="archive")
+            out["first"] = run.logged()
+            if source == "multisync":  # (the workers are asked for their state: stop here)
+                break
+    out["whole"] = run.close()
     if source == "multisync":
-        collector = MultiSyncCollector(
-            [make_env, make_env],
-            make_policy(),
-            frames_per_batch=FRAMES_PER_BATCH * 2,
-            total_frames=TOTAL_FRAMES * 2,
-            cat_results="stack",
-        )
-        rb = None
-    else:
-        collector = Collector(
-            make_env(), make_policy(), frames_per_batch=FRAMES_PER_BATCH, total_frames=TOTAL_FRAMES
-        )
-        rb = TensorDictReplayBuffer(storage=LazyTensorStorage(1_000))
-    channel = MetricsChannel(logger, health_interval=None)
-    collector_observer = LoggerObserver(
-        channel, schedule=Every.counter("frames", 2 * FRAMES_PER_BATCH if rb is not None else 40)
-    )
-    collector.add_observer(collector_observer)
-    buffer_observer = None
-    if rb is not None:
-        buffer_observer = LoggerObserver(channel, schedule=Every.counter("sample_calls", 2))
-        rb.add_observer(buffer_observer)
-    checkpoint = Checkpoint(rng=GlobalRNGState(), collector=collector, collector_observer=collector_observer)
-    if rb is not None:
-        checkpoint.register("replay_buffer", rb)
-        checkpoint.register("buffer_observer", buffer_observer)
-    return collector, rb, channel, checkpoint
+        del out["whole"]
+    return out
+
+
+def second(source: str, path: str, variants: list[str]) -> dict[str, dict]:
+    out = {}
+    for variant in variants:
+        run = Run(source, variant)
+        run.load(path + (".zip" if variant == "archive" else ""), without_observers=variant == "without")
+        for _ in run.steps():
+            pass
+        out[variant] = run.close()
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--phase", choices=("whole", "first", "second"), required=True)
-    parser.add_argument("--source", choices=("collector", "multisync"), default="collector")
-    parser.add_argument("--checkpoint", default=None)
-    parser.add_argument("--archive", action="store_true", help="the checkpoint is an archive (--phase first: save both)")
+    parser.add_argument("--phase", choices=("first", "second"), required=True)
+    parser.add_argument("--source", choices=("collector", "multisync", "raybuffer"), default="collector")
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--variants", default="directory", help="comma-separated: directory, archive, without")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--without-observers", action="store_true", help="load all but the observers")
     args = parser.parse_args()
     torch.manual_seed(0)
-    logger = CSVLogger(exp_name=args.phase, log_dir=tempfile.mkdtemp())
-    collector, rb, channel, checkpoint = build(args.source, logger)
-    if args.phase == "second":
-        names = [n for n in checkpoint.components if not (args.without_observers and "observer" in n)]
-        path = args.checkpoint + (".zip" if args.archive else "")
-        checkpoint.load(path, components=names, strict="ignore" if args.without_observers else None)
-    for i, batch in enumerate(collector):
-        if rb is not None:
-            rb.extend(batch.reshape(-1))
-            rb.sample(4)
-        if args.phase == "first" and i + 1 == SPLIT_AT:
-            checkpoint.save(args.checkpoint)
-            checkpoint.save(args.checkpoint + ".zip", format="archive")
-            break
-    collector.shutdown()
-    assert channel.close(timeout=30)
-    scalars = {name: [[int(s), float(v)] for s, v in rows] for name, rows in logger.experiment.scalars.items()}
+    if args.source == "raybuffer":
+        import ray
+
+        ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        if args.phase == "first":
+            out = first(args.source, args.checkpoint)
+        else:
+            out = second(args.source, args.checkpoint, args.variants.split(","))
+    finally:
+        if args.source == "raybuffer":
+            ray.shutdown()
     with open(args.out, "w") as file:
-        json.dump(scalars, file)
+        json.dump(out, file)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,13 @@
 """Resuming from torchrl's Checkpoint: the observers' curves go on where the first run stopped.
 
-Each run is a new process (``tests/resume_runs.py``), as a resumed training
-script is: run, save, rebuild everything, load, continue; the series logged
-by the two parts together equal those of one uninterrupted run.
+The first part and the resumes run in separate processes
+(``tests/resume_runs.py``), as a resumed training script does: run, save,
+rebuild everything, load, continue; the series logged by the two parts
+together equal those of one uninterrupted run. Two processes per kind of
+source: the first part goes on to the end after saving (a save changes
+nothing: that is the uninterrupted run), and the resumes of one source
+(directory, archive, without the observers' state) share one interpreter,
+each with everything rebuilt.
 """
 
 from __future__ import annotations
@@ -35,11 +40,11 @@ from tests.helpers import scalars
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(where: Path, phase: str, *args: str) -> dict[str, list[list[float]]]:
-    out = where / f"{phase}{'_'.join(args).replace('-', '')}.json"
+def run(where: Path, phase: str, *args: str, source: str = "collector") -> dict[str, dict[str, list[list[float]]]]:
+    out = where / f"{source}_{phase}.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
-    command = [sys.executable, "-W", "ignore", "-m", "tests.resume_runs", "--phase", phase]
-    command += ["--checkpoint", str(where / "checkpoint"), "--out", str(out), *args]
+    command = [sys.executable, "-W", "ignore", "-m", "tests.resume_runs", "--phase", phase, "--source", source]
+    command += ["--checkpoint", str(where / f"{source}_checkpoint"), "--out", str(out), *args]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
@@ -51,15 +56,15 @@ def joined(first: dict, second: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One uninterrupted run and the first part of a split one (saved as a directory and an archive)."""
+    """The first part of a split run (saved as a directory and an archive), its whole run, and three resumes."""
     where = tmp_path_factory.mktemp("resume")
-    return where, run(where, "whole"), run(where, "first")
+    first = run(where, "first")
+    return {**first, **run(where, "second", "--variants", "directory,archive,without")}
 
 
 @pytest.mark.parametrize("archive", [False, True], ids=["directory", "archive"])
 def test_resumed_collector_and_buffer_log_what_one_run_logs(runs, archive):
-    where, whole, first = runs
-    second = run(where, "second", *(["--archive"] if archive else []))
+    whole, first, second = runs["whole"], runs["first"], runs["archive" if archive else "directory"]
     assert joined(first, second) == whole  # steps, totals and values, every series
     assert [step for step, _ in second["collector/frames"]] == [60, 80]
     assert second["collector/episodes_total"][-1][1] == whole["collector/episodes_total"][-1][1] == 16
@@ -69,8 +74,7 @@ def test_resumed_collector_and_buffer_log_what_one_run_logs(runs, archive):
 
 def test_observers_left_out_of_the_checkpoint_still_log_on_the_source_axis(runs):
     """Without their state, steps follow the restored frames and write_count; sample_calls restart."""
-    where, _, _ = runs
-    second = run(where, "second", "--without-observers")
+    second = runs["without"]
     assert second["collector/frames"] == [[60, 60.0], [80, 80.0]]
     assert second["collector/batches"] == [[60, 6.0], [80, 8.0]]
     assert [value for _, value in second["replay_buffer/items_written"]] == [60.0, 80.0]
@@ -78,10 +82,17 @@ def test_observers_left_out_of_the_checkpoint_still_log_on_the_source_axis(runs)
     assert second["collector/episodes_total"] == [[60, 4.0], [80, 8.0]]
 
 
-def test_resumed_multiprocessing_collector_goes_on_from_the_owners_aggregate(tmp_path):
-    """Two workers, 10 frames a batch each: the aggregate at the owner is saved and restored."""
-    first = run(tmp_path, "first", "--source", "multisync")
-    second = run(tmp_path, "second", "--source", "multisync")
+@pytest.fixture(scope="module")
+def multisync(tmp_path_factory):
+    """A 2-worker MultiSyncCollector, 10 frames a batch each: saved at 80 frames, resumed with and without observers."""
+    where = tmp_path_factory.mktemp("multisync")
+    first = run(where, "first", source="multisync")
+    return {**first, **run(where, "second", "--variants", "directory,without", source="multisync")}
+
+
+def test_resumed_multiprocessing_collector_goes_on_from_the_owners_aggregate(multisync):
+    """The aggregate at the owner is saved and restored."""
+    first, second = multisync["first"], multisync["directory"]
     steps = [step for step, _ in first["collector/frames"] + second["collector/frames"]]
     assert steps == sorted(set(steps)) and steps[-1] == 160
     assert second["collector/frames"][0][0] > first["collector/frames"][-1][0] == 80
@@ -91,6 +102,53 @@ def test_resumed_multiprocessing_collector_goes_on_from_the_owners_aggregate(tmp
     assert second["collector/batches"][-1] == [160, 16.0]
     assert second["collector/episodes_total"][-1] == [160, 32.0]
     assert set(second["collector/episode_length_mean"][-1][1:]) == {5.0}
+
+
+def test_multiprocessing_aggregate_without_saved_state_goes_on_from_the_restored_frames(multisync):
+    """No observer state: the workers' restored frames are the aggregate's axis (as the driver's frames)."""
+    second = multisync["without"]
+    steps = [step for step, _ in second["collector/frames"]]
+    assert steps == sorted(set(steps)) and steps[0] > 80 and steps[-1] == 160
+    assert steps[0] >= 120  # the next threshold after the restored 80 (every 40 frames)
+    assert second["collector/frames"][-1] == [160, 160.0]
+    assert second["collector/batches"][-1] == [160, 16.0]
+    # torchrl keeps no episode count: it restarts (two episodes per worker batch, 8 batches)
+    assert second["collector/episodes_total"][-1] == [160, 16.0]
+
+
+@pytest.fixture(scope="module")
+def ray_buffer(tmp_path_factory):
+    """A RayReplayBuffer, its observer in the actor: saved after 4 writes and 4 samples, resumed twice.
+
+    Each part starts Ray in its process (``ray.init(num_cpus=2)``) and shuts it down.
+    """
+    pytest.importorskip("ray")
+    where = tmp_path_factory.mktemp("raybuffer")
+    first = run(where, "first", source="raybuffer")
+    return {**first, **run(where, "second", "--variants", "directory,without", source="raybuffer")}
+
+
+#: What a Ray buffer's observer logs that does not depend on the actor's sampling RNG (not in the checkpoint).
+RAY_DETERMINISTIC = ("items_written", "writes", "batch_size", "sample_calls", "samples_returned")
+
+
+def test_resumed_ray_replay_buffer_logs_what_one_run_logs(ray_buffer):
+    """torchrl's Checkpoint saves the buffer (an actor round trip) and the observer (the owner's aggregate)."""
+    whole, resumed = ray_buffer["whole"], joined(ray_buffer["first"], ray_buffer["directory"])
+    assert sorted(resumed) == sorted(whole)
+    for name, rows in whole.items():  # the same steps in every series
+        assert [step for step, _ in resumed[name]] == [step for step, _ in rows], name
+    for name in RAY_DETERMINISTIC:  # and the same values where they do not depend on the sampler's RNG
+        assert resumed[f"replay_buffer/{name}"] == whole[f"replay_buffer/{name}"], name
+    assert ray_buffer["directory"]["replay_buffer/items_written"] == [[6, 30.0], [8, 40.0]]
+    assert ray_buffer["directory"]["replay_buffer/samples_returned"] == [[6, 24.0], [8, 32.0]]
+
+
+def test_ray_replay_buffer_without_observer_state_goes_on_from_the_restored_write_count(ray_buffer):
+    """The actor's copy lines up with the restored write_count; sample_calls (not kept by torchrl) restart."""
+    second = ray_buffer["without"]
+    assert second["replay_buffer/items_written"] == [[2, 30.0], [4, 40.0]]
+    assert second["replay_buffer/sample_calls"] == [[2, 2.0], [4, 4.0]]
 
 
 def _observed_buffer(logger, **kwargs):
@@ -186,3 +244,49 @@ def test_the_owners_aggregate_goes_on_from_its_saved_state():
         "collector": (210, 210.0),
         "collector/worker_0": (130, 130.0),
     }
+
+
+def test_restored_workers_without_saved_state_line_the_aggregate_up_with_their_frames():
+    """Each copy tells how much of its count its restored source had (``base``): no threshold fires for it."""
+    from rl_observers.logging.aggregate import Aggregate
+
+    aggregate = Aggregate("collector", schedule=Every.counter("frames", 40), step_key="frames", scope="both")
+    base = {"frames": 40, "batches": 4}
+    rows = aggregate.contribute(0, {"frames": 50.0}, {"frames": 50, "batches": 5}, process="a", base=base)
+    rows += aggregate.contribute(1, {"frames": 50.0}, {"frames": 50, "batches": 5}, process="b", base=base)
+    assert rows == []  # 100 frames, 80 of them restored: the next threshold is 120
+    rows = aggregate.contribute(0, {"frames": 60.0}, {"frames": 60, "batches": 6}, process="a", base=base)
+    assert rows == []  # 110; and worker 0 is below its own next threshold, 80
+    rows = aggregate.contribute(1, {"frames": 80.0}, {"frames": 80, "batches": 8}, process="b", base=base)
+    assert [(namespace, step, metrics["frames"]) for namespace, metrics, step in rows] == [
+        ("collector/worker_1", 80, 80.0),
+        ("collector", 140, 140.0),
+    ]
+
+
+def test_the_aggregates_rolling_episode_window_is_saved_and_goes_on(tmp_path):
+    """The last N episodes merged at the owner survive a Checkpoint; new episodes push the saved ones out."""
+    from rl_observers.logging.aggregate import Aggregate
+    from rl_observers.stats import LatestWindow
+
+    def window(*entries):
+        return {"episode_window": LatestWindow(3, ("episode_return",), entries=entries)}
+
+    def returns(rows):
+        return {ns: m["episode_window"].values("episode_return") for ns, m, _ in rows}
+
+    def build():
+        return Aggregate("collector", schedule=Every.counter("frames", 10), step_key="frames", scope="both")
+
+    first = build()
+    first.contribute(0, window(((3, 0, 0), (1.0,))), {"frames": 5}, process="a")
+    rows = first.contribute(1, window(((4, 1, 0), (2.0,)), ((8, 1, 1), (3.0,))), {"frames": 8}, process="b")
+    assert returns(rows)["collector"] == [1.0, 2.0, 3.0]
+    Checkpoint(aggregate=first).save(tmp_path / "ckpt")
+    resumed = build()
+    Checkpoint(aggregate=resumed).load(tmp_path / "ckpt")
+    # the copies of the resumed run stamp their episodes from 0 again
+    rows = resumed.contribute(0, window(((2, 0, 0), (10.0,))), {"frames": 5}, process="c")
+    assert returns(rows) == {"collector/worker_0": [1.0, 10.0]}
+    rows = resumed.contribute(1, window(((1, 1, 0), (20.0,))), {"frames": 6}, process="d")
+    assert returns(rows) == {"collector/worker_1": [2.0, 3.0, 20.0], "collector": [3.0, 20.0, 10.0]}

@@ -22,6 +22,7 @@ from typing import Any
 
 __all__ = [
     "AGGREGATE",
+    "BASE",
     "COPY",
     "COUNTERS",
     "FINISH",
@@ -46,6 +47,9 @@ PROCESS = "process"
 COUNTERS = "counters"
 #: ``True`` on the marker the owner queues behind an observer's last windows (ends its aggregate).
 FINISH = "finish"
+#: What the copy's source had counted before the copy did (a restored worker's ``frames``):
+#: included in ``COUNTERS``, but not progress of this run (see ``logging/resume.py``).
+BASE = "base"
 
 # -- the end-to-end account (set by the channel's handles, read by the owner) --------------------
 #: Who sent the window: one copy of an observer in one process (``"host/pid"``, and the Ray node).

@@ -47,9 +47,10 @@ from torchrl.record.loggers.monitoring import Every
 
 from rl_observers.channel import MetricsChannel, register_router
 from rl_observers.channel.delivery import Row
-from rl_observers.channel.meta import AGGREGATE, COUNTERS, FINISH, PROCESS, WORKER
+from rl_observers.channel.meta import AGGREGATE, BASE, COUNTERS, FINISH, PROCESS, WORKER
 from rl_observers.channel.payload import coalesce, is_partial
 from rl_observers.logging.schedule import ScheduleClock
+from rl_observers.stats import LatestWindow
 
 __all__ = [
     "Aggregate",
@@ -120,6 +121,41 @@ def _plus(base: Mapping[str, float], values: Mapping[str, float]) -> dict[str, f
     out = dict(base)
     for key, value in values.items():
         out[key] = out.get(key, 0) + value
+    return out
+
+
+def _rolling(window: Mapping[str, Any]) -> dict[str, Any]:
+    """The partials of ``window`` that describe a state carried from row to row (the last N episodes)."""
+    return {k: v for k, v in window.items() if getattr(v, "rolling", False)}
+
+
+def _saved_rolling(window: Mapping[str, Any]) -> dict[str, Any]:
+    """The rolling partials of ``window`` as plain values (what a torchrl ``Checkpoint`` stores)."""
+    return {
+        key: {
+            "size": part.size,
+            "names": list(part.names),
+            "stats": [list(s) for s in part.stats],
+            "entries": [[list(k), list(values)] for k, values in part.entries],
+        }
+        for key, part in _rolling(window).items()
+        if isinstance(part, LatestWindow)
+    }
+
+
+def _restored_rolling(saved: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Rebuilds :func:`_saved_rolling`, each entry older than anything counted after the resume.
+
+    An entry's key starts with the step it was stamped at in its copy's
+    window; the copies of a resumed run stamp from 0 again, so the saved
+    entries are moved below 0 (their order kept): new episodes push them out.
+    """
+    out: dict[str, Any] = {}
+    for key, part in (saved or {}).items():
+        entries = [(tuple(k), tuple(values)) for k, values in part["entries"]]
+        shift = max((k[0] for k, _ in entries), default=-1) + 1
+        entries = [((k[0] - shift, *k[1:]), values) for k, values in entries]
+        out[key] = LatestWindow(part["size"], part["names"], stats=part["stats"], entries=entries)
     return out
 
 
@@ -202,8 +238,10 @@ class Aggregate:
         """The counters summed over workers, each worker index's counters and the schedules' baselines.
 
         What a resumed run needs for its steps and totals to go on (the
-        workers' copies restart from zero there). Windows not logged yet are
-        not kept.
+        workers' copies restart from zero there, or from their source's
+        restored counters), and the rolling partials (the last N episodes)
+        of the aggregate and of each worker. Other windows not logged yet
+        are not kept.
         """
         workers: dict[Any, dict[str, Any]] = {}
         for (index, _), state in self._workers.items():
@@ -212,6 +250,7 @@ class Aggregate:
                     "counters": _plus(state.base, state.counters),
                     "gauges": _plus(state.base_gauges, self._cumulative(state.gauges)),
                     "clock": state.clock.state_dict(),
+                    "rolling": _saved_rolling(state.window),
                 }
         for index, base in self._worker_base.items():
             workers.setdefault(index, base)
@@ -223,6 +262,7 @@ class Aggregate:
             "gauges": gauges,
             "clock": self.clock.state_dict(),
             "workers": workers,
+            "rolling": _saved_rolling(self._window),
         }
 
     def _cumulative(self, gauges: Mapping[str, Any]) -> dict[str, float]:
@@ -235,6 +275,7 @@ class Aggregate:
         self._gauge_base = {k: float(v) for k, v in state.get("gauges", {}).items()}
         self.clock.load_state_dict(state["clock"])
         self._worker_base = {index: dict(saved) for index, saved in state.get("workers", {}).items()}
+        self._window = {**self._window, **_restored_rolling(state.get("rolling"))}
 
     @classmethod
     def from_meta(cls, name: str, meta: Mapping[str, Any]) -> Aggregate:
@@ -262,6 +303,7 @@ class Aggregate:
         metrics: Mapping[str, Any],
         counters: Mapping[str, float],
         process: str | None = None,
+        base: Mapping[str, float] | None = None,
     ) -> list[Row]:
         """Folds one worker's window in; returns the rows now due.
 
@@ -269,21 +311,16 @@ class Aggregate:
         one buffer both have a worker 0, and a restarted worker starts its
         counts afresh. The second process with an index logs its rows as
         ``worker_<index>_2`` (then ``_3``, ...).
+
+        ``base``: what the worker's source had counted before its copy did
+        (a worker of a restored collector starts at its restored ``frames``):
+        part of ``counters``, but not progress of this run, so no threshold
+        fires for it (see :mod:`~rl_observers.logging.resume`).
         """
         key = (worker, process)
         state = self._workers.get(key)
         if state is None:
-            n = self._processes_per_index[worker] = self._processes_per_index.get(worker, 0) + 1
-            label = f"worker_{worker}" if n == 1 else f"worker_{worker}_{n}"
-            state = self._workers[key] = _Worker(self.spec.schedule, label)
-            if n == 1 and worker in self._worker_base:  # a resumed run: this index goes on
-                saved = self._worker_base.pop(worker)
-                state.base = dict(saved["counters"])
-                state.base_gauges = dict(saved.get("gauges", {}))
-                if saved.get("clock") is not None:
-                    state.clock.load_state_dict(saved["clock"])
-            if self._key is not None and state.clock.last_counter is None:
-                state.clock.due(state.base.get(self._key, 0))
+            state = self._join(worker, process, base or {})
         state.last_seen = time.monotonic()
         totals = self._totals
         previous = state.counters
@@ -313,6 +350,33 @@ class Aggregate:
                 rows.append(self._aggregate_row())
         return rows
 
+    def _join(self, worker: Any, process: str | None, base: Mapping[str, float]) -> _Worker:
+        """A worker's first contribution: where its counts go on from."""
+        n = self._processes_per_index[worker] = self._processes_per_index.get(worker, 0) + 1
+        label = f"worker_{worker}" if n == 1 else f"worker_{worker}_{n}"
+        state = self._workers[(worker, process)] = _Worker(self.spec.schedule, label)
+        saved = self._worker_base.pop(worker, None) if n == 1 else None
+        if saved is not None:  # a resumed run with its saved state: this index goes on from it
+            # the copy's counters hold its source's restored counts, which the saved ones hold too
+            state.base = {k: v - base.get(k, 0) for k, v in saved["counters"].items()}
+            state.base_gauges = {k: v - base.get(k, 0) for k, v in saved.get("gauges", {}).items()}
+            for name, value in base.items():
+                if name in self._totals:
+                    self._totals[name] -= value
+                if name in self._gauge_base:
+                    self._gauge_base[name] -= value
+            if saved.get("clock") is not None:
+                state.clock.load_state_dict(saved["clock"])
+            state.window = _restored_rolling(saved.get("rolling"))
+        elif self._key is not None and base.get(self._key):
+            # no saved state: the source's restored count is where this run's thresholds start
+            prior = self._totals.get(self._key, 0) + base[self._key]
+            if self.clock.last_counter is None or prior > self.clock.last_counter:
+                self.clock.rebase(prior)
+        if self._key is not None and state.clock.last_counter is None:
+            state.clock.due(state.base.get(self._key, 0) + base.get(self._key, 0))
+        return state
+
     def finish(self) -> list[Row]:
         """The last partial windows (if ``log_on_close``); the state is reset."""
         rows: list[Row] = []
@@ -335,7 +399,7 @@ class Aggregate:
         for key, value in state.base_gauges.items():
             if key in state.gauges and key not in self.spec.latest:
                 metrics[key] = state.gauges[key] + value
-        state.window = {}
+        state.window = _rolling(state.window)  # (a copy re-sends its whole rolling state: merging it again is exact)
         state.fresh = False
         state.clock.fired()
         counters = state.counters
@@ -360,7 +424,7 @@ class Aggregate:
         gauges["workers_reporting"] = sum(now - s.last_seen < STALE_AFTER for s in workers)
         metrics = {**gauges, **self._window}
         # A partial that describes a state (the last N episodes) carries over to the next row.
-        self._window = {k: v for k, v in self._window.items() if getattr(v, "rolling", False)}
+        self._window = _rolling(self._window)
         self._fresh = False
         self.clock.fired()
         return self.name, metrics, self._step(self._totals)
@@ -397,7 +461,11 @@ class AggregationRouter:
         rows: list[Row] = []
         if metrics or meta.get(COUNTERS):
             rows = aggregate.contribute(
-                meta.get(WORKER), metrics, meta.get(COUNTERS) or {}, process=meta.get(PROCESS)
+                meta.get(WORKER),
+                metrics,
+                meta.get(COUNTERS) or {},
+                process=meta.get(PROCESS),
+                base=meta.get(BASE),
             )
         if meta.get(FINISH):
             rows.extend(aggregate.finish())

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rl_observers.channel.meta import COUNTERS, LAST
+from rl_observers.channel.meta import BASE, COUNTERS, LAST
 from rl_observers.logging.aggregate import AggregateSpec, finish_aggregate
 from rl_observers.observer import dumps
 from rl_observers.sources import observers_of
@@ -110,6 +110,8 @@ def contribute(observer: Any, final: bool = False) -> None:
             del meta[COUNTERS]
             observer._sink.submit_metrics({}, namespace=namespace, meta=meta)
             return
+    if observer._axis_base:
+        meta[BASE] = observer._axis_base  # counted from the restored source, not progress
     observer._sink.submit_metrics(observer._pull(), namespace=namespace, meta=meta)
 
 

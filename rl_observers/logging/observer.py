@@ -159,6 +159,7 @@ class LoggerObserver(Observer):
         self._contribution = Contribution()  # the copies' side: where it runs, when it reported
         self._mode: str | None = None  # "local" or "contribute": fixed once per process
         self._align_pending = False  # line the counters up with the source's at the next event
+        self._axis_base: dict[str, int] = {}  # what lining up added (a copy tells its aggregate)
         self._last_step: int | None = None  # the last step submitted: steps never go backwards
         self._pending_state: Mapping[str, Any] | None = None  # loaded before attaching
         self._has_copies = False  # copies run elsewhere: the aggregate at the owner is the state
@@ -253,9 +254,7 @@ class LoggerObserver(Observer):
         if sets is not None:
             self._sets = sets
             self._wire()
-        align = self._align_pending and self._mode == "local"
-        self._align_pending = False
-        return self._counters() if align else None
+        return self._counters() if _state.take_alignment(self, source) else None
 
     def _set_failed(self, index: int, error: Exception, where: str) -> None:
         """One metric set raised: the policy applies to it alone; the other sets go on."""

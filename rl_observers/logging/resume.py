@@ -24,6 +24,13 @@ loop) keeps its own count: steps never go backwards. Counters torchrl does
 not keep (``sample_calls``, ``samples_returned``, ``episodes``) come back
 only from the observer's own saved state.
 
+Copies that run away from the channel (multiprocessing workers, Ray actors)
+line up the same way when their source counts for them alone
+(:func:`owns_axis`): a worker of a restored ``MultiSyncCollector`` starts at
+its restored ``frames``, and its windows carry how much of the count came
+from there (``meta["base"]``), so the owner's aggregate counts on from the
+restored sum and fires no threshold for it, saved state or not.
+
 Examples:
     >>> import torch
     >>> import rl_observers
@@ -43,8 +50,9 @@ from typing import Any
 from torchrl.collectors import BaseCollector
 
 from rl_observers.metrics import MetricSet
+from rl_observers.sources.placement import source_info
 
-__all__ = ["AXIS_COUNTERS", "describe", "misfit", "shift_counters", "source_axis"]
+__all__ = ["AXIS_COUNTERS", "describe", "misfit", "owns_axis", "shift_counters", "source_axis"]
 
 #: The observer counters that follow each source counter torchrl keeps.
 AXIS_COUNTERS: dict[str, tuple[str, ...]] = {
@@ -70,6 +78,23 @@ def source_axis(source: Any) -> dict[str, int]:
         return {} if count is None else {"write_count": int(count)}
     except Exception:  # a source torn down meanwhile: nothing to line up with
         return {}
+
+
+def owns_axis(source: Any) -> bool:
+    """Whether a copy contributing from ``source`` (away from the channel) lines up with its counters.
+
+    True where the copy's source counts for this copy alone: a
+    multiprocessing worker's inner collector, a remote Ray collector, a Ray
+    replay buffer's actor. Their counters restored (a ``MultiSyncCollector``
+    loaded from a checkpoint restores each worker's ``frames``), the copy
+    starts from them and tells the owner's aggregate how much of its count
+    came from there (``meta["base"]``), so the aggregate's thresholds and
+    steps go on from the restored sum, saved observer state or not. False
+    for a shared replay buffer, whose ``write_count`` counts every process's
+    writes.
+    """
+    info = source_info(source)
+    return info.remote and (info.kind == "collector" or info.worker is None)
 
 
 def shift_counters(sets: Sequence[MetricSet], names: Sequence[str], amount: int) -> None:

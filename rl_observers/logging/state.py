@@ -44,6 +44,7 @@ from rl_observers.logging.resume import (
     STATE_VERSION,
     describe,
     misfit,
+    owns_axis,
     shift_counters,
     source_axis,
 )
@@ -124,6 +125,19 @@ def load(observer: Any, state_dict: Mapping[str, Any]) -> None:
         load_aggregate_state(observer._channel(), observer.name or "", state_dict["aggregate"])
 
 
+def take_alignment(observer: Any, source: Any) -> bool:
+    """Whether this first event lines the counters up with the source's (once attached or loaded).
+
+    A local observer does; so does a copy whose source counts for it alone
+    (:func:`~rl_observers.logging.resume.owns_axis`), which then tells its
+    aggregate what lining up added.
+    """
+    align = observer._align_pending and (observer._mode == "local" or owns_axis(source))
+    observer._align_pending = False
+    observer._axis_base = {}
+    return align
+
+
 def align(observer: Any, source: Any, before: Mapping[str, float]) -> None:
     """Moves counters below the source's own (restored, or counted before attaching) up to it.
 
@@ -142,6 +156,7 @@ def align(observer: Any, source: Any, before: Mapping[str, float]) -> None:
             names = AXIS_COUNTERS[counter]
             offset = int(value - ours)
             shift_counters(observer.metrics, names, offset)
+            observer._axis_base.update(dict.fromkeys(names, offset))
             if key in names:  # the threshold the source's axis had before this event
                 prior = before.get(key, 0) + offset
                 clock = observer._clock
