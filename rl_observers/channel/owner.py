@@ -38,9 +38,11 @@ from rl_observers.observer import ON_ERROR_POLICIES
 
 __all__ = ["LAST_WINDOWS_WAIT", "Forwarder", "Owner", "check_alive"]
 
-#: Seconds the owner waits, once an observer's copies are gone, for their last windows to arrive.
-#: A source's shutdown already waited for its live copies' last windows to be acknowledged, so
-#: only a copy that vanished (or whose acknowledgement timed out) makes the owner wait this long.
+#: The most seconds :meth:`Owner.copies_gone` spends bringing in the last windows of an observer's
+#: copies: one barrier through the transports' hops (a Ray round trip to each per-node relay).
+#: A source's shutdown (or the removal) already waited for its live copies' last windows to be
+#: acknowledged, so they are on their way; a copy still missing after the barrier never sent its
+#: last window (it vanished) and waiting longer would not bring it.
 LAST_WINDOWS_WAIT = 3.0
 
 
@@ -139,6 +141,7 @@ class Owner:
             health_interval=health_interval,
             poll=self.poll_remote,
             log_health=bool(log_health),
+            counts=self.health,
         )
 
     # ------------------------------------------------------------------ submit
@@ -302,13 +305,26 @@ class Owner:
         if isinstance(name, str):  # the name its copies' windows carry (meta["aggregate"])
             self.account.describe(name, description)
 
+    def copies_expected(self, feeder: Any, workers: Any) -> None:
+        """Notes the workers ``feeder``'s copies were attached in: each one is expected to report.
+
+        A copy never heard from when its observer's account is settled is
+        reported and counted lost (:meth:`~.account.Account.expect`).
+        """
+        name = getattr(feeder, "name", None)
+        if isinstance(name, str) and not self.close_requested:
+            self.account.expect(name, workers)
+
     def copies_gone(self, feeder: Any) -> None:
         """Notes that ``feeder``'s copies are gone (removed, or their source shut down).
 
-        Waits (at most ``LAST_WINDOWS_WAIT`` seconds, only while some are
-        missing) for the last windows of the copies that reported, then
-        settles their account (:mod:`~rl_observers.channel.account`): a copy
-        whose last window never came is reported and counted lost.
+        Brings in what the copies sent before they were gone, then settles
+        their account (:mod:`~rl_observers.channel.account`): a copy whose
+        last window did not come is reported and counted lost. It never waits
+        for a window that was not sent yet: the source already waited for its
+        live copies' last windows to be acknowledged, so one barrier through
+        the hops (bounded by ``LAST_WINDOWS_WAIT``) brings in every window
+        that is on its way, and only when one is missing after a plain read.
         """
         with self._lock:
             entry = self._feeders.get(id(feeder))
@@ -321,9 +337,6 @@ class Owner:
         self.poll_remote(deadline)
         if self.account.waiting(name):
             self.barrier(deadline)
-            while self.account.waiting(name) and time.monotonic() < deadline:
-                time.sleep(0.05)
-                self.poll_remote(deadline)
         self.account.settle(name)
 
     def _copies_still_attached(self) -> bool:

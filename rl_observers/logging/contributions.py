@@ -25,7 +25,7 @@ from rl_observers.channel.meta import AGGREGATE, COUNTERS, PROCESS, WORKER
 from rl_observers.logging.aggregate import AggregateSpec
 from rl_observers.sources.placement import process_token, source_info
 
-__all__ = ["LIVE", "Contribution"]
+__all__ = ["LIVE", "Contribution", "copy_worker"]
 
 # Every LoggerObserver of this process: a forked child resolves their mode again.
 LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -72,6 +72,11 @@ def _report_contributors_at_exit() -> None:
 
 
 
+def copy_worker(worker: int | None) -> Any:
+    """The ``meta["worker"]`` a copy placed as ``worker`` sends under (``None``, not a worker: 0)."""
+    return worker if worker is not None else 0
+
+
 class Contribution:
     """The copies' side of a :class:`~rl_observers.LoggerObserver`, held by the observer.
 
@@ -90,6 +95,10 @@ class Contribution:
         self.worker: Any = None
         self.last_report = 0.0
         self.last_report_counter = 0.0
+
+    def moved(self) -> bool:
+        """Whether this runs in another process than the observer was created in (it is a copy)."""
+        return os.getpid() != self.home_pid
 
     def resolve(self, source: Any, *, has_copies: bool) -> tuple[str, tuple[Any, ...] | None]:
         """``("local" | "contribute", fresh metric sets or None)`` for the process this runs in.
@@ -112,7 +121,7 @@ class Contribution:
                 metric_set.bind(source)
             self.home_pid = os.getpid()
         if moved or info.remote:
-            self.worker = info.worker if info.worker is not None else 0
+            self.worker = copy_worker(info.worker)
         else:
             self.worker = "main"
         self.last_report = time.monotonic()

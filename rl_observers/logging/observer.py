@@ -32,7 +32,7 @@ from rl_observers.logging.aggregate import (
     has_aggregate,
     load_aggregate_state,
 )
-from rl_observers.logging.contributions import LIVE, Contribution
+from rl_observers.logging.contributions import LIVE, Contribution, copy_worker
 from rl_observers.logging.defaults import (
     DEFAULT_NAMES,
     as_metric_sets,
@@ -385,6 +385,10 @@ class LoggerObserver(Observer):
         self._source = weakref.ref(source)
         self._align_pending = True
         self._mode = None  # resolved (and the counters lined up) at the next event
+        if self._contribution.moved():
+            # a copy, where its data is: it reports its end even if no event comes (the owner
+            # expects to hear from every copy attached)
+            self._resolve_mode(source)
         observers = observers_of(source)
         for entry in observers.entries if observers is not None else ():
             if entry.observer is self:  # add_observer(..., on_error=) overrides the observer's own
@@ -430,6 +434,17 @@ class LoggerObserver(Observer):
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
+
+    def copies_placed(self, target: Any, workers: tuple[int | None, ...]) -> None:
+        """Called on the original once its copies are attached in ``workers`` of ``target``.
+
+        The channel's owner then expects each of them to report: a copy
+        never heard from (its worker killed before its first window arrived)
+        is counted lost instead of being invisible.
+        """
+        channel = self._channel()
+        if channel is not None:
+            channel.copies_expected(self, [copy_worker(w) for w in workers])
 
     def copies_removed(self, target: Any) -> None:
         """Called on the original once its copies are gone: logs the last aggregate windows.

@@ -88,6 +88,28 @@ def test_a_worker_killed_while_the_collector_is_iterated(tmp_path, cls):
     assert channel.close(timeout=10)
 
 
+@pytest.mark.timeout(90)
+def test_a_worker_killed_before_its_first_window_is_counted(told):
+    # The copy in worker 0 dies before it sent anything: the owner was told at attach which
+    # workers have copies, so it is not invisible; worker 1's copy reports to its end.
+    logger = RecordingLogger()
+    channel = MetricsChannel(logger, health_interval=None)
+    collector = make_multi(MultiSyncCollector, "fork", frames_per_batch=20, total_frames=20_000)
+    try:
+        collector.add_observer(LoggerObserver(channel, metrics=CollectorBatchMetrics(), name="workers"))
+        os.kill(collector.procs[0].pid, signal.SIGKILL)
+        assert wait_for(lambda: not collector.procs[0].is_alive(), timeout=10)
+    finally:
+        collector.shutdown()
+    assert channel.health()["copies_lost"] == 1
+    vanished = [m for m in told if "vanished without their final report" in m]
+    assert len(vanished) == 1 and "LoggerObserver 'workers' on a MultiSyncCollector" in vanished[0]
+    assert "worker 0: never heard from" in vanished[0] and "worker 1" not in vanished[0]
+    assert not channel.flush(timeout=10)  # the loss is what this flush reports
+    assert channel.flush(timeout=10)
+    assert channel.close(timeout=10)
+
+
 def kill_outside_buffer_writes(rb: ReplayBuffer, proc: Any) -> None:
     """SIGKILLs the worker ``proc`` while this process holds ``rb``'s process-shared write lock.
 
