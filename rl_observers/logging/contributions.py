@@ -50,9 +50,20 @@ def _report_at_exit() -> None:
     Sent whatever ``log_on_close`` says: the owner's aggregate applies it
     (a trailing partial window is dropped there), but rows that the final
     counters make due must be logged.
+
+    An original whose channel lives in this process and is closed already
+    (its source shut down, then ``close()``) is skipped when it holds
+    nothing new: its last window would only be the end marker, which the
+    closed channel would drop with a warning, and at exit that warning may
+    meet a closed ``stderr``. One that folded something since its last
+    report still submits it, so the closed channel counts it in
+    ``health()["dropped"]``. A copy always sends: its sender counts what
+    it cannot deliver.
     """
     for observer in list(LIVE):
         if observer._mode == "contribute":
+            if not observer._fresh and _closed_here(observer):
+                continue
             try:
                 # always: the owner needs the final counters to log the rows they made due;
                 # its aggregate drops a trailing partial window itself unless log_on_close
@@ -60,6 +71,12 @@ def _report_at_exit() -> None:
                 observer._sink.flush(timeout=2.0)
             except Exception:  # the process is going away; never fail its exit
                 pass
+
+
+def _closed_here(observer: Any) -> bool:
+    """Whether ``observer`` submits to a channel of this process that is closed."""
+    channel = observer._channel()
+    return channel is not None and channel.closed and observer._sink.transport == "local"
 
 
 def _report_contributors_at_exit() -> None:
