@@ -154,35 +154,60 @@ class Account:
                 return meta
             return {**meta, COUNTERS: copy.counters}
 
-    def waiting(self, name: str) -> list[str]:
-        """The copies of the observer ``name`` whose last window (or an earlier one) has not arrived."""
+    def members(self, name: str) -> frozenset[tuple[Any, ...]]:
+        """The copies of the observer ``name`` known now: those heard from and those expected."""
+        with self._lock:
+            return frozenset(
+                [key for key in self._copies if key[0] == name] + [key for key in self._expected if key[0] == name]
+            )
+
+    def waiting(self, name: str, members: frozenset[tuple[Any, ...]] | None = None) -> list[str]:
+        """The copies of the observer ``name`` whose last window (or an earlier one) has not arrived.
+
+        With ``members`` (from :meth:`members`), only those copies: a copy heard
+        from first since, under the same name, belongs to a later attach.
+        """
         with self._lock:
             return [
                 f"worker {c.worker} ({c.where})"
-                for (n, _, _), c in self._copies.items()
-                if n == name and (not c.last or c.received < c.sent)
-            ] + [f"worker {worker} ({where})" for (n, worker), where in self._expected.items() if n == name]
+                for key, c in self._copies.items()
+                if key[0] == name
+                and (members is None or key in members or key[:2] in members)
+                and (not c.last or c.received < c.sent)
+            ] + [
+                f"worker {key[1]} ({where})"
+                for key, where in self._expected.items()
+                if key[0] == name and (members is None or key in members)
+            ]
 
-    def settle(self, name: str | None = None) -> None:
+    def settle(self, name: str | None = None, members: frozenset[tuple[Any, ...]] | None = None) -> None:
         """Closes the account of the observer ``name`` (every observer's with ``None``).
 
         Copies whose last window arrived count the windows they numbered and
         the owner never received; copies whose last window never came are
         reported (one warning per observer) and counted lost. Their entries
-        are forgotten: the name may be used again.
+        are forgotten: the name may be used again. With ``members`` (from
+        :meth:`members`), only those copies are settled (and an expected one
+        heard from first since then).
         """
+
+        def chosen(key: tuple[Any, ...]) -> bool:
+            if name is not None and key[0] != name:
+                return False
+            return members is None or key in members or key[:2] in members
+
         with self._lock:
-            done = [key for key in self._copies if name is None or key[0] == name]
+            done = [key for key in self._copies if chosen(key)]
             copies = [(key, self._copies.pop(key)) for key in done]
             self._settled.update(done)
-            unheard = [key for key in self._expected if name is None or key[0] == name]
+            unheard = [key for key in self._expected if chosen(key)]
             for key in unheard:
                 del self._expected[key]
             self.copies_lost += len(unheard)
             sources = dict(self._sources)
             if name is None:
                 self._sources.clear()
-            else:
+            elif members is None or not any(key[0] == name for key in (*self._copies, *self._expected)):
                 self._sources.pop(name, None)
         vanished: dict[str, list[str]] = {}
         for observer, worker in unheard:

@@ -38,11 +38,13 @@ from rl_observers.observer import ON_ERROR_POLICIES
 
 __all__ = ["LAST_WINDOWS_WAIT", "Forwarder", "Owner", "check_alive"]
 
-#: The most seconds :meth:`Owner.copies_gone` spends bringing in the last windows of an observer's
-#: copies: one barrier through the transports' hops (a Ray round trip to each per-node relay).
-#: A source's shutdown (or the removal) already waited for its live copies' last windows to be
-#: acknowledged, so they are on their way; a copy still missing after the barrier never sent its
-#: last window (it vanished) and waiting longer would not bring it.
+#: Seconds an observer's copies, once gone, have for their last windows to reach the owner before
+#: the missing ones are counted lost. A source's shutdown (or the removal) already waited for its
+#: live copies' last windows to be acknowledged, so they are on their way; on a busy node the last
+#: hops (relay, ingest) may still take a moment. :meth:`Owner.copies_gone` never waits for them:
+#: the account of those copies is settled by the next ``flush`` (which waits, within its own
+#: timeout, until this much time has passed since the copies were gone), by ``health()`` or by the
+#: channel's health report once it has passed, or by ``close``.
 LAST_WINDOWS_WAIT = 3.0
 
 
@@ -129,6 +131,8 @@ class Owner:
         self._lock = threading.Lock()
         self._receivers: dict[str, Receiver] = {}
         self.account = Account(name)
+        # observers whose copies are gone with some last window missing: name -> (settle by, copies)
+        self._unsettled: dict[str, tuple[float, frozenset[Any]]] = {}
         self._account_seen = (0, 0)
         self._receivers_started = False
         self._receivers_lock = threading.Lock()
@@ -260,7 +264,8 @@ class Owner:
     def flush(self, timeout: float | None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         self.barrier(deadline)
-        return self.delivery.flush(deadline) & self._account_clean()
+        settled = self.settle_gone(deadline)
+        return self.delivery.flush(deadline) & settled & self._account_clean()
 
     def _account_clean(self) -> bool:
         """Whether no copy nor window was counted lost since the previous check."""
@@ -274,6 +279,8 @@ class Owner:
         return self.delivery.step()
 
     def health(self) -> dict[str, int]:
+        if self._unsettled:
+            self.settle_gone(0.0)  # those whose windows came in or whose time is up
         return {**self.queue.counts(), **self.account.counts()}
 
     def add_close_callback(self, callback: Callable[[], Any]) -> None:
@@ -316,15 +323,13 @@ class Owner:
             self.account.expect(name, workers)
 
     def copies_gone(self, feeder: Any) -> None:
-        """Notes that ``feeder``'s copies are gone (removed, or their source shut down).
+        """Notes that ``feeder``'s copies are gone (removed, or their source shut down); never waits.
 
-        Brings in what the copies sent before they were gone, then settles
-        their account (:mod:`~rl_observers.channel.account`): a copy whose
-        last window did not come is reported and counted lost. It never waits
-        for a window that was not sent yet: the source already waited for its
-        live copies' last windows to be acknowledged, so one barrier through
-        the hops (bounded by ``LAST_WINDOWS_WAIT``) brings in every window
-        that is on its way, and only when one is missing after a plain read.
+        Reads what the receivers already hold; if every copy's last window is
+        in, their account is settled now (:mod:`~rl_observers.channel.account`).
+        Otherwise it is settled later, once the missing windows arrived or
+        ``LAST_WINDOWS_WAIT`` seconds have passed (see :meth:`settle_gone`):
+        a copy whose last window did not come is then reported and counted lost.
         """
         with self._lock:
             entry = self._feeders.get(id(feeder))
@@ -333,11 +338,42 @@ class Owner:
         name = getattr(feeder, "name", None)
         if not isinstance(name, str) or self.close_requested:
             return
-        deadline = time.monotonic() + LAST_WINDOWS_WAIT
-        self.poll_remote(deadline)
-        if self.account.waiting(name):
-            self.barrier(deadline)
-        self.account.settle(name)
+        self.poll_remote(time.monotonic() + LAST_WINDOWS_WAIT)
+        members = self.account.members(name)
+        if self.account.waiting(name, members):
+            with self._lock:
+                self._unsettled[name] = (time.monotonic() + LAST_WINDOWS_WAIT, members)
+            return
+        self.account.settle(name, members)
+
+    def settle_gone(self, deadline: float | None = None) -> bool:
+        """Settles the account of observers whose copies are gone; whether none is left unsettled.
+
+        Waits (polling the receivers) until every missing last window arrived,
+        each observer's ``LAST_WINDOWS_WAIT`` has passed since its copies were
+        gone, or ``deadline``, whichever comes first; with ``deadline=0`` it
+        only settles those whose windows are in or whose time is up.
+        """
+        while True:
+            with self._lock:
+                unsettled = dict(self._unsettled)
+            if not unsettled:
+                return True
+            now = time.monotonic()
+            for name, (until, members) in unsettled.items():
+                if now >= until or not self.account.waiting(name, members):
+                    with self._lock:
+                        if self._unsettled.get(name, (None, None))[1] is members:
+                            del self._unsettled[name]
+                    self.account.settle(name, members)
+            with self._lock:
+                left = [until for until, _ in self._unsettled.values()]
+            if not left:
+                return True
+            if deadline is not None and now >= deadline:
+                return False
+            time.sleep(0.05)
+            self.poll_remote(deadline)
 
     def _copies_still_attached(self) -> bool:
         """Warns, naming them, if producers' copies elsewhere still feed this channel."""
@@ -378,7 +414,10 @@ class Owner:
             # see it (a router may decide from it, e.g. which observers have copies elsewhere)
             self.poll_remote(time.monotonic() + 1.0)
             self._run_close_callbacks()
+            self.settle_gone(deadline)
             self._close_receivers(deadline)
+            with self._lock:
+                self._unsettled = {}
             self.account.settle()  # copies that never sent their last window are reported
             self.closed = True
             self.queue.close()
