@@ -9,8 +9,18 @@ their last window.
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+import textwrap
 
-from rl_observers import MetricsChannel
+import pytest
+import torch
+from torchrl.data import LazyTensorStorage, ReplayBuffer
+from torchrl.record import CSVLogger
+
+import rl_observers.channel.owner as owner_module
+import rl_observers.logging.contributions as contributions
+from rl_observers import Every, LoggerObserver, MetricsChannel
 from rl_observers.channel.meta import AGGREGATE, COUNTERS, LAST, WORKER
 from rl_observers.logging.aggregate import AggregateSpec
 from tests.helpers import RecordingLogger
@@ -47,3 +57,138 @@ def test_a_copy_without_its_last_window_is_reported_once_and_counted(caplog):
     vanished = [r.getMessage() for r in caplog.records if "vanished without their final report" in r.getMessage()]
     assert len(vanished) == 1
     assert "worker 0" in vanished[0] and "window 2" in vanished[0] and "'frames': 20" in vanished[0]
+
+
+class _Feeder:
+    """What the channel knows of an observer whose copies run elsewhere: its name."""
+
+    name = "copies"
+
+
+def test_a_copy_expected_and_never_heard_from_is_reported_and_counted(caplog):
+    channel = MetricsChannel(RecordingLogger(), health_interval=None)
+    handle = channel.handle(transport="socket")
+    feeder = _Feeder()
+    channel.copies_attached(feeder, "LoggerObserver 'copies' on a test source")
+    channel.copies_expected(feeder, [0, 1])
+    handle.submit_metrics({}, namespace="copies/worker_0", meta=_window(30, last=True))  # worker 0 ends
+    channel.copies_gone(feeder)
+    with caplog.at_level(logging.WARNING, logger="torchrl"):
+        assert not channel.flush(timeout=30)  # the loss is what this flush settles and reports
+    assert channel.health()["copies_lost"] == 1
+    vanished = [r.getMessage() for r in caplog.records if "vanished without their final report" in r.getMessage()]
+    assert len(vanished) == 1
+    assert "LoggerObserver 'copies' on a test source" in vanished[0]
+    assert "worker 1: never heard from" in vanished[0] and "worker 0" not in vanished[0]
+    assert channel.close(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_copies_gone_does_not_wait_for_a_window_that_is_not_sent_yet(monkeypatch):
+    # Unbounded patience for last windows: copies_gone returns all the same, before the copy's
+    # last window is even sent (a later step here); the flush that follows waits for it.
+    monkeypatch.setattr(owner_module, "LAST_WINDOWS_WAIT", 1e6)  # 11 days
+    channel = MetricsChannel(RecordingLogger(), health_interval=None)
+    handle = channel.handle(transport="socket")
+    feeder = _Feeder()
+    channel.copies_attached(feeder, "LoggerObserver 'copies'")
+    channel.copies_expected(feeder, [0])
+    handle.submit_metrics({"frames": 10.0}, namespace="copies/worker_0", meta=_window(10))
+    channel.copies_gone(feeder)  # returns: the last window is not there yet
+    assert channel.health()["copies_lost"] == 0  # not settled: it may still come
+    handle.submit_metrics({}, namespace="copies/worker_0", meta=_window(20, last=True))
+    assert channel.flush(timeout=30)  # it came: settled, nothing lost
+    assert channel.health()["copies_lost"] == channel.health()["windows_lost"] == 0
+    assert channel.close(timeout=10)
+
+
+def test_a_copy_gone_without_its_last_window_is_settled_by_the_next_flush():
+    channel = MetricsChannel(RecordingLogger(), health_interval=None)
+    handle = channel.handle(transport="socket")
+    feeder = _Feeder()
+    channel.copies_attached(feeder, "LoggerObserver 'copies'")
+    handle.submit_metrics({"frames": 10.0}, namespace="copies/worker_0", meta=_window(10))  # no last one
+    channel.copies_gone(feeder)
+    assert not channel.flush(timeout=30)  # waits LAST_WINDOWS_WAIT at most, then counts it
+    assert channel.health()["copies_lost"] == 1
+    assert channel.close(timeout=10)
+
+
+def test_the_channels_health_rows_carry_the_account(tmp_path):
+    logger = CSVLogger(exp_name="health", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger, health_interval=0.0, background=False)
+    handle = channel.handle(transport="socket")
+    feeder = _Feeder()
+    channel.copies_attached(feeder, "LoggerObserver 'copies'")
+    channel.copies_expected(feeder, [0, 1])
+    handle.submit_metrics({"frames": 10.0}, namespace="copies/worker_0", meta=_window(10))
+    channel.step()
+    channel.copies_gone(feeder)  # worker 0 never sent its last window, worker 1 nothing
+    assert not channel.flush(timeout=30)
+    channel.step()
+    scalars = logger.experiment.scalars
+    assert scalars["channel/copies_lost"][-1][1] == 2
+    assert scalars["channel/windows_lost"][-1][1] == 0
+    channel.close()
+
+
+_EXIT_AFTER_CLOSE = textwrap.dedent(
+    """
+    import sys
+
+    from torchrl.collectors import MultiSyncCollector
+    from torchrl.envs.utils import RandomPolicy
+    from torchrl.record import CSVLogger
+    from torchrl.testing.mocking_classes import CountingEnv
+
+    from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel
+
+    if __name__ == "__main__":
+        channel = MetricsChannel(CSVLogger(exp_name="exit", log_dir=sys.argv[1]), health_interval=None)
+        env = CountingEnv(max_steps=7)
+        collector = MultiSyncCollector(
+            [CountingEnv, CountingEnv], RandomPolicy(env.action_spec), frames_per_batch=100, total_frames=400
+        )
+        collector.add_observer(
+            LoggerObserver(channel, schedule=Every.counter("frames", 200), metrics=CollectorBatchMetrics())
+        )
+        for _ in collector:
+            pass
+        collector.shutdown()
+        print("closed", channel.close(timeout=20), channel.health()["dropped"], flush=True)
+        # the driver-side original is still alive here, and the interpreter exits
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_exit_after_shutdown_and_close_says_nothing(tmp_path):
+    script = tmp_path / "exit_after_close.py"
+    script.write_text(_EXIT_AFTER_CLOSE)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "closed True 0" in done.stdout, done.stdout + done.stderr
+    assert "after close()" not in done.stdout + done.stderr  # no end marker sent into the closed channel
+    assert "Logging error" not in done.stderr
+
+
+def test_a_window_undeliverable_at_exit_is_still_counted():
+    # An original that folded data since its last report (a driver writing into a buffer whose
+    # copies run elsewhere) and whose channel is closed: at exit its window is counted dropped.
+    channel = MetricsChannel(RecordingLogger(), health_interval=None)
+    rb = ReplayBuffer(storage=LazyTensorStorage(100))
+    holding = LoggerObserver(channel, name="holding", schedule=Every.counter("write_count", 1000), report_interval=1e6)
+    idle = LoggerObserver(channel, name="idle", schedule=Every.counter("write_count", 1000), report_interval=1e6)
+    rb.add_observer(holding)
+    holding.prepare_copies(rb)  # what a source whose copies run elsewhere does on the driver
+    other = ReplayBuffer(storage=LazyTensorStorage(100))
+    other.add_observer(idle)
+    idle.prepare_copies(other)
+    channel.copies_gone(holding)
+    channel.copies_gone(idle)
+    assert channel.close(timeout=10)
+    rb.extend(torch.arange(10))  # folded after the close, not due yet
+    before = channel.health()["dropped"]
+    contributions._report_at_exit()
+    assert channel.health()["dropped"] == before + 1  # the holding one; the idle one sent nothing

@@ -393,6 +393,7 @@ CHANNEL_LOGGING_SIDE = frozenset(
         "add_close_callback",
         "add_router",
         "copies_attached",
+        "copies_expected",
         "copies_gone",
         "has_pending",
         "receive",

@@ -25,8 +25,15 @@ channel closing), each copy is settled:
   What it reported stays in the aggregate; what it collected after its last
   report is what was lost.
 
+A copy may also die before its first window ever reached the owner (its
+worker SIGKILLed at once, its actor killed while the relay was not running
+yet). So that it is not invisible, the original tells the owner, once its
+copies are attached, which workers it has copies in (:meth:`Account.expect`);
+a copy expected and never heard from by the time it is settled is reported
+and counted in ``copies_lost`` like one that vanished later.
+
 So ``health()["copies_lost"] == health()["windows_lost"] == 0`` means every
-copy that ever reported was heard to its end.
+copy that was attached, or that ever reported, was heard to its end.
 
 Examples:
     >>> from rl_observers.channel.account import Account
@@ -39,6 +46,13 @@ Examples:
     >>> account.settle("train")  # warns: window 2 never arrived
     >>> account.counts()
     {'copies_lost': 0, 'windows_lost': 1}
+    >>> account.expect("train", [0, 1])  # copies attached in workers 0 and 1
+    >>> _ = account.note({**window, "copy": "h/pid 2", "seq": 1, "last": True, "counters": {}})
+    >>> account.waiting("train")  # worker 1 never sent anything
+    ['worker 1 (never heard from)']
+    >>> account.settle("train")  # warns: worker 1's copy vanished
+    >>> account.counts()
+    {'copies_lost': 1, 'windows_lost': 1}
 """
 
 from __future__ import annotations
@@ -83,6 +97,8 @@ class Account:
         self._copies: dict[tuple[str, Any, str], _Copy] = {}
         self._sources: dict[str, str] = {}  # observer name -> its source, in words
         self._settled: set[tuple[str, Any, str]] = set()  # copies whose account is closed
+        # copies attached and not heard from yet: (observer name, worker) -> where, in words
+        self._expected: dict[tuple[str, Any], str] = {}
         self.copies_lost = 0
         self.windows_lost = 0
 
@@ -90,6 +106,19 @@ class Account:
         """Names the source of the observer ``name`` in warnings (``description``)."""
         with self._lock:
             self._sources[name] = description
+
+    def expect(self, name: str, workers: Any, where: str = "never heard from") -> None:
+        """Notes that copies of the observer ``name`` were attached in ``workers``.
+
+        Each is expected to send windows under its worker (``meta["worker"]``);
+        one never heard from when it is settled is reported and counted lost.
+        ``where`` says where it runs, for that warning.
+        """
+        with self._lock:
+            for worker in workers:
+                key = (name, _hashable(worker))
+                if not any(k[0] == name and k[1] == key[1] for k in self._copies):
+                    self._expected[key] = where
 
     def note(self, meta: Mapping[str, Any]) -> Mapping[str, Any]:
         """Notes one window received by the owner; returns the ``meta`` to deliver it with.
@@ -106,6 +135,8 @@ class Account:
         with self._lock:
             copy = self._copies.get(key)
             if copy is None:
+                if self._expected:  # an attached copy's first window: it is heard from
+                    self._expected.pop(key[:2], None)
                 if key in self._settled:  # a window sent after its account closed (at exit)
                     return meta
                 copy = self._copies[key] = _Copy(meta.get(WORKER), str(meta.get(COPY)))
@@ -123,33 +154,66 @@ class Account:
                 return meta
             return {**meta, COUNTERS: copy.counters}
 
-    def waiting(self, name: str) -> list[str]:
-        """The copies of the observer ``name`` whose last window (or an earlier one) has not arrived."""
+    def members(self, name: str) -> frozenset[tuple[Any, ...]]:
+        """The copies of the observer ``name`` known now: those heard from and those expected."""
+        with self._lock:
+            return frozenset(
+                [key for key in self._copies if key[0] == name] + [key for key in self._expected if key[0] == name]
+            )
+
+    def waiting(self, name: str, members: frozenset[tuple[Any, ...]] | None = None) -> list[str]:
+        """The copies of the observer ``name`` whose last window (or an earlier one) has not arrived.
+
+        With ``members`` (from :meth:`members`), only those copies: a copy heard
+        from first since, under the same name, belongs to a later attach.
+        """
         with self._lock:
             return [
                 f"worker {c.worker} ({c.where})"
-                for (n, _, _), c in self._copies.items()
-                if n == name and (not c.last or c.received < c.sent)
+                for key, c in self._copies.items()
+                if key[0] == name
+                and (members is None or key in members or key[:2] in members)
+                and (not c.last or c.received < c.sent)
+            ] + [
+                f"worker {key[1]} ({where})"
+                for key, where in self._expected.items()
+                if key[0] == name and (members is None or key in members)
             ]
 
-    def settle(self, name: str | None = None) -> None:
+    def settle(self, name: str | None = None, members: frozenset[tuple[Any, ...]] | None = None) -> None:
         """Closes the account of the observer ``name`` (every observer's with ``None``).
 
         Copies whose last window arrived count the windows they numbered and
         the owner never received; copies whose last window never came are
         reported (one warning per observer) and counted lost. Their entries
-        are forgotten: the name may be used again.
+        are forgotten: the name may be used again. With ``members`` (from
+        :meth:`members`), only those copies are settled (and an expected one
+        heard from first since then).
         """
+
+        def chosen(key: tuple[Any, ...]) -> bool:
+            if name is not None and key[0] != name:
+                return False
+            return members is None or key in members or key[:2] in members
+
         with self._lock:
-            done = [key for key in self._copies if name is None or key[0] == name]
+            done = [key for key in self._copies if chosen(key)]
             copies = [(key, self._copies.pop(key)) for key in done]
             self._settled.update(done)
+            unheard = [key for key in self._expected if chosen(key)]
+            for key in unheard:
+                del self._expected[key]
+            self.copies_lost += len(unheard)
             sources = dict(self._sources)
             if name is None:
                 self._sources.clear()
-            else:
+            elif members is None or not any(key[0] == name for key in (*self._copies, *self._expected)):
                 self._sources.pop(name, None)
         vanished: dict[str, list[str]] = {}
+        for observer, worker in unheard:
+            vanished.setdefault(observer, []).append(
+                f"worker {worker}: never heard from (it died, or its windows were lost, before its first one arrived)"
+            )
         gaps: list[str] = []
         for (observer, _, _), copy in copies:
             missing = max(copy.sent - copy.received, 0)

@@ -123,6 +123,9 @@ class Delivery:
         log_health (bool): report health at every interval (``True``) or only once
             something is wrong (``False``: see :func:`health_problem`).
         poll (Callable): ``poll(deadline)`` hands over what other processes sent.
+        counts (Callable, optional): the health counters to log (the channel's
+            ``health()``: the queue's and the end-to-end account's). Defaults
+            to the queue's counters.
     """
 
     def __init__(
@@ -136,6 +139,7 @@ class Delivery:
         health_interval: float | None,
         poll: Callable[[float | None], None],
         log_health: bool = False,
+        counts: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         log_metrics = getattr(logger, "log_metrics", None)
         self.logger = logger
@@ -156,8 +160,9 @@ class Delivery:
         self._failing = False
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
+        self._counts = queue.counts if counts is None else counts
         self._health_time = time.monotonic()
-        self._health_counts = queue.counts()
+        self._health_counts = self._counts()
         self._health_step = 0
         # health report when the thread stops: "always" (close) or "changed" (exit)
         self.final_health = "always"
@@ -356,7 +361,7 @@ class Delivery:
         now = time.monotonic()
         if when == "due" and now - self._health_time < self._health_interval:
             return
-        counts = self.queue.counts()
+        counts = self._counts()
         if when != "always" and counts == self._health_counts:
             return
         if not self._log_health_always and not health_problem(counts, self.queue.capacity):

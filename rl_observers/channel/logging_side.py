@@ -109,6 +109,17 @@ class LoggingSide:
         if note is not None:
             note(feeder, description)
 
+    def copies_expected(self, feeder: Any, workers: Any) -> None:
+        """Notes the workers ``feeder``'s copies were attached in (each ``meta["worker"]``): each must report.
+
+        A copy expected here and never heard from when its observer's copies
+        are gone (its worker killed before its first window arrived) is
+        reported and counted in ``health()["copies_lost"]``.
+        """
+        note = getattr(self._state, "copies_expected", None)
+        if note is not None:
+            note(feeder, workers)
+
     def copies_gone(self, feeder: Any) -> None:
         """Notes that ``feeder``'s copies are gone (removed, or their source shut down)."""
         note = getattr(self._state, "copies_gone", None)

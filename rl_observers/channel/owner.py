@@ -38,9 +38,13 @@ from rl_observers.observer import check_on_error
 
 __all__ = ["LAST_WINDOWS_WAIT", "Forwarder", "Owner", "check_alive"]
 
-#: Seconds the owner waits, once an observer's copies are gone, for their last windows to arrive.
-#: A source's shutdown already waited for its live copies' last windows to be acknowledged, so
-#: only a copy that vanished (or whose acknowledgement timed out) makes the owner wait this long.
+#: Seconds an observer's copies, once gone, have for their last windows to reach the owner before
+#: the missing ones are counted lost. A source's shutdown (or the removal) already waited for its
+#: live copies' last windows to be acknowledged, so they are on their way; on a busy node the last
+#: hops (relay, ingest) may still take a moment. :meth:`Owner.copies_gone` never waits for them:
+#: the account of those copies is settled by the next ``flush`` (which waits, within its own
+#: timeout, until this much time has passed since the copies were gone), by ``health()`` or by the
+#: channel's health report once it has passed, or by ``close``.
 LAST_WINDOWS_WAIT = 3.0
 
 
@@ -124,6 +128,8 @@ class Owner:
         self._lock = threading.Lock()
         self._receivers: dict[str, Receiver] = {}
         self.account = Account(name)
+        # observers whose copies are gone with some last window missing: name -> (settle by, copies)
+        self._unsettled: dict[str, tuple[float, frozenset[Any]]] = {}
         self._account_seen = (0, 0)
         self._receivers_started = False
         self._receivers_lock = threading.Lock()
@@ -136,6 +142,7 @@ class Owner:
             health_interval=health_interval,
             poll=self.poll_remote,
             log_health=bool(log_health),
+            counts=self.health,
         )
 
     # ------------------------------------------------------------------ submit
@@ -254,7 +261,8 @@ class Owner:
     def flush(self, timeout: float | None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         self.barrier(deadline)
-        return self.delivery.flush(deadline) & self._account_clean()
+        settled = self.settle_gone(deadline)
+        return self.delivery.flush(deadline) & settled & self._account_clean()
 
     def _account_clean(self) -> bool:
         """Whether no copy nor window was counted lost since the previous check."""
@@ -268,6 +276,8 @@ class Owner:
         return self.delivery.step()
 
     def health(self) -> dict[str, int]:
+        if self._unsettled:
+            self.settle_gone(0.0)  # those whose windows came in or whose time is up
         return {**self.queue.counts(), **self.account.counts()}
 
     def add_close_callback(self, callback: Callable[[], Any]) -> None:
@@ -299,13 +309,24 @@ class Owner:
         if isinstance(name, str):  # the name its copies' windows carry (meta["aggregate"])
             self.account.describe(name, description)
 
-    def copies_gone(self, feeder: Any) -> None:
-        """Notes that ``feeder``'s copies are gone (removed, or their source shut down).
+    def copies_expected(self, feeder: Any, workers: Any) -> None:
+        """Notes the workers ``feeder``'s copies were attached in: each one is expected to report.
 
-        Waits (at most ``LAST_WINDOWS_WAIT`` seconds, only while some are
-        missing) for the last windows of the copies that reported, then
-        settles their account (:mod:`~rl_observers.channel.account`): a copy
-        whose last window never came is reported and counted lost.
+        A copy never heard from when its observer's account is settled is
+        reported and counted lost (:meth:`~.account.Account.expect`).
+        """
+        name = getattr(feeder, "name", None)
+        if isinstance(name, str) and not self.close_requested:
+            self.account.expect(name, workers)
+
+    def copies_gone(self, feeder: Any) -> None:
+        """Notes that ``feeder``'s copies are gone (removed, or their source shut down); never waits.
+
+        Reads what the receivers already hold; if every copy's last window is
+        in, their account is settled now (:mod:`~rl_observers.channel.account`).
+        Otherwise it is settled later, once the missing windows arrived or
+        ``LAST_WINDOWS_WAIT`` seconds have passed (see :meth:`settle_gone`):
+        a copy whose last window did not come is then reported and counted lost.
         """
         with self._lock:
             entry = self._feeders.get(id(feeder))
@@ -314,14 +335,42 @@ class Owner:
         name = getattr(feeder, "name", None)
         if not isinstance(name, str) or self.close_requested:
             return
-        deadline = time.monotonic() + LAST_WINDOWS_WAIT
-        self.poll_remote(deadline)
-        if self.account.waiting(name):
-            self.barrier(deadline)
-            while self.account.waiting(name) and time.monotonic() < deadline:
-                time.sleep(0.05)
-                self.poll_remote(deadline)
-        self.account.settle(name)
+        self.poll_remote(time.monotonic() + LAST_WINDOWS_WAIT)
+        members = self.account.members(name)
+        if self.account.waiting(name, members):
+            with self._lock:
+                self._unsettled[name] = (time.monotonic() + LAST_WINDOWS_WAIT, members)
+            return
+        self.account.settle(name, members)
+
+    def settle_gone(self, deadline: float | None = None) -> bool:
+        """Settles the account of observers whose copies are gone; whether none is left unsettled.
+
+        Waits (polling the receivers) until every missing last window arrived,
+        each observer's ``LAST_WINDOWS_WAIT`` has passed since its copies were
+        gone, or ``deadline``, whichever comes first; with ``deadline=0`` it
+        only settles those whose windows are in or whose time is up.
+        """
+        while True:
+            with self._lock:
+                unsettled = dict(self._unsettled)
+            if not unsettled:
+                return True
+            now = time.monotonic()
+            for name, (until, members) in unsettled.items():
+                if now >= until or not self.account.waiting(name, members):
+                    with self._lock:
+                        if self._unsettled.get(name, (None, None))[1] is members:
+                            del self._unsettled[name]
+                    self.account.settle(name, members)
+            with self._lock:
+                left = [until for until, _ in self._unsettled.values()]
+            if not left:
+                return True
+            if deadline is not None and now >= deadline:
+                return False
+            time.sleep(0.05)
+            self.poll_remote(deadline)
 
     def _copies_still_attached(self) -> bool:
         """Warns, naming them, if producers' copies elsewhere still feed this channel."""
@@ -362,7 +411,10 @@ class Owner:
             # see it (a router may decide from it, e.g. which observers have copies elsewhere)
             self.poll_remote(time.monotonic() + 1.0)
             self._run_close_callbacks()
+            self.settle_gone(deadline)
             self._close_receivers(deadline)
+            with self._lock:
+                self._unsettled = {}
             self.account.settle()  # copies that never sent their last window are reported
             self.closed = True
             self.queue.close()

@@ -25,7 +25,7 @@ from rl_observers.channel.meta import AGGREGATE, COUNTERS, PROCESS, WORKER
 from rl_observers.logging.aggregate import AggregateSpec
 from rl_observers.sources.placement import process_token, source_info
 
-__all__ = ["LIVE", "Contribution"]
+__all__ = ["LIVE", "Contribution", "copy_worker", "mode_at_end", "resolve_mode"]
 
 # Every LoggerObserver of this process: a forked child resolves their mode again.
 LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -50,9 +50,20 @@ def _report_at_exit() -> None:
     Sent whatever ``log_on_close`` says: the owner's aggregate applies it
     (a trailing partial window is dropped there), but rows that the final
     counters make due must be logged.
+
+    An original whose channel lives in this process and is closed already
+    (its source shut down, then ``close()``) is skipped when it holds
+    nothing new: its last window would only be the end marker, which the
+    closed channel would drop with a warning, and at exit that warning may
+    meet a closed ``stderr``. One that folded something since its last
+    report still submits it, so the closed channel counts it in
+    ``health()["dropped"]``. A copy always sends: its sender counts what
+    it cannot deliver.
     """
     for observer in list(LIVE):
-        if observer._mode == "contribute":
+        if mode_at_end(observer) == "contribute":
+            if not observer._fresh and _closed_here(observer):
+                continue
             try:
                 # always: the owner needs the final counters to log the rows they made due;
                 # its aggregate drops a trailing partial window itself unless log_on_close
@@ -60,6 +71,34 @@ def _report_at_exit() -> None:
                 observer._sink.flush(timeout=2.0)
             except Exception:  # the process is going away; never fail its exit
                 pass
+
+
+def resolve_mode(observer: Any, source: Any) -> None:
+    """Fixes the observer's mode for this process: local, or contributing (see ``Contribution``)."""
+    observer._mode, sets = observer._contribution.resolve(source, has_copies=observer._copies_elsewhere)
+    if sets is not None:
+        observer._sets = sets
+        observer._wire()
+
+
+def mode_at_end(observer: Any) -> str | None:
+    """The observer's mode when its source ends; a copy that never saw an event resolves it now.
+
+    The owner expects every copy attached (:func:`~rl_observers.logging.copies.placed`) to report its
+    end, so an idle copy still sends its final window instead of being
+    counted lost.
+    """
+    if observer._mode is None and observer._contribution.moved():
+        source = observer._source() if observer._source is not None else None
+        if source is not None:
+            resolve_mode(observer, source)
+    return observer._mode
+
+
+def _closed_here(observer: Any) -> bool:
+    """Whether ``observer`` submits to a channel of this process that is closed."""
+    channel = observer._channel()
+    return channel is not None and channel.closed and observer._sink.transport == "local"
 
 
 def _report_contributors_at_exit() -> None:
@@ -70,6 +109,11 @@ def _report_contributors_at_exit() -> None:
         multiprocessing.util.Finalize(None, _report_at_exit, exitpriority=100)
         atexit.register(_report_at_exit)
 
+
+
+def copy_worker(worker: int | None) -> Any:
+    """The ``meta["worker"]`` a copy placed as ``worker`` sends under (``None``, not a worker: 0)."""
+    return worker if worker is not None else 0
 
 
 class Contribution:
@@ -90,6 +134,10 @@ class Contribution:
         self.worker: Any = None
         self.last_report = 0.0
         self.last_report_counter = 0.0
+
+    def moved(self) -> bool:
+        """Whether this runs in another process than the observer was created in (it is a copy)."""
+        return os.getpid() != self.home_pid
 
     def resolve(self, source: Any, *, has_copies: bool) -> tuple[str, tuple[Any, ...] | None]:
         """``("local" | "contribute", fresh metric sets or None)`` for the process this runs in.
@@ -112,7 +160,7 @@ class Contribution:
                 metric_set.bind(source)
             self.home_pid = os.getpid()
         if moved or info.remote:
-            self.worker = info.worker if info.worker is not None else 0
+            self.worker = copy_worker(info.worker)
         else:
             self.worker = "main"
         self.last_report = time.monotonic()

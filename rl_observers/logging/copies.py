@@ -17,10 +17,19 @@ from typing import Any
 
 from rl_observers.channel.meta import BASE, COUNTERS, LAST
 from rl_observers.logging.aggregate import AggregateSpec, finish_aggregate
+from rl_observers.logging.contributions import copy_worker
 from rl_observers.observer import dumps
 from rl_observers.sources import observers_of
 
-__all__ = ["LAST_WINDOW_TIMEOUT", "contribute", "finish", "pickled", "prepare", "state_to_travel"]
+__all__ = [
+    "LAST_WINDOW_TIMEOUT",
+    "contribute",
+    "finish",
+    "pickled",
+    "placed",
+    "prepare",
+    "state_to_travel",
+]
 
 #: Seconds a copy waits at its source's shutdown for its last window to be acknowledged by the
 #: owner's ingest (a relay or ingest actor still starting on a busy node takes seconds); within
@@ -90,6 +99,17 @@ def finish(observer: Any) -> None:
             finish_aggregate(channel, observer.name)
     finally:
         observer._namespace.release(observer.name, observer)
+
+
+def placed(observer: Any, workers: Any) -> None:
+    """The original's copies are attached in ``workers``: the owner expects each to report.
+
+    A copy never heard from (its worker killed before its first window
+    arrived) is then counted lost instead of being invisible.
+    """
+    channel = observer._channel()
+    if channel is not None:
+        channel._logging.copies_expected(observer, [copy_worker(w) for w in workers])
 
 
 def contribute(observer: Any, final: bool = False) -> None:

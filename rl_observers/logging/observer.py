@@ -23,7 +23,7 @@ from rl_observers.channel import MetricsChannel
 from rl_observers.logging import copies, wiring
 from rl_observers.logging import state as _state
 from rl_observers.logging.arguments import check_arguments
-from rl_observers.logging.contributions import LIVE, Contribution
+from rl_observers.logging.contributions import LIVE, Contribution, mode_at_end, resolve_mode
 from rl_observers.logging.defaults import DEFAULT_NAMES, as_metric_sets, as_sink, target_kind
 from rl_observers.logging.failures import metric_set_warning
 from rl_observers.logging.namespaces import Namespace
@@ -205,6 +205,10 @@ class LoggerObserver(Observer):
         """Called on the original before copies start where ``target``'s data is (see :mod:`~.copies`)."""
         copies.prepare(self, target)
 
+    def copies_placed(self, target: Any, workers: tuple[int | None, ...]) -> None:
+        """Called on the original once its copies are attached in ``workers`` of ``target``."""
+        copies.placed(self, workers)
+
     def copies_removed(self, target: Any) -> None:
         """Called on the original once its copies are gone: logs the last aggregate windows."""
         copies.finish(self)
@@ -250,10 +254,7 @@ class LoggerObserver(Observer):
     def _first_event(self, source: Any) -> dict[str, float] | None:
         """Fixes the mode for this process (:class:`Contribution`); returns the counters to
         line up with the source's after the fold (a local observer, once attached or loaded)."""
-        self._mode, sets = self._contribution.resolve(source, has_copies=self._copies_elsewhere)
-        if sets is not None:
-            self._sets = sets
-            self._wire()
+        resolve_mode(self, source)
         return self._counters() if _state.take_alignment(self, source) else None
 
     def _set_failed(self, index: int, error: Exception, where: str) -> None:
@@ -302,7 +303,7 @@ class LoggerObserver(Observer):
                 self._emit(self._counters())
 
     def on_shutdown(self, source: Any) -> None:
-        contributing = self._mode == "contribute"
+        contributing = mode_at_end(self) == "contribute"
         try:
             self._last_window()
         finally:
@@ -312,7 +313,7 @@ class LoggerObserver(Observer):
     def _last_window(self) -> None:
         """The last window: a contributor's always (its final counters may make rows due at the
         owner, whose aggregate applies ``log_on_close``), acknowledged before the process may end."""
-        if self._mode == "contribute":
+        if mode_at_end(self) == "contribute":
             self._close_window(final=True)
             self._sink.flush(timeout=copies.LAST_WINDOW_TIMEOUT)
         elif self.log_on_close:

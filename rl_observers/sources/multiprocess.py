@@ -240,6 +240,9 @@ class MultiprocessCollectorKind(RemoteKind):
             )
         raise_first_error(target, answers, "attaching an observer to")
 
+    def copy_workers(self, target: Any) -> tuple[int | None, ...]:
+        return tuple(range(target.num_workers))
+
     def detach_remote(self, target: Any, token: int) -> None:
         """Detaches the copies from the live workers; a dead worker is warned about, once."""
         answers, dead = call_workers(target, dict.fromkeys(range(target.num_workers), (detach_here, token)))

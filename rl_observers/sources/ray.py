@@ -161,6 +161,9 @@ class RayCollectorKind(RemoteKind):
                 _gather([a.__ray_call__.remote(detach_here, token) for a in actors], "undoing", target)
             raise
 
+    def copy_workers(self, target: Any) -> tuple[int | None, ...]:
+        return tuple(range(len(target.remote_collectors)))
+
     def attach_to_new(self, target: Any, first: int, entries: tuple[tuple[Any, str, int], ...]) -> None:
         """Gives the actors from index ``first`` on every attached observer, in order.
 
@@ -193,6 +196,10 @@ class RayCollectorKind(RemoteKind):
             raise RemoteAttachError(
                 f"{error} The {len(new)} collectors being added were stopped and not added."
             ) from None
+        for observer, _, _ in entries:
+            placed = getattr(observer, "copies_placed", None)
+            if callable(placed):
+                placed(target, tuple(range(first, n)))
 
     def detach_remote(self, target: Any, token: int) -> None:
         actors = list(target.remote_collectors)
@@ -226,6 +233,9 @@ class RayReplayBufferKind(RemoteKind):
     def attach_remote(self, target: Any, payload: bytes, on_error: str, token: int) -> None:
         ref = target._rb.__ray_call__.remote(_attach_in_actor, payload, on_error, token, None, None, ACTOR)
         _gather([ref], "attaching an observer to", target)
+
+    def copy_workers(self, target: Any) -> tuple[int | None, ...]:
+        return (None,)
 
     def detach_remote(self, target: Any, token: int) -> None:
         ref = target._rb.__ray_call__.remote(_detach_and_drain, token)

@@ -202,6 +202,9 @@ class RemoteKind:
             state.entries = (*state.entries, attached)
             if len(state.entries) == 1:
                 self.first_added(target)
+            placed = getattr(observer, "copies_placed", None)
+            if callable(placed):  # the workers whose copies the observer's owner should hear from
+                placed(target, self.copy_workers(target))
 
     def remove(self, target: Any, observer: Any) -> None:
         state = _REMOTE.get(target)
@@ -288,6 +291,13 @@ class RemoteKind:
 
     def attach_remote(self, target: Any, payload: bytes, on_error: str, token: int) -> None:
         raise NotImplementedError
+
+    def copy_workers(self, target: Any) -> tuple[int | None, ...]:
+        """The worker index each copy was placed with (``None``: a source that is not a worker).
+
+        Told to the original (``copies_placed``) once its copies are attached.
+        """
+        return ()
 
     def detach_remote(self, target: Any, token: int) -> None:
         raise NotImplementedError

@@ -80,11 +80,33 @@ def test_a_worker_killed_while_the_collector_is_iterated(tmp_path, cls):
     assert set(lines_of(log, "rec", "post_collect")) == {0, 1}  # both collected before the kill
     # torchrl terminated the survivor too: both copies vanished without their final report,
     # which the account counts (and this flush reports); what they sent is logged
+    assert not channel.flush(timeout=30)  # settles the account of the copies that are gone
     assert channel.health()["copies_lost"] >= 1
-    assert not channel.flush(timeout=30)
     assert frames_logged(logger) and max(frames_logged(logger)) > 0  # what was sent is logged
     channel.submit_metrics({"after": 1.0})  # the channel is unaffected
     assert channel.flush(timeout=10) and logger.series("after") == [(None, 1.0)]
+    assert channel.close(timeout=10)
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_killed_before_its_first_window_is_counted(told):
+    # The copy in worker 0 dies before it sent anything: the owner was told at attach which
+    # workers have copies, so it is not invisible; worker 1's copy reports to its end.
+    logger = RecordingLogger()
+    channel = MetricsChannel(logger, health_interval=None)
+    collector = make_multi(MultiSyncCollector, "fork", frames_per_batch=20, total_frames=20_000)
+    try:
+        collector.add_observer(LoggerObserver(channel, metrics=CollectorBatchMetrics(), name="workers"))
+        os.kill(collector.procs[0].pid, signal.SIGKILL)
+        assert wait_for(lambda: not collector.procs[0].is_alive(), timeout=10)
+    finally:
+        collector.shutdown()
+    assert not channel.flush(timeout=30)  # the loss is what this flush settles and reports
+    assert channel.health()["copies_lost"] == 1
+    vanished = [m for m in told if "vanished without their final report" in m]
+    assert len(vanished) == 1 and "LoggerObserver 'workers' on a MultiSyncCollector" in vanished[0]
+    assert "worker 0: never heard from" in vanished[0] and "worker 1" not in vanished[0]
+    assert channel.flush(timeout=10)
     assert channel.close(timeout=10)
 
 
@@ -141,11 +163,11 @@ def test_a_worker_killed_while_the_collector_runs_free(tmp_path, monkeypatch, to
     assert lines_of(log, "rec", "shutdown") == {1: 1}  # the survivor closed its window
     # the end-to-end account: the dead worker's copy is reported once and counted; what it
     # had reported stays in the aggregate
+    assert not channel.flush(timeout=10)  # the loss is what this flush settles and reports
     assert channel.health()["copies_lost"] == 1
     vanished = [m for m in told if "vanished without their final report" in m]
     assert len(vanished) == 1 and "1 copies of LoggerObserver 'workers'" in vanished[0]
     assert "worker 0 (" in vanished[0] and "'frames'" in vanished[0] and "worker 1" not in vanished[0]
-    assert not channel.flush(timeout=10)  # the loss is what this flush reports
     assert frames_logged(logger)[-1] > at_kill + 200
     assert channel.flush(timeout=10)  # nothing more was lost since
     assert channel.close(timeout=10)
@@ -253,11 +275,11 @@ def test_a_killed_ray_collector_actor(ray_cluster, tmp_path, told):
     assert set(lines_of(log, "rec", "post_collect")) == {0, 1}
     # the killed actor's copy vanished without its final report: reported once, counted, and
     # what this flush reports; what it had reported stays in the aggregate
+    assert not channel.flush(timeout=30)  # settles the account of the copies that are gone
     assert channel.health()["copies_lost"] == 1
     vanished = [m for m in told if "vanished without their final report" in m]
     assert len(vanished) == 1 and "1 copies of LoggerObserver 'workers' on a RayCollector" in vanished[0]
     assert "worker 0 (" in vanished[0] and "/node " in vanished[0] and "'frames'" in vanished[0]
-    assert not channel.flush(timeout=30)
     assert frames_logged(logger) and max(frames_logged(logger)) > 0
     assert len([m for m in told if "could not emit 'shutdown'" in m]) <= 1
     assert channel.flush(timeout=10)
