@@ -265,9 +265,7 @@ def test_cartpole_slow_logger(benchmark, tmp_path):
             for kind in ("bare", "observer", "hook")
         }
         timings, ratios = measured_twice_if_missed(
-            lambda: paired_compare(
-                _next_batches(batches), calls=1, blocks=_blocks(benchmark, 7, 5), warmup=1
-            ),
+            lambda: paired_compare(_next_batches(batches), calls=1, blocks=7, warmup=1),
             TYPICAL_SLOW_BUDGET,
         )
         _report(benchmark, "cartpole_transforms_slow", timings, ratios)
