@@ -90,7 +90,7 @@ def _ratio(kind, rounds, workers, tmp_path):
         ("Collector", "fork"),
         ("MultiSyncCollector", "fork"),
         ("MultiAsyncCollector", "fork"),
-        ("MultiAsyncCollector", "spawn"),
+        pytest.param("MultiAsyncCollector", "spawn", marks=pytest.mark.bench_only),
     ],
 )
 def test_time_to_first_write_ratio(benchmark, tmp_path, kind, method):

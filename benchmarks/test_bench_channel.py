@@ -127,6 +127,7 @@ def test_memory_stays_flat_over_a_million_submits(hung_channel):
     assert growth < RSS_GROWTH_BUDGET, f"RSS grew by {growth / 2**20:.1f} MiB"
 
 
+@pytest.mark.bench_only
 def test_bench_submit_metrics_hung_sink(hung_channel, benchmark):
     """pytest-benchmark's view of one submit, once the queue is full."""
     payload = _payload(1)

@@ -219,6 +219,7 @@ def test_owner_ingest_with_and_without_per_node_premerge(ray_and_transport, requ
         assert merged["per_second"] >= min(CONTRIBUTIONS_BUDGET, 0.9 * offered), merged
 
 
+@pytest.mark.bench_only
 def test_send_p99_on_the_ray_path(ray_and_transport, request):
     """A worker's ``send`` on the Ray path: p50/p99 over bursts, the sending thread running."""
     ray, transport = ray_and_transport

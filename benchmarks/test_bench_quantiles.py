@@ -95,7 +95,10 @@ def _collector(stack, make_env, metrics, logger):
 
 @pytest.mark.parametrize(
     ("env_name", "budget", "calls", "blocks"),
-    [("cartpole_transforms", 0.97, 1, 13), ("counting_100", 0.90, 20, 21)],
+    [
+        pytest.param("cartpole_transforms", 0.97, 1, 13, marks=pytest.mark.bench_only),
+        ("counting_100", 0.90, 20, 21),
+    ],
 )
 @pytest.mark.timeout(300)
 def test_collector_budget_holds_with_episode_quantiles(benchmark, tmp_path, env_name, budget, calls, blocks):
@@ -120,6 +123,8 @@ def test_collector_budget_holds_with_episode_quantiles(benchmark, tmp_path, env_
             ),
         }
         flush = {kind: MetricsChannel.for_logger(logger).flush for kind, logger in loggers.items()}
+        if benchmark.disabled:  # make test: fewer blocks
+            blocks = 11
         timings, ratios = measured_twice_if_missed(
             lambda: paired_compare(candidates, calls=calls, blocks=blocks, warmup=1, block_end=flush),
             budget,

@@ -26,7 +26,8 @@ less than the wall clock; the wall-clock ratio is reported next to it. A
 budget missed once is measured once more and the better run counts.
 
 ``make bench`` asserts the budget and prints the numbers (``-s``). ``make
-test`` (``--benchmark-disable``) asserts a regression floor of 0.97: on this
+test`` (``--benchmark-disable``) runs 4 rounds instead of 8 and asserts a
+regression floor of 0.96 (0.97 with 8 rounds before): on this
 2-core machine single runs of the budget move by about a hundredth (0.989 to
 1.008 measured on the same code, quiet), so the 0.99 line itself would fail
 a correct change now and then; see ``benchmarks/README.md``.
@@ -34,19 +35,22 @@ a correct change now and then; see ``benchmarks/README.md``.
 
 from __future__ import annotations
 
-from benchmarks._training import dqn_cartpole, measure, observed_dqn
+from benchmarks._training import ROUNDS, dqn_cartpole, measure, observed_dqn
 
 BUDGET = 0.99
 # What make test (benchmarks disabled) asserts: a regression floor, not the budget.
-REGRESSION_FLOOR = 0.97
+REGRESSION_FLOOR = 0.96
+#: Rounds of ABBA blocks in make test (``make bench``: ``ROUNDS``, 8).
+TEST_ROUNDS = 4
 
 
 def test_dqn_training_ratio(benchmark, tmp_path):
     required = REGRESSION_FLOOR if benchmark.disabled else BUDGET
+    rounds = TEST_ROUNDS if benchmark.disabled else ROUNDS
     with observed_dqn(tmp_path) as (dqn, observed):
-        result = measure(dqn, observed)
+        result = measure(dqn, observed, rounds)
         if result["ratio_cpu"] < required:
-            again = measure(dqn, observed)
+            again = measure(dqn, observed, rounds)
             if again["ratio_cpu"] > result["ratio_cpu"]:
                 result = again
         benchmark.extra_info.update(result)

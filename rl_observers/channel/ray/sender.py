@@ -30,6 +30,8 @@ from rl_observers.channel.ray.actors import (
     _relay_name,
 )
 
+_getpid = os.getpid
+
 # torchrl's logger (the same object as torchrl._utils.logger)
 torchrl_logger = logging.getLogger("torchrl")
 
@@ -76,7 +78,8 @@ class RaySender:
         if not _is_address(address):
             raise TypeError(f"RaySender expected a RayAddress, got {address!r}.")
         self.address = RayAddress(*address)
-        self.submitted = 0
+        self._taken = 0  # entries the sending thread took (``submitted`` counts them)
+        self._overflowed = 0  # payloads sent to a full buffer (merged or dropped)
         self._dropped = 0
         self._coalesced = 0
         self._capacity = capacity
@@ -85,7 +88,7 @@ class RaySender:
         self._interval = interval
         self._relay_interval = relay_interval
         self._lock = threading.Lock()
-        # [namespace, metrics, step, meta, payloads held]
+        # [namespace, metrics, step, meta, payloads held, taken by the sending thread]
         self._pending: deque[list] = deque()
         self._newest: dict[str, list] = {}
         self._unreported = [0, 0]  # dropped, coalesced
@@ -110,29 +113,43 @@ class RaySender:
         meta: Mapping[str, Any] | None,
     ) -> None:
         """Buffers one payload for the owner; returns at once."""
-        if self._thread_pid != os.getpid():
+        if self._thread_pid != _getpid():
             self._start_thread()
+        pending = self._pending
+        if len(pending) < self._capacity:
+            # No lock: the append is atomic and the sending thread only pops from the left.
+            # ``_newest`` may name an entry already taken: taken entries are marked (under
+            # the lock), and a full buffer merges only into one that is not.
+            entry = [namespace, metrics, step, meta, 1, False]
+            pending.append(entry)
+            self._newest[namespace] = entry
+            return
+        self._send_full(metrics, step, namespace, meta)
+
+    def _send_full(
+        self,
+        metrics: dict[str, Any],
+        step: int | None,
+        namespace: str,
+        meta: Mapping[str, Any] | None,
+    ) -> None:
+        """A full buffer: merges into the newest entry of ``namespace`` not taken yet, or drops."""
         error = None
         with self._lock:
-            self.submitted += 1
-            if len(self._pending) < self._capacity:
-                entry = [namespace, metrics, step, meta, 1]
-                self._pending.append(entry)
-                self._newest[namespace] = entry
-            else:
-                entry = self._newest.get(namespace)
-                if entry is not None:
-                    error = coalesce(entry[1], metrics)
-                    entry[2] = step
-                    if meta is not None:
-                        entry[3] = spanning(entry[3], meta)
-                    entry[4] += 1  # lost with the entry later, it counts as dropped
-                    self._coalesced += 1
-                    self._unreported[1] += 1
-                else:  # only this payload is lost: nothing merged into it yet
-                    self._dropped += 1
-                    self._unreported[0] += 1
-                    error = "full"
+            self._overflowed += 1
+            entry = self._newest.get(namespace)
+            if entry is not None and not entry[5]:
+                error = coalesce(entry[1], metrics)
+                entry[2] = step
+                if meta is not None:
+                    entry[3] = spanning(entry[3], meta)
+                entry[4] += 1  # lost with the entry later, it counts as dropped
+                self._coalesced += 1
+                self._unreported[1] += 1
+            else:  # only this payload is lost: nothing merged into it yet
+                self._dropped += 1
+                self._unreported[0] += 1
+                error = "full"
         if error == "full":
             self._warn_once(
                 f"dropped a payload of namespace {namespace!r}: its buffer of {self._capacity} "
@@ -140,6 +157,12 @@ class RaySender:
             )
         elif error is not None:
             self._warn_once(f"could not merge a partial of namespace {namespace!r}: {error!r}")
+
+    @property
+    def submitted(self) -> int:
+        """Payloads given to :meth:`send` in this process (buffered, merged or dropped)."""
+        with self._lock:
+            return self._taken + len(self._pending) + self._overflowed
 
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until what was sent before reached the owner's ingest (or ``timeout``)."""
@@ -198,13 +221,18 @@ class RaySender:
 
     def _take(self) -> list[Message]:
         with self._lock:
-            if not self._pending:
+            pending = self._pending
+            if not pending:
                 return []
-            pending, self._pending = self._pending, deque()
-            self._newest = {}
+            taken = []
+            for _ in range(len(pending)):  # what senders append meanwhile waits for the next round
+                entry = pending.popleft()
+                entry[5] = True
+                taken.append(entry)
+            self._taken += len(taken)
             d, c = self._unreported
             self._unreported = [0, 0]
-        batch = [(e[0], e[1], e[2], e[3], (0, 0), (e[4], e[4] - 1)) for e in pending]
+        batch = [(e[0], e[1], e[2], e[3], (0, 0), (e[4], e[4] - 1)) for e in taken]
         first = batch[0]
         batch[0] = (*first[:4], (d, c), first[5])
         return batch
