@@ -69,10 +69,10 @@ def test_a_copy_expected_and_never_heard_from_is_reported_and_counted(caplog):
     channel = MetricsChannel(RecordingLogger(), health_interval=None)
     handle = channel.handle(transport="socket")
     feeder = _Feeder()
-    channel.copies_attached(feeder, "LoggerObserver 'copies' on a test source")
-    channel.copies_expected(feeder, [0, 1])
+    channel._logging.copies_attached(feeder, "LoggerObserver 'copies' on a test source")
+    channel._logging.copies_expected(feeder, [0, 1])
     handle.submit_metrics({}, namespace="copies/worker_0", meta=_window(30, last=True))  # worker 0 ends
-    channel.copies_gone(feeder)
+    channel._logging.copies_gone(feeder)
     with caplog.at_level(logging.WARNING, logger="torchrl"):
         assert not channel.flush(timeout=30)  # the loss is what this flush settles and reports
     assert channel.health()["copies_lost"] == 1
@@ -91,10 +91,10 @@ def test_copies_gone_does_not_wait_for_a_window_that_is_not_sent_yet(monkeypatch
     channel = MetricsChannel(RecordingLogger(), health_interval=None)
     handle = channel.handle(transport="socket")
     feeder = _Feeder()
-    channel.copies_attached(feeder, "LoggerObserver 'copies'")
-    channel.copies_expected(feeder, [0])
+    channel._logging.copies_attached(feeder, "LoggerObserver 'copies'")
+    channel._logging.copies_expected(feeder, [0])
     handle.submit_metrics({"frames": 10.0}, namespace="copies/worker_0", meta=_window(10))
-    channel.copies_gone(feeder)  # returns: the last window is not there yet
+    channel._logging.copies_gone(feeder)  # returns: the last window is not there yet
     assert channel.health()["copies_lost"] == 0  # not settled: it may still come
     handle.submit_metrics({}, namespace="copies/worker_0", meta=_window(20, last=True))
     assert channel.flush(timeout=30)  # it came: settled, nothing lost
@@ -106,9 +106,9 @@ def test_a_copy_gone_without_its_last_window_is_settled_by_the_next_flush():
     channel = MetricsChannel(RecordingLogger(), health_interval=None)
     handle = channel.handle(transport="socket")
     feeder = _Feeder()
-    channel.copies_attached(feeder, "LoggerObserver 'copies'")
+    channel._logging.copies_attached(feeder, "LoggerObserver 'copies'")
     handle.submit_metrics({"frames": 10.0}, namespace="copies/worker_0", meta=_window(10))  # no last one
-    channel.copies_gone(feeder)
+    channel._logging.copies_gone(feeder)
     assert not channel.flush(timeout=30)  # waits LAST_WINDOWS_WAIT at most, then counts it
     assert channel.health()["copies_lost"] == 1
     assert channel.close(timeout=10)
@@ -119,11 +119,11 @@ def test_the_channels_health_rows_carry_the_account(tmp_path):
     channel = MetricsChannel(logger, health_interval=0.0, background=False)
     handle = channel.handle(transport="socket")
     feeder = _Feeder()
-    channel.copies_attached(feeder, "LoggerObserver 'copies'")
-    channel.copies_expected(feeder, [0, 1])
+    channel._logging.copies_attached(feeder, "LoggerObserver 'copies'")
+    channel._logging.copies_expected(feeder, [0, 1])
     handle.submit_metrics({"frames": 10.0}, namespace="copies/worker_0", meta=_window(10))
     channel.step()
-    channel.copies_gone(feeder)  # worker 0 never sent its last window, worker 1 nothing
+    channel._logging.copies_gone(feeder)  # worker 0 never sent its last window, worker 1 nothing
     assert not channel.flush(timeout=30)
     channel.step()
     scalars = logger.experiment.scalars
@@ -185,8 +185,8 @@ def test_a_window_undeliverable_at_exit_is_still_counted():
     other = ReplayBuffer(storage=LazyTensorStorage(100))
     other.add_observer(idle)
     idle.prepare_copies(other)
-    channel.copies_gone(holding)
-    channel.copies_gone(idle)
+    channel._logging.copies_gone(holding)
+    channel._logging.copies_gone(idle)
     assert channel.close(timeout=10)
     rb.extend(torch.arange(10))  # folded after the close, not due yet
     before = channel.health()["dropped"]
