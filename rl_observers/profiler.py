@@ -34,7 +34,7 @@ written right after the last profiled batch; boundaries at ``pre_collect``
 would cut each rollout range in two and delay the trace until the next
 rollout starts.
 
-Why one module of ~730 lines: ``ProfilerObserver`` (most of it) and the
+Why it is long (~730 lines): ``ProfilerObserver`` (most of it) and the
 ``enable_profile`` / ``disable_profile`` methods it installs share one
 process-wide profiler slot (torch runs one profile per process) and one
 lifecycle (warm-up, rollouts, trace, stop); split, the slot's rules would be

@@ -40,7 +40,7 @@ torchrl collectors stamp with ``track_policy_version=True``), and in
 them, so counter schedules work with one-liners alone, and
 :class:`~rl_observers.StatsProvider`.
 
-Why one module of ~600 lines: each one-liner is a short subclass of
+Why it is long (~600 lines): each one-liner is a short subclass of
 :class:`Metric` (a declared merge rule over one function of the data); read
 together they show every merge rule a one-liner can declare.
 """

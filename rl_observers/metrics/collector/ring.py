@@ -11,7 +11,7 @@ batches of split trajectories are summed one at a time, their carries matched
 by trajectory id (:mod:`~rl_observers.metrics.collector.split_trajs`).
 No function reads a tensor value on the host off the CPU.
 
-Why one module of ~650 lines: the ring's buffers, the views a flush works
+Why it is long (~650 lines): the ring's buffers, the views a flush works
 with (:class:`Timeline`), the staging of a batch (:func:`stage_batch`, and
 :class:`PlainStage`, its fast path) and the sum that reads them
 (:func:`close_episodes`) share one memory layout, ``[rows, slots, steps]``;
