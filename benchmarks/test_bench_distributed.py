@@ -22,6 +22,9 @@ from benchmarks._timing import compare
 from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel
 from tests.helpers import start_method
 
+BUDGET = 0.97  # make bench
+FLOOR = 0.90  # make test
+
 
 def _collector():
     env = GymEnv("CartPole-v1")
@@ -56,7 +59,9 @@ def test_multiprocessing_collector_with_logger_observer_per_worker(benchmark):
         )
         print(f"\nmultiprocessing collector: bare {1000 / timings['bare']:,.0f} frames/s, "
               f"observed {1000 / timings['observed']:,.0f} frames/s, ratio {ratio:.3f}")
-        assert ratio >= 0.97
+        # make bench asserts the budget; make test (one core may be busy, four workers share
+        # two cores) a regression floor below this ratio's single-run noise
+        assert ratio >= (FLOOR if benchmark.disabled else BUDGET)
         benchmark.pedantic(lambda: next(iterators["observed"]), rounds=1, iterations=1)
     finally:
         bare.shutdown()

@@ -84,6 +84,9 @@ REPLAY_BUFFER_BUDGET = MICRO_BUDGET
 # floors, below the single-run noise of these ratios on 2 shared cores (see benchmarks/README.md;
 # at load average 6-9: sample 0.86-0.96, extend 0.90-0.96, no-reset collector 0.90-0.97).
 NO_RESETS_FLOOR = 0.85
+# make test's same-run floor for the CartPole cases (7 blocks, one core may be busy): seven
+# blocks of ~1 s batches spread by a few percent, so the 0.97 / 0.95 budgets are make bench's.
+CARTPOLE_FLOOR = 0.90
 REPLAY_BUFFER_FLOORS = {"sample_256": 0.82, "extend_256": 0.82}
 
 
@@ -98,6 +101,17 @@ class SlowCSVLogger(CSVLogger):
     def log_metrics(self, metrics, step=None, **kwargs):
         time.sleep(SLOW_LOG_SECONDS)
         return super().log_metrics(metrics, step, **kwargs)
+
+
+def assert_hook_is_blocked(ratios: dict[str, float], bare_seconds: float) -> None:
+    """The naive hook waits for the slow logger at every batch; the observer does not.
+
+    What that wait costs the hook is ``SLOW_LOG_SECONDS / (bare + SLOW_LOG_SECONDS)`` of its
+    throughput, so it depends on how long a bare batch takes on this machine (longer under
+    load): the hook must lose at least half of that more than the observer, not a fixed amount.
+    """
+    loss = SLOW_LOG_SECONDS / (bare_seconds + SLOW_LOG_SECONDS)
+    assert ratios["hook"] < ratios["observer"] - loss / 2, (ratios, f"a blocking hook loses {loss:.3f}")
 
 
 def naive_hook(logger: Any) -> Callable[[TensorDict], None]:
@@ -240,6 +254,7 @@ def _next_batches(batches: dict[str, Iterator[Any]], kinds=None) -> dict[str, Ca
 
 @pytest.mark.parametrize("env_name", ["cartpole", "cartpole_transforms"])
 def test_cartpole_fast_logger(benchmark, tmp_path, env_name):
+    required = CARTPOLE_FLOOR if benchmark.disabled else TYPICAL_FAST_BUDGET
     with ExitStack() as stack:
         batches = {
             kind: _batches(stack, ENVS[env_name], kind, CSVLogger(kind, log_dir=str(tmp_path)))
@@ -249,14 +264,15 @@ def test_cartpole_fast_logger(benchmark, tmp_path, env_name):
             lambda: paired_compare(
                 _next_batches(batches), calls=1, blocks=_blocks(benchmark, 13, 7), warmup=1
             ),
-            TYPICAL_FAST_BUDGET,
+            required,
         )
         _report(benchmark, f"{env_name}_csv", timings, ratios)
-        assert ratios["observer"] >= TYPICAL_FAST_BUDGET, ratios
+        assert ratios["observer"] >= required, ratios
         benchmark.pedantic(lambda: next(batches["observer"]), rounds=3, iterations=1)
 
 
 def test_cartpole_slow_logger(benchmark, tmp_path):
+    required = CARTPOLE_FLOOR if benchmark.disabled else TYPICAL_SLOW_BUDGET
     with ExitStack() as stack:
         batches = {
             kind: _batches(
@@ -266,11 +282,11 @@ def test_cartpole_slow_logger(benchmark, tmp_path):
         }
         timings, ratios = measured_twice_if_missed(
             lambda: paired_compare(_next_batches(batches), calls=1, blocks=7, warmup=1),
-            TYPICAL_SLOW_BUDGET,
+            required,
         )
         _report(benchmark, "cartpole_transforms_slow", timings, ratios)
-        assert ratios["observer"] >= TYPICAL_SLOW_BUDGET, ratios
-        assert ratios["hook"] < ratios["observer"] - 0.2, ratios
+        assert ratios["observer"] >= required, ratios
+        assert_hook_is_blocked(ratios, timings["bare"])
         benchmark.pedantic(lambda: next(batches["observer"]), rounds=3, iterations=1)
 
 
@@ -330,7 +346,7 @@ def test_counting_env_slow_logger(benchmark, tmp_path):
         ratios["hook"] = hook_ratios["hook"]
         _report(benchmark, "counting_100_slow", timings, ratios)
         assert ratios["observer"] >= WORST_CASE_BUDGET, ratios
-        assert ratios["hook"] < 0.1, ratios
+        assert_hook_is_blocked(ratios, hook_timings["bare"])
         benchmark(lambda: next(batches["observer"]))
 
 
