@@ -171,13 +171,11 @@ class Account:
             return [
                 f"worker {c.worker} ({c.where})"
                 for key, c in self._copies.items()
-                if key[0] == name
-                and (members is None or key in members or key[:2] in members)
-                and (not c.last or c.received < c.sent)
+                if key[0] == name and _belongs(key, members) and (not c.last or c.received < c.sent)
             ] + [
                 f"worker {key[1]} ({where})"
                 for key, where in self._expected.items()
-                if key[0] == name and (members is None or key in members)
+                if key[0] == name and _belongs(key, members)
             ]
 
     def settle(self, name: str | None = None, members: frozenset[tuple[Any, ...]] | None = None) -> None:
@@ -194,7 +192,7 @@ class Account:
         def chosen(key: tuple[Any, ...]) -> bool:
             if name is not None and key[0] != name:
                 return False
-            return members is None or key in members or key[:2] in members
+            return _belongs(key, members)
 
         with self._lock:
             done = [key for key in self._copies if chosen(key)]
@@ -250,6 +248,15 @@ class Account:
         """``copies_lost`` and ``windows_lost`` so far."""
         with self._lock:
             return {"copies_lost": self.copies_lost, "windows_lost": self.windows_lost}
+
+
+def _belongs(key: tuple[Any, ...], members: frozenset[tuple[Any, ...]] | None) -> bool:
+    """Whether a copy's key is one of ``members`` (all copies if ``None``).
+
+    A copy heard from, ``(name, worker, copy)``, belongs when it or its
+    expected ``(name, worker)`` was a member.
+    """
+    return members is None or key in members or key[:2] in members
 
 
 def _hashable(value: Any) -> Any:
