@@ -10,8 +10,10 @@ every 10,000 frames to a ``CSVLogger``. Budget: one-liner / hand-written
 <= 1.10 (noise; the code paths are the same reducer plus one function
 call). A missed budget is measured once more and the better run counts.
 
-``make bench`` prints the numbers (``-s``); ``make test`` runs the same
-assertions with ``--benchmark-disable``.
+``make bench`` prints the numbers (``-s``) and asserts the budget; ``make
+test`` (``--benchmark-disable``, 7 blocks, one core possibly busy) asserts a
+ceiling of ``TEST_CEILING``: with the other core busy one run measured 1.197
+on correct code.
 """
 
 from __future__ import annotations
@@ -66,15 +68,20 @@ def _measure(blocks, calls, benchmark=None):
         return ratios
 
 
+BUDGET = 1.10
+TEST_CEILING = 1.40
+
+
 @pytest.mark.timeout(120)
 def test_one_liner_mean_costs_no_more_than_a_hand_written_set(benchmark):
     blocks, calls = (7, 5) if benchmark.disabled else (15, 20)
+    limit = TEST_CEILING if benchmark.disabled else BUDGET
     ratios = _measure(blocks, calls, benchmark)
-    if ratios["one_liner"] > 1.10:
+    if ratios["one_liner"] > limit:
         ratios = min(ratios, _measure(blocks, calls), key=lambda r: r["one_liner"])
     benchmark.extra_info.update({f"ratio_{k}": v for k, v in ratios.items()})
     print(
         f"\none-liner / hand-written: {ratios['one_liner']:.3f}; "
         f"bare / hand-written: {ratios['bare']:.3f}"
     )
-    assert ratios["one_liner"] <= 1.10
+    assert ratios["one_liner"] <= limit, ratios

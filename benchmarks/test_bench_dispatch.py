@@ -26,6 +26,14 @@ import rl_observers  # noqa: F401
 from benchmarks._timing import compare, paired_slowdowns
 
 OBSERVER_COUNTS = (0, 1, 4)
+# The slowdown ceilings make test asserts (one core may be busy): under that load the
+# replay-buffer ratios with no-op observers measured up to 1.09 on correct code.
+TEST_CEILINGS = {"1_observers": 1.25, "4_observers": 1.30}
+
+
+def _limits(benchmark, budgets: dict[str, float]) -> dict[str, float]:
+    """``budgets`` in make bench; make test's looser ceilings (``--benchmark-disable``)."""
+    return {k: TEST_CEILINGS[k] if benchmark.disabled else v for k, v in budgets.items()}
 
 
 class NoOp:
@@ -122,7 +130,7 @@ def test_replay_buffer_operation_ratio(benchmark, operation):
         ops = {count: (lambda rb=rb: rb.extend(data)) for count, rb in buffers.items()}
     else:
         ops = {count: (lambda rb=rb: rb.sample(256)) for count, rb in buffers.items()}
-    budgets = {"1_observers": 1.10, "4_observers": 1.15}
+    budgets = _limits(benchmark, {"1_observers": 1.10, "4_observers": 1.15})
     slowdowns = _slowdowns(
         benchmark, operation, {f"{c}_observers": fn for c, fn in ops.items()}, budgets, calls=200
     )
@@ -143,7 +151,7 @@ def test_collector_batch_ratio(benchmark):
         collectors[count] = collector
         iterators[count] = iter(collector)
     try:
-        budgets = {"1_observers": 1.05, "4_observers": 1.05}
+        budgets = _limits(benchmark, {"1_observers": 1.05, "4_observers": 1.05})
         slowdowns = _slowdowns(
             benchmark,
             "collector_1000",

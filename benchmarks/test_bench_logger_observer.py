@@ -83,11 +83,11 @@ REPLAY_BUFFER_BUDGET = MICRO_BUDGET
 # What make test (benchmarks disabled, one core possibly busy) asserts instead: regression
 # floors, below the single-run noise of these ratios on 2 shared cores (see benchmarks/README.md;
 # at load average 6-9: sample 0.86-0.96, extend 0.90-0.96, no-reset collector 0.90-0.97).
-NO_RESETS_FLOOR = 0.85
+NO_RESETS_FLOOR = 0.80
 # make test's same-run floor for the CartPole cases (7 blocks, one core may be busy): seven
 # blocks of ~1 s batches spread by a few percent, so the 0.97 / 0.95 budgets are make bench's.
-CARTPOLE_FLOOR = 0.90
-REPLAY_BUFFER_FLOORS = {"sample_256": 0.82, "extend_256": 0.82}
+CARTPOLE_FLOOR = 0.85
+REPLAY_BUFFER_FLOORS = {"sample_256": 0.78, "extend_256": 0.78}
 
 
 def _blocks(benchmark, blocks: int, fewer: int) -> int:
