@@ -26,6 +26,10 @@ from rl_observers.stats import Count, Moments
 from tests.helpers import local_ray
 from tests.multinode import Cluster, _groups_of_sessions, two_node_cluster
 
+# What a flush that must succeed may take: its first send starts a relay, a new Ray worker
+# process that imports torch (tens of seconds with the other core busy). Returns when done.
+FLUSH_SECONDS = 120.0
+
 
 def load_transport() -> ModuleType:
     """``rl_observers.channel.ray.transport`` (kept for the benchmarks that import it)."""
@@ -66,7 +70,7 @@ class Recorder:
         with self.lock:
             self.messages.append((namespace, metrics, step, meta, counts))
 
-    def wait_for(self, condition, timeout: float = 20.0) -> bool:
+    def wait_for(self, condition, timeout: float = 60.0) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self.lock:
@@ -125,7 +129,7 @@ def test_round_trip_keeps_every_payload(ray_env, receiver, relay):
     sender = ray_env.transport.RaySender(recv.address(), relay=relay)
     for i in range(20):
         sender.send({"x": float(i), "n": Count("n", 1)}, i, f"ns{i % 2}", {"k": i})
-    assert sender.flush(30.0)
+    assert sender.flush(FLUSH_SECONDS)
     assert recorder.wait_for(lambda m: len(m) == 20)
     for ns in ("ns0", "ns1"):
         got = [(m[1]["x"], m[2], m[3]) for m in recorder.messages if m[0] == ns]
@@ -204,7 +208,7 @@ def test_bounded_in_flight_coalesces_then_drops_and_counts(ray_env):
     recv = transport.RayReceiver(token)
     recv.start(recorder)
     try:
-        assert sender.flush(15.0)
+        assert sender.flush(FLUSH_SECONDS)
         assert recorder.wait_for(lambda m: len(m) == 4)
         assert n_of(recorder) == 107 - 5 - 2  # 107 sent, 5 c dropped, 2 lost in flight
         assert recorder.counts() == (sender.dropped, sender.coalesced)
@@ -294,7 +298,7 @@ def test_relay_merge_is_exact_across_workers(ray_env, receiver):
                     values = [float((worker * 7 + i * 3) % 11 - 5), float(i)]
                     _, metrics, _, meta, *_ = contribution(worker, values, (i + 1) * 2)
                     sender.send(metrics, None, "obs", meta)
-            ok = sender.flush(20.0)
+            ok = sender.flush(FLUSH_SECONDS)
             return ok, sender.submitted, sender.dropped
 
     rounds = 40
@@ -341,7 +345,7 @@ def test_killing_relay_or_ingest_mid_run(ray_env, receiver, victim):
     sender = transport.RaySender(address, relay=True, node="faulty", relay_interval=0.05)
     for _ in range(10):
         sender.send({"n": Count("n", 1)}, None, "a", None)
-    assert sender.flush(30.0)
+    assert sender.flush(FLUSH_SECONDS)
     assert recorder.wait_for(lambda m: n_of(recorder) == 10)
     if victim == "relay":
         ray.kill(
@@ -365,7 +369,7 @@ def test_killing_relay_or_ingest_mid_run(ray_env, receiver, victim):
     for _ in range(5):  # what comes after the fault gets through
         sender.send({"n": Count("n", 1)}, None, "b", None)
         sent += 1
-    assert sender.flush(30.0)
+    assert sender.flush(FLUSH_SECONDS)
     assert recorder.wait_for(lambda m: n_of(recorder, "b") == 5)
     if victim == "relay":  # the calls that failed are counted, here and at the owner
         assert recorder.wait_for(lambda m: recorder.counts()[0] == sender.dropped)
@@ -460,7 +464,7 @@ def test_a_full_relay_counts_every_merged_payload_it_drops_in_the_owners_health(
         )
         sent = flood(sender, "flood", bursts=10, size=20)
         assert sender.dropped == 0 and sender.coalesced > 0  # all merged and handed to the relay
-        assert sender.flush(30.0)
+        assert sender.flush(FLUSH_SECONDS)
         assert not channel.flush(timeout=30)  # payloads were lost: flush says so
         logged = sum(n for _, n in logger.series("flood/n"))
         health = channel.health()
@@ -481,7 +485,7 @@ def test_a_full_ingest_counts_every_merged_payload_it_drops(ray_env):
     try:
         sender = transport.RaySender(recv.address(), relay=False, capacity=1, interval=0.005)
         sent = flood(sender, "a", bursts=10, size=20)
-        assert sender.flush(30.0)  # every call returned (the ingest kept one batch)
+        assert sender.flush(FLUSH_SECONDS)  # every call returned (the ingest kept one batch)
         recv.poll(time.monotonic() + 10)
         delivered = n_of(recorder)
         dropped, coalesced = recorder.counts()
@@ -516,7 +520,7 @@ def test_a_call_that_fails_counts_every_payload_merged_into_its_messages(ray_env
     recv.start(recorder)
     try:
         sent += send_payloads(sender, "b", 5)
-        assert sender.flush(15.0)
+        assert sender.flush(FLUSH_SECONDS)
         assert recorder.wait_for(lambda m: n_of(recorder) == 5)
         assert_exact(recorder, sender, sent)
     finally:
@@ -542,7 +546,7 @@ def test_a_relay_that_dies_counts_every_merged_payload_it_held(ray_env, receiver
     assert wait_until(lambda: sender.stats["calls"] > calls and sender.stats["in_flight"] == 0)
     assert sender.dropped == 61 and sender.coalesced == 0, (sender.dropped, sender.coalesced)
     sent += send_payloads(sender, "b", 5)  # through a new relay
-    assert sender.flush(30.0)
+    assert sender.flush(FLUSH_SECONDS)
     assert recorder.wait_for(lambda m: n_of(recorder, "b") == 5)
     assert n_of(recorder) == 5
     assert_exact(recorder, sender, sent)
@@ -570,7 +574,7 @@ def test_channel_handles_carry_both_addresses_and_pick_or_are_told(ray_env, tmp_
         assert forced.transport == "ray" and "transport='ray'" in repr(forced)
         assert forced._send_through() is ray_transport.make_sender(forced.address)  # one per process
         forced.submit_metrics({"x": 1.0}, 3, namespace="through_ray")
-        assert forced.flush(30.0)
+        assert forced.flush(FLUSH_SECONDS)
         assert channel.flush(timeout=30)
         assert logger.series("through_ray/x") == [(3, 1.0)]
     finally:
@@ -618,7 +622,7 @@ def test_far_node_reaches_the_owner_through_ray_and_not_through_its_socket(ray_e
             ray.get_runtime_context().get_node_id(),
             os.path.exists(path),
             reached,
-            sender.flush(20.0),
+            sender.flush(FLUSH_SECONDS),
             sender.dropped,
         )
 

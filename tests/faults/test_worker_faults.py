@@ -66,13 +66,20 @@ def test_a_worker_killed_while_the_collector_is_iterated(tmp_path, cls):
     try:
         collector.add_observer(remote_observers.CollectorLog(log, "rec"))
         collector.add_observer(LoggerObserver(channel, metrics=CollectorBatchMetrics(), name="workers", schedule=None))
-        start = time.monotonic()
-        with pytest.raises(RuntimeError, match=r"worker 0 \(exit code -9\)"):
+        killed = None
+        # torchrl says which worker died; on a busy machine it can instead fail to close the
+        # survivor it terminated (it waits 0.1 s for it), which says so.
+        noticed = r"worker 0 \(exit code -9\)|Cannot close a process while it is still running"
+        with pytest.raises((RuntimeError, ValueError), match=noticed):
             for i, batch in enumerate(collector):
                 received += batch.numel()
-                if i == 3:
+                # Kill once both workers collected (a busy machine can starve one of them for
+                # a while: an async collector yields whichever is ready).
+                both = i >= 3 and set(lines_of(log, "rec", "post_collect")) == {0, 1}
+                if killed is None and (both or i == 500):
                     os.kill(collector.procs[0].pid, signal.SIGKILL)
-        assert time.monotonic() - start < 30  # noticed, not hung
+                    killed = time.monotonic()
+        assert time.monotonic() - killed < 30  # noticed, not hung
     finally:
         start = time.monotonic()
         collector.shutdown()
