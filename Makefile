@@ -29,7 +29,7 @@ demo: $(VENV)/.demo
 
 test: $(VENV)/.test
 	$(PY) -m ruff check .
-	$(PY) -m pytest tests rl_observers -q
+	$(PY) -m pytest tests rl_observers -q -n 2 --dist loadgroup
 	$(PY) -m pytest benchmarks -q --benchmark-disable -p no:randomly
 
 bench: $(VENV)/.test
