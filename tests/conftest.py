@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import re
 import threading
 
 import pytest
@@ -24,28 +23,6 @@ import rl_observers  # noqa: E402,F401  (installs add_observer on torchrl's clas
 # set it themselves (tests.helpers.start_method).
 multiprocessing.set_start_method("forkserver", force=True)
 multiprocessing.set_forkserver_preload(["torch", "torchrl.collectors", "torchrl.envs", "rl_observers"])
-
-
-# make test runs the suite on two pytest-xdist workers (``--dist loadgroup``). Ray starts one
-# local cluster per process and a second ``ray.init`` on the machine may join the first, so
-# every module that uses Ray runs in one group, on one worker, one after the other; every
-# other module is a group of its own (its module fixtures are built once).
-_USES_RAY = re.compile(r"(?<![A-Za-z])ray|Ray[A-Z]")
-RAY_GROUP = "ray"
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist turns the marks into work units
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    uses_ray: dict[str, bool] = {}
-    for item in items:
-        path = str(item.path)
-        if path not in uses_ray:
-            try:
-                uses_ray[path] = bool(_USES_RAY.search(item.path.read_text()))
-            except OSError:
-                uses_ray[path] = False
-        group = RAY_GROUP if uses_ray[path] else os.path.relpath(path, config.rootpath)
-        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture
