@@ -82,6 +82,9 @@ class RaySender:
         self._dropped = 0
         self._coalesced = 0
         self._capacity = capacity
+        # a buffer half full wakes the sending thread early: at a high rate it would otherwise
+        # fill before the next round and every further send would take the merging path
+        self._wake_at = max(capacity // 2, 1)
         self._relay = relay
         self._node = node
         self._interval = interval
@@ -126,6 +129,8 @@ class RaySender:
             entry = [namespace, metrics, step, meta, 1, False]
             pending.append(entry)
             self._newest[namespace] = entry
+            if len(pending) == self._wake_at:
+                self._wake.set()
             return
         self._send_full(metrics, step, namespace, meta)
 
