@@ -34,8 +34,10 @@ from rl_observers.channel.ray.actors import (
 # torchrl's logger (the same object as torchrl._utils.logger)
 torchrl_logger = logging.getLogger("torchrl")
 
-#: Messages a sender buffers before it coalesces per namespace.
-SENDER_CAPACITY = 1024
+#: Messages a sender buffers before it coalesces per namespace (room for a relay that
+#: stalls a few hundred milliseconds at thousands of windows a second: a full buffer
+#: makes every send take the merging path).
+SENDER_CAPACITY = 4096
 #: Batches a sender has in flight to its relay (or the ingest) at most.
 SENDER_IN_FLIGHT = 4
 
