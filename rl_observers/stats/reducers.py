@@ -321,6 +321,9 @@ class _MomentsTable(_Reducer):
                 if slot == len(slots):
                     self._flush()
                 return
+            if x.shape[0] * n > _STAGE_ENTRIES:  # reduced at once: the stage stays for small folds
+                self._reduce(x, mask)
+                return
             self._flush()
             self._stage = self._stage_mask = self._stage_slots = self._mask_slots = None
         channels = x.shape[0]
@@ -495,13 +498,21 @@ class MomentsGroupReducer(_MomentsTable):
 
     __slots__ = ()
 
-    def fold(self, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+    def fold(
+        self, values: torch.Tensor, mask: torch.Tensor | None = None, *, staged: bool = True
+    ) -> None:
         """Folds ``values[k]`` into the ``k``-th quantity (entries where ``mask`` is true).
 
         Args:
             values (torch.Tensor): ``[K, *S]``, any real dtype.
             mask (torch.Tensor, optional): boolean, broadcastable to ``S``.
                 Defaults to ``None`` (all entries count).
+
+        Keyword Args:
+            staged (bool, optional): a small fold may be staged (see
+                :class:`MomentsReducer`). ``False``: reduced at once, for folds
+                whose size changes from fold to fold (staging would make a new
+                stage at each). Defaults to ``True``.
 
         Raises:
             TypeError: if ``values`` is complex.
@@ -523,7 +534,13 @@ class MomentsGroupReducer(_MomentsTable):
             if mask.shape != shape:
                 mask = mask.expand(shape)
             mask = mask.reshape(-1)
-        self._fold_rows(values.reshape(channels, -1), mask)
+        values = values.reshape(channels, -1)
+        if staged:
+            self._fold_rows(values, mask)
+            return
+        if self._view is None:
+            self._state(values.device)
+        self._reduce(values, mask)
 
 
 class CountReducer(_Reducer):
