@@ -6,12 +6,13 @@ are running sums over the steps of its env, carried across batches
 :func:`fold_into_ring` copies each batch into an :class:`EpisodeRing`
 (:func:`fold_plain`, with the views of a :class:`PlainStage` made once, for
 plain CPU batches); :func:`flush_ring` sums the staged batches as one
-timeline per env (:func:`close_episodes`) and folds what closed. Padded
+timeline per env (:func:`close_episodes`; on the CPU, the episodes are read
+at their closing steps alone, :func:`_closed_on_host`) and folds what closed. Padded
 batches of split trajectories are summed one at a time, their carries matched
 by trajectory id (:mod:`~rl_observers.metrics.collector.split_trajs`).
 No function reads a tensor value on the host off the CPU.
 
-Why it is long (~650 lines): the ring's buffers, the views a flush works
+Why it is long (~750 lines): the ring's buffers, the views a flush works
 with (:class:`Timeline`), the staging of a batch (:func:`stage_batch`, and
 :class:`PlainStage`, its fast path) and the sum that reads them
 (:func:`close_episodes`) share one memory layout, ``[rows, slots, steps]``;
@@ -733,7 +734,8 @@ def flush_ring(metrics: Any) -> None:
     if closed is None:
         return
     if closed.reward is not None:
-        metrics._reward.fold(closed.reward, closed.mask)  # type: ignore[union-attr]
+        # A ring's steps, as many as it held: a different size at each fill level.
+        metrics._reward.fold(closed.reward, closed.mask, staged=False)  # type: ignore[union-attr]
     if closed.dones is not None:
         metrics._dones.add(closed.dones)  # type: ignore[union-attr]
     if closed.values is not None:
