@@ -351,7 +351,7 @@ class _MomentsTable(_Reducer):
         self._reduce(x, None if mask is None else mask[:staged].reshape(-1))
 
     def _reduce(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
-        """Writes the statistics of each row of ``x`` (``[K, N]``) into the next row.
+        """Writes the statistics of each row of ``x`` (``[K, N]``; unmasked: ``[K, *S]``) into the next row.
 
         Off the CPU: tensor operations only, no host read, no data-dependent shape.
         """
@@ -376,12 +376,14 @@ class _MomentsTable(_Reducer):
             self._compact()
         row, count, tail = self._row_views[self._used]  # type: ignore[index]
         if mask is None:
-            n = x.shape[-1]
-            total = x.sum(-1)
+            # ``[K, *S]`` values (unmasked folds of any layout, without a copy to ``[K, N]``).
+            dims = -1 if x.ndim == 2 else tuple(range(1, x.ndim))
+            n = x.numel() // x.shape[0]
+            total = x.sum(dims)
             # (var: one pass, no deviations kept, fewer calls than centring them here.)
-            m2 = torch.var(x, -1, correction=0).mul_(n) if self._spread else torch.zeros_like(total)
+            m2 = torch.var(x, dims, correction=0).mul_(n) if self._spread else torch.zeros_like(total)
             count.fill_(n)
-            torch.stack((total, m2, x.amin(-1), x.amax(-1)), -1, out=tail)
+            torch.stack((total, m2, x.amin(dims), x.amax(dims)), -1, out=tail)
         else:
             n = mask.sum(-1, dtype=_F64)
             total = torch.where(mask, x, 0.0).sum(-1)
@@ -475,13 +477,14 @@ class MomentsReducer(_MomentsTable):
             if mask.shape != values.shape:
                 values, mask = torch.broadcast_tensors(values, mask)
             mask = mask.reshape(-1)
-        values = values.reshape(1, -1)
         if staged:
-            self._fold_rows(values, mask)
+            self._fold_rows(values.reshape(1, -1), mask)
             return
         if self._view is None:
             self._state(values.device)
-        self._reduce(values, mask)
+        # Unmasked, reduced in its own layout (a view of one row: no copy).
+        flat = mask is not None or values.ndim < 2
+        self._reduce(values.reshape(1, -1) if flat else values.unsqueeze(0), mask)
 
 
 class MomentsGroupReducer(_MomentsTable):

@@ -511,6 +511,8 @@ class CollectorBatchMetrics(MetricSet):
         self, values: torch.Tensor, closing: torch.Tensor | None
     ) -> None:
         """Folds ``values[k]`` at the closing steps (all, when ``None``) into the ``k``-th sketch."""
+        if not self._episode_quantiles:  # (iterating over values would unbind them)
+            return
         for reducer, quantity in zip(self._episode_quantiles, values):
             reducer.fold(quantity, None if closing is None else closing.view(quantity.shape))
 
