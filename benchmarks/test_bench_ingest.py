@@ -15,7 +15,9 @@ aggregate (each carries ``Count("n", 1)``; merged windows add up). Asserted in
 every run: nothing is lost, the merged statistic equals the union of what was
 sent, and pre-merge cuts the messages the owner handles (a ratio of this run).
 Only ``make bench`` (benchmarks enabled) asserts the absolute budgets:
-≥ 20k contributions/s with pre-merge and a worker's ``send`` p99 ≤ 10 µs.
+≥ 20k contributions/s with pre-merge (offered 25k/s: the relays' last
+interval is inside the time, so an offer of exactly 20k/s could never reach
+it) and a worker's ``send`` p99 ≤ 10 µs.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 NODES = 10
 ACTORS = 2  # processes playing the nodes (each node keeps its own sender and relay)
-PERIOD = 0.05  # seconds between two windows of one simulated worker
+PERIOD = 0.04  # seconds between two windows of one simulated worker (make bench: 25,000/s offered)
 CONTRIBUTIONS_BUDGET = 20_000  # per second, effective, with pre-merge
 SEND_P99_BUDGET_NS = 10_000
 WARM_UP_SECONDS = 240.0  # for the relays to start, before the clock runs
@@ -105,20 +107,25 @@ def _simulated_nodes(ray):
                 "step_key": "frames",
                 "scope": "aggregate",
             }
+            stats = Moments("r").stats
+            # what each worker's names are (fixed per worker, as its handle's are)
+            names = {
+                node: [(f"collector#{node}/{w}", f"{node}/{w}") for w in range(workers)]
+                for node in self.senders
+            }
             start = time.monotonic()
             for i in range(rounds):
+                counters = {"frames": 100 * (i + 1)}
                 for node, sender in self.senders.items():
-                    for w in range(workers):
+                    for w, (namespace, worker) in enumerate(names[node]):
                         value = float((w + i) % 7)
+                        # a partial as a worker's reducers pull it (validated once, at registration)
+                        window = Moments._trusted("r", stats, 1.0, value, 0.0, value, value)
                         sender.send(
-                            {
-                                "r": Moments("r", count=1, mean=value, min=value, max=value),
-                                "n": Count("n", 1),
-                                "fps": 1000.0,
-                            },
+                            {"r": window, "n": Count("n", 1), "fps": 1000.0},
                             None,
-                            f"collector#{node}/{w}",
-                            {**meta, "worker": f"{node}/{w}", "counters": {"frames": 100 * (i + 1)}},
+                            namespace,
+                            {**meta, "worker": worker, "counters": dict(counters)},
                         )
                 wait = start + (i + 1) * period - time.monotonic()
                 if wait > 0:
@@ -135,7 +142,7 @@ def _simulated_nodes(ray):
     return SimulatedNodes
 
 
-def _ingest_run(ray, transport, *, relay: bool, workers: int, rounds: int) -> dict[str, float]:
+def _ingest_run(ray, transport, *, relay: bool, workers: int, rounds: int) -> dict[str, Any]:
     owner = Owner()
     receiver = transport.RayReceiver(f"bench{int(relay)}{time.monotonic_ns() % 10**9}")
     receiver.start(owner)
@@ -201,14 +208,16 @@ def test_aggregate_contribution_cost_does_not_grow_with_workers():
 def test_owner_ingest_with_and_without_per_node_premerge(ray_and_transport, request):
     ray, transport = ray_and_transport
     enabled = _benchmarks_enabled(request.config)
-    # per node; 1,000 workers for 4 s when enabled (the relays' 0.25 s tail is amortized)
-    workers, rounds = (100, 80) if enabled else (20, 10)
-    direct = _ingest_run(ray, transport, relay=False, workers=workers, rounds=rounds)
+    # per node; 1,000 workers offering 25,000/s for 4 s when enabled: more than the budget, since
+    # the relays' 0.25 s tail is inside the time. The direct run is the comparison: 1 s of it.
+    workers, rounds, direct_rounds = (100, 100, 25) if enabled else (20, 10, 10)
+    direct = _ingest_run(ray, transport, relay=False, workers=workers, rounds=direct_rounds)
     merged = _ingest_run(ray, transport, relay=True, workers=workers, rounds=rounds)
     offered = NODES * workers / PERIOD
     for name, run in (("direct", direct), ("pre-merge", merged)):
         print(
-            f"\n{name}: {NODES} nodes x {workers} workers every {PERIOD} s (offered {offered:.0f}/s): "
+            f"\n{name}: {NODES} nodes x {workers} workers every {PERIOD} s (offered {offered:.0f}/s "
+            f"for {run['expected'] / offered:.2f} s): "
             f"{run['effective']:.0f}/{run['expected']} contributions in {run['seconds']:.2f} s = "
             f"{run['per_second']:.0f}/s effective; owner handled {run['messages']} messages "
             f"in {run['drains']} drains, {run['accept_us']:.1f} us each in accept "
@@ -218,26 +227,46 @@ def test_owner_ingest_with_and_without_per_node_premerge(ray_and_transport, requ
     for run in (direct, merged):  # exact: every window counted once, the statistic of the union
         assert run["effective"] == run["expected"] and run["count"] == run["expected"]
         assert run["mean_error"] < 1e-9
-    assert merged["messages"] * 2 <= direct["messages"], (merged, direct)
+    # pre-merge at least halves the messages per window (direct: one message per window)
+    assert merged["messages"] / merged["expected"] * 2 <= direct["messages"] / direct["expected"], (
+        merged,
+        direct,
+    )
     if enabled:
-        assert merged["per_second"] >= min(CONTRIBUTIONS_BUDGET, 0.9 * offered), merged
+        assert offered > CONTRIBUTIONS_BUDGET
+        assert merged["per_second"] >= CONTRIBUTIONS_BUDGET, merged
 
 
 @pytest.mark.bench_only
 def test_send_p99_on_the_ray_path(ray_and_transport, request):
-    """A worker's ``send`` on the Ray path: p50/p99 over bursts, the sending thread running."""
+    """A worker's ``send`` on the Ray path: p50/p99 over bursts, the sending thread running.
+
+    The relay starts first (a new Ray worker process: up to a minute on a busy machine):
+    before it answers, the sender's 4 calls in flight wait, its buffer fills and every
+    further send takes the merging path (~5-25 us), which is what this p99 measured
+    without a warm-up. Bursts of 100 sends every 20 ms: 5,000 windows/s from one
+    process, far more than a worker sends.
+    """
     ray, transport = ray_and_transport
     owner_receiver = transport.RayReceiver(f"p99{time.monotonic_ns() % 10**9}")
     owner = Owner()
     owner_receiver.start(owner)
     sender = transport.RaySender(owner_receiver.address(), relay=True, node="p99")
     meta = {"aggregate": "collector", "worker": 0, "counters": {"frames": 1}}
+    sender.send({"r": Moments("r"), "n": Count("n", 0)}, None, "collector#warm-up", meta)
+    assert sender.flush(WARM_UP_SECONDS)  # the relay runs (not timed)
     clock = time.perf_counter_ns
     enabled = _benchmarks_enabled(request.config)
     bursts = 200 if enabled else 40
 
-    def measure() -> list[int]:
+    def nothing(metrics, step, namespace, meta) -> None:
+        pass
+
+    def measure() -> tuple[list[int], list[int]]:
+        """Each send's time, and that of a call doing nothing right after it (the floor)."""
         samples: list[int] = []
+        floor: list[int] = []
+        send = sender.send
         gc.disable()
         try:
             for _ in range(bursts):
@@ -246,27 +275,35 @@ def test_send_p99_on_the_ray_path(ray_and_transport, request):
                         "r": Moments("r", count=1, mean=1.0, min=1.0, max=1.0),
                         "n": Count("n", 1),
                     }
+                    namespace = f"collector#{i % 4}"
                     start = clock()
-                    sender.send(metrics, None, f"collector#{i % 4}", meta)
-                    samples.append(clock() - start)
-                time.sleep(0.002)
+                    send(metrics, None, namespace, meta)
+                    middle = clock()
+                    nothing(metrics, None, namespace, meta)
+                    floor.append(clock() - middle)
+                    samples.append(middle - start)
+                time.sleep(0.02)
         finally:
             gc.enable()
-        return sorted(samples)
+        return sorted(samples), sorted(floor)
 
     # a p99 missed on a loaded machine is measured again (up to 3 times); the best run counts
-    samples = measure()
+    samples, floor = measure()
     for _ in range(2):
         if not enabled or samples[int(0.99 * len(samples))] <= SEND_P99_BUDGET_NS:
             break
-        again = measure()
+        again, again_floor = measure()
         if again[int(0.99 * len(again))] < samples[int(0.99 * len(samples))]:
-            samples = again
+            samples, floor = again, again_floor
     assert sender.flush(30.0)
     owner_receiver.close(time.monotonic() + 10)
     p50 = samples[len(samples) // 2]
     p99 = samples[int(0.99 * len(samples))]
-    print(f"\nRaySender.send, {len(samples)} sends: p50={p50} ns p99={p99} ns max={samples[-1]} ns")
+    print(
+        f"\nRaySender.send, {len(samples)} sends: p50={p50} ns p99={p99} ns max={samples[-1]} ns; "
+        f"a call doing nothing right after each: p50={floor[len(floor) // 2]} ns "
+        f"p99={floor[int(0.99 * len(floor))]} ns; {sender.coalesced} merged into a full buffer"
+    )
     assert sender.dropped == 0
     if enabled:
         assert p99 <= SEND_P99_BUDGET_NS, f"p99 {p99} ns exceeds {SEND_P99_BUDGET_NS} ns"

@@ -707,3 +707,26 @@ def test_premerge_keeps_the_newest_plain_numbers_of_windows_that_passed_each_oth
     assert merged[3]["counters"] == {"frames": 5} and merged[3]["seq"] == 5
     (in_order,) = ray_transport.premerge([older, newer])
     assert in_order[1]["batch"] == 1.0 and in_order[3]["counters"] == {"frames": 5}
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_starts_its_own_sending_thread():
+    """``send`` reads a flag, not the pid: a fork clears it, so the child's first send starts a thread."""
+    sender = ray_transport.RaySender(("token", "ingest", "namespace", "owner"), relay=False)
+    sender.send({"n": Count("n", 1)}, None, "ns", None)  # no Ray here: the thread just retries
+    assert sender._running and sender._thread_pid == os.getpid()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, never return into pytest
+        ok = not sender._running
+        sender.send({"n": Count("n", 1)}, None, "ns", None)
+        ok = ok and sender._running and sender._thread_pid == os.getpid()
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(write)
+    answer = os.read(read, 1)
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert answer == b"1"
+    assert sender._running and sender._thread_pid == os.getpid()
+    assert sender.submitted == 1

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -200,8 +201,9 @@ class Aggregate:
         log_on_close (bool, optional): whether :meth:`finish` logs the last
             partial windows. Defaults to ``True``.
         latest (tuple of str, optional): gauges that are not cumulative
-            counters (e.g. ``batch_size``): the newest value is kept instead
-            of the sum over workers. Defaults to ``()``.
+            counters (e.g. ``batch_size``): the newest value (the last one
+            contributed, by any worker) is kept instead of the sum over
+            workers. Defaults to ``()``.
     """
 
     def __init__(
@@ -224,6 +226,11 @@ class Aggregate:
             self.clock.due(0)  # counters start at zero
         self._key = key
         self._workers: dict[tuple[Any, str | None], _Worker] = {}
+        # the same workers, the one seen longest ago first: stale ones are counted from the front
+        self._seen: OrderedDict[tuple[Any, str | None], _Worker] = OrderedDict()
+        # gauges summed over workers (the newest value for ``latest`` ones), kept up to date
+        # by each contribution like the counters: a row costs O(its metrics), not O(workers)
+        self._gauges: dict[str, Any] = {}
         self._processes_per_index: dict[Any, int] = {}
         self._window: dict[str, Any] = {}
         self._fresh = False
@@ -317,11 +324,13 @@ class Aggregate:
         part of ``counters``, but not progress of this run, so no threshold
         fires for it (see :mod:`~rl_observers.logging.resume`).
         """
-        key = (worker, process)
-        state = self._workers.get(key)
+        who = (worker, process)
+        state = self._workers.get(who)
         if state is None:
             state = self._join(worker, process, base or {})
+            self._seen[who] = state
         state.last_seen = time.monotonic()
+        self._seen.move_to_end(who)
         totals = self._totals
         previous = state.counters
         for key, value in previous.items():
@@ -330,9 +339,21 @@ class Aggregate:
         for key, value in counters.items():
             totals[key] = totals.get(key, 0) + value - previous.get(key, 0)
         state.counters = dict(counters)
-        gauges = {k: v for k, v in metrics.items() if not is_partial(v)}
-        partials = {k: v for k, v in metrics.items() if is_partial(v)}
-        state.gauges.update(gauges)
+        partials = {}
+        sums = self._gauges
+        latest = self.spec.latest
+        mine = state.gauges
+        for name, value in metrics.items():
+            if is_partial(value):
+                partials[name] = value
+                continue
+            if name in latest:
+                sums[name] = value
+            elif name in mine:
+                sums[name] = sums[name] + (value - mine[name])
+            else:
+                sums[name] = sums.get(name, 0) + value
+            mine[name] = value
         rows: list[Row] = []
         if self.per_worker:
             _merge_window(state.window, partials)
@@ -408,20 +429,18 @@ class Aggregate:
         return f"{self.name}/{state.label}", metrics, self._step(counters)
 
     def _aggregate_row(self) -> Row:
-        workers = self._workers.values()
-        gauges: dict[str, Any] = {}
-        for state in workers:
-            for key, value in state.gauges.items():
-                if key in self.spec.latest:
-                    gauges[key] = value
-                else:
-                    gauges[key] = gauges.get(key, 0) + value
+        gauges = dict(self._gauges)
         for key, value in self._gauge_base.items():
             if key in gauges and key not in self.spec.latest:
                 gauges[key] += value
-        now = time.monotonic()
+        stale_before = time.monotonic() - STALE_AFTER
+        stale = 0
+        for state in self._seen.values():  # the one seen longest ago first
+            if state.last_seen > stale_before:
+                break
+            stale += 1
         gauges["workers"] = len(self._workers)
-        gauges["workers_reporting"] = sum(now - s.last_seen < STALE_AFTER for s in workers)
+        gauges["workers_reporting"] = len(self._workers) - stale
         metrics = {**gauges, **self._window}
         # A partial that describes a state (the last N episodes) carries over to the next row.
         self._window = _rolling(self._window)

@@ -275,6 +275,21 @@ class Moments(Partial):
         self.max = float(max)
         return self
 
+    def __reduce__(self) -> tuple:
+        # every window that crosses a process boundary is pickled (twice on the Ray path):
+        # the fields as one tuple pickle in half the time of the default for ``__slots__``
+        return _moments, (
+            self.__class__,
+            self.prefix,
+            self.stats,
+            self.count,
+            self.sum,
+            self.mean,
+            self.m2,
+            self.min,
+            self.max,
+        )
+
     def _copy(self) -> Moments:
         out = object.__new__(Moments)
         out.prefix, out.stats, out.count, out.sum = self.prefix, self.stats, self.count, self.sum
@@ -341,6 +356,24 @@ class Count(Partial):
 
     def __repr__(self) -> str:
         return f"Count({self.name!r}, {self.n!r})"
+
+    def __reduce__(self) -> tuple:
+        return _count, (self.__class__, self.name, self.n)
+
+
+def _moments(cls: type, prefix: str, stats: tuple, *fields: float) -> Moments:
+    """Unpickles a :class:`Moments` (see its ``__reduce__``): every field as it was."""
+    out = object.__new__(cls)
+    out.prefix, out.stats = prefix, stats
+    out.count, out.sum, out.mean, out.m2, out.min, out.max = fields
+    return out
+
+
+def _count(cls: type, name: str, n: float) -> Count:
+    """Unpickles a :class:`Count` (see its ``__reduce__``)."""
+    out = object.__new__(cls)
+    out.name, out.n = name, n
+    return out
 
 
 #: Statistics a :class:`LatestWindow` partial can emit, in output order. ``pNN`` are

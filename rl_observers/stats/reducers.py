@@ -321,6 +321,9 @@ class _MomentsTable(_Reducer):
                 if slot == len(slots):
                     self._flush()
                 return
+            if x.shape[0] * n > _STAGE_ENTRIES:  # reduced at once: the stage stays for small folds
+                self._reduce(x, mask)
+                return
             self._flush()
             self._stage = self._stage_mask = self._stage_slots = self._mask_slots = None
         channels = x.shape[0]
@@ -348,7 +351,7 @@ class _MomentsTable(_Reducer):
         self._reduce(x, None if mask is None else mask[:staged].reshape(-1))
 
     def _reduce(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
-        """Writes the statistics of each row of ``x`` (``[K, N]``) into the next row.
+        """Writes the statistics of each row of ``x`` (``[K, N]``; unmasked: ``[K, *S]``) into the next row.
 
         Off the CPU: tensor operations only, no host read, no data-dependent shape.
         """
@@ -373,16 +376,14 @@ class _MomentsTable(_Reducer):
             self._compact()
         row, count, tail = self._row_views[self._used]  # type: ignore[index]
         if mask is None:
-            n = x.shape[-1]
-            total = x.sum(-1)
-            if self._spread:
-                centre = (total / n).unsqueeze(-1)
-                dev = torch.sub(x, centre, out=_cpu_scratch(1, x)) if scratch else x - centre
-                m2 = torch.linalg.vecdot(dev, dev)
-            else:
-                m2 = torch.zeros_like(total)
+            # ``[K, *S]`` values (unmasked folds of any layout, without a copy to ``[K, N]``).
+            dims = -1 if x.ndim == 2 else tuple(range(1, x.ndim))
+            n = x.numel() // x.shape[0]
+            total = x.sum(dims)
+            # (var: one pass, no deviations kept, fewer calls than centring them here.)
+            m2 = torch.var(x, dims, correction=0).mul_(n) if self._spread else torch.zeros_like(total)
             count.fill_(n)
-            torch.stack((total, m2, x.amin(-1), x.amax(-1)), -1, out=tail)
+            torch.stack((total, m2, x.amin(dims), x.amax(dims)), -1, out=tail)
         else:
             n = mask.sum(-1, dtype=_F64)
             total = torch.where(mask, x, 0.0).sum(-1)
@@ -443,7 +444,9 @@ class MomentsReducer(_MomentsTable):
         """The statistics the pulled :class:`Moments` emits."""
         return self.stats_of[0]
 
-    def fold(self, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+    def fold(
+        self, values: torch.Tensor, mask: torch.Tensor | None = None, *, staged: bool = True
+    ) -> None:
         """Folds ``values`` (those where ``mask`` is true) into the window.
 
         Args:
@@ -451,6 +454,12 @@ class MomentsReducer(_MomentsTable):
             mask (torch.Tensor, optional): boolean, broadcastable to
                 ``values``; only entries where it is ``True`` count.
                 Defaults to ``None`` (all entries count).
+
+        Keyword Args:
+            staged (bool, optional): a small fold may be staged (see above).
+                ``False``: reduced at once, for folds whose size changes from
+                fold to fold (staging would make a new stage at each).
+                Defaults to ``True``.
 
         Raises:
             TypeError: if ``values`` is complex.
@@ -464,12 +473,18 @@ class MomentsReducer(_MomentsTable):
             return
         if values.requires_grad:
             values = values.detach()
-        if mask is None:
-            self._fold_rows(values.reshape(1, -1), None)
+        if mask is not None:
+            if mask.shape != values.shape:
+                values, mask = torch.broadcast_tensors(values, mask)
+            mask = mask.reshape(-1)
+        if staged:
+            self._fold_rows(values.reshape(1, -1), mask)
             return
-        if mask.shape != values.shape:
-            values, mask = torch.broadcast_tensors(values, mask)
-        self._fold_rows(values.reshape(1, -1), mask.reshape(-1))
+        if self._view is None:
+            self._state(values.device)
+        # Unmasked, reduced in its own layout (a view of one row: no copy).
+        flat = mask is not None or values.ndim < 2
+        self._reduce(values.reshape(1, -1) if flat else values.unsqueeze(0), mask)
 
 
 class MomentsGroupReducer(_MomentsTable):
@@ -495,13 +510,21 @@ class MomentsGroupReducer(_MomentsTable):
 
     __slots__ = ()
 
-    def fold(self, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+    def fold(
+        self, values: torch.Tensor, mask: torch.Tensor | None = None, *, staged: bool = True
+    ) -> None:
         """Folds ``values[k]`` into the ``k``-th quantity (entries where ``mask`` is true).
 
         Args:
             values (torch.Tensor): ``[K, *S]``, any real dtype.
             mask (torch.Tensor, optional): boolean, broadcastable to ``S``.
                 Defaults to ``None`` (all entries count).
+
+        Keyword Args:
+            staged (bool, optional): a small fold may be staged (see
+                :class:`MomentsReducer`). ``False``: reduced at once, for folds
+                whose size changes from fold to fold (staging would make a new
+                stage at each). Defaults to ``True``.
 
         Raises:
             TypeError: if ``values`` is complex.
@@ -523,7 +546,13 @@ class MomentsGroupReducer(_MomentsTable):
             if mask.shape != shape:
                 mask = mask.expand(shape)
             mask = mask.reshape(-1)
-        self._fold_rows(values.reshape(channels, -1), mask)
+        values = values.reshape(channels, -1)
+        if staged:
+            self._fold_rows(values, mask)
+            return
+        if self._view is None:
+            self._state(values.device)
+        self._reduce(values, mask)
 
 
 class CountReducer(_Reducer):

@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
@@ -30,13 +31,13 @@ from rl_observers.channel.ray.actors import (
     _relay_name,
 )
 
-_getpid = os.getpid
-
 # torchrl's logger (the same object as torchrl._utils.logger)
 torchrl_logger = logging.getLogger("torchrl")
 
-#: Messages a sender buffers before it coalesces per namespace.
-SENDER_CAPACITY = 1024
+#: Messages a sender buffers before it coalesces per namespace (room for a relay that
+#: stalls a few hundred milliseconds at thousands of windows a second: a full buffer
+#: makes every send take the merging path).
+SENDER_CAPACITY = 4096
 #: Batches a sender has in flight to its relay (or the ingest) at most.
 SENDER_IN_FLIGHT = 4
 
@@ -83,6 +84,9 @@ class RaySender:
         self._dropped = 0
         self._coalesced = 0
         self._capacity = capacity
+        # a buffer half full wakes the sending thread early: at a high rate it would otherwise
+        # fill before the next round and every further send would take the merging path
+        self._wake_at = max(capacity // 2, 1)
         self._relay = relay
         self._node = node
         self._interval = interval
@@ -99,7 +103,11 @@ class RaySender:
         # (done, deadline, result) of each flush waiting for the sending thread
         self._flush_requests: list[tuple[threading.Event, float | None, list[bool]]] = []
         self._thread_pid: int | None = None
+        # whether this process runs the sending thread: ``send`` reads a flag, not the pid
+        # (``os.getpid()`` is a system call, ~1 us here); a fork clears it in the child
+        self._running = False
         self._closed = False
+        _SENDERS.add(self)
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("RaySender is not picklable: pickle its address and make a new one.")
@@ -113,7 +121,7 @@ class RaySender:
         meta: Mapping[str, Any] | None,
     ) -> None:
         """Buffers one payload for the owner; returns at once."""
-        if self._thread_pid != _getpid():
+        if not self._running:
             self._start_thread()
         pending = self._pending
         if len(pending) < self._capacity:
@@ -123,6 +131,8 @@ class RaySender:
             entry = [namespace, metrics, step, meta, 1, False]
             pending.append(entry)
             self._newest[namespace] = entry
+            if len(pending) == self._wake_at:
+                self._wake.set()
             return
         self._send_full(metrics, step, namespace, meta)
 
@@ -190,6 +200,7 @@ class RaySender:
             if self._thread_pid == os.getpid():
                 return
             self._thread_pid = os.getpid()
+            self._running = True
             threading.Thread(target=self._run, name="rl_observers-ray-sender", daemon=True).start()
 
     def _run(self) -> None:
@@ -296,6 +307,11 @@ class RaySender:
             self._warned = True
             torchrl_logger.warning(f"MetricsHandle {message}. Further such errors are silent.")
 
+    def _forget_thread_after_fork(self) -> None:
+        """In a forked child: the parent's sending thread is not here (the next send starts one)."""
+        self._running = False
+        self._lock = threading.Lock()  # it may have been held by a thread the child lacks
+
     def pending(self) -> int:
         """Entries buffered here, not yet handed to a call (the ``Sender`` protocol's ``pending``)."""
         with self._lock:
@@ -323,3 +339,16 @@ class RaySender:
             "in_flight": forwarder.in_flight,
             "lost": forwarder.dropped,
         }
+
+
+#: Every sender of this process, so a forked child knows to start its own sending threads.
+_SENDERS: weakref.WeakSet[RaySender] = weakref.WeakSet()
+
+
+def _forget_threads_after_fork() -> None:
+    for sender in list(_SENDERS):
+        sender._forget_thread_after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_threads_after_fork)

@@ -507,10 +507,14 @@ class CollectorBatchMetrics(MetricSet):
     def _fold_staged(self) -> None:
         flush_ring(self)
 
-    def _fold_episode_quantiles(self, values: torch.Tensor, closing: torch.Tensor) -> None:
-        """Folds ``values[k]`` at the closing steps into the ``k``-th quantile sketch."""
+    def _fold_episode_quantiles(
+        self, values: torch.Tensor, closing: torch.Tensor | None
+    ) -> None:
+        """Folds ``values[k]`` at the closing steps (all, when ``None``) into the ``k``-th sketch."""
+        if not self._episode_quantiles:  # (iterating over values would unbind them)
+            return
         for reducer, quantity in zip(self._episode_quantiles, values):
-            reducer.fold(quantity, closing.view(quantity.shape))
+            reducer.fold(quantity, None if closing is None else closing.view(quantity.shape))
 
     # -- host side ------------------------------------------------------------------
 

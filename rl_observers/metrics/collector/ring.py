@@ -6,12 +6,13 @@ are running sums over the steps of its env, carried across batches
 :func:`fold_into_ring` copies each batch into an :class:`EpisodeRing`
 (:func:`fold_plain`, with the views of a :class:`PlainStage` made once, for
 plain CPU batches); :func:`flush_ring` sums the staged batches as one
-timeline per env (:func:`close_episodes`) and folds what closed. Padded
+timeline per env (:func:`close_episodes`; on the CPU, the episodes are read
+at their closing steps alone, :func:`_closed_on_host`) and folds what closed. Padded
 batches of split trajectories are summed one at a time, their carries matched
 by trajectory id (:mod:`~rl_observers.metrics.collector.split_trajs`).
 No function reads a tensor value on the host off the CPU.
 
-Why it is long (~650 lines): the ring's buffers, the views a flush works
+Why it is long (~750 lines): the ring's buffers, the views a flush works
 with (:class:`Timeline`), the staging of a batch (:func:`stage_batch`, and
 :class:`PlainStage`, its fast path) and the sum that reads them
 (:func:`close_episodes`) share one memory layout, ``[rows, slots, steps]``;
@@ -211,6 +212,13 @@ class Timeline:
         "traj_last",
         "traj_next_first",
         "traj_prev_last",
+        "slot_ends_closing",
+        "closing_slots",
+        "reward_slots",
+        "flat_sums",
+        "row_starts",
+        "width",
+        "before_first",
     )
 
     def __init__(self, ring: EpisodeRing, used: int) -> None:
@@ -254,12 +262,23 @@ class Timeline:
         self.totals = sums.new_zeros((2, rows))
         self.totals[1] = length
         self.reward_totals = self.totals[0]
+        # The used slots viewed as ``[rows, length]`` in place (no copy), and what the host path
+        # of close_episodes indexes the sums with: the sums flattened per quantity, where each
+        # row starts in them, and the width of a row.
+        self.closing_slots = ring.closing[:, :used].view(rows, length)
+        self.reward_slots = None if ring.reward is None else ring.reward[:, :used].view(rows, length)
+        width = ring.sums.shape[-1]
+        self.flat_sums = ring.sums.view(2, -1)
+        self.row_starts = torch.arange(rows, device=ring.sums.device) * width
+        self.width = width
+        self.before_first = torch.full((1,), -1, dtype=torch.int64, device=ring.sums.device)
         traj = ring.traj
         if traj is not None:
             self.traj_first = traj[:, 0, 0]
             self.traj_last = traj[:, used - 1, -1]
             self.traj_next_first = traj[:, 1:used, 0]
             self.traj_prev_last = traj[:, : used - 1, -1]
+            self.slot_ends_closing = ring.closing[:, : used - 1, -1]
 
 
 class Closed(NamedTuple):
@@ -272,9 +291,10 @@ class Closed(NamedTuple):
     #: Number of done steps (a 0-d tensor, or an int counted on the host), when counted here.
     dones: torch.Tensor | int | None
     #: ``[K, rows, steps]`` episode quantities (returns, lengths) at ``closing`` steps, or
-    #: ``None`` when no episode closed.
+    #: ``[K, episodes]``, one per closed episode, when ``closing`` is ``None``; or ``None``
+    #: when no episode closed.
     values: torch.Tensor | None
-    #: Where episodes closed (``[rows, steps]`` booleans), or ``None``.
+    #: Where episodes closed (``[rows, steps]`` booleans), or ``None``: ``values`` are dense.
     closing: torch.Tensor | None
 
 
@@ -472,7 +492,11 @@ def plain_stage(ring: EpisodeRing, plan: CollectorPlan, batch: Any) -> PlainStag
 
 
 def close_episodes(
-    ring: EpisodeRing, carry: EpisodeCarry, sources: Sequence[tuple[int, Any]]
+    ring: EpisodeRing,
+    carry: EpisodeCarry,
+    sources: Sequence[tuple[int, Any]],
+    *,
+    dense: bool = False,
 ) -> Closed | None:
     """Sums the batches in the ring: the episodes that closed, and the new carry.
 
@@ -487,6 +511,9 @@ def close_episodes(
     and their carries matched by id (:func:`~rl_observers.metrics.collector.split_trajs.carry_by_id`). What follows the last closing is the new carry
     (``carry`` is updated in place). ``sources`` are the plan's
     ``episode_sources``. Returns ``None`` when the ring is empty.
+    ``dense``: the caller takes the closed episodes as ``[K, episodes]``
+    values with no ``closing`` flags (no position needed); on the CPU they
+    are then computed at the closing steps alone (:func:`_closed_on_host`).
     Off the CPU: tensor operations only, no host read, no data-dependent
     shape (on the CPU, see ``_CPU_SHORTCUTS``).
     """
@@ -528,10 +555,14 @@ def close_episodes(
         carry.traj = line.traj_last.clone()
         if used > 1:  # a trajectory that does not continue in the next batch is dropped
             cut = line.traj_next_first != line.traj_prev_last
-            # (On the CPU, reading whether any was cut waits for no device.)
-            # (count_nonzero: cheaper than any on the CPU.)
-            if closed is not None and not int(torch.count_nonzero(cut)):
-                cut = None
+            if closed is not None:
+                # (On the CPU, reading whether any was cut waits for no device.) A cut at a
+                # step that closes an episode is a segment start already: only the others
+                # count ("cut and not closing"; count_nonzero: cheaper than any on the CPU).
+                if closed:
+                    cut = torch.gt(cut, line.slot_ends_closing)
+                if not int(torch.count_nonzero(cut)):
+                    cut = None
     if closed == 0 and cut is None:
         # CPU batches where no episode closed and every trajectory went on: nothing to
         # fold but the rewards; each env's carry grows by its totals (its reward sum, and
@@ -542,6 +573,8 @@ def close_episodes(
             torch.sum(line.reward, -1, out=line.reward_totals)
         carry.neg = torch.sub(line.carry, line.totals)
         return Closed(line.reward, None, dones, None, None)
+    if dense and closed and cut is None and not ring.from_keys:
+        return _closed_on_host(ring, line, carry, sources, dones)
     for source, target in line.copies:  # the used slots as one timeline per env
         target.copy_(source)
     closing, mask = line.closing, line.mask
@@ -571,6 +604,43 @@ def close_episodes(
         row = sources[0][0]
         values = values[row : row + 1]
     return Closed(line.reward, mask, dones, values, closing)
+
+
+def _closed_on_host(
+    ring: EpisodeRing,
+    line: Timeline,
+    carry: EpisodeCarry,
+    sources: Sequence[tuple[int, Any]],
+    dones: torch.Tensor | int | None,
+) -> Closed:
+    """:func:`close_episodes` for CPU batches (some episode closed): sums read at the closing steps.
+
+    The closing steps are found on the host (``nonzero``: no device to wait
+    for), so an episode's (return, length) is read as the difference of two
+    cumulative sums at flat indices: its closing step's, and the previous
+    closing step's of its env (or the carry column, for the env's first).
+    The env's new carry is read the same way at its last closing step. No
+    value of the other steps is computed, and the episodes come out dense:
+    no mask for the reducers to apply.
+    """
+    if line.reward_slots is not None:
+        torch.cumsum(line.reward_slots, -1, out=line.cum_reward)
+    flat = line.flat_sums
+    rows, steps = torch.nonzero(line.closing_slots).unbind(1)  # episodes in row-major order
+    row_starts = rows * line.width
+    ends = torch.add(row_starts, steps).add_(1)  # each episode's cumulative sums, flat
+    # The previous closing step, when it is in the same row (else the row's carry column).
+    starts = torch.cat((line.before_first, ends[:-1]))
+    torch.maximum(starts, row_starts, out=starts)
+    values = torch.sub(flat.index_select(1, ends), flat.index_select(1, starts))
+    # Each row's last closing step (0: none, the carry column), where its new carry starts.
+    torch.where(line.closing_slots, line.step_numbers, ring.no_step, out=line.positions_tail)
+    last = torch.amax(line.positions_tail, -1).add_(line.row_starts)
+    carry.neg = torch.sub(flat.index_select(1, last), line.sums_end)
+    if len(sources) == 1:
+        row = sources[0][0]
+        values = values[row : row + 1]
+    return Closed(line.reward_slots, None, dones, values, None)
 
 
 def fold_into_ring(
@@ -655,15 +725,22 @@ def flush_ring(metrics: Any) -> None:
         return
     if metrics._reset_each_batch and ring.traj is None and ring.used:
         metrics._carry = EpisodeCarry()  # the envs were reset: nothing goes on
-    closed = close_episodes(ring, metrics._carry, metrics._plan.episode_sources)  # type: ignore[union-attr]
+    closed = close_episodes(
+        ring,
+        metrics._carry,
+        metrics._plan.episode_sources,  # type: ignore[union-attr]
+        dense=metrics._window is None,  # the episode window keeps where episodes closed
+    )
     if closed is None:
         return
     if closed.reward is not None:
-        metrics._reward.fold(closed.reward, closed.mask)  # type: ignore[union-attr]
+        # A ring's steps, as many as it held: a different size at each fill level.
+        metrics._reward.fold(closed.reward, closed.mask, staged=False)  # type: ignore[union-attr]
     if closed.dones is not None:
         metrics._dones.add(closed.dones)  # type: ignore[union-attr]
     if closed.values is not None:
-        metrics._episode.fold(closed.values, closed.closing)  # type: ignore[union-attr]
+        # Dense episodes are as many as closed: a different size at each flush.
+        metrics._episode.fold(closed.values, closed.closing, staged=closed.closing is not None)  # type: ignore[union-attr]
         metrics._fold_episode_quantiles(closed.values, closed.closing)
         if metrics._window is not None:
             metrics._window.fold(closed.values, closed.closing, ring.base)
