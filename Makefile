@@ -27,11 +27,9 @@ $(VENV)/.test: $(VENV)/.torch pyproject.toml
 demo: $(VENV)/.demo
 	$(PY) examples/demo.py
 
-# The suite on two pytest-xdist workers, a module per worker at a time (its module fixtures,
-# e.g. a two-node Ray cluster, are built once); each local Ray cluster is its own.
 test: $(VENV)/.test
 	$(PY) -m ruff check .
-	$(PY) -m pytest tests rl_observers -q -n 2 --dist loadfile
+	$(PY) -m pytest tests rl_observers -q
 	$(PY) -m pytest benchmarks -q --benchmark-disable -p no:randomly
 
 bench: $(VENV)/.test
