@@ -165,15 +165,15 @@ def _complex(owner: str, values: torch.Tensor) -> TypeError:
     )
 
 
-def _cpu_scratch(which: int, like: torch.Tensor) -> torch.Tensor:
-    """A float64 CPU buffer shaped like ``like``, one of two per thread (``which``: 0 or 1)."""
-    buffers = getattr(_SCRATCH, "buffers", None)
-    if buffers is None:
-        buffers = _SCRATCH.buffers = [torch.empty(0, dtype=_F64), torch.empty(0, dtype=_F64)]
+def _cpu_scratch(like: torch.Tensor) -> torch.Tensor:
+    """A float64 CPU buffer shaped like ``like``, one per thread."""
+    buffer = getattr(_SCRATCH, "buffer", None)
+    if buffer is None:
+        buffer = _SCRATCH.buffer = torch.empty(0, dtype=_F64)
     n = like.numel()
-    if buffers[which].numel() < n:
-        buffers[which] = torch.empty(min(max(n, 2 * buffers[which].numel()), _SCRATCH_ENTRIES), dtype=_F64)
-    return buffers[which][:n].view(like.shape)
+    if buffer.numel() < n:
+        buffer = _SCRATCH.buffer = torch.empty(min(max(n, 2 * buffer.numel()), _SCRATCH_ENTRIES), dtype=_F64)
+    return buffer[:n].view(like.shape)
 
 
 class _MomentsTable(_Reducer):
@@ -350,6 +350,12 @@ class _MomentsTable(_Reducer):
         mask = self._stage_mask
         self._reduce(x, None if mask is None else mask[:staged].reshape(-1))
 
+    def _reduce_now(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """:meth:`_reduce`, the table made first if this is the first fold (``staged=False``)."""
+        if self._view is None:
+            self._state(x.device)
+        self._reduce(x, mask)
+
     def _reduce(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
         """Writes the statistics of each row of ``x`` (``[K, N]``; unmasked: ``[K, *S]``) into the next row.
 
@@ -358,7 +364,7 @@ class _MomentsTable(_Reducer):
         device = self._view.device  # type: ignore[union-attr]
         scratch = device.type == "cpu" and _STAGE_ENTRIES < x.numel() <= _SCRATCH_ENTRIES
         if x.dtype is not _F64 or x.device != device:
-            x = _cpu_scratch(0, x).copy_(x) if scratch and x.is_cpu else x.to(device, _F64)
+            x = _cpu_scratch(x).copy_(x) if scratch and x.is_cpu else x.to(device, _F64)
         if mask is not None and (mask.dtype is not _BOOL or mask.device != device):
             mask = mask.to(device, _BOOL)
         if mask is not None and device.type == "cpu" and _CPU_MASK_SHORTCUTS:
@@ -480,11 +486,9 @@ class MomentsReducer(_MomentsTable):
         if staged:
             self._fold_rows(values.reshape(1, -1), mask)
             return
-        if self._view is None:
-            self._state(values.device)
         # Unmasked, reduced in its own layout (a view of one row: no copy).
         flat = mask is not None or values.ndim < 2
-        self._reduce(values.reshape(1, -1) if flat else values.unsqueeze(0), mask)
+        self._reduce_now(values.reshape(1, -1) if flat else values.unsqueeze(0), mask)
 
 
 class MomentsGroupReducer(_MomentsTable):
@@ -550,9 +554,7 @@ class MomentsGroupReducer(_MomentsTable):
         if staged:
             self._fold_rows(values, mask)
             return
-        if self._view is None:
-            self._state(values.device)
-        self._reduce(values, mask)
+        self._reduce_now(values, mask)
 
 
 class CountReducer(_Reducer):
