@@ -18,7 +18,7 @@ Examples:
     >>> Count("dones", 1).merge(Count("dones", 0)).finalize()
     {'dones': 1.0}
 
-Why it is long (~800 lines): it is the whole host side of the merge contract
+Why it is long (~850 lines): it is the whole host side of the merge contract
 (what crosses a process boundary and what the channel merges), kept torch-free
 in one place so that the channel, which may import only this module of
 ``stats``, sees every partial it merges; ``QuantileSketch`` (the last ~280

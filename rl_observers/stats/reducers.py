@@ -36,7 +36,7 @@ Examples:
     >>> worker_a["dones"].merge(worker_b["dones"]).finalize()
     {'dones': 1.0}
 
-Why it is long (~980 lines): every reducer writes into slices of its
+Why it is long (~1,000 lines): every reducer writes into slices of its
 bank's one state tensor, which :meth:`ReducerBank.pull` reads in one
 transfer; the bank, the moments table with its staging and the quantile
 reducer share that layout and the no-sync rules, so they are read together.
