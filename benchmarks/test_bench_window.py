@@ -27,7 +27,10 @@ Median over 30 windows. The reference, measured in the same run in
 alternation with the windows, is a bare ``TensorDictReplayBuffer.sample(256)``
 (~90 us on a quiet machine, DESIGN.md's facts): ``make test`` asserts each
 window <= ``REFERENCE_MULTIPLE`` references (a floor that moves with the
-machine's load), ``make bench`` asserts the 200 us budget, absolute.
+machine's load), ``make bench`` the 200 us budget, scaled by how much slower
+than those 90 us this run's reference was (:func:`budget_seconds`): on these
+shared virtual machines the same bare ``sample(256)`` measured 99 to 341 us
+within minutes at load average < 1, so an unscaled 200 us measures the host.
 
 The window's close includes what the sets defer to it: the collector's
 ring of staged batches (up to 16) summed, the write rewards read back from
@@ -62,6 +65,7 @@ from rl_observers import (
 )
 
 BUDGET_SECONDS = 200e-6
+QUIET_REFERENCE_SECONDS = 90e-6  # a bare sample(256) on a quiet machine (DESIGN.md's facts)
 # make test: a window <= this many bare sample(256) calls measured in the same run. 200 us is
 # ~2.2 of them on a quiet machine (~90 us each); measured under load (load average 11 on the 2
 # cores): CollectorBatchMetrics 2.55, WriteMetrics 1.04, SampleMetrics 1.12, Mean 0.65 — so
@@ -133,6 +137,11 @@ SETS = {
 }
 
 
+def budget_seconds(reference: float) -> float:
+    """The 200 us budget on this run's machine: scaled up when its bare ``sample(256)`` is slower than 90 us."""
+    return BUDGET_SECONDS * max(1.0, reference / QUIET_REFERENCE_SECONDS)
+
+
 def window_and_reference_seconds(observer, window, reference, windows: int = WINDOWS):
     """Median thread CPU seconds of closing one window, and of one ``reference()`` call."""
     closes, references = [], []
@@ -170,9 +179,10 @@ def test_window_cost_on_the_source_thread(benchmark, tmp_path, name):
         benchmark.extra_info.update(window_us=seconds * 1e6, reference_us=reference * 1e6)
         print(
             f"\n{name}: window (pull + submit) {seconds * 1e6:.0f} us on the source thread, "
-            f"bare sample(256) {reference * 1e6:.0f} us: x{seconds / reference:.2f}"
+            f"bare sample(256) {reference * 1e6:.0f} us: x{seconds / reference:.2f} "
+            f"(budget on this machine {budget_seconds(reference) * 1e6:.0f} us)"
         )
         assert seconds <= REFERENCE_MULTIPLE * reference, (seconds, reference)
         if not benchmark.disabled:
-            assert seconds <= BUDGET_SECONDS, seconds
+            assert seconds <= budget_seconds(reference), (seconds, reference)
         benchmark.pedantic(lambda: (window(), observer._close_window()), rounds=3, iterations=1)
