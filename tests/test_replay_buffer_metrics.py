@@ -104,27 +104,24 @@ def test_sample_age_at_every_cursor_position_including_zero(written):
 
 
 def test_sample_age_with_an_index_changed_in_place_after_sampling():
-    # Sampled indices are kept until their ages are folded: a sampler that reuses its index
-    # buffer must not change the ages of samples already taken.
+    # A sampler that reuses its index buffer must not change the ages of samples already
+    # taken: each sample's slots are copied when it is observed, so every sample counts.
     rb = ReplayBuffer(storage=LazyTensorStorage(50))
     metrics = SampleMetrics()
     metrics.bind(rb)
     rb.extend(torch.arange(20))  # the writer's cursor is at 20: slot k has age 19 - k
     reused = torch.tensor([0, 1, 2])
-    metrics.on_post_sample(rb, None, {"index": reused})
+    metrics.on_post_sample(rb, None, {"index": reused})  # ages 19, 18, 17
     reused.copy_(torch.tensor([19, 19, 19]))  # the sampler writes its next sample in place
-    metrics.on_post_sample(rb, None, {"index": reused})
-    # both staged entries now read [19, 19, 19]: the one changed since it was sampled is left out
-    got = metrics.pull()["sample_age"].finalize()
-    assert got == pytest.approx({"sample_age_mean": 0, "sample_age_min": 0, "sample_age_max": 0})
-    # from then on the indices are copied when sampled
+    metrics.on_post_sample(rb, None, {"index": reused})  # ages 0, 0, 0
     reused.copy_(torch.tensor([10, 10, 10]))
-    metrics.on_post_sample(rb, None, {"index": reused})
-    reused.copy_(torch.tensor([0, 0, 0]))
-    metrics.on_post_sample(rb, None, {"index": reused})
     got = metrics.pull()["sample_age"].finalize()
-    assert got == pytest.approx({"sample_age_mean": 14, "sample_age_min": 9, "sample_age_max": 19})
-    assert metrics.counters() == {"sample_calls": 4, "samples_returned": 12}
+    assert got == pytest.approx({"sample_age_mean": 9, "sample_age_min": 0, "sample_age_max": 19})
+    metrics.on_post_sample(rb, None, {"index": reused})  # ages 9, 9, 9
+    reused.copy_(torch.tensor([0, 0, 0]))
+    got = metrics.pull()["sample_age"].finalize()
+    assert got == pytest.approx({"sample_age_mean": 9, "sample_age_min": 9, "sample_age_max": 9})
+    assert metrics.counters() == {"sample_calls": 3, "samples_returned": 9}
 
 
 def test_sample_age_over_many_staged_samples():

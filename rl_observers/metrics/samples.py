@@ -35,9 +35,9 @@ _STAMPS_MIN_ALLOC = 1024
 # ages folded together.
 _AGE_SAMPLES = 16
 _AGE_ENTRIES = 2**16
-# Ages from a round-robin writer's cursor: the sampled slots of up to this many samples (and
-# this many slots) are staged and their ages computed together. (Sized for a window of 100
-# samples of 256 items, the default schedule: one fold per window.)
+# Ages from a round-robin writer's cursor: the sampled slots of up to this many slots (CPU,
+# one host block) or samples (other devices) are staged and their ages computed together.
+# (Sized for a window of 100 samples of 256 items, the default schedule: one fold per window.)
 _CURSOR_SAMPLES = 128
 _CURSOR_ENTRIES = 2**15
 _NO_AGES = (0, 0, 0, 0)
@@ -85,11 +85,11 @@ class SampleMetrics(MetricSet):
     With torchrl's round-robin writers on a 1-D storage (the default of every
     torchrl buffer), item ``k`` of the buffer's writes lands in slot
     ``k % capacity`` and the writer's cursor is the next slot, so the age of
-    slot ``i`` is ``(cursor - 1 - i) % capacity``: a sample keeps its
-    ``info["index"]`` and the cursor (a reference and an int, no gather), and
-    the ages of up to 128 samples (a window of the default schedule) are
-    computed together, as exact integers on the host for CPU buffers, on
-    the device otherwise. Writes need no
+    slot ``i`` is ``(cursor - 1 - i) % capacity``: a sample copies its
+    ``info["index"]`` into a host block and notes the cursor (no gather),
+    and the ages of up to 32,768 sampled items are computed together, as
+    exact integers on the host for CPU buffers (on the device otherwise, 128
+    samples at a time). Writes need no
     bookkeeping, items written before this set was attached have their true
     age, and writes from other processes sharing the writer's cursor are
     counted. (``write_at``, which writes without moving the cursor, is not
@@ -152,7 +152,7 @@ class SampleMetrics(MetricSet):
     counter_names = ("sample_calls", "samples_returned")
     #: Gauges that are not cumulative counters: merged across workers by keeping the newest.
     latest_gauges: tuple[str, ...] = ("batch_size",)
-    _transient = ("_sampled", "_ring", "_ring_slots", "_ring_block", "_cursor_shared", "_cursor_cell")
+    _transient = ("_sampled", "_ring", "_ring_host", "_ring_slots", "_cursor_shared", "_cursor_cell")
     _lock_folds = False  # writes take the lock only when ages are on
 
     def __init__(
@@ -190,14 +190,13 @@ class SampleMetrics(MetricSet):
         self._sampled_written: list[int] = []
         # Round-robin writers: (writer, storage, capacity), False for others, None: undecided.
         self._ring: tuple[Any, Any, int] | bool | None = None
-        # The sampled slots and their versions, and where the writer's cursor moved, until
-        # folded (see _stage_ring); the window's CPU ages: (count, sum, min, max).
-        self._ring_slots: list[torch.Tensor] | None = None
-        self._ring_versions: list[int] = []
+        # Until folded (see _stage_ring): the sampled CPU slots, copied into one host block,
+        # and where the writer's cursor moved; other devices' samples as tensors. The
+        # window's CPU ages: (count, sum, min, max).
+        self._ring_host: np.ndarray | None = None
+        self._ring_entries = 0  # slots staged in the host block
         self._ring_runs: list[tuple[int, int]] = []  # (first staged slot, cursor)
-        self._ring_entries = 0  # slots staged
-        self._ring_block: torch.Tensor | None = None  # where the fold gathers them
-        self._ring_copy = False  # a sampler changed its index in place: copy it
+        self._ring_slots: list[torch.Tensor] | None = None
         self._age_tally: tuple[int, int, int, int] = _NO_AGES
         # The writer's shared cursor value last read and its lock-free cell (see _cursor_from).
         self._cursor_shared: Any = None
@@ -319,17 +318,14 @@ class SampleMetrics(MetricSet):
                     cursor = value
                 else:
                     cursor = self._cursor_from(value)
-                staged = self._ring_slots
-                if staged and slots.is_cpu and staged[-1].is_cpu and not self._ring_copy:
-                    # _stage_ring's CPU path, inlined: keep the index, note a cursor that moved
+                host, end = self._ring_host, self._ring_entries + n
+                if host is not None and end <= host.shape[0] and slots.is_cpu and self._ring_runs:
+                    # _stage_ring's CPU path, inlined: copy the index while it is in cache
                     runs = self._ring_runs
                     if runs[-1][1] != cursor:
                         runs.append((self._ring_entries, cursor))
-                    staged.append(slots)
-                    self._ring_versions.append(slots._version)
-                    self._ring_entries += n
-                    if len(staged) >= _CURSOR_SAMPLES or self._ring_entries >= _CURSOR_ENTRIES:
-                        self._fold_ring()
+                    host[self._ring_entries : end] = slots.numpy()
+                    self._ring_entries = end
                 else:
                     self._stage_ring(slots, cursor)
                 return
@@ -356,84 +352,80 @@ class SampleMetrics(MetricSet):
     def _stage_ring(self, slots: torch.Tensor, cursor: int) -> None:
         """Keeps a sample's slots and the writer's cursor; their ages are folded together.
 
-        On the CPU the index tensor itself is kept (no operation per sample),
-        with its version: one changed in place before the fold (a sampler
-        reusing its buffer) is left out, and later samples are copied
-        instead. The cursor is noted only where it moved since the previous
-        sample (runs of samples share it). On other devices
+        On the CPU the slots are copied into one host block at once, while
+        the sampler's fresh index is still in cache (kept as tensors until
+        the fold, 128 of them were read back cold: ~6 % of a bare
+        ``sample(256)``), and a sampler that reuses its index buffer cannot
+        change them. The cursor is noted only where it moved since the
+        previous sample (runs of samples share it). On other devices
         ``slot - (cursor - 1)`` is kept (one operation, no host-device copy).
         """
-        staged = self._ring_slots
-        if staged is None:  # fresh, or unpickled
-            staged = self._ring_slots = []
-            self._ring_versions = []
-            self._ring_runs = []
-            self._ring_entries = 0
-        elif staged and staged[-1].device != slots.device:  # folded apart: one device per fold
-            self._fold_ring()
-            staged = self._ring_slots
+        n = slots.shape[0]
         if slots.is_cpu:
-            if self._ring_copy:
-                slots = slots.clone()
+            if self._ring_slots:  # device samples staged: one device per fold
+                self._fold_ring()
+            host = self._ring_host
+            if host is None:  # fresh, or unpickled
+                host = self._ring_host = np.empty(_CURSOR_ENTRIES, dtype=np.int64)
+                self._ring_entries, self._ring_runs = 0, []
+            if self._ring_entries + n > host.shape[0]:
+                self._fold_ring()
+            if n > host.shape[0]:  # larger than the block: folded on its own
+                self._fold_host(slots.numpy().astype(np.int64), [(0, cursor)])
+                return
+            start = self._ring_entries
             runs = self._ring_runs
             if not runs or runs[-1][1] != cursor:
-                runs.append((self._ring_entries, cursor))
-        else:  # the cursors would join the fold with a host-to-device copy: subtract them now
-            slots = torch.sub(slots, cursor - 1)
-        staged.append(slots)
-        self._ring_versions.append(slots._version)
-        self._ring_entries += slots.shape[0]
-        if len(staged) >= _CURSOR_SAMPLES or self._ring_entries >= _CURSOR_ENTRIES:
+                runs.append((start, cursor))
+            host[start : start + n] = slots.numpy()
+            self._ring_entries = start + n
+            return
+        if self._ring_entries:  # CPU samples staged
+            self._fold_ring()
+        staged = self._ring_slots
+        if staged is None:
+            staged = self._ring_slots = []
+        elif staged and staged[-1].device != slots.device:
+            self._fold_ring()
+            staged = self._ring_slots
+        # the cursors would join the fold with a host-to-device copy: subtract them now
+        staged.append(torch.sub(slots, cursor - 1))
+        if len(staged) >= _CURSOR_SAMPLES:
             self._fold_ring()
 
     def _fold_ring(self) -> None:
         """Folds the ages of the staged samples: ``(cursor - 1 - slot) % capacity``.
 
-        The staged tensors are read by one ``cat`` (a sample left in memory
-        since it was taken costs cache misses however it is read); the rest
-        is arithmetic on one block. CPU ages are exact int64 sums kept on the
-        host (see :meth:`pull`); others fold on their device.
+        CPU ages are exact int64 sums kept on the host (see :meth:`pull`);
+        others fold on their device.
         """
-        staged = self._ring_slots
-        if not staged:
-            return
-        versions, runs, entries = self._ring_versions, self._ring_runs, self._ring_entries
-        self._ring_slots, self._ring_versions, self._ring_runs = [], [], []
-        self._ring_entries = 0
+        staged, entries, runs = self._ring_slots, self._ring_entries, self._ring_runs
+        self._ring_slots, self._ring_entries, self._ring_runs = [], 0, []
+        if staged and isinstance(self._ring, tuple):  # staged as slot - (cursor - 1)
+            ages = torch.cat(staged).neg_().remainder_(self._ring[2])
+            self._ages.fold(ages)  # type: ignore[union-attr]
+        if entries:
+            self._fold_host(self._ring_host[:entries], runs)  # type: ignore[index]
+
+    def _fold_host(self, ages: np.ndarray, runs: list[tuple[int, int]]) -> None:
+        """Turns staged CPU slots into ages, in place, and tallies them (count, sum, min, max)."""
         ring = self._ring
         if not isinstance(ring, tuple):  # the source changed kind: nothing to measure against
             return
         capacity = ring[2]
-        if not staged[0].is_cpu:  # staged as slot - (cursor - 1)
-            self._ages.fold(torch.cat(staged).neg_().remainder_(capacity))  # type: ignore[union-attr]
-            return
-        # Into a block kept from fold to fold: a fresh one would come from the system each time.
-        block = self._ring_block
-        if block is None or block.numel() < entries:
-            block = self._ring_block = torch.empty(entries, dtype=torch.int64)
-        slots = torch.cat(staged, out=block[:entries])
-        ages = slots.numpy()
         for (start, cursor), (end, _) in zip(runs, [*runs[1:], (ages.size, 0)]):
             np.subtract(cursor - 1, ages[start:end], out=ages[start:end])
         # ``% capacity`` for a slot and a cursor inside the storage (cursor - 1 - slot lies in
         # [-capacity, capacity - 2]): one conditional add, ~5x cheaper than an integer modulo.
         np.add(ages, capacity, out=ages, where=ages < 0)
-        if [t._version for t in staged] != versions:  # changed in place since sampled
-            self._ring_copy = True  # copied from now on; the changed ones are left out
-            keep = np.repeat(
-                [t._version == v for t, v in zip(staged, versions)], [t.shape[0] for t in staged]
-            )
-            ages = ages[keep]
-            if not ages.size:
-                return
-        if self._age_quantiles is not None:  # (the moments of these ages are tallied on the host)
-            self._age_quantiles.fold(torch.from_numpy(ages))
-        tally = self._age_tally
         low, high = int(ages.min()), int(ages.max())
         if low < 0 or high >= capacity:  # a slot or a cursor outside the storage: the modulo
             np.remainder(ages, capacity, out=ages)
             low, high = int(ages.min()), int(ages.max())
+        if self._age_quantiles is not None:  # (the moments of these ages are tallied on the host)
+            self._age_quantiles.fold(torch.from_numpy(ages))
         count, total = ages.size, int(ages.sum())
+        tally = self._age_tally
         if tally[0]:
             count, total = tally[0] + count, tally[1] + total
             low, high = min(low, tally[2]), max(high, tally[3])
@@ -528,4 +520,4 @@ class SampleMetrics(MetricSet):
             self._stamps = None if stamps is None else stamps.clone()
             self._stamps_fixed = bool(state_dict.get("stamps_fixed", False))
             self._sampled, self._sampled_written = None, []
-            self._ring_slots, self._age_tally = None, _NO_AGES
+            self._ring_slots, self._ring_entries, self._age_tally = None, 0, _NO_AGES
