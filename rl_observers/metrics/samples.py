@@ -352,11 +352,10 @@ class SampleMetrics(MetricSet):
     def _stage_ring(self, slots: torch.Tensor, cursor: int) -> None:
         """Keeps a sample's slots and the writer's cursor; their ages are folded together.
 
-        On the CPU the slots are copied into one host block at once, while
-        the sampler's fresh index is still in cache (kept as tensors until
-        the fold, 128 of them were read back cold: ~6 % of a bare
-        ``sample(256)``), and a sampler that reuses its index buffer cannot
-        change them. The cursor is noted only where it moved since the
+        On the CPU the slots are copied into one host block at once, so a
+        sampler that reuses its index buffer cannot change them before the
+        fold (keeping the index tensors instead cost the same: the fold read
+        them back cold). The cursor is noted only where it moved since the
         previous sample (runs of samples share it). On other devices
         ``slot - (cursor - 1)`` is kept (one operation, no host-device copy).
         """
