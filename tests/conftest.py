@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import sys
 import threading
 
 import pytest
@@ -60,19 +59,6 @@ def make_collector():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _no_ray_after_the_module():
-    """Shuts Ray down after each module that left it running.
-
-    A later ``fork`` worker inherits Ray's threads and a dead owner's handle:
-    a ``MultiSyncCollector`` made that way hung until its test's timeout.
-    """
-    yield
-    ray = sys.modules.get("ray")  # never imported here for a module that did not
-    if ray is not None and ray.is_initialized():
-        ray.shutdown()
 
 
 @pytest.fixture
