@@ -577,3 +577,20 @@ def test_cuda_buffer_metrics_add_no_sync_to_writes_and_samples():
     syncs(observed, 3)
     assert syncs(observed, 20) <= syncs(bare, 20)
     observed.remove_observer(observer)  # the window: one transfer, outside the count
+
+
+def test_sample_age_after_load_state_dict_in_the_middle_of_a_stage():
+    # load_state_dict drops the staged window: the cursor runs staged before it must not
+    # age the samples staged after it (here a run at cursor 20 would age slot 24 as 45).
+    rb = ReplayBuffer(storage=LazyTensorStorage(50))
+    metrics = SampleMetrics()
+    metrics.bind(rb)
+    rb.extend(torch.arange(20))
+    state = metrics.state_dict()
+    metrics.on_post_sample(rb, None, {"index": torch.tensor([5])})  # a run at cursor 20
+    rb.extend(torch.arange(5))  # the cursor moves to 25
+    metrics.on_post_sample(rb, None, {"index": torch.tensor([3])})  # a run at cursor 25
+    metrics.load_state_dict(state)
+    metrics.on_post_sample(rb, None, {"index": torch.tensor([24])})  # the newest item: age 0
+    got = metrics.pull()["sample_age"].finalize()
+    assert got == pytest.approx({"sample_age_mean": 0, "sample_age_min": 0, "sample_age_max": 0})

@@ -519,4 +519,5 @@ class SampleMetrics(MetricSet):
             self._stamps = None if stamps is None else stamps.clone()
             self._stamps_fixed = bool(state_dict.get("stamps_fixed", False))
             self._sampled, self._sampled_written = None, []
-            self._ring_slots, self._ring_entries, self._age_tally = None, 0, _NO_AGES
+            self._ring_slots, self._ring_entries, self._ring_runs = None, 0, []
+            self._age_tally = _NO_AGES
