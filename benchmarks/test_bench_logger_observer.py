@@ -314,10 +314,21 @@ def test_counting_env_fast_logger(benchmark, tmp_path, env_name, budget, floor):
         flush = {"observer": MetricsChannel.for_logger(loggers["observer"]).flush}
         timings, ratios = measured_twice_if_missed(
             lambda: paired_compare(
-                _next_batches(batches), calls=20, blocks=_blocks(benchmark, 21, 11), block_end=flush
+                _next_batches(batches, ("bare", "observer")),
+                calls=20,
+                blocks=_blocks(benchmark, 21, 11),
+                block_end=flush,
             ),
             budget,
         )
+        # The hook, for the report, measured apart: its CSV rows at every batch slowed the
+        # blocks around them (no-reset observer 0.929 with the hook in the same rounds,
+        # 0.949-0.952 without, same code).
+        hook_timings, hook_ratios = paired_compare(
+            _next_batches(batches, ("bare", "hook")), calls=20, blocks=5, warmup=1
+        )
+        timings["hook"] = hook_timings["hook"] * timings["bare"] / hook_timings["bare"]
+        ratios["hook"] = hook_ratios["hook"]
         _report(benchmark, f"{env_name}_csv", timings, ratios)
         assert ratios["observer"] >= budget, ratios
         benchmark(lambda: next(batches["observer"]))

@@ -549,6 +549,32 @@ def test_episodes_that_span_many_rings(shortcuts, step_counter):
         assert_window(finalized(metrics.pull()), truth.window(start, start + 37))
 
 
+def test_a_ring_is_summed_early_once_an_episode_closed_in_it(shortcuts, monkeypatch):
+    # A host ring (here of 2 batches: _RING_STEPS) that filled up with no episode closed is
+    # replaced by one of up to _RING_STEPS_OPEN steps (16 batches), summed as soon as it has
+    # 2 batches and one of them closed an episode; a ring off the host stays at _RING_STEPS.
+    # Windows stay exact at every fill.
+    monkeypatch.setattr(episodes_module, "_RING_STEPS", 8)
+    batches = collect(RandomRewardEnv(p_done=0.05, batch_size=(2,)), 4, 1200)
+    truth = Truth(batches)
+    metrics = CollectorBatchMetrics()
+    held = []  # (batches staged, episodes closed in them) after each batch
+    for start in range(0, len(batches), 13):
+        for batch in batches[start : start + 13]:
+            metrics.on_post_collect(None, batch)
+            ring = metrics._ring
+            held.append((ring.used, ring.closed))
+        assert_window(finalized(metrics.pull()), truth.window(start, start + 13))
+    assert ring.closing_size == 2
+    assert ring.size == (16 if shortcuts else 2)
+    if shortcuts:
+        assert max(used for used, _ in held) > 2  # open: batches with no closing piled up
+        assert all(used < 2 for used, closed in held if closed)  # summed at 2 once one closed
+        assert any(closed for _, closed in held)
+    else:
+        assert all(used < 2 for used, _ in held)
+
+
 def test_plain_batches_and_others_share_the_ring(shortcuts):
     # TensorDict batches laid out as the ring's first one are staged by dictionary look-ups;
     # others in between (flags of another dtype, a lazily stacked "next") take the general

@@ -37,13 +37,20 @@ __all__: list[str] = []
 # Batches folded with running episode sums are kept in a ring of up to this many batches
 # (and this many steps in all) and summed together: the cost of the running sums is paid
 # once per ring, not once per batch. A flush costs a fixed part plus a part that grows with
-# the steps staged, and what is still staged is summed when the window closes, on the
-# source's thread: small batches (up to 256 steps) fill 16 slots, larger ones fewer (4 of
-# 1000 steps), so a window closes over at most ~4k staged steps, and the rest of the sums
-# was spread over the batches (measured: the per-window cost of 1000-step batches -20 %,
-# the per-batch cost unchanged; a 2k cap cost 7 % per batch).
+# the steps staged and the episodes they close, and what is still staged is summed when the
+# window closes, on the source's thread: small batches (up to 256 steps) fill 16 slots,
+# larger ones fewer (4 of 1000 steps), so a window closes over at most ~4k staged steps
+# that closed episodes (measured: the per-window cost of 1000-step batches -20 %, the
+# per-batch cost unchanged; a 2k cap cost 7 % per batch).
 _RING_BATCHES = 16
 _RING_STEPS = 2**12
+# A ring counting on the host (CPU batches) that filled up without any of its batches
+# closing an episode is replaced by one holding up to this many steps: such a flush only
+# folds the rewards and moves the carries, a fixed ~100 us plus ~5 us per 1000-step batch,
+# so spreading it wider is what pays (no-reset 1000-step batches: 64 -> 45 us per batch; a
+# window then closes over up to 16 of them, ~185 us, less than over 4 batches that closed
+# episodes). Once a staged batch closes one, the open ring is summed at _RING_STEPS steps.
+_RING_STEPS_OPEN = 2**14
 # CPU batches need no device sync to be read: the ring counts their closed episodes on the
 # host, and a flush with none (and no trajectory cut) only moves the carries. Tests turn
 # this off to check the values of the device path on the CPU.
@@ -66,6 +73,7 @@ class EpisodeRing:
     __slots__ = (
         "key",
         "size",
+        "closing_size",
         "used",
         "reward",
         "closing",
@@ -88,6 +96,8 @@ class EpisodeRing:
         "base",
         "by_id",
         "entry_count",
+        "opens",
+        "_spec",
     )
 
     def __init__(
@@ -104,18 +114,37 @@ class EpisodeRing:
         from_keys: Sequence[int],
         entry_count: int = 1,
         alone: bool = False,
+        opened: bool = False,
     ) -> None:
         self.key = key
+        # What opened() makes a ring for the same batches from.
+        self._spec = (key, rows, steps, device), dict(
+            reward=reward,
+            done=done,
+            mask=mask,
+            traj_dtype=traj_dtype,
+            from_keys=from_keys,
+            entry_count=entry_count,
+        )
         self.host = device.type == "cpu" and _CPU_SHORTCUTS and not mask
         # Padded batches with trajectory ids (split_trajs, trajs_per_batch): a row is a
         # trajectory, not an env, and rows of two batches do not correspond. Each batch is
         # summed on its own and its carries are matched by trajectory id (and entry).
         self.by_id = mask and traj_dtype is not None
         self.entry_count = entry_count
+        self.opens = False  # whether a full ring with no closed episode is replaced, opened
         if self.by_id or alone:  # ``alone``: the caller sums every batch on its own
-            size = self.size = 1
+            size = self.size = self.closing_size = 1
         else:
-            size = self.size = max(1, min(_RING_BATCHES, _RING_STEPS // max(1, rows * steps)))
+            per_batch = max(1, rows * steps)
+            size = self.closing_size = max(1, min(_RING_BATCHES, _RING_STEPS // per_batch))
+            self.size = size
+            if self.host:
+                open_size = max(1, min(_RING_BATCHES, _RING_STEPS_OPEN // per_batch))
+                if opened:
+                    size = self.size = open_size
+                else:
+                    self.opens = open_size > size
         self.used = 0
         f64, shape = torch.float64, (rows, size, steps)
         self.reward = torch.zeros(shape, dtype=f64, device=device) if reward else None
@@ -155,6 +184,17 @@ class EpisodeRing:
 
     def empty_count(self) -> int | None:
         return 0 if self.host else None
+
+    def due(self) -> bool:
+        """Whether the staged batches are summed now: the ring is full, or it has staged
+        ``closing_size`` batches and an episode closed in them (an opened ring)."""
+        used = self.used
+        return used == self.size or (used >= self.closing_size and self.closed != 0)
+
+    def opened(self) -> EpisodeRing:
+        """An empty ring for the same batches, holding up to ``_RING_STEPS_OPEN`` steps."""
+        args, kwargs = self._spec
+        return EpisodeRing(*args, **kwargs, opened=True)
 
     def timeline(self, used: int) -> Timeline:
         """The views and buffers a flush of ``used`` slots works with (made once per ``used``)."""
@@ -693,8 +733,8 @@ def fold_into_ring(
     else:
         metrics._count_frames_and_episodes(n_closed, mask, batch_size)  # type: ignore[arg-type]
     ring.used += 1
-    if ring.used == ring.size:
-        flush_ring(metrics)
+    if ring.due():
+        flush_due(metrics)
 
 
 def fold_plain(
@@ -712,10 +752,19 @@ def fold_plain(
     counts["frames"] += batch_size.numel()
     counts["episodes"] += closed
     ring.used += 1
-    if ring.used == ring.size:
-        flush_ring(metrics)
+    if ring.due():
+        flush_due(metrics)
     if window is not None:
         window.advance(batch_size)
+
+
+def flush_due(metrics: Any) -> None:
+    """Sums a due ring; one that filled up with no episode closed is replaced, opened."""
+    ring = metrics._ring
+    opens = ring.opens and ring.closed == 0
+    flush_ring(metrics)
+    if opens:
+        metrics._ring = ring.opened()
 
 
 def flush_ring(metrics: Any) -> None:
