@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gc
+import pickle
 import subprocess
 import sys
+import time
 import weakref
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from rl_observers import Every, LoggerObserver, MetricsChannel, WriteMetrics
+from rl_observers.channel.ray import RaySender
 from rl_observers.testing import EventRecorder
 from tests.faults.conftest import (
     BATCHES,
@@ -19,6 +22,7 @@ from tests.faults.conftest import (
     assert_same_data,
     make_collector,
     run_loop,
+    wait_for,
 )
 from tests.helpers import RecordingLogger, read_csv
 
@@ -216,3 +220,42 @@ def test_interpreter_exit_delivers_pending_windows(tmp_path):
     assert read_csv(scalars / "replay_buffer" / "items_written.csv") == [(24, 24.0)]
     assert read_csv(scalars / "collector" / "frames.csv") == [(24, 24.0)]
     assert "Traceback" not in done.stderr
+
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_ray_shut_down_under_an_open_channel_starts_no_new_ray_instance(told):
+    # The channel's Ray ingest thread used to start a new ingest actor once Ray was gone, and a
+    # Ray sender's thread to look its target up again; Ray's calls connect on their own: a new
+    # local Ray instance, started from those threads.
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        pytest.skip("Ray is initialized in this process")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        logger = RecordingLogger()
+        channel = MetricsChannel(logger, name="open", health_interval=None)
+        # a handle's addresses start the receivers: the Ray ingest actor and its thread
+        handle = pickle.loads(pickle.dumps(channel.handle()))
+        assert set(handle._addresses) == {"socket", "ray"}
+        rb = ReplayBuffer(storage=LazyTensorStorage(100))
+        rb.add_observer(LoggerObserver(channel, name="rb", schedule=Every.counter("write_count", 1)))
+        rb.extend(torch.arange(10))
+        sender = RaySender(handle._addresses["ray"], relay=False, interval=0.01)
+        sender.send({"x": 1.0}, None, "sent", None)
+        assert sender.flush(timeout=30) and sender.dropped == 0
+    finally:
+        ray.shutdown()
+    said = lambda: [m for m in told if "Ray was shut down in this process while" in m]  # noqa: E731
+    assert wait_for(said, 10)
+    time.sleep(1.0)  # more drains of the ingest thread, were it still running
+    rb.extend(torch.arange(10))
+    sender.send({"x": 2.0}, None, "sent", None)  # nowhere to go: it stays buffered, counted
+    assert not sender.flush(timeout=2)
+    assert (sender.pending(), sender.dropped, sender.submitted) == (1, 0, 2)
+    assert channel.flush(timeout=10) and channel.close(timeout=10)
+    assert not ray.is_initialized()
+    assert len(said()) == 1 and "Close the channel (channel.close()) before ray.shutdown()" in said()[0]
+    assert len([m for m in told if "cannot reach its owner" in m and "Ray was shut down" in m]) == 1
+    assert channel.health()["dropped"] == 0 and logger.calls  # the local path went on

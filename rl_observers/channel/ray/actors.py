@@ -249,9 +249,24 @@ class _Forwarder:
     def in_flight(self) -> int:
         return len(self._calls)
 
+    def _ray_down(self) -> bool:
+        """Whether Ray was shut down in this process; the calls in flight are then lost, counted.
+
+        No Ray call is made then: Ray's calls connect on their own, and one
+        would start a new local Ray instance from the sending thread.
+        """
+        ray = _ray()
+        if ray is not None and ray.is_initialized():
+            return False
+        for cost in self._calls.values():
+            self._lose(cost)
+        self._calls.clear()
+        self._fail(RuntimeError("Ray was shut down in this process"))
+        return True
+
     def reap(self) -> None:
         """Accounts for the calls that finished (never waits)."""
-        if not self._calls:
+        if not self._calls or self._ray_down():
             return
         ray = _ray()
         refs = list(self._calls)
@@ -303,7 +318,7 @@ class _Forwarder:
 
     def ready(self) -> bool:
         """Whether a batch may be sent now (a target is known and a slot is free)."""
-        if len(self._calls) >= self._limit:
+        if len(self._calls) >= self._limit or self._ray_down():
             return False
         if self._target is None:
             if time.monotonic() - self._failed_at < RETRY_AFTER:
@@ -340,7 +355,7 @@ class _Forwarder:
         ray = _ray()
         while self._calls:
             left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
+            if (left is not None and left <= 0) or self._ray_down():
                 return False
             refs = list(self._calls)
             ray.wait(refs, num_returns=len(refs), timeout=left)

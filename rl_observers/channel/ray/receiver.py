@@ -151,13 +151,21 @@ class RayReceiver:
             actor = self._actor
             if actor is None:
                 return 0
+            if not ray.is_initialized():
+                self._ray_shut_down()
+                return 0
             try:
                 batches, dropped, coalesced = ray.get(
                     actor.drain.remote(DRAIN_BATCH, wait), timeout=timeout
                 )
-            except Exception as err:  # the ingest died: start a new one, senders find it by name
+            # the ingest died: start a new one, senders find it by name (SystemExit: Ray's
+            # get when ray.shutdown() runs meanwhile)
+            except (Exception, SystemExit) as err:
                 self.error = err
                 if isinstance(err, ray.exceptions.GetTimeoutError):
+                    return 0
+                if not ray.is_initialized():  # ray.shutdown() meanwhile
+                    self._ray_shut_down()
                     return 0
                 if not self._stop:
                     time.sleep(min(wait, 0.1))
@@ -185,6 +193,21 @@ class RayReceiver:
             return len(messages)
         finally:
             self._lock.release()
+
+    def _ray_shut_down(self) -> None:
+        """Ray was shut down in this process: the transport stops, said once.
+
+        A new ingest actor would start a new local Ray instance (Ray's calls
+        connect on their own), from this channel's thread.
+        """
+        self._stop = True
+        self._actor = None
+        torchrl_logger.warning(
+            f"{self._owner}: Ray was shut down in this process while the "
+            "channel was open; its Ray transport stopped, and whatever its ingest actor still "
+            "held is lost (it is not counted: the actor went with Ray). Close the channel "
+            "(channel.close()) before ray.shutdown()."
+        )
 
     def _load(self, data: bytes) -> list[Message]:
         """The messages of one batch; an unreadable batch is refused (counted as dropped)."""
@@ -238,6 +261,8 @@ class RayReceiver:
         address = self._address
         if address is None:
             return []
+        if not ray.is_initialized():  # (a call would start a new local Ray instance)
+            return []
         prefix = _relay_name(self.token, "")
         found = []
         try:
@@ -280,6 +305,8 @@ class RayReceiver:
             if not self.drain(0.0, timeout=left, lock_timeout=left):
                 break
         actor, self._actor = self._actor, None
+        if not ray.is_initialized():
+            return
         for victim in [*relays, *([actor] if actor is not None else [])]:
             try:
                 ray.kill(victim)
