@@ -1,17 +1,20 @@
-"""The least a Python observer can cost on the two tightest budgets, step by step.
+"""The least a Python observer can cost on the tightest budgets, step by step.
 
 Issue 24 asks ``sample(256)`` with exact sample ages for >= 0.95 of bare, in
 Python. This script measures what each step an exact age needs costs when
 written as directly as Python allows: one hand-written observer class per
 step, each attached alone to its own buffer (no ``LoggerObserver``, no
-metric set, no lock, no error policy), next to the library's own
-``LoggerObserver`` + ``SampleMetrics``. The same for the no-reset
+metric set, no lock, no error policy). Each method is written out in full:
+a shared helper would add the Python call whose cost is measured. The
+library's own ``LoggerObserver`` + ``SampleMetrics`` run beside them. The
+same for ``extend(256)`` (counts, the written range, exact rewards folded
+from the storage, next to ``WriteMetrics``) and for the no-reset
 ``CountingEnv([100])`` collector (1,000-frame batches): a hand-written
 observer that copies what exact reward and episode statistics need (the
 reward and the done flags) into a preallocated ring, next to
 ``CollectorBatchMetrics``. Same method as
 ``test_bench_logger_observer.py::test_replay_buffer_ratio``: alternating
-blocks of 200 calls, CPU time of the process, the ratio to the bare buffer
+blocks, CPU time of the process, the ratio to the bare buffer or collector
 per round, median over rounds.
 
 Run it with::

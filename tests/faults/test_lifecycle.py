@@ -222,7 +222,6 @@ def test_interpreter_exit_delivers_pending_windows(tmp_path):
     assert "Traceback" not in done.stderr
 
 
-
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ray_shut_down_under_an_open_channel_starts_no_new_ray_instance(told):
