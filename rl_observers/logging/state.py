@@ -34,6 +34,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -142,7 +143,24 @@ def align(observer: Any, source: Any, before: Mapping[str, float]) -> None:
     """Moves counters below the source's own (restored, or counted before attaching) up to it.
 
     ``before``: the observer's counters before the event that triggered this.
+
+    Held under a replay buffer's own lock, which every observed write holds
+    from torchrl's count to its event (:mod:`~rl_observers.sources.replay_buffers`):
+    a write another thread made meanwhile is then either folded already or not
+    counted by torchrl yet, never counted by torchrl and folded after the
+    line-up, which would count it twice (a sampling thread's first event).
     """
+    with _writes_held(source):
+        _align_now(observer, source, before)
+
+
+def _writes_held(source: Any) -> Any:
+    """A replay buffer's write lock (reentrant), or a no-op for a source without one."""
+    lock = getattr(source, "__dict__", {}).get("_replay_lock")  # no __getattr__ forwarding
+    return contextlib.nullcontext() if lock is None else lock
+
+
+def _align_now(observer: Any, source: Any, before: Mapping[str, float]) -> None:
     axis = source_axis(source)
     if axis is None:
         return

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
-from rl_observers import LoggerObserver, MetricsChannel, WriteMetrics
+from rl_observers import LoggerObserver, MetricsChannel, Observer, WriteMetrics
 from rl_observers.testing import EventRecorder
 from tests.faults.conftest import assert_balanced
 from tests.helpers import RecordingLogger
@@ -156,3 +156,45 @@ def test_logger_observers_attached_and_removed_over_and_over_leave_no_callbacks_
     rb.extend(torch.arange(3))
     assert channel.close()
     assert channel.logger.series("kept/items_written")[-1][1] == 3
+
+
+
+class _Held(Observer):
+    """Holds a thread inside its ``post_sample`` / ``post_extend`` event until released."""
+
+    def __init__(self) -> None:
+        self.sampling, self.sample_released = threading.Event(), threading.Event()
+        self.writing, self.write_released = threading.Event(), threading.Event()
+
+    def on_post_sample(self, source, batch, info) -> None:
+        self.sampling.set()
+        assert self.sample_released.wait(timeout=30)
+
+    def on_post_extend(self, source, data, index) -> None:
+        self.writing.set()
+        assert self.write_released.wait(timeout=30)
+
+
+@pytest.mark.timeout(60)
+def test_a_sampling_threads_first_event_does_not_count_a_write_in_flight_twice():
+    """The first event lines the counters up with torchrl's write count. A write that torchrl
+    counted and the observer had not folded yet at that moment is counted once."""
+    rb = ReplayBuffer(storage=LazyTensorStorage(1_000), batch_size=4)
+    rb.extend(torch.arange(100))  # before attaching: on the buffer's axis
+    held = _Held()
+    rb.add_observer(held)  # called before the logger observer, in both threads
+    observer = LoggerObserver(MetricsChannel(RecordingLogger(), health_interval=None), schedule=None)
+    rb.add_observer(observer)
+    sampler = threading.Thread(target=rb.sample)
+    sampler.start()
+    assert held.sampling.wait(timeout=30)  # sampled (torchrl's lock released), event not yet seen
+    writer = threading.Thread(target=rb.extend, args=(torch.arange(5),))
+    writer.start()
+    assert held.writing.wait(timeout=30)  # torchrl counted 105; the observer folded nothing yet
+    threading.Timer(0.5, held.write_released.set).start()
+    held.sample_released.set()  # the observer's first event: it lines up while the write is held
+    sampler.join(timeout=30)
+    writer.join(timeout=30)
+    assert rb.write_count == 105
+    assert observer.stats()["items_written"] == 105
+    assert observer._channel().close(timeout=10)

@@ -27,6 +27,7 @@ import sys
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -247,8 +248,8 @@ def _ray_collector():
         )
 
 
-def _kill_actor_0_once_both_ran(ray, collector, log: Path) -> None:
-    """Kills actor 0 from the 4th batch on, once both actors have logged a batch.
+def _kill_actor_0_once_both_ran(ray, collector, log: Path, heard: Callable[[], Any] = lambda: True) -> None:
+    """Kills actor 0 from the 4th batch on, once both actors have logged a batch and ``heard()``.
 
     The collector is asynchronous: on a busy machine actor 1 alone may deliver
     the first batches while actor 0 still starts.
@@ -256,7 +257,8 @@ def _kill_actor_0_once_both_ran(ray, collector, log: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         for i, _ in enumerate(collector):
-            if i >= 3 and (set(lines_of(log, "rec", "post_collect")) == {0, 1} or i >= 1_000):
+            ran = set(lines_of(log, "rec", "post_collect")) == {0, 1} and heard()
+            if i >= 3 and (ran or i >= 1_000):
                 ray.kill(collector.remote_collectors[0], no_restart=True)
 
 
@@ -270,16 +272,20 @@ def test_a_killed_ray_collector_actor(ray_cluster, tmp_path, told):
     collector = _ray_collector()
     try:
         collector.add_observer(remote_observers.CollectorLog(log, "rec"))
-        collector.add_observer(LoggerObserver(channel, metrics=CollectorBatchMetrics(), name="workers", schedule=None))
+        # per worker too: killed once the owner logged actor 0's window, so the loss names its node
+        collector.add_observer(
+            LoggerObserver(channel, metrics=CollectorBatchMetrics(), name="workers", schedule=None, scope="both")
+        )
         start = time.monotonic()
         with pytest.raises(RayActorError):
-            _kill_actor_0_once_both_ran(ray_cluster, collector, log)
+            _kill_actor_0_once_both_ran(ray_cluster, collector, log, lambda: logger.series("workers/worker_0/frames"))
         assert time.monotonic() - start < 60
     finally:
         start = time.monotonic()
         collector.shutdown()
         assert time.monotonic() - start < 60
     assert set(lines_of(log, "rec", "post_collect")) == {0, 1}
+    assert logger.series("workers/worker_0/frames")  # heard before it was killed
     # the killed actor's copy vanished without its final report: reported once, counted, and
     # what this flush reports; what it had reported stays in the aggregate
     assert not channel.flush(timeout=30)  # settles the account of the copies that are gone
