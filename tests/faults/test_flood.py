@@ -158,7 +158,6 @@ def test_logger_observers_attached_and_removed_over_and_over_leave_no_callbacks_
     assert channel.logger.series("kept/items_written")[-1][1] == 3
 
 
-
 class _Held(Observer):
     """Holds a thread inside its ``post_sample`` / ``post_extend`` event until released."""
 
