@@ -34,7 +34,6 @@ Examples:
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -51,6 +50,7 @@ from rl_observers.logging.resume import (
 )
 from rl_observers.logging.schedule import ScheduleClock
 from rl_observers.logging.wiring import counter_key
+from rl_observers.sources.replay_buffers import writes_held
 
 __all__ = ["align", "load", "prime_clock", "save"]
 
@@ -150,14 +150,8 @@ def align(observer: Any, source: Any, before: Mapping[str, float]) -> None:
     counted by torchrl yet, never counted by torchrl and folded after the
     line-up, which would count it twice (a sampling thread's first event).
     """
-    with _writes_held(source):
+    with writes_held(source):
         _align_now(observer, source, before)
-
-
-def _writes_held(source: Any) -> Any:
-    """A replay buffer's write lock (reentrant), or a no-op for a source without one."""
-    lock = getattr(source, "__dict__", {}).get("_replay_lock")  # no __getattr__ forwarding
-    return contextlib.nullcontext() if lock is None else lock
 
 
 def _align_now(observer: Any, source: Any, before: Mapping[str, float]) -> None:

@@ -28,6 +28,7 @@ is never traced, specialised or recompiled. The cost is one
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 from collections.abc import Callable
@@ -42,7 +43,7 @@ from rl_observers.signals import REPLAY_BUFFER_EVENTS
 from rl_observers.sources.observed import observers_of, torchrl_class
 from rl_observers.sources.remote import refused_raise
 
-__all__ = ["ObservedReplayBuffer", "ReplayBufferObservers", "emit_eagerly"]
+__all__ = ["ObservedReplayBuffer", "ReplayBufferObservers", "emit_eagerly", "writes_held"]
 
 
 def _code_of(function: Any) -> CodeType | None:
@@ -99,6 +100,13 @@ def _write_method(name: str, event: str) -> Callable[..., Any]:
     write.__name__ = name
     write.__qualname__ = f"ObservedReplayBuffer.{name}"
     return write
+
+
+def writes_held(source: Any) -> Any:
+    """The lock each observed write holds from torchrl's count to its event (reentrant),
+    or a no-op context for a source without one (a collector)."""
+    lock = getattr(source, "__dict__", {}).get("_replay_lock")  # no __getattr__ forwarding
+    return contextlib.nullcontext() if lock is None else lock
 
 
 def _data_argument(method: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
