@@ -16,7 +16,7 @@ import time
 import psutil
 import pytest
 
-from rl_observers.channel import MetricsChannel
+from rl_observers.remote import MetricsChannel
 
 P99_BUDGET_NS = 10_000
 RSS_GROWTH_BUDGET = 20 * 2**20

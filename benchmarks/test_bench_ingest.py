@@ -7,7 +7,7 @@ their counters) every ``PERIOD`` seconds through its :class:`RaySender`.
 With pre-merge their windows go through the node's relay actor, which merges
 each worker's consecutive windows and forwards one batch per interval; without
 it every window reaches the owner's ingest alone. The owner folds every message
-it accepts into real :class:`~rl_observers.logging.aggregate.Aggregate` objects, as the
+it accepts into real :class:`~rl_observers.remote.aggregate.Aggregate` objects, as the
 channel does.
 
 "Effective contributions" are the worker windows that reached the owner's
@@ -30,8 +30,8 @@ from typing import Any
 import pytest
 from torchrl.record.loggers.monitoring import Every
 
-from rl_observers.channel.ray import transport as ray_transport
-from rl_observers.logging.aggregate import Aggregate
+from rl_observers.remote.aggregate import Aggregate
+from rl_observers.remote.ray import transport as ray_transport
 from rl_observers.stats import Count, Moments
 from tests.helpers import local_ray
 
@@ -88,7 +88,7 @@ def _simulated_nodes(ray):
     class SimulatedNodes:
         def prepare(self, address, nodes, relay):
             """Starts the senders (and finds or creates the relays) before the clock runs."""
-            from rl_observers.channel.ray.transport import RaySender
+            from rl_observers.remote.ray.transport import RaySender
 
             self.senders = {
                 node: RaySender(address, relay=relay, node=node, capacity=1 << 16) for node in nodes

@@ -33,7 +33,16 @@ from torchrl._utils import logger as torchrl_logger
 
 from rl_observers import signals
 
-__all__ = ["ON_ERROR_POLICIES", "FailureStreaks", "Observer", "ObserverHandle", "OnError", "check_on_error", "dumps"]
+__all__ = [
+    "ON_ERROR_POLICIES",
+    "FailureStreaks",
+    "Observer",
+    "ObserverHandle",
+    "OnError",
+    "check_on_error",
+    "dumps",
+    "refused_raise",
+]
 
 OnError = Literal["warn", "raise", "ignore"]
 #: The accepted values of ``on_error``.
@@ -738,3 +747,13 @@ class ObserverHandle:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(observer={self.observer!r}, target={self.target!r})"
+
+
+def refused_raise(observer: Any, target_name: str, where: str) -> str:
+    """Why ``on_error="raise"`` is refused for an observer whose copies run ``where``."""
+    return (
+        f"on_error='raise' cannot be honoured for an observer of a {target_name}: its copies "
+        f"run {where}, where an error cannot reach the caller (it would kill the worker, and the "
+        "driver would only learn that a worker failed). Use on_error='warn' (the default) or "
+        f"'ignore' for {observer!r}."
+    )

@@ -26,7 +26,7 @@ default the profiler starts at the first event it sees, inside rollout 0: with
 With ``start_after_frames`` / ``start_after_batches`` / ``start_when`` (or
 ``start()``) it starts right after the batch that met them, and step 0 is
 the next rollout, whole. In a Ray actor the written trace is also sent back
-to the driver (:func:`rl_observers.sources.ray.send_file_to_driver`).
+to the driver (:func:`rl_observers.remote.ray.observed.send_file_to_driver`).
 
 Boundaries at ``post_collect`` keep every rollout whole inside one step
 (``ProfilerStep#k`` contains ``Collector.rollout`` #k) and let the trace be
@@ -57,8 +57,8 @@ from torchrl._utils import logger as torchrl_logger
 from torchrl.collectors import BaseCollector, MultiCollector, ProfileConfig
 
 from rl_observers.observer import Observer
+from rl_observers.remote.ray.observed import send_file_to_driver
 from rl_observers.sources import observers_of, source_info
-from rl_observers.sources.ray import send_file_to_driver
 
 __all__ = ["ProfilerObserver", "disable_profile", "enable_profile"]
 

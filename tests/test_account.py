@@ -1,4 +1,4 @@
-"""The end-to-end account (``rl_observers.channel.account``) through a real handle and channel.
+"""The end-to-end account (``rl_observers.remote.account``) through a real handle and channel.
 
 A handle forced onto the socket transport numbers the windows it sends, as
 an observer copy's handle in a worker does; the owner's account knows, per
@@ -18,11 +18,11 @@ import torch
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl.record import CSVLogger
 
-import rl_observers.channel.owner as owner_module
-import rl_observers.logging.contributions as contributions
+import rl_observers.remote.contributions as contributions
+import rl_observers.remote.owner as owner_module
 from rl_observers import Every, LoggerObserver, MetricsChannel
-from rl_observers.channel.meta import AGGREGATE, COUNTERS, LAST, WORKER
-from rl_observers.logging.aggregate import AggregateSpec
+from rl_observers.remote.aggregate import AggregateSpec
+from rl_observers.remote.window import AGGREGATE, COUNTERS, LAST, WORKER
 from tests.helpers import RecordingLogger
 
 

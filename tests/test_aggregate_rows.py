@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torchrl.record.loggers.monitoring import Every
 
-from rl_observers.logging import aggregate as aggregate_module
-from rl_observers.logging.aggregate import Aggregate
+from rl_observers.remote import aggregate as aggregate_module
+from rl_observers.remote.aggregate import Aggregate
 from rl_observers.stats import Count
 
 

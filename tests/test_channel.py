@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from torchrl.record.loggers import CSVLogger
 
-from rl_observers.channel import MetricsChannel, MetricsHandle
+from rl_observers.remote import MetricsChannel, MetricsHandle
 from tests.helpers import RecordingLogger, read_csv
 
 # ---------------------------------------------------------------------------
@@ -768,10 +768,10 @@ def test_close_callbacks_submit_their_last_window_before_the_final_flush(warning
 _EXIT_SCRIPT = """
 import sys, threading, time
 from torchrl.record import CSVLogger
-import rl_observers.channel
-from rl_observers.channel import MetricsChannel
+import rl_observers.remote.channel
+from rl_observers.remote import MetricsChannel
 
-rl_observers.channel.channel._EXIT_TIMEOUT = 2.0
+rl_observers.remote.channel._EXIT_TIMEOUT = 2.0
 
 class SlowCSV(CSVLogger):
     def log_metrics(self, metrics, step=None, **kwargs):
@@ -938,7 +938,7 @@ def test_payloads_larger_than_64_kib_cross_the_socket():
 
 
 def test_a_payload_too_large_for_a_datagram_is_counted_at_the_owner_at_once(warnings_seen):
-    from rl_observers.channel.socket import SocketSender
+    from rl_observers.remote.socket import SocketSender
 
     logger = RecordingLogger()
     channel = sync_channel(logger)
@@ -971,7 +971,7 @@ def test_unpicklable_payloads_are_dropped_by_the_sender_and_counted_at_the_owner
 
 _CHILD_SENDS_TOO_LARGE = """
 import pickle
-from rl_observers.channel.socket import SocketSender
+from rl_observers.remote.socket import SocketSender
 handle = pickle.loads(handle)
 payload = {f"k{i}": float(i) for i in range(SocketSender.max_payload() // 10)}
 for i in range(4):

@@ -221,7 +221,7 @@ def test_a_step_never_goes_below_the_namespaces_last_one(tmp_path):
 
 def test_the_owners_aggregate_goes_on_from_its_saved_state():
     """Restarted workers (new processes) count on top of the saved totals, gauges and thresholds."""
-    from rl_observers.logging.aggregate import Aggregate
+    from rl_observers.remote.aggregate import Aggregate
     from rl_observers.stats import Count
 
     def contribution(frames):
@@ -248,7 +248,7 @@ def test_the_owners_aggregate_goes_on_from_its_saved_state():
 
 def test_restored_workers_without_saved_state_line_the_aggregate_up_with_their_frames():
     """Each copy tells how much of its count its restored source had (``base``): no threshold fires for it."""
-    from rl_observers.logging.aggregate import Aggregate
+    from rl_observers.remote.aggregate import Aggregate
 
     aggregate = Aggregate("collector", schedule=Every.counter("frames", 40), step_key="frames", scope="both")
     base = {"frames": 40, "batches": 4}
@@ -266,7 +266,7 @@ def test_restored_workers_without_saved_state_line_the_aggregate_up_with_their_f
 
 def test_the_aggregates_rolling_episode_window_is_saved_and_goes_on(tmp_path):
     """The last N episodes merged at the owner survive a Checkpoint; new episodes push the saved ones out."""
-    from rl_observers.logging.aggregate import Aggregate
+    from rl_observers.remote.aggregate import Aggregate
     from rl_observers.stats import LatestWindow
 
     def window(*entries):

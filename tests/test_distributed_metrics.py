@@ -25,7 +25,7 @@ from rl_observers import (
     Sum,
     WriteMetrics,
 )
-from rl_observers.logging.aggregate import AggregateSpec
+from rl_observers.remote.aggregate import AggregateSpec
 from tests.helpers import RecordingLogger, local_ray, scalars, start_method
 
 NEVER = Every.counter("frames", 10**12)

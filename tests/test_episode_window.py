@@ -20,7 +20,7 @@ from torchrl.envs.utils import RandomPolicy
 from torchrl.record import CSVLogger
 
 from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel
-from rl_observers.logging.aggregate import Aggregate
+from rl_observers.remote.aggregate import Aggregate
 from rl_observers.stats import LatestWindow
 from tests.helpers import scalars, start_method
 from tests.test_collector_metrics import collect, make_env

@@ -253,7 +253,7 @@ def test_every_exported_class_is_heard_or_refused(cls):
             f"{cls.__qualname__} is observed but no test checks that its events arrive"
         )
         message = refusal(cls)
-        assert "rl_observers.sources.table" in message and cls.__qualname__ in message
+        assert "rl_observers.targets" in message and cls.__qualname__ in message
 
 
 # -- classes the table does not know: refused at add_observer, never mute ------------------------

@@ -35,8 +35,11 @@ LAYERS: tuple[str, ...] = (
     "stats",
     "sources",
     "metrics",
+    "schedule",
     "channel",
+    "remote",
     "logging",
+    "targets",
     "profiler",
     "testing",
 )
@@ -47,6 +50,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "stats": ("signals",),
     "sources": ("signals", "observer", "stats"),
     "metrics": ("signals", "stats", "sources.placement"),
+    "schedule": (),
     "channel": ("observer", "stats.partials"),  # observer: the one OnError policy
 }
 
@@ -202,19 +206,19 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_sees_imports_inside_functions():
     source = ROOT / "sources" / "collectors.py"
     assert source.exists()
-    tree = ast.parse("def f():\n    from rl_observers.sources import remote\n")
+    tree = ast.parse("def f():\n    from rl_observers.remote import shipping as remote\n")
     (node,) = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-    assert _resolve(f"{node.module}.{node.names[0].name}") == "rl_observers.sources.remote"
+    assert _resolve(f"{node.module}.{node.names[0].name}") == "rl_observers.remote.shipping"
 
 
 def test_the_graph_sees_type_checking_imports():
     source = (
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n"
-        "    from rl_observers.channel.channel import MetricsChannel\n"
+        "    from rl_observers.remote.channel import MetricsChannel\n"
     )
-    found = imports_of("rl_observers.channel.handle", source)
-    assert ("rl_observers.channel.channel", 3, "import") in found
+    found = imports_of("rl_observers.remote.handle", source)
+    assert ("rl_observers.remote.channel", 3, "import") in found
 
 
 def test_no_import_cycles_including_imports_inside_functions():
@@ -310,7 +314,7 @@ def _calls_of(name: str) -> list[str]:
 
 def test_the_table_is_the_only_registration():
     # One call hands the table to the mechanism; no module registers mixins or kinds of its own.
-    assert _calls_of("use_table") == [f"{PACKAGE}.sources (line {_line_of_use_table()})"]
+    assert _calls_of("use_table") == [f"{PACKAGE}.targets (line {_line_of_use_table()})"]
     assert _calls_of("register_mixin") == [] and _calls_of("register_kind") == []
     # Nothing outside the table module fills a class attribute of the observer lists from afar.
     for module in MODULES:
@@ -323,7 +327,7 @@ def test_the_table_is_the_only_registration():
 
 
 def _line_of_use_table() -> int:
-    path = _path_of(f"{PACKAGE}.sources")
+    path = _path_of(f"{PACKAGE}.targets")
     (line,) = [
         node.lineno
         for node in ast.walk(ast.parse(path.read_text()))
@@ -339,7 +343,7 @@ def test_the_table_names_every_class_it_decides_for():
 
     import rl_observers  # noqa: F401
     from rl_observers.sources.observed import how_observed
-    from rl_observers.sources.table import TABLE
+    from rl_observers.targets import TABLE
 
     for context, rows in TABLE.items():
         for name, how in rows.items():
@@ -416,8 +420,8 @@ def test_long_modules_say_why_they_are_long():
 
 
 def test_the_channel_s_public_members_are_its_contract():
-    from rl_observers.channel import MetricsChannel
-    from rl_observers.channel.logging_side import LoggingSide
+    from rl_observers.remote import MetricsChannel
+    from rl_observers.remote.logging_side import LoggingSide
 
     public = {name for name in dir(MetricsChannel) if not name.startswith("_")}
     assert public == CHANNEL_CONTRACT, (

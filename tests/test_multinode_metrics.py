@@ -20,7 +20,7 @@ import torch
 from torchrl.record import CSVLogger
 
 from rl_observers import Every, LoggerObserver, MetricsChannel, WriteMetrics
-from rl_observers.logging.aggregate import finish_aggregate
+from rl_observers.remote.aggregate import finish_aggregate
 from tests.helpers import scalars
 from tests.multinode import Cluster, two_node_cluster
 

@@ -13,7 +13,7 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 import rl_observers
 from rl_observers import Observer, ObserverHandle, signals
-from rl_observers.sources import install
+from rl_observers.targets import install
 from rl_observers.testing import EventRecorder
 
 

@@ -805,7 +805,7 @@ def test_start_after_counts_each_workers_frames(tmp_path):
 
 
 def test_files_sent_back_are_written_on_the_driver(tmp_path):
-    from rl_observers.sources import ray as ray_source
+    from rl_observers.remote.ray import observed as ray_source
 
     assert ray_source.send_file_to_driver(tmp_path / "nothing.json") is False  # not in a Ray actor
     here = tmp_path / "same.json"

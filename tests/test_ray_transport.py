@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from rl_observers.channel.ray import transport as ray_transport
-from rl_observers.logging.aggregate import Aggregate
+from rl_observers.remote.aggregate import Aggregate
+from rl_observers.remote.ray import transport as ray_transport
 from rl_observers.stats import Count, Moments
 from tests.helpers import local_ray
 from tests.multinode import Cluster, _groups_of_sessions, two_node_cluster
@@ -32,7 +32,7 @@ FLUSH_SECONDS = 120.0
 
 
 def load_transport() -> ModuleType:
-    """``rl_observers.channel.ray.transport`` (kept for the benchmarks that import it)."""
+    """``rl_observers.remote.ray.transport`` (kept for the benchmarks that import it)."""
     return ray_transport
 
 
@@ -434,7 +434,7 @@ def assert_exact(recorder: Recorder, sender, sent: int) -> None:
 
 def holding_relay(ray, address, node: str, capacity: int = 1 << 16) -> Any:
     """The relay of ``node``, made before its senders: it holds ``capacity`` messages until flushed."""
-    from rl_observers.channel.ray.actors import _actor_class, _Relay, _relay_name
+    from rl_observers.remote.ray.relay import _actor_class, _Relay, _relay_name
 
     relay = (
         _actor_class(_Relay, num_cpus=0, max_concurrency=4)

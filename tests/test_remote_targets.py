@@ -51,9 +51,9 @@ from torchrl.testing.mocking_classes import CountingEnv
 
 import rl_observers  # noqa: F401
 from rl_observers import Every, LoggerObserver, MetricsChannel, SampleMetrics, WriteMetrics
+from rl_observers.remote.shipping import RemoteAttachError, attach_here, detach_here, kind_of
 from rl_observers.sources.observed import observed_class
 from rl_observers.sources.placement import SourceInfo, source_info
-from rl_observers.sources.remote import RemoteAttachError, attach_here, detach_here, kind_of
 from tests.helpers import CountingHandle, counting_rpcs, local_ray, scalars, start_method
 
 HERE = Path(__file__).parent

@@ -221,7 +221,7 @@ def test_a_worker_that_did_not_stop_at_exit_is_reported(monkeypatch, caplog):
     import os
     from types import SimpleNamespace
 
-    from rl_observers.sources import multiprocess
+    from rl_observers.remote import multiprocess
 
     class StuckCollector:
         pipes = (None, None)

@@ -19,17 +19,17 @@ from typing import Any, Literal
 from torchrl.collectors import BaseCollector
 from torchrl.record.loggers.monitoring import Every
 
-from rl_observers.channel import MetricsChannel
-from rl_observers.logging import copies, wiring
 from rl_observers.logging import state as _state
+from rl_observers.logging import wiring
 from rl_observers.logging.arguments import check_arguments
-from rl_observers.logging.contributions import LIVE, Contribution, mode_at_end, resolve_mode
 from rl_observers.logging.defaults import DEFAULT_NAMES, as_metric_sets, as_sink, target_kind
 from rl_observers.logging.failures import metric_set_warning
 from rl_observers.logging.namespaces import Namespace
-from rl_observers.logging.schedule import ScheduleClock
 from rl_observers.metrics import MetricSet
 from rl_observers.observer import FailureStreaks, Observer
+from rl_observers.remote import MetricsChannel, copies
+from rl_observers.remote.contributions import LIVE, Contribution, mode_at_end, resolve_mode
+from rl_observers.schedule import ScheduleClock
 from rl_observers.sources import observers_of
 
 __all__ = ["LoggerObserver"]

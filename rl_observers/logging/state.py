@@ -8,7 +8,7 @@ calls :meth:`~rl_observers.LoggerObserver.state_dict` /
 axis) is :mod:`~rl_observers.logging.resume`'s; :func:`align` applies it at
 the first event after attaching or loading. For a source whose copies run
 elsewhere, the state is the aggregate kept by the channel's owner
-(:mod:`~rl_observers.logging.aggregate`).
+(:mod:`~rl_observers.remote.aggregate`).
 
 Examples:
     >>> import torch
@@ -37,7 +37,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rl_observers.logging.aggregate import aggregate_state, load_aggregate_state
 from rl_observers.logging.defaults import target_kind
 from rl_observers.logging.resume import (
     AXIS_COUNTERS,
@@ -48,8 +47,9 @@ from rl_observers.logging.resume import (
     shift_counters,
     source_axis,
 )
-from rl_observers.logging.schedule import ScheduleClock
 from rl_observers.logging.wiring import counter_key
+from rl_observers.remote.aggregate import aggregate_state, load_aggregate_state
+from rl_observers.schedule import ScheduleClock
 from rl_observers.sources.replay_buffers import writes_held
 
 __all__ = ["align", "load", "prime_clock", "save"]

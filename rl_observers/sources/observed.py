@@ -27,7 +27,7 @@ An observed object behaves like the torchrl object it is:
   for observers that cannot be unpickled in a ``spawn`` worker).
 
 Which mixin a torchrl class gets is read from one table
-(:mod:`rl_observers.sources.table`), handed to :func:`use_table` once: a
+(:mod:`rl_observers.targets`), handed to :func:`use_table` once: a
 class is matched by the nearest class of its MRO that the table names, so
 neither import order nor registration order decides anything. A class the
 table does not know (a torchrl class it does not name, or a subclass that
@@ -40,7 +40,7 @@ public methods are called through functions captured when the actor class
 was made, so the table's ``"ray_actor"`` rows intercept private lookups
 instead. The default context (``None``) is the in-process one; the
 driver-side object of a source whose observers run elsewhere (a remote
-kind, :class:`~rl_observers.sources.remote.RemoteKind`) is switched with
+kind, :class:`~rl_observers.remote.shipping.RemoteKind`) is switched with
 its kind's own context by :func:`switch_class` and back by
 :func:`switch_back`, the only ``__class__`` assignments besides
 :func:`observe` / :func:`release`.
@@ -84,7 +84,7 @@ ATTACH_LOCK = threading.RLock()
 
 
 class How(NamedTuple):
-    """How one torchrl class is observed: a row of :data:`rl_observers.sources.table.TABLE`.
+    """How one torchrl class is observed: a row of :data:`rl_observers.targets.TABLE`.
 
     Attributes:
         mixin: the class whose methods the observed class gets (for a
@@ -92,7 +92,7 @@ class How(NamedTuple):
         observer_list: the :class:`~rl_observers.observer.ObserverList`
             subclass an in-process source keeps its observers in (a remote
             kind's driver-side object keeps none).
-        kind: the :class:`~rl_observers.sources.remote.RemoteKind` of a
+        kind: the :class:`~rl_observers.remote.shipping.RemoteKind` of a
             source whose observers run as copies elsewhere, else ``None``.
         loop: the methods through which the events are emitted: a subclass
             that replaces one of them is refused (its events would never
@@ -116,7 +116,7 @@ def use_table(table: dict[str | None, dict[str, How]]) -> None:
     """Makes ``table`` the one answer to "how is this torchrl class observed?".
 
     Called once, by :mod:`rl_observers.sources` with
-    :data:`rl_observers.sources.table.TABLE`. Rows whose :class:`How` has a
+    :data:`rl_observers.targets.TABLE`. Rows whose :class:`How` has a
     ``kind`` are also the driver-side rows of that kind's context.
     """
     with _TABLE_LOCK:
@@ -178,7 +178,7 @@ def refusal(cls: type, context: str | None = None) -> str:
     where = "" if context is None else f" (in {context!r})"
     return (
         f"rl_observers cannot observe a {cls.__qualname__}{where}: {answer} Attach observers to a "
-        "torchrl class that rl_observers.sources.table names (Collector, AsyncBatchedCollector, "
+        "torchrl class that rl_observers.targets names (Collector, AsyncBatchedCollector, "
         "MultiSyncCollector, MultiAsyncCollector, AsyncCollector, RayCollector, "
         "DistributedCollector, DistributedSyncCollector, RPCCollector, ReplayBuffer and its torchrl "
         "subclasses, RayReplayBuffer), or to a subclass of one that keeps those methods; a loop "
@@ -335,7 +335,7 @@ def release(source: Any) -> None:
 def switch_class(source: Any, context: str) -> None:
     """Makes the driver-side object of a remote kind an instance of its observed class in ``context``.
 
-    Its observers run elsewhere (:class:`~rl_observers.sources.remote.RemoteKind`);
+    Its observers run elsewhere (:class:`~rl_observers.remote.shipping.RemoteKind`);
     the observed class only adds what the driver side does differently (for
     example letting the copies report before torchrl's shutdown kills them).
     """

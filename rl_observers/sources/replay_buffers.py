@@ -38,10 +38,9 @@ from typing import Any
 import torch
 from torchrl.collectors import MultiCollector
 
-from rl_observers.observer import ObserverList
+from rl_observers.observer import ObserverList, refused_raise
 from rl_observers.signals import REPLAY_BUFFER_EVENTS
 from rl_observers.sources.observed import observers_of, torchrl_class
-from rl_observers.sources.remote import refused_raise
 
 __all__ = ["ObservedReplayBuffer", "ReplayBufferObservers", "emit_eagerly", "writes_held"]
 
@@ -125,7 +124,7 @@ class ReplayBufferObservers(ObserverList):
     A buffer shared with the workers of multiprocessing collectors
     (``shared=True``) refuses ``on_error="raise"``: its copies run
     :data:`SHARED_COPIES_RUN`. The copies' side of such a buffer is
-    :class:`~rl_observers.sources.shared_buffers.SharedBufferObservers`.
+    :class:`~rl_observers.remote.shared_buffers.SharedBufferObservers`.
     """
 
     def __init__(

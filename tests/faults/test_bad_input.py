@@ -25,7 +25,7 @@ from rl_observers import (
     SampleMetrics,
     WriteMetrics,
 )
-from rl_observers.channel import MetricsHandle
+from rl_observers.remote import MetricsHandle
 from tests.faults.conftest import assert_balanced
 from tests.helpers import RecordingLogger, read_csv
 

@@ -14,7 +14,7 @@ import torch
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from rl_observers import Every, LoggerObserver, MetricsChannel, WriteMetrics
-from rl_observers.channel.ray import RaySender
+from rl_observers.remote.ray import RaySender
 from rl_observers.testing import EventRecorder
 from tests.faults.conftest import (
     BATCHES,

@@ -248,7 +248,7 @@ class UnpicklableInWorkers(EventRecorder):
 def test_an_observer_failing_to_unpickle_in_workers_is_refused_at_add_observer():
     from torchrl.collectors import MultiSyncCollector
 
-    from rl_observers.sources.remote import RemoteAttachError
+    from rl_observers.remote.shipping import RemoteAttachError
     from tests.test_remote_targets import make_multi
 
     collector = make_multi(MultiSyncCollector, "fork", frames_per_batch=20, total_frames=60)

@@ -134,7 +134,7 @@ def kill_outside_buffer_writes(rb: ReplayBuffer, proc: Any) -> None:
 
 @pytest.mark.timeout(120)
 def test_a_worker_killed_while_the_collector_runs_free(tmp_path, monkeypatch, told):
-    import rl_observers.logging.aggregate as aggregate
+    import rl_observers.remote.aggregate as aggregate
 
     if hasattr(aggregate, "STALE_AFTER"):
         monkeypatch.setattr(aggregate, "STALE_AFTER", 1.0)

@@ -2,7 +2,7 @@
 
 Step of the flow: **observer** (source → observer → channel → logger): a
 :class:`~rl_observers.LoggerObserver` asks its clock after every event, and
-the owner-side aggregation (:mod:`rl_observers.logging.aggregate`) asks one
+the owner-side aggregation (:mod:`rl_observers.remote.aggregate`) asks one
 per worker. The schedule itself is torchrl's
 :class:`~torchrl.record.loggers.monitoring.Every`; torchrl keeps the due
 logic private to ``LoggerMonitor`` (``LoggerMonitor._is_due`` on its
@@ -11,7 +11,7 @@ once per crossed threshold and re-baseline when the counter goes down,
 seconds schedules fire once the interval has passed since the last emission.
 
 Examples:
-    >>> from rl_observers.logging.schedule import ScheduleClock
+    >>> from rl_observers.schedule import ScheduleClock
     >>> from torchrl.record.loggers.monitoring import Every
     >>> clock = ScheduleClock(Every.counter("frames", 100))
     >>> clock.due(0)  # primes at the current value

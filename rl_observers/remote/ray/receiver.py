@@ -1,6 +1,6 @@
 """The owner's side of the Ray transport: its ingest actor and the thread that drains it.
 
-See :mod:`rl_observers.channel.ray.transport` for the flow.
+See :mod:`rl_observers.remote.ray.transport` for the flow.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rl_observers.channel.ray.actors import (
+from rl_observers.remote.ray.relay import (
     ACTOR_NAMESPACE,
     DRAIN_BATCH,
     DRAIN_WAIT,

@@ -29,11 +29,11 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from rl_observers.channel.handle import OWNERS, MetricsHandle
-from rl_observers.channel.logging_side import LoggingSide
-from rl_observers.channel.owner import Forwarder, Owner, check_alive
-from rl_observers.channel.transport import transport as find_transport
 from rl_observers.observer import OnError
+from rl_observers.remote.handle import OWNERS, MetricsHandle
+from rl_observers.remote.logging_side import LoggingSide
+from rl_observers.remote.owner import Forwarder, Owner, check_alive
+from rl_observers.remote.transport import transport as find_transport
 
 __all__ = ["MetricsChannel"]
 
@@ -384,7 +384,7 @@ class MetricsChannel:
           node lost, worker SIGKILLed), each reported once in a warning
           naming it and what its last report held;
         - ``windows_lost``: windows that those copies numbered and that
-          never reached the owner (see :mod:`~rl_observers.channel.account`).
+          never reached the owner (see :mod:`~rl_observers.remote.account`).
 
         ``submitted == logged + pending + coalesced + dropped + sink_errors``.
         """

@@ -3,7 +3,7 @@
 Step of the flow: **observer → channel** (source → observer → channel →
 logger), for observers running away from the channel's owner. In the
 owner's process a handle submits to the channel directly; elsewhere it
-sends through a transport (:mod:`rl_observers.channel.transport`) chosen
+sends through a transport (:mod:`rl_observers.remote.transport`) chosen
 when it is first used.
 """
 
@@ -16,10 +16,10 @@ import weakref
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from rl_observers.channel.meta import AGGREGATE, COPY, SEQ
-from rl_observers.channel.owner import Forwarder
 from rl_observers.channel.payload import check_metrics
-from rl_observers.channel.transport import Sender, make_sender
+from rl_observers.remote.owner import Forwarder
+from rl_observers.remote.transport import Sender, make_sender
+from rl_observers.remote.window import AGGREGATE, COPY, SEQ
 
 __all__ = ["MetricsHandle"]
 
@@ -27,7 +27,7 @@ __all__ = ["MetricsHandle"]
 class _Channel(Protocol):
     """What a handle uses of the :class:`~rl_observers.MetricsChannel` it refers to.
 
-    A protocol, so that this module never imports :mod:`~rl_observers.channel.channel`
+    A protocol, so that this module never imports :mod:`~rl_observers.remote.channel`
     (which imports this one).
     """
 

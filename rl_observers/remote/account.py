@@ -36,7 +36,7 @@ So ``health()["copies_lost"] == health()["windows_lost"] == 0`` means every
 copy that was attached, or that ever reported, was heard to its end.
 
 Examples:
-    >>> from rl_observers.channel.account import Account
+    >>> from rl_observers.remote.account import Account
     >>> account = Account("demo")
     >>> window = {"aggregate": "train", "worker": 0, "copy": "h/pid 1"}
     >>> _ = account.note({**window, "seq": 1, "counters": {"frames": 10}})
@@ -62,7 +62,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from rl_observers.channel.meta import AGGREGATE, COPY, COUNTERS, LAST, SEQ, WINDOWS, WORKER
+from rl_observers.remote.window import AGGREGATE, COPY, COUNTERS, LAST, SEQ, WINDOWS, WORKER
 
 __all__ = ["Account"]
 

@@ -38,7 +38,7 @@ torchrl does not say which. Metrics are therefore aggregate only: a
 collector (``source_info(source).worker`` is ``None``).
 
 Examples:
-    >>> from rl_observers.sources.distributed import ObservedDistributedCollector
+    >>> from rl_observers.remote.distributed import ObservedDistributedCollector
     >>> sorted(name for name in vars(ObservedDistributedCollector) if not name.startswith("__"))
     ['iterator', 'shutdown', 'stats']
 """

@@ -30,9 +30,9 @@ from typing import Any
 
 from torchrl._utils import logger as torchrl_logger
 
-from rl_observers.channel.meta import spanning
 from rl_observers.channel.payload import coalesce
-from rl_observers.channel.transport import Accept, register_transport
+from rl_observers.remote.transport import Accept, register_transport
+from rl_observers.remote.window import spanning
 
 __all__ = ["SocketAddress", "SocketReceiver", "SocketSender", "machine_id", "reachable"]
 

@@ -21,7 +21,7 @@ worker raises a ``RuntimeError`` naming it, and attaches nothing anywhere;
 removing detaches from every live worker and warns once per dead worker.
 
 Shared replay buffers written by these workers: see
-:mod:`rl_observers.sources.shared_buffers`.
+:mod:`rl_observers.remote.shared_buffers`.
 
 Shutdown: while observed, the driver's collector is an instance of an
 observed class whose ``shutdown()`` runs torchrl's (the workers exit, and
@@ -56,15 +56,15 @@ from typing import Any
 from torchrl._utils import logger as torchrl_logger
 from torchrl.collectors import BaseCollector
 
-from rl_observers.signals import COLLECTOR_EVENTS
-from rl_observers.sources.observed import torchrl_class
-from rl_observers.sources.placement import IdentityMap
-from rl_observers.sources.remote import (
+from rl_observers.remote.shipping import (
     RemoteAttachError,
     RemoteKind,
     attach_here,
     detach_here,
 )
+from rl_observers.signals import COLLECTOR_EVENTS
+from rl_observers.sources.observed import torchrl_class
+from rl_observers.sources.placement import IdentityMap
 
 __all__ = ["MULTIPROCESS_COLLECTOR", "MultiprocessCollectorKind", "call_workers"]
 

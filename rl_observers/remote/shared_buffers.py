@@ -28,15 +28,15 @@ from typing import Any
 import cloudpickle
 from torchrl.collectors import MultiCollector
 
-from rl_observers.observer import ObserverLeftBehind, ObserverList
-from rl_observers.sources.multiprocess import (
+from rl_observers.observer import ObserverLeftBehind, ObserverList, refused_raise
+from rl_observers.remote.multiprocess import (
     MULTIPROCESS_COLLECTOR,
     call_workers,
     raise_first_error,
     warn_dead_once,
 )
+from rl_observers.remote.shipping import portable_error, ship
 from rl_observers.sources.observed import observers_of
-from rl_observers.sources.remote import portable_error, refused_raise, ship
 from rl_observers.sources.replay_buffers import SHARED_COPIES_RUN, ReplayBufferObservers
 
 __all__ = ["SharedBufferObservers", "propagate_to_shared_copies", "track_shared_buffer_writers"]

@@ -28,13 +28,13 @@ from typing import Any
 
 from torchrl._utils import logger as torchrl_logger
 
-from rl_observers.channel.account import Account
 from rl_observers.channel.delivery import Delivery
-from rl_observers.channel.meta import COPY, COUNTERS
 from rl_observers.channel.payload import check_metrics, is_partial
 from rl_observers.channel.queue import PendingQueue
-from rl_observers.channel.transport import Receiver, make_sender, transports
 from rl_observers.observer import check_on_error
+from rl_observers.remote.account import Account
+from rl_observers.remote.transport import Receiver, make_sender, transports
+from rl_observers.remote.window import COPY, COUNTERS
 
 __all__ = ["LAST_WINDOWS_WAIT", "Forwarder", "Owner", "check_alive"]
 
@@ -323,7 +323,7 @@ class Owner:
         """Notes that ``feeder``'s copies are gone (removed, or their source shut down); never waits.
 
         Reads what the receivers already hold; if every copy's last window is
-        in, their account is settled now (:mod:`~rl_observers.channel.account`).
+        in, their account is settled now (:mod:`~rl_observers.remote.account`).
         Otherwise it is settled later, once the missing windows arrived or
         ``LAST_WINDOWS_WAIT`` seconds have passed (see :meth:`settle_gone`):
         a copy whose last window did not come is then reported and counted lost.

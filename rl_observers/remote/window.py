@@ -9,7 +9,7 @@ module that writes or reads them (the channel's transports, ``logging``'s
 contributions and aggregation) imports them from here.
 
 Examples:
-    >>> from rl_observers.channel import meta
+    >>> from rl_observers.remote import window as meta
     >>> window = {meta.AGGREGATE: "train", meta.WORKER: 0, meta.COUNTERS: {"frames": 100}}
     >>> meta.is_window(window), meta.is_final(window)
     (True, False)
@@ -84,7 +84,7 @@ def spanning(older: Mapping[str, Any] | None, newer: Mapping[str, Any] | None) -
     ``newer`` (the later arrival) wins.
 
     Examples:
-        >>> from rl_observers.channel.meta import spanning
+        >>> from rl_observers.remote.window import spanning
         >>> spanning({"seq": 3, "counters": {"frames": 30}}, {"seq": 5, "counters": {"frames": 50}})
         {'seq': 5, 'counters': {'frames': 50}, 'windows': 2}
         >>> spanning({"seq": 6, "windows": 2}, {"seq": 4})  # arrived out of order

@@ -43,10 +43,10 @@ a row boundary can move by at most one relay interval, as if the worker had
 contributed a little less often.
 
 The transport lives in four modules: this one (registration, ``make_sender``,
-``make_receiver``), :mod:`~rl_observers.channel.ray.sender`,
-:mod:`~rl_observers.channel.ray.actors` (the relay, the ingest, and the
+``make_receiver``), :mod:`~rl_observers.remote.ray.sender`,
+:mod:`~rl_observers.remote.ray.relay` (the relay, the ingest, and the
 bounded forwarder both push through) and
-:mod:`~rl_observers.channel.ray.receiver`.
+:mod:`~rl_observers.remote.ray.receiver`.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ import os
 import threading
 from typing import Any
 
-from rl_observers.channel.ray.actors import (
+from rl_observers.remote.ray.receiver import RayReceiver
+from rl_observers.remote.ray.relay import (
     ACTOR_NAMESPACE,
     NAME,
     RayAddress,
@@ -63,9 +64,8 @@ from rl_observers.channel.ray.actors import (
     _ray,
     premerge,
 )
-from rl_observers.channel.ray.receiver import RayReceiver
-from rl_observers.channel.ray.sender import RaySender
-from rl_observers.channel.transport import register_transport
+from rl_observers.remote.ray.sender import RaySender
+from rl_observers.remote.transport import register_transport
 
 __all__ = [
     "ACTOR_NAMESPACE",

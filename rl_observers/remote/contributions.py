@@ -7,7 +7,7 @@ buffer does not decide when to log: it *contributes* its window (mergeable
 partials and its cumulative counters, with its schedule in ``meta``) at least
 every ``report_interval`` seconds and whenever its own schedule counter
 advanced by an interval. The owner merges contributions
-(:mod:`rl_observers.logging.aggregate`). Worker processes exit without
+(:mod:`rl_observers.remote.aggregate`). Worker processes exit without
 shutdown events, so the last windows are sent at exit.
 """
 
@@ -21,8 +21,8 @@ import time
 import weakref
 from typing import Any
 
-from rl_observers.channel.meta import AGGREGATE, COUNTERS, PROCESS, WORKER
-from rl_observers.logging.aggregate import AggregateSpec
+from rl_observers.remote.aggregate import AggregateSpec
+from rl_observers.remote.window import AGGREGATE, COUNTERS, PROCESS, WORKER
 from rl_observers.sources.placement import process_token, source_info
 
 __all__ = ["LIVE", "Contribution", "copy_worker", "mode_at_end", "resolve_mode"]
@@ -84,7 +84,7 @@ def resolve_mode(observer: Any, source: Any) -> None:
 def mode_at_end(observer: Any) -> str | None:
     """The observer's mode when its source ends; a copy that never saw an event resolves it now.
 
-    The owner expects every copy attached (:func:`~rl_observers.logging.copies.placed`) to report its
+    The owner expects every copy attached (:func:`~rl_observers.remote.copies.placed`) to report its
     end, so an idle copy still sends its final window instead of being
     counted lost.
     """

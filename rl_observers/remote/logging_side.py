@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rl_observers.channel.delivery import Router
-from rl_observers.channel.owner import Forwarder, Owner
+from rl_observers.remote.owner import Forwarder, Owner
 
 __all__ = ["LoggingSide"]
 

@@ -1,6 +1,6 @@
 """The sending side of the Ray transport: a bounded buffer and a thread per process.
 
-See :mod:`rl_observers.channel.ray.transport` for the flow.
+See :mod:`rl_observers.remote.ray.transport` for the flow.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from rl_observers.channel.meta import spanning
 from rl_observers.channel.payload import coalesce
-from rl_observers.channel.ray.actors import (
+from rl_observers.remote.ray.relay import (
     NAME,
     RELAY_INTERVAL,
     SENDER_INTERVAL,
@@ -30,6 +29,7 @@ from rl_observers.channel.ray.actors import (
     _Relay,
     _relay_name,
 )
+from rl_observers.remote.window import spanning
 
 # torchrl's logger (the same object as torchrl._utils.logger)
 torchrl_logger = logging.getLogger("torchrl")

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from rl_observers.channel.meta import BASE, COUNTERS, LAST
-from rl_observers.logging.aggregate import AggregateSpec, finish_aggregate
-from rl_observers.logging.contributions import copy_worker
 from rl_observers.observer import dumps
+from rl_observers.remote.aggregate import AggregateSpec, finish_aggregate
+from rl_observers.remote.contributions import copy_worker
+from rl_observers.remote.window import BASE, COUNTERS, LAST
 from rl_observers.sources import observers_of
 
 __all__ = [
@@ -116,7 +116,7 @@ def contribute(observer: Any, final: bool = False) -> None:
     """Sends the observer's window to the channel's owner, which merges it (see ``aggregate``).
 
     ``final``: the contributor's last window, which the owner's account
-    expects (:mod:`~rl_observers.channel.account`); with nothing new since
+    expects (:mod:`~rl_observers.remote.account`); with nothing new since
     the previous window it is only the marker, without counters.
     """
     sets = observer.metrics

@@ -1,6 +1,6 @@
 """The Ray transport's actors: one relay per node and the owner's ingest.
 
-See :mod:`rl_observers.channel.ray.transport` for the flow. Also here: the
+See :mod:`rl_observers.remote.ray.transport` for the flow. Also here: the
 bounded fire-and-forget :class:`_Forwarder` that senders and relays push
 through, and :func:`premerge`, the relay's exact merge of one worker's
 consecutive windows.
@@ -17,8 +17,8 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from rl_observers.channel.meta import AGGREGATE, PROCESS, SEQ, UNMERGED, WORKER, is_final, spanning
 from rl_observers.channel.payload import coalesce
+from rl_observers.remote.window import AGGREGATE, PROCESS, SEQ, UNMERGED, WORKER, is_final, spanning
 
 #: The transport's name (``handle.transport``).
 NAME = "ray"
@@ -79,7 +79,7 @@ def _relay_name(token: str, node: str) -> str:
 
 
 def premerge(messages: list[Message]) -> list[Message]:
-    """Merges consecutive windows of one worker (see :mod:`~rl_observers.channel.ray.transport`).
+    """Merges consecutive windows of one worker (see :mod:`~rl_observers.remote.ray.transport`).
 
     "Consecutive" is per worker: windows of other workers may come in between
     (their relative order was never defined: they come from other processes).

@@ -25,7 +25,7 @@ gauges and partials plus ``meta`` saying which worker it comes from, its
 counters, and the observer's schedule.
 
 Examples:
-    >>> from rl_observers.logging.aggregate import Aggregate
+    >>> from rl_observers.remote.aggregate import Aggregate
     >>> from rl_observers.stats import Count
     >>> from torchrl.record.loggers.monitoring import Every
     >>> agg = Aggregate("collector", schedule=Every.counter("frames", 100), step_key="frames")
@@ -46,11 +46,12 @@ from typing import Any
 
 from torchrl.record.loggers.monitoring import Every
 
-from rl_observers.channel import MetricsChannel, register_router
+from rl_observers.channel import register_router
 from rl_observers.channel.delivery import Row
-from rl_observers.channel.meta import AGGREGATE, BASE, COUNTERS, FINISH, PROCESS, WORKER
 from rl_observers.channel.payload import coalesce, is_partial
-from rl_observers.logging.schedule import ScheduleClock
+from rl_observers.remote.channel import MetricsChannel
+from rl_observers.remote.window import AGGREGATE, BASE, COUNTERS, FINISH, PROCESS, WORKER
+from rl_observers.schedule import ScheduleClock
 from rl_observers.stats import LatestWindow
 
 __all__ = [

@@ -20,15 +20,15 @@ How each kind is reached (torchrl 0.14.1):
 
 * multiprocessing collectors: a ``"cascade_execute"`` message on each
   worker's control pipe runs a function on the worker's inner collector,
-  between two batches (see :mod:`rl_observers.sources.multiprocess`);
+  between two batches (see :mod:`rl_observers.remote.multiprocess`);
 * Ray collectors and replay buffers: ``actor.__ray_call__.remote(fn, ...)``
   runs ``fn(actor_instance, ...)`` inside the actor (see
-  :mod:`rl_observers.sources.ray`);
+  :mod:`rl_observers.remote.ray.observed`);
 * shared replay buffers (``shared=True``, written by the workers of a
   multiprocessing collector) are in-process sources whose copies in the
   workers carry the observers they had when the workers started; later
   changes are mirrored to those copies (see
-  :mod:`rl_observers.sources.multiprocess`).
+  :mod:`rl_observers.remote.multiprocess`).
 
 Errors surface on the driver, at ``add_observer``: an invalid observer
 (``TypeError`` / ``ValueError``, before anything is sent), an unpicklable one
@@ -57,7 +57,7 @@ afterwards.
 
 Examples:
     >>> import rl_observers
-    >>> from rl_observers.sources.remote import kind_of
+    >>> from rl_observers.remote.shipping import kind_of
     >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
     >>> kind_of(ReplayBuffer(storage=LazyTensorStorage(10))) is None  # in-process
     True
@@ -93,7 +93,7 @@ __all__ = [
 def kind_of(target: Any) -> RemoteKind | None:
     """Returns how to attach observers to ``target`` when its data is remote, else ``None``.
 
-    Read from the table (:data:`rl_observers.sources.table.TABLE`), once per class.
+    Read from the table (:data:`rl_observers.targets.TABLE`), once per class.
     """
     how = observed.how_observed(type(target))
     return None if how is None else how.kind
@@ -126,16 +126,6 @@ class _RemoteObservers:
 
 _REMOTE = IdentityMap()
 _TOKENS = itertools.count()
-
-
-def refused_raise(observer: Any, target_name: str, where: str) -> str:
-    """Why ``on_error="raise"`` is refused for an observer whose copies run ``where``."""
-    return (
-        f"on_error='raise' cannot be honoured for an observer of a {target_name}: its copies "
-        f"run {where}, where an error cannot reach the caller (it would kill the worker, and the "
-        "driver would only learn that a worker failed). Use on_error='warn' (the default) or "
-        f"'ignore' for {observer!r}."
-    )
 
 
 def ship(observer: Any, target: Any, where: str) -> bytes:

@@ -77,20 +77,20 @@ from typing import Any
 
 from torchrl._utils import logger as torchrl_logger
 
-from rl_observers.signals import COLLECTOR_EVENTS, REPLAY_BUFFER_EVENTS
-from rl_observers.sources.observed import (
-    how_observed,
-    observers_of,
-    switch_class,
-    torchrl_class,
-)
-from rl_observers.sources.remote import (
+from rl_observers.remote.shipping import (
     RemoteAttachError,
     RemoteKind,
     attach_here,
     detach_here,
     kind_of,
     ship,
+)
+from rl_observers.signals import COLLECTOR_EVENTS, REPLAY_BUFFER_EVENTS
+from rl_observers.sources.observed import (
+    how_observed,
+    observers_of,
+    switch_class,
+    torchrl_class,
 )
 from rl_observers.sources.replay_buffers import emit_eagerly
 
@@ -276,7 +276,7 @@ def send_file_to_driver(path: str | Path) -> bool:
         bool: whether the file will be sent.
 
     Examples:
-        >>> from rl_observers.sources.ray import send_file_to_driver
+        >>> from rl_observers.remote.ray.observed import send_file_to_driver
         >>> send_file_to_driver("trace.json")  # not in a Ray actor: nothing to send
         False
     """

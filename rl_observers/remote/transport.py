@@ -17,7 +17,7 @@ transport has two halves:
 Transports register themselves with :func:`register_transport`; a handle
 keeps the address of every receiver of its channel and, when first used in
 another process, takes the first reachable one by priority (lowest first).
-The Unix-datagram socket (:mod:`rl_observers.channel.socket`) is one.
+The Unix-datagram socket (:mod:`rl_observers.remote.socket`) is one.
 """
 
 from __future__ import annotations

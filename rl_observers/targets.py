@@ -1,0 +1,272 @@
+"""What each torchrl class becomes when an observer is attached: the one table, installed.
+
+Read a row as "a ``<class>`` is observed by ``<mixin>``, keeps its observers
+in ``<observer list>``, and, for a remote kind, its observers run as copies
+``<kind.where>``". A class is matched by the nearest class of its MRO named
+here (a user's subclass of ``Collector`` is a ``Collector``), never by the
+order of rows or imports; a class not named here is refused at
+``add_observer`` with what to use instead (see
+:func:`rl_observers.sources.observed.refusal`):
+
+* a torchrl class this table does not name (a future torchrl release's),
+* a subclass that replaces a method of its row's ``loop`` (for an
+  in-process collector, the collection loop whose hook reads emit the
+  events: its observers would hear nothing).
+
+Where the user holds the object (context ``None``):
+
+* ``Collector``, ``AsyncBatchedCollector``: ``ObservedCollector``; observers
+  run in this process, called from the collection loop's hook-slot reads.
+* ``MultiSyncCollector``, ``MultiAsyncCollector``, ``AsyncCollector``
+  (``MultiCollector``): ``MultiprocessCollectorKind``; one copy per worker
+  process.
+* ``RayCollector``: ``RayCollectorKind``; one copy per remote collector actor.
+* ``DistributedCollector``, ``DistributedSyncCollector``, ``RPCCollector``:
+  ``ObservedDistributedCollector``; on the driver, on the batches it yields.
+* ``ReplayBuffer`` and torchrl's subclasses (prioritized, ``TensorDict*``,
+  HER, remote, ensemble): ``ObservedReplayBuffer``; in this process, and in
+  every worker writing into it when it is shared.
+* ``RayReplayBuffer``: ``RayReplayBufferKind``; one copy inside the buffer's
+  actor.
+
+Inside a ``RayReplayBuffer``'s actor (context ``"ray_actor"``), the buffer
+is observed through the private lookups torchrl's public methods make; the
+clients an observed ``RayReplayBuffer`` hands out (context ``"ray_client"``)
+route ``stats()`` / ``empty()`` through the actor's observers.
+
+Examples:
+    >>> import rl_observers
+    >>> from torchrl.collectors import MultiSyncCollector
+    >>> from rl_observers.sources.observed import how_observed
+    >>> how_observed(MultiSyncCollector).kind.where
+    'in its worker processes'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchrl.collectors import BaseCollector
+from torchrl.data import ReplayBuffer
+
+from rl_observers import signals
+from rl_observers.observer import ObserverHandle, ObserverList
+from rl_observers.remote.distributed import (
+    DistributedCollectorObservers,
+    ObservedDistributedCollector,
+)
+from rl_observers.remote.multiprocess import MULTIPROCESS_COLLECTOR, _DriverObservedMultiCollector
+from rl_observers.remote.ray import observed as ray
+from rl_observers.remote.shared_buffers import SharedBufferObservers
+from rl_observers.remote.shipping import kind_of
+from rl_observers.sources.collectors import CollectorObservers, ObservedCollector
+from rl_observers.sources.observed import (
+    ATTACH_LOCK,
+    How,
+    attach,
+    detach,
+    is_observable,
+    observe,
+    observers_of,
+    release,
+    use_table,
+)
+from rl_observers.sources.replay_buffers import ObservedReplayBuffer, ReplayBufferObservers
+
+__all__ = ["TABLE", "install"]
+
+_COLLECTORS = "torchrl.collectors"
+_DISTRIBUTED = "torchrl.collectors.distributed"
+_BUFFERS = "torchrl.data.replay_buffers"
+
+# The methods whose hook-slot reads emit an in-process collector's events (see
+# rl_observers.sources.collectors): a subclass replacing one would be mute.
+_COLLECTION_LOOP = ("__iter__", "iterator", "rollout")
+# A distributed collector's observed ``iterator`` wraps whatever ``iterator`` the class has,
+# as long as iterating goes through it.
+_DRIVER_LOOP = ("__iter__",)
+
+_LOCAL_COLLECTOR = How(ObservedCollector, CollectorObservers, loop=_COLLECTION_LOOP)
+_MULTIPROCESS = How(_DriverObservedMultiCollector, ObserverList, kind=MULTIPROCESS_COLLECTOR)
+_DISTRIBUTED_COLLECTOR = How(ObservedDistributedCollector, DistributedCollectorObservers, loop=_DRIVER_LOOP)
+_LOCAL_BUFFER = How(ObservedReplayBuffer, SharedBufferObservers)
+_ACTOR_BUFFER = How(ray._ActorObservedReplayBuffer, ReplayBufferObservers)
+_ACTOR_TENSORDICT_BUFFER = How(ray._ActorObservedTensorDictReplayBuffer, ReplayBufferObservers)
+
+#: ``{context: {"module:qualname" of a torchrl class: How}}``: the one answer to "how is it observed?".
+TABLE: dict[str | None, dict[str, How]] = {
+    None: {
+        f"{_COLLECTORS}._single:Collector": _LOCAL_COLLECTOR,
+        f"{_COLLECTORS}._async_batched:AsyncBatchedCollector": _LOCAL_COLLECTOR,
+        f"{_COLLECTORS}._multi_base:MultiCollector": _MULTIPROCESS,
+        f"{_COLLECTORS}._multi_sync:MultiSyncCollector": _MULTIPROCESS,
+        f"{_COLLECTORS}._multi_async:MultiAsyncCollector": _MULTIPROCESS,
+        f"{_COLLECTORS}._single_async:AsyncCollector": _MULTIPROCESS,
+        f"{_DISTRIBUTED}.ray:RayCollector": How(ray._DriverObservedRayCollector, ObserverList, kind=ray.RAY_COLLECTOR),
+        f"{_DISTRIBUTED}.generic:DistributedCollector": _DISTRIBUTED_COLLECTOR,
+        f"{_DISTRIBUTED}.sync:DistributedSyncCollector": _DISTRIBUTED_COLLECTOR,
+        f"{_DISTRIBUTED}.rpc:RPCCollector": _DISTRIBUTED_COLLECTOR,
+        f"{_BUFFERS}.replay_buffers:ReplayBuffer": _LOCAL_BUFFER,
+        f"{_BUFFERS}.replay_buffers:PrioritizedReplayBuffer": _LOCAL_BUFFER,
+        f"{_BUFFERS}.replay_buffers:TensorDictReplayBuffer": _LOCAL_BUFFER,
+        f"{_BUFFERS}.replay_buffers:TensorDictPrioritizedReplayBuffer": _LOCAL_BUFFER,
+        f"{_BUFFERS}.replay_buffers:RemoteTensorDictReplayBuffer": _LOCAL_BUFFER,
+        f"{_BUFFERS}.replay_buffers:ReplayBufferEnsemble": _LOCAL_BUFFER,
+        f"{_BUFFERS}.her:HERReplayBuffer": _LOCAL_BUFFER,
+        f"{_BUFFERS}.ray_buffer:RayReplayBuffer": How(
+            ray._DriverObservedRayReplayBuffer, ObserverList, kind=ray.RAY_REPLAY_BUFFER
+        ),
+    },
+    # Inside a RayReplayBuffer's actor: writes and samples seen through private lookups.
+    ray.ACTOR: {
+        f"{_BUFFERS}.replay_buffers:ReplayBuffer": _ACTOR_BUFFER,
+        f"{_BUFFERS}.replay_buffers:PrioritizedReplayBuffer": _ACTOR_BUFFER,
+        f"{_BUFFERS}.replay_buffers:TensorDictReplayBuffer": _ACTOR_TENSORDICT_BUFFER,
+        f"{_BUFFERS}.replay_buffers:TensorDictPrioritizedReplayBuffer": _ACTOR_TENSORDICT_BUFFER,
+        f"{_BUFFERS}.replay_buffers:RemoteTensorDictReplayBuffer": _ACTOR_TENSORDICT_BUFFER,
+        f"{_BUFFERS}.replay_buffers:ReplayBufferEnsemble": _ACTOR_BUFFER,
+        f"{_BUFFERS}.her:HERReplayBuffer": _ACTOR_TENSORDICT_BUFFER,
+    },
+    # The Ray-transport client an observed RayReplayBuffer hands out (the "distributed"
+    # transport's client is never observed: that transport is refused at attach).
+    ray.CLIENT: {
+        f"{_BUFFERS}.ray_buffer:_RayReplayBufferClient": How(ray._ObservedRayReplayBufferClient, ObserverList),
+    },
+}
+
+use_table(TABLE)  # the one registration: every torchrl class -> how it is observed
+
+_INSTALLED = False
+
+
+# -- the methods installed on torchrl's classes ----------------------------------------------------
+
+
+def add_observer(self: Any, observer: Any, *, on_error: str | None = None) -> ObserverHandle:
+    """Attaches ``observer`` to this collector or replay buffer.
+
+    The observer runs where the data is: in this process for a local source,
+    inside every worker of a multiprocessing collector, inside the Ray actors
+    of a Ray collector or Ray replay buffer. Observers of one source are
+    called in registration order.
+
+    Args:
+        observer: an object with ``on_<event>`` methods (see
+            :class:`~rl_observers.Observer`), or a plain callable, which
+            receives each ``post_collect`` batch like ``post_collect_hook``.
+
+    Keyword Args:
+        on_error (str, optional): what happens when the observer raises:
+            ``"warn"`` logs one warning per failure streak (from the first
+            failing event until every failing event succeeded again) and
+            goes on, ``"raise"`` propagates the error to the caller (the
+            observers after it miss that event; ``shutdown`` still reaches
+            them all and the source still shuts down), ``"ignore"`` goes
+            on silently. Defaults to the observer's own ``on_error`` attribute
+            if it has one, else ``"warn"``. Multiprocessing and Ray
+            collectors refuse ``"raise"``: their observers run in worker
+            processes or actors, where raising kills the worker and the
+            error never reaches the caller.
+
+    Returns:
+        An :class:`~rl_observers.ObserverHandle`; ``handle.remove()`` (or
+        leaving its ``with`` block) detaches the observer.
+
+    Raises:
+        TypeError: if ``observer`` is neither an observer nor a callable, has
+            an event method with the wrong signature, or observes none of the
+            events this source emits.
+        ValueError: for an ``on_*`` method that is not an event, an unknown
+            ``on_error``, ``on_error="raise"`` on a multiprocessing or Ray
+            collector, or an observer that is already attached.
+        RuntimeError: if the source is shut down, or one of its worker
+            processes is dead (nothing is attached).
+        Exception: whatever the observer's ``attached`` method raises; the
+            observer is then not attached.
+
+    Examples:
+        >>> import rl_observers
+        >>> from torchrl.collectors import Collector
+        >>> from torchrl.envs.utils import RandomPolicy
+        >>> from torchrl.testing.mocking_classes import CountingEnv
+        >>> env = CountingEnv()
+        >>> collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=8, total_frames=16)
+        >>> sizes = []
+        >>> handle = collector.add_observer(lambda batch: sizes.append(batch.numel()))
+        >>> for _ in collector:
+        ...     pass
+        >>> sizes
+        [8, 8]
+        >>> collector.shutdown()
+    """
+    kind = kind_of(self)
+    if kind is not None:
+        kind.add(self, observer, on_error)
+    else:
+        attach(self, observer, on_error)
+    return ObserverHandle(self, observer)
+
+
+def remove_observer(self: Any, observer: Any) -> None:
+    """Detaches ``observer`` from this collector or replay buffer.
+
+    Once the last observer is removed the source runs exactly torchrl's own
+    code again. On a multiprocessing collector with a dead worker, the
+    observer is removed from every live worker and from ``observers``, and
+    the dead worker is reported once with a warning.
+
+    Args:
+        observer: an observer previously given to :meth:`add_observer`.
+
+    Raises:
+        ValueError: if ``observer`` is not attached to this source.
+        RuntimeError: if a ``MultiAsyncCollector`` is being iterated (nothing
+            is removed).
+        RemoteAttachError: if detaching a copy failed where it runs (for
+            example in its ``detached`` method); the observer is removed
+            from ``observers`` all the same.
+    """
+    kind = kind_of(self)
+    if kind is not None:
+        kind.remove(self, observer)
+    else:
+        detach(self, observer)
+
+
+def _observers(self: Any) -> tuple[Any, ...]:
+    """The attached observers, in call order."""
+    kind = kind_of(self)
+    if kind is not None:
+        return kind.observers(self)
+    observers = observers_of(self)
+    return observers.observers if observers is not None else ()
+
+
+def _on_receiver_connected(signal: Any, *, receiver: Any, sender: Any, weak: bool) -> None:
+    # A receiver connected for one in-process source makes it emit, as an observer would.
+    if is_observable(sender) and kind_of(sender) is None:
+        observe(sender)
+
+
+def _on_receiver_disconnected(signal: Any, *, receiver: Any, sender: Any) -> None:
+    if is_observable(sender) and kind_of(sender) is None:
+        release(sender)
+
+
+def install() -> None:
+    """Adds ``add_observer``, ``remove_observer`` and ``observers`` to torchrl's sources.
+
+    Called by ``import rl_observers``; calling it again is harmless.
+    """
+    global _INSTALLED
+    with ATTACH_LOCK:
+        if _INSTALLED:
+            return
+        for cls in (BaseCollector, ReplayBuffer):
+            cls.add_observer = add_observer  # type: ignore[attr-defined]
+            cls.remove_observer = remove_observer  # type: ignore[attr-defined]
+            cls.observers = property(_observers)  # type: ignore[attr-defined]
+        for signal in map(signals.signal_for, signals.EVENT_PAYLOADS):
+            signal.receiver_connected.connect(_on_receiver_connected, weak=False)
+            signal.receiver_disconnected.connect(_on_receiver_disconnected, weak=False)
+        _INSTALLED = True
