@@ -76,7 +76,7 @@ from typing import Any
 import cloudpickle
 from torchrl._utils import logger as torchrl_logger
 
-from rl_observers.observer import dumps, resolve_observer
+from rl_observers.observer import dumps, refused_raise, resolve_observer
 from rl_observers.sources import observed
 from rl_observers.sources.placement import IdentityMap, place
 
