@@ -21,24 +21,28 @@ from torchrl.record import CSVLogger
 import rl_observers.remote.contributions as contributions
 import rl_observers.remote.owner as owner_module
 from rl_observers import Every, LoggerObserver, MetricsChannel
-from rl_observers.remote.aggregate import AggregateSpec
-from rl_observers.remote.window import AGGREGATE, COUNTERS, LAST, WORKER
+from rl_observers.remote.window import AggregateSpec, Window
 from tests.helpers import RecordingLogger
 
 
-def _window(frames: int, last: bool = False) -> dict:
-    meta = {AGGREGATE: "copies", WORKER: 0, COUNTERS: {"frames": frames}, **AggregateSpec(None, "frames").as_meta()}
-    if last:
-        meta[LAST] = True
-    return meta
+def _window(frames: int, last: bool = False, metrics: dict | None = None) -> Window:
+    return Window(
+        "copies/worker_0",
+        {} if metrics is None else metrics,
+        observer="copies",
+        worker=0,
+        counters={"frames": frames},
+        spec=AggregateSpec(None, "frames"),
+        last=last,
+    )
 
 
 def test_a_copy_heard_to_its_end_counts_nothing_lost():
     channel = MetricsChannel(RecordingLogger(), health_interval=None)
     handle = channel.handle(transport="socket")
     for frames in (10, 20):
-        handle.submit_metrics({"frames": float(frames)}, namespace="copies/worker_0", meta=_window(frames))
-    handle.submit_metrics({}, namespace="copies/worker_0", meta=_window(30, last=True))
+        handle.submit_window(_window(frames, metrics={"frames": float(frames)}))
+    handle.submit_window(_window(30, last=True))
     assert channel.flush(timeout=10)
     assert channel.close(timeout=10)
     health = channel.health()
@@ -49,7 +53,7 @@ def test_a_copy_without_its_last_window_is_reported_once_and_counted(caplog):
     channel = MetricsChannel(RecordingLogger(), health_interval=None)
     handle = channel.handle(transport="socket")
     for frames in (10, 20):
-        handle.submit_metrics({"frames": float(frames)}, namespace="copies/worker_0", meta=_window(frames))
+        handle.submit_window(_window(frames, metrics={"frames": float(frames)}))
     assert channel.flush(timeout=10)
     with caplog.at_level(logging.WARNING, logger="torchrl"):
         assert not channel.close(timeout=10)  # the loss is what close reports
@@ -71,7 +75,7 @@ def test_a_copy_expected_and_never_heard_from_is_reported_and_counted(caplog):
     feeder = _Feeder()
     channel._logging.copies_attached(feeder, "LoggerObserver 'copies' on a test source")
     channel._logging.copies_expected(feeder, [0, 1])
-    handle.submit_metrics({}, namespace="copies/worker_0", meta=_window(30, last=True))  # worker 0 ends
+    handle.submit_window(_window(30, last=True))  # worker 0 ends
     channel._logging.copies_gone(feeder)
     with caplog.at_level(logging.WARNING, logger="torchrl"):
         assert not channel.flush(timeout=30)  # the loss is what this flush settles and reports
@@ -93,10 +97,10 @@ def test_copies_gone_does_not_wait_for_a_window_that_is_not_sent_yet(monkeypatch
     feeder = _Feeder()
     channel._logging.copies_attached(feeder, "LoggerObserver 'copies'")
     channel._logging.copies_expected(feeder, [0])
-    handle.submit_metrics({"frames": 10.0}, namespace="copies/worker_0", meta=_window(10))
+    handle.submit_window(_window(10, metrics={"frames": 10.0}))
     channel._logging.copies_gone(feeder)  # returns: the last window is not there yet
     assert channel.health()["copies_lost"] == 0  # not settled: it may still come
-    handle.submit_metrics({}, namespace="copies/worker_0", meta=_window(20, last=True))
+    handle.submit_window(_window(20, last=True))
     assert channel.flush(timeout=30)  # it came: settled, nothing lost
     assert channel.health()["copies_lost"] == channel.health()["windows_lost"] == 0
     assert channel.close(timeout=10)
@@ -107,7 +111,7 @@ def test_a_copy_gone_without_its_last_window_is_settled_by_the_next_flush():
     handle = channel.handle(transport="socket")
     feeder = _Feeder()
     channel._logging.copies_attached(feeder, "LoggerObserver 'copies'")
-    handle.submit_metrics({"frames": 10.0}, namespace="copies/worker_0", meta=_window(10))  # no last one
+    handle.submit_window(_window(10, metrics={"frames": 10.0}))  # no last one
     channel._logging.copies_gone(feeder)
     assert not channel.flush(timeout=30)  # waits LAST_WINDOWS_WAIT at most, then counts it
     assert channel.health()["copies_lost"] == 1
@@ -121,7 +125,7 @@ def test_the_channels_health_rows_carry_the_account(tmp_path):
     feeder = _Feeder()
     channel._logging.copies_attached(feeder, "LoggerObserver 'copies'")
     channel._logging.copies_expected(feeder, [0, 1])
-    handle.submit_metrics({"frames": 10.0}, namespace="copies/worker_0", meta=_window(10))
+    handle.submit_window(_window(10, metrics={"frames": 10.0}))
     channel.step()
     channel._logging.copies_gone(feeder)  # worker 0 never sent its last window, worker 1 nothing
     assert not channel.flush(timeout=30)

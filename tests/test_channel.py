@@ -18,6 +18,7 @@ import pytest
 from torchrl.record.loggers import CSVLogger
 
 from rl_observers.remote import MetricsChannel, MetricsHandle
+from rl_observers.remote.window import Window
 from tests.helpers import RecordingLogger, read_csv
 
 # ---------------------------------------------------------------------------
@@ -183,26 +184,28 @@ def test_the_submitted_mapping_is_copied():
     channel.close()
 
 
-def test_meta_travels_with_the_entry_to_a_router():
+def test_a_window_travels_typed_to_the_router_of_its_class():
     logger = RecordingLogger()
     channel = sync_channel(logger)
     seen = []
 
     class Recorder:
-        def route(self, namespace, metrics, step, meta):
-            seen.append((namespace, meta))
-            return [(namespace, metrics, step)]
+        def route(self, window):
+            seen.append((window.namespace, window.observer, window.worker, window.counters))
+            return [(window.namespace, window.metrics, window.step)]
 
         def finish(self):
             return []
 
-    channel._logging.add_router("worker", Recorder())
-    channel.submit_metrics({"a": 1.0}, namespace="w", meta={"worker": 3})
-    channel.handle(meta={"worker": 1, "source": "collector"}).submit_metrics(
-        {"a": 2.0}, namespace="w", meta={"worker": 2}
-    )
+    channel._logging.add_router(Window, Recorder())
+    channel.submit_window(Window("w", {"a": 1.0}, observer="o", worker=3, counters={"frames": 1}))
+    channel.handle().submit_window(Window("w", {"a": 2.0}, observer="o", worker=2))
+    remote = channel.handle(transport="socket")  # as from another process: numbered, pickled
+    remote.submit_window(Window("w", {"a": 3.0}, step=7, observer="o", worker=1))
+    channel.submit_metrics({"a": 4.0}, namespace="plain")  # a plain payload: no router
     channel.step()
-    assert seen == [("w", {"worker": 3}), ("w", {"worker": 2, "source": "collector"})]
+    assert seen == [("w", "o", 3, {"frames": 1}), ("w", "o", 2, None), ("w", "o", 1, None)]
+    assert logger.calls == [({"w/a": 1.0}, None), ({"w/a": 2.0}, None), ({"plain/a": 4.0}, None), ({"w/a": 3.0}, 7)]
     channel.close()
 
 
@@ -213,15 +216,16 @@ def test_a_row_the_logger_refuses_loses_no_other_row_of_the_entry(tmp_path, warn
     class Fanout:
         """Routes one entry to three rows; the middle one's name is too long for a file."""
 
-        def route(self, namespace, metrics, step, meta):
+        def route(self, window):
+            metrics, step = window.metrics, window.step
             return [("first", metrics, step), ("x" * 1000, metrics, step), ("last", metrics, step)]
 
         def finish(self):
             return []
 
-    channel._logging.add_router("fanout", Fanout())
-    channel.submit_metrics({"v": 1.0}, step=4, namespace="w", meta={"fanout": True})
-    channel.submit_metrics({"v": 2.0}, step=5, namespace="w", meta={"fanout": True})
+    channel._logging.add_router(Window, Fanout())
+    channel.submit_window(Window("w", {"v": 1.0}, step=4, observer="fanout"))
+    channel.submit_window(Window("w", {"v": 2.0}, step=5, observer="fanout"))
     channel.step()
     scalars = tmp_path / "rows" / "scalars"
     assert read_csv(scalars / "first" / "v.csv") == [(4, 1.0), (5, 2.0)]
@@ -836,15 +840,15 @@ def test_a_handle_unpickled_in_the_same_process_submits_directly():
     channel.close()
 
 
-def _remote_handle(channel: MetricsChannel, meta=None) -> MetricsHandle:
+def _remote_handle(channel: MetricsChannel) -> MetricsHandle:
     """A handle that sends through the socket, as it does in another process."""
-    return channel.handle(meta=meta, transport="socket")
+    return channel.handle(transport="socket")
 
 
 def test_remote_handle_sends_datagrams_to_the_owner():
     logger = RecordingLogger()
     channel = sync_channel(logger)
-    handle = _remote_handle(channel, meta={"worker": 7})
+    handle = _remote_handle(channel)
     assert handle.transport == "socket"
     assert repr(handle) == f"MetricsHandle(transport='socket', address={handle.address!r})"
     handle.submit_metrics({"x": 1.0, "r": ListPartial("r", [1.0, 2.0])}, step=3, namespace="w")
@@ -1015,7 +1019,7 @@ def test_a_handle_submits_from_a_spawned_process():
         target=exec,
         args=(
             _CHILD_SUBMITS,
-            {"handle": channel.handle(meta={"worker": 0}), "namespace": "spawned"},
+            {"handle": channel.handle(), "namespace": "spawned"},
         ),
     )
     child.start()

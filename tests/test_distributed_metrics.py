@@ -25,7 +25,7 @@ from rl_observers import (
     Sum,
     WriteMetrics,
 )
-from rl_observers.remote.aggregate import AggregateSpec
+from rl_observers.remote.window import AggregateSpec, Window
 from tests.helpers import RecordingLogger, local_ray, scalars, start_method
 
 NEVER = Every.counter("frames", 10**12)
@@ -385,10 +385,11 @@ class FinalizeFails:
 
 
 def contribute(channel, name, metrics, frames):
-    """What a worker's observer copy submits: its window, its counters and its schedule in ``meta``."""
-    spec = AggregateSpec(NEVER, "frames").as_meta()
-    meta = {"aggregate": name, "worker": 0, "counters": {"frames": frames}, **spec}
-    channel.submit_metrics(metrics, namespace=f"{name}/worker_0", meta=meta)
+    """What a worker's observer copy submits: its window, with its counters and its schedule."""
+    spec = AggregateSpec(NEVER, "frames")
+    channel.submit_window(
+        Window(f"{name}/worker_0", metrics, observer=name, worker=0, counters={"frames": frames}, spec=spec)
+    )
 
 
 def test_an_aggregate_failing_at_close_does_not_stop_the_others_last_rows(monkeypatch):
@@ -400,7 +401,7 @@ def test_an_aggregate_failing_at_close_does_not_stop_the_others_last_rows(monkey
     channel.step()
     assert logger.calls == []  # the schedule is never due: only close logs the last windows
 
-    aggregates = channel._logging.router("aggregate").aggregates
+    aggregates = channel._logging.router(Window).aggregates
     assert list(aggregates) == ["a", "broken", "unwritable", "c"]
 
     def finish():

@@ -361,7 +361,8 @@ LOGGER_OBSERVER_MAX_LINES = 400
 LONG_MODULE_LINES = 600
 #: ``MetricsChannel``'s public members: the Channel contract of DESIGN.md (submit, flush, close,
 #: handle, health, logger, name, capacity, closed), the shared channel of a logger
-#: (``for_logger``) and the explicit drive of ``background=False`` (``step``).
+#: (``for_logger``), the explicit drive of ``background=False`` (``step``) and what observer
+#: copies submit (``submit_window``).
 CHANNEL_CONTRACT = frozenset(
     {
         "capacity",
@@ -375,6 +376,7 @@ CHANNEL_CONTRACT = frozenset(
         "name",
         "step",
         "submit_metrics",
+        "submit_window",
     }
 )
 #: What only ``logging/`` uses of a channel, behind ``channel._logging``.

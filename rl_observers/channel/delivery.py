@@ -10,11 +10,12 @@ flush / step / close. A submission wakes the thread only when it sleeps;
 under steady traffic it wakes every ``GATHER_SECONDS`` and delivers what
 came (flush, close and a backlog wake it at once).
 
-An entry whose ``meta`` holds a key a :class:`Router` was added for is
-handed to that router instead, which returns the rows to write: that is how
-owner-side handling (the logging package's worker aggregation) plugs in,
-without the channel knowing about it. :func:`register_router` makes a router
-part of every channel (created lazily per channel).
+A payload of a class a :class:`Router` was added for (a subclass of
+:class:`~.payload.Payload`) is handed to that router instead, which returns
+the rows to write: that is how owner-side handling (the merge of the windows
+that copies of observers send, :mod:`rl_observers.remote.aggregate`) plugs
+in, without the channel knowing about it. :func:`register_router` makes a
+router part of every channel (created lazily per channel).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any, Protocol
 
 from torchrl._utils import logger as torchrl_logger
 
-from rl_observers.channel.payload import expand
+from rl_observers.channel.payload import Payload, expand
 from rl_observers.channel.queue import PendingEntry, PendingQueue
 
 __all__ = ["Delivery", "Router", "Row", "health_problem", "register_router"]
@@ -42,7 +43,7 @@ GATHER_SECONDS = 0.05
 
 
 class Router(Protocol):
-    """Owner-side handling of the entries whose ``meta`` holds the router's key.
+    """Owner-side handling of the payloads of one class (a subclass of :class:`~.payload.Payload`).
 
     Both methods run where entries are delivered (the channel's thread),
     one call at a time. The rows they return are written as they are
@@ -52,10 +53,8 @@ class Router(Protocol):
     ``sink_errors``.
     """
 
-    def route(
-        self, namespace: str, metrics: dict[str, Any], step: int | None, meta: Mapping[str, Any]
-    ) -> Iterable[Row]:
-        """Takes one entry; returns the rows now due."""
+    def route(self, payload: Any) -> Iterable[Row]:
+        """Takes one payload; returns the rows now due."""
 
     def finish(self) -> Iterable[Row]:
         """The last rows, when the channel closes.
@@ -96,16 +95,16 @@ def health_problem(counts: Mapping[str, int], capacity: int) -> bool:
     )
 
 
-_ROUTER_FACTORIES: dict[str, Callable[[], Router]] = {}
+_ROUTER_FACTORIES: dict[type, Callable[[], Router]] = {}
 
 
-def register_router(key: str, factory: Callable[[], Router]) -> None:
-    """Gives every channel a router for entries whose ``meta`` holds ``key``.
+def register_router(kind: type[Payload], factory: Callable[[], Router]) -> None:
+    """Gives every channel a router for the payloads of class ``kind``.
 
     ``factory()`` is called once per channel, at the first such entry (or
     when :meth:`Delivery.router` asks for it).
     """
-    _ROUTER_FACTORIES[key] = factory
+    _ROUTER_FACTORIES[kind] = factory
 
 
 class Delivery:
@@ -156,7 +155,7 @@ class Delivery:
         self.failures = 0
         self._failures_seen = 0
         self._lost_seen = queue.lost()
-        self._routers: dict[str, Router] = {}
+        self._routers: dict[type, Router] = {}
         self._failing = False
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
@@ -179,23 +178,15 @@ class Delivery:
             self.thread.start()
 
     # ---------------------------------------------------------------- routers
-    def add_router(self, key: str, router: Router) -> None:
-        self._routers[key] = router
+    def add_router(self, kind: type[Payload], router: Router) -> None:
+        self._routers[kind] = router
 
-    def router(self, key: str) -> Router | None:
-        """The router of ``key`` (created from a registered factory if needed)."""
-        router = self._routers.get(key)
-        if router is None and key in _ROUTER_FACTORIES:
-            router = self._routers.setdefault(key, _ROUTER_FACTORIES[key]())
+    def router(self, kind: type[Payload]) -> Router | None:
+        """The router of the payloads of class ``kind`` (created from a registered factory if needed)."""
+        router = self._routers.get(kind)
+        if router is None and kind in _ROUTER_FACTORIES:
+            router = self._routers.setdefault(kind, _ROUTER_FACTORIES[kind]())
         return router
-
-    def _routed(self, meta: Mapping[str, Any] | None) -> Router | None:
-        if not meta:
-            return None
-        for key in (*self._routers, *_ROUTER_FACTORIES):
-            if key in meta:
-                return self.router(key)
-        return None
 
     # -------------------------------------------------------------- delivery
     def wake(self) -> None:
@@ -278,18 +269,19 @@ class Delivery:
             count += 1
 
     def _deliver(self, entry: PendingEntry) -> bool:
-        """Turns one entry into logger calls (through its router, if its meta asks for one).
+        """Turns one entry into logger calls (through the router of its payload's class, if any).
 
         Returns whether every call succeeded; a refused row of a router was
         already reported.
         """
-        router = self._routed(entry.meta)
-        if router is not None:
-            rows = router.route(entry.namespace, entry.metrics, entry.step, entry.meta)
-            return self._write_rows(rows, "failed to log namespace")
-        payload = expand(entry.namespace, entry.metrics)
-        if payload:
-            self.write(payload, entry.step)
+        payload = entry.payload
+        if payload.__class__ is not Payload:
+            router = self.router(payload.__class__)
+            if router is not None:
+                return self._write_rows(router.route(payload), "failed to log namespace")
+        metrics = expand(payload.namespace, payload.metrics)
+        if metrics:
+            self.write(metrics, payload.step)
         return True
 
     def _write_rows(self, rows: Iterable[Row], what: str) -> bool:
@@ -311,7 +303,7 @@ class Delivery:
             try:
                 self._write_rows(router.finish(), "failed to log the last rows of namespace")
             except Exception as err:
-                self.report(err, f"failed to finish router {key!r}")
+                self.report(err, f"failed to finish the router of {key.__name__}")
 
     def write(self, payload: dict[str, Any], step: int | None) -> None:
         """One logger call."""

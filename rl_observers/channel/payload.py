@@ -1,12 +1,15 @@
-"""What a payload may hold, and the one rule that merges two payloads.
+"""What a payload is, and the one rule that merges two payloads.
 
-Step of the flow: **channel** (source → observer → channel → logger). A payload
-is a flat mapping from metric names to numbers ("gauges") or to mergeable
+Step of the flow: **channel** (source → observer → channel → logger). A
+:class:`Payload` is one submission: its namespace, its step and its metrics,
+a flat mapping from metric names to numbers ("gauges") or to mergeable
 partial statistics, objects with ``merge(other) -> partial`` (exact and
-associative) and ``finalize() -> dict[str, float]``. This module checks a
-payload when it is submitted (:func:`check_metrics`), merges two payloads of
-one namespace (:func:`coalesce`, the only dict-level merge rule of the
-package) and turns a payload into logger names and values when it is
+associative) and ``finalize() -> dict[str, float]``. The one object travels
+from ``submit_metrics`` to the logger's thread (a subclass may say more about
+where it comes from: :class:`rl_observers.remote.window.Window`). This module
+checks metrics when they are submitted (:func:`check_metrics`), merges two
+payloads of one namespace (:func:`coalesce`, the only dict-level merge rule
+of the package) and turns metrics into logger names and values when they are
 delivered (:func:`expand`).
 
 Examples:
@@ -25,7 +28,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["check_metrics", "coalesce", "expand", "is_partial"]
+__all__ = ["Payload", "check_metrics", "coalesce", "expand", "is_partial"]
 
 _MISSING = object()
 GAUGE_TYPES = (float, int)
@@ -127,3 +130,39 @@ def expand(namespace: str, metrics: Mapping[str, Any]) -> dict[str, Any]:
                 continue
         out[prefix + key] = value
     return out
+
+
+class Payload:
+    """One submission: ``metrics`` for ``namespace`` at ``step``.
+
+    What the channel's queue holds, and what its delivery writes (or hands
+    to the router registered for the payload's class, see
+    :func:`~rl_observers.channel.delivery.register_router`).
+
+    Examples:
+        >>> from rl_observers.channel.payload import Payload
+        >>> from rl_observers.stats import Count
+        >>> older = Payload("train", {"dones": Count("dones", 2), "lr": 0.1}, step=1)
+        >>> older.absorb(Payload("train", {"dones": Count("dones", 1), "lr": 0.2}, step=2))
+        >>> older.step, expand(older.namespace, older.metrics)
+        (2, {'train/dones': 3.0, 'train/lr': 0.2})
+    """
+
+    __slots__ = ("metrics", "namespace", "step")
+
+    def __init__(self, namespace: str, metrics: dict[str, Any], step: int | None = None) -> None:
+        self.namespace = namespace
+        self.metrics = metrics
+        self.step = step
+
+    def absorb(self, newer: Payload) -> Exception | None:
+        """Merges ``newer`` (submitted later, same namespace) into this one (:func:`coalesce`).
+
+        The step becomes the newest. Returns the error of a partial that failed to merge.
+        """
+        error = coalesce(self.metrics, newer.metrics)
+        self.step = newer.step
+        return error
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.namespace!r}, {self.metrics!r}, step={self.step!r})"

@@ -4,7 +4,7 @@ Step of the flow: **channel** (source → observer → channel → logger). Ever
 submission (local, or received from a handle in another process) is *put*
 here; the delivery thread *takes* entries one at a time and marks them
 *done*. At most ``capacity`` entries wait: on overflow a payload coalesces
-into the newest pending entry of its namespace (:func:`~.payload.coalesce`)
+into the newest pending entry of its namespace (:meth:`~.payload.Payload.absorb`)
 or, if that namespace has none, the oldest entry is dropped. Everything is
 counted in payloads, under one lock, so that ``submitted == logged + pending +
 coalesced + dropped + sink_errors`` holds at any moment: an entry counts once
@@ -13,13 +13,14 @@ in ``coalesced``; a dropped entry counts every payload it held in
 ``dropped`` (and those merged into it leave ``coalesced``).
 
 Examples:
+    >>> from rl_observers.channel.payload import Payload
     >>> from rl_observers.channel.queue import PendingQueue
     >>> queue = PendingQueue(capacity=1)
-    >>> queue.put("a", {"x": 1.0}, 1, None), queue.put("a", {"x": 2.0}, 2, None)
+    >>> queue.put(Payload("a", {"x": 1.0}, 1)), queue.put(Payload("a", {"x": 2.0}, 2))
     (None, None)
     >>> entry = queue.take()
-    >>> entry.metrics, entry.step
-    ({'x': 2.0}, 2)
+    >>> entry.payload
+    Payload('a', {'x': 2.0}, step=2)
     >>> queue.done(entry, delivered=True)
     >>> queue.counts()["coalesced"], queue.counts()["logged"]
     (1, 1)
@@ -30,36 +31,29 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable
 
-from rl_observers.channel.payload import coalesce
+from rl_observers.channel.payload import Payload
 
 __all__ = ["PendingEntry", "PendingQueue"]
 
 
 class PendingEntry:
-    """One pending payload of one namespace; ``seq`` is its first submission number.
+    """One pending :class:`~.payload.Payload`; ``seq`` is its first submission number.
 
     ``payloads`` is how many submissions it holds (1 + those coalesced into it).
     """
 
-    __slots__ = ("meta", "metrics", "namespace", "payloads", "seq", "step")
+    __slots__ = ("payload", "payloads", "seq")
 
-    def __init__(
-        self,
-        namespace: str,
-        metrics: dict[str, Any],
-        step: int | None,
-        meta: Mapping[str, Any] | None,
-        seq: int,
-    ) -> None:
-        self.namespace = namespace
-        self.metrics = metrics
-        self.step = step
-        self.meta = meta
+    def __init__(self, payload: Payload, seq: int) -> None:
+        self.payload = payload
         self.seq = seq
         self.payloads = 1
+
+    @property
+    def namespace(self) -> str:
+        return self.payload.namespace
 
 
 class PendingQueue:
@@ -88,13 +82,7 @@ class PendingQueue:
         self.closed = False
 
     # ------------------------------------------------------------------ put
-    def put(
-        self,
-        namespace: str,
-        metrics: dict[str, Any],
-        step: int | None,
-        meta: Mapping[str, Any] | None,
-    ) -> Exception | None:
+    def put(self, payload: Payload) -> Exception | None:
         """Queues one payload (or coalesces or drops on overflow).
 
         Returns the error of a partial that failed to merge, if any. A payload
@@ -107,17 +95,15 @@ class PendingQueue:
                 self._dropped += 1
                 return None
             pending = self._pending
+            namespace = payload.namespace
             if len(pending) < self.capacity:
-                entry = PendingEntry(namespace, metrics, step, meta, self._submitted)
+                entry = PendingEntry(payload, self._submitted)
                 pending.append(entry)
                 self._newest[namespace] = entry
             else:
                 entry = self._newest.get(namespace)
                 if entry is not None:
-                    error = coalesce(entry.metrics, metrics)
-                    entry.step = step
-                    if meta is not None:
-                        entry.meta = meta
+                    error = entry.payload.absorb(payload)
                     entry.payloads += 1
                     self._coalesced += 1
                 else:
@@ -127,7 +113,7 @@ class PendingQueue:
                     # every payload merged into it is lost with it
                     self._dropped += oldest.payloads
                     self._coalesced -= oldest.payloads - 1
-                    entry = PendingEntry(namespace, metrics, step, meta, self._submitted)
+                    entry = PendingEntry(payload, self._submitted)
                     pending.append(entry)
                     self._newest[namespace] = entry
         return error
@@ -207,13 +193,11 @@ class PendingQueue:
                 "receiver_restarts": self._receiver_restarts,
             }
 
-    def has_meta(self, key: str, value: Any) -> bool:
-        """Whether a pending or in-flight entry has ``meta[key] == value``."""
+    def has_pending(self, wanted: Callable[[Payload], bool]) -> bool:
+        """Whether the payload of a pending or in-flight entry is ``wanted``."""
         with self._lock:
             return any(
-                entry.meta is not None and entry.meta.get(key) == value
-                for entry in (*self._pending, self._in_flight)
-                if entry is not None
+                wanted(entry.payload) for entry in (*self._pending, self._in_flight) if entry is not None
             )
 
     # --------------------------------------------------------------- flush

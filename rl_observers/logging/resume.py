@@ -28,7 +28,7 @@ Copies that run away from the channel (multiprocessing workers, Ray actors)
 line up the same way when their source counts for them alone
 (:func:`owns_axis`): a worker of a restored ``MultiSyncCollector`` starts at
 its restored ``frames``, and its windows carry how much of the count came
-from there (``meta["base"]``), so the owner's aggregate counts on from the
+from there (``Window.base``), so the owner's aggregate counts on from the
 restored sum and fires no threshold for it, saved state or not.
 
 Examples:
@@ -88,7 +88,7 @@ def owns_axis(source: Any) -> bool:
     replay buffer's actor. Their counters restored (a ``MultiSyncCollector``
     loaded from a checkpoint restores each worker's ``frames``), the copy
     starts from them and tells the owner's aggregate how much of its count
-    came from there (``meta["base"]``), so the aggregate's thresholds and
+    came from there (``Window.base``), so the aggregate's thresholds and
     steps go on from the restored sum, saved observer state or not. False
     for a shared replay buffer, whose ``write_count`` counts every process's
     writes.

@@ -2,12 +2,12 @@
 
 Step of the flow: **channel**, at the owner (source → observer → channel →
 logger). A copy of an observer running away from the channel (in a worker,
-an actor, on another node) sends its windows through a
-:class:`~rl_observers.MetricsHandle`, which numbers them (``meta["seq"]``,
-per copy, named by ``meta["copy"]``); a copy marks its last window
-(``meta["last"]``) when its source shuts down, when it is removed and when
+an actor, on another node) sends its windows (:class:`~rl_observers.remote.window.Window`) through a
+:class:`~rl_observers.MetricsHandle`, which numbers them (``seq``,
+per copy, named by its ``copy``); a copy marks its last window
+(``last``) when its source shuts down, when it is removed and when
 its process exits. A window that others merged into on the way says how
-many it holds (``meta["windows"]``), so the owner counts each of them.
+many it holds (``windows``), so the owner counts each of them.
 Windows may pass each other on the way (a relay takes calls concurrently):
 the owner delivers a late one with its copy's newest counters, which are
 cumulative and so never go back.
@@ -37,17 +37,23 @@ copy that was attached, or that ever reported, was heard to its end.
 
 Examples:
     >>> from rl_observers.remote.account import Account
+    >>> from rl_observers.remote.window import Window
     >>> account = Account("demo")
-    >>> window = {"aggregate": "train", "worker": 0, "copy": "h/pid 1"}
-    >>> _ = account.note({**window, "seq": 1, "counters": {"frames": 10}})
-    >>> _ = account.note({**window, "seq": 3, "last": True, "counters": {"frames": 30}})
+    >>> def window(copy, seq, counters, last=False):
+    ...     return Window("train/worker_0", {}, observer="train", worker=0, counters=counters,
+    ...                   copy=copy, seq=seq, last=last)
+    >>> account.note(window("h/pid 1", 1, {"frames": 10}))
+    False
+    >>> account.note(window("h/pid 1", 3, {"frames": 30}, last=True))
+    False
     >>> account.waiting("train")  # window 2 has not arrived
     ['worker 0 (h/pid 1)']
     >>> account.settle("train")  # warns: window 2 never arrived
     >>> account.counts()
     {'copies_lost': 0, 'windows_lost': 1}
     >>> account.expect("train", [0, 1])  # copies attached in workers 0 and 1
-    >>> _ = account.note({**window, "copy": "h/pid 2", "seq": 1, "last": True, "counters": {}})
+    >>> account.note(window("h/pid 2", 1, {}, last=True))
+    False
     >>> account.waiting("train")  # worker 1 never sent anything
     ['worker 1 (never heard from)']
     >>> account.settle("train")  # warns: worker 1's copy vanished
@@ -62,7 +68,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from rl_observers.remote.window import AGGREGATE, COPY, COUNTERS, LAST, SEQ, WINDOWS, WORKER
+from rl_observers.remote.window import Window
 
 __all__ = ["Account"]
 
@@ -110,7 +116,7 @@ class Account:
     def expect(self, name: str, workers: Any, where: str = "never heard from") -> None:
         """Notes that copies of the observer ``name`` were attached in ``workers``.
 
-        Each is expected to send windows under its worker (``meta["worker"]``);
+        Each is expected to send windows under its worker (``Window.worker``);
         one never heard from when it is settled is reported and counted lost.
         ``where`` says where it runs, for that warning.
         """
@@ -120,39 +126,39 @@ class Account:
                 if not any(k[0] == name and k[1] == key[1] for k in self._copies):
                     self._expected[key] = where
 
-    def note(self, meta: Mapping[str, Any]) -> Mapping[str, Any]:
-        """Notes one window received by the owner; returns the ``meta`` to deliver it with.
+    def note(self, window: Window) -> bool:
+        """Notes one numbered window received by the owner; whether it arrived late.
 
-        A ``meta`` without ``COPY`` and ``SEQ`` is returned as it is. A window
-        that arrives after a newer one of its copy (windows can pass each other
-        on the way) is delivered with the newest counters of its copy: counters
-        are cumulative, so they never go back.
+        A window that arrives after a newer one of its copy (windows can pass
+        each other on the way) is given the newest counters of its copy:
+        counters are cumulative, so they never go back. Returns ``True`` then.
         """
-        seq = meta.get(SEQ)
+        seq = window.seq
         if seq.__class__ is not int:
-            return meta
-        key = (meta.get(AGGREGATE), _hashable(meta.get(WORKER)), meta.get(COPY))
+            return False
+        key = (window.observer, _hashable(window.worker), window.copy)
         with self._lock:
             copy = self._copies.get(key)
             if copy is None:
                 if self._expected:  # an attached copy's first window: it is heard from
                     self._expected.pop(key[:2], None)
                 if key in self._settled:  # a window sent after its account closed (at exit)
-                    return meta
-                copy = self._copies[key] = _Copy(meta.get(WORKER), str(meta.get(COPY)))
-            windows = meta.get(WINDOWS, 1)
+                    return False
+                copy = self._copies[key] = _Copy(window.worker, str(window.copy))
+            windows = window.windows
             copy.received += windows if windows.__class__ is int and windows > 0 else 1
-            if meta.get(LAST):
+            if window.last:
                 copy.last = True
             copy.sent = max(copy.sent, seq)
-            counters = meta.get(COUNTERS)
+            counters = window.counters
             if counters is None:  # a last window that only marks the end
-                return meta
+                return False
             if seq >= copy.counters_seq:
                 copy.counters_seq = seq
                 copy.counters = counters
-                return meta
-            return {**meta, COUNTERS: copy.counters}
+                return False
+            window.counters = copy.counters
+            return True
 
     def members(self, name: str) -> frozenset[tuple[Any, ...]]:
         """The copies of the observer ``name`` known now: those heard from and those expected."""

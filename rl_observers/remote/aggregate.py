@@ -2,7 +2,7 @@
 
 Step of the flow: **channel → logger**, at the owner (source → observer →
 channel → logger). :class:`AggregationRouter` is registered as the channel's
-router for payloads whose ``meta`` holds ``"aggregate"``: the channel hands
+router for :class:`~rl_observers.remote.window.Window` payloads: the channel hands
 them over on its delivery thread and logs the rows the router returns.
 
 A :class:`~rl_observers.LoggerObserver` copy that runs away from its channel
@@ -21,7 +21,7 @@ thread:
 - ``scope="both"``: both.
 
 The aggregate knows nothing of RL: a contribution is a flat mapping of
-gauges and partials plus ``meta`` saying which worker it comes from, its
+gauges and partials in a window saying which worker it comes from, its
 counters, and the observer's schedule.
 
 Examples:
@@ -50,7 +50,7 @@ from rl_observers.channel import register_router
 from rl_observers.channel.delivery import Row
 from rl_observers.channel.payload import coalesce, is_partial
 from rl_observers.remote.channel import MetricsChannel
-from rl_observers.remote.window import AGGREGATE, BASE, COUNTERS, FINISH, PROCESS, WORKER
+from rl_observers.remote.window import AggregateSpec, Window
 from rl_observers.schedule import ScheduleClock
 from rl_observers.stats import LatestWindow
 
@@ -65,8 +65,6 @@ __all__ = [
     "load_aggregate_state",
 ]
 
-#: The ``meta`` key that sends a payload to the aggregation router.
-META_KEY = AGGREGATE
 #: Seconds without a contribution after which a worker no longer counts as reporting.
 STALE_AFTER = 10.0
 
@@ -75,48 +73,6 @@ def _merge_window(window: dict[str, Any], partials: Mapping[str, Any]) -> None:
     error = coalesce(window, partials)
     if error is not None:
         raise error
-
-
-class AggregateSpec:
-    """What the owner needs to know about one observer's contributions (travels in ``meta``)."""
-
-    __slots__ = ("latest", "log_on_close", "schedule", "scope", "step_key")
-
-    def __init__(
-        self,
-        schedule: Every | None,
-        step_key: str | None,
-        scope: str = "aggregate",
-        log_on_close: bool = True,
-        latest: tuple[str, ...] = (),
-    ) -> None:
-        self.schedule = schedule
-        self.step_key = step_key
-        self.scope = scope
-        self.log_on_close = log_on_close
-        self.latest = latest
-
-    def as_meta(self) -> dict[str, Any]:
-        schedule = self.schedule
-        return {
-            "schedule": None if schedule is None else (schedule.kind, schedule.interval, schedule.key),
-            "step_key": self.step_key,
-            "scope": self.scope,
-            "log_on_close": self.log_on_close,
-            "latest": self.latest,
-        }
-
-    @classmethod
-    def from_meta(cls, meta: Mapping[str, Any]) -> AggregateSpec:
-        raw = meta.get("schedule")
-        schedule = None if raw is None else Every(kind=raw[0], interval=raw[1], key=raw[2])
-        return cls(
-            schedule,
-            meta.get("step_key"),
-            meta.get("scope", "aggregate"),
-            bool(meta.get("log_on_close", True)),
-            tuple(meta.get("latest", ())),
-        )
 
 
 def _plus(base: Mapping[str, float], values: Mapping[str, float]) -> dict[str, float]:
@@ -286,8 +242,9 @@ class Aggregate:
         self._window = {**self._window, **_restored_rolling(state.get("rolling"))}
 
     @classmethod
-    def from_meta(cls, name: str, meta: Mapping[str, Any]) -> Aggregate:
-        spec = AggregateSpec.from_meta(meta)
+    def from_spec(cls, name: str, spec: AggregateSpec | None) -> Aggregate:
+        """The aggregate of the observer ``name`` whose windows say ``spec``."""
+        spec = spec or AggregateSpec(None, None)
         return cls(
             name,
             schedule=spec.schedule,
@@ -453,10 +410,10 @@ class Aggregate:
 class AggregationRouter:
     """The channel's router for workers' contributions: one :class:`Aggregate` per observer name.
 
-    A contribution's ``meta`` names the observer (``"aggregate"``), the
+    A :class:`~rl_observers.remote.window.Window` names the observer, the
     worker, its cumulative counters and the observer's
-    :class:`AggregateSpec`; ``"finish": True`` logs that observer's last
-    windows and forgets it.
+    :class:`~rl_observers.remote.window.AggregateSpec`; ``finish`` logs that
+    observer's last windows and forgets it.
     """
 
     def __init__(self) -> None:
@@ -465,29 +422,28 @@ class AggregationRouter:
         self.restored: dict[str, Mapping[str, Any]] = {}
         self.lock = threading.Lock()  # route (the delivery thread) vs. state reads and loads
 
-    def route(
-        self, namespace: str, metrics: dict[str, Any], step: int | None, meta: Mapping[str, Any]
-    ) -> list[Row]:
+    def route(self, window: Window) -> list[Row]:
         with self.lock:
-            return self._route(meta[META_KEY], metrics, meta)
+            return self._route(window)
 
-    def _route(self, name: str, metrics: dict[str, Any], meta: Mapping[str, Any]) -> list[Row]:
+    def _route(self, window: Window) -> list[Row]:
+        name = window.observer
         aggregate = self.aggregates.get(name)
         if aggregate is None:
-            aggregate = self.aggregates[name] = Aggregate.from_meta(name, meta)
+            aggregate = self.aggregates[name] = Aggregate.from_spec(name, window.spec)
             restored = self.restored.pop(name, None)
             if restored is not None:
                 aggregate.load_state_dict(restored)
         rows: list[Row] = []
-        if metrics or meta.get(COUNTERS):
+        if window.metrics or window.counters:
             rows = aggregate.contribute(
-                meta.get(WORKER),
-                metrics,
-                meta.get(COUNTERS) or {},
-                process=meta.get(PROCESS),
-                base=meta.get(BASE),
+                window.worker,
+                window.metrics,
+                window.counters or {},
+                process=window.process,
+                base=window.base,
             )
-        if meta.get(FINISH):
+        if window.finish:
             rows.extend(aggregate.finish())
             del self.aggregates[name]
         return rows
@@ -512,11 +468,11 @@ class AggregationRouter:
             raise error
 
 
-register_router(META_KEY, AggregationRouter)
+register_router(Window, AggregationRouter)
 
 
 def _owned_router(channel: MetricsChannel | None, what: str) -> AggregationRouter:
-    router = None if channel is None else channel._logging.router(META_KEY)
+    router = None if channel is None else channel._logging.router(Window)
     if not isinstance(router, AggregationRouter):
         raise ValueError(
             f"LoggerObserver: {what} the aggregate of an observer whose copies run elsewhere "
@@ -554,10 +510,10 @@ def has_aggregate(channel: MetricsChannel, name: str) -> bool:
     Contributions received but not delivered yet count too. Always ``False``
     in a process that does not own the channel.
     """
-    router = channel._logging.router(META_KEY)
+    router = channel._logging.router(Window)
     if isinstance(router, AggregationRouter) and name in router.aggregates:
         return True
-    return channel._logging.has_pending(META_KEY, name)
+    return channel._logging.has_pending(lambda p: p.__class__ is Window and p.observer == name)
 
 
 def finish_aggregate(channel: MetricsChannel, name: str) -> None:
@@ -570,4 +526,4 @@ def finish_aggregate(channel: MetricsChannel, name: str) -> None:
     removed.
     """
     channel._logging.receive(timeout=5.0)
-    channel.submit_metrics({}, namespace=name, meta={META_KEY: name, FINISH: True})
+    channel.submit_window(Window(name, {}, observer=name, finish=True))

@@ -11,10 +11,12 @@ forked from the owner's process, by a :class:`~.owner.Forwarder`); this
 module holds the public face, the process's registry of live channels, and
 the interpreter-exit and fork hooks.
 
-The channel knows nothing about reinforcement learning nor about
-aggregation: entries whose ``meta`` asks for owner-side handling go to a
-router registered for every channel with :func:`~.delivery.register_router`
-(what only the logging package uses of a channel is in :mod:`~.logging_side`).
+Its queue and delivery are the local channel's
+(:mod:`rl_observers.channel`), which knows nothing about reinforcement
+learning nor about copies: the windows of observers' copies
+(:class:`~rl_observers.remote.window.Window`) go to the router registered for
+their class (:mod:`~rl_observers.remote.aggregate`); what only the logging
+package uses of a channel is in :mod:`~.logging_side`.
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
+from rl_observers.channel.payload import Payload, check_metrics
 from rl_observers.observer import OnError
 from rl_observers.remote.handle import OWNERS, MetricsHandle
 from rl_observers.remote.logging_side import LoggingSide
 from rl_observers.remote.owner import Forwarder, Owner, check_alive
 from rl_observers.remote.transport import transport as find_transport
+from rl_observers.remote.window import Window
 
 __all__ = ["MetricsChannel"]
 
@@ -222,14 +226,7 @@ class MetricsChannel:
             _SHARED[id(logger)] = channel
             return channel
 
-    def submit_metrics(
-        self,
-        metrics: Mapping[str, Any],
-        step: int | None = None,
-        *,
-        namespace: str = "",
-        meta: Mapping[str, Any] | None = None,
-    ) -> None:
+    def submit_metrics(self, metrics: Mapping[str, Any], step: int | None = None, *, namespace: str = "") -> None:
         """Queues one payload for logging and returns at once.
 
         Never blocks and never calls the logger. After :meth:`close` the
@@ -242,8 +239,8 @@ class MetricsChannel:
         Names are passed to the logger unchanged: a name the logger cannot
         store (too long for a file name, say) makes that entry's logger call
         fail, which is counted in ``sink_errors`` and handled by
-        ``on_error``; the channel goes on. An empty mapping without ``meta``
-        logs nothing and is ignored.
+        ``on_error``; the channel goes on. An empty mapping logs nothing and
+        is ignored.
 
         Args:
             metrics (Mapping[str, float | int | partial]): metric names
@@ -256,15 +253,26 @@ class MetricsChannel:
             namespace (str, optional): prefix of the logged names
                 (``"<namespace>/<name>"``); also the unit of coalescing.
                 Defaults to ``""`` (no prefix).
-            meta (Mapping, optional): information about the payload's origin
-                (for example ``{"worker": 3}``), carried along with the entry
-                to the channel's thread. Defaults to ``None``.
 
         Raises:
             TypeError: if ``metrics`` is not a mapping from ``str`` names to
                 the values above, or ``namespace`` is not a ``str``.
         """
-        self._state.submit_metrics(metrics, step, namespace, meta)
+        self._state.submit(Payload(namespace, check_metrics(metrics, namespace, "MetricsChannel"), step))
+
+    def submit_window(self, window: Window) -> None:
+        """Queues one window of an observer's copy (:class:`~rl_observers.remote.window.Window`).
+
+        What copies of a :class:`~rl_observers.LoggerObserver` send; the
+        channel's owner merges the windows of each observer into its rows
+        (:mod:`~rl_observers.remote.aggregate`). Never blocks, like
+        :meth:`submit_metrics`.
+
+        Raises:
+            TypeError: if the window's metrics are not loggable values.
+        """
+        check_metrics(window.metrics, window.namespace, "MetricsChannel")
+        self._state.submit(window)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until everything submitted before this call was processed.
@@ -390,9 +398,7 @@ class MetricsChannel:
         """
         return self._state.health()
 
-    def handle(
-        self, meta: Mapping[str, Any] | None = None, *, transport: str | None = None
-    ) -> MetricsHandle:
+    def handle(self, *, transport: str | None = None) -> MetricsHandle:
         """Returns a picklable, non-owning handle to this channel for workers and actors.
 
         The first call starts the channel's receivers: the socket that
@@ -403,12 +409,6 @@ class MetricsChannel:
         the channel directly; in another process on the same machine, it
         sends datagrams to the channel's socket; elsewhere, through Ray;
         never blocking.
-
-        Args:
-            meta (Mapping, optional): default ``meta`` of every payload sent
-                through the handle (for example ``{"worker": 3}``); a
-                ``meta`` given to :meth:`MetricsHandle.submit_metrics` is
-                merged over it. Defaults to ``None``.
 
         Keyword Args:
             transport (str, optional): the transport the handle sends
@@ -427,7 +427,7 @@ class MetricsChannel:
             >>> from rl_observers import MetricsChannel
             >>> logger = CSVLogger(exp_name="handle_demo", log_dir=tempfile.mkdtemp())
             >>> channel = MetricsChannel(logger, background=False)
-            >>> handle = pickle.loads(pickle.dumps(channel.handle(meta={"worker": 0})))
+            >>> handle = pickle.loads(pickle.dumps(channel.handle()))
             >>> handle.submit_metrics({"frames": 100}, step=1, namespace="worker_0")
             >>> channel.step()
             1
@@ -447,7 +447,6 @@ class MetricsChannel:
         return MetricsHandle(
             self._token,
             self._addresses,
-            meta,
             channel=channel,
             transport=transport,
             owner=self._owner_description(),

@@ -4,7 +4,8 @@ Step of the flow: **observer → channel**, away from the owner (source →
 observer → channel → logger). A :class:`~rl_observers.LoggerObserver` copy
 in a multiprocessing worker, a Ray actor or a process writing into a shared
 buffer does not decide when to log: it *contributes* its window (mergeable
-partials and its cumulative counters, with its schedule in ``meta``) at least
+partials and its cumulative counters, with its schedule: a
+:class:`~rl_observers.remote.window.Window`) at least
 every ``report_interval`` seconds and whenever its own schedule counter
 advanced by an interval. The owner merges contributions
 (:mod:`rl_observers.remote.aggregate`). Worker processes exit without
@@ -21,8 +22,7 @@ import time
 import weakref
 from typing import Any
 
-from rl_observers.remote.aggregate import AggregateSpec
-from rl_observers.remote.window import AGGREGATE, COUNTERS, PROCESS, WORKER
+from rl_observers.remote.window import AggregateSpec, Window
 from rl_observers.sources.placement import process_token, source_info
 
 __all__ = ["LIVE", "Contribution", "copy_worker", "mode_at_end", "resolve_mode"]
@@ -112,7 +112,7 @@ def _report_contributors_at_exit() -> None:
 
 
 def copy_worker(worker: int | None) -> Any:
-    """The ``meta["worker"]`` a copy placed as ``worker`` sends under (``None``, not a worker: 0)."""
+    """The ``Window.worker`` a copy placed as ``worker`` sends under (``None``, not a worker: 0)."""
     return worker if worker is not None else 0
 
 
@@ -123,7 +123,7 @@ class Contribution:
     restarts from where it runs (``pristine``, pickled), which worker it is
     once resolved, and when it last reported. The observer decides its mode
     once per process with :meth:`resolve`, asks :meth:`due` after each event
-    when contributing, and sends what :meth:`meta` describes.
+    when contributing, and sends the :meth:`window` it makes.
     """
 
     __slots__ = ("home_pid", "last_report", "last_report_counter", "pristine", "worker")
@@ -184,16 +184,32 @@ class Contribution:
             return counters().get(schedule.key, 0) - self.last_report_counter >= schedule.interval
         return False
 
-    def meta(self, name: str | None, counters: dict[str, float], spec: AggregateSpec) -> dict[str, Any]:
-        """The ``meta`` of one contribution (and the report's time and counter are recorded)."""
+    def window(
+        self,
+        name: str,
+        metrics: dict[str, Any],
+        counters: dict[str, float] | None,
+        spec: AggregateSpec,
+        *,
+        base: dict[str, float] | None = None,
+        last: bool = False,
+    ) -> Window:
+        """One window of the observer ``name`` (and the report's time and counter are recorded).
+
+        ``counters=None``: a last window that only marks the end.
+        """
         self.last_report = time.monotonic()
         schedule = spec.schedule
-        if schedule is not None and schedule.kind == "counter":
+        if counters is not None and schedule is not None and schedule.kind == "counter":
             self.last_report_counter = counters.get(schedule.key, 0)
-        return {
-            AGGREGATE: name,
-            WORKER: self.worker,
-            PROCESS: process_token(),
-            COUNTERS: counters,
-            **spec.as_meta(),
-        }
+        return Window(
+            f"{name}/worker_{self.worker}",
+            metrics,
+            observer=name,
+            worker=self.worker,
+            process=process_token(),
+            counters=counters,
+            base=base or None,
+            spec=spec,
+            last=last,
+        )

@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 from rl_observers.observer import dumps
-from rl_observers.remote.aggregate import AggregateSpec, finish_aggregate
+from rl_observers.remote.aggregate import finish_aggregate
 from rl_observers.remote.contributions import copy_worker
-from rl_observers.remote.window import BASE, COUNTERS, LAST
+from rl_observers.remote.window import AggregateSpec
 from rl_observers.sources import observers_of
 
 __all__ = [
@@ -120,19 +120,17 @@ def contribute(observer: Any, final: bool = False) -> None:
     the previous window it is only the marker, without counters.
     """
     sets = observer.metrics
-    namespace = f"{observer.name}/worker_{observer._contribution.worker}"
     latest = tuple(g for m in sets for g in m.latest_gauges)
     spec = AggregateSpec(observer.schedule, observer.step_key, observer.scope, observer.log_on_close, latest)
-    meta = observer._contribution.meta(observer.name, observer._counters(), spec)
-    if final:
-        meta[LAST] = True
-        if not observer._fresh:
-            del meta[COUNTERS]
-            observer._sink.submit_metrics({}, namespace=namespace, meta=meta)
-            return
-    if observer._axis_base:
-        meta[BASE] = observer._axis_base  # counted from the restored source, not progress
-    observer._sink.submit_metrics(observer._pull(), namespace=namespace, meta=meta)
+    contribution = observer._contribution
+    if final and not observer._fresh:  # nothing new since the previous window: only the marker
+        observer._sink.submit_window(contribution.window(observer.name, {}, None, spec, last=True))
+        return
+    counters = observer._counters()
+    window = contribution.window(
+        observer.name, observer._pull(), counters, spec, base=observer._axis_base, last=final
+    )
+    observer._sink.submit_window(window)
 
 
 def state_to_travel(observer: Any) -> dict[str, Any]:

@@ -16,10 +16,10 @@ import weakref
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from rl_observers.channel.payload import check_metrics
+from rl_observers.channel.payload import Payload, check_metrics
 from rl_observers.remote.owner import Forwarder
 from rl_observers.remote.transport import Sender, make_sender
-from rl_observers.remote.window import AGGREGATE, COPY, SEQ
+from rl_observers.remote.window import Window
 
 __all__ = ["MetricsHandle"]
 
@@ -33,14 +33,9 @@ class _Channel(Protocol):
 
     _state: Any
 
-    def submit_metrics(
-        self,
-        metrics: Mapping[str, Any],
-        step: int | None = None,
-        *,
-        namespace: str = "",
-        meta: Mapping[str, Any] | None = None,
-    ) -> None: ...
+    def submit_metrics(self, metrics: Mapping[str, Any], step: int | None = None, *, namespace: str = "") -> None: ...
+
+    def submit_window(self, window: Window) -> None: ...
 
     def flush(self, timeout: float | None = None) -> bool: ...
 
@@ -65,8 +60,7 @@ class MetricsHandle:
       but its handles is still usable, and is stopped when the last one goes).
     - In another process, it sends through the first reachable transport
       of its channel (:attr:`transport`), chosen at its first use there.
-      With the Unix-datagram socket, it pickles ``(namespace, metrics, step,
-      meta)`` into one datagram sent without blocking. If the owner's socket
+      With the Unix-datagram socket, it pickles the payload into one datagram sent without blocking. If the owner's socket
       queue is full, the payload is coalesced into a small per-namespace
       backlog that is sent first on the next submission or by :meth:`flush`;
       if the owner is gone, or the payload cannot be pickled or is larger
@@ -95,7 +89,6 @@ class MetricsHandle:
         "_copy",
         "_copy_pid",
         "_forced",
-        "_meta",
         "_owner",
         "_sender",
         "_seq",
@@ -106,7 +99,6 @@ class MetricsHandle:
         self,
         token: str,
         addresses: Mapping[str, Any],
-        meta: Mapping[str, Any] | None = None,
         *,
         channel: _Channel | None = None,
         transport: str | None = None,
@@ -115,7 +107,6 @@ class MetricsHandle:
         self._token = token
         self._owner = owner or f"MetricsChannel {token}"
         self._addresses = dict(addresses)
-        self._meta = dict(meta) if meta else None
         self._forced = transport
         self._channel = channel if transport is None else None
         self._sender: Sender | None = None
@@ -129,37 +120,36 @@ class MetricsHandle:
             sender = self._sender = make_sender(self._addresses, self._forced, self._owner)
         return sender
 
-    def submit_metrics(
-        self,
-        metrics: Mapping[str, Any],
-        step: int | None = None,
-        *,
-        namespace: str = "",
-        meta: Mapping[str, Any] | None = None,
-    ) -> None:
+    def submit_metrics(self, metrics: Mapping[str, Any], step: int | None = None, *, namespace: str = "") -> None:
         """Submits one payload to the channel; returns at once.
 
         Same arguments and values as :meth:`MetricsChannel.submit_metrics`.
-        The handle's own ``meta`` is merged under ``meta``.
 
         Raises:
             TypeError: if ``metrics`` is not a mapping from ``str`` names to
                 loggable values, or ``namespace`` is not a ``str``.
         """
-        if self._meta is not None:
-            meta = self._meta if meta is None else {**self._meta, **meta}
         channel = self._channel
         if channel is not None:
-            channel.submit_metrics(metrics, step, namespace=namespace, meta=meta)
+            channel.submit_metrics(metrics, step, namespace=namespace)
             return
-        metrics = check_metrics(metrics, namespace, "MetricsHandle")
-        if meta is not None and AGGREGATE in meta:
-            # an observer copy's window: numbered, so that the owner knows what it sent
-            if self._copy_pid != os.getpid():
-                self._copy_pid, self._copy, self._seq = os.getpid(), _copy_identity(), 0
-            self._seq += 1
-            meta = {**meta, COPY: self._copy, SEQ: self._seq}
-        self._send_through().send(metrics, step, namespace, meta)
+        self._send_through().send(Payload(namespace, check_metrics(metrics, namespace, "MetricsHandle"), step))
+
+    def submit_window(self, window: Window) -> None:
+        """Submits one window of an observer's copy (:class:`~rl_observers.remote.window.Window`).
+
+        Sent from another process, the window is numbered first (its ``copy``
+        and ``seq``), so that the owner knows what each copy sent.
+        """
+        channel = self._channel
+        if channel is not None:
+            channel.submit_window(window)
+            return
+        check_metrics(window.metrics, window.namespace, "MetricsHandle")
+        if self._copy_pid != os.getpid():
+            self._copy_pid, self._copy, self._seq = os.getpid(), _copy_identity(), 0
+        self._seq += 1
+        self._send_through().send(window.numbered(self._copy, self._seq))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Pushes what the handle holds towards the channel.
@@ -245,7 +235,7 @@ class MetricsHandle:
             self._addresses = owner._current_addresses(self._addresses)
         return (
             _rebuild_handle,
-            (self._token, self._addresses, self._meta, self._forced, self._owner),
+            (self._token, self._addresses, self._forced, self._owner),
         )
 
     def __repr__(self) -> str:
@@ -270,10 +260,7 @@ def _copy_identity() -> str:
 def _rebuild_handle(
     token: str,
     addresses: Mapping[str, Any],
-    meta: Mapping[str, Any] | None,
     transport: str | None = None,
     owner: str | None = None,
 ) -> MetricsHandle:
-    return MetricsHandle(
-        token, addresses, meta, channel=OWNERS.get(token), transport=transport, owner=owner
-    )
+    return MetricsHandle(token, addresses, channel=OWNERS.get(token), transport=transport, owner=owner)

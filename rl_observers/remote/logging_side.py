@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rl_observers.channel.delivery import Router
+from rl_observers.channel.payload import Payload
 from rl_observers.remote.owner import Forwarder, Owner
 
 __all__ = ["LoggingSide"]
@@ -47,35 +48,35 @@ class LoggingSide:
     def __init__(self, state: Owner | Forwarder) -> None:
         self._state = state
 
-    def add_router(self, key: str, router: Router) -> None:
-        """Hands entries whose ``meta`` holds ``key`` to ``router`` instead of the logger.
+    def add_router(self, kind: type[Payload], router: Router) -> None:
+        """Hands the payloads of class ``kind`` to ``router`` instead of the logger.
 
         The router runs where entries are delivered (the channel's thread):
-        ``router.route(namespace, metrics, step, meta)`` returns the rows
-        ``(namespace, metrics, step)`` to log now, and ``router.finish()``
-        the last ones when the channel closes (the logging package registers
-        its worker aggregation for every channel with
+        ``router.route(payload)`` returns the rows ``(namespace, metrics,
+        step)`` to log now, and ``router.finish()`` the last ones when the
+        channel closes (:mod:`~rl_observers.remote.aggregate` registers its
+        merge of copies' windows for every channel with
         :func:`~rl_observers.channel.delivery.register_router`). Does nothing
         in a process that does not own the channel.
         """
         state = self._state
         if isinstance(state, Owner):
-            state.delivery.add_router(key, router)
+            state.delivery.add_router(kind, router)
 
-    def router(self, key: str) -> Router | None:
-        """The router that handles entries whose ``meta`` holds ``key`` (``None`` if none or not the owner)."""
+    def router(self, kind: type[Payload]) -> Router | None:
+        """The router of the payloads of class ``kind`` (``None`` if none or not the owner)."""
         state = self._state
-        return state.delivery.router(key) if isinstance(state, Owner) else None
+        return state.delivery.router(kind) if isinstance(state, Owner) else None
 
-    def has_pending(self, key: str, value: Any) -> bool:
-        """Whether an entry with ``meta[key] == value`` waits for delivery (or is being delivered).
+    def has_pending(self, wanted: Callable[[Payload], bool]) -> bool:
+        """Whether a payload that is ``wanted`` waits for delivery (or is being delivered).
 
         Payloads that handles in other processes sent are not read by this
         call (see :meth:`receive`). Always ``False`` in a process that does
         not own the channel.
         """
         state = self._state
-        return isinstance(state, Owner) and state.queue.has_meta(key, value)
+        return isinstance(state, Owner) and state.queue.has_pending(wanted)
 
     def receive(self, timeout: float | None = None) -> None:
         """Queues what handles in other processes have sent so far, without delivering it.
@@ -110,7 +111,7 @@ class LoggingSide:
             note(feeder, description)
 
     def copies_expected(self, feeder: Any, workers: Any) -> None:
-        """Notes the workers ``feeder``'s copies were attached in (each ``meta["worker"]``): each must report.
+        """Notes the workers ``feeder``'s copies were attached in (each ``Window.worker``): each must report.
 
         A copy expected here and never heard from when its observer's copies
         are gone (its worker killed before its first window arrived) is

@@ -29,12 +29,12 @@ from typing import Any
 from torchrl._utils import logger as torchrl_logger
 
 from rl_observers.channel.delivery import Delivery
-from rl_observers.channel.payload import check_metrics, is_partial
+from rl_observers.channel.payload import Payload, is_partial
 from rl_observers.channel.queue import PendingQueue
 from rl_observers.observer import check_on_error
 from rl_observers.remote.account import Account
 from rl_observers.remote.transport import Receiver, make_sender, transports
-from rl_observers.remote.window import COPY, COUNTERS
+from rl_observers.remote.window import Window
 
 __all__ = ["LAST_WINDOWS_WAIT", "Forwarder", "Owner", "check_alive"]
 
@@ -146,31 +146,17 @@ class Owner:
         )
 
     # ------------------------------------------------------------------ submit
-    def submit_metrics(
-        self,
-        metrics: Mapping[str, Any],
-        step: int | None,
-        namespace: str,
-        meta: Mapping[str, Any] | None,
-    ) -> None:
-        self._put(check_metrics(metrics, namespace, "MetricsChannel"), step, namespace, meta)
-
-    def _put(
-        self,
-        metrics: dict[str, Any],
-        step: int | None,
-        namespace: str,
-        meta: Mapping[str, Any] | None,
-    ) -> None:
-        if not metrics and not meta:  # nothing to log: not queued, not counted
+    def submit(self, payload: Payload) -> None:
+        """Queues a payload whose metrics were checked (:func:`~rl_observers.channel.payload.check_metrics`)."""
+        if not payload.metrics and payload.__class__ is Payload:  # nothing to log: not counted
             return
         if self.closed:  # the queue checks again under its lock
             self._drop_after_close()
             return
-        error = self.queue.put(namespace, metrics, step, meta)
+        error = self.queue.put(payload)
         self.delivery.wake()
         if error is not None:
-            self.delivery.report(error, f"could not merge a partial of namespace {namespace!r}")
+            self.delivery.report(error, f"could not merge a partial of namespace {payload.namespace!r}")
 
     def _drop_after_close(self) -> None:
         self.queue.count_dropped()
@@ -183,22 +169,25 @@ class Owner:
                 "dropped and counted in health()['dropped']. This is reported once."
             )
 
-    def _accept(
-        self,
-        namespace: Any,
-        metrics: Any,
-        step: Any,
-        meta: Any,
-        counts: Any,
-    ) -> None:
-        """Queues one message from another process like a local submission, once checked."""
+    def _accept(self, payload: Any, counts: Any) -> None:
+        """Queues one payload from another process like a local submission, once checked.
+
+        ``payload`` is ``None`` in a message that only reports what its sender
+        dropped or coalesced.
+        """
         try:
             lost, coalesced = counts
+            if payload is None:
+                if lost.__class__ is int and coalesced.__class__ is int:
+                    self.queue.count_remote(lost, coalesced)
+                    return
+                raise TypeError(counts)
+            metrics = payload.metrics
             valid = (
-                namespace.__class__ is str
+                (payload.__class__ is Window or payload.__class__ is Payload)
+                and payload.namespace.__class__ is str
                 and metrics.__class__ is dict
                 and all(key.__class__ is str for key in metrics)
-                and (meta is None or isinstance(meta, Mapping))
                 and lost.__class__ is int
                 and coalesced.__class__ is int
             )
@@ -209,12 +198,10 @@ class Owner:
             return
         if lost or coalesced:
             self.queue.count_remote(lost, coalesced)
-        if meta is not None and COPY in meta:
-            noted = self.account.note(meta)
-            if noted is not meta and COUNTERS in meta:  # a late window: its gauges are older too
-                metrics = {k: v for k, v in metrics.items() if is_partial(v)}
-            meta = noted
-        self._put(metrics, step, namespace, meta)
+        if payload.__class__ is Window and payload.seq is not None and self.account.note(payload):
+            # a late window: its copy's newest counters replaced its own; its gauges are older too
+            payload.metrics = {k: v for k, v in metrics.items() if is_partial(v)}
+        self.submit(payload)
 
     # -------------------------------------------------------------- receivers
     def addresses(self) -> dict[str, Any]:
@@ -306,7 +293,7 @@ class Owner:
         with self._lock:
             self._feeders[key] = (weakref.ref(feeder, forget), description)
         name = getattr(feeder, "name", None)
-        if isinstance(name, str):  # the name its copies' windows carry (meta["aggregate"])
+        if isinstance(name, str):  # the name its copies' windows carry (``Window.observer``)
             self.account.describe(name, description)
 
     def copies_expected(self, feeder: Any, workers: Any) -> None:
@@ -463,18 +450,11 @@ class Forwarder:
         self._lost_seen = self._sender.dropped
         self._close_callbacks: list[Callable[[], Any]] = []
 
-    def submit_metrics(
-        self,
-        metrics: Mapping[str, Any],
-        step: int | None,
-        namespace: str,
-        meta: Mapping[str, Any] | None,
-    ) -> None:
-        metrics = check_metrics(metrics, namespace, "MetricsChannel")
+    def submit(self, payload: Payload) -> None:
         if self.closed:
             self._dropped_after_close += 1
             return
-        self._sender.send(metrics, step, namespace, meta)
+        self._sender.send(payload)
 
     @property
     def transport(self) -> str:

@@ -25,14 +25,13 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from torchrl._utils import logger as torchrl_logger
 
-from rl_observers.channel.payload import coalesce
+from rl_observers.channel.payload import Payload
 from rl_observers.remote.transport import Accept, register_transport
-from rl_observers.remote.window import spanning
 
 __all__ = ["SocketAddress", "SocketReceiver", "SocketSender", "machine_id", "reachable"]
 
@@ -103,7 +102,7 @@ class SocketSender:
 
     When the owner's socket queue is full (``EAGAIN``), the payload joins a
     small per-namespace backlog (coalesced with
-    :func:`~rl_observers.channel.payload.coalesce`) that is sent first on the
+    :meth:`~rl_observers.channel.payload.Payload.absorb`) that is sent first on the
     next submission or by :meth:`flush`. Any other error (owner gone, payload
     too large or not picklable) drops the payload, with every payload
     coalesced into it. Drops are counted and reported to the owner
@@ -124,7 +123,7 @@ class SocketSender:
         self.coalesced = 0
         self._unreported_dropped = 0
         self._unreported_coalesced = 0
-        # namespace -> [metrics, step, meta, payloads held]
+        # namespace -> [payload, payloads held]
         self._backlog: dict[str, list[Any]] = {}
         self._lock = threading.Lock()
         self._warned: set[str] = set()
@@ -156,24 +155,18 @@ class SocketSender:
         """The most bytes a pickled payload may take to be sent from this process."""
         return cls._socket()[1]
 
-    def send(
-        self,
-        metrics: dict[str, Any],
-        step: int | None,
-        namespace: str,
-        meta: Mapping[str, Any] | None,
-    ) -> None:
+    def send(self, payload: Payload) -> None:
         with self._lock:
             self.submitted += 1
             if self.path is None:
                 self.drop()
                 return
             if self._backlog and not self._send_backlog_locked():
-                self._backlog_locked(namespace, metrics, step, meta)
+                self._backlog_locked(payload)
                 return
-            status = self._send_locked(namespace, metrics, step, meta)
+            status = self._send_locked(payload)
             if status == "retry":
-                self._backlog_locked(namespace, metrics, step, meta)
+                self._backlog_locked(payload)
 
     def flush(self, timeout: float | None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -213,7 +206,7 @@ class SocketSender:
         counts = (self._unreported_dropped, self._unreported_coalesced)
         if counts == (0, 0) or self.path is None:
             return True
-        data = pickle.dumps(("", {}, None, None, counts), protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps((None, counts), protocol=pickle.HIGHEST_PROTOCOL)
         status = self._sendto_locked(data)
         if status == "sent":
             self._unreported_dropped -= counts[0]
@@ -225,49 +218,33 @@ class SocketSender:
         backlog = self._backlog
         while backlog:
             namespace = next(iter(backlog))
-            metrics, step, meta, payloads = backlog[namespace]
-            if self._send_locked(namespace, metrics, step, meta, payloads) == "retry":
+            payload, payloads = backlog[namespace]
+            if self._send_locked(payload, payloads) == "retry":
                 return False
             del backlog[namespace]
         return True
 
-    def _backlog_locked(
-        self,
-        namespace: str,
-        metrics: dict[str, Any],
-        step: int | None,
-        meta: Mapping[str, Any] | None,
-    ) -> None:
+    def _backlog_locked(self, payload: Payload) -> None:
+        namespace = payload.namespace
         held = self._backlog.get(namespace)
         if held is not None:
-            error = coalesce(held[0], metrics)
+            error = held[0].absorb(payload)
             if error is not None:
-                self._warn_once(f"could not merge a partial of namespace {namespace!r}: {error!r}")
-            held[1] = step
-            if meta is not None:
-                held[2] = spanning(held[2], meta)
-            held[3] += 1
+                self._warn_once("merge", f"could not merge a partial of namespace {namespace!r}: {error!r}")
+            held[1] += 1
             self.coalesced += 1
             self._unreported_coalesced += 1
         elif len(self._backlog) < BACKLOG_NAMESPACES:
-            self._backlog[namespace] = [metrics, step, meta, 1]
+            self._backlog[namespace] = [payload, 1]
         else:
             self.drop()
 
-    def _send_locked(
-        self,
-        namespace: str,
-        metrics: dict[str, Any],
-        step: int | None,
-        meta: Mapping[str, Any] | None,
-        payloads: int = 1,
-    ) -> str:
+    def _send_locked(self, payload: Payload, payloads: int = 1) -> str:
         """Sends one payload (holding ``payloads``); returns ``"sent"``, ``"retry"`` or ``"dropped"``."""
         counts = (self._unreported_dropped, self._unreported_coalesced)
+        namespace = payload.namespace
         try:
-            data = pickle.dumps(
-                (namespace, metrics, step, meta, counts), protocol=pickle.HIGHEST_PROTOCOL
-            )
+            data = pickle.dumps((payload, counts), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as err:
             self._lose_locked(payloads)
             self._warn_once(
@@ -456,7 +433,7 @@ class SocketReceiver:
             count += 1
             try:
                 message = None if size > MAX_DATAGRAM else pickle.loads(view[:size])
-                valid = message.__class__ is tuple and len(message) == 5
+                valid = message.__class__ is tuple and len(message) == 2
             except Exception:
                 valid = False
             if valid:

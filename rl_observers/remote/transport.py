@@ -6,13 +6,17 @@ transport has two halves:
 - a :class:`Sender`, inside a :class:`~rl_observers.MetricsHandle` used in a
   worker or actor: :meth:`Sender.send` never blocks and never raises for
   transport reasons; it is bounded, coalesces per namespace with
-  :func:`~rl_observers.channel.payload.coalesce`, and drops and counts beyond
-  that (warning once);
+  :meth:`~rl_observers.channel.payload.Payload.absorb`, and drops and counts
+  beyond that (warning once);
 - a :class:`Receiver`, started by the owning
   :class:`~rl_observers.MetricsChannel` when its first handle is made: it
-  hands every message to the channel as ``accept(namespace, metrics, step,
-  meta, (unreported_dropped, unreported_coalesced))`` and reports unreadable
-  ones with ``refuse()``.
+  hands every message to the channel as ``accept(payload,
+  (unreported_dropped, unreported_coalesced))`` and reports unreadable ones
+  with ``refuse()``.
+
+What travels is the submitted object itself: a
+:class:`~rl_observers.channel.payload.Payload`, or an observer copy's
+:class:`~rl_observers.remote.window.Window`.
 
 Transports register themselves with :func:`register_transport`; a handle
 keeps the address of every receiver of its channel and, when first used in
@@ -29,6 +33,8 @@ from typing import Any, NamedTuple, Protocol
 
 from torchrl._utils import logger as torchrl_logger
 
+from rl_observers.channel.payload import Payload
+
 __all__ = [
     "Receiver",
     "Sender",
@@ -40,8 +46,8 @@ __all__ = [
     "transports",
 ]
 
-#: ``accept(namespace, metrics, step, meta, (unreported_dropped, unreported_coalesced))``.
-Accept = Callable[[str, dict, "int | None", "Mapping[str, Any] | None", tuple], None]
+#: ``accept(payload, (unreported_dropped, unreported_coalesced))``.
+Accept = Callable[[Payload, tuple], None]
 
 
 class Sender(Protocol):
@@ -52,13 +58,7 @@ class Sender(Protocol):
     dropped: int
     coalesced: int
 
-    def send(
-        self,
-        metrics: dict[str, Any],
-        step: int | None,
-        namespace: str,
-        meta: Mapping[str, Any] | None,
-    ) -> None: ...
+    def send(self, payload: Payload) -> None: ...
 
     def flush(self, timeout: float | None) -> bool: ...
 
@@ -170,13 +170,7 @@ class Unreachable:
         self._warned = False
         self._lock = threading.Lock()
 
-    def send(
-        self,
-        metrics: dict[str, Any],
-        step: int | None,
-        namespace: str,
-        meta: Mapping[str, Any] | None,
-    ) -> None:
+    def send(self, payload: Payload) -> None:
         with self._lock:
             self.submitted += 1
             self.dropped += 1

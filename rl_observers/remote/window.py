@@ -1,18 +1,29 @@
-"""The ``meta`` keys that the channel reads, defined once.
+"""A window: what a copy of an observer sends to the owner, typed, from submit to the logger's thread.
 
-Step of the flow: **channel** (source → observer → channel → logger). A
-payload may travel with a ``meta`` mapping. The channel never interprets
-most of it (routers do), but a few keys matter on the way: the Ray relay
-merges consecutive windows of one copy of an observer, and the owner keeps
-an account of what each copy sent. Those keys are spelled here, and every
-module that writes or reads them (the channel's transports, ``logging``'s
-contributions and aggregation) imports them from here.
+Step of the flow: **observer → channel → logger**, for copies running away
+from the channel (source → observer → channel → logger). A
+:class:`Window` is a :class:`~rl_observers.channel.payload.Payload` (its
+metrics, namespace and step) that also says who sent it and what the owner
+needs to merge it: the observer, the worker and the process it runs in, the
+copy's cumulative counters, the observer's :class:`AggregateSpec` and, once
+a :class:`~rl_observers.MetricsHandle` sent it, its number among its copy's
+windows. The same object is checked at submit, held by a sender, merged on
+the way, noted by the owner's account and handed to the owner's aggregate.
+
+Two windows of one copy that are still on the way may merge into one
+(:meth:`Window.absorb`): partials merge exactly, the newest gauges and
+counters win, and the merged window counts every window it holds
+(``windows``), so that the owner's account counts each of them.
 
 Examples:
-    >>> from rl_observers.remote import window as meta
-    >>> window = {meta.AGGREGATE: "train", meta.WORKER: 0, meta.COUNTERS: {"frames": 100}}
-    >>> meta.is_window(window), meta.is_final(window)
-    (True, False)
+    >>> from rl_observers.remote.window import Window
+    >>> from rl_observers.stats import Count
+    >>> first = Window("train/worker_0", {"dones": Count("dones", 2)}, observer="train", worker=0,
+    ...                counters={"frames": 30}, copy="host/pid 7", seq=3)
+    >>> first.absorb(Window("train/worker_0", {"dones": Count("dones", 1)}, observer="train", worker=0,
+    ...                     counters={"frames": 50}, copy="host/pid 7", seq=5))
+    >>> first.seq, first.windows, first.counters, first.metrics["dones"].n
+    (5, 2, {'frames': 50}, 3.0)
 """
 
 from __future__ import annotations
@@ -20,78 +31,264 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = [
-    "AGGREGATE",
-    "BASE",
-    "COPY",
-    "COUNTERS",
-    "FINISH",
-    "LAST",
-    "PROCESS",
-    "SEQ",
-    "UNMERGED",
-    "WINDOWS",
-    "WORKER",
-    "is_final",
-    "is_window",
-    "spanning",
-]
+from torchrl.record.loggers.monitoring import Every
 
-#: The name of the observer whose window this is (routes the payload to its aggregate).
-AGGREGATE = "aggregate"
-#: The worker the window comes from (an index, or what the source calls its worker).
-WORKER = "worker"
-#: A token of the process that sent it (two copies with one worker index stay apart).
-PROCESS = "process"
-#: The sending copy's cumulative counters (newest wins when windows merge).
-COUNTERS = "counters"
-#: ``True`` on the marker the owner queues behind an observer's last windows (ends its aggregate).
-FINISH = "finish"
-#: What the copy's source had counted before the copy did (a restored worker's ``frames``):
-#: included in ``COUNTERS``, but not progress of this run (see ``logging/resume.py``).
-BASE = "base"
+from rl_observers.channel.payload import Payload, coalesce
 
-# -- the end-to-end account (set by the channel's handles, read by the owner) --------------------
-#: Who sent the window: one copy of an observer in one process (``"host/pid"``, and the Ray node).
-COPY = "copy"
-#: The window's number among those its copy sent (1, 2, ...).
-SEQ = "seq"
-#: How many of its copy's windows this one holds, merged on the way (absent: one).
-WINDOWS = "windows"
-#: ``True`` on a copy's last window (its source shut down, it was removed, its process exits).
-LAST = "last"
-
-#: Keys that differ between two windows that may still merge on the way.
-UNMERGED = frozenset({COUNTERS, SEQ, WINDOWS})
+__all__ = ["AggregateSpec", "Window"]
 
 
-def is_window(meta: Mapping[str, Any] | None) -> bool:
-    """Whether ``meta`` belongs to an observer's window (it names its observer)."""
-    return bool(meta) and AGGREGATE in meta
+class AggregateSpec:
+    """What the owner needs to know to merge one observer's windows: its schedule, step, scope.
 
-
-def is_final(meta: Mapping[str, Any] | None) -> bool:
-    """Whether ``meta`` ends a run of windows that merge (``FINISH`` or a copy's ``LAST``)."""
-    return bool(meta) and bool(meta.get(FINISH) or meta.get(LAST))
-
-
-def spanning(older: Mapping[str, Any] | None, newer: Mapping[str, Any] | None) -> Any:
-    """The meta of a window that ``older``'s and ``newer``'s windows merged into on the way.
-
-    The newest of the two (the higher ``SEQ``: windows can pass each other
-    on the way) gives the counters and the number; ``WINDOWS`` counts every
-    window merged, so the owner counts each of them. Without numbers,
-    ``newer`` (the later arrival) wins.
-
-    Examples:
-        >>> from rl_observers.remote.window import spanning
-        >>> spanning({"seq": 3, "counters": {"frames": 30}}, {"seq": 5, "counters": {"frames": 50}})
-        {'seq': 5, 'counters': {'frames': 50}, 'windows': 2}
-        >>> spanning({"seq": 6, "windows": 2}, {"seq": 4})  # arrived out of order
-        {'seq': 6, 'windows': 3}
+    Args:
+        schedule (Every, optional): when rows are due; ``None``: at every window.
+        step_key (str, optional): the counter used as step.
+        scope (str, optional): ``"aggregate"``, ``"per_worker"`` or ``"both"``.
+            Defaults to ``"aggregate"``.
+        log_on_close (bool, optional): whether the last partial windows are
+            logged. Defaults to ``True``.
+        latest (tuple of str, optional): gauges that keep the newest value
+            instead of adding up over workers. Defaults to ``()``.
     """
-    if not newer or SEQ not in newer or not older or SEQ not in older:
-        return newer
-    windows = older.get(WINDOWS, 1) + newer.get(WINDOWS, 1)
-    base = newer if newer[SEQ] >= older[SEQ] else older
-    return {**base, WINDOWS: windows}
+
+    __slots__ = ("latest", "log_on_close", "schedule", "scope", "step_key")
+
+    def __init__(
+        self,
+        schedule: Every | None,
+        step_key: str | None,
+        scope: str = "aggregate",
+        log_on_close: bool = True,
+        latest: tuple[str, ...] = (),
+    ) -> None:
+        self.schedule = schedule
+        self.step_key = step_key
+        self.scope = scope
+        self.log_on_close = log_on_close
+        self.latest = tuple(latest)
+
+    def _fields(self) -> tuple[Any, ...]:
+        schedule = self.schedule
+        raw = None if schedule is None else (schedule.kind, schedule.interval, schedule.key)
+        return raw, self.step_key, self.scope, self.log_on_close, self.latest
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AggregateSpec) and self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _spec, self._fields()
+
+    def __repr__(self) -> str:
+        return (
+            f"AggregateSpec(schedule={self.schedule!r}, step_key={self.step_key!r}, "
+            f"scope={self.scope!r}, log_on_close={self.log_on_close!r}, latest={self.latest!r})"
+        )
+
+
+def _spec(raw: Any, step_key: Any, scope: Any, log_on_close: Any, latest: Any) -> AggregateSpec:
+    schedule = None if raw is None else Every(kind=raw[0], interval=raw[1], key=raw[2])
+    return AggregateSpec(schedule, step_key, scope, log_on_close, latest)
+
+
+class Window(Payload):
+    """One window of one copy of an observer (or the marker that ends an observer's aggregate).
+
+    Args:
+        namespace (str): where the copy's own rows would go (``<observer>/worker_<i>``).
+        metrics (dict): gauges and partials, as a :class:`~rl_observers.channel.payload.Payload`'s.
+        step (int, optional): unused by the owner (rows take their step from the counters).
+
+    Keyword Args:
+        observer (str): the observer's name: the aggregate the window merges into.
+        worker (Any, optional): the worker it comes from (an index, or ``"main"``).
+        process (str, optional): a token of the process it was sent from (two copies
+            with one worker index stay apart).
+        counters (Mapping, optional): the copy's cumulative counters (``None``: a
+            last window that only marks the end).
+        base (Mapping, optional): what the copy's source had counted before the copy did
+            (a restored worker's ``frames``): in ``counters``, but not progress of this run.
+        spec (AggregateSpec, optional): how the owner merges the observer's windows.
+        copy (str, optional): which copy sent it (set by the handle that numbers it).
+        seq (int, optional): its number among its copy's windows (set by that handle).
+        windows (int, optional): how many of its copy's windows it holds. Defaults to 1.
+        last (bool, optional): the copy's last window (its source shut down, it was
+            removed, its process exits).
+        finish (bool, optional): the marker the owner queues behind an observer's
+            last windows (ends its aggregate).
+    """
+
+    __slots__ = (
+        "base",
+        "copy",
+        "counters",
+        "finish",
+        "last",
+        "observer",
+        "process",
+        "seq",
+        "spec",
+        "windows",
+        "worker",
+    )
+
+    def __init__(
+        self,
+        namespace: str,
+        metrics: dict[str, Any],
+        step: int | None = None,
+        *,
+        observer: str,
+        worker: Any = None,
+        process: str | None = None,
+        counters: Mapping[str, float] | None = None,
+        base: Mapping[str, float] | None = None,
+        spec: AggregateSpec | None = None,
+        copy: str | None = None,
+        seq: int | None = None,
+        windows: int = 1,
+        last: bool = False,
+        finish: bool = False,
+    ) -> None:
+        self.namespace = namespace
+        self.metrics = metrics
+        self.step = step
+        self.observer = observer
+        self.worker = worker
+        self.process = process
+        self.counters = counters
+        self.base = base
+        self.spec = spec
+        self.copy = copy
+        self.seq = seq
+        self.windows = windows
+        self.last = last
+        self.finish = finish
+
+    @property
+    def final(self) -> bool:
+        """Whether it ends a run of windows that may merge (a copy's last one, or the finish marker)."""
+        return self.last or self.finish
+
+    def joins(self, newer: Window) -> bool:
+        """Whether ``newer`` may merge into this window on the way.
+
+        Both come from one copy in one process, carry the same settings
+        (``spec``, ``base``) and neither ends its run.
+        """
+        return (
+            newer.namespace == self.namespace
+            and newer.observer == self.observer
+            and newer.worker == self.worker
+            and newer.process == self.process
+            and newer.copy == self.copy
+            and newer.spec == self.spec
+            and newer.base == self.base
+            and not (self.final or newer.final)
+        )
+
+    def older_than(self, other: Window) -> bool:
+        """Whether this window was sent before ``other`` (both numbered)."""
+        return self.seq is not None and other.seq is not None and self.seq < other.seq
+
+    def absorb(self, newer: Payload) -> Exception | None:
+        """Merges ``newer`` (received after this one) into it.
+
+        Partials merge exactly. Windows can pass each other on the way, so
+        the numbers decide what is newest: the gauges, step, counters and
+        number of the newer-numbered window win, and ``windows`` counts every
+        window merged. A window of another copy (two processes with one
+        worker index met in the owner's full queue) hands over its origin.
+        Returns the error of a partial that failed to merge.
+        """
+        if newer.__class__ is not Window:
+            return super().absorb(newer)
+        if newer.older_than(self):  # passed on the way: its plain numbers are stale
+            merged = dict(newer.metrics)
+            error = coalesce(merged, self.metrics)
+            self.metrics = merged
+        else:
+            error = coalesce(self.metrics, newer.metrics)
+            self.step = newer.step
+        if self.seq is None or newer.seq is None or newer.copy != self.copy:
+            self._take_origin(newer)
+            return error
+        windows = self.windows + newer.windows
+        if newer.seq >= self.seq:
+            self._take_origin(newer)
+        self.windows = windows
+        return error
+
+    def _take_origin(self, other: Window) -> None:
+        for name in ("observer", "worker", "process", "counters", "base", "spec", "copy", "seq", "windows"):
+            setattr(self, name, getattr(other, name))
+        self.last = self.last or other.last
+        self.finish = self.finish or other.finish
+
+    def numbered(self, copy: str, seq: int) -> Window:
+        """This window, numbered ``seq`` among the windows of ``copy`` (set once, by its handle)."""
+        self.copy, self.seq = copy, seq
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _window, (
+            self.namespace,
+            self.metrics,
+            self.step,
+            self.observer,
+            self.worker,
+            self.process,
+            self.counters,
+            self.base,
+            self.spec,
+            self.copy,
+            self.seq,
+            self.windows,
+            self.last,
+            self.finish,
+        )
+
+    def __repr__(self) -> str:
+        fields = ", ".join(
+            f"{name}={getattr(self, name)!r}"
+            for name in ("observer", "worker", "counters", "copy", "seq", "windows", "last", "finish")
+            if getattr(self, name) not in (None, False)
+        )
+        return f"Window({self.namespace!r}, {self.metrics!r}, {fields})"
+
+
+def _window(
+    namespace: str,
+    metrics: dict[str, Any],
+    step: int | None,
+    observer: str,
+    worker: Any,
+    process: str | None,
+    counters: Mapping[str, float] | None,
+    base: Mapping[str, float] | None,
+    spec: AggregateSpec | None,
+    copy: str | None,
+    seq: int | None,
+    windows: int,
+    last: bool,
+    finish: bool,
+) -> Window:
+    return Window(
+        namespace,
+        metrics,
+        step,
+        observer=observer,
+        worker=worker,
+        process=process,
+        counters=counters,
+        base=base,
+        spec=spec,
+        copy=copy,
+        seq=seq,
+        windows=windows,
+        last=last,
+        finish=finish,
+    )

@@ -27,7 +27,7 @@ CAPACITY = 1024
 def test_a_million_submissions_from_eight_threads_into_a_hung_sink(gate):
     logger = RecordingLogger(gate=gate)
     channel = MetricsChannel(logger, capacity=CAPACITY, name="flood", health_interval=None)
-    handle = channel.handle(meta={"worker": 0})  # the local handle takes the same path
+    handle = channel.handle()  # the local handle takes the same path
     errors: list[BaseException] = []
     process = psutil.Process()
     for i in range(10_000):  # warm up: queue full, allocator settled

@@ -183,11 +183,12 @@ class RayReceiver:
             held_d += dropped
             held_c += coalesced
             accept = self._accept
-            for namespace, metrics, step, meta, (d, c), _ in messages:
+            for message in messages:
+                d, c = message.counts
                 if held_d or held_c:
                     d, c = d + held_d, c + held_c
                     held_d = held_c = 0
-                accept(namespace, metrics, step, meta, (d, c))
+                accept(message.payload, (d, c))
             self._held = (held_d, held_c)
             self.accepted += len(messages)
             return len(messages)
@@ -213,15 +214,10 @@ class RayReceiver:
         """The messages of one batch; an unreadable batch is refused (counted as dropped)."""
         try:
             messages = pickle.loads(data)
-            for namespace, metrics, _, meta, (d, c), _held in messages:
-                if (
-                    namespace.__class__ is not str
-                    or metrics.__class__ is not dict
-                    or not (meta is None or isinstance(meta, Mapping))
-                    or d.__class__ is not int
-                    or c.__class__ is not int
-                ):
-                    raise TypeError(f"not a message: {namespace!r}")
+            for message in messages:  # the payload itself is checked where it is accepted
+                d, c = message.counts
+                if message.__class__ is not Message or d.__class__ is not int or c.__class__ is not int:
+                    raise TypeError(f"not a message: {message!r}")
         except Exception as err:
             self.error = err
             if self._refuse is not None:

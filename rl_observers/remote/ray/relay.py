@@ -8,17 +8,18 @@ consecutive windows.
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from rl_observers.channel.payload import coalesce
-from rl_observers.remote.window import AGGREGATE, PROCESS, SEQ, UNMERGED, WORKER, is_final, spanning
+from rl_observers.channel.payload import Payload
+from rl_observers.remote.window import Window
 
 #: The transport's name (``handle.transport``).
 NAME = "ray"
@@ -45,11 +46,37 @@ DRAIN_WAIT = 0.1
 #: Seconds between two attempts to find the owner's ingest after a failure.
 RETRY_AFTER = 1.0
 
-#: ``(namespace, metrics, step, meta, (dropped, coalesced), (payloads, merged))``: the
-#: counts not yet reported (they travel to the owner), then the payloads the message
-#: holds and how many of those were counted as coalesced (lost with the message, they
-#: count as dropped instead, as in the owner's queue).
-Message = tuple
+
+
+class Message:
+    """One payload on its way through Ray, with the counts it carries.
+
+    ``counts`` is ``(dropped, coalesced)``, what the sender (or a relay) has
+    not reported yet: it travels to the owner. ``held`` is ``(payloads,
+    merged)``: how many payloads the message holds and how many of those
+    were counted as coalesced (lost with the message, they count as dropped
+    instead, as in the owner's queue).
+    """
+
+    __slots__ = ("counts", "held", "payload")
+
+    def __init__(
+        self, payload: Payload, counts: tuple[int, int] = (0, 0), held: tuple[int, int] = (1, 0)
+    ) -> None:
+        self.payload = payload
+        self.counts = counts
+        self.held = held
+
+    def carrying(self, dropped: int, coalesced: int) -> Message:
+        """This message, carrying ``dropped`` and ``coalesced`` more unreported counts."""
+        self.counts = (self.counts[0] + dropped, self.counts[1] + coalesced)
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return Message, (self.payload, self.counts, self.held)
+
+    def __repr__(self) -> str:
+        return f"Message({self.payload!r}, counts={self.counts}, held={self.held})"
 
 
 class RayAddress(NamedTuple):
@@ -83,42 +110,34 @@ def premerge(messages: list[Message]) -> list[Message]:
 
     "Consecutive" is per worker: windows of other workers may come in between
     (their relative order was never defined: they come from other processes).
-    A closing window (``finish``) or a window with other settings ends the run
-    of windows that merge. The order of everything else is kept.
+    A closing window (``last``, ``finish``) or a window with other settings
+    ends the run of windows that merge (:meth:`~rl_observers.remote.window.Window.joins`).
+    The order of everything else is kept; the messages given are not changed.
     """
-    out: list[list] = []
-    # (namespace, observer, worker) -> (meta without counters, index in out)
-    open_runs: dict[tuple, tuple[dict, int]] = {}
-    for namespace, metrics, step, meta, counts, held in messages:
-        if meta and AGGREGATE in meta:
-            key = (namespace, meta[AGGREGATE], _hashable(meta.get(WORKER)), meta.get(PROCESS))
-            settings = {k: v for k, v in meta.items() if k not in UNMERGED}
-            run = open_runs.get(key)
-            if not is_final(meta):
-                if run is not None and run[0] == settings:
-                    into = out[run[1]]
-                    if _older(meta, into[3]):  # passed on the way: its plain numbers are stale
-                        merged = dict(metrics)
-                        coalesce(merged, into[1])
-                        into[1] = merged
-                    else:
-                        coalesce(into[1], metrics)
-                        into[2] = step
-                    into[3] = spanning(into[3], meta)  # the newest counters, every window counted
-                    into[4] = (into[4][0] + counts[0], into[4][1] + counts[1])
+    out: list[Message] = []
+    # (namespace, observer, worker, process) -> index in out of its open run
+    open_runs: dict[tuple, int] = {}
+    for message in messages:
+        payload = message.payload
+        if payload.__class__ is Window:
+            key = (payload.namespace, payload.observer, _hashable(payload.worker), payload.process)
+            at = open_runs.get(key)
+            if not payload.final:
+                if at is not None and out[at].payload.joins(payload):
+                    into = out[at]
+                    into.payload.absorb(payload)  # the newest counters, every window counted
+                    counts, held = message.counts, message.held
+                    into.counts = (into.counts[0] + counts[0], into.counts[1] + counts[1])
                     # not coalesced (nothing overflowed), but lost together from now on
-                    into[5] = (into[5][0] + held[0], into[5][1] + held[1])
+                    into.held = (into.held[0] + held[0], into.held[1] + held[1])
                     continue
-                open_runs[key] = (settings, len(out))
-            elif run is not None:
+                open_runs[key] = len(out)
+            elif at is not None:
                 del open_runs[key]
-        out.append([namespace, dict(metrics), step, meta, counts, held])
-    return [tuple(m) for m in out]
-
-
-def _older(meta: Mapping[str, Any], than: Mapping[str, Any] | None) -> bool:
-    """Whether ``meta``'s window was sent before ``than``'s (both numbered, see ``SEQ``)."""
-    return bool(than) and SEQ in meta and SEQ in than and meta[SEQ] < than[SEQ]
+            payload = copy.copy(payload)  # merging into it must not change the message given
+            payload.metrics = dict(payload.metrics)
+        out.append(Message(payload, message.counts, message.held))
+    return out
 
 
 def _hashable(value: Any) -> Any:
@@ -139,18 +158,12 @@ def _cost(batch: list[Message]) -> tuple[int, int, int, int]:
     """
     payloads = merged = dropped = coalesced = 0
     for message in batch:
-        counts, held = message[4], message[5]
+        counts, held = message.counts, message.held
         dropped += counts[0]
         coalesced += counts[1]
         payloads += held[0]
         merged += held[1]
     return payloads, merged, dropped, coalesced
-
-
-def _carrying(message: Message, dropped: int, coalesced: int) -> Message:
-    """``message`` carrying ``dropped`` and ``coalesced`` more unreported counts."""
-    counts = message[4]
-    return (*message[:4], (counts[0] + dropped, counts[1] + coalesced), message[5])
 
 
 # ------------------------------------------------------------------------------- actors
@@ -334,7 +347,7 @@ class _Forwarder:
     def send(self, batch: list[Message]) -> bool:
         """Sends ``batch`` (its first message carries ``lost``); ``False`` when it could not."""
         if self.lost != (0, 0):
-            batch[0] = _carrying(batch[0], *self.lost)
+            batch[0] = batch[0].carrying(*self.lost)
             self.lost = (0, 0)
         cost = _cost(batch)
         payloads, merged, dropped, coalesced = cost
@@ -502,7 +515,7 @@ class _Relay:
                 self._dropped += counts[0]
                 self._coalesced += counts[1]
             return
-        batch[0] = _carrying(batch[0], *counts)
+        batch[0] = batch[0].carrying(*counts)
         if forwarder.send(batch):
             with self._lock:
                 self.forwarded += len(batch)

@@ -11,10 +11,9 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Mapping
 from typing import Any
 
-from rl_observers.channel.payload import coalesce
+from rl_observers.channel.payload import Payload
 from rl_observers.remote.ray.relay import (
     NAME,
     RELAY_INTERVAL,
@@ -29,7 +28,6 @@ from rl_observers.remote.ray.relay import (
     _Relay,
     _relay_name,
 )
-from rl_observers.remote.window import spanning
 
 # torchrl's logger (the same object as torchrl._utils.logger)
 torchrl_logger = logging.getLogger("torchrl")
@@ -92,9 +90,8 @@ class RaySender:
         self._interval = interval
         self._relay_interval = relay_interval
         self._lock = threading.Lock()
-        # [namespace, metrics, step, meta, payloads held, taken by the sending thread]
-        self._pending: deque[list] = deque()
-        self._newest: dict[str, list] = {}
+        self._pending: deque[_Held] = deque()
+        self._newest: dict[str, _Held] = {}
         self._unreported = [0, 0]  # dropped, coalesced
         self._forwarder = _Forwarder(self._find_target, in_flight)
         self._relay_handle: Any = None
@@ -113,13 +110,7 @@ class RaySender:
         raise TypeError("RaySender is not picklable: pickle its address and make a new one.")
 
     # -- worker side: never waits ---------------------------------------------------------------
-    def send(
-        self,
-        metrics: dict[str, Any],
-        step: int | None,
-        namespace: str,
-        meta: Mapping[str, Any] | None,
-    ) -> None:
+    def send(self, payload: Payload) -> None:
         """Buffers one payload for the owner; returns at once."""
         if not self._running:
             self._start_thread()
@@ -128,32 +119,24 @@ class RaySender:
             # No lock: the append is atomic and the sending thread only pops from the left.
             # ``_newest`` may name an entry already taken: taken entries are marked (under
             # the lock), and a full buffer merges only into one that is not.
-            entry = [namespace, metrics, step, meta, 1, False]
+            entry = _Held(payload)
             pending.append(entry)
-            self._newest[namespace] = entry
+            self._newest[payload.namespace] = entry
             if len(pending) == self._wake_at:
                 self._wake.set()
             return
-        self._send_full(metrics, step, namespace, meta)
+        self._send_full(payload)
 
-    def _send_full(
-        self,
-        metrics: dict[str, Any],
-        step: int | None,
-        namespace: str,
-        meta: Mapping[str, Any] | None,
-    ) -> None:
+    def _send_full(self, payload: Payload) -> None:
         """A full buffer: merges into the newest entry of ``namespace`` not taken yet, or drops."""
         error = None
+        namespace = payload.namespace
         with self._lock:
             self._overflowed += 1
             entry = self._newest.get(namespace)
-            if entry is not None and not entry[5]:
-                error = coalesce(entry[1], metrics)
-                entry[2] = step
-                if meta is not None:
-                    entry[3] = spanning(entry[3], meta)
-                entry[4] += 1  # lost with the entry later, it counts as dropped
+            if entry is not None and not entry.taken:
+                error = entry.payload.absorb(payload)
+                entry.payloads += 1  # lost with the entry later, it counts as dropped
                 self._coalesced += 1
                 self._unreported[1] += 1
             else:  # only this payload is lost: nothing merged into it yet
@@ -238,14 +221,13 @@ class RaySender:
             taken = []
             for _ in range(len(pending)):  # what senders append meanwhile waits for the next round
                 entry = pending.popleft()
-                entry[5] = True
+                entry.taken = True
                 taken.append(entry)
             self._taken += len(taken)
             d, c = self._unreported
             self._unreported = [0, 0]
-        batch = [(e[0], e[1], e[2], e[3], (0, 0), (e[4], e[4] - 1)) for e in taken]
-        first = batch[0]
-        batch[0] = (*first[:4], (d, c), first[5])
+        batch = [Message(e.payload, (0, 0), (e.payloads, e.payloads - 1)) for e in taken]
+        batch[0].counts = (d, c)
         return batch
 
     def _send_pending(self) -> None:
@@ -352,3 +334,14 @@ def _forget_threads_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_threads_after_fork)
+
+
+class _Held:
+    """A payload buffered for the sending thread: how many it holds, whether the thread took it."""
+
+    __slots__ = ("payload", "payloads", "taken")
+
+    def __init__(self, payload: Payload) -> None:
+        self.payload = payload
+        self.payloads = 1
+        self.taken = False

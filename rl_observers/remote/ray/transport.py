@@ -14,12 +14,14 @@ node reaches the owner through Ray instead:
  ingest actor (``rl_observers-ingest-<token>``, pinned to the owner's node, bounded)
         │   the owner's thread drains it (``ray.get`` on the owner's side only)
         ▼
- RayReceiver → accept(namespace, metrics, step, meta, (remote_dropped, remote_coalesced))
+ RayReceiver → accept(payload, (remote_dropped, remote_coalesced))
 ```
 
-A message is ``(namespace, metrics, step, meta, (dropped, coalesced), (payloads,
-merged))``: the drops and coalescing not yet reported travel with the next
-message, so the owner shows losses that happened elsewhere once anything gets
+A :class:`~rl_observers.remote.ray.relay.Message` holds one payload (a
+:class:`~rl_observers.remote.window.Window`, or a plain
+:class:`~rl_observers.channel.payload.Payload`), its ``counts``
+``(dropped, coalesced)`` and what it ``held``, ``(payloads, merged)``: the
+drops and coalescing not yet reported travel with the next message, so the owner shows losses that happened elsewhere once anything gets
 through. ``payloads`` is how many payloads the message holds and ``merged``
 how many of them were counted as coalesced: wherever a message is lost (a
 sender's call that fails, a full relay or ingest, a relay that dies), all its
@@ -33,10 +35,10 @@ calls and checks finished ones with ``ray.wait(..., timeout=0)``. A relay or
 ingest actor that dies costs the messages it held (counted as dropped); the
 next batch finds (or creates) a new one by name.
 
-What the relay merges: consecutive windows of one worker of one observer
-(``meta["aggregate"]`` and ``meta["worker"]`` equal, the rest of ``meta`` but
-``counters`` equal, no ``finish``) merge like the owner's aggregate merges
-them: partials exactly, gauges and counters newest. Everything else (plain
+What the relay merges: consecutive windows of one copy of one observer
+(:meth:`~rl_observers.remote.window.Window.joins`: same observer, worker,
+process and settings, neither closing) merge like the owner's aggregate
+merges them: partials exactly, gauges and counters newest. Everything else (plain
 payloads, closing windows, windows of other workers) is forwarded as it came.
 The totals the owner logs are exactly those of the separate contributions;
 a row boundary can move by at most one relay interval, as if the worker had
