@@ -56,6 +56,9 @@ class Router(Protocol):
     def route(self, payload: Any) -> Iterable[Row]:
         """Takes one payload; returns the rows now due."""
 
+    # A router may also define ``tick() -> Iterable[Row]``: the rows that fell due with time
+    # alone (a wait that ran out), asked for at least once a second on the channel's thread.
+
     def finish(self) -> Iterable[Row]:
         """The last rows, when the channel closes.
 
@@ -246,6 +249,7 @@ class Delivery:
                 if queue.empty():
                     break
                 continue
+            self._tick_routers()
             self._log_health()
         self._finish_routers()
         self._log_health(when=self.final_health)
@@ -296,6 +300,17 @@ class Delivery:
                 written = False
                 self.report(err, f"{what} {namespace!r}")
         return written
+
+    def _tick_routers(self) -> None:
+        """Writes the rows that routers with a ``tick`` have due by now."""
+        for kind, router in list(self._routers.items()):
+            tick = getattr(router, "tick", None)
+            if tick is None:
+                continue
+            try:
+                self._write_rows(tick(), "failed to log namespace")
+            except Exception as err:
+                self.report(err, f"failed to tick the router of {kind.__name__}")
 
     def _finish_routers(self) -> None:
         """Writes every router's last rows (at close); a failure stops no other row nor router."""
@@ -390,6 +405,7 @@ class Delivery:
         with self._lock:
             self._poll(None)
             count = self.drain()
+            self._tick_routers()
             self._log_health()
         self.raise_stored_error()
         return count

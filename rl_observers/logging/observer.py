@@ -109,6 +109,10 @@ class LoggerObserver(Observer):
         log_on_close (bool, optional): emit the last partial window. Defaults to ``True``.
         on_error (str, optional): ``"warn"``, ``"raise"`` or ``"ignore"``. Defaults to ``"warn"``.
         report_interval (float, optional): seconds between a copy's reports. Defaults to ``0.5``.
+        worker_timeout (float, optional): seconds an aggregate row waits for a
+            worker that has not reported (its copy's process is slow, stuck or
+            dead) before it is logged without it; a warning names the worker.
+            Defaults to ``10.0``.
 
     Examples:
         >>> import tempfile
@@ -140,6 +144,7 @@ class LoggerObserver(Observer):
         log_on_close: bool = True,
         on_error: str = "warn",
         report_interval: float = 0.5,
+        worker_timeout: float = 10.0,
     ) -> None:
         schedule, self._auto_schedule, self.step_key, self._step_fn = check_arguments(
             schedule, scope, on_error, name, step
@@ -149,6 +154,9 @@ class LoggerObserver(Observer):
         self._sets = as_metric_sets(metrics)
         self.schedule, self.name, self.scope, self.on_error = schedule, name, scope, on_error
         self.log_on_start, self.log_on_close, self.report_interval = log_on_start, log_on_close, report_interval
+        if not (isinstance(worker_timeout, (int, float)) and worker_timeout > 0):
+            raise ValueError(f"LoggerObserver: worker_timeout must be a number of seconds > 0, got {worker_timeout!r}.")
+        self.worker_timeout = float(worker_timeout)
         self._namespace = Namespace(self._channel_ref, given=name is not None)  # held while attached
         self._policy = on_error  # the policy in force once attached (add_observer may override it)
         self._streaks = FailureStreaks()  # metric sets (by position) in a failure streak

@@ -38,9 +38,10 @@ Examples:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -53,6 +54,8 @@ from rl_observers.remote.channel import MetricsChannel
 from rl_observers.remote.window import AggregateSpec, Window
 from rl_observers.schedule import ScheduleClock
 from rl_observers.stats import LatestWindow
+
+torchrl_logger = logging.getLogger("torchrl")
 
 __all__ = [
     "Aggregate",
@@ -172,11 +175,16 @@ class Aggregate:
         scope: str = "aggregate",
         log_on_close: bool = True,
         latest: tuple[str, ...] = (),
+        workers: int = 0,
+        lockstep: bool = False,
+        timeout: float = 10.0,
     ) -> None:
         if step_key is None and schedule is not None and schedule.kind == "counter":
             step_key = schedule.key
         self.name = name
-        self.spec = AggregateSpec(schedule, step_key, scope, log_on_close, latest)
+        self.spec = AggregateSpec(
+            schedule, step_key, scope, log_on_close, latest, workers=workers, lockstep=lockstep, timeout=timeout
+        )
         self.clock = ScheduleClock(schedule)
         key = schedule.key if schedule is not None and schedule.kind == "counter" else None
         if key is not None:
@@ -197,6 +205,14 @@ class Aggregate:
         # what a resumed run starts from, per worker index (see load_state_dict)
         self._worker_base: dict[Any, dict[str, Any]] = {}
         self._gauge_base: dict[str, float] = {}
+        # lockstep copies (see remote/lockstep.py): their windows wait here, per worker index, until
+        # every worker's window of a cut is in; the cuts due, with when each was first heard of
+        self._staged: dict[Any, deque[Window]] = {}
+        self._cuts_due: dict[int, float] = {}
+        self._released = -1  # the last cut logged: a late window's cut goes into the next row
+        self._first_heard: float | None = None  # observed rows: when the first worker was heard from
+        self._held_row = False  # observed rows: a row fell due before every worker was heard from
+        self._missing_warned: set[Any] = set()
 
     def state_dict(self) -> dict[str, Any]:
         """The counters summed over workers, each worker index's counters and the schedules' baselines.
@@ -252,6 +268,9 @@ class Aggregate:
             scope=spec.scope,
             log_on_close=spec.log_on_close,
             latest=spec.latest,
+            workers=spec.workers,
+            lockstep=spec.lockstep,
+            timeout=spec.timeout,
         )
 
     @property
@@ -271,6 +290,12 @@ class Aggregate:
         base: Mapping[str, float] | None = None,
     ) -> list[Row]:
         """Folds one worker's window in; returns the rows now due.
+
+        Rows of the aggregate are observed: due when the counters summed over
+        workers cross a threshold, and not before every worker the source has
+        (``workers``) was heard from once, or ``timeout`` seconds have passed
+        since the first one was. A lockstep aggregate logs its rows where the
+        copies cut them instead (:meth:`receive`).
 
         A worker is its index *and* its process: two collectors writing into
         one buffer both have a worker 0, and a restarted worker starts its
@@ -324,10 +349,102 @@ class Aggregate:
         if self.aggregate:
             _merge_window(self._window, partials)
             self._fresh = True
-            total = self._totals.get(self._key, 0) if self._key else None
-            if self.clock.due(total):
-                rows.append(self._aggregate_row())
+            if not self.spec.lockstep:
+                if self._first_heard is None:
+                    self._first_heard = time.monotonic()
+                total = self._totals.get(self._key, 0) if self._key else None
+                if self.clock.due(total) or self._held_row:
+                    self._held_row = not self._everyone_heard(time.monotonic())
+                    if not self._held_row:
+                        rows.append(self._aggregate_row())
         return rows
+
+    def _everyone_heard(self, now: float) -> bool:
+        """Whether each of the source's workers was heard from, or the wait for them is over."""
+        expected = self.spec.workers
+        heard = {index for index, _ in self._workers}
+        missing = [w for w in range(expected) if w not in heard]
+        if not missing:
+            return True
+        if self._first_heard is not None and now - self._first_heard >= self.spec.timeout:
+            self._warn_missing(missing, "has not been heard from")
+            return True
+        return False
+
+    # -- lockstep copies: rows where the driver's fall -------------------------------------------
+
+    def receive(self, window: Window) -> list[Row]:
+        """Takes one window; returns the rows now due.
+
+        A window cut where the driver's rows fall (``window.cut``, see
+        :mod:`~rl_observers.remote.lockstep`) waits until every worker's
+        window of its cut is in (or ``timeout`` seconds have passed since the
+        first one was); then every worker's windows up to that cut are folded
+        in and the row is logged at the cut. Other windows are folded at once
+        (:meth:`contribute`).
+        """
+        if window.cut is None or not self.spec.lockstep:
+            if not (window.metrics or window.counters):
+                return []
+            return self.contribute(
+                window.worker, window.metrics, window.counters or {}, process=window.process, base=window.base
+            )
+        self._staged.setdefault(_hashable(window.worker), deque()).append(window)
+        if window.due and window.cut > self._released:
+            self._cuts_due.setdefault(window.cut, time.monotonic())
+        return self.overdue(time.monotonic())
+
+    def overdue(self, now: float, everything: bool = False) -> list[Row]:
+        """The rows whose cuts are complete, or waited for ``timeout`` seconds (all, ``everything``)."""
+        rows: list[Row] = []
+        while self._cuts_due:
+            cut = min(self._cuts_due)
+            holding = [w for w, staged in self._staged.items() if any(x.due and x.cut == cut for x in staged)]
+            missing = [w for w in range(self.spec.workers) if w not in holding]
+            if missing and not everything and now - self._cuts_due[cut] < self.spec.timeout:
+                break
+            del self._cuts_due[cut]
+            if missing:
+                self._warn_missing(missing, f"sent nothing for the row at {cut}")
+            rows.extend(self._fold_staged(cut))
+            self._released = cut
+            if self.aggregate:
+                rows.append(self._aggregate_row(step=cut, reporting=len(holding)))
+        if not self._held_row or not self._everyone_heard(now):
+            return rows
+        self._held_row = False  # an observed row held for a silent worker: its wait is over
+        rows.append(self._aggregate_row())
+        return rows
+
+    def _fold_staged(self, cut: float) -> list[Row]:
+        """Folds every staged window up to ``cut`` in (their per-worker rows, if any, are returned)."""
+        rows: list[Row] = []
+        for staged in self._staged.values():
+            while staged and (staged[0].cut is None or staged[0].cut <= cut):
+                window = staged.popleft()
+                if window.metrics or window.counters:
+                    rows.extend(
+                        self.contribute(
+                            window.worker,
+                            window.metrics,
+                            window.counters or {},
+                            process=window.process,
+                            base=window.base,
+                        )
+                    )
+        return rows
+
+    def _warn_missing(self, missing: list[Any], what: str) -> None:
+        new = [w for w in missing if w not in self._missing_warned]
+        self._missing_warned.update(new)
+        if new:
+            workers = ", ".join(f"worker {w}" for w in new)
+            torchrl_logger.warning(
+                f"LoggerObserver {self.name!r}: {workers} {what} within {self.spec.timeout:g} s "
+                "(worker_timeout): its rows are logged without it (workers_reporting says how many "
+                "workers each row holds); what it sends later goes into the next row. This is "
+                "reported once per worker."
+            )
 
     def _join(self, worker: Any, process: str | None, base: Mapping[str, float]) -> _Worker:
         """A worker's first contribution: where its counts go on from."""
@@ -358,7 +475,11 @@ class Aggregate:
 
     def finish(self) -> list[Row]:
         """The last partial windows (if ``log_on_close``); the state is reset."""
-        rows: list[Row] = []
+        rows = self.overdue(time.monotonic(), everything=True)
+        rows.extend(self._fold_staged(float("inf")))
+        if self._held_row:
+            self._held_row = False
+            rows.append(self._aggregate_row())
         if self.spec.log_on_close:
             if self.per_worker:
                 rows.extend(self._worker_row(s) for s in self._workers.values() if s.fresh)
@@ -386,7 +507,8 @@ class Aggregate:
             counters = {k: state.base.get(k, 0) + v for k, v in counters.items()}
         return f"{self.name}/{state.label}", metrics, self._step(counters)
 
-    def _aggregate_row(self) -> Row:
+    def _aggregate_row(self, step: int | None = None, reporting: int | None = None) -> Row:
+        """The aggregate's row; ``step`` and ``reporting`` (workers it holds) where the cut says them."""
         gauges = dict(self._gauges)
         for key, value in self._gauge_base.items():
             if key in gauges and key not in self.spec.latest:
@@ -397,14 +519,14 @@ class Aggregate:
             if state.last_seen > stale_before:
                 break
             stale += 1
-        gauges["workers"] = len(self._workers)
-        gauges["workers_reporting"] = len(self._workers) - stale
+        gauges["workers"] = max(len(self._workers), self.spec.workers)
+        gauges["workers_reporting"] = len(self._workers) - stale if reporting is None else reporting
         metrics = {**gauges, **self._window}
         # A partial that describes a state (the last N episodes) carries over to the next row.
         self._window = _rolling(self._window)
         self._fresh = False
         self.clock.fired()
-        return self.name, metrics, self._step(self._totals)
+        return self.name, metrics, self._step(self._totals) if step is None else int(step)
 
 
 class AggregationRouter:
@@ -434,19 +556,17 @@ class AggregationRouter:
             restored = self.restored.pop(name, None)
             if restored is not None:
                 aggregate.load_state_dict(restored)
-        rows: list[Row] = []
-        if window.metrics or window.counters:
-            rows = aggregate.contribute(
-                window.worker,
-                window.metrics,
-                window.counters or {},
-                process=window.process,
-                base=window.base,
-            )
+        rows = aggregate.receive(window)
         if window.finish:
             rows.extend(aggregate.finish())
             del self.aggregates[name]
         return rows
+
+    def tick(self) -> list[Row]:
+        """The rows whose wait for a silent worker is over (called by the channel's thread)."""
+        with self.lock:
+            now = time.monotonic()
+            return [row for aggregate in self.aggregates.values() for row in aggregate.overdue(now)]
 
     def finish(self) -> Iterator[Row]:
         """Every aggregate's last rows; the router is emptied.
@@ -527,3 +647,11 @@ def finish_aggregate(channel: MetricsChannel, name: str) -> None:
     """
     channel._logging.receive(timeout=5.0)
     channel.submit_window(Window(name, {}, observer=name, finish=True))
+
+
+def _hashable(value: Any) -> Any:
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value

@@ -22,7 +22,11 @@ import time
 import weakref
 from typing import Any
 
+from torchrl.record.loggers.monitoring import Every
+
+from rl_observers.remote.lockstep import Lockstep
 from rl_observers.remote.window import AggregateSpec, Window
+from rl_observers.schedule import ScheduleClock
 from rl_observers.sources.placement import process_token, source_info
 
 __all__ = ["LIVE", "Contribution", "copy_worker", "mode_at_end", "resolve_mode"]
@@ -121,19 +125,50 @@ class Contribution:
 
     Where the observer was created (``home_pid``), the metric sets a copy
     restarts from where it runs (``pristine``, pickled), which worker it is
-    once resolved, and when it last reported. The observer decides its mode
-    once per process with :meth:`resolve`, asks :meth:`due` after each event
-    when contributing, and sends the :meth:`window` it makes.
+    once resolved, how many workers its source has, and when it last
+    reported. The observer decides its mode once per process with
+    :meth:`resolve`, asks :meth:`due` after each event when contributing,
+    and sends the :meth:`window` it makes.
+
+    For a lockstep source (:mod:`~rl_observers.remote.lockstep`), the
+    original is given the source's :class:`~rl_observers.remote.lockstep.Lockstep`
+    before its copies are made (:meth:`cut_where_the_driver_does`): a copy then
+    reports only where the driver's row falls, marked with the driver's counter.
     """
 
-    __slots__ = ("home_pid", "last_report", "last_report_counter", "pristine", "worker")
+    __slots__ = (
+        "clock",
+        "cut",
+        "home_pid",
+        "last_report",
+        "last_report_counter",
+        "lockstep",
+        "pristine",
+        "worker",
+        "workers",
+    )
 
     def __init__(self) -> None:
         self.home_pid = os.getpid()
         self.pristine: bytes | None = None
         self.worker: Any = None
+        self.workers = 0  # the source's workers, where the copy runs (0: not known)
         self.last_report = 0.0
         self.last_report_counter = 0.0
+        self.lockstep: Lockstep | None = None
+        self.clock: ScheduleClock | None = None  # the schedule, on the driver's counter
+        self.cut: int | None = None  # the driver's counter where a row fell due, until sent
+
+    def cut_where_the_driver_does(self, lockstep: Lockstep | None, schedule: Every | None) -> None:
+        """Makes the copies report where the driver's rows fall (``None``: as observed).
+
+        The schedule's thresholds start from the driver's counter at zero.
+        """
+        self.lockstep = lockstep
+        self.clock = None
+        if lockstep is not None:
+            self.clock = ScheduleClock(schedule)
+            self.clock.due(0)
 
     def moved(self) -> bool:
         """Whether this runs in another process than the observer was created in (it is a copy)."""
@@ -163,6 +198,7 @@ class Contribution:
             self.worker = copy_worker(info.worker)
         else:
             self.worker = "main"
+        self.workers = info.num_workers or 0
         self.last_report = time.monotonic()
         _report_contributors_at_exit()
         return "contribute", sets
@@ -175,7 +211,18 @@ class Contribution:
         return "contribute"
 
     def due(self, schedule: Any, report_interval: float, counters: Any) -> bool:
-        """Whether to report now: at least every ``report_interval`` s, and per schedule interval."""
+        """Whether to report now: at least every ``report_interval`` s, and per schedule interval.
+
+        A copy of a lockstep source reports only where the driver's row is due.
+        """
+        clock = self.clock
+        if clock is not None and self.worker != "main":
+            value = self.lockstep.driver_value(self.worker, counters())  # type: ignore[union-attr]
+            if value is not None:
+                if clock.due(value):
+                    self.cut = value
+                    return True
+                return False
         if schedule is None:
             return True
         if time.monotonic() - self.last_report >= report_interval:
@@ -196,12 +243,22 @@ class Contribution:
     ) -> Window:
         """One window of the observer ``name`` (and the report's time and counter are recorded).
 
-        ``counters=None``: a last window that only marks the end.
+        ``counters=None``: a last window that only marks the end. A copy of a
+        lockstep source marks the window with the driver's counter (``cut``)
+        and whether the driver's row is due there.
         """
         self.last_report = time.monotonic()
         schedule = spec.schedule
         if counters is not None and schedule is not None and schedule.kind == "counter":
             self.last_report_counter = counters.get(schedule.key, 0)
+        spec.workers = self.lockstep.workers if self.lockstep is not None else self.workers
+        spec.lockstep = self.lockstep is not None
+        cut, due = None, False
+        if self.lockstep is not None and counters is not None:
+            cut, due = self.cut, self.cut is not None
+            if cut is None:  # not where a row is due: the last window, where the driver's counter ends
+                cut = self.lockstep.driver_value(self.worker, counters)
+            self.cut = None
         return Window(
             f"{name}/worker_{self.worker}",
             metrics,
@@ -212,4 +269,6 @@ class Contribution:
             base=base or None,
             spec=spec,
             last=last,
+            cut=cut,
+            due=due,
         )

@@ -18,6 +18,7 @@ from typing import Any
 from rl_observers.observer import dumps
 from rl_observers.remote.aggregate import finish_aggregate
 from rl_observers.remote.contributions import copy_worker
+from rl_observers.remote.lockstep import plan_for
 from rl_observers.remote.window import AggregateSpec
 from rl_observers.sources import observers_of
 
@@ -73,6 +74,7 @@ def prepare(observer: Any, target: Any) -> None:
             'counter name instead, e.g. step="frames".'
         )
     observer._bind(target)
+    observer._contribution.cut_where_the_driver_does(plan_for(target, observer.schedule), observer.schedule)
     observer._has_copies = True
     observer._mode = observer._contribution.join_as_original()
     channel = observer._channel()
@@ -121,7 +123,14 @@ def contribute(observer: Any, final: bool = False) -> None:
     """
     sets = observer.metrics
     latest = tuple(g for m in sets for g in m.latest_gauges)
-    spec = AggregateSpec(observer.schedule, observer.step_key, observer.scope, observer.log_on_close, latest)
+    spec = AggregateSpec(
+        observer.schedule,
+        observer.step_key,
+        observer.scope,
+        observer.log_on_close,
+        latest,
+        timeout=observer.worker_timeout,
+    )
     contribution = observer._contribution
     if final and not observer._fresh:  # nothing new since the previous window: only the marker
         observer._sink.submit_window(contribution.window(observer.name, {}, None, spec, last=True))

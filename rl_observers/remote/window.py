@@ -50,9 +50,16 @@ class AggregateSpec:
             logged. Defaults to ``True``.
         latest (tuple of str, optional): gauges that keep the newest value
             instead of adding up over workers. Defaults to ``()``.
+        workers (int, optional): how many copies feed the aggregate (``0``: not
+            known). Defaults to ``0``.
+        lockstep (bool, optional): whether the copies cut their windows where
+            the driver's rows fall (:mod:`~rl_observers.remote.lockstep`): the
+            owner then joins each cut from every worker. Defaults to ``False``.
+        timeout (float, optional): seconds a row waits for a silent worker.
+            Defaults to ``10.0``.
     """
 
-    __slots__ = ("latest", "log_on_close", "schedule", "scope", "step_key")
+    __slots__ = ("latest", "lockstep", "log_on_close", "schedule", "scope", "step_key", "timeout", "workers")
 
     def __init__(
         self,
@@ -61,17 +68,26 @@ class AggregateSpec:
         scope: str = "aggregate",
         log_on_close: bool = True,
         latest: tuple[str, ...] = (),
+        *,
+        workers: int = 0,
+        lockstep: bool = False,
+        timeout: float = 10.0,
     ) -> None:
         self.schedule = schedule
         self.step_key = step_key
         self.scope = scope
         self.log_on_close = log_on_close
         self.latest = tuple(latest)
+        self.workers = workers
+        self.lockstep = lockstep
+        self.timeout = timeout
 
     def _fields(self) -> tuple[Any, ...]:
         schedule = self.schedule
         raw = None if schedule is None else (schedule.kind, schedule.interval, schedule.key)
-        return raw, self.step_key, self.scope, self.log_on_close, self.latest
+        return (
+            raw, self.step_key, self.scope, self.log_on_close, self.latest, self.workers, self.lockstep, self.timeout
+        )
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, AggregateSpec) and self._fields() == other._fields()
@@ -85,13 +101,18 @@ class AggregateSpec:
     def __repr__(self) -> str:
         return (
             f"AggregateSpec(schedule={self.schedule!r}, step_key={self.step_key!r}, "
-            f"scope={self.scope!r}, log_on_close={self.log_on_close!r}, latest={self.latest!r})"
+            f"scope={self.scope!r}, log_on_close={self.log_on_close!r}, latest={self.latest!r}, "
+            f"workers={self.workers!r}, lockstep={self.lockstep!r}, timeout={self.timeout!r})"
         )
 
 
-def _spec(raw: Any, step_key: Any, scope: Any, log_on_close: Any, latest: Any) -> AggregateSpec:
+def _spec(
+    raw: Any, step_key: Any, scope: Any, log_on_close: Any, latest: Any, workers: Any, lockstep: Any, timeout: Any
+) -> AggregateSpec:
     schedule = None if raw is None else Every(kind=raw[0], interval=raw[1], key=raw[2])
-    return AggregateSpec(schedule, step_key, scope, log_on_close, latest)
+    return AggregateSpec(
+        schedule, step_key, scope, log_on_close, latest, workers=workers, lockstep=lockstep, timeout=timeout
+    )
 
 
 class Window(Payload):
@@ -119,12 +140,17 @@ class Window(Payload):
             removed, its process exits).
         finish (bool, optional): the marker the owner queues behind an observer's
             last windows (ends its aggregate).
+        cut (int, optional): for a copy of a lockstep source, the driver's counter
+            where this window ends (:mod:`~rl_observers.remote.lockstep`).
+        due (bool, optional): whether the driver's row is due at ``cut``.
     """
 
     __slots__ = (
         "base",
         "copy",
         "counters",
+        "cut",
+        "due",
         "finish",
         "last",
         "observer",
@@ -152,6 +178,8 @@ class Window(Payload):
         windows: int = 1,
         last: bool = False,
         finish: bool = False,
+        cut: int | None = None,
+        due: bool = False,
     ) -> None:
         self.namespace = namespace
         self.metrics = metrics
@@ -167,6 +195,8 @@ class Window(Payload):
         self.windows = windows
         self.last = last
         self.finish = finish
+        self.cut = cut
+        self.due = due
 
     @property
     def final(self) -> bool:
@@ -177,7 +207,8 @@ class Window(Payload):
         """Whether ``newer`` may merge into this window on the way.
 
         Both come from one copy in one process, carry the same settings
-        (``spec``, ``base``) and neither ends its run.
+        (``spec``, ``base``) and neither ends its run; windows cut where the
+        driver's rows fall (``cut``) never merge.
         """
         return (
             newer.namespace == self.namespace
@@ -188,6 +219,8 @@ class Window(Payload):
             and newer.spec == self.spec
             and newer.base == self.base
             and not (self.final or newer.final)
+            and self.cut is None
+            and newer.cut is None
         )
 
     def older_than(self, other: Window) -> bool:
@@ -223,7 +256,7 @@ class Window(Payload):
         return error
 
     def _take_origin(self, other: Window) -> None:
-        for name in ("observer", "worker", "process", "counters", "base", "spec", "copy", "seq", "windows"):
+        for name in ("observer", "worker", "process", "counters", "base", "spec", "copy", "seq", "windows", "cut", "due"):
             setattr(self, name, getattr(other, name))
         self.last = self.last or other.last
         self.finish = self.finish or other.finish
@@ -249,12 +282,14 @@ class Window(Payload):
             self.windows,
             self.last,
             self.finish,
+            self.cut,
+            self.due,
         )
 
     def __repr__(self) -> str:
         fields = ", ".join(
             f"{name}={getattr(self, name)!r}"
-            for name in ("observer", "worker", "counters", "copy", "seq", "windows", "last", "finish")
+            for name in ("observer", "worker", "counters", "copy", "seq", "windows", "last", "finish", "cut", "due")
             if getattr(self, name) not in (None, False)
         )
         return f"Window({self.namespace!r}, {self.metrics!r}, {fields})"
@@ -275,6 +310,8 @@ def _window(
     windows: int,
     last: bool,
     finish: bool,
+    cut: int | None,
+    due: bool,
 ) -> Window:
     return Window(
         namespace,
@@ -291,4 +328,6 @@ def _window(
         windows=windows,
         last=last,
         finish=finish,
+        cut=cut,
+        due=due,
     )

@@ -1,0 +1,200 @@
+"""Aggregate rows of lockstep collectors are the rows one observer on the driver would log.
+
+A ``MultiSyncCollector`` or ``RayCollector(sync=True)`` yields batches that
+join every worker's rollout in lockstep. Its observer copies cut their windows
+where the driver's rows fall (``rl_observers.remote.lockstep``), so each
+aggregate row equals, step for step and value for value, what a driver-side
+observer logs over the yielded batches (computed in the test from the data),
+in every run.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+
+import pytest
+import torch
+from torchrl.collectors import MultiSyncCollector
+from torchrl.envs import GymEnv
+from torchrl.envs.utils import RandomPolicy
+from torchrl.record import CSVLogger
+from torchrl.record.loggers.monitoring import Every
+
+from rl_observers import CollectorBatchMetrics, LoggerObserver, MetricsChannel
+from rl_observers.remote.aggregate import Aggregate
+from rl_observers.remote.window import AggregateSpec, Window
+from rl_observers.stats import Count
+from tests.helpers import local_ray, start_method
+from tests.remote_rows_truth import assert_rows_equal, driver_rows, logged_rows
+
+pytestmark = pytest.mark.timeout(240)
+
+FRAMES, PER_BATCH, EVERY = 6000, 500, 1000
+
+
+def _cartpole() -> GymEnv:
+    return GymEnv("CartPole-v1")
+
+
+def _observe(collector, tmp: str) -> tuple[CSVLogger, MetricsChannel]:
+    logger = CSVLogger(exp_name="rows", log_dir=tmp)
+    channel = MetricsChannel(logger)
+    collector.add_observer(
+        LoggerObserver(
+            channel, schedule=Every.counter("frames", EVERY), metrics=CollectorBatchMetrics(), scope="aggregate"
+        )
+    )
+    return logger, channel
+
+
+def _multisync_run(seed: int) -> tuple[dict, dict]:
+    env = _cartpole()
+    policy = RandomPolicy(env.action_spec)
+    collector = MultiSyncCollector(
+        [_cartpole, _cartpole], policy, frames_per_batch=PER_BATCH, total_frames=FRAMES
+    )
+    collector.set_seed(seed)
+    logger, channel = _observe(collector, tempfile.mkdtemp())
+    batches = []
+    for batch in collector:
+        batches.append(batch.clone())
+        torch.randn(64, 64) @ torch.randn(64, 64)  # a short training step
+    collector.shutdown()
+    assert channel.flush(timeout=30)
+    assert channel.close(timeout=30)
+    assert batches[0].shape == torch.Size([2, PER_BATCH // 2])  # stacked by worker
+    return logged_rows(logger, "collector"), driver_rows(batches, EVERY)
+
+
+@pytest.mark.slow
+def test_multisync_aggregate_rows_are_the_driver_s_rows_in_every_run():
+    with start_method("fork"):
+        first, truth = _multisync_run(seed=1)
+        assert_rows_equal(first, truth)
+        assert [s for s, _ in first["frames"]] == [1000, 2000, 3000, 4000, 5000, 6000]
+        second, truth_again = _multisync_run(seed=1)
+        assert_rows_equal(second, truth_again)
+    for series in first:  # two identical seeded runs log the same steps
+        assert [s for s, _ in first[series]] == [s for s, _ in second[series]]
+
+
+@pytest.mark.slow
+def test_ray_sync_collector_aggregate_rows_are_the_driver_s_rows(monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    import tests.remote_rows_truth as truth_module
+
+    with local_ray(truth_module):
+        from torchrl.collectors import Collector
+        from torchrl.collectors.distributed import RayCollector
+
+        env = _cartpole()
+        collector = RayCollector(
+            [_cartpole, _cartpole],
+            RandomPolicy(env.action_spec),
+            collector_class=Collector,
+            frames_per_batch=PER_BATCH,
+            total_frames=FRAMES,
+            sync=True,
+            remote_configs={"num_cpus": 0.5},
+        )
+        logger, channel = _observe(collector, tempfile.mkdtemp())
+        batches = [batch.clone() for batch in collector]
+        collector.shutdown(shutdown_ray=False)
+        assert channel.flush(timeout=30)
+        assert channel.close(timeout=30)
+    if batches[0].ndim == 1:  # concatenated: one [time] rollout per remote collector
+        batches = [b.reshape(2, -1) for b in batches]
+    assert_rows_equal(logged_rows(logger, "collector"), driver_rows(batches, EVERY))
+    assert [s for s, _ in logged_rows(logger, "collector")["frames"]] == [1000, 2000, 3000, 4000, 5000, 6000]
+
+
+# -- the owner's side, window by window -------------------------------------------------------------
+
+
+def _window(worker: int, frames: int, n: int, *, due: bool = True, last: bool = False) -> Window:
+    spec = AggregateSpec(Every.counter("frames", 1000), "frames", workers=2, lockstep=True, timeout=5.0)
+    return Window(
+        f"c/worker_{worker}",
+        {"frames": float(frames), "n": Count("n", n)},
+        observer="c",
+        worker=worker,
+        counters={"frames": frames},
+        spec=spec,
+        cut=frames * 2,
+        due=due,
+        last=last,
+    )
+
+
+def test_a_cut_is_logged_once_every_worker_s_window_of_it_is_in():
+    agg = Aggregate.from_spec("c", _window(0, 500, 1).spec)
+    assert agg.receive(_window(0, 500, 1)) == []  # worker 1's window of the cut is missing
+    assert agg.receive(_window(0, 1000, 2)) == []  # worker 0 ran ahead: its next cut waits too
+    ((name, metrics, step),) = agg.receive(_window(1, 500, 4))
+    assert (name, step) == ("c", 1000)
+    assert metrics["frames"] == 1000.0 and metrics["n"].n == 5.0  # worker 0's second window is not in
+    assert metrics["workers_reporting"] == 2
+    ((_, metrics, step),) = agg.receive(_window(1, 1000, 8))
+    assert step == 2000 and metrics["frames"] == 2000.0 and metrics["n"].n == 10.0
+
+
+def test_a_silent_worker_holds_rows_back_only_for_worker_timeout(caplog):
+    agg = Aggregate.from_spec("c", _window(0, 500, 1).spec)
+    assert agg.receive(_window(0, 500, 1)) == []
+    assert agg.overdue(now=float("-inf")) == []  # still within its wait
+    with caplog.at_level(logging.WARNING, logger="torchrl"):
+        ((_, metrics, step),) = agg.overdue(now=float("inf"))  # the wait is over
+    assert step == 1000 and metrics["workers_reporting"] == 1 and metrics["n"].n == 1.0
+    (message,) = [r.getMessage() for r in caplog.records if "worker_timeout" in r.getMessage()]
+    assert "worker 1" in message
+    # its late window is never lost: it goes into the next row, whose step still rises
+    assert agg.receive(_window(1, 500, 4)) == []
+    assert agg.receive(_window(0, 1000, 2)) == []
+    ((_, metrics, step),) = agg.receive(_window(1, 1000, 8))
+    assert step == 2000 and metrics["n"].n == 14.0 and metrics["frames"] == 2000.0
+
+
+def test_the_last_windows_make_the_last_row_at_close():
+    agg = Aggregate.from_spec("c", _window(0, 500, 1).spec)
+    agg.receive(_window(0, 500, 1))
+    agg.receive(_window(1, 500, 2))
+    agg.receive(_window(0, 750, 4, due=False, last=True))
+    agg.receive(_window(1, 750, 8, due=False, last=True))
+    ((_, metrics, step),) = agg.finish()
+    assert step == 1500 and metrics["n"].n == 12.0
+
+
+@pytest.mark.slow
+def test_a_ray_replay_buffer_logs_the_rows_of_the_same_buffer_in_process(monkeypatch):
+    from functools import partial
+
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    series = ("sample_calls", "samples_returned", "items_written", "writes")
+
+    def drive(rb, tmp: str) -> dict[str, list]:
+        logger = CSVLogger(exp_name="rb", log_dir=tmp)
+        channel = MetricsChannel(logger)
+        rb.add_observer(LoggerObserver(channel, schedule=Every.counter("sample_calls", 10), name="rb"))
+        for i in range(30):
+            rb.extend(torch.arange(8) + 8 * i)
+            rb.sample(4)
+        close = getattr(rb, "close", None)
+        if close is not None:
+            close()
+        assert channel.flush(timeout=30)
+        assert channel.close(timeout=30)
+        return {name: [(int(s), float(v)) for s, v in logger.experiment.scalars.get(f"rb/{name}", [])] for name in series}
+
+    here = drive(ReplayBuffer(storage=LazyTensorStorage(1000)), tempfile.mkdtemp())
+    assert [s for s, _ in here["sample_calls"]] == [10, 20, 30]
+    with local_ray():
+        from torchrl.data import RayReplayBuffer
+
+        there = drive(
+            RayReplayBuffer(storage=partial(LazyTensorStorage, 1000), batch_size=4, remote_config={"num_cpus": 0}),
+            tempfile.mkdtemp(),
+        )
+    assert there == here
