@@ -32,6 +32,7 @@ from torchrl.record.loggers.monitoring import Every
 
 from rl_observers.remote.aggregate import Aggregate
 from rl_observers.remote.ray import transport as ray_transport
+from rl_observers.remote.window import AggregateSpec, Window
 from rl_observers.stats import Count, Moments
 from tests.helpers import local_ray
 
@@ -68,16 +69,17 @@ class Owner:
 
         self.seconds = 0.0  # spent in accept
 
-    def __call__(self, namespace, metrics, step, meta, counts) -> None:
+    def __call__(self, window: Window, counts: tuple[int, int]) -> None:
         start = time.perf_counter()
         self.messages += 1
         self.remote_dropped += counts[0]
-        name = meta["aggregate"]
+        name = window.observer
         aggregate = self.aggregates.get(name)
         if aggregate is None:
-            aggregate = self.aggregates[name] = Aggregate.from_meta(name, meta)
+            aggregate = self.aggregates[name] = Aggregate.from_spec(name, window.spec)
+        metrics = window.metrics
         self.effective += metrics["n"].n
-        self.rows += len(aggregate.contribute(meta["worker"], metrics, meta["counters"]))
+        self.rows += len(aggregate.contribute(window.worker, metrics, window.counters))
         r = metrics["r"]
         self.total = r if self.total is None else self.total.merge(r)
         self.seconds += time.perf_counter() - start
@@ -94,19 +96,20 @@ def _simulated_nodes(ray):
                 node: RaySender(address, relay=relay, node=node, capacity=1 << 16) for node in nodes
             }
             for node, sender in self.senders.items():
-                meta = {"aggregate": "collector", "worker": f"{node}/warm-up", "counters": {}}
-                sender.send({"r": Moments("r"), "n": Count("n", 0)}, None, "collector", meta)
+                window = Window(
+                    "collector",
+                    {"r": Moments("r"), "n": Count("n", 0)},
+                    observer="collector",
+                    worker=f"{node}/warm-up",
+                    counters={},
+                )
+                sender.send(window)
             # Each relay is a new Ray worker process importing torch: ten of them took 56-86 s to
             # answer with a test suite running on the same two cores. Not timed.
             return all(sender.flush(WARM_UP_SECONDS) for sender in self.senders.values())
 
         def run(self, workers, rounds, period):
-            meta = {
-                "aggregate": "collector",
-                "schedule": ("counter", 10_000, "frames"),
-                "step_key": "frames",
-                "scope": "aggregate",
-            }
+            spec = AggregateSpec(Every.counter("frames", 10_000), "frames", scope="aggregate")
             stats = Moments("r").stats
             # what each worker's names are (fixed per worker, as its handle's are)
             names = {
@@ -122,10 +125,14 @@ def _simulated_nodes(ray):
                         # a partial as a worker's reducers pull it (validated once, at registration)
                         window = Moments._trusted("r", stats, 1.0, value, 0.0, value, value)
                         sender.send(
-                            {"r": window, "n": Count("n", 1), "fps": 1000.0},
-                            None,
-                            namespace,
-                            {**meta, "worker": worker, "counters": dict(counters)},
+                            Window(
+                                namespace,
+                                {"r": window, "n": Count("n", 1), "fps": 1000.0},
+                                observer="collector",
+                                worker=worker,
+                                counters=dict(counters),
+                                spec=spec,
+                            )
                         )
                 wait = start + (i + 1) * period - time.monotonic()
                 if wait > 0:
@@ -252,14 +259,22 @@ def test_send_p99_on_the_ray_path(ray_and_transport, request):
     owner = Owner()
     owner_receiver.start(owner)
     sender = transport.RaySender(owner_receiver.address(), relay=True, node="p99")
-    meta = {"aggregate": "collector", "worker": 0, "counters": {"frames": 1}}
-    sender.send({"r": Moments("r"), "n": Count("n", 0)}, None, "collector#warm-up", meta)
+    window = Window(
+        "collector#warm-up",
+        {"r": Moments("r"), "n": Count("n", 0)},
+        observer="collector",
+        worker=0,
+        counters={"frames": 1},
+    )
+    sender.send(window)
     assert sender.flush(WARM_UP_SECONDS)  # the relay runs (not timed)
     clock = time.perf_counter_ns
     enabled = _benchmarks_enabled(request.config)
     bursts = 200 if enabled else 40
 
-    def nothing(metrics, step, namespace, meta) -> None:
+    counters = {"frames": 1}  # one mapping for every window, as the old ``meta`` was
+
+    def nothing(window) -> None:
         pass
 
     def measure() -> tuple[list[int], list[int]]:
@@ -275,11 +290,18 @@ def test_send_p99_on_the_ray_path(ray_and_transport, request):
                         "r": Moments("r", count=1, mean=1.0, min=1.0, max=1.0),
                         "n": Count("n", 1),
                     }
-                    namespace = f"collector#{i % 4}"
+                    # built before the clock runs, as the old arguments were
+                    window = Window(
+                        f"collector#{i % 4}",
+                        metrics,
+                        observer="collector",
+                        worker=0,
+                        counters=counters,
+                    )
                     start = clock()
-                    send(metrics, None, namespace, meta)
+                    send(window)
                     middle = clock()
-                    nothing(metrics, None, namespace, meta)
+                    nothing(window)
                     floor.append(clock() - middle)
                     samples.append(middle - start)
                 time.sleep(0.02)

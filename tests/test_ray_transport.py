@@ -20,8 +20,11 @@ from typing import Any
 
 import pytest
 
+from rl_observers.channel.payload import Payload
 from rl_observers.remote.aggregate import Aggregate
 from rl_observers.remote.ray import transport as ray_transport
+from rl_observers.remote.ray.relay import Message
+from rl_observers.remote.window import AggregateSpec, Window
 from rl_observers.stats import Count, Moments
 from tests.helpers import local_ray
 from tests.multinode import Cluster, _groups_of_sessions, two_node_cluster
@@ -60,15 +63,15 @@ def ray_env() -> Iterator[RayEnv]:
 
 
 class Recorder:
-    """An ``accept`` that records what the owner receives."""
+    """An ``accept`` that records what the owner receives: ``(payload, counts)`` pairs."""
 
     def __init__(self) -> None:
-        self.messages: list[tuple] = []
+        self.messages: list[tuple[Payload | None, tuple[int, int]]] = []
         self.lock = threading.Lock()
 
-    def __call__(self, namespace, metrics, step, meta, counts) -> None:
+    def __call__(self, payload: Payload | None, counts: tuple[int, int]) -> None:
         with self.lock:
-            self.messages.append((namespace, metrics, step, meta, counts))
+            self.messages.append((payload, counts))
 
     def wait_for(self, condition, timeout: float = 60.0) -> bool:
         deadline = time.monotonic() + timeout
@@ -81,15 +84,18 @@ class Recorder:
 
     def total(self, key: str, namespace: str | None = None) -> Any:
         partial = None
-        for ns, metrics, *_ in self.messages:
-            if key in metrics and (namespace is None or ns == namespace):
+        for payload, _ in self.messages:
+            if payload is None:  # a message that only carries counts
+                continue
+            metrics = payload.metrics
+            if key in metrics and (namespace is None or payload.namespace == namespace):
                 partial = metrics[key] if partial is None else partial.merge(metrics[key])
         return partial
 
     def counts(self) -> tuple[int, int]:
         return (
-            sum(m[4][0] for m in self.messages),
-            sum(m[4][1] for m in self.messages),
+            sum(m[1][0] for m in self.messages),
+            sum(m[1][1] for m in self.messages),
         )
 
 
@@ -127,13 +133,27 @@ def test_registry_hooks(ray_env, receiver):
 def test_round_trip_keeps_every_payload(ray_env, receiver, relay):
     recv, recorder = receiver
     sender = ray_env.transport.RaySender(recv.address(), relay=relay)
-    for i in range(20):
-        sender.send({"x": float(i), "n": Count("n", 1)}, i, f"ns{i % 2}", {"k": i})
+    for i in range(20):  # windows of 20 workers (none merges with another on the way)
+        window = Window(
+            f"ns{i % 2}",
+            {"x": float(i), "n": Count("n", 1)},
+            i,
+            observer="obs",
+            worker=i,
+            counters={"k": i},
+        )
+        sender.send(window)
     assert sender.flush(FLUSH_SECONDS)
     assert recorder.wait_for(lambda m: len(m) == 20)
     for ns in ("ns0", "ns1"):
-        got = [(m[1]["x"], m[2], m[3]) for m in recorder.messages if m[0] == ns]
-        assert got == [(float(i), i, {"k": i}) for i in range(20) if f"ns{i % 2}" == ns]
+        got = [
+            (p.__class__, p.metrics["x"], p.step, p.observer, p.worker, p.counters)
+            for p, _ in recorder.messages
+            if p.namespace == ns
+        ]
+        assert got == [
+            (Window, float(i), i, "obs", i, {"k": i}) for i in range(20) if f"ns{i % 2}" == ns
+        ]
     assert recorder.counts() == (0, 0)
     assert sender.submitted == 20 and sender.dropped == 0
     sender.close(1.0)
@@ -179,7 +199,7 @@ def test_bounded_in_flight_coalesces_then_drops_and_counts(ray_env):
 
     def send(ns):
         start = time.perf_counter()
-        sender.send({"n": Count("n", 1), "g": 1.0}, None, ns, None)
+        sender.send(Payload(ns, {"n": Count("n", 1), "g": 1.0}))
         return time.perf_counter() - start
 
     times = []
@@ -220,12 +240,23 @@ def test_bounded_in_flight_coalesces_then_drops_and_counts(ray_env):
 # -- per-node pre-merge ------------------------------------------------------------------------
 
 
-def contribution(worker, values, frames, held=(1, 0), **meta):
+def contribution(worker, values, frames, held=(1, 0), **fields) -> Message:
+    """A message holding a window of the observer ``obs`` (``fields``: more :class:`Window` fields)."""
     metrics = {"r": Moments.from_values("r", values, stats=("count", "mean", "std", "min", "max"))}
     metrics["n"] = Count("n", 1)
     metrics["batch"] = float(len(values))
-    meta = {"aggregate": "obs", "worker": worker, "counters": {"frames": frames}, **meta}
-    return ("obs", metrics, None, meta, (0, 0), held)
+    window = Window(
+        "obs", metrics, None, observer="obs", worker=worker, counters={"frames": frames}, **fields
+    )
+    return Message(window, (0, 0), held)
+
+
+def described(message: Message) -> tuple:
+    """``(namespace, worker, finish)`` of a message's payload (``None``: not a window)."""
+    payload = message.payload
+    if isinstance(payload, Window):
+        return payload.namespace, payload.worker, payload.finish
+    return payload.namespace, None, None
 
 
 def test_premerge_merges_consecutive_windows_of_one_worker_only(ray_env):
@@ -233,43 +264,44 @@ def test_premerge_merges_consecutive_windows_of_one_worker_only(ray_env):
     messages = [
         contribution(0, [1.0], 1),
         contribution(1, [2.0], 1),
-        ("plain", {"x": 1.0}, 3, None, (1, 0), (1, 0)),
+        Message(Payload("plain", {"x": 1.0}, 3), (1, 0), (1, 0)),
         contribution(0, [3.0, 4.0], 3, held=(3, 2)),  # two payloads coalesced into it
         contribution(1, [5.0], 2, finish=True),
         contribution(1, [6.0], 3),
-        contribution(0, [7.0], 4, scope="both"),  # other settings: a new window
-        ("plain", {"x": 2.0}, 4, None, (0, 2), (1, 0)),
+        # other settings: a new window
+        contribution(0, [7.0], 4, spec=AggregateSpec(None, None, scope="both")),
+        Message(Payload("plain", {"x": 2.0}, 4), (0, 2), (1, 0)),
     ]
     out = premerge(messages)
-    assert [(m[0], (m[3] or {}).get("worker"), (m[3] or {}).get("finish")) for m in out] == [
-        ("obs", 0, None),
-        ("obs", 1, None),
+    assert [described(m) for m in out] == [
+        ("obs", 0, False),
+        ("obs", 1, False),
         ("plain", None, None),
         ("obs", 1, True),
-        ("obs", 1, None),
-        ("obs", 0, None),
+        ("obs", 1, False),
+        ("obs", 0, False),
         ("plain", None, None),
     ]
-    first = out[0]
-    assert first[1]["n"].n == 2 and first[3]["counters"] == {"frames": 3}
+    first = out[0].payload
+    assert first.metrics["n"].n == 2 and first.counters == {"frames": 3}
     assert (
-        first[1]["r"].finalize()
+        first.metrics["r"].finalize()
         == Moments.from_values(
             "r", [1.0, 3.0, 4.0], stats=("count", "mean", "std", "min", "max")
         ).finalize()
     )
-    assert first[1]["batch"] == 2.0  # gauges keep the newest
-    assert sum(m[4][0] for m in out) == 1 and sum(m[4][1] for m in out) == 2
+    assert first.metrics["batch"] == 2.0  # gauges keep the newest
+    assert sum(m.counts[0] for m in out) == 1 and sum(m.counts[1] for m in out) == 2
     # lost together from now on: the merged message holds every payload of both
-    assert first[5] == (4, 2) and sum(m[5][0] for m in out) == 10
-    assert [m[1]["x"] for m in out if m[0] == "plain"] == [1.0, 2.0]
+    assert out[0].held == (4, 2) and sum(m.held[0] for m in out) == 10
+    assert [m.payload.metrics["x"] for m in out if m.payload.namespace == "plain"] == [1.0, 2.0]
 
 
 def rows_of(messages):
     aggregate = Aggregate("obs", scope="both")
     rows = []
-    for _, metrics, _, meta, _ in messages:
-        rows += aggregate.contribute(meta["worker"], metrics, meta["counters"])
+    for window, _ in messages:
+        rows += aggregate.contribute(window.worker, window.metrics, window.counters)
     return aggregate, rows
 
 
@@ -296,8 +328,7 @@ def test_relay_merge_is_exact_across_workers(ray_env, receiver):
             for i in range(rounds):
                 for worker in range(first, first + count):
                     values = [float((worker * 7 + i * 3) % 11 - 5), float(i)]
-                    _, metrics, _, meta, *_ = contribution(worker, values, (i + 1) * 2)
-                    sender.send(metrics, None, "obs", meta)
+                    sender.send(contribution(worker, values, (i + 1) * 2).payload)
             ok = sender.flush(FLUSH_SECONDS)
             return ok, sender.submitted, sender.dropped
 
@@ -305,7 +336,7 @@ def test_relay_merge_is_exact_across_workers(ray_env, receiver):
     actors = [Workers.remote() for _ in range(3)]
     results = ray.get([a.run.remote(address, 4 * j, 4, rounds) for j, a in enumerate(actors)])
     assert all(ok and dropped == 0 for ok, _, dropped in results)
-    assert recorder.wait_for(lambda m: sum(x[1]["n"].n for x in m) == 12 * rounds)
+    assert recorder.wait_for(lambda m: sum(x[0].metrics["n"].n for x in m) == 12 * rounds)
     truth_values = [float((w * 7 + i * 3) % 11 - 5) for w in range(12) for i in range(rounds)] + [
         float(i) for w in range(12) for i in range(rounds)
     ]
@@ -344,7 +375,7 @@ def test_killing_relay_or_ingest_mid_run(ray_env, receiver, victim):
     address = recv.address()
     sender = transport.RaySender(address, relay=True, node="faulty", relay_interval=0.05)
     for _ in range(10):
-        sender.send({"n": Count("n", 1)}, None, "a", None)
+        sender.send(Payload("a", {"n": Count("n", 1)}))
     assert sender.flush(FLUSH_SECONDS)
     assert recorder.wait_for(lambda m: n_of(recorder) == 10)
     if victim == "relay":
@@ -358,7 +389,7 @@ def test_killing_relay_or_ingest_mid_run(ray_env, receiver, victim):
     sent = 10
     while time.monotonic() < stop:
         start = time.perf_counter()
-        sender.send({"n": Count("n", 1)}, None, "a", None)
+        sender.send(Payload("a", {"n": Count("n", 1)}))
         worst = max(worst, time.perf_counter() - start)
         sent += 1
         time.sleep(0.002)
@@ -367,7 +398,7 @@ def test_killing_relay_or_ingest_mid_run(ray_env, receiver, victim):
     sender.flush(10.0)
     assert time.monotonic() - start < 12.0
     for _ in range(5):  # what comes after the fault gets through
-        sender.send({"n": Count("n", 1)}, None, "b", None)
+        sender.send(Payload("b", {"n": Count("n", 1)}))
         sent += 1
     assert sender.flush(FLUSH_SECONDS)
     assert recorder.wait_for(lambda m: n_of(recorder, "b") == 5)
@@ -385,7 +416,7 @@ def test_killing_relay_or_ingest_mid_run(ray_env, receiver, victim):
 def send_payloads(sender, namespace: str, count: int) -> int:
     """Sends ``count`` payloads, each ``Count("n", 1)``: what reaches the owner adds up to ``n``."""
     for _ in range(count):
-        sender.send({"n": Count("n", 1)}, None, namespace, None)
+        sender.send(Payload(namespace, {"n": Count("n", 1)}))
     return count
 
 
@@ -429,7 +460,9 @@ def assert_exact(recorder: Recorder, sender, sent: int) -> None:
     dropped, coalesced = recorder.counts()
     assert (dropped, coalesced) == (sender.dropped, sender.coalesced)
     assert dropped == sent - delivered, (sent, delivered, dropped)
-    assert coalesced == delivered - sum("n" in m[1] for m in recorder.messages)
+    assert coalesced == delivered - sum(
+        p is not None and "n" in p.metrics for p, _ in recorder.messages
+    )
 
 
 def holding_relay(ray, address, node: str, capacity: int = 1 << 16) -> Any:
@@ -616,8 +649,7 @@ def test_far_node_reaches_the_owner_through_ray_and_not_through_its_socket(ray_e
             reached = err.errno not in (errno.ENOENT, errno.ECONNREFUSED)
         sender = load_transport().RaySender(address)
         for i in range(count):
-            _, metrics, _, meta, *_ = contribution(0, [float(i)], i + 1)
-            sender.send(metrics, None, "obs", meta)
+            sender.send(contribution(0, [float(i)], i + 1).payload)
         return (
             ray.get_runtime_context().get_node_id(),
             os.path.exists(path),
@@ -701,25 +733,25 @@ def test_premerge_keeps_the_newest_plain_numbers_of_windows_that_passed_each_oth
     # the gauges of the window sent last win, the partials merge, the counters are the newest.
     newer = contribution(0, [1.0], 5, seq=5)
     older = contribution(0, [2.0, 3.0], 4, seq=4)
-    (merged,) = ray_transport.premerge([newer, older])
-    assert merged[1]["batch"] == 1.0  # not 2.0, the stale window's gauge
-    assert merged[1]["r"].finalize()["r_count"] == 3
-    assert merged[3]["counters"] == {"frames": 5} and merged[3]["seq"] == 5
-    (in_order,) = ray_transport.premerge([older, newer])
-    assert in_order[1]["batch"] == 1.0 and in_order[3]["counters"] == {"frames": 5}
+    (merged,) = (m.payload for m in ray_transport.premerge([newer, older]))
+    assert merged.metrics["batch"] == 1.0  # not 2.0, the stale window's gauge
+    assert merged.metrics["r"].finalize()["r_count"] == 3
+    assert merged.counters == {"frames": 5} and merged.seq == 5
+    (in_order,) = (m.payload for m in ray_transport.premerge([older, newer]))
+    assert in_order.metrics["batch"] == 1.0 and in_order.counters == {"frames": 5}
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_starts_its_own_sending_thread():
     """``send`` reads a flag, not the pid: a fork clears it, so the child's first send starts a thread."""
     sender = ray_transport.RaySender(("token", "ingest", "namespace", "owner"), relay=False)
-    sender.send({"n": Count("n", 1)}, None, "ns", None)  # no Ray here: the thread just retries
+    sender.send(Payload("ns", {"n": Count("n", 1)}))  # no Ray here: the thread just retries
     assert sender._running and sender._thread_pid == os.getpid()
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report, never return into pytest
         ok = not sender._running
-        sender.send({"n": Count("n", 1)}, None, "ns", None)
+        sender.send(Payload("ns", {"n": Count("n", 1)}))
         ok = ok and sender._running and sender._thread_pid == os.getpid()
         os.write(write, b"1" if ok else b"0")
         os._exit(0)

@@ -250,6 +250,20 @@ class Account:
                 "after it is lost. Counted in health()['copies_lost']."
             )
 
+    def forget(self, name: str) -> None:
+        """Forgets the copies of the observer ``name`` without settling them (nothing is counted).
+
+        For a channel closed while their source still runs: they are not
+        lost, the channel was closed first (which its ``close`` reports).
+        """
+        with self._lock:
+            for key in [k for k in self._copies if k[0] == name]:
+                del self._copies[key]
+                self._settled.add(key)
+            for key in [k for k in self._expected if k[0] == name]:
+                del self._expected[key]
+            self._sources.pop(name, None)
+
     def counts(self) -> dict[str, int]:
         """``copies_lost`` and ``windows_lost`` so far."""
         with self._lock:

@@ -360,10 +360,20 @@ class Owner:
             self.poll_remote(deadline)
 
     def _copies_still_attached(self) -> bool:
-        """Warns, naming them, if producers' copies elsewhere still feed this channel."""
+        """Warns, naming them, if producers' copies elsewhere still feed this channel.
+
+        Their copies are not lost: the channel was closed before their source
+        shut down, which is what the warning says, so the account forgets them
+        instead of counting them in ``copies_lost``.
+        """
         with self._lock:
-            live = [description for ref, description in self._feeders.values() if ref() is not None]
+            feeders = [(ref(), description) for ref, description in self._feeders.values()]
             self._feeders = {}
+        live = [description for feeder, description in feeders if feeder is not None]
+        for feeder, _ in feeders:
+            name = getattr(feeder, "name", None)
+            if isinstance(name, str):
+                self.account.forget(name)
         if not live:
             return False
         torchrl_logger.warning(

@@ -233,7 +233,8 @@ class Window(Payload):
         Partials merge exactly. Windows can pass each other on the way, so
         the numbers decide what is newest: the gauges, step, counters and
         number of the newer-numbered window win, and ``windows`` counts every
-        window merged. A window of another copy (two processes with one
+        numbered window merged (the owner's account counts only numbered
+        windows; without numbers, the later arrival wins). A window of another copy (two processes with one
         worker index met in the owner's full queue) hands over its origin.
         Returns the error of a partial that failed to merge.
         """
@@ -290,7 +291,7 @@ class Window(Payload):
         fields = ", ".join(
             f"{name}={getattr(self, name)!r}"
             for name in ("observer", "worker", "counters", "copy", "seq", "windows", "last", "finish", "cut", "due")
-            if getattr(self, name) not in (None, False)
+            if getattr(self, name) is not None and getattr(self, name) is not False
         )
         return f"Window({self.namespace!r}, {self.metrics!r}, {fields})"
 
