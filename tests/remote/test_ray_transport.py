@@ -686,7 +686,6 @@ def test_cluster_stops_cleanly_and_plain_ray_init_works_after(ray_env):
     )
 
 
-
 def test_premerge_keeps_the_newest_plain_numbers_of_windows_that_passed_each_other():
     # A relay receives a copy's windows out of order (4 calls in flight, a threaded actor):
     # the gauges of the window sent last win, the partials merge, the counters are the newest.
