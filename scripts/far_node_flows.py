@@ -1,9 +1,9 @@
 """Runs the far-node flows of a RayCollector and a RayReplayBuffer N times on a two-node cluster.
 
 A stress loop to run by hand (``make test`` runs each flow once, in
-``tests/test_far_node_flows.py``): every flow must log exactly what was
+``tests/remote/test_far_node_flows.py``): every flow must log exactly what was
 collected, written or sampled, with nothing counted lost. Needs root and
-``unshare`` (see :mod:`tests.multinode`)::
+``unshare`` (see :mod:`tests.remote.multinode`)::
 
     RAY_AUTH_MODE=disabled PYTHONPATH=$PWD python scripts/far_node_flows.py -n 10
 
@@ -22,8 +22,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.far_node import FLOWS  # noqa: E402
-from tests.multinode import two_node_cluster  # noqa: E402
+from tests.remote.far_node import FLOWS  # noqa: E402
+from tests.remote.multinode import two_node_cluster  # noqa: E402
 
 
 def main() -> int:

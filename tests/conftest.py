@@ -6,6 +6,7 @@ import logging
 import multiprocessing
 import os
 import threading
+import warnings
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RL_WARNINGS", "0")
 
 import rl_observers  # noqa: E402,F401  (installs add_observer on torchrl's classes)
+from tests import helpers  # noqa: E402
 
 # torchrl starts its workers with the global start method (spawn when unset). A
 # forkserver has spawn's semantics (a fresh process, arguments pickled) but forks
@@ -34,20 +36,11 @@ def counting_env():
 
 @pytest.fixture
 def make_collector():
-    """Builds real ``Collector`` objects and shuts them down after the test."""
-    from torchrl.collectors import Collector
-    from torchrl.envs.utils import RandomPolicy
-
+    """Builds real ``Collector`` objects (:func:`tests.helpers.make_collector`) and shuts them down after the test."""
     made = []
 
     def make(env, frames_per_batch=16, total_frames=64, **kwargs):
-        collector = Collector(
-            env,
-            RandomPolicy(env.action_spec),
-            frames_per_batch=frames_per_batch,
-            total_frames=total_frames,
-            **kwargs,
-        )
+        collector = helpers.make_collector(env, frames_per_batch, total_frames, **kwargs)
         made.append(collector)
         return collector
 
@@ -82,3 +75,12 @@ def warnings_seen():
     torchrl_logger.addHandler(handler)
     yield messages
     torchrl_logger.removeHandler(handler)
+
+
+@pytest.fixture
+def told(warnings_seen):
+    """What the user is told: torchrl logger warnings and ``warnings`` messages, in order."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield warnings_seen
+    warnings_seen.extend(str(w.message) for w in caught)

@@ -1,4 +1,11 @@
-"""Helpers shared by the test and benchmark suites."""
+"""Helpers shared by the test and benchmark suites.
+
+One definition each: the waits (:func:`wait_for`), the balance identity of a
+channel's health (:func:`assert_balanced`), real torchrl collectors
+(:func:`make_collector`, :func:`make_multi`), a synchronous
+``MetricsChannel`` (:func:`sync_channel`), a recording sink
+(:class:`RecordingLogger`) and a local Ray cluster (:func:`local_ray`).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +16,17 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from torchrl.collectors import Collector
+from torchrl.envs.utils import RandomPolicy
 from torchrl.record.loggers.common import Logger
+from torchrl.testing.mocking_classes import CountingEnv
+
+if TYPE_CHECKING:
+    from torchrl.envs import EnvBase
+
+    from rl_observers.remote import MetricsChannel, MetricsHandle
 
 
 @contextlib.contextmanager
@@ -24,6 +39,107 @@ def start_method(method: str) -> Iterator[None]:
         yield
     finally:
         context._actual_context = previous
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 20.0) -> bool:
+    """Polls ``predicate`` until it holds or ``timeout`` seconds passed; whether it held.
+
+    A liveness wait, not a timing assert: assert its result (``assert wait_for(...)``)
+    where the test needs the condition, ignore it where waiting is all it needs.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return bool(predicate())
+
+
+def assert_balanced(health: dict[str, int]) -> None:
+    """Every submission is accounted for exactly once (the channel's balance identity)."""
+    assert health["submitted"] == (
+        health["logged"]
+        + health["pending"]
+        + health["coalesced"]
+        + health["dropped"]
+        + health["sink_errors"]
+    ), health
+
+
+def make_collector(
+    env: EnvBase | None = None,
+    frames_per_batch: int = 16,
+    total_frames: int | None = None,
+    *,
+    batches: int = 6,
+    **kwargs: Any,
+) -> Collector:
+    """A real torchrl ``Collector`` with a ``RandomPolicy`` over ``env``.
+
+    Args:
+        env (EnvBase, optional): the env; ``CountingEnv(max_steps=7)`` when ``None``.
+        frames_per_batch (int, optional): frames per batch. Defaults to ``16``.
+        total_frames (int, optional): frames in all; ``frames_per_batch * batches``
+            when ``None``.
+
+    Keyword Args:
+        batches (int, optional): batches in all, when ``total_frames`` is not given.
+            Defaults to ``6``.
+        **kwargs: passed on to ``Collector``.
+
+    The caller shuts it down (the ``make_collector`` fixture of ``tests/conftest.py``
+    does it after the test).
+    """
+    if env is None:
+        env = CountingEnv(max_steps=7)
+    if total_frames is None:
+        total_frames = frames_per_batch * batches
+    return Collector(
+        env,
+        RandomPolicy(env.action_spec),
+        frames_per_batch=frames_per_batch,
+        total_frames=total_frames,
+        **kwargs,
+    )
+
+
+def make_multi(cls: type, method: str, **kwargs: Any) -> Any:
+    """A multiprocessing collector ``cls`` over two ``CountingEnv`` workers started with ``method``."""
+    env = CountingEnv()
+    with start_method(method):
+        return cls([CountingEnv, CountingEnv], RandomPolicy(env.action_spec), **kwargs)
+
+
+def sync_channel(logger: Any, **kwargs: Any) -> MetricsChannel:
+    """A ``MetricsChannel`` without a thread (``background=False``) or health reports."""
+    from rl_observers.remote import MetricsChannel
+
+    kwargs.setdefault("health_interval", None)
+    return MetricsChannel(logger, background=False, **kwargs)
+
+
+def socket_handle(channel: MetricsChannel) -> MetricsHandle:
+    """A handle that sends through the socket, as it does in another process."""
+    return channel.handle(transport="socket")
+
+
+class ListPartial:
+    """An exact mergeable partial: it keeps every value, so a merge is the union."""
+
+    def __init__(self, name: str, values=()) -> None:
+        self.name = name
+        self.values = tuple(values)
+        self.finalized = 0
+
+    def merge(self, other: ListPartial) -> ListPartial:
+        return ListPartial(self.name, self.values + other.values)
+
+    def finalize(self) -> dict[str, float]:
+        self.finalized += 1
+        return {
+            f"{self.name}_count": float(len(self.values)),
+            f"{self.name}_sum": float(sum(self.values)),
+        }
 
 
 class RecordingLogger(Logger):

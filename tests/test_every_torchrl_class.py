@@ -208,13 +208,13 @@ HEARD_HERE = {
 
 #: Classes whose events need worker processes, Ray or torch.distributed: the tests that check them.
 HEARD_ELSEWHERE = {
-    "MultiSyncCollector": "test_remote_targets.py::test_multisync_observers_run_in_every_worker",
-    "MultiCollector": "test_remote_targets.py::test_multisync_observers_run_in_every_worker",
-    "RayCollector": "test_remote_targets.py::test_ray_collector_observers_run_in_each_remote_collector",
-    "RayReplayBuffer": "test_remote_targets.py::test_ray_replay_buffer_observers_run_in_its_actor",
-    "DistributedCollector": "test_distributed_collectors.py::test_observers_hear_every_batch_the_driver_receives",
-    "DistributedSyncCollector": "test_distributed_collectors.py::test_observers_hear_every_batch_the_driver_receives",
-    "RPCCollector": "test_distributed_collectors.py::test_observers_hear_every_batch_the_driver_receives",
+    "MultiSyncCollector": "remote/test_shipping.py::test_multisync_observers_run_in_every_worker",
+    "MultiCollector": "remote/test_shipping.py::test_multisync_observers_run_in_every_worker",
+    "RayCollector": "remote/test_shipping.py::test_ray_collector_observers_run_in_each_remote_collector",
+    "RayReplayBuffer": "remote/test_shipping.py::test_ray_replay_buffer_observers_run_in_its_actor",
+    "DistributedCollector": "remote/test_torch_distributed.py::test_observers_hear_every_batch_the_driver_receives",
+    "DistributedSyncCollector": "remote/test_torch_distributed.py::test_observers_hear_every_batch_the_driver_receives",
+    "RPCCollector": "remote/test_torch_distributed.py::test_observers_hear_every_batch_the_driver_receives",
 }
 
 #: Exported classes that are refused: ``BaseCollector`` is abstract; what derives from it

@@ -8,19 +8,13 @@ from typing import Any
 
 import pytest
 from torchrl.collectors import Collector, MultiSyncCollector
-from torchrl.envs.utils import RandomPolicy
 from torchrl.testing.mocking_classes import CountingEnv
 
 import rl_observers  # noqa: F401
 from rl_observers.testing import EventRecorder
-from tests.test_remote_targets import make_multi
+from tests.helpers import make_collector, make_multi
 
 BATCHES = 3
-
-
-def make_collector(batches: int = BATCHES) -> Collector:
-    env = CountingEnv()
-    return Collector(env, RandomPolicy(env.action_spec), frames_per_batch=4, total_frames=4 * batches)
 
 
 class Calls:
@@ -42,7 +36,7 @@ def run(collector: Collector) -> None:
 
 
 def test_reading_a_slot_returns_what_was_set_whatever_is_attached():
-    collector = make_collector()
+    collector = make_collector(CountingEnv(), 4, batches=BATCHES)
     try:
         collector.add_observer(EventRecorder())
         assert collector.post_collect_hook is None
@@ -65,7 +59,7 @@ def test_reading_a_slot_returns_what_was_set_whatever_is_attached():
 
 
 def test_save_swap_restore_neither_recurses_nor_drops_anyone():
-    collector = make_collector(batches=4)
+    collector = make_collector(CountingEnv(), 4, batches=4)
     calls = Calls()
     try:
         user = calls.hook("user")
@@ -82,7 +76,7 @@ def test_save_swap_restore_neither_recurses_nor_drops_anyone():
 
 
 def test_the_hook_swapped_mid_run_and_back():
-    collector = make_collector(batches=4)
+    collector = make_collector(CountingEnv(), 4, batches=4)
     calls = Calls()
     try:
         collector.post_collect_hook = calls.hook("user")
@@ -100,7 +94,7 @@ def test_the_hook_swapped_mid_run_and_back():
 
 
 def test_pre_collect_slot_and_observers_both_run_once_per_rollout():
-    collector = make_collector()
+    collector = make_collector(CountingEnv(), 4, batches=BATCHES)
     recorder = EventRecorder()
     pre_calls = []
     try:
@@ -118,7 +112,7 @@ def test_pre_collect_slot_and_observers_both_run_once_per_rollout():
 
 @pytest.mark.parametrize("order", ["hook_profile_observer", "profile_hook_observer", "observer_profile_hook"])
 def test_enable_and_disable_profile_in_any_order_keep_everyone(tmp_path, order):
-    collector = make_collector(batches=4)
+    collector = make_collector(CountingEnv(), 4, batches=4)
     calls = Calls()
     user = calls.hook("user")
 
@@ -152,7 +146,7 @@ def test_enable_and_disable_profile_in_any_order_keep_everyone(tmp_path, order):
 
 
 def test_the_slot_round_trips_once_the_last_observer_is_removed():
-    collector = make_collector()
+    collector = make_collector(CountingEnv(), 4, batches=BATCHES)
     calls = Calls()
     try:
         user = calls.hook("user")

@@ -1,15 +1,21 @@
-"""The package layout: every module imports on its own, and dependencies run one way.
+"""The package layout: the rules a module follows, checked with :mod:`ast`, not line counts.
 
-Two checks:
-
-* each module of ``rl_observers`` is imported in a fresh interpreter state,
+* Every module of ``rl_observers`` is imported in a fresh interpreter state,
   once as usual (the package's ``__init__`` first) and once with a bare
   stand-in for the top package, so that a module that only imports because
-  ``rl_observers/__init__.py`` happened to import something else first fails;
-* every import statement of the package (module level *and* inside
-  functions) is parsed with :mod:`ast` into a module graph, which must have
+  ``rl_observers/__init__.py`` happened to import something else first fails.
+* Every import statement of the package (module level, inside functions and
+  under ``if TYPE_CHECKING:``) is parsed into a module graph, which must have
   no cycle and must follow the layer rules below. ``importlib`` calls that
   name an ``rl_observers`` module (a way to hide an edge) are refused.
+* Ray is imported only inside ``rl_observers/remote/``, the wing for what
+  crosses a process.
+* No function reaches into 4 or more private attributes of an object it is
+  handed (a "friend" function: a method living outside its class).
+* Only ``sources/observed.py`` switches an object's ``__class__``, and the
+  table of ``targets.py`` is the only registration.
+
+A module is as long as its one idea needs: there is no line cap.
 
 Layers, in order; a layer may import the layers before it, except where a
 rule narrows it. A rule for a package layer applies once that package exists.
@@ -268,6 +274,145 @@ def test_every_module_imports_on_its_own(mode):
     assert failures == {}, "\n\n".join(f"{name}:\n{text}" for name, text in failures.items())
 
 
+# -- Ray in one subpackage ----------------------------------------------------------------------
+
+#: The one subpackage that may import Ray: everything that crosses a process.
+RAY_HOME = f"{PACKAGE}.remote"
+
+
+def ray_imports(module: str, source: str | None = None) -> list[int]:
+    """Lines of ``module`` that import Ray: ``import ray[.x]``, ``from ray[.x] import ...`` or
+    ``importlib.import_module("ray[.x]")``, at module level, in functions or under ``TYPE_CHECKING``.
+
+    ``source`` stands in for the module's text (the tests of this file use it).
+    """
+    path = _path_of(module)
+    tree = ast.parse(path.read_text() if source is None else source, str(path))
+
+    def is_ray(name: str) -> bool:
+        return name == "ray" or name.startswith("ray.")
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(is_ray(alias.name) for alias in node.names):
+            found.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and not node.level and is_ray(node.module or ""):
+            found.append(node.lineno)
+        elif isinstance(node, ast.Call) and node.args:
+            fn = node.func
+            name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+            arg = node.args[0]
+            if (
+                name in ("import_module", "__import__")
+                and isinstance(arg, ast.Constant)
+                and isinstance(arg.value, str)
+                and is_ray(arg.value)
+            ):
+                found.append(node.lineno)
+    return sorted(found)
+
+
+def test_the_ray_scan_sees_every_way_to_import_it():
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "import rayon\n"  # not Ray
+        "from .ray import sender\n"  # the package's own ray/ folder, not Ray
+        "if TYPE_CHECKING:\n"
+        "    from ray.actor import ActorHandle\n"
+        "def f():\n"
+        "    import ray\n"
+        "    import importlib\n"
+        "    return importlib.import_module('ray.util')\n"
+    )
+    assert ray_imports(f"{PACKAGE}.remote.handle", source) == [5, 7, 9]
+
+
+def test_ray_is_imported_only_inside_the_remote_wing():
+    outside = {
+        module: lines
+        for module in MODULES
+        if not (module == RAY_HOME or module.startswith(RAY_HOME + "."))
+        and (lines := ray_imports(module))
+    }
+    assert outside == {}, f"Ray imported outside {RAY_HOME} (module: lines): {outside}"
+    assert any(ray_imports(module) for module in MODULES if module.startswith(RAY_HOME + ".")), (
+        "the scan found no Ray import in the remote wing at all: is it still scanning?"
+    )
+
+
+# -- no friend functions -----------------------------------------------------------------------
+
+#: A function that reaches into this many private attributes of one object it is handed knows
+#: that object's insides from outside its class: give the object a method, or make the
+#: collaborator an object with a public interface.
+FRIEND_LIMIT = 4
+
+
+def friend_functions(module: str, source: str | None = None) -> list[str]:
+    """``function(argument): attributes`` for each function of ``module`` that reaches into
+    ``FRIEND_LIMIT`` or more private attributes (``_x``, not ``__x``) of one of its arguments
+    other than ``self`` and ``cls``. Nested functions count on their own and in the function
+    that holds them.
+
+    ``source`` stands in for the module's text (the tests of this file use it).
+    """
+    path = _path_of(module)
+    tree = ast.parse(path.read_text() if source is None else source, str(path))
+    found = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for arg in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs:
+            if arg.arg in ("self", "cls"):
+                continue
+            private = sorted(
+                {
+                    node.attr
+                    for node in ast.walk(fn)
+                    if isinstance(node, ast.Attribute)
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id == arg.arg
+                    and node.attr.startswith("_")
+                    and not node.attr.startswith("__")
+                }
+            )
+            if len(private) >= FRIEND_LIMIT:
+                found.append(f"{fn.name}({arg.arg}): {', '.join(private)}")
+    return found
+
+
+def test_the_friend_scan_counts_private_attributes_of_an_argument():
+    source = (
+        "def friend(obj, other):\n"
+        "    obj._a = obj._b + obj._c\n"
+        "    return obj._d(other._a, other._b, other._c)\n"  # other: 3, not a friend
+        "class C:\n"
+        "    def method(self, x):\n"
+        "        return self._a, self._b, self._c, self._d, x.__dict__, x.__class__, x._p\n"
+        "async def also(*, kw):\n"
+        "    kw._a; kw._b; kw._c\n"
+        "    def inner():\n"
+        "        return kw._d\n"
+    )
+    assert friend_functions(f"{PACKAGE}.remote.handle", source) == [
+        "friend(obj): _a, _b, _c, _d",
+        "also(kw): _a, _b, _c, _d",
+    ]
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason=(
+        "10 functions still reach into 4+ private attributes (remote/copies, remote/contributions, "
+        "logging/state, metrics/collector/{ring,interleaved,from_keys}); they are being turned into "
+        "methods and collaborators with a public interface, after which this test becomes strict"
+    ),
+)
+def test_no_function_reaches_into_four_private_attributes_of_what_it_is_handed():
+    found = {module: friends for module in MODULES if (friends := friend_functions(module))}
+    assert found == {}, "\n".join(f"{module}: {'; '.join(friends)}" for module, friends in found.items())
+
+
 # -- the table of observed classes -------------------------------------------------------------
 
 
@@ -352,13 +497,8 @@ def test_the_table_names_every_class_it_decides_for():
             assert how_observed(cls, context) is how, (context, name)
 
 
-# -- sizes and public faces ----------------------------------------------------------------------
+# -- public faces --------------------------------------------------------------------------------
 
-#: ``LoggerObserver`` reads in one file: fold → schedule → submit; what is resolved once lives in
-#: the other modules of ``logging/``.
-LOGGER_OBSERVER_MAX_LINES = 400
-#: A module longer than this says why at the top of its docstring ("Why it is long: ...").
-LONG_MODULE_LINES = 600
 #: ``MetricsChannel``'s public members: the Channel contract of DESIGN.md (submit, flush, close,
 #: handle, health, logger, name, capacity, closed), the shared channel of a logger
 #: (``for_logger``), the explicit drive of ``background=False`` (``step``) and what observer
@@ -392,33 +532,6 @@ CHANNEL_LOGGING_SIDE = frozenset(
         "router",
     }
 )
-
-
-def _lines(module: str) -> int:
-    return len(_path_of(module).read_text().splitlines())
-
-
-def test_logger_observer_reads_in_one_file():
-    lines = _lines(f"{PACKAGE}.logging.observer")
-    assert lines <= LOGGER_OBSERVER_MAX_LINES, (
-        f"logging/observer.py has {lines} lines: move what is not fold → schedule → submit "
-        "into another module of logging/"
-    )
-
-
-def test_long_modules_say_why_they_are_long():
-    unexplained = []
-    for module in MODULES:
-        if _lines(module) <= LONG_MODULE_LINES:
-            continue
-        path = _path_of(module)
-        docstring = ast.get_docstring(ast.parse(path.read_text(), str(path))) or ""
-        if "Why it is long" not in docstring:
-            unexplained.append(f"{module} ({_lines(module)} lines)")
-    assert unexplained == [], (
-        f"modules past {LONG_MODULE_LINES} lines without 'Why it is long: ...' in their "
-        f"docstring: {unexplained}"
-    )
 
 
 def test_the_channel_s_public_members_are_its_contract():

@@ -29,30 +29,19 @@ import rl_observers
 from rl_observers import Observer, ProfilerObserver
 from rl_observers.profiler import install_profiling
 from rl_observers.sources import observers_of
-from tests.helpers import local_ray
+from tests.helpers import local_ray, make_collector
 
 REPO = Path(__file__).resolve().parents[1]
 # Small, fast traces: Python stacks make traces ~10x larger.
 FAST = {"activities": ["cpu"], "with_stack": False, "record_shapes": False}
 
 
-def make_collector(frames_per_batch: int = 8, batches: int = 6, **kwargs) -> Collector:
-    env = CountingEnv(max_steps=5)
-    return Collector(
-        env,
-        RandomPolicy(env.action_spec),
-        frames_per_batch=frames_per_batch,
-        total_frames=frames_per_batch * batches,
-        **kwargs,
-    )
-
-
 @pytest.fixture
 def collectors():
     made: list[BaseCollector] = []
 
-    def make(*args, **kwargs):
-        collector = make_collector(*args, **kwargs)
+    def make(batches: int = 6, **kwargs):
+        collector = make_collector(CountingEnv(max_steps=5), 8, batches=batches, **kwargs)
         made.append(collector)
         return collector
 

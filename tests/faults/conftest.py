@@ -1,14 +1,13 @@
 """Shared pieces of the fault-tolerance tests.
 
-The warnings the user is shown, and one seeded collection loop (a real
-``Collector`` writing into a real replay buffer and sampling from it) whose
-data is compared with and without faulty observers or sinks.
+One seeded collection loop (a real ``Collector`` writing into a real replay
+buffer and sampling from it) whose data is compared with and without faulty
+observers or sinks. The waits, the balance identity and the collectors are in
+``tests/helpers.py``; the ``told`` fixture is in ``tests/conftest.py``.
 """
 
 from __future__ import annotations
 
-import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -16,30 +15,8 @@ import pytest
 import torch
 from torchrl.collectors import Collector
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
-from torchrl.envs.utils import RandomPolicy
-from torchrl.testing.mocking_classes import CountingEnv
 
-from tests.helpers import RecordingLogger
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return bool(predicate())
-
-
-def assert_balanced(health: dict[str, int]) -> None:
-    """Every submission is accounted for exactly once."""
-    assert health["submitted"] == (
-        health["logged"]
-        + health["pending"]
-        + health["coalesced"]
-        + health["dropped"]
-        + health["sink_errors"]
-    ), health
+from tests.helpers import RecordingLogger, make_collector
 
 
 def window_total(logger: RecordingLogger, name: str) -> float:
@@ -47,27 +24,11 @@ def window_total(logger: RecordingLogger, name: str) -> float:
     return sum(value for _, value in logger.series(name))
 
 
-@pytest.fixture
-def told(warnings_seen):
-    """What the user is told: torchrl logger warnings and ``warnings`` messages, in order."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield warnings_seen
-    warnings_seen.extend(str(w.message) for w in caught)
-
-
 # -- one seeded collection loop: collect, write, sample --------------------------------------------
 
 FRAMES_PER_BATCH = 16
 TOTAL_FRAMES = 96
 BATCHES = TOTAL_FRAMES // FRAMES_PER_BATCH
-
-
-def make_collector(total_frames: int = TOTAL_FRAMES) -> Collector:
-    env = CountingEnv(max_steps=7)
-    return Collector(
-        env, RandomPolicy(env.action_spec), frames_per_batch=FRAMES_PER_BATCH, total_frames=total_frames
-    )
 
 
 def make_buffer() -> TensorDictReplayBuffer:
@@ -83,7 +44,7 @@ def run_loop(attach: Callable[[Collector, TensorDictReplayBuffer], Any] | None =
     batches, the samples, the storage contents and the global RNG state.
     """
     torch.manual_seed(0)
-    collector = make_collector()
+    collector = make_collector(frames_per_batch=FRAMES_PER_BATCH, total_frames=TOTAL_FRAMES)
     rb = make_buffer()
     if attach is not None:
         attach(collector, rb)

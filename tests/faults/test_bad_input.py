@@ -26,20 +26,7 @@ from rl_observers import (
     WriteMetrics,
 )
 from rl_observers.remote import MetricsHandle
-from tests.faults.conftest import assert_balanced
-from tests.helpers import RecordingLogger, read_csv
-
-
-def sync_channel(logger, **kwargs) -> MetricsChannel:
-    return MetricsChannel(logger, background=False, health_interval=None, **kwargs)
-
-
-def remote_handle(channel: MetricsChannel) -> MetricsHandle:
-    """A handle as another process sees it: it sends datagrams."""
-    return channel.handle(transport="socket")
-
-
-
+from tests.helpers import RecordingLogger, assert_balanced, read_csv, socket_handle, sync_channel
 
 # -- metric values ---------------------------------------------------------------------------------
 
@@ -60,7 +47,7 @@ def test_values_that_cannot_be_logged_are_refused_at_submit(kind, where):
     value, hint = BAD_VALUES[kind]
     logger = RecordingLogger()
     channel = sync_channel(logger)
-    target = channel if where == "channel" else remote_handle(channel)
+    target = channel if where == "channel" else socket_handle(channel)
     with pytest.raises(TypeError, match="expected metric values that are real numbers") as raised:
         target.submit_metrics({"ok": 1.0, "x": value})
     assert "for 'x'" in str(raised.value) and hint in str(raised.value)
@@ -274,7 +261,7 @@ class SubmitsBadValues:
 def test_bad_input_inside_workers_is_handled_there_and_the_workers_go_on():
     from torchrl.collectors import MultiSyncCollector
 
-    from tests.test_remote_targets import make_multi
+    from tests.helpers import make_multi
 
     logger = RecordingLogger()
     channel = MetricsChannel(logger, health_interval=None)

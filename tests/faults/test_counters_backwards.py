@@ -18,12 +18,8 @@ from torchrl.envs import GymEnv
 from torchrl.envs.utils import RandomPolicy
 from torchrl.record.loggers.monitoring import LoggerMonitor
 
-from rl_observers import Every, LoggerObserver, MetricsChannel, SampleMetrics, WriteMetrics
-from tests.helpers import RecordingLogger
-
-
-def sync_channel(logger: RecordingLogger) -> MetricsChannel:
-    return MetricsChannel(logger, background=False, health_interval=None)
+from rl_observers import Every, LoggerObserver, SampleMetrics, WriteMetrics
+from tests.helpers import RecordingLogger, sync_channel
 
 
 def steps_and_values(logger: RecordingLogger, name: str) -> tuple[list[int], list[float]]:

@@ -14,8 +14,7 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from rl_observers import LoggerObserver, MetricsChannel, Observer, WriteMetrics
 from rl_observers.testing import EventRecorder
-from tests.faults.conftest import assert_balanced
-from tests.helpers import RecordingLogger
+from tests.helpers import RecordingLogger, assert_balanced
 
 SUBMITS = 1_000_000
 THREADS = 8

@@ -16,15 +16,8 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer
 from rl_observers import Every, LoggerObserver, MetricsChannel, WriteMetrics
 from rl_observers.remote.ray import RaySender
 from rl_observers.testing import EventRecorder
-from tests.faults.conftest import (
-    BATCHES,
-    assert_balanced,
-    assert_same_data,
-    make_collector,
-    run_loop,
-    wait_for,
-)
-from tests.helpers import RecordingLogger, read_csv
+from tests.faults.conftest import BATCHES, assert_same_data, run_loop
+from tests.helpers import RecordingLogger, assert_balanced, make_collector, read_csv, wait_for
 
 
 @pytest.mark.timeout(60)

@@ -23,11 +23,10 @@ from tests.faults.conftest import (
     TOTAL_FRAMES,
     assert_same_data,
     make_buffer,
-    make_collector,
     run_loop,
     window_total,
 )
-from tests.helpers import RecordingLogger
+from tests.helpers import RecordingLogger, make_collector
 
 
 class Raising:
@@ -249,7 +248,7 @@ def test_an_observer_failing_to_unpickle_in_workers_is_refused_at_add_observer()
     from torchrl.collectors import MultiSyncCollector
 
     from rl_observers.remote.shipping import RemoteAttachError
-    from tests.test_remote_targets import make_multi
+    from tests.helpers import make_multi
 
     collector = make_multi(MultiSyncCollector, "fork", frames_per_batch=20, total_frames=60)
     try:
@@ -269,8 +268,8 @@ def test_a_shared_buffer_observer_failing_to_unpickle_in_spawned_workers_is_left
     from torchrl.envs.utils import RandomPolicy
     from torchrl.testing.mocking_classes import CountingEnv
 
-    import tests._remote_observers as remote_observers
-    from tests.test_remote_targets import start_method, wait_until
+    import tests.remote._remote_observers as remote_observers
+    from tests.helpers import start_method, wait_for
 
     def worker_items(tag: str) -> int:
         lines = remote_observers.read_lines(log)
@@ -293,19 +292,19 @@ def test_a_shared_buffer_observer_failing_to_unpickle_in_spawned_workers_is_left
         )
     try:
         collector.start()  # the workers started: the observer was left behind, not fatal
-        wait_until(lambda: rb.write_count >= 100)
+        assert wait_for(lambda: rb.write_count >= 100, timeout=60)
         with collector.pause():
             assert worker_items("kept") == rb.write_count  # the buffer's other observer sees every write
             rb.remove_observer(failing)  # mirrored by position: the one left behind keeps its place
             assert rb.observers == (kept,)
             first = rb.write_count
-        wait_until(lambda: rb.write_count >= first + 100)
+        assert wait_for(lambda: rb.write_count >= first + 100, timeout=60)
         with collector.pause():
             assert worker_items("kept") == rb.write_count
             rb.remove_observer(kept)
             assert rb.observers == ()
             second = rb.write_count
-        wait_until(lambda: rb.write_count >= second + 100)
+        assert wait_for(lambda: rb.write_count >= second + 100, timeout=60)
         assert worker_items("kept") == second  # removed from the workers' copies too
     finally:
         collector.shutdown()

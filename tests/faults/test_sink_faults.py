@@ -23,13 +23,11 @@ from rl_observers import LoggerObserver, MetricsChannel
 from tests.faults.conftest import (
     BATCHES,
     TOTAL_FRAMES,
-    assert_balanced,
     assert_same_data,
     run_loop,
-    wait_for,
     window_total,
 )
-from tests.helpers import RecordingLogger, read_csv
+from tests.helpers import RecordingLogger, assert_balanced, read_csv, wait_for
 
 CAPACITY = 4
 

@@ -1,6 +1,6 @@
 """Metrics from Ray actors on another node reach the driver's logger, exactly.
 
-One two-node cluster (:mod:`tests.multinode`) serves the whole module; the
+One two-node cluster (:mod:`tests.remote.multinode`) serves the whole module; the
 far node shares no temporary files with the driver, so the channel's socket
 does not exist there and handles send through Ray. Each test owns a plain Ray
 actor holding a torchrl replay buffer observed by a copy of a driver-side
@@ -22,7 +22,7 @@ from torchrl.record import CSVLogger
 from rl_observers import Every, LoggerObserver, MetricsChannel, WriteMetrics
 from rl_observers.remote.aggregate import finish_aggregate
 from tests.helpers import scalars
-from tests.multinode import Cluster, two_node_cluster
+from tests.remote.multinode import Cluster, two_node_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -36,11 +36,9 @@ import pytest
 from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
-import tests._remote_observers as remote_observers
+import tests.remote._remote_observers as remote_observers
 from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel
-from tests.faults.conftest import wait_for
-from tests.helpers import RecordingLogger, local_ray
-from tests.test_remote_targets import make_multi
+from tests.helpers import RecordingLogger, local_ray, make_multi, wait_for
 
 pytestmark = pytest.mark.slow
 

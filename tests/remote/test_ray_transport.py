@@ -1,7 +1,7 @@
 """The Ray transport: senders on any node reach the owner, merged per node on the way.
 
 Every test shares one Ray cluster per module: the two-node cluster of
-:mod:`tests.multinode` where it can run (root, ``unshare``), a local one
+:mod:`tests.remote.multinode` where it can run (root, ``unshare``), a local one
 otherwise (then the multi-node tests skip). Actors here take no CPU.
 """
 
@@ -26,8 +26,8 @@ from rl_observers.remote.ray import transport as ray_transport
 from rl_observers.remote.ray.relay import Message
 from rl_observers.remote.window import AggregateSpec, Window
 from rl_observers.stats import Count, Moments
-from tests.helpers import local_ray
-from tests.multinode import Cluster, _groups_of_sessions, two_node_cluster
+from tests.helpers import local_ray, wait_for
+from tests.remote.multinode import Cluster, _groups_of_sessions, two_node_cluster
 
 # What a flush that must succeed may take: its first send starts a relay, a new Ray worker
 # process that imports torch (tens of seconds with the other core busy). Returns when done.
@@ -74,13 +74,13 @@ class Recorder:
             self.messages.append((payload, counts))
 
     def wait_for(self, condition, timeout: float = 60.0) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        """Whether ``condition(messages)`` came to hold within ``timeout`` seconds."""
+
+        def holds() -> bool:
             with self.lock:
-                if condition(self.messages):
-                    return True
-            time.sleep(0.02)
-        return False
+                return condition(self.messages)
+
+        return wait_for(holds, timeout)
 
     def total(self, key: str, namespace: str | None = None) -> Any:
         partial = None
@@ -322,7 +322,7 @@ def test_relay_merge_is_exact_across_workers(ray_env, receiver):
     @ray.remote(num_cpus=0)
     class Workers:
         def run(self, address, first, count, rounds):
-            from tests.test_ray_transport import contribution, load_transport
+            from tests.remote.test_ray_transport import contribution, load_transport
 
             sender = load_transport().RaySender(address, relay=True, node="one-node")
             for i in range(rounds):
@@ -429,17 +429,8 @@ def flood(sender, namespace: str, bursts: int, size: int) -> int:
     for _ in range(bursts):
         calls = sender.stats["calls"]
         send_payloads(sender, namespace, size)
-        wait_until(lambda calls=calls: sender.stats["calls"] > calls)
+        wait_for(lambda calls=calls: sender.stats["calls"] > calls, timeout=10)
     return bursts * size
-
-
-def wait_until(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def is_dead(ray, actor) -> bool:
@@ -537,15 +528,15 @@ def test_a_call_that_fails_counts_every_payload_merged_into_its_messages(ray_env
     first = stall()
     sender = transport.RaySender(address, relay=False, in_flight=1, capacity=1, interval=0.005)
     sent = send_payloads(sender, "a", 1)
-    assert wait_until(lambda: sender.stats["calls"] == 1)  # out, and hanging
+    assert wait_for(lambda: sender.stats["calls"] == 1, timeout=10)  # out, and hanging
     sent += send_payloads(sender, "a", 50)  # no call free: all merge into one buffered message
     assert sender.coalesced == 49
     ray.kill(first)
-    assert wait_until(lambda: sender.dropped == 1)  # the call in flight held one payload
+    assert wait_for(lambda: sender.dropped == 1, timeout=10)  # the call in flight held one payload
     second = stall()
-    assert wait_until(lambda: sender.stats["calls"] == 2)  # the merged message hangs in it
+    assert wait_for(lambda: sender.stats["calls"] == 2, timeout=10)  # the merged message hangs in it
     ray.kill(second)
-    assert wait_until(lambda: sender.stats["in_flight"] == 0)
+    assert wait_for(lambda: sender.stats["in_flight"] == 0, timeout=10)
     assert (sender.dropped, sender.coalesced) == (51, 0)
 
     recorder = Recorder()  # the owner comes: the losses travel with what gets through
@@ -570,13 +561,13 @@ def test_a_relay_that_dies_counts_every_merged_payload_it_held(ray_env, receiver
         address, relay=True, node="dies", capacity=1, interval=0.005, relay_interval=0.05
     )
     sent = flood(sender, "a", bursts=3, size=20)
-    assert wait_until(lambda: sender.stats["in_flight"] == 0)  # all held by the relay
+    assert wait_for(lambda: sender.stats["in_flight"] == 0, timeout=10)  # all held by the relay
     assert sender.coalesced > 0
     ray.kill(relay)
-    assert wait_until(lambda: is_dead(ray, relay))  # before the next call reaches it
+    assert wait_for(lambda: is_dead(ray, relay), timeout=10)  # before the next call reaches it
     calls = sender.stats["calls"]
     sent += send_payloads(sender, "a", 1)  # its call finds the relay dead: what it held is lost
-    assert wait_until(lambda: sender.stats["calls"] > calls and sender.stats["in_flight"] == 0)
+    assert wait_for(lambda: sender.stats["calls"] > calls and sender.stats["in_flight"] == 0, timeout=10)
     assert sender.dropped == 61 and sender.coalesced == 0, (sender.dropped, sender.coalesced)
     sent += send_payloads(sender, "b", 5)  # through a new relay
     assert sender.flush(FLUSH_SECONDS)
@@ -639,7 +630,7 @@ def test_far_node_reaches_the_owner_through_ray_and_not_through_its_socket(ray_e
         import errno
         import socket
 
-        from tests.test_ray_transport import contribution, load_transport
+        from tests.remote.test_ray_transport import contribution, load_transport
 
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
@@ -725,7 +716,6 @@ def test_cluster_stops_cleanly_and_plain_ray_init_works_after(ray_env):
     print(
         f"two-node cluster: started in {cluster.start_seconds:.1f} s, stopped in {stop_seconds:.1f} s"
     )
-
 
 
 def test_premerge_keeps_the_newest_plain_numbers_of_windows_that_passed_each_other():

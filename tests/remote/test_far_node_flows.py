@@ -1,6 +1,6 @@
-"""Issue 22's far-node flows, each once, on the real two-node cluster (``tests/multinode.py``).
+"""Issue 22's far-node flows, each once, on the real two-node cluster (``tests/remote/multinode.py``).
 
-Each flow (``tests/far_node.py``) builds its Ray sources pinned to the far
+Each flow (``tests/remote/far_node.py``) builds its Ray sources pinned to the far
 node, observes them with one ``LoggerObserver`` and runs the flow a user
 runs: iterate → ``shutdown()`` → ``flush`` → ``close``; ``.start()`` →
 ``async_shutdown()``; a ``RayReplayBuffer`` written, sampled and closed;
@@ -17,8 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.far_node import FLOWS
-from tests.multinode import Cluster, two_node_cluster
+from tests.remote.far_node import FLOWS
+from tests.remote.multinode import Cluster, two_node_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -136,7 +136,7 @@ def _paths_to_keep(hidden: str) -> list[str]:
     ``hidden`` is visible there.
     """
     candidates = {
-        os.path.realpath(os.path.join(os.path.dirname(__file__), os.pardir)),
+        os.path.realpath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)),
         os.path.realpath(sys.prefix),
         os.path.realpath(sys.base_prefix),
     }

@@ -2,7 +2,7 @@
 
 Real worker processes (``fork`` and ``spawn``) and a real local Ray cluster.
 Observer copies cannot be read back from their processes, so the observers of
-these tests (``tests/_remote_observers.py``) append one line per event to a
+these tests (``tests/remote/_remote_observers.py``) append one line per event to a
 file, with the process and worker they ran in.
 
 Which counter means what:
@@ -25,10 +25,9 @@ import importlib
 import os
 import sys
 import threading
-import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -54,7 +53,14 @@ from rl_observers import Every, LoggerObserver, MetricsChannel, SampleMetrics, W
 from rl_observers.remote.shipping import RemoteAttachError, attach_here, detach_here, kind_of
 from rl_observers.sources.observed import observed_class
 from rl_observers.sources.placement import SourceInfo, source_info
-from tests.helpers import CountingHandle, counting_rpcs, local_ray, scalars, start_method
+from tests.helpers import (
+    CountingHandle,
+    counting_rpcs,
+    local_ray,
+    make_multi,
+    scalars,
+    wait_for,
+)
 
 HERE = Path(__file__).parent
 DRIVER = os.getpid()
@@ -75,20 +81,6 @@ def helpers() -> Iterator[Any]:
         cloudpickle.unregister_pickle_by_value(module)
         with contextlib.suppress(ValueError):
             sys.path.remove(str(HERE))
-
-
-def make_multi(cls: type, method: str, **kwargs: Any) -> Any:
-    env = CountingEnv()
-    with start_method(method):
-        return cls([CountingEnv, CountingEnv], RandomPolicy(env.action_spec), **kwargs)
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met in time")
-        time.sleep(0.05)
 
 
 def totals(lines: list[Any], tag: str, event: str) -> Counter[int]:
@@ -181,7 +173,7 @@ def test_shared_buffer_observers_see_writes_from_every_process(helpers, tmp_path
 
     try:
         collector.start()
-        wait_until(lambda: rb.write_count >= 200)
+        assert wait_for(lambda: rb.write_count >= 200, timeout=60)
         with collector.pause():
             first = rb.write_count
             assert worker_items("before") == first
@@ -190,14 +182,14 @@ def test_shared_buffer_observers_see_writes_from_every_process(helpers, tmp_path
         watcher = helpers.CollectorLog(log, "watcher")
         collector.add_observer(watcher)  # while the collector runs free
         collector.post_collect_hook = helpers.HookLog(log, "user_post")  # and a user hook next to it
-        wait_until(lambda: worker_items("after") >= 400 and len(events(helpers.read_lines(log), "watcher", "post_collect")) == 2)
+        assert wait_for(lambda: worker_items("after") >= 400 and len(events(helpers.read_lines(log), "watcher", "post_collect")) == 2, timeout=60)
         with collector.pause():
             second = rb.write_count
             assert worker_items("before") == second
             assert worker_items("after") == second - first
             rb.remove_observer(before)  # removed from every copy too
         assert rb.observers == (after,)
-        wait_until(lambda: rb.write_count >= second + 200)
+        assert wait_for(lambda: rb.write_count >= second + 200, timeout=60)
         with collector.pause():
             third = rb.write_count
             assert worker_items("before") == second

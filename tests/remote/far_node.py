@@ -1,11 +1,11 @@
 """The far-node flows of issue 22: what a user does with Ray sources on another node.
 
 Each flow builds its sources pinned to the far node of a
-:func:`tests.multinode.two_node_cluster`, observes them with one
+:func:`tests.remote.multinode.two_node_cluster`, observes them with one
 :class:`~rl_observers.LoggerObserver` writing to a ``CSVLogger`` on the
 driver, runs the flow to its end and returns a :class:`Result`: what the
 logger's last row says against what the sources did. Shared by
-``tests/test_far_node_flows.py`` (each flow once) and
+``tests/remote/test_far_node_flows.py`` (each flow once) and
 ``scripts/far_node_flows.py`` (the stress loop).
 """
 
@@ -195,7 +195,7 @@ import ray
 ray.init(address=sys.argv[2], log_to_driver=False)
 from torchrl.record import CSVLogger
 from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel
-from tests.far_node import _far_collector
+from tests.remote.far_node import _far_collector
 
 class Far:
     far = {"far_node": 0.01}
@@ -220,7 +220,7 @@ def exit_without_close(cluster: Any, tmp: str) -> Result:
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run(
         [sys.executable, "-c", _EXIT_SCRIPT, root, cluster.address, tmp],
         capture_output=True,

@@ -151,9 +151,9 @@ def test_observers_hear_every_batch_the_driver_receives(route, tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    code = "import sys; from tests.test_distributed_collectors import _scenario; _scenario(sys.argv[1], sys.argv[2])"
+    code = "import sys; from tests.remote.test_torch_distributed import _scenario; _scenario(sys.argv[1], sys.argv[2])"
     done = subprocess.run(
         [sys.executable, "-c", code, route, str(tmp_path)], cwd=root, env=env, capture_output=True, text=True, timeout=280
     )

@@ -1,6 +1,6 @@
 """ProfilerObserver in a RayCollector actor on another node: the trace comes back to the driver.
 
-Runs on a real two-node cluster (:mod:`tests.multinode`) whose far node shares
+Runs on a real two-node cluster (:mod:`tests.remote.multinode`) whose far node shares
 no temporary files with the driver: the trace the actor writes under the
 test's temporary directory lands in the far node's own tmpfs, and only the
 copy sent back reaches the driver's disk.
@@ -14,7 +14,7 @@ import pytest
 
 import rl_observers  # noqa: F401
 from rl_observers import ProfilerObserver
-from tests.multinode import cluster_fixture
+from tests.remote.multinode import cluster_fixture
 from tests.test_profiler import (
     FAST,
     RECORDED_3_4,
