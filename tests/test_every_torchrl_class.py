@@ -314,7 +314,7 @@ def test_a_subclass_that_replaces_the_collection_loop_is_refused_with_what_to_us
     env = _env()
     collector = _OwnLoop(env, RandomPolicy(env.action_spec), frames_per_batch=8, total_frames=16)
     try:
-        with pytest.raises(TypeError, match=r"_OwnLoop replaces iterator of torchrl's Collector.*hear nothing.*rl_observers\.sources\.table"):
+        with pytest.raises(TypeError, match=r"_OwnLoop replaces iterator of torchrl's Collector.*hear nothing.*rl_observers\.targets"):
             collector.add_observer(lambda batch: None)
         assert collector.observers == () and type(collector) is _OwnLoop
     finally:
@@ -328,7 +328,7 @@ def test_a_subclass_that_keeps_torchrls_loop_is_observed():
 
 
 def test_a_collection_loop_from_basecollector_and_an_unknown_torchrl_class_are_refused():
-    with pytest.raises(TypeError, match=r"_FromScratch derives from torchrl's BaseCollector.*rl_observers\.sources\.table"):
+    with pytest.raises(TypeError, match=r"_FromScratch derives from torchrl's BaseCollector.*rl_observers\.targets"):
         _FromScratch().add_observer(lambda batch: None)
     rb = _FutureBuffer(storage=LazyTensorStorage(4))
     with pytest.raises(TypeError, match=r"does not know how to observe"):
