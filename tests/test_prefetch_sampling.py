@@ -21,6 +21,7 @@ from torchrl.data import (
     LazyTensorStorage,
     PrioritizedReplayBuffer,
     ReplayBuffer,
+    SamplerWithoutReplacement,
     TensorDictPrioritizedReplayBuffer,
     TensorDictReplayBuffer,
 )
@@ -184,6 +185,29 @@ def test_batches_queued_before_empty_are_counted_when_handed_over():
     assert all(batch.min() >= 1000 for batch in handed[PREFETCH:])
     assert metrics.counters() == {"sample_calls": PREFETCH + 3, "samples_returned": (PREFETCH + 3) * BATCH}
     rb.shutdown()
+
+
+def test_an_epoch_iterated_with_prefetch_counts_each_batch_it_yielded():
+    rb = TensorDictReplayBuffer(
+        storage=LazyTensorStorage(100), sampler=SamplerWithoutReplacement(drop_last=True), batch_size=10, prefetch=3
+    )
+    rb.extend(TensorDict({"id": torch.arange(100)}, [100]))
+    seen: list[torch.Tensor] = []
+    rb.add_observer(index_recorder(seen))
+    yielded = [batch["index"].clone() for batch in rb]
+    rb.shutdown()
+    assert len(yielded) == 10 and sorted(torch.cat(yielded).tolist()) == list(range(100))
+    assert [i.tolist() for i in seen] == [i.tolist() for i in yielded]
+
+
+def index_recorder(seen: list[torch.Tensor]):
+    """An observer keeping the index of each ``post_sample`` it hears."""
+
+    class Recorder:
+        def on_post_sample(self, source, batch, info):
+            seen.append(info["index"].clone())
+
+    return Recorder()
 
 
 class ConcurrencyRecorder:

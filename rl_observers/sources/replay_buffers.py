@@ -6,8 +6,8 @@ sampler's info dict (whether or not the caller asked for it) and is emitted
 for each batch ``sample()`` hands over, once, in the calling thread:
 
 * a buffer that does not prefetch makes the batch in ``sample()``: its
-  ``_sample`` emits, just after torchrl made it (today's hot path, one
-  method);
+  ``_sample`` emits, just after torchrl made it (the hot path: one
+  method, torchrl's ``sample()`` untouched);
 * a buffer built with ``prefetch=N`` makes batches ahead, in up to ``N``
   threads of torchrl's pool, and ``sample()`` hands over the oldest (or
   makes one at once when none is queued). It is observed by
