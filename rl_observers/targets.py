@@ -25,7 +25,10 @@ Where the user holds the object (context ``None``):
   ``ObservedDistributedCollector``; on the driver, on the batches it yields.
 * ``ReplayBuffer`` and torchrl's subclasses (prioritized, ``TensorDict*``,
   HER, remote, ensemble): ``ObservedReplayBuffer``; in this process, and in
-  every worker writing into it when it is shared.
+  every worker writing into it when it is shared. One built with
+  ``prefetch=N`` takes its row in the ``"prefetching"`` context instead:
+  ``ObservedPrefetchingReplayBuffer``, whose ``sample()`` emits for the
+  batch it hands over.
 * ``RayReplayBuffer``: ``RayReplayBufferKind``; one copy inside the buffer's
   actor.
 
@@ -71,7 +74,14 @@ from rl_observers.sources.observed import (
     release,
     use_table,
 )
-from rl_observers.sources.replay_buffers import ObservedReplayBuffer, ReplayBufferObservers
+from rl_observers.sources.replay_buffers import (
+    PREFETCHING,
+    ObservedPrefetchingReplayBuffer,
+    ObservedReplayBuffer,
+    PrefetchingBufferObservers,
+    ReplayBufferObservers,
+    prefetching,
+)
 
 __all__ = ["TABLE", "install"]
 
@@ -89,7 +99,8 @@ _DRIVER_LOOP = ("__iter__",)
 _LOCAL_COLLECTOR = How(ObservedCollector, CollectorObservers, loop=_COLLECTION_LOOP)
 _MULTIPROCESS = How(_DriverObservedMultiCollector, ObserverList, kind=MULTIPROCESS_COLLECTOR)
 _DISTRIBUTED_COLLECTOR = How(ObservedDistributedCollector, DistributedCollectorObservers, loop=_DRIVER_LOOP)
-_LOCAL_BUFFER = How(ObservedReplayBuffer, SharedBufferObservers)
+_LOCAL_BUFFER = How(ObservedReplayBuffer, SharedBufferObservers, variant=prefetching)
+_PREFETCHING_BUFFER = How(ObservedPrefetchingReplayBuffer, PrefetchingBufferObservers)
 _ACTOR_BUFFER = How(ray._ActorObservedReplayBuffer, ReplayBufferObservers)
 _ACTOR_TENSORDICT_BUFFER = How(ray._ActorObservedTensorDictReplayBuffer, ReplayBufferObservers)
 
@@ -116,6 +127,16 @@ TABLE: dict[str | None, dict[str, How]] = {
         f"{_BUFFERS}.ray_buffer:RayReplayBuffer": How(
             ray._DriverObservedRayReplayBuffer, ObserverList, kind=ray.RAY_REPLAY_BUFFER
         ),
+    },
+    # A buffer built with prefetch=N (torchrl refuses to share one): sampling emits at hand-over.
+    PREFETCHING: {
+        f"{_BUFFERS}.replay_buffers:ReplayBuffer": _PREFETCHING_BUFFER,
+        f"{_BUFFERS}.replay_buffers:PrioritizedReplayBuffer": _PREFETCHING_BUFFER,
+        f"{_BUFFERS}.replay_buffers:TensorDictReplayBuffer": _PREFETCHING_BUFFER,
+        f"{_BUFFERS}.replay_buffers:TensorDictPrioritizedReplayBuffer": _PREFETCHING_BUFFER,
+        f"{_BUFFERS}.replay_buffers:RemoteTensorDictReplayBuffer": _PREFETCHING_BUFFER,
+        f"{_BUFFERS}.replay_buffers:ReplayBufferEnsemble": _PREFETCHING_BUFFER,
+        f"{_BUFFERS}.her:HERReplayBuffer": _PREFETCHING_BUFFER,
     },
     # Inside a RayReplayBuffer's actor: writes and samples seen through private lookups.
     ray.ACTOR: {

@@ -108,10 +108,17 @@ class SampleMetrics(MetricSet):
     torchrl's ``info["index_generation"]`` counts rewrites *per slot*, not
     writes to the buffer, so it cannot give an age and is not used.
 
-    Ages are read when the sample's event runs, just after torchrl's
-    ``sample``: a write from another thread or process that lands in
-    between counts toward that sample's ages (they count its rows too; an
-    item it overwrote is aged as the one that replaced it).
+    Ages are read when the sample's event runs, when ``sample()`` hands
+    the batch over: just after torchrl made it, or, for a buffer built with
+    ``prefetch=N``, when ``sample()`` returns a batch a prefetch thread made
+    earlier. An age is thus taken at hand-over: it counts the items written
+    while the batch waited in the prefetch queue. A write from another
+    thread or process that lands between the making and the event counts
+    toward that sample's ages (they count its rows too; an item it overwrote
+    is aged as the one that replaced it, and a batch made before
+    ``empty()`` and handed over after it is aged against the emptied
+    buffer). Counts and importance weights are those of the batches
+    ``sample()`` returned, weights as they were drawn.
 
     :meth:`counters` and :meth:`stats` give ``sample_calls`` and
     ``samples_returned``.

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from blinker import ANY
@@ -97,12 +98,17 @@ class How(NamedTuple):
         loop: the methods through which the events are emitted: a subclass
             that replaces one of them is refused (its events would never
             reach the observers).
+        variant: ``variant(source)``, the context whose row observes this
+            instance instead (for example a replay buffer that prefetches),
+            or ``None`` to keep this row; read when the source becomes
+            observed.
     """
 
     mixin: type
     observer_list: type[ObserverList]
     kind: Any = None
     loop: tuple[str, ...] = ()
+    variant: Callable[[Any], str | None] | None = None
 
 
 # The table, by context: {context: {"module:qualname" of a torchrl class: How}}; see use_table.
@@ -267,9 +273,11 @@ def observed_class(base: type, context: str | None = None) -> type:
         raise TypeError(refusal(base, context))
     mixin = found[0]
     # The mixins' methods are copied into a single-inheritance subclass: a second base
-    # would change the instance layout and forbid the ``__class__`` switch.
+    # would change the instance layout and forbid the ``__class__`` switch. A mixin's own
+    # bases are copied first (a variant mixin derives from its row's).
     namespace = {k: v for k, v in vars(_Observed).items() if k not in _NOT_COPIED}
-    namespace.update({k: v for k, v in vars(mixin).items() if k not in _NOT_COPIED})
+    for klass in reversed(mixin.__mro__[:-1]):
+        namespace.update({k: v for k, v in vars(klass).items() if k not in _NOT_COPIED})
     # A generated, importable name: pickle finds the class through this module's __getattr__.
     at = "" if context is None else f"{context}@"
     qualname = f"{_PREFIX}{at}{base.__module__}:{base.__qualname__}".replace(".", "/")
@@ -312,6 +320,7 @@ def observe(source: Any, context: str | None = None) -> ObserverList:
             observers = observers_of(source)
             if observers is None:
                 base = torchrl_class(type(source))
+                context = _variant(source, base, context)
                 found = _find(base, context)
                 if found is None:
                     raise TypeError(refusal(base, context))
@@ -320,6 +329,13 @@ def observe(source: Any, context: str | None = None) -> ObserverList:
                 source._rl_observers = observers
                 source.__class__ = cls
     return observers
+
+
+def _variant(source: Any, base: type, context: str | None) -> str | None:
+    """The context whose row observes ``source``: its row's :attr:`How.variant`, else ``context``."""
+    how = how_observed(base, context)
+    variant = None if how is None or how.variant is None else how.variant(source)
+    return context if variant is None else variant
 
 
 def release(source: Any) -> None:

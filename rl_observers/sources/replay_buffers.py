@@ -1,10 +1,25 @@
 """How replay buffers emit events.
 
 An observed buffer's ``add`` / ``extend`` emit after torchrl wrote the data,
-with the index torchrl returned; ``_sample`` emits with the batch and the
-sampler's info dict (whether or not the caller asked for it), so sampling is
-observed where the batch is made: in the calling thread, or in the prefetch
-thread when the buffer prefetches.
+with the index torchrl returned. ``post_sample`` carries the batch and the
+sampler's info dict (whether or not the caller asked for it) and is emitted
+for each batch ``sample()`` hands over, once, in the calling thread:
+
+* a buffer that does not prefetch makes the batch in ``sample()``: its
+  ``_sample`` emits, just after torchrl made it (the hot path: one
+  method, torchrl's ``sample()`` untouched);
+* a buffer built with ``prefetch=N`` makes batches ahead, in up to ``N``
+  threads of torchrl's pool, and ``sample()`` hands over the oldest (or
+  makes one at once when none is queued). It is observed by
+  :class:`ObservedPrefetchingReplayBuffer`: its ``_sample`` emits nothing
+  (in any thread), its ``sample`` emits for the batch it returned, with the
+  info the batch was made with, one caller at a time. A batch the queue
+  drops (torchrl's ``load_state_dict`` / ``loads`` replace the queue, and
+  ``shutdown()`` leaves it behind) is never handed over, so never counted;
+  a batch made before an observer was attached and handed over after is
+  counted, one handed over after the last observer left is not.
+  torchrl's ``empty()`` keeps the queue: batches made before it are still
+  handed over after it, and counted then.
 
 A write and its event run together under the buffer's own reentrant lock
 (torchrl's ``_replay_lock``, which the write takes anyway): an observer
@@ -31,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+import threading
 from collections.abc import Callable
 from types import CodeType
 from typing import Any
@@ -42,7 +58,19 @@ from rl_observers.observer import ObserverList, refused_raise
 from rl_observers.signals import REPLAY_BUFFER_EVENTS
 from rl_observers.sources.observed import observers_of, torchrl_class
 
-__all__ = ["ObservedReplayBuffer", "ReplayBufferObservers", "emit_eagerly", "writes_held"]
+__all__ = [
+    "PREFETCHING",
+    "ObservedPrefetchingReplayBuffer",
+    "ObservedReplayBuffer",
+    "PrefetchingBufferObservers",
+    "ReplayBufferObservers",
+    "emit_eagerly",
+    "prefetching",
+    "writes_held",
+]
+
+#: The context whose rows observe a buffer built with ``prefetch=N`` (see :func:`prefetching`).
+PREFETCHING = "prefetching"
 
 
 def _code_of(function: Any) -> CodeType | None:
@@ -183,3 +211,93 @@ class ObservedReplayBuffer:
         stats = torchrl_class(type(self)).stats(self, *args, **kwargs)
         observers = observers_of(self)
         return stats if observers is None else observers.contribute_stats(stats)
+
+
+def prefetching(source: Any) -> str | None:
+    """:data:`PREFETCHING` for a buffer that prefetches (torchrl's ``prefetch=N``), else ``None``.
+
+    The :attr:`~rl_observers.sources.observed.How.variant` of the in-process
+    replay-buffer rows: torchrl fixes ``prefetch`` when the buffer is built.
+    """
+    return PREFETCHING if source.__dict__.get("_prefetch") else None
+
+
+class PrefetchingBufferObservers(ReplayBufferObservers):
+    """The observers of a replay buffer that prefetches: ``post_sample`` at hand-over.
+
+    :meth:`hand_over` runs torchrl's ``sample()`` and emits ``post_sample``
+    for the batch it returned: the head of torchrl's prefetch queue when
+    one was queued (peeked before torchrl pops it; only ``sample()`` pops,
+    and observed calls of it take turns here), else the batch torchrl made
+    at once in the calling thread (noted by :meth:`made`). Batches made in
+    the prefetch threads are not noted at all: a batch the queue drops
+    leaves nothing behind.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        emits: tuple[str, ...] = REPLAY_BUFFER_EVENTS,
+        target_name: str = "replay buffer",
+    ) -> None:
+        super().__init__(source, emits, target_name)
+        # Held from a sample()'s peek at the queue to the end of its event: observed
+        # sample() calls take turns, so observers never run in two threads at once.
+        self._handing = threading.RLock()
+        self._handing_thread: int | None = None  # the thread in sample(), under _handing
+        self._made: tuple[Any, Any] | None = None  # the batch sample() made at once
+
+    def made(self, result: tuple[Any, Any]) -> None:
+        """Notes a batch ``_sample`` made, if ``sample()`` made it at once in this thread."""
+        if threading.get_ident() == self._handing_thread:
+            self._made = result
+
+    def hand_over(self, sample: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Runs torchrl's ``sample`` and emits ``post_sample`` for the batch it handed over."""
+        source = self.source
+        with self._handing:
+            queue = source.__dict__.get("_prefetch_queue")
+            head = queue[0] if queue else None
+            outer, self._handing_thread, self._made = self._handing_thread, threading.get_ident(), None
+            try:
+                out = sample(source, *args, **kwargs)
+                result = self._made if head is None else head.result()
+            finally:  # an observer that samples from its event nests here
+                self._handing_thread, self._made = outer, None
+            if result is not None:
+                self.emit("post_sample", result[0], result[1])
+        return out
+
+
+class ObservedPrefetchingReplayBuffer(ObservedReplayBuffer):
+    """Mixin of observed replay buffers that prefetch (``prefetch=N``): sampling emits at hand-over.
+
+    Writes, ``empty()``, ``shutdown()`` and ``stats()`` are
+    :class:`ObservedReplayBuffer`'s; see :class:`PrefetchingBufferObservers`
+    for ``sample()``.
+    """
+
+    def _sample(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        cls = type(self)
+        result = cls.__dict__.get("_rl_base", cls)._sample(self, *args, **kwargs)
+        observers = self.__dict__.get("_rl_observers")
+        if observers is not None:
+            observers.made(result)
+        return result
+
+    def sample(self, *args: Any, **kwargs: Any) -> Any:
+        cls = type(self)
+        sample = cls.__dict__.get("_rl_base", cls).sample
+        observers = self.__dict__.get("_rl_observers")
+        if observers is None:  # the last observer left while this call was bound
+            return sample(self, *args, **kwargs)
+        if torch.compiler.is_dynamo_compiling():
+            return _hand_over_outside_graph(observers, sample, args, kwargs)
+        return observers.hand_over(sample, args, kwargs)
+
+
+@torch.compiler.disable
+def _hand_over_outside_graph(
+    observers: PrefetchingBufferObservers, sample: Callable[..., Any], args: Any, kwargs: Any
+) -> Any:
+    return observers.hand_over(sample, args, kwargs)
