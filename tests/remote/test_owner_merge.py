@@ -140,8 +140,9 @@ def test_log_on_close_false_still_logs_the_rows_the_final_counters_make_due(
 ):
     logger = CSVLogger(exp_name="noclose", log_dir=str(tmp_path))
     channel = MetricsChannel(logger, health_interval=None)
-    # 150 frames per worker and batch: each worker reports at 1050 (its own interval), and
-    # sends what came after only when it shuts down
+    # 150 frames per worker and batch (300 per driver batch): the rows are the driver's, at the
+    # first batch reaching each threshold (1200, 2100, 3000); the copies send what came after the
+    # last one only when they shut down
     collector = pendulum_multisync("fork", frames_per_batch=300, total_frames=total_frames)
     observer = LoggerObserver(
         channel,
@@ -155,7 +156,7 @@ def test_log_on_close_false_still_logs_the_rows_the_final_counters_make_due(
     collector.shutdown()
     assert channel.close(timeout=60)
     steps = [step for step, _ in scalars(logger, "mp/frames")]
-    assert steps == [1050, 2100, last_step][: 3 if last_step > 2100 else 2]
+    assert steps == [1200, 2100, last_step][: 3 if last_step > 2100 else 2]
     assert scalars(logger, "mp/frames")[-1] == (last_step, float(last_step))
     if last_step == total_frames:  # every episode the driver received is in a row
         truth = episodes_per_worker(batches)
