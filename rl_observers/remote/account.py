@@ -68,7 +68,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from rl_observers.remote.window import Window
+from rl_observers.remote.window import Window, worker_key
 
 __all__ = ["Account"]
 
@@ -122,7 +122,7 @@ class Account:
         """
         with self._lock:
             for worker in workers:
-                key = (name, _hashable(worker))
+                key = (name, worker_key(worker))
                 if not any(k[0] == name and k[1] == key[1] for k in self._copies):
                     self._expected[key] = where
 
@@ -136,7 +136,7 @@ class Account:
         seq = window.seq
         if seq.__class__ is not int:
             return False
-        key = (window.observer, _hashable(window.worker), window.copy)
+        key = (window.observer, worker_key(window.worker), window.copy)
         with self._lock:
             copy = self._copies.get(key)
             if copy is None:
@@ -277,11 +277,3 @@ def _belongs(key: tuple[Any, ...], members: frozenset[tuple[Any, ...]] | None) -
     expected ``(name, worker)`` was a member.
     """
     return members is None or key in members or key[:2] in members
-
-
-def _hashable(value: Any) -> Any:
-    try:
-        hash(value)
-    except TypeError:
-        return repr(value)
-    return value

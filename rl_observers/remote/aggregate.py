@@ -51,7 +51,7 @@ from rl_observers.channel import register_router
 from rl_observers.channel.delivery import Row
 from rl_observers.channel.payload import coalesce, is_partial
 from rl_observers.remote.channel import MetricsChannel
-from rl_observers.remote.window import AggregateSpec, Window
+from rl_observers.remote.window import AggregateSpec, Window, worker_key
 from rl_observers.schedule import ScheduleClock
 from rl_observers.stats import LatestWindow
 
@@ -389,7 +389,7 @@ class Aggregate:
             return self.contribute(
                 window.worker, window.metrics, window.counters or {}, process=window.process, base=window.base
             )
-        self._staged.setdefault(_hashable(window.worker), deque()).append(window)
+        self._staged.setdefault(worker_key(window.worker), deque()).append(window)
         if window.due and window.cut > self._released:
             self._cuts_due.setdefault(window.cut, time.monotonic())
         return self.overdue(time.monotonic())
@@ -647,11 +647,3 @@ def finish_aggregate(channel: MetricsChannel, name: str) -> None:
     """
     channel._logging.receive(timeout=5.0)
     channel.submit_window(Window(name, {}, observer=name, finish=True))
-
-
-def _hashable(value: Any) -> Any:
-    try:
-        hash(value)
-    except TypeError:
-        return repr(value)
-    return value

@@ -35,7 +35,7 @@ from torchrl.record.loggers.monitoring import Every
 
 from rl_observers.channel.payload import Payload, coalesce
 
-__all__ = ["AggregateSpec", "Window"]
+__all__ = ["AggregateSpec", "Window", "worker_key"]
 
 
 class AggregateSpec:
@@ -332,3 +332,12 @@ def _window(
         cut=cut,
         due=due,
     )
+
+
+def worker_key(worker: Any) -> Any:
+    """``worker`` as a key of a mapping: itself, or its ``repr`` when it cannot be hashed."""
+    try:
+        hash(worker)
+    except TypeError:
+        return repr(worker)
+    return worker

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from rl_observers.channel.payload import Payload
-from rl_observers.remote.window import Window
+from rl_observers.remote.window import Window, worker_key
 
 #: The transport's name (``handle.transport``).
 NAME = "ray"
@@ -120,7 +120,7 @@ def premerge(messages: list[Message]) -> list[Message]:
     for message in messages:
         payload = message.payload
         if payload.__class__ is Window:
-            key = (payload.namespace, payload.observer, _hashable(payload.worker), payload.process)
+            key = (payload.namespace, payload.observer, worker_key(payload.worker), payload.process)
             at = open_runs.get(key)
             if not payload.final:
                 if at is not None and out[at].payload.joins(payload):
@@ -139,13 +139,6 @@ def premerge(messages: list[Message]) -> list[Message]:
         out.append(Message(payload, message.counts, message.held))
     return out
 
-
-def _hashable(value: Any) -> Any:
-    try:
-        hash(value)
-    except TypeError:
-        return repr(value)
-    return value
 
 
 def _cost(batch: list[Message]) -> tuple[int, int, int, int]:
