@@ -21,6 +21,7 @@ from rl_observers.channel import MetricsChannel, MetricsHandle
 from rl_observers.logging.attach import install_attach_logger as _install_attach_logger
 from rl_observers.logging.defaults import default_metrics, default_schedule
 from rl_observers.logging.observer import LoggerObserver
+from rl_observers.logging.training import TrainingMetrics
 from rl_observers.metrics import (
     CollectorBatchMetrics,
     CountTrue,
@@ -61,6 +62,8 @@ __all__ = [
     "OnError",
     "LoggerObserver",
     "ProfilerObserver",
+    # the training loop
+    "TrainingMetrics",
     # metric sets
     "CollectorBatchMetrics",
     "MetricSet",

@@ -94,3 +94,13 @@ def test_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     run_dir = load("wandb_offline").main(str(tmp_path), total_frames=2_000)
     assert list(pathlib.Path(run_dir).parent.glob("run-*.wandb"))
+
+
+@pytest.mark.timeout(120)
+def test_training_metrics(tmp_path):
+    rows = load("training_metrics").main(str(tmp_path), total_frames=2_000)
+    assert [step for step, _ in rows["train/loss"]] == [1_000, 2_000]
+    assert [step for step, _ in rows["collector/episode_return_mean"]] == [1_000, 2_000]
+    assert [value for _, value in rows["train/lr"]] == [1e-2, 1e-2 * 0.5]  # at the 5th and 10th step
+    for name in ("grad_norm", "td_error_mean", "td_error_std", "td_error_min", "td_error_max"):
+        assert len(rows[f"train/{name}"]) == 2, name
