@@ -20,6 +20,7 @@ from rl_observers import signals
 from rl_observers.channel import MetricsChannel, MetricsHandle
 from rl_observers.logging.attach import install_attach_logger as _install_attach_logger
 from rl_observers.logging.defaults import default_metrics, default_schedule
+from rl_observers.logging.histograms import draw_histograms
 from rl_observers.logging.observer import LoggerObserver
 from rl_observers.logging.training import TrainingMetrics
 from rl_observers.metrics import (
@@ -64,6 +65,8 @@ __all__ = [
     "ProfilerObserver",
     # the training loop
     "TrainingMetrics",
+    # distributions
+    "draw_histograms",
     # metric sets
     "CollectorBatchMetrics",
     "MetricSet",

@@ -104,3 +104,18 @@ def test_training_metrics(tmp_path):
     assert [value for _, value in rows["train/lr"]] == [1e-2, 1e-2 * 0.5]  # at the 5th and 10th step
     for name in ("grad_norm", "td_error_mean", "td_error_std", "td_error_min", "td_error_max"):
         assert len(rows[f"train/{name}"]) == 2, name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_histograms(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log_dir = load("histograms").main(str(tmp_path), total_frames=2_400)
+    accumulator = EventAccumulator(log_dir, size_guidance={"histograms": 0})
+    accumulator.Reload()
+    angles = accumulator.Histograms("collector/pole_angle")
+    returns = accumulator.Histograms("collector/episode_return")
+    assert [e.step for e in angles] and [e.step for e in returns]
+    counts = {e.step: e.value for e in accumulator.Scalars("collector/pole_angle_count")}
+    assert {e.step: sum(e.histogram_value.bucket) for e in angles} == counts

@@ -111,6 +111,9 @@ def register_router(key: str, factory: Callable[[], Router]) -> None:
 class Delivery:
     """Writes a queue's entries to a logger, with the channel's error policy and health.
 
+    ``drawer``, when set (``rl_observers.logging.histograms.draw_histograms``),
+    draws each row's distribution partials before the row is logged.
+
     Args:
         logger (Any): the sink (``log_metrics`` or ``log_scalar``).
         queue (PendingQueue): where entries come from.
@@ -127,6 +130,8 @@ class Delivery:
             ``health()``: the queue's and the end-to-end account's). Defaults
             to the queue's counters.
     """
+
+    drawer: Any = None
 
     def __init__(
         self,
@@ -287,6 +292,8 @@ class Delivery:
         if router is not None:
             rows = router.route(entry.namespace, entry.metrics, entry.step, entry.meta)
             return self._write_rows(rows, "failed to log namespace")
+        if self.drawer is not None:
+            self.drawer.draw(entry.namespace, entry.metrics, entry.step)
         payload = expand(entry.namespace, entry.metrics)
         if payload:
             self.write(payload, entry.step)
@@ -297,6 +304,8 @@ class Delivery:
         written = True
         for namespace, metrics, step in rows:
             try:
+                if self.drawer is not None:
+                    self.drawer.draw(namespace, metrics, step)
                 payload = expand(namespace, metrics)
                 if payload:
                     self.write(payload, step)
