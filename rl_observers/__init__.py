@@ -19,6 +19,7 @@ from torchrl.record.loggers.monitoring import Every
 from rl_observers import signals
 from rl_observers.channel import MetricsChannel, MetricsHandle
 from rl_observers.logging.attach import install_attach_logger as _install_attach_logger
+from rl_observers.logging.console import LiveConsole
 from rl_observers.logging.defaults import default_metrics, default_schedule
 from rl_observers.logging.histograms import draw_histograms
 from rl_observers.logging.observer import LoggerObserver
@@ -67,6 +68,8 @@ __all__ = [
     "TrainingMetrics",
     # distributions
     "draw_histograms",
+    # the console
+    "LiveConsole",
     # metric sets
     "CollectorBatchMetrics",
     "MetricSet",

@@ -119,3 +119,19 @@ def test_histograms(tmp_path):
     assert [e.step for e in angles] and [e.step for e in returns]
     counts = {e.step: e.value for e in accumulator.Scalars("collector/pole_angle_count")}
     assert {e.step: sum(e.histogram_value.bucket) for e in angles} == counts
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_live_console(tmp_path):
+    import io
+    import re
+
+    out = io.StringIO()
+    console = load("live_console").main(str(tmp_path), total_frames=4_000, file=out)
+    assert console.mode == "plain"  # not a terminal
+    text = out.getvalue()
+    assert not re.search(r"[\x00-\x09\x0b-\x1f\x7f]", text)
+    last = text.splitlines()[-1]
+    assert last.startswith("frames 4,000 | ") and "return " in last and "workers 2/2" in last
+    assert "samples/s" in last

@@ -111,8 +111,10 @@ def register_router(key: str, factory: Callable[[], Router]) -> None:
 class Delivery:
     """Writes a queue's entries to a logger, with the channel's error policy and health.
 
-    ``drawer``, when set (``rl_observers.logging.histograms.draw_histograms``),
-    draws each row's distribution partials before the row is logged.
+    ``watchers``: callables ``watch(namespace, metrics, payload, step)`` called
+    with each row (its partials and its logger names and values) after it is
+    logged, on the delivering thread (``rl_observers.logging.histograms``,
+    ``rl_observers.logging.console``).
 
     Args:
         logger (Any): the sink (``log_metrics`` or ``log_scalar``).
@@ -131,7 +133,7 @@ class Delivery:
             to the queue's counters.
     """
 
-    drawer: Any = None
+    watchers: tuple[Callable[[str, Any, dict[str, Any], int | None], None], ...] = ()
 
     def __init__(
         self,
@@ -292,11 +294,11 @@ class Delivery:
         if router is not None:
             rows = router.route(entry.namespace, entry.metrics, entry.step, entry.meta)
             return self._write_rows(rows, "failed to log namespace")
-        if self.drawer is not None:
-            self.drawer.draw(entry.namespace, entry.metrics, entry.step)
         payload = expand(entry.namespace, entry.metrics)
         if payload:
             self.write(payload, entry.step)
+        for watch in self.watchers:
+            watch(entry.namespace, entry.metrics, payload, entry.step)
         return True
 
     def _write_rows(self, rows: Iterable[Row], what: str) -> bool:
@@ -304,11 +306,11 @@ class Delivery:
         written = True
         for namespace, metrics, step in rows:
             try:
-                if self.drawer is not None:
-                    self.drawer.draw(namespace, metrics, step)
                 payload = expand(namespace, metrics)
                 if payload:
                     self.write(payload, step)
+                for watch in self.watchers:
+                    watch(namespace, metrics, payload, step)
             except Exception as err:
                 written = False
                 self.report(err, f"{what} {namespace!r}")

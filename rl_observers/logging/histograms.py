@@ -29,7 +29,7 @@ from rl_observers.channel import MetricsChannel
 from rl_observers.stats import BinCounts, QuantileSketch
 from rl_observers.stats.partials import SKETCH_EXPONENTS
 
-__all__ = ["HistogramDrawer", "draw_histograms", "histogram_of"]
+__all__ = ["HistogramDrawer", "add_watcher", "draw_histograms", "histogram_of"]
 
 #: The most bins drawn in W&B (its own limit).
 WANDB_MAX_BINS = 512
@@ -157,6 +157,10 @@ class HistogramDrawer:
         self.channel: MetricsChannel | None = None
         self.drawn = 0
 
+    def __call__(self, namespace: str, metrics: Mapping[str, Any], payload: Any, step: int | None) -> None:
+        """The channel's watcher: draws the row's distributions."""
+        self.draw(namespace, metrics, step)
+
     def draw(self, namespace: str, metrics: Mapping[str, Any], step: int | None) -> None:
         """Draws the row's distributions (nothing without a backend)."""
         if self.backend is None:
@@ -219,6 +223,25 @@ def _backend(logger: Any) -> str | None:
     return None
 
 
+def _delivery(channel: MetricsChannel, who: str) -> Any:
+    delivery = getattr(channel._state, "delivery", None)
+    if delivery is None:
+        raise ValueError(
+            f"{who}: {channel!r} delivers in another process; call it where the channel was created."
+        )
+    return delivery
+
+
+def add_watcher(channel: MetricsChannel, watch: Any) -> None:
+    """Calls ``watch(namespace, metrics, payload, step)`` with every row ``channel`` delivers.
+
+    On the delivering thread, after the row is logged (what it raises counts as a sink error); ``metrics`` holds the
+    row's partials, ``payload`` its logger names and values.
+    """
+    delivery = _delivery(channel, "add_watcher")
+    delivery.watchers = (*delivery.watchers, watch)
+
+
 def draw_histograms(target: Any, *, names: Iterable[str] | None = None) -> HistogramDrawer:
     """Opts in: the distributions logged through ``target`` are also drawn as histograms.
 
@@ -257,14 +280,9 @@ def draw_histograms(target: Any, *, names: Iterable[str] | None = None) -> Histo
         True
     """
     channel = target if isinstance(target, MetricsChannel) else MetricsChannel.for_logger(target)
-    delivery = getattr(channel._state, "delivery", None)
-    if delivery is None:
-        raise ValueError(
-            f"draw_histograms: {channel!r} delivers in another process; call it where the "
-            "channel was created."
-        )
+    _delivery(channel, "draw_histograms")
     drawer = HistogramDrawer(channel.logger, names=names)
     if drawer.backend is not None:
         drawer.channel = channel  # a logger's shared channel stays open with the opt-in
-        delivery.drawer = drawer
+        add_watcher(channel, drawer)
     return drawer
