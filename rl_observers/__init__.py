@@ -42,6 +42,7 @@ from rl_observers.metrics import (
     StatsProvider,
     Sum,
     Summary,
+    WorkerHealth,
     WriteMetrics,
 )
 from rl_observers.observer import ON_ERROR_POLICIES, Observer, ObserverHandle, OnError
@@ -75,6 +76,7 @@ __all__ = [
     "MetricSet",
     "SampleMetrics",
     "StatsProvider",
+    "WorkerHealth",
     "WriteMetrics",
     "default_metrics",
     # one-liners

@@ -135,3 +135,13 @@ def test_live_console(tmp_path):
     last = text.splitlines()[-1]
     assert last.startswith("frames 4,000 | ") and "return " in last and "workers 2/2" in last
     assert "samples/s" in last
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_worker_health(tmp_path):
+    rows = load("worker_health").main(str(tmp_path), total_frames=4_000)
+    for name in ("frames_per_second", "batches_per_second", "resident_memory_mb"):
+        for prefix in ("collector", "collector/worker_0", "collector/worker_1"):
+            assert rows[f"{prefix}/{name}"], (prefix, name)
+    assert all(v >= 0 for _, v in rows["collector/seconds_since_last_heard"])

@@ -51,6 +51,7 @@ from rl_observers.channel.delivery import Row
 from rl_observers.channel.meta import AGGREGATE, BASE, COUNTERS, FINISH, PROCESS, WORKER
 from rl_observers.channel.payload import coalesce, is_partial
 from rl_observers.logging.schedule import ScheduleClock
+from rl_observers.metrics.health import STALENESS
 from rl_observers.stats import LatestWindow
 
 __all__ = [
@@ -442,6 +443,8 @@ class Aggregate:
         gauges["workers"] = len(self._workers)
         gauges["workers_reporting"] = len(self._workers) - stale
         metrics = {**gauges, **self._window}
+        if STALENESS in metrics and self._seen:  # (WorkerHealth) measured here, where silence shows
+            metrics[STALENESS] = time.monotonic() - next(iter(self._seen.values())).last_seen
         # A partial that describes a state (the last N episodes) carries over to the next row.
         self._window = _rolling(self._window)
         self._fresh = False
