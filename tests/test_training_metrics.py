@@ -130,6 +130,26 @@ def test_a_logger_is_wrapped_in_its_shared_channel(tmp_path):
     assert scalars(logger, "train/loss") == [(2, 2.0)]
 
 
+def _train_in_child(handle) -> None:
+    with TrainingMetrics(handle, every=2) as train:
+        for step in range(1, 5):
+            train.record(step, loss=torch.tensor(float(step)))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_handle_records_from_another_process(tmp_path):
+    logger = CSVLogger(exp_name="child", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger)
+    child = mp.get_context("forkserver").Process(target=_train_in_child, args=(channel.handle(),))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    assert channel.flush(timeout=30)
+    channel.close()
+    assert scalars(logger, "train/loss") == [(2, 1.5), (4, 3.5)]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_no_host_device_sync_per_step_on_cuda(tmp_path):
     logger = CSVLogger(exp_name="cuda", log_dir=str(tmp_path))

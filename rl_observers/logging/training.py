@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rl_observers.channel import MetricsChannel
+from rl_observers.channel import MetricsChannel, MetricsHandle
 from rl_observers.channel.payload import coalesce
 from rl_observers.stats import Moments, Partial, ReducerBank, Scalar
 
@@ -70,10 +70,12 @@ class TrainingMetrics:
     ``<namespace>/rank_<r>`` through its own channel, with no collective.
 
     Args:
-        channel (MetricsChannel, Logger or None): where rows go; a torchrl
-            logger is wrapped in its shared channel
-            (:meth:`MetricsChannel.for_logger`). ``None`` only on ranks
-            other than 0 when ranks are merged.
+        channel (MetricsChannel, MetricsHandle, Logger or None): where rows
+            go; a torchrl logger is wrapped in its shared channel
+            (:meth:`MetricsChannel.for_logger`); a
+            :meth:`MetricsChannel.handle` sends from another process (call
+            :meth:`close` there before the process ends). ``None`` only on
+            ranks other than 0 when ranks are merged.
 
     Keyword Args:
         every (int, optional): the window, in units of the step axis.
@@ -127,7 +129,7 @@ class TrainingMetrics:
         if self.world > 1 and not self.merge_ranks:
             namespace = f"{namespace}/rank_{self.rank}" if namespace else f"rank_{self.rank}"
         self.namespace = namespace
-        if channel is not None and not isinstance(channel, MetricsChannel):
+        if channel is not None and not isinstance(channel, (MetricsChannel, MetricsHandle)):
             channel = MetricsChannel.for_logger(channel)
         if channel is None and not (self.merge_ranks and self.rank != 0):
             raise ValueError(
@@ -145,7 +147,7 @@ class TrainingMetrics:
         self._last_step: int | None = None
         self._pending: collections.deque[tuple[int, Any, dict[str, Partial]]] = collections.deque()
         self._closed = False
-        if channel is not None:
+        if isinstance(channel, MetricsChannel):  # (a handle's channel is closed elsewhere: close() this)
             ref = weakref.ref(self)
             channel._logging.add_close_callback(lambda: _close_if_alive(ref))
 
