@@ -6,8 +6,9 @@ next to the data log reward and episode statistics of the collector, the
 buffer's writes and the age of the data it samples, to CSV and TensorBoard
 under ``runs/``, with the 5th, 50th and 95th percentiles of the episode
 return, the episode length and the sample age (each within 1 % of the true
-quantile of the window). The console shows the logged numbers as training
-goes; the run ends with a table of every series and a plot read back from
+quantile of the window). The console shows one live line
+(:class:`rl_observers.LiveConsole`: frames, frames per second, the episode
+return, samples per second) as training goes; the run ends with a table of every series and a plot read back from
 the run's own CSV files (a run replaces the previous one's): the median
 episode return and sample age of each window, inside the band of their
 5th to 95th percentiles, and the episodes completed per window. Run
@@ -23,12 +24,11 @@ import csv
 import logging
 import pathlib
 import shutil
-import sys
 import time
 from collections.abc import Iterator
 
 import torch
-from dqn_cartpole import DQN, close, make_dqn, observe, train
+from dqn_cartpole import close, make_dqn, observe, train
 
 import rl_observers
 
@@ -53,39 +53,6 @@ def quiet_torchrl() -> Iterator[None]:
         yield
     finally:
         torchrl_logger.setLevel(level)
-
-
-class Progress:
-    """One console line, rewritten in place, with the numbers the observers logged last."""
-
-    def __init__(self, total_frames: int, latest: dict[str, float]) -> None:
-        self.total_frames = total_frames
-        self.latest = latest
-        self.start = time.monotonic()
-        self.in_place = sys.stdout.isatty()
-        self.printed_at = 0
-
-    def __call__(self, dqn: DQN, batch) -> None:
-        get = self.latest.get
-        line = (
-            f"{dqn.frames:>6}/{self.total_frames} frames {time.monotonic() - self.start:4.0f} s | "
-            f"episode return {get('collector/episode_return_p50', float('nan')):5.1f} "
-            f"(p5 {get('collector/episode_return_p5', float('nan')):5.1f}) | "
-            f"episodes {get('collector/episodes_total', 0):4.0f} | "
-            f"sample age {get('replay_buffer/sample_age_p50', float('nan')):5.0f} | "
-            f"eps {dqn.greedy.eps.item():.2f}"
-        )
-        if self.in_place:  # a line that wraps cannot be rewritten: cut it to the terminal's width
-            width = shutil.get_terminal_size().columns - 1
-            sys.stdout.write("\r" + line[:width].ljust(width))
-            sys.stdout.flush()
-        elif dqn.frames - self.printed_at >= 5_000 or dqn.frames >= self.total_frames:
-            print(line, flush=True)  # piped to a file: full lines, every 5,000 frames
-            self.printed_at = dqn.frames
-
-    def done(self) -> None:
-        if self.in_place:
-            print()
 
 
 def read_scalars(csv_dir: pathlib.Path) -> dict[str, list[tuple[float, float]]]:
@@ -146,12 +113,12 @@ def main(out_dir: str = "runs", total_frames: int = 50_000) -> dict[str, tuple[i
     with quiet_torchrl():
         dqn = make_dqn()
         observed = observe(dqn, out, quantiles=QUANTILES)
-        progress = Progress(total_frames, observed.fan_out.latest)
+        # One line, redrawn once a second from the channel's thread (plain lines in a log file).
+        rl_observers.LiveConsole(observed.channel, total_frames=total_frames)
         start = time.monotonic()
-        train(dqn, -(-total_frames // dqn.config.frames_per_batch), on_batch=progress)
+        train(dqn, -(-total_frames // dqn.config.frames_per_batch))
         close(dqn)
         observed.close(timeout=30)
-        progress.done()
     seconds = time.monotonic() - start
 
     scalars = read_scalars(out / "csv" / "dqn")

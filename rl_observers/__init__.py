@@ -18,8 +18,11 @@ from torchrl.record.loggers.monitoring import Every
 
 from rl_observers import signals
 from rl_observers.logging.attach import install_attach_logger as _install_attach_logger
+from rl_observers.logging.console import LiveConsole
 from rl_observers.logging.defaults import default_metrics, default_schedule
+from rl_observers.logging.histograms import draw_histograms
 from rl_observers.logging.observer import LoggerObserver
+from rl_observers.logging.training import TrainingMetrics
 from rl_observers.metrics import (
     CollectorBatchMetrics,
     CountTrue,
@@ -38,6 +41,7 @@ from rl_observers.metrics import (
     StatsProvider,
     Sum,
     Summary,
+    WorkerHealth,
     WriteMetrics,
 )
 from rl_observers.observer import ON_ERROR_POLICIES, Observer, ObserverHandle, OnError
@@ -61,11 +65,18 @@ __all__ = [
     "OnError",
     "LoggerObserver",
     "ProfilerObserver",
+    # the training loop
+    "TrainingMetrics",
+    # distributions
+    "draw_histograms",
+    # the console
+    "LiveConsole",
     # metric sets
     "CollectorBatchMetrics",
     "MetricSet",
     "SampleMetrics",
     "StatsProvider",
+    "WorkerHealth",
     "WriteMetrics",
     "default_metrics",
     # one-liners

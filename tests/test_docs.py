@@ -19,7 +19,7 @@ def test_docs_build_without_warnings(tmp_path):
     args = ["-W", "--keep-going", "-q", "-b", "html", "-d", str(tmp_path / "doctrees"), str(DOCS), str(out)]
     assert build.build_main(args) == 0, "sphinx reported warnings or errors (see the output above)"
     assert (out / "index.html").is_file()
-    for page in ("quickstart", "concepts", "migration", "distributed", "custom", "monitor", "performance", "faq", "torchrl_differences", "api"):
+    for page in ("quickstart", "concepts", "migration", "distributed", "custom", "monitor", "performance", "training", "histograms", "console", "health", "faq", "torchrl_differences", "api"):
         assert (out / f"{page}.html").is_file(), page
 
 

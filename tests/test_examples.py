@@ -94,3 +94,54 @@ def test_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     run_dir = load("wandb_offline").main(str(tmp_path), total_frames=2_000)
     assert list(pathlib.Path(run_dir).parent.glob("run-*.wandb"))
+
+
+@pytest.mark.timeout(120)
+def test_training_metrics(tmp_path):
+    rows = load("training_metrics").main(str(tmp_path), total_frames=2_000)
+    assert [step for step, _ in rows["train/loss"]] == [1_000, 2_000]
+    assert [step for step, _ in rows["collector/episode_return_mean"]] == [1_000, 2_000]
+    assert [value for _, value in rows["train/lr"]] == [1e-2, 1e-2 * 0.5]  # at the 5th and 10th step
+    for name in ("grad_norm", "td_error_mean", "td_error_std", "td_error_min", "td_error_max"):
+        assert len(rows[f"train/{name}"]) == 2, name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_histograms(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log_dir = load("histograms").main(str(tmp_path), total_frames=2_400)
+    accumulator = EventAccumulator(log_dir, size_guidance={"histograms": 0})
+    accumulator.Reload()
+    angles = accumulator.Histograms("collector/pole_angle")
+    returns = accumulator.Histograms("collector/episode_return")
+    assert [e.step for e in angles] and [e.step for e in returns]
+    counts = {e.step: e.value for e in accumulator.Scalars("collector/pole_angle_count")}
+    assert {e.step: sum(e.histogram_value.bucket) for e in angles} == counts
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_live_console(tmp_path):
+    import io
+    import re
+
+    out = io.StringIO()
+    console = load("live_console").main(str(tmp_path), total_frames=4_000, file=out)
+    assert console.mode == "plain"  # not a terminal
+    text = out.getvalue()
+    assert not re.search(r"[\x00-\x09\x0b-\x1f\x7f]", text)
+    last = text.splitlines()[-1]
+    assert last.startswith("frames 4,000 | ") and "return " in last and "workers 2/2" in last
+    assert "samples/s" in last
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_worker_health(tmp_path):
+    rows = load("worker_health").main(str(tmp_path), total_frames=4_000)
+    for name in ("frames_per_second", "batches_per_second", "resident_memory_mb"):
+        for prefix in ("collector", "collector/worker_0", "collector/worker_1"):
+            assert rows[f"{prefix}/{name}"], (prefix, name)
+    assert all(v >= 0 for _, v in rows["collector/seconds_since_last_heard"])

@@ -113,6 +113,11 @@ def register_router(kind: type[Payload], factory: Callable[[], Router]) -> None:
 class Delivery:
     """Writes a queue's entries to a logger, with the channel's error policy and health.
 
+    ``watchers``: callables ``watch(namespace, metrics, payload, step)`` called
+    with each row (its partials and its logger names and values) after it is
+    logged, on the delivering thread (``rl_observers.logging.histograms``,
+    ``rl_observers.logging.console``).
+
     Args:
         logger (Any): the sink (``log_metrics`` or ``log_scalar``).
         queue (PendingQueue): where entries come from.
@@ -129,6 +134,8 @@ class Delivery:
             ``health()``: the queue's and the end-to-end account's). Defaults
             to the queue's counters.
     """
+
+    watchers: tuple[Callable[[str, Any, dict[str, Any], int | None], None], ...] = ()
 
     def __init__(
         self,
@@ -286,6 +293,8 @@ class Delivery:
         metrics = expand(payload.namespace, payload.metrics)
         if metrics:
             self.write(metrics, payload.step)
+        for watch in self.watchers:
+            watch(payload.namespace, payload.metrics, metrics, payload.step)
         return True
 
     def _write_rows(self, rows: Iterable[Row], what: str) -> bool:
@@ -296,6 +305,8 @@ class Delivery:
                 payload = expand(namespace, metrics)
                 if payload:
                     self.write(payload, step)
+                for watch in self.watchers:
+                    watch(namespace, metrics, payload, step)
             except Exception as err:
                 written = False
                 self.report(err, f"{what} {namespace!r}")

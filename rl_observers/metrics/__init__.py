@@ -46,6 +46,7 @@ storage, writer and index helpers).
 
 from rl_observers.metrics.base import MetricSet
 from rl_observers.metrics.collector import CollectorBatchMetrics
+from rl_observers.metrics.health import WorkerHealth
 from rl_observers.metrics.histogram import Histogram
 from rl_observers.metrics.oneliners import (
     CountTrue,
@@ -83,5 +84,6 @@ __all__ = [
     "StatsProvider",
     "Sum",
     "Summary",
+    "WorkerHealth",
     "WriteMetrics",
 ]

@@ -44,6 +44,7 @@ reducer share that layout and the no-sync rules, so they are read together.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Sequence
@@ -71,6 +72,7 @@ __all__ = [
     "MomentsReducer",
     "QuantileReducer",
     "ReducerBank",
+    "WindowCopy",
 ]
 
 _R = TypeVar("_R", bound="_Reducer")
@@ -122,6 +124,10 @@ class _Reducer:
 
     def _flush(self) -> None:
         """Reduces folds still staged into the state (see :class:`MomentsReducer`)."""
+
+    def _window_partials(self) -> Any:
+        """A function of the copied state giving this window's partials (see :class:`WindowCopy`)."""
+        return self._partials
 
     def __getstate__(self) -> dict[str, Any]:
         self._flush()
@@ -262,13 +268,17 @@ class _MomentsTable(_Reducer):
         super().__setstate__(state)
         self._staged = 0  # flushed before pickling
 
-    def _partials(self, values: Sequence[float]) -> dict[str, Partial]:
+    def _window_partials(self) -> Any:
+        # The rows used by this window, fixed now: the window's reset zeroes ``_used``.
+        return functools.partial(self._partials, used=self._used)
+
+    def _partials(self, values: Sequence[float], used: int | None = None) -> dict[str, Partial]:
         out: dict[str, Partial] = {}
         channels = len(self.prefixes)
         spread = self._spread
         for k, (prefix, stats) in enumerate(zip(self.prefixes, self.stats_of)):
             n, total, m2, lo, hi = 0.0, 0.0, 0.0, math.inf, -math.inf
-            for i in range(self._used):
+            for i in range(self._used if used is None else used):
                 j = self._offset + 5 * (i * channels + k)
                 count = values[j]
                 if not count:
@@ -766,12 +776,86 @@ class ReducerBank:
         self.reset()
         return out
 
+    def copy_out(self) -> WindowCopy:
+        """Closes the window like :meth:`pull`, without waiting for the device.
+
+        The state is copied in one non-blocking transfer (into pinned host
+        memory, with a CUDA event recorded after it, when it lives on a GPU;
+        a plain copy on the CPU) and the window is reset on the device, in
+        stream order after the copy. :meth:`WindowCopy.ready` tells, without
+        waiting, whether the copy has landed; :meth:`WindowCopy.partials`
+        reads it (waiting only if it has not).
+
+        Examples:
+            >>> import torch
+            >>> from rl_observers.stats import ReducerBank
+            >>> bank = ReducerBank()
+            >>> loss = bank.moments("loss", stats=("count", "mean"))
+            >>> loss.fold(torch.tensor(2.0))
+            >>> loss.fold(torch.tensor(4.0))
+            >>> window = bank.copy_out()
+            >>> loss.fold(torch.tensor(10.0))  # the next window
+            >>> window.ready(), window.partials()["loss"].finalize()
+            (True, {'loss_count': 2.0, 'loss_mean': 3.0})
+        """
+        state = self._state
+        if state is None:
+            return WindowCopy(None, None, self.empty())
+        for reducer in self._reducers:
+            reducer._flush()
+        if state.device.type == "cuda":
+            host = torch.empty(state.shape, dtype=state.dtype, pin_memory=True)
+            host.copy_(state, non_blocking=True)
+            landed = torch.cuda.Event()
+            landed.record()
+        else:
+            host, landed = state.clone(), None
+        makers = [reducer._window_partials() for reducer in self._reducers]
+        self.reset()
+        return WindowCopy(host, landed, makers)
+
     def reset(self) -> None:
         """Drops the current window without reading it."""
         if self._state is not None:
             self._state.zero_()
         for reducer in self._reducers:
             reducer._reset()
+
+
+class WindowCopy:
+    """One window of a :class:`ReducerBank` on its way to the host (:meth:`ReducerBank.copy_out`).
+
+    Args:
+        host (torch.Tensor or None): the state copied to host memory (``None``:
+            nothing was folded, ``partials`` holds the empty partials).
+        landed (torch.cuda.Event or None): recorded after a non-blocking copy
+            from a GPU; ``None`` when the copy is already complete.
+        partials: the reducers' functions of the copied values, or the empty partials.
+    """
+
+    __slots__ = ("_host", "_landed", "_makers")
+
+    def __init__(self, host: torch.Tensor | None, landed: Any, makers: Any) -> None:
+        self._host = host
+        self._landed = landed
+        self._makers = makers
+
+    def ready(self) -> bool:
+        """Whether the copy has landed (never waits: ``cudaEventQuery``)."""
+        return self._landed is None or self._landed.query()
+
+    def partials(self) -> dict[str, Partial]:
+        """The window's partials; waits for the copy if it has not landed yet."""
+        if self._host is None:
+            return dict(self._makers)
+        if self._landed is not None:
+            self._landed.synchronize()
+            self._landed = None
+        values = self._host.tolist()
+        out: dict[str, Partial] = {}
+        for make in self._makers:
+            out.update(make(values))
+        return out
 
 
 # Resolutions up to this many mantissa bits count values by their raw bit pattern

@@ -1,0 +1,288 @@
+"""Distributions drawn in the logger's histogram view, from the exactly merged partials.
+
+Step of the flow: the channel's thread, at delivery. The distribution
+partials of a row (:class:`~rl_observers.stats.BinCounts` from
+:class:`~rl_observers.Histogram`, :class:`~rl_observers.stats.QuantileSketch`
+from :class:`~rl_observers.Quantiles` and the episode quantiles of
+:class:`~rl_observers.CollectorBatchMetrics`) are already merged across
+workers and windows when they reach the channel's thread; their bucket
+counts are handed to the backend's own pre-binned call, so what is drawn is
+the merged data's counts, not a re-binning of reconstructed values
+(torchrl's ``log_histogram`` takes raw values and re-bins them):
+
+* ``TensorboardLogger``: ``SummaryWriter.add_histogram_raw``;
+* ``WandbLogger``: ``wandb.Histogram(np_histogram=(counts, edges))`` (at most
+  512 bins: adjacent bins are joined, counts stay exact);
+* ``TrackioLogger``: ``trackio.Histogram(np_histogram=(counts, edges))``;
+* anything else (``CSVLogger``, ``MLFlowLogger``, a logger service or its
+  client, which only forwards ``log_metrics``): nothing drawn; the quantile
+  scalars are logged as always, and no error.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from rl_observers.remote import MetricsChannel
+from rl_observers.stats import BinCounts, QuantileSketch
+from rl_observers.stats.partials import SKETCH_EXPONENTS
+
+__all__ = ["HistogramDrawer", "add_watcher", "draw_histograms", "histogram_of"]
+
+#: The most bins drawn in W&B (its own limit).
+WANDB_MAX_BINS = 512
+
+
+def histogram_of(partial: Any) -> tuple[list[float], list[float]] | None:
+    """``(edges, counts)`` of a distribution partial (``len(edges) == len(counts) + 1``), or ``None``.
+
+    Bins are contiguous and ascending; gaps between the partial's buckets are
+    zero-count bins. A :class:`~rl_observers.stats.BinCounts` gives its bins;
+    values below its first edge (above its last) are drawn in a bin of the
+    first (last) bin's width just outside, when there are any. A
+    :class:`~rl_observers.stats.QuantileSketch` gives its logarithmic buckets
+    (the bounds of each), zeros in a bin of width ``2 * 2**-64`` around 0.
+    NaN and infinite values are not drawn (they are logged as counts).
+
+    Examples:
+        >>> from rl_observers.stats import BinCounts
+        >>> histogram_of(BinCounts.from_values("x", [0.5, 1.5, 1.7, 9.0], edges=[0, 1, 2]))
+        ([0.0, 1.0, 2.0, 3.0], [1.0, 2.0, 1.0])
+        >>> histogram_of(42.0) is None
+        True
+    """
+    if isinstance(partial, BinCounts):
+        return _bin_counts(partial)
+    if isinstance(partial, QuantileSketch):
+        return _sketch(partial)
+    return None
+
+
+def _bin_counts(partial: BinCounts) -> tuple[list[float], list[float]] | None:
+    edges, counts = list(partial.edges), list(partial.counts)
+    if len(edges) == 1:
+        low_width = high_width = 1.0
+    else:
+        low_width, high_width = edges[1] - edges[0], edges[-1] - edges[-2]
+    inner = counts[1:-1]
+    if counts[0]:
+        edges.insert(0, edges[0] - low_width)
+        inner.insert(0, counts[0])
+    if counts[-1]:
+        edges.append(edges[-1] + high_width)
+        inner.append(counts[-1])
+    if len(edges) < 2 or not any(inner):
+        return None
+    return edges, inner
+
+
+def _key_bounds(key: int, p: int) -> tuple[float, float]:
+    exponent, mantissa = divmod(key, 1 << p)
+    low = math.ldexp(1.0 + mantissa * 2.0**-p, exponent - 127)
+    high = math.ldexp(1.0 + (mantissa + 1) * 2.0**-p, exponent - 127)
+    return low, high
+
+
+def _sketch(sketch: QuantileSketch) -> tuple[list[float], list[float]] | None:
+    bins: list[tuple[float, float, float]] = []
+    for key in sorted(sketch.negative, reverse=True):  # the most negative first
+        low, high = _key_bounds(key, sketch.p)
+        bins.append((-high, -low, sketch.negative[key]))
+    if sketch.zero:
+        tiny = 2.0 ** SKETCH_EXPONENTS[0]
+        bins.append((-tiny, tiny, sketch.zero))
+    for key in sorted(sketch.positive):
+        low, high = _key_bounds(key, sketch.p)
+        bins.append((low, high, sketch.positive[key]))
+    if not bins:
+        return None
+    edges, counts = [bins[0][0]], []
+    for low, high, count in bins:
+        if low > edges[-1]:  # a gap: a bin with no values
+            edges.append(low)
+            counts.append(0.0)
+        edges.append(max(high, edges[-1]))
+        counts.append(count)
+    return edges, counts
+
+
+def coarsen(edges: list[float], counts: list[float], most: int) -> tuple[list[float], list[float]]:
+    """Joins adjacent bins so that at most ``most`` remain; counts stay exact.
+
+    Examples:
+        >>> coarsen([0, 1, 2, 3, 4], [1, 2, 3, 4], 2)
+        ([0, 2, 4], [3, 7])
+    """
+    if len(counts) <= most:
+        return edges, counts
+    step = -(-len(counts) // most)
+    new_edges = edges[::step]
+    if new_edges[-1] != edges[-1]:
+        new_edges.append(edges[-1])
+    new_counts = [sum(counts[i : i + step]) for i in range(0, len(counts), step)]
+    return new_edges, new_counts
+
+
+def _tag(namespace: str, key: str) -> str:
+    name = key[: -len("_quantiles")] if key.endswith("_quantiles") else key
+    return f"{namespace}/{name}" if namespace else name
+
+
+class HistogramDrawer:
+    """Draws the distribution partials of each delivered row with the logger's pre-binned call.
+
+    Made by :func:`draw_histograms`; its :meth:`draw` runs on the channel's
+    thread, before the row's scalars are logged.
+
+    Args:
+        logger: the channel's sink.
+
+    Keyword Args:
+        names (iterable of str, optional): the partials' keys to draw
+            (``"episode_return_quantiles"``, a :class:`~rl_observers.Histogram`'s
+            name). Defaults to ``None``: every distribution partial.
+
+    Attributes:
+        backend (str or None): ``"tensorboard"``, ``"wandb"``, ``"trackio"``,
+            or ``None`` when the logger has no histogram view this can fill
+            (the rows' quantile scalars are logged as always).
+    """
+
+    def __init__(self, logger: Any, *, names: Iterable[str] | None = None) -> None:
+        self.logger = logger
+        self.names = None if names is None else frozenset(names)
+        self.backend = _backend(logger)
+        self.channel: MetricsChannel | None = None
+        self.drawn = 0
+
+    def __call__(self, namespace: str, metrics: Mapping[str, Any], payload: Any, step: int | None) -> None:
+        """The channel's watcher: draws the row's distributions."""
+        self.draw(namespace, metrics, step)
+
+    def draw(self, namespace: str, metrics: Mapping[str, Any], step: int | None) -> None:
+        """Draws the row's distributions (nothing without a backend)."""
+        if self.backend is None:
+            return
+        names = self.names
+        for key, value in metrics.items():
+            if names is not None and key not in names:
+                continue
+            histogram = histogram_of(value)
+            if histogram is None:
+                continue
+            edges, counts = histogram
+            getattr(self, f"_{self.backend}")(_tag(namespace, key), edges, counts, step)
+            self.drawn += 1
+
+    def _tensorboard(self, tag: str, edges: list[float], counts: list[float], step: int | None) -> None:
+        mids = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
+        self.logger.experiment.add_histogram_raw(
+            tag,
+            min=edges[0],
+            max=edges[-1],
+            num=sum(counts),
+            sum=sum(c * m for c, m in zip(counts, mids)),
+            sum_squares=sum(c * m * m for c, m in zip(counts, mids)),
+            bucket_limits=edges[1:],
+            bucket_counts=counts,
+            global_step=step,
+        )
+
+    def _wandb(self, tag: str, edges: list[float], counts: list[float], step: int | None) -> None:
+        import numpy as np
+        import wandb
+
+        edges, counts = coarsen(edges, counts, WANDB_MAX_BINS)
+        histogram = wandb.Histogram(np_histogram=(np.asarray(counts), np.asarray(edges)))
+        self.logger.log_metrics({tag: histogram}, step=step)  # torchrl's own step handling
+
+    def _trackio(self, tag: str, edges: list[float], counts: list[float], step: int | None) -> None:
+        import numpy as np
+        import trackio
+
+        histogram = trackio.Histogram(np_histogram=(np.asarray(counts), np.asarray(edges)))
+        self.logger.log_metrics({tag: histogram}, step=step)
+
+
+def _backend(logger: Any) -> str | None:
+    for module, cls, backend in (
+        ("torchrl.record.loggers.tensorboard", "TensorboardLogger", "tensorboard"),
+        ("torchrl.record.loggers.wandb", "WandbLogger", "wandb"),
+        ("torchrl.record.loggers.trackio", "TrackioLogger", "trackio"),
+    ):
+        import importlib
+
+        try:
+            kind = getattr(importlib.import_module(module), cls)
+        except (ImportError, AttributeError):
+            continue
+        if isinstance(logger, kind):
+            return backend
+    return None
+
+
+def _delivery(channel: MetricsChannel, who: str) -> Any:
+    delivery = getattr(channel._state, "delivery", None)
+    if delivery is None:
+        raise ValueError(
+            f"{who}: {channel!r} delivers in another process; call it where the channel was created."
+        )
+    return delivery
+
+
+def add_watcher(channel: MetricsChannel, watch: Any) -> None:
+    """Calls ``watch(namespace, metrics, payload, step)`` with every row ``channel`` delivers.
+
+    On the delivering thread, after the row is logged (what it raises counts as a sink error); ``metrics`` holds the
+    row's partials, ``payload`` its logger names and values.
+    """
+    delivery = _delivery(channel, "add_watcher")
+    delivery.watchers = (*delivery.watchers, watch)
+
+
+def draw_histograms(target: Any, *, names: Iterable[str] | None = None) -> HistogramDrawer:
+    """Opts in: the distributions logged through ``target`` are also drawn as histograms.
+
+    Every row the channel delivers (after the merge across workers and
+    windows) has its distribution partials drawn with the backend's
+    pre-binned call (see :mod:`rl_observers.logging.histograms`); their
+    quantile scalars are logged as before. Loggers without a histogram view
+    this can fill (``CSVLogger``, ``MLFlowLogger``, a logger service) get the
+    quantile scalars only, and no error.
+
+    Args:
+        target (MetricsChannel or Logger): the channel (or the logger whose
+            shared channel, :meth:`MetricsChannel.for_logger`, to use; that
+            channel then stays open until it is closed or the interpreter
+            exits, rather than closing when nothing else references it).
+
+    Keyword Args:
+        names (iterable of str, optional): only these partial keys. Defaults
+            to every distribution partial.
+
+    Returns:
+        The :class:`HistogramDrawer` (its ``backend`` says what is drawn).
+
+    Raises:
+        ValueError: if ``target`` is a channel's copy in another process
+            (drawing happens where the channel delivers).
+
+    Examples:
+        >>> import tempfile, torch
+        >>> from torchrl.record import CSVLogger
+        >>> from rl_observers import MetricsChannel, draw_histograms
+        >>> channel = MetricsChannel(CSVLogger(exp_name="h", log_dir=tempfile.mkdtemp()), background=False)
+        >>> draw_histograms(channel).backend is None  # CSV: quantile scalars only
+        True
+        >>> channel.close()
+        True
+    """
+    channel = target if isinstance(target, MetricsChannel) else MetricsChannel.for_logger(target)
+    _delivery(channel, "draw_histograms")
+    drawer = HistogramDrawer(channel.logger, names=names)
+    if drawer.backend is not None:
+        drawer.channel = channel  # a logger's shared channel stays open with the opt-in
+        add_watcher(channel, drawer)
+    return drawer

@@ -1,0 +1,397 @@
+"""TrainingMetrics: values of the training loop (losses, gradient norms, learning rates) in one line.
+
+Step of the flow: the training loop is a source of its own. Its values are
+folded where they are (device tensors into one preallocated device tensor,
+host numbers on the host), reach the host once per window in one
+non-blocking copy, and are submitted to the same
+:class:`~rl_observers.MetricsChannel` as the collectors' and buffers'
+metrics, as the same mergeable partials, on a step axis the caller names.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from rl_observers.channel.payload import coalesce
+from rl_observers.remote import MetricsChannel, MetricsHandle
+from rl_observers.stats import Moments, Partial, ReducerBank, Scalar
+
+__all__ = ["TRAINING_RULES", "TrainingMetrics"]
+
+#: How :class:`TrainingMetrics` reduces a name over a window (and across ranks).
+TRAINING_RULES: tuple[str, ...] = ("mean", "sum", "min", "max", "latest", "summary")
+
+
+class TrainingMetrics:
+    """Records values from the training loop and logs them once per window, without a sync.
+
+    ``record(step, loss=loss, grad_norm=norm, lr=lr)`` folds each value at
+    once: a tensor stays on its device (detached and folded in place into
+    the window's preallocated ``float64`` state, no ``.item()``, no host
+    read), a Python or numpy number stays on the host (copying a learning
+    rate to the device would be a host-to-device transfer per step). When
+    ``step`` reaches the next multiple of ``every``, the window closes: the
+    device state is copied to the host in **one** non-blocking transfer and
+    reset in stream order, and the window's payload is submitted to the
+    channel as soon as the copy has landed (checked without waiting at the
+    next :meth:`record`, or waited for at :meth:`flush` / :meth:`close`).
+    On the CPU the same code runs (the copy is complete at once).
+
+    Each name is reduced over the window by its rule (``reduce=``),
+    with the partials the collectors' metrics use, so a row merges exactly
+    with others (across ranks, or coalesced in the channel):
+
+    * ``"mean"`` (default), ``"sum"``, ``"min"``, ``"max"``: one value,
+      logged as ``<namespace>/<name>`` (a tensor contributes each of its
+      entries, as with :class:`~rl_observers.Mean`);
+    * ``"summary"``: ``<name>_mean``, ``_std``, ``_min``, ``_max`` (exact moments);
+    * ``"latest"``: the last host number recorded (a learning rate, an
+      epsilon); a tensor is refused (keeping one would be a second transfer).
+
+    The step axis is the caller's: the optimisation step, or a collector's
+    ``frames``; a row is logged at the step that closed its window, and
+    each namespace keeps its own step in the channel.
+
+    **torch.distributed.** When a process group is initialised with more
+    than one rank and ``merge_ranks=True`` (the default), every rank must
+    record on the same steps and call :meth:`close`: at each window's close
+    the ranks' partials are gathered to rank 0 (``gather_object``, a
+    collective once per window, which waits for the window's copy) and
+    merged there exactly (the mean of all ranks' losses, not a mean of
+    means); only rank 0 submits, and only rank 0 needs a channel.
+    ``merge_ranks=False``: each rank logs under
+    ``<namespace>/rank_<r>`` through its own channel, with no collective.
+
+    Args:
+        channel (MetricsChannel, MetricsHandle, Logger or None): where rows
+            go; a torchrl logger is wrapped in its shared channel
+            (:meth:`MetricsChannel.for_logger`); a
+            :meth:`MetricsChannel.handle` sends from another process (call
+            :meth:`close` there before the process ends). ``None`` only on
+            ranks other than 0 when ranks are merged.
+
+    Keyword Args:
+        every (int, optional): the window, in units of the step axis.
+            Defaults to ``100``.
+        namespace (str, optional): the logged names' prefix. Defaults to ``"train"``.
+        reduce (Mapping[str, str], optional): a rule per name (see above);
+            names not listed use ``"mean"``. Defaults to ``None``.
+        merge_ranks (bool, optional): see above. Defaults to ``True``.
+
+    Examples:
+        >>> import tempfile, torch
+        >>> from torchrl.record import CSVLogger
+        >>> from rl_observers import MetricsChannel, TrainingMetrics
+        >>> logger = CSVLogger(exp_name="train", log_dir=tempfile.mkdtemp())
+        >>> channel = MetricsChannel(logger, background=False)
+        >>> train = TrainingMetrics(channel, every=2, reduce={"grad_norm": "max", "lr": "latest"})
+        >>> for step, loss in enumerate([4.0, 2.0, 1.0, 3.0], start=1):
+        ...     train.record(step, loss=torch.tensor(loss), grad_norm=torch.tensor(loss * 10), lr=1e-3 / step)
+        >>> channel.step()
+        2
+        >>> logger.experiment.scalars["train/loss"], logger.experiment.scalars["train/grad_norm"]
+        ([(2, 3.0), (4, 2.0)], [(2, 40.0), (4, 30.0)])
+        >>> logger.experiment.scalars["train/lr"]
+        [(2, 0.0005), (4, 0.00025)]
+        >>> train.close(); channel.close()
+        True
+    """
+
+    def __init__(
+        self,
+        channel: Any,
+        *,
+        every: int = 100,
+        namespace: str = "train",
+        reduce: Mapping[str, str] | None = None,
+        merge_ranks: bool = True,
+    ) -> None:
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"TrainingMetrics: every must be a positive int, got {every!r}.")
+        if not isinstance(namespace, str):
+            raise TypeError(f"TrainingMetrics: namespace must be a str, got {namespace!r}.")
+        self.rules = dict(reduce or {})
+        for name, rule in self.rules.items():
+            if rule not in TRAINING_RULES:
+                raise ValueError(
+                    f"TrainingMetrics: the rule of {name!r} must be one of {TRAINING_RULES}, got {rule!r}."
+                )
+        self.every = every
+        self.rank, self.world = _rank_and_world()
+        self.merge_ranks = bool(merge_ranks) and self.world > 1
+        if self.world > 1 and not self.merge_ranks:
+            namespace = f"{namespace}/rank_{self.rank}" if namespace else f"rank_{self.rank}"
+        self.namespace = namespace
+        if channel is not None and not isinstance(channel, (MetricsChannel, MetricsHandle)):
+            channel = MetricsChannel.for_logger(channel)
+        if channel is None and not (self.merge_ranks and self.rank != 0):
+            raise ValueError(
+                "TrainingMetrics: channel may be None only on ranks other than 0 when ranks are "
+                f"merged (this is rank {self.rank} of {self.world}); pass a MetricsChannel or a logger."
+            )
+        self.channel = channel
+        self._lock = threading.Lock()
+        self._bank = ReducerBank()
+        self._folds: dict[str, Any] = {}  # name -> the fold of its device reducer
+        self._host: dict[str, Any] = {}  # name -> the add of its host accumulator
+        self._accumulators: dict[str, _HostLatest | _HostValues] = {}
+        self._slots: list[_DeviceSlots] = []
+        self._due = every
+        self._last_step: int | None = None
+        self._pending: collections.deque[tuple[int, Any, dict[str, Partial]]] = collections.deque()
+        self._closed = False
+        if isinstance(channel, MetricsChannel):  # (a handle's channel is closed elsewhere: close() this)
+            ref = weakref.ref(self)
+            channel._logging.add_close_callback(lambda: _close_if_alive(ref))
+
+    # -- the hot path ------------------------------------------------------------------
+
+    def record(self, step: int, /, **values: Any) -> None:
+        """Folds ``values`` (name -> tensor or number) at ``step``; closes the window when due.
+
+        Never reads a device tensor on the host.
+
+        Args:
+            step (int): the position on the step axis (rising).
+            **values: a tensor (any shape, real dtype, any device) or a real number per name.
+        """
+        with self._lock:
+            if self._pending:
+                self._deliver(wait=False)
+            if self._closed:
+                raise RuntimeError(f"{self!r} is closed; record before close().")
+            for name, value in values.items():
+                if isinstance(value, torch.Tensor):
+                    fold = self._folds.get(name)
+                    if fold is None:
+                        fold = self._device_fold(name)
+                    fold(value)
+                else:
+                    add = self._host.get(name)
+                    if add is None:
+                        add = self._host_acc(name)
+                    add(value)
+            self._last_step = step
+            if step >= self._due:
+                self._close_window(step)
+
+    # -- windows -------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Closes the current window (if anything was recorded) and submits every window copied.
+
+        Waits for the device copies still in flight (once per window). Under
+        merged ranks this is a collective: call it on every rank.
+        """
+        with self._lock:
+            if self._last_step is not None and (self._host or self._has_device_folds()):
+                self._close_window(self._last_step)
+            self._deliver(wait=True)
+
+    def close(self) -> None:
+        """:meth:`flush`, then refuses further records. Idempotent."""
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
+
+    def __enter__(self) -> TrainingMetrics:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"TrainingMetrics(namespace={self.namespace!r}, every={self.every})"
+
+    # -- internals -------------------------------------------------------------------
+
+    def _rule(self, name: str) -> str:
+        return self.rules.get(name, "mean")
+
+    def _device_fold(self, name: str) -> Any:
+        rule = self._rule(name)
+        if rule == "latest":
+            raise TypeError(
+                f"TrainingMetrics: {name!r} has rule 'latest', which keeps host numbers only "
+                "(keeping the last tensor would need a transfer of its own); pass a float, or "
+                "use 'mean' or 'max'."
+            )
+        stats = ("mean", "std", "min", "max") if rule == "summary" else ("count", "mean", "min", "max")
+        slots = _DeviceSlots(self._bank.moments(name, stats=stats))
+        self._slots.append(slots)
+        fold = self._folds[name] = slots.fold
+        return fold
+
+    def _host_acc(self, name: str) -> Any:
+        rule = self._rule(name)
+        acc = _HostLatest(name) if rule == "latest" else _HostValues(name, rule)
+        self._accumulators[name] = acc
+        add = self._host[name] = acc.add
+        return add
+
+    def _has_device_folds(self) -> bool:
+        return bool(self._folds) and self._bank.device is not None
+
+    def _close_window(self, step: int) -> None:
+        for slots in self._slots:
+            slots.reduce()
+        copy = self._bank.copy_out()
+        host = self._host_partials()
+        self._pending.append((step, copy, host))
+        self._due = (step // self.every + 1) * self.every
+        if self.merge_ranks:  # the collective waits for this window's copy
+            self._deliver(wait=True)
+        else:
+            self._deliver(wait=False)
+
+    def _host_partials(self) -> dict[str, Partial]:
+        out: dict[str, Partial] = {}
+        for name, acc in self._accumulators.items():
+            partial = acc.take()
+            if partial is not None:
+                out[name] = partial
+        return out
+
+    def _payload(self, copy: Any, host: dict[str, Partial]) -> dict[str, Partial]:
+        payload: dict[str, Any] = {}
+        for name, partial in copy.partials().items():
+            rule = self._rule(name)
+            if not partial.count:
+                continue
+            if rule != "summary":
+                value = partial.sum if rule in ("mean", "sum") else getattr(partial, rule)
+                partial = Scalar(name, rule, value, count=partial.count)
+            payload[name] = partial
+        coalesce(payload, host)
+        return payload
+
+    def _deliver(self, *, wait: bool) -> None:
+        pending = self._pending
+        while pending:
+            step, copy, host = pending[0]
+            if not wait and not copy.ready():
+                return
+            pending.popleft()
+            payload = self._payload(copy, host)
+            if self.merge_ranks:
+                payload = _gather_at_rank_0(payload, self.rank, self.world)
+                if self.rank != 0:
+                    continue
+            if payload:
+                self.channel.submit_metrics(payload, step=step, namespace=self.namespace)
+
+
+class _DeviceSlots:
+    """One-element tensors of a name, copied into a preallocated device buffer, one copy each.
+
+    The buffer is reduced into the name's moments when it is full and when
+    the window closes, so a step costs one ``copy_`` on the device; larger
+    tensors are folded at once.
+    """
+
+    __slots__ = ("reducer", "buffer", "views", "used")
+    size = 256
+
+    def __init__(self, reducer: Any) -> None:
+        self.reducer = reducer
+        self.buffer: torch.Tensor | None = None
+        self.views: tuple[torch.Tensor, ...] = ()
+        self.used = 0
+
+    def fold(self, value: torch.Tensor) -> None:
+        if value.numel() != 1 or value.is_complex():
+            self.reducer.fold(value, staged=False)  # (the reducer refuses complex values)
+            return
+        if value.requires_grad:
+            value = value.detach()
+        used = self.used
+        if used == len(self.views):
+            if self.buffer is None or self.buffer.device != value.device:
+                self.reduce()
+                self.buffer = torch.empty(self.size, dtype=torch.float64, device=value.device)
+                self.views = self.buffer.unbind(0)
+            else:
+                self.reduce()
+            used = 0
+        self.views[used].copy_(value.reshape(()))
+        self.used = used + 1
+
+    def reduce(self) -> None:
+        used = self.used
+        if used:
+            self.used = 0
+            self.reducer.fold(self.buffer[:used], staged=used == self.size)  # type: ignore[index]
+
+
+class _HostLatest:
+    """The last host number of a name in the window."""
+
+    __slots__ = ("name", "value")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.value = math.nan
+
+    def add(self, value: Any) -> None:
+        self.value = float(value)
+
+    def take(self) -> Partial | None:
+        value, self.value = self.value, math.nan
+        return None if value != value else Scalar(self.name, "latest", value, stamp=0.0)
+
+
+class _HostValues:
+    """Host numbers of a name in the window (kept: a handful per window), reduced at its close."""
+
+    __slots__ = ("name", "rule", "values")
+
+    def __init__(self, name: str, rule: str) -> None:
+        self.name = name
+        self.rule = rule
+        self.values: list[float] = []
+
+    def add(self, value: Any) -> None:
+        self.values.append(float(value))
+
+    def take(self) -> Partial | None:
+        values, self.values = self.values, []
+        if not values:
+            return None
+        if self.rule == "summary":
+            return Moments.from_values(self.name, values, stats=("mean", "std", "min", "max"))
+        moments = Moments.from_values(self.name, values, stats=("count", "mean", "min", "max"))
+        value = moments.sum if self.rule in ("mean", "sum") else getattr(moments, self.rule)
+        return Scalar(self.name, self.rule, value, count=moments.count)
+
+
+def _close_if_alive(ref: Any) -> None:
+    recorder = ref()
+    if recorder is not None:
+        recorder.close()
+
+
+def _rank_and_world() -> tuple[int, int]:
+    distributed = torch.distributed
+    if distributed.is_available() and distributed.is_initialized():
+        return distributed.get_rank(), distributed.get_world_size()
+    return 0, 1
+
+
+def _gather_at_rank_0(payload: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """Every rank's payload merged exactly at rank 0 (``{}`` elsewhere); a collective."""
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    torch.distributed.gather_object(payload, gathered, dst=0)
+    if rank != 0:
+        return {}
+    merged: dict[str, Any] = {}
+    for part in gathered:  # type: ignore[union-attr]
+        coalesce(merged, part)
+    return merged

@@ -1,0 +1,130 @@
+"""WorkerHealth: throughput and health of the process a collector runs in, per worker.
+
+Step of the flow: **observer**, next to the data (in each worker). Per event
+it adds two host integers; the clock, ``/proc`` and the CUDA allocator are
+read once per window, at the pull.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from rl_observers.metrics.base import MetricSet
+from rl_observers.stats import Partial, PerSecond, Scalar
+
+__all__ = ["WorkerHealth"]
+
+#: The name the owner fills with the seconds since it last heard from the oldest worker.
+STALENESS = "seconds_since_last_heard"
+_MB = 1024.0 * 1024.0
+try:
+    _PAGE = os.sysconf("SC_PAGE_SIZE")
+except (AttributeError, ValueError, OSError):  # not a POSIX system
+    _PAGE = 4096
+
+
+def resident_memory_mb() -> float:
+    """This process's resident memory in MiB, from ``/proc/self/statm`` (NaN where there is none).
+
+    Examples:
+        >>> resident_memory_mb() > 0
+        True
+    """
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * _PAGE / _MB
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+class WorkerHealth(MetricSet):
+    """Frames and batches per second, resident and CUDA memory, and staleness, per worker.
+
+    Opt-in, next to the other sets: ``metrics=[CollectorBatchMetrics(),
+    WorkerHealth()]``, with ``scope="per_worker"`` or ``"both"`` to see
+    each worker. It logs, each declaring how workers merge:
+
+    * ``frames_per_second``, ``batches_per_second``: the window's frames
+      (``batch.numel()``, a host number) and batches over its wall-clock
+      span, read at the pull: no clock read per event. Merged as
+      :class:`~rl_observers.stats.PerSecond` (amounts add over the union of
+      the spans): the aggregate is the **sum** of the workers' rates;
+    * ``resident_memory_mb``: the process's resident memory (``/proc``),
+      merged by **max**;
+    * ``cuda_memory_allocated_mb``, ``cuda_memory_reserved_mb``: the CUDA
+      caching allocator's counters of the current device (no sync), when
+      the process has initialised CUDA; merged by **max**;
+    * ``seconds_since_last_heard``: measured at the channel's owner, where a
+      stuck worker is noticed by sending nothing: an aggregated row reports
+      the seconds since the owner last heard from the worker it heard from
+      longest ago (**max** over workers). A worker's own row, and a source
+      with no workers, is produced when it is heard: ``0``.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> import torch
+        >>> from rl_observers import WorkerHealth
+        >>> health = WorkerHealth()
+        >>> health.on_post_collect(None, TensorDict({"obs": torch.zeros(50, 3)}, [50]))
+        >>> health.on_post_collect(None, TensorDict({"obs": torch.zeros(50, 3)}, [50]))
+        >>> window = health.pull()
+        >>> window["frames_per_second"].amount, window["batches_per_second"].amount
+        (100.0, 2.0)
+        >>> window["resident_memory_mb"].finalize()["resident_memory_mb"] > 0
+        True
+    """
+
+    _lock_folds = False  # two host additions per event; the pull takes the lock
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._frames = 0
+        self._batches = 0
+        self._start = time.time()
+
+    def bind(self, source: Any) -> None:
+        """The first window starts when the set is attached (in the process that runs it)."""
+        self._start = time.time()
+
+    def on_post_collect(self, source: Any, batch: Any) -> None:
+        self._frames += batch.numel()
+        self._batches += 1
+
+    def pull(self) -> dict[str, float | Partial]:
+        with self._lock:
+            out: dict[str, float | Partial] = dict(super().pull())
+            end = time.time()  # the one clock read of the window
+            start, self._start = self._start, end
+            frames, self._frames = self._frames, 0
+            batches, self._batches = self._batches, 0
+            out["frames_per_second"] = PerSecond("frames_per_second", frames, start, end)
+            out["batches_per_second"] = PerSecond("batches_per_second", batches, start, end)
+            out["resident_memory_mb"] = Scalar("resident_memory_mb", "max", resident_memory_mb())
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                allocated = torch.cuda.memory_allocated() / _MB
+                reserved = torch.cuda.memory_reserved() / _MB
+                out["cuda_memory_allocated_mb"] = Scalar("cuda_memory_allocated_mb", "max", allocated)
+                out["cuda_memory_reserved_mb"] = Scalar("cuda_memory_reserved_mb", "max", reserved)
+            out[STALENESS] = Scalar(STALENESS, "max", 0.0)  # the owner fills in what it measures
+            return out
+
+    def metric_names(self) -> tuple[str, ...]:
+        return (
+            *super().metric_names(),
+            "frames_per_second",
+            "batches_per_second",
+            "resident_memory_mb",
+            "cuda_memory_allocated_mb",
+            "cuda_memory_reserved_mb",
+            STALENESS,
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        with self._lock:
+            super().load_state_dict(state_dict)
+            self._frames = self._batches = 0
+            self._start = time.time()

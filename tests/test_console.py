@@ -1,0 +1,129 @@
+"""LiveConsole: one line from the channel's thread, a tqdm bar in a terminal, plain lines elsewhere."""
+
+from __future__ import annotations
+
+import io
+import re
+import threading
+
+import pytest
+from torchrl.collectors import Collector, MultiSyncCollector
+from torchrl.data import LazyTensorStorage, ReplayBuffer
+from torchrl.envs.utils import RandomPolicy
+from torchrl.record import CSVLogger
+from torchrl.testing.mocking_classes import CountingEnv
+
+import rl_observers  # noqa: F401
+from rl_observers import CollectorBatchMetrics, Every, LiveConsole, LoggerObserver, MetricsChannel
+from tests.helpers import scalars
+
+CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f]")  # anything but "\n"
+
+
+class ThreadRecordingConsole(LiveConsole):
+    def __init__(self, *args, **kwargs):
+        self.threads = set()
+        super().__init__(*args, **kwargs)
+
+    def _read(self, namespace, payload):
+        self.threads.add(threading.current_thread().name)
+        super()._read(namespace, payload)
+
+
+def _env():
+    return CountingEnv(max_steps=6)
+
+
+def test_plain_lines_carry_the_logged_numbers_without_control_characters(tmp_path):
+    env = _env()
+    collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=50, total_frames=600)
+    logger = CSVLogger(exp_name="console", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger)
+    collector.add_observer(LoggerObserver(channel, schedule=Every.counter("frames", 200), metrics=CollectorBatchMetrics()))
+    out = io.StringIO()  # not a terminal: "auto" gives plain lines
+    console = ThreadRecordingConsole(channel, plain_interval=0.0, file=out)
+    assert console.mode == "plain"
+    try:
+        for _ in collector:
+            pass
+    finally:
+        collector.shutdown()
+    assert channel.close(timeout=30)
+    text = out.getvalue()
+    assert not CONTROL.search(text)
+    lines = text.splitlines()
+    assert len(lines) == 3  # one per row (plain_interval=0), each different
+    frames = [int(re.search(r"frames ([\d,]+)", line).group(1).replace(",", "")) for line in lines]
+    assert frames == [s for s, _ in scalars(logger, "collector/frames")] == [200, 400, 600]
+    returns = [float(re.search(r"return ([-\d.]+)", line).group(1)) for line in lines]
+    assert returns == [round(v, 2) for _, v in scalars(logger, "collector/episode_return_mean")]
+    assert all(" fps" in line for line in lines[1:])
+    assert "lost" not in text
+    assert console.threads == {"MetricsChannel[channel]"}  # never the collecting thread
+
+
+def test_the_bar_is_throttled_and_ends_on_the_last_numbers(tmp_path):
+    env = _env()
+    collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=50, total_frames=1_000)
+    logger = CSVLogger(exp_name="bar", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger)
+    collector.add_observer(LoggerObserver(channel, schedule=Every.counter("frames", 100), metrics=CollectorBatchMetrics()))
+    out = io.StringIO()
+    console = LiveConsole(channel, mode="bar", interval=3_600.0, total_frames=1_000, file=out)
+    try:
+        for _ in collector:
+            pass
+    finally:
+        collector.shutdown()
+    assert channel.close(timeout=30)
+    text = out.getvalue()
+    assert "\r" in text  # tqdm rewrites its line
+    # 10 rows, an hour between redraws: the bar's start, the first row and the close
+    assert text.count("frames/s") + text.count("frames [") <= 4
+    assert "1.00k/1.00k" in text.split("\r")[-1]
+    assert console.line().startswith("frames 1,000")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_workers_and_samples_per_second_from_a_multi_worker_run(tmp_path):
+    logger = CSVLogger(exp_name="workers", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger)
+    collector = MultiSyncCollector([_env, _env], RandomPolicy(_env().action_spec), frames_per_batch=100, total_frames=1_000)
+    collector.add_observer(LoggerObserver(channel, schedule=Every.counter("frames", 200), metrics=CollectorBatchMetrics()))
+    buffer = ReplayBuffer(storage=LazyTensorStorage(10_000), batch_size=16)
+    buffer.attach_logger(channel, schedule=Every.counter("sample_calls", 20))
+    out = io.StringIO()
+    LiveConsole(channel, mode="plain", plain_interval=0.0, file=out)
+    try:
+        for batch in collector:
+            buffer.extend(batch.reshape(-1))
+            for _ in range(10):
+                buffer.sample()
+    finally:
+        collector.shutdown()
+    assert channel.close(timeout=60)
+    lines = out.getvalue().splitlines()
+    assert not CONTROL.search(out.getvalue())
+    assert lines[-1].startswith("frames 1,000")
+    assert "workers 2/2" in lines[-1]
+    assert any("samples/s" in line for line in lines)
+
+
+def test_losses_show_up(tmp_path):
+    channel = MetricsChannel(CSVLogger(exp_name="lost", log_dir=str(tmp_path)), capacity=1, background=False)
+    out = io.StringIO()
+    console = LiveConsole(channel, mode="plain", plain_interval=0.0, file=out)
+    channel.submit_metrics({"frames": 10}, step=10, namespace="a")
+    channel.submit_metrics({"frames": 20}, step=20, namespace="b")  # the first entry is dropped
+    channel.step()
+    assert console.line() == "frames 20 | lost 1"
+    assert out.getvalue().splitlines()[-1] == "frames 20 | lost 1"
+    channel.close()
+
+
+def test_a_wrong_mode_is_refused(tmp_path):
+    channel = MetricsChannel(CSVLogger(exp_name="bad", log_dir=str(tmp_path)), background=False)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        LiveConsole(channel, mode="fancy")
+    channel.close()
