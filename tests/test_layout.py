@@ -524,6 +524,7 @@ CHANNEL_LOGGING_SIDE = frozenset(
     {
         "add_close_callback",
         "add_router",
+        "add_watcher",
         "copies_attached",
         "copies_expected",
         "copies_gone",

@@ -223,23 +223,13 @@ def _backend(logger: Any) -> str | None:
     return None
 
 
-def _delivery(channel: MetricsChannel, who: str) -> Any:
-    delivery = getattr(channel._state, "delivery", None)
-    if delivery is None:
-        raise ValueError(
-            f"{who}: {channel!r} delivers in another process; call it where the channel was created."
-        )
-    return delivery
-
-
 def add_watcher(channel: MetricsChannel, watch: Any) -> None:
     """Calls ``watch(namespace, metrics, payload, step)`` with every row ``channel`` delivers.
 
     On the delivering thread, after the row is logged (what it raises counts as a sink error); ``metrics`` holds the
     row's partials, ``payload`` its logger names and values.
     """
-    delivery = _delivery(channel, "add_watcher")
-    delivery.watchers = (*delivery.watchers, watch)
+    channel._logging.add_watcher(watch)
 
 
 def draw_histograms(target: Any, *, names: Iterable[str] | None = None) -> HistogramDrawer:
@@ -280,7 +270,6 @@ def draw_histograms(target: Any, *, names: Iterable[str] | None = None) -> Histo
         True
     """
     channel = target if isinstance(target, MetricsChannel) else MetricsChannel.for_logger(target)
-    _delivery(channel, "draw_histograms")
     drawer = HistogramDrawer(channel.logger, names=names)
     if drawer.backend is not None:
         drawer.channel = channel  # a logger's shared channel stays open with the opt-in

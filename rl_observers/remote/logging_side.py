@@ -63,6 +63,24 @@ class LoggingSide:
         if isinstance(state, Owner):
             state.delivery.add_router(kind, router)
 
+    def add_watcher(self, watch: Callable[..., Any]) -> None:
+        """Calls ``watch(namespace, metrics, logged, step)`` with every row the channel delivers.
+
+        On the channel's thread, after the row is logged (what it raises
+        counts as a sink error): ``metrics`` holds the row's partials,
+        ``logged`` its logger names and values.
+
+        Raises:
+            ValueError: in a process that does not own the channel (rows are delivered elsewhere).
+        """
+        state = self._state
+        if not isinstance(state, Owner):
+            raise ValueError(
+                f"MetricsChannel {state.name!r} delivers in another process; watch its rows where "
+                "the channel was created."
+            )
+        state.delivery.watchers = (*state.delivery.watchers, watch)
+
     def router(self, kind: type[Payload]) -> Router | None:
         """The router of the payloads of class ``kind`` (``None`` if none or not the owner)."""
         state = self._state
