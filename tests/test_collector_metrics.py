@@ -378,7 +378,7 @@ def test_async_batched_collector_episodes_per_env(reward_sum, metric_kwargs):
     assert_window(got, want)
     last = [ret for b in truth.episodes for ret, _ in b][-7:]
     assert payload["episode_window"].values("episode_return") == pytest.approx(last, rel=1e-5)
-    assert getattr(metrics, "_envs", None) in (None, 3)  # from the collector when running
+    assert metrics._interleaved_fold.envs in (None, 3)  # from the collector when running
 
 
 def test_interleaved_batches_carry_envs_absent_from_a_batch(shortcuts):
@@ -562,7 +562,7 @@ def test_a_ring_is_summed_early_once_an_episode_closed_in_it(shortcuts, monkeypa
     for start in range(0, len(batches), 13):
         for batch in batches[start : start + 13]:
             metrics.on_post_collect(None, batch)
-            ring = metrics._ring
+            ring = metrics._ring_fold.ring
             held.append((ring.used, ring.closed))
         assert_window(finalized(metrics.pull()), truth.window(start, start + 13))
     assert ring.closing_size == 2
@@ -751,7 +751,7 @@ def test_a_key_of_the_first_batch_missing_from_a_later_one(reward_sum, key, what
     for batch in batches[:2]:
         metrics.on_post_collect(None, batch)
     if not reward_sum:  # the later batch is not plain: the fast path hands it to the generic one
-        assert isinstance(metrics._ring.plain, episodes_module.PlainStage)
+        assert isinstance(metrics._ring_fold.ring.plain, episodes_module.PlainStage)
     counters = metrics.counters()
     with pytest.raises(MissingKeyError) as info:
         metrics.on_post_collect(None, later)
