@@ -378,7 +378,7 @@ def test_async_batched_collector_episodes_per_env(reward_sum, metric_kwargs):
     assert_window(got, want)
     last = [ret for b in truth.episodes for ret, _ in b][-7:]
     assert payload["episode_window"].values("episode_return") == pytest.approx(last, rel=1e-5)
-    assert getattr(metrics, "_envs", None) in (None, 3)  # from the collector when running
+    assert metrics._interleaved_fold.envs in (None, 3)  # from the collector when running
 
 
 def test_interleaved_batches_carry_envs_absent_from_a_batch(shortcuts):
@@ -562,7 +562,7 @@ def test_a_ring_is_summed_early_once_an_episode_closed_in_it(shortcuts, monkeypa
     for start in range(0, len(batches), 13):
         for batch in batches[start : start + 13]:
             metrics.on_post_collect(None, batch)
-            ring = metrics._ring
+            ring = metrics._ring_fold.ring
             held.append((ring.used, ring.closed))
         assert_window(finalized(metrics.pull()), truth.window(start, start + 13))
     assert ring.closing_size == 2
@@ -662,6 +662,37 @@ def test_resume_from_state_dict_neither_loses_nor_double_counts():
     assert_window(finalized(tail), truth.window(cut, len(batches)))
 
 
+def test_a_state_loaded_into_a_busy_set_replaces_what_it_folded(shortcuts):
+    # A set that folded other batches (some still staged in its ring, episodes in flight)
+    # and then loads a state goes on from the loaded episodes in flight alone: the staged
+    # batches go with the state they belonged to, and the ring path and the interleaved
+    # path both sum on from the loaded carry.
+    def interleave(rows):  # [3, 4] -> [12], the envs' steps interleaved
+        flat = [batch.transpose(0, 1).reshape(-1) for batch in rows]
+        for batch in flat:
+            batch["env_index"] = torch.arange(3).repeat(4)
+        return flat
+
+    rows = collect(make_env(batch_size=(3,)), 12, 360)
+    other = collect(make_env(batch_size=(3,), seed=5), 12, 84)
+    truth = Truth(rows)  # the interleaved batches hold the same episodes
+    cut = 11
+    for batches, busy_with in ((rows, other), (interleave(rows), interleave(other))):
+        first = CollectorBatchMetrics(step_count_key=None)
+        for batch in batches[:cut]:
+            first.on_post_collect(None, batch)
+        first.pull()
+        state = pickle.loads(pickle.dumps(first.state_dict()))
+        busy = CollectorBatchMetrics(step_count_key=None)
+        for batch in busy_with:
+            busy.on_post_collect(None, batch)
+        busy.load_state_dict(state)
+        for batch in batches[cut:]:
+            busy.on_post_collect(None, batch)
+        assert_window(finalized(busy.pull()), truth.window(cut, len(batches)))
+        assert busy.counters()["batches"] == len(batches)
+
+
 def test_pickled_set_continues_where_it_was():
     batches = collect(make_env(), 5, 100)
     truth = Truth(batches)
@@ -751,7 +782,7 @@ def test_a_key_of_the_first_batch_missing_from_a_later_one(reward_sum, key, what
     for batch in batches[:2]:
         metrics.on_post_collect(None, batch)
     if not reward_sum:  # the later batch is not plain: the fast path hands it to the generic one
-        assert isinstance(metrics._ring.plain, episodes_module.PlainStage)
+        assert isinstance(metrics._ring_fold.ring.plain, episodes_module.PlainStage)
     counters = metrics.counters()
     with pytest.raises(MissingKeyError) as info:
         metrics.on_post_collect(None, later)

@@ -1,9 +1,12 @@
-"""CollectorBatchMetrics and its fold paths, one module each.
+"""CollectorBatchMetrics and its fold paths, one module (and class) each.
 
 * :mod:`~rl_observers.metrics.collector.batch_metrics`: the set itself, which
   resolves a batch's keys and hands each batch to its fold path;
 * :mod:`~rl_observers.metrics.collector.plan`: the keys resolved at the first
   batch, layout helpers and the episodes in flight;
+* :mod:`~rl_observers.metrics.collector.reducers`: what a batch is folded
+  into (the set's reducers, counters and episode window), held by each fold
+  path;
 * :mod:`~rl_observers.metrics.collector.from_keys`: episodes read at closing
   steps from ``RewardSum`` / ``StepCounter`` entries;
 * :mod:`~rl_observers.metrics.collector.ring`: running episode sums of

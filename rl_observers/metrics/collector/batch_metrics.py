@@ -1,12 +1,16 @@
 """CollectorBatchMetrics: reward, done and episode metrics of collector batches.
 
 The class resolves a batch's keys once (:mod:`~rl_observers.metrics.collector.plan`),
-reads each batch's entries and hands the batch to its fold path:
-:mod:`~rl_observers.metrics.collector.from_keys` (episodes read at closing
-steps), :mod:`~rl_observers.metrics.collector.ring` (running sums of ``[*B, T]``
-batches, padded split trajectories included) or
-:mod:`~rl_observers.metrics.collector.interleaved` (``AsyncBatchedCollector``'s
-interleaved envs). The episode window is :mod:`~rl_observers.metrics.collector.window`.
+reads each batch's entries and hands the batch to its fold path, an object made
+with the set: :class:`~rl_observers.metrics.collector.from_keys.FromKeysFold`
+(episodes read at closing steps),
+:class:`~rl_observers.metrics.collector.ring.RingFold` (running sums of
+``[*B, T]`` batches, padded split trajectories included) or
+:class:`~rl_observers.metrics.collector.interleaved.InterleavedFold`
+(``AsyncBatchedCollector``'s interleaved envs). Each holds what it folds into
+(:class:`~rl_observers.metrics.collector.reducers.BatchReducers`); the ring and
+interleaved paths share the episodes in flight. The episode window is
+:mod:`~rl_observers.metrics.collector.window`.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from typing import Any
 import torch
 
 from rl_observers.metrics.base import MetricSet
-from rl_observers.metrics.collector.from_keys import fold_from_keys
-from rl_observers.metrics.collector.interleaved import fold_interleaved
+from rl_observers.metrics.collector.from_keys import FromKeysFold
+from rl_observers.metrics.collector.interleaved import InterleavedFold
 from rl_observers.metrics.collector.plan import (
     CollectorPlan,
     EpisodeCarry,
@@ -27,13 +31,8 @@ from rl_observers.metrics.collector.plan import (
     per_entry,
     resolve_plan,
 )
-from rl_observers.metrics.collector.ring import (
-    EpisodeRing,
-    flush_ring,
-    fold_into_ring,
-    fold_plain,
-    plain_stage,
-)
+from rl_observers.metrics.collector.reducers import BatchReducers
+from rl_observers.metrics.collector.ring import RingFold, plain_stage
 from rl_observers.metrics.collector.window import EpisodeWindow
 from rl_observers.metrics.keys import (
     FROM_SOURCE,
@@ -254,7 +253,6 @@ class CollectorBatchMetrics(MetricSet):
     """
 
     counter_names = ("frames", "batches", "episodes")
-    _transient = ("_ring", "_stacked")
     _lock_folds = False  # on_post_collect takes the lock itself
 
     def __init__(
@@ -305,8 +303,8 @@ class CollectorBatchMetrics(MetricSet):
                 f"{owner}: episode_return=True needs reward_key or episode_reward_key, "
                 f"got None for both."
             )
-        self._reward = self.moments("reward") if self.reward_key is not None else None
-        self._dones = self.count("dones") if self.done_key is not None else None
+        reward = self.moments("reward") if self.reward_key is not None else None
+        dones = self.count("dones") if self.done_key is not None else None
         self._episodes = self.count("episodes") if any(k is not None for k in closing) else None
         # Returns and lengths share their mask (the closing steps): folded together.
         specs = []
@@ -316,25 +314,14 @@ class CollectorBatchMetrics(MetricSet):
             specs.append(("episode_length", ("mean", "min", "max")))
         self._episode = self.moments_group(specs) if specs else None
         # Opt-in: a quantile sketch per episode quantity, folded where its moments are.
-        self._episode_quantiles: tuple[QuantileReducer, ...] = ()
+        sketches: tuple[QuantileReducer, ...] = ()
         if quantiles is not None:
             if not specs:
                 raise ValueError(
                     f"{owner}: quantiles needs episode_return=True or episode_length=True."
                 )
-            self._episode_quantiles = tuple(
-                self.quantiles(prefix, q=quantiles) for prefix, _ in specs
-            )
+            sketches = tuple(self.quantiles(prefix, q=quantiles) for prefix, _ in specs)
         self._plan: CollectorPlan | None = None
-        self._carry = EpisodeCarry()
-        self._ring: EpisodeRing | None = None
-        self._stacked: torch.Tensor | None = None
-        # Env indices of interleaved batches are below this (the source's env count, when
-        # bound to an AsyncBatchedCollector; else learnt from CPU batches).
-        self._envs: int | None = None
-        # Bound to a collector that resets its envs at each batch (reset_at_each_iter): an
-        # episode in flight at the end of a batch never goes on in the next one.
-        self._reset_each_batch = False
         self._window: EpisodeWindow | None = None
         if episode_window is not None:
             if (
@@ -351,7 +338,22 @@ class CollectorBatchMetrics(MetricSet):
                     f"{owner}: episode_window needs episode_return=True or episode_length=True."
                 )
             names = tuple(prefix for prefix, _ in specs)
-            self._window = EpisodeWindow(self._bank, episode_window, names, self._episode_quantiles)
+            self._window = EpisodeWindow(self._bank, episode_window, names, sketches)
+        # What a batch is folded into, and the fold paths, each holding what it uses of it.
+        reducers = BatchReducers(
+            self._counters,
+            reward=reward,
+            dones=dones,
+            episodes=self._episodes,
+            episode=self._episode,
+            quantiles=sketches,
+            window=self._window,
+        )
+        self._batch_reducers = reducers
+        self._carry = EpisodeCarry()  # the episodes in flight, of the ring or interleaved path
+        self._ring_fold = RingFold(reducers, self._carry)
+        self._interleaved_fold = InterleavedFold(reducers, self._carry, self._ring_fold, owner)
+        self._from_keys_fold = FromKeysFold(reducers)
 
     def __repr__(self) -> str:
         return (
@@ -373,12 +375,10 @@ class CollectorBatchMetrics(MetricSet):
         envs = getattr(source, "_num_envs", None)  # AsyncBatchedCollector: one env per index
         with self._lock:
             if isinstance(envs, int) and not isinstance(envs, bool) and envs > 0:
-                self._envs = max(envs, self._envs or 0)
-            reset = getattr(source, "reset_at_each_iter", False) is True
-            if reset != self._reset_each_batch:
-                flush_ring(self)
-                self._ring = None
-                self._reset_each_batch = reset
+                self._interleaved_fold.bind_envs(envs)
+            self._ring_fold.reset_at_each_batch(
+                getattr(source, "reset_at_each_iter", False) is True
+            )
         if not self._from_source:
             return
         found = keys_from_source(source)
@@ -395,21 +395,22 @@ class CollectorBatchMetrics(MetricSet):
         """Folds one collector batch (no host-device sync)."""
         with self._lock:
             plan = self._plan
-            ring = self._ring
+            ring_fold = self._ring_fold
+            ring = ring_fold.ring
             if ring is not None:
                 # A batch laid out as the ring's last ones: staged with what was resolved then.
                 stage = ring.plain
                 if stage and stage.plan is plan:  # type: ignore[union-attr]
                     values = stage.read(batch)  # type: ignore[union-attr]
                     if values is not None and values[0].is_cpu:
-                        fold_plain(self, ring, stage, values, batch.batch_size)  # type: ignore[arg-type]
+                        ring_fold.fold_plain(ring, stage, values, batch.batch_size)  # type: ignore[arg-type]
                         return
             if plan is None:
                 plan = self._plan = resolve_plan(self, batch)
             self._fold(plan, batch)
             if self._window is not None:
                 self._window.advance(batch.batch_size)
-            ring = self._ring
+            ring = ring_fold.ring
             if ring is not None and ring.plain is None and plan.running:
                 ring.plain = plain_stage(ring, plan, batch)
 
@@ -440,7 +441,7 @@ class CollectorBatchMetrics(MetricSet):
         reward = get(plan.reward) if plan.reward is not None else None
         if not plan.closing:
             if reward is not None:
-                self._fold_reward(reward, mask, batch_size)
+                self._batch_reducers.fold_reward(reward, mask, batch_size)
             if mask is None:
                 counts["frames"] += batch_size.numel()
             else:
@@ -470,51 +471,19 @@ class CollectorBatchMetrics(MetricSet):
                 value = value & episode_mask.view(value.shape)
             closing_flags.append(value)
         if plan.env_index is not None:
-            fold_interleaved(
-                self,
+            self._interleaved_fold.fold(
                 plan, read, get, rows, steps, closing_flags, mask, episode_mask, batch_size
             )
             return
         if plan.running:
-            fold_into_ring(
-                self,
+            self._ring_fold.fold(
                 plan, batch, read, get, rows, steps, closing_flags, mask, episode_mask
             )
             return
-        fold_from_keys(self, plan, get, rows, steps, closing_flags, reward, mask, batch_size)
-
-    def _count_frames_and_episodes(
-        self, n_closed: torch.Tensor, mask: torch.Tensor | None, batch_size: torch.Size
-    ) -> None:
-        counters = self._counters
-        if mask is None:
-            counters.values["frames"] += batch_size.numel()
-            counters.add_observed(("episodes",), n_closed)
-        else:
-            counters.add_observed(
-                ("frames", "episodes"), torch.stack((torch.count_nonzero(mask), n_closed))
-            )
-
-    def _fold_reward(
-        self, reward: torch.Tensor, mask: torch.Tensor | None, batch_size: torch.Size
-    ) -> None:
-        if mask is None:
-            self._reward.fold(reward)
-        else:
-            extra = (1,) * (reward.ndim - len(batch_size))
-            self._reward.fold(reward, mask.reshape(*batch_size, *extra))
+        self._from_keys_fold.fold(plan, get, rows, steps, closing_flags, reward, mask, batch_size)
 
     def _fold_staged(self) -> None:
-        flush_ring(self)
-
-    def _fold_episode_quantiles(
-        self, values: torch.Tensor, closing: torch.Tensor | None
-    ) -> None:
-        """Folds ``values[k]`` at the closing steps (all, when ``None``) into the ``k``-th sketch."""
-        if not self._episode_quantiles:  # (iterating over values would unbind them)
-            return
-        for reducer, quantity in zip(self._episode_quantiles, values):
-            reducer.fold(quantity, None if closing is None else closing.view(quantity.shape))
+        self._ring_fold.flush()
 
     # -- host side ------------------------------------------------------------------
 
@@ -551,9 +520,7 @@ class CollectorBatchMetrics(MetricSet):
         """Cumulative counters and the per-env episodes in flight."""
         with self._lock:
             state = super().state_dict()
-            neg, traj = self._carry.neg, self._carry.traj
-            state["carry"] = None if neg is None else neg.neg().T.contiguous()
-            state["carry_traj_ids"] = None if traj is None else traj.clone()
+            state.update(self._carry.state_dict())
             if self._window is not None:
                 state["episode_window"] = self._window.state()
             return state
@@ -561,18 +528,9 @@ class CollectorBatchMetrics(MetricSet):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores counters and episodes in flight (the window starts empty)."""
         with self._lock:
-            carry = state_dict["carry"]
-            if carry is not None and (carry.ndim != 2 or carry.shape[-1] != 2):
-                raise ValueError(
-                    f"{type(self).__name__}.load_state_dict expects a carry of shape [envs, 2], "
-                    f"got {list(carry.shape)}."
-                )
+            carry = EpisodeCarry.from_state_dict(state_dict, type(self).__name__)
             super().load_state_dict(state_dict)
-            self._ring = None  # batches not summed yet belong to the replaced state
-            traj = state_dict.get("carry_traj_ids")
-            self._carry = EpisodeCarry(
-                None if carry is None else carry.to(torch.float64).T.neg(),
-                None if traj is None else traj.clone(),
-            )
+            self._ring_fold.discard()  # batches not summed yet belong to the replaced state
+            self._carry.restore(carry)
             if self._window is not None:
                 self._window.load(state_dict.get("episode_window"), type(self).__name__)

@@ -13,44 +13,65 @@ from typing import Any
 import torch
 
 from rl_observers.metrics.collector.plan import CollectorPlan
+from rl_observers.metrics.collector.reducers import BatchReducers
 
 # Implementation of CollectorBatchMetrics: nothing public here (see docs/api.rst).
 __all__: list[str] = []
 
 
-def fold_from_keys(
-    metrics: Any,
-    plan: CollectorPlan,
-    get: Any,
-    rows: int,
-    steps: int,
-    closing_flags: list[torch.Tensor],
-    reward: torch.Tensor | None,
-    mask: torch.Tensor | None,
-    batch_size: torch.Size,
-) -> None:
-    """Folds a batch whose episode quantities are read at its closing steps (no carry)."""
-    if reward is not None:
-        metrics._fold_reward(reward, mask, batch_size)
-    closing = closing_flags[0]
-    for key, value in zip(plan.closing, closing_flags):
-        if key == plan.done:
-            metrics._dones.fold_true(value)
-        if value is not closing:
-            closing = closing | value
-    n_closed = torch.count_nonzero(closing)
-    metrics._count_frames_and_episodes(n_closed, mask, batch_size)
-    metrics._episodes.add(n_closed)
-    if metrics._episode is not None:
-        # Read at the closing steps, stacked straight into float64 (exact step counts
-        # whatever the reward's dtype).
-        sources = plan.episode_sources
-        values = metrics._stacked
-        shape = (len(sources), rows, steps)
-        if values is None or values.shape != shape or values.device != closing.device:
-            values = metrics._stacked = closing.new_empty(shape, dtype=torch.float64)
-        torch.stack([get(key).reshape(rows, steps) for _, key in sources], out=values)
-        metrics._episode.fold(values, closing)
-        metrics._fold_episode_quantiles(values, closing)
-        if metrics._window is not None:
-            metrics._window.fold(values, closing)
+class FromKeysFold:
+    """The fold path of batches whose episode quantities are read at their closing steps.
+
+    Holds the :class:`~rl_observers.metrics.collector.reducers.BatchReducers`
+    a batch is folded into and ``stacked``, the ``[K, rows, steps]`` float64
+    buffer the quantities are read into (remade for another shape or device,
+    never pickled).
+    """
+
+    __slots__ = ("reducers", "stacked")
+
+    def __init__(self, reducers: BatchReducers) -> None:
+        self.reducers = reducers
+        self.stacked: torch.Tensor | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"reducers": self.reducers, "stacked": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.reducers = state["reducers"]
+        self.stacked = state["stacked"]
+
+    def fold(
+        self,
+        plan: CollectorPlan,
+        get: Any,
+        rows: int,
+        steps: int,
+        closing_flags: list[torch.Tensor],
+        reward: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        batch_size: torch.Size,
+    ) -> None:
+        """Folds a batch whose episode quantities are read at its closing steps (no carry)."""
+        reducers = self.reducers
+        if reward is not None:
+            reducers.fold_reward(reward, mask, batch_size)
+        closing = closing_flags[0]
+        for key, value in zip(plan.closing, closing_flags):
+            if key == plan.done:
+                reducers.dones.fold_true(value)  # type: ignore[union-attr]
+            if value is not closing:
+                closing = closing | value
+        n_closed = torch.count_nonzero(closing)
+        reducers.count_frames_and_episodes(n_closed, mask, batch_size)
+        reducers.episodes.add(n_closed)  # type: ignore[union-attr]
+        if reducers.episode is not None:
+            # Read at the closing steps, stacked straight into float64 (exact step counts
+            # whatever the reward's dtype).
+            sources = plan.episode_sources
+            values = self.stacked
+            shape = (len(sources), rows, steps)
+            if values is None or values.shape != shape or values.device != closing.device:
+                values = self.stacked = closing.new_empty(shape, dtype=torch.float64)
+            torch.stack([get(key).reshape(rows, steps) for _, key in sources], out=values)
+            reducers.fold_episodes(values, closing)

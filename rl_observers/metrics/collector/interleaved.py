@@ -2,7 +2,7 @@
 
 ``AsyncBatchedCollector`` yields flat ``[N]`` batches whose steps come from
 several envs (``env_index``), each env's in time order.
-:func:`fold_interleaved` folds such a batch on its own: :func:`close_interleaved`
+:class:`InterleavedFold` folds such a batch on its own: :func:`close_interleaved`
 sorts its steps by env and sums them with each env's episode in flight.
 """
 
@@ -14,75 +14,101 @@ from typing import Any
 import torch
 
 from rl_observers.metrics.collector.plan import CollectorPlan, EpisodeCarry
-from rl_observers.metrics.collector.ring import flush_ring
+from rl_observers.metrics.collector.reducers import BatchReducers
+from rl_observers.metrics.collector.ring import RingFold
 
 # Implementation of CollectorBatchMetrics: nothing public here (see docs/api.rst).
 __all__: list[str] = []
 
 
-def fold_interleaved(
-    metrics: Any,
-    plan: CollectorPlan,
-    read: dict[Any, torch.Tensor],
-    get: Any,
-    rows: int,
-    steps: int,
-    closing_flags: list[torch.Tensor],
-    mask: torch.Tensor | None,
-    episode_mask: torch.Tensor | None,
-    batch_size: torch.Size,
-) -> None:
-    """Folds a batch of interleaved env steps (``env_index``), carried per env index.
+class InterleavedFold:
+    """The fold path of interleaved batches: each folded on its own, carried per env index.
 
-    Each batch is summed on its own
-    (:func:`close_interleaved`): its episodes
-    are folded at once.
+    Holds the :class:`~rl_observers.metrics.collector.reducers.BatchReducers`
+    its episodes are folded into, the episodes in flight (one per entry row
+    and env index, see :func:`close_interleaved`), the ring path whose staged
+    batches are summed before a batch of this layout, and ``envs``: env
+    indices are below it (the bound source's env count, else learnt from CPU
+    batches), ``None`` until known. ``owner`` names the set in errors.
     """
-    flush_ring(metrics)  # batches of another layout in the ring are summed first
-    metrics._ring = None
-    env = read[plan.env_index]
-    if env.numel() != batch_size.numel():
-        raise ValueError(
-            f"{type(metrics).__name__}: env_index_key {plan.env_index!r} must hold one env "
-            f"index per step, got shape {list(env.shape)} for batch_size "
-            f"{list(batch_size)}."
+
+    __slots__ = ("reducers", "carry", "ring_fold", "owner", "envs")
+
+    def __init__(
+        self, reducers: BatchReducers, carry: EpisodeCarry, ring_fold: RingFold, owner: str
+    ) -> None:
+        self.reducers = reducers
+        self.carry = carry
+        self.ring_fold = ring_fold
+        self.owner = owner
+        self.envs: int | None = None
+
+    def bind_envs(self, envs: int) -> None:
+        """The source has ``envs`` envs (``AsyncBatchedCollector``): indices are below it."""
+        self.envs = max(envs, self.envs or 0)
+
+    def fold(
+        self,
+        plan: CollectorPlan,
+        read: dict[Any, torch.Tensor],
+        get: Any,
+        rows: int,
+        steps: int,
+        closing_flags: list[torch.Tensor],
+        mask: torch.Tensor | None,
+        episode_mask: torch.Tensor | None,
+        batch_size: torch.Size,
+    ) -> None:
+        """Folds a batch of interleaved env steps (``env_index``), carried per env index.
+
+        Each batch is summed on its own
+        (:func:`close_interleaved`): its episodes
+        are folded at once.
+        """
+        ring_fold = self.ring_fold
+        ring_fold.flush()  # batches of another layout in the ring are summed first
+        ring_fold.discard()
+        env = read[plan.env_index]
+        if env.numel() != batch_size.numel():
+            raise ValueError(
+                f"{self.owner}: env_index_key {plan.env_index!r} must hold one env "
+                f"index per step, got shape {list(env.shape)} for batch_size "
+                f"{list(batch_size)}."
+            )
+        envs = self.envs
+        if env.is_cpu and env.numel():
+            # Read on the host at no device cost: the table grows to every index seen.
+            envs = self.envs = max(envs or 0, int(env.max()) + 1)
+        elif envs is None:
+            raise ValueError(
+                f"{self.owner}: batches of interleaved env steps ({plan.env_index!r}) "
+                f"off the CPU need the number of envs, known when the set is bound to its "
+                f"AsyncBatchedCollector (attach it with add_observer). Otherwise add RewardSum() "
+                f"and StepCounter() transforms to the env, so that episodes are read from "
+                f"('next', 'episode_reward') and ('next', 'step_count')."
+            )
+        closing_flags = [value.reshape(rows, steps) for value in closing_flags]
+        closing = closing_flags[0]
+        for value in closing_flags[1:]:
+            closing = closing | value
+        reducers = self.reducers
+        if plan.reward is not None:
+            reducers.fold_reward(read[plan.reward], mask, batch_size)
+        if plan.done is not None and plan.closing != (plan.done,):
+            reducers.dones.fold_true(closing_flags[plan.closing.index(plan.done)])  # type: ignore[union-attr]
+        sources = plan.episode_sources
+        reward = None
+        if any(row == 0 and key is None for row, key in sources):
+            reward = get(plan.reward).reshape(rows, steps)
+        from_keys = [(row, get(key).reshape(rows, steps)) for row, key in sources if key]
+        values = close_interleaved(
+            self.carry, env, closing, reward, episode_mask, max(envs or 0, 1), from_keys
         )
-    envs = metrics._envs
-    if env.is_cpu and env.numel():
-        # Read on the host at no device cost: the table grows to every index seen.
-        envs = metrics._envs = max(envs or 0, int(env.max()) + 1)
-    elif envs is None:
-        raise ValueError(
-            f"{type(metrics).__name__}: batches of interleaved env steps ({plan.env_index!r}) "
-            f"off the CPU need the number of envs, known when the set is bound to its "
-            f"AsyncBatchedCollector (attach it with add_observer). Otherwise add RewardSum() "
-            f"and StepCounter() transforms to the env, so that episodes are read from "
-            f"('next', 'episode_reward') and ('next', 'step_count')."
-        )
-    closing_flags = [value.reshape(rows, steps) for value in closing_flags]
-    closing = closing_flags[0]
-    for value in closing_flags[1:]:
-        closing = closing | value
-    if plan.reward is not None:
-        metrics._fold_reward(read[plan.reward], mask, batch_size)
-    if plan.done is not None and plan.closing != (plan.done,):
-        metrics._dones.fold_true(closing_flags[plan.closing.index(plan.done)])  # type: ignore[union-attr]
-    sources = plan.episode_sources
-    reward = None
-    if any(row == 0 and key is None for row, key in sources):
-        reward = get(plan.reward).reshape(rows, steps)
-    from_keys = [(row, get(key).reshape(rows, steps)) for row, key in sources if key]
-    values = close_interleaved(
-        metrics._carry, env, closing, reward, episode_mask, max(envs or 0, 1), from_keys
-    )
-    metrics._count_frames_and_episodes(torch.count_nonzero(closing), mask, batch_size)
-    if len(sources) == 1:
-        row = sources[0][0]
-        values = values[row : row + 1]
-    metrics._episode.fold(values, closing)  # type: ignore[union-attr]
-    metrics._fold_episode_quantiles(values, closing)
-    if metrics._window is not None:
-        metrics._window.fold(values, closing)
+        reducers.count_frames_and_episodes(torch.count_nonzero(closing), mask, batch_size)
+        if len(sources) == 1:
+            row = sources[0][0]
+            values = values[row : row + 1]
+        reducers.fold_episodes(values, closing)
 
 
 def close_interleaved(

@@ -129,6 +129,38 @@ class EpisodeCarry:
         self.neg = neg
         self.traj = traj
 
+    def clear(self) -> None:
+        """Drops the episodes in flight (the envs were reset)."""
+        self.neg = None
+        self.traj = None
+
+    def state_dict(self) -> dict[str, torch.Tensor | None]:
+        """``carry``: the ``[rows, 2]`` (return, length) in flight; ``carry_traj_ids``: their ids."""
+        neg, traj = self.neg, self.traj
+        return {
+            "carry": None if neg is None else neg.neg().T.contiguous(),
+            "carry_traj_ids": None if traj is None else traj.clone(),
+        }
+
+    @classmethod
+    def from_state_dict(cls, state_dict: dict[str, Any], owner: str) -> EpisodeCarry:
+        """The carry :meth:`state_dict` saved in ``state_dict`` (checked; nothing is changed)."""
+        carry = state_dict["carry"]
+        if carry is not None and (carry.ndim != 2 or carry.shape[-1] != 2):
+            raise ValueError(
+                f"{owner}.load_state_dict expects a carry of shape [envs, 2], "
+                f"got {list(carry.shape)}."
+            )
+        traj = state_dict.get("carry_traj_ids")
+        return cls(
+            None if carry is None else carry.to(torch.float64).T.neg(),
+            None if traj is None else traj.clone(),
+        )
+
+    def restore(self, other: EpisodeCarry) -> None:
+        """Takes the episodes in flight of ``other`` (in place: the fold paths hold this one)."""
+        self.neg = other.neg
+        self.traj = other.traj
 
 
 def resolve_plan(metrics: Any, batch: Any) -> CollectorPlan:

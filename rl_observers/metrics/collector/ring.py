@@ -3,20 +3,22 @@
 Without ``RewardSum`` / ``StepCounter`` entries, an episode's return and length
 are running sums over the steps of its env, carried across batches
 (:class:`~rl_observers.metrics.collector.plan.EpisodeCarry`).
-:func:`fold_into_ring` copies each batch into an :class:`EpisodeRing`
-(:func:`fold_plain`, with the views of a :class:`PlainStage` made once, for
-plain CPU batches); :func:`flush_ring` sums the staged batches as one
-timeline per env (:func:`close_episodes`; on the CPU, the episodes are read
-at their closing steps alone, :func:`_closed_on_host`) and folds what closed. Padded
-batches of split trajectories are summed one at a time, their carries matched
-by trajectory id (:mod:`~rl_observers.metrics.collector.split_trajs`).
+:class:`RingFold` is that fold path: :meth:`RingFold.fold` copies each batch
+into an :class:`EpisodeRing` (:meth:`RingFold.fold_plain`, with the views of a
+:class:`PlainStage` made once, for plain CPU batches); :meth:`RingFold.flush`
+sums the staged batches as one timeline per env (:func:`close_episodes`; on
+the CPU, the episodes are read at their closing steps alone,
+:func:`_closed_on_host`) and folds what closed. Padded batches of split
+trajectories are summed one at a time, their carries matched by trajectory id
+(:mod:`~rl_observers.metrics.collector.split_trajs`).
 No function reads a tensor value on the host off the CPU.
 
-Why it is long (~750 lines): the ring's buffers, the views a flush works
+Why it is long (~860 lines): the ring's buffers, the views a flush works
 with (:class:`Timeline`), the staging of a batch (:func:`stage_batch`, and
-:class:`PlainStage`, its fast path) and the sum that reads them
-(:func:`close_episodes`) share one memory layout, ``[rows, slots, steps]``;
-split, each half would depend on the other's slot arithmetic.
+:class:`PlainStage`, its fast path), the sum that reads them
+(:func:`close_episodes`) and :class:`RingFold`, which drives them, share one
+memory layout, ``[rows, slots, steps]``; split, each part would depend on the
+others' slot arithmetic.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from tensordict import TensorDict
 
 from rl_observers.metrics.collector.plan import CollectorPlan, EpisodeCarry
+from rl_observers.metrics.collector.reducers import BatchReducers
 from rl_observers.metrics.collector.split_trajs import carry_by_id
 
 # Implementation of CollectorBatchMetrics: nothing public here (see docs/api.rst).
@@ -683,113 +686,172 @@ def _closed_on_host(
     return Closed(line.reward_slots, None, dones, values, None)
 
 
-def fold_into_ring(
-    metrics: Any,
-    plan: CollectorPlan,
-    batch: Any,
-    read: dict[Any, torch.Tensor],
-    get: Any,
-    rows: int,
-    steps: int,
-    closing_flags: list[torch.Tensor],
-    mask: torch.Tensor | None,
-    episode_mask: torch.Tensor | None,
-) -> None:
-    """Copies what the episode sums need into the ring's next slot (a few copies).
+class RingFold:
+    """The fold path of ``[*B, T]`` batches with running episode sums: through a ring.
 
-    ``read`` holds the batch's entries read by the set; ``get`` gives
-    them as ``[rows, steps]``.
+    Holds the ring (made for the batches' layout, remade for another one,
+    never pickled: it is summed first), the episodes in flight the sums go on
+    from (shared with the interleaved path, see
+    :class:`~rl_observers.metrics.collector.interleaved.InterleavedFold`), and
+    the :class:`~rl_observers.metrics.collector.reducers.BatchReducers` what
+    the sums find is folded into, with the few of them a batch uses taken
+    once. ``reset_each_batch``: bound to a collector that resets its envs at
+    each batch (``reset_at_each_iter``), so an episode in flight at the end
+    of a batch never goes on in the next one.
     """
-    batch_size = batch.batch_size
-    ring = metrics._ring
-    key = (rows, steps, closing_flags[0].device, mask is None)
-    if ring is None or ring.key != key:
-        flush_ring(metrics)  # a batch of another shape: the ring's batches are summed first
-        traj_dtype = None if plan.traj_ids is None else read[plan.traj_ids].dtype
-        # Reset at each batch, and no trajectory ids to say so: each batch is summed
-        # alone and its carries dropped (see flush_ring).
-        alone = metrics._reset_each_batch and traj_dtype is None
-        ring = metrics._ring = new_ring(
-            plan,
-            key,
-            rows,
-            steps,
-            key[2],
-            masked=mask is not None,
-            traj_dtype=traj_dtype,
-            alone=alone,
-        )
-    reward = None
-    if ring.reward is not None:
-        reward = get(plan.reward)  # its moments are folded from the ring
-    elif plan.reward is not None:
-        metrics._fold_reward(read[plan.reward], mask, batch_size)
-    if not ring.used and metrics._window is not None:
-        ring.base = metrics._window.clocks
-    n_closed = stage_batch(ring, plan, get, closing_flags, reward, episode_mask)
-    if ring.host:  # CPU, no mask: counted at once, no device to wait for
-        metrics._counters.values["frames"] += batch_size.numel()
-        metrics._counters.values["episodes"] += n_closed  # type: ignore[operator]
-    else:
-        metrics._count_frames_and_episodes(n_closed, mask, batch_size)  # type: ignore[arg-type]
-    ring.used += 1
-    if ring.due():
-        flush_due(metrics)
 
-
-def fold_plain(
-    metrics: Any, ring: EpisodeRing, stage: PlainStage, values: list[torch.Tensor], batch_size: Any
-) -> None:
-    """What :func:`fold_into_ring` does with a plain batch (see :class:`PlainStage`), in fewer steps."""
-    window = metrics._window
-    if window is not None and not ring.used:
-        ring.base = window.clocks
-    closed = stage.stage(ring, values)
-    if stage.direct_reward:
-        metrics._reward.fold(values[-1])  # type: ignore[union-attr]
-    counts = metrics._counters.values
-    counts["batches"] += 1
-    counts["frames"] += batch_size.numel()
-    counts["episodes"] += closed
-    ring.used += 1
-    if ring.due():
-        flush_due(metrics)
-    if window is not None:
-        window.advance(batch_size)
-
-
-def flush_due(metrics: Any) -> None:
-    """Sums a due ring; one that filled up with no episode closed is replaced, opened."""
-    ring = metrics._ring
-    opens = ring.opens and ring.closed == 0
-    flush_ring(metrics)
-    if opens:
-        metrics._ring = ring.opened()
-
-
-def flush_ring(metrics: Any) -> None:
-    """Sums the batches in the ring (:func:`close_episodes`)."""
-    ring = metrics._ring
-    if ring is None:
-        return
-    if metrics._reset_each_batch and ring.traj is None and ring.used:
-        metrics._carry = EpisodeCarry()  # the envs were reset: nothing goes on
-    closed = close_episodes(
-        ring,
-        metrics._carry,
-        metrics._plan.episode_sources,  # type: ignore[union-attr]
-        dense=metrics._window is None,  # the episode window keeps where episodes closed
+    __slots__ = (
+        "reducers",
+        "carry",
+        "window",
+        "reward",
+        "counts",
+        "ring",
+        "sources",
+        "reset_each_batch",
     )
-    if closed is None:
-        return
-    if closed.reward is not None:
-        # A ring's steps, as many as it held: a different size at each fill level.
-        metrics._reward.fold(closed.reward, closed.mask, staged=False)  # type: ignore[union-attr]
-    if closed.dones is not None:
-        metrics._dones.add(closed.dones)  # type: ignore[union-attr]
-    if closed.values is not None:
-        # Dense episodes are as many as closed: a different size at each flush.
-        metrics._episode.fold(closed.values, closed.closing, staged=closed.closing is not None)  # type: ignore[union-attr]
-        metrics._fold_episode_quantiles(closed.values, closed.closing)
-        if metrics._window is not None:
-            metrics._window.fold(closed.values, closed.closing, ring.base)
+
+    def __init__(self, reducers: BatchReducers, carry: EpisodeCarry) -> None:
+        self.reducers = reducers
+        self.carry = carry
+        self.window = reducers.window
+        self.reward = reducers.reward
+        self.counts = reducers.counts
+        self.ring: EpisodeRing | None = None
+        # The plan's episode_sources the ring was made for (what close_episodes reads).
+        self.sources: tuple[tuple[int, Any], ...] = ()
+        self.reset_each_batch = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {name: getattr(self, name) for name in self.__slots__}
+        state["ring"] = None  # buffers, remade at the next batch (the set sums it first)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+
+    def reset_at_each_batch(self, reset: bool) -> None:
+        """Whether the bound collector resets its envs at each batch; the ring is summed first."""
+        if reset != self.reset_each_batch:
+            self.flush()
+            self.ring = None
+            self.reset_each_batch = reset
+
+    def discard(self) -> None:
+        """Drops the ring and what is staged in it (a state loaded over it, another layout)."""
+        self.ring = None
+
+    def fold(
+        self,
+        plan: CollectorPlan,
+        batch: Any,
+        read: dict[Any, torch.Tensor],
+        get: Any,
+        rows: int,
+        steps: int,
+        closing_flags: list[torch.Tensor],
+        mask: torch.Tensor | None,
+        episode_mask: torch.Tensor | None,
+    ) -> None:
+        """Copies what the episode sums need into the ring's next slot (a few copies).
+
+        ``read`` holds the batch's entries read by the set; ``get`` gives
+        them as ``[rows, steps]``.
+        """
+        batch_size = batch.batch_size
+        ring = self.ring
+        key = (rows, steps, closing_flags[0].device, mask is None)
+        if ring is None or ring.key != key:
+            self.flush()  # a batch of another shape: the ring's batches are summed first
+            traj_dtype = None if plan.traj_ids is None else read[plan.traj_ids].dtype
+            # Reset at each batch, and no trajectory ids to say so: each batch is summed
+            # alone and its carries dropped (see flush).
+            alone = self.reset_each_batch and traj_dtype is None
+            ring = self.ring = new_ring(
+                plan,
+                key,
+                rows,
+                steps,
+                key[2],
+                masked=mask is not None,
+                traj_dtype=traj_dtype,
+                alone=alone,
+            )
+            self.sources = plan.episode_sources
+        reward = None
+        if ring.reward is not None:
+            reward = get(plan.reward)  # its moments are folded from the ring
+        elif plan.reward is not None:
+            self.reducers.fold_reward(read[plan.reward], mask, batch_size)
+        if not ring.used and self.window is not None:
+            ring.base = self.window.clocks
+        n_closed = stage_batch(ring, plan, get, closing_flags, reward, episode_mask)
+        if ring.host:  # CPU, no mask: counted at once, no device to wait for
+            counts = self.counts
+            counts["frames"] += batch_size.numel()
+            counts["episodes"] += n_closed  # type: ignore[operator]
+        else:
+            self.reducers.count_frames_and_episodes(n_closed, mask, batch_size)  # type: ignore[arg-type]
+        ring.used += 1
+        if ring.due():
+            self._flush_due()
+
+    def fold_plain(
+        self, ring: EpisodeRing, stage: PlainStage, values: list[torch.Tensor], batch_size: Any
+    ) -> None:
+        """What :meth:`fold` does with a plain batch (see :class:`PlainStage`), in fewer steps.
+
+        Counts the batch and advances the episode window too: the set does
+        nothing else with it.
+        """
+        window = self.window
+        if window is not None and not ring.used:
+            ring.base = window.clocks
+        closed = stage.stage(ring, values)
+        if stage.direct_reward:
+            self.reward.fold(values[-1])  # type: ignore[union-attr]
+        counts = self.counts
+        counts["batches"] += 1
+        counts["frames"] += batch_size.numel()
+        counts["episodes"] += closed
+        ring.used += 1
+        if ring.due():
+            self._flush_due()
+        if window is not None:
+            window.advance(batch_size)
+
+    def _flush_due(self) -> None:
+        """Sums a due ring; one that filled up with no episode closed is replaced, opened."""
+        ring = self.ring
+        opens = ring.opens and ring.closed == 0  # type: ignore[union-attr]
+        self.flush()
+        if opens:
+            self.ring = ring.opened()  # type: ignore[union-attr]
+
+    def flush(self) -> None:
+        """Sums the batches in the ring (:func:`close_episodes`) and folds what they closed."""
+        ring = self.ring
+        if ring is None:
+            return
+        if self.reset_each_batch and ring.traj is None and ring.used:
+            self.carry.clear()  # the envs were reset: nothing goes on
+        closed = close_episodes(
+            ring,
+            self.carry,
+            self.sources,
+            dense=self.window is None,  # the episode window keeps where episodes closed
+        )
+        if closed is None:
+            return
+        reducers = self.reducers
+        if closed.reward is not None:
+            # A ring's steps, as many as it held: a different size at each fill level.
+            reducers.reward.fold(closed.reward, closed.mask, staged=False)  # type: ignore[union-attr]
+        if closed.dones is not None:
+            reducers.dones.add(closed.dones)  # type: ignore[union-attr]
+        if closed.values is not None:
+            # Dense episodes are as many as closed: a different size at each flush.
+            reducers.fold_episodes(
+                closed.values, closed.closing, staged=closed.closing is not None, base=ring.base
+            )
