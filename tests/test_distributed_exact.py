@@ -80,12 +80,14 @@ def _build(route: str, policy: str, **extra):
 def reference_rows(batches, every, rows_of):
     """The rows one observer on the driver logs over ``batches``: the truth, from the data.
 
-    ``rows_of(batch)`` yields, per worker (and env), its ``(rewards, dones)`` in time
-    order; each keeps its own running episode across batches. A row is due at the first
-    batch whose cumulative frames reach the next multiple of ``every``; the last partial
-    window is logged at close.
+    ``rows_of(batch)`` yields, per worker (and env), its ``(rewards, dones, traj_ids)``
+    in time order; each keeps its own running episode across batches unless its
+    trajectory id changes at the boundary (the batches do not join up: the episode in
+    flight is dropped), and its steps are the frames counted. A row is due at the first batch whose cumulative frames reach the
+    next multiple of ``every``; the last partial window is logged at close.
     """
     running: dict[int, list[float]] = {}
+    last_ids: dict[int, int] = {}
     rows, rewards, episodes = [], [], []
     frames, threshold = 0, every
 
@@ -101,16 +103,19 @@ def reference_rows(batches, every, rows_of):
         return frames, out
 
     for batch in batches:
-        for key, (step_rewards, dones) in enumerate(rows_of(batch)):
+        for key, (step_rewards, dones, ids) in enumerate(rows_of(batch)):
             episode = running.setdefault(key, [0.0, 0])
+            if last_ids.get(key, ids[0]) != ids[0]:
+                episode[:] = [0.0, 0]
+            last_ids[key] = ids[-1]
             for reward, done in zip(step_rewards, dones):
                 episode[0] += reward
                 episode[1] += 1
                 rewards.append(reward)
+                frames += 1
                 if done:
                     episodes.append(tuple(episode))
                     episode[:] = [0.0, 0]
-        frames += batch.numel()
         if frames >= threshold:
             rows.append(row())
             rewards, episodes = [], []
@@ -121,17 +126,34 @@ def reference_rows(batches, every, rows_of):
 
 
 def by_rank(batch):
-    """A batch stacked by rank: row ``w`` is worker ``w``'s rollout."""
+    """A batch stacked by rank: row ``w`` is worker ``w``'s rollout, with its own trajectory ids.
+
+    torchrl shifted worker ``w``'s ids by the largest (shifted) id of worker ``w - 1``.
+    """
+    shifted = batch["collector", "traj_ids"]
     for worker in range(batch.shape[0]):
+        own = shifted[worker] - (shifted[worker - 1].max() if worker else 0)
         yield (
             batch["next", "reward"][worker].reshape(-1).tolist(),
             batch["next", "done"][worker].reshape(-1).tolist(),
+            own.reshape(-1).tolist(),
         )
 
 
-def logged_rows(out: Path, names) -> list[tuple[int, dict[str, float]]]:
-    """``(step, {metric: value})`` per logged row, from the CSV files of the namespace."""
-    directory = out / "dist" / "scalars" / NAME
+def breaks(batches) -> int:
+    """Batch boundaries where a worker's env state does not carry on (torchrl tore a batch)."""
+    count = 0
+    for previous, batch in zip(batches, batches[1:]):
+        for worker in range(batch.shape[0]):
+            ended = previous["next", "done"][worker].reshape(-1)[-1]
+            carried = previous["next", "observation"][worker][-1].equal(batch["observation"][worker][0])
+            count += not (ended or carried)
+    return count
+
+
+def logged_rows(out: Path, names, namespace: str = NAME) -> list[tuple[int, dict[str, float]]]:
+    """``(step, {metric: value})`` per logged row, from the CSV files of ``namespace``."""
+    directory = out / "dist" / "scalars" / namespace
     rows: dict[int, dict[str, float]] = {}
     for name in names:
         path = directory / f"{name}.csv"
@@ -168,7 +190,12 @@ def stacked_scenario(route: str, policy: str, scope: str, out: str) -> None:
         "flushed": flushed,
         "shapes": [list(batch.shape) for batch in batches],
         "truth": reference_rows(batches, EVERY, by_rank),
+        # each worker alone: its rows of the stacked batches, its own frames
+        "worker_truth": [
+            reference_rows(batches, EVERY, lambda batch, w=w: list(by_rank(batch))[w : w + 1]) for w in range(2)
+        ],
         "yielded_traj_ids": [batch["collector", "traj_ids"].tolist() for batch in batches],
+        "breaks": breaks(batches),
     }
     Path(out, "seen.json").write_text(json.dumps(seen))
 
@@ -176,29 +203,58 @@ def stacked_scenario(route: str, policy: str, scope: str, out: str) -> None:
 STACKED = ["DistributedCollector(sync=True)", "DistributedSyncCollector"]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("route", STACKED)
-@pytest.mark.parametrize("policy", ["count", "random"])
-def test_stacked_by_rank_rows_equal_the_driver_s_batches(route, policy, tmp_path):
-    seen = _run("stacked_scenario", route, policy, "aggregate", str(tmp_path))
-    assert seen["flushed"]
-    assert all(shape == [2, FRAMES_PER_BATCH // 2] for shape in seen["shapes"])
-    truth = seen["truth"]
-    names = ("frames", "reward_mean", "episodes", *EPISODE_METRICS)
-    logged = logged_rows(tmp_path, names)
-    # every row: the same step and the same numbers as the reference fold of the batches
-    assert [step for step, _ in logged] == [step for step, _ in truth] == [200, 400, 600, 800]
+def assert_rows_equal(logged, truth):
+    """Every logged row has the truth's step, metrics and values."""
+    assert [step for step, _ in logged] == [step for step, _ in truth]
     for (step, row), (_, expected) in zip(logged, truth):
         assert set(row) == set(expected), step
         for name, value in expected.items():
             assert row[name] == pytest.approx(value, rel=1e-9), (step, name)
-    if policy == "count":  # the issue's set-up: every episode is 8 steps, in every row
+
+
+ROW_METRICS = ("frames", "reward_mean", "episodes", *EPISODE_METRICS)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("route", STACKED)
+@pytest.mark.parametrize(("policy", "scope"), [("count", "aggregate"), ("random", "both")])
+def test_stacked_by_rank_rows_equal_the_driver_s_batches(route, policy, scope, tmp_path):
+    seen = _run("stacked_scenario", route, policy, scope, str(tmp_path))
+    assert seen["flushed"]
+    assert all(shape == [2, FRAMES_PER_BATCH // 2] for shape in seen["shapes"])
+    truth = seen["truth"]
+    logged = logged_rows(tmp_path, ROW_METRICS)
+    # every row: the same step and the same numbers as the reference fold of the batches
+    assert [step for step, _ in truth] == [200, 400, 600, 800]
+    assert_rows_equal(logged, truth)
+    if policy == "count" and not seen["breaks"]:
+        # the issue's set-up: every episode is 8 steps, in every row. (DistributedSyncCollector's
+        # workers send a batch and collect the next one at once: torchrl sometimes yields a
+        # batch torn from two, whose episode in flight does not continue, and then a
+        # shorter one, counted from where it was seen; the rows still equal the truth.)
         assert [row["episode_length_mean"] for _, row in logged] == [8.0] * 4
         assert [row["episode_return_mean"] for _, row in logged] == [8.0] * 4
+    workers = [logged_rows(tmp_path, ROW_METRICS, f"{NAME}/worker_{w}") for w in (0, 1)]
+    if scope == "aggregate":
+        assert workers == [[], []]
+    else:  # each worker's rows: its batch[w], on its own frames
+        for logged_worker, worker_truth in zip(workers, seen["worker_truth"]):
+            assert [step for step, _ in worker_truth] == [200, 400]
+            assert_rows_equal(logged_worker, worker_truth)
     # the caller's batches are torchrl's: its renumbered ids, untouched by the observers
     first = seen["yielded_traj_ids"][0]
     assert first[1][0] == max(first[0]) != 0  # worker 1 shifted by worker 0's largest id
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_per_worker_scope_logs_only_each_worker_s_rows(tmp_path):
+    seen = _run("stacked_scenario", "DistributedCollector(sync=True)", "random", "per_worker", str(tmp_path))
+    assert seen["flushed"]
+    assert logged_rows(tmp_path, ROW_METRICS) == []
+    for w, worker_truth in enumerate(seen["worker_truth"]):
+        assert_rows_equal(logged_rows(tmp_path, ROW_METRICS, f"{NAME}/worker_{w}"), worker_truth)
 
 
 def test_own_trajectory_ids_undo_torchrl_s_renumbering():

@@ -44,7 +44,10 @@ How a batch is laid out decides what can be exact (see ``docs/distributed.rst``)
   of the batch whose trajectory ids are each worker's own, made unique:
   worker ``w``'s trajectory ``k`` is ``k * num_workers + w``, the same id in
   every batch it spans. Every other entry is the yielded batch's own tensor;
-  the batch the caller gets is untouched.
+  the batch the caller gets is untouched. (Where torchrl yields a
+  ``DistributedSyncCollector`` batch that does not carry on from the
+  previous one, its workers having collected on meanwhile, the ids do not
+  continue either and the episode in flight is dropped, never joined.)
 * **one worker's, unnamed** (``DistributedCollector(sync=False)``,
   ``RPCCollector(sync=False)``), **concatenated in completion order**
   (``RPCCollector(sync=True)``: ``torch.cat`` of the workers' batches, no
@@ -58,8 +61,13 @@ How a batch is laid out decides what can be exact (see ``docs/distributed.rst``)
   trajectories by the ids it renumbered, where two workers' trajectories can
   share one.
 
-Metrics are aggregate only: a ``LoggerObserver`` with
-``scope="per_worker"`` sees one source, the driver's collector
+Per worker: where batches stack the workers by rank (and ``split_trajs``
+is off), a ``LoggerObserver`` with ``scope="per_worker"`` or ``"both"``
+also logs ``<name>/worker_<w>/<metric>`` from ``batch[w]``, through one
+view per worker (:class:`DistributedCollectorObservers`,
+:meth:`~rl_observers.LoggerObserver.worker_view`); ``"per_worker"`` logs
+no ``<name>/<metric>`` rows. Elsewhere the worker is not known and every
+scope logs the aggregate rows of the driver's collector
 (``source_info(source).worker`` is ``None``).
 
 Examples:
@@ -88,10 +96,77 @@ _TRAJ_IDS = ("collector", "traj_ids")
 
 
 class DistributedCollectorObservers(ObserverList):
-    """The observers of one torch.distributed / RPC collector, run on the driver."""
+    """The observers of one torch.distributed / RPC collector, run on the driver.
+
+    On a collector whose batches stack the workers by rank, an observer with
+    ``scope="per_worker"`` or ``"both"`` and a ``worker_view(source, worker)``
+    method (:meth:`~rl_observers.LoggerObserver.worker_view`) also gets one
+    view per worker, made at its first batch: each batch's ``batch[w]`` goes
+    to view ``w`` (the observer itself folds the whole batch only for
+    ``"both"``), and ``shutdown`` and removal reach the views too. Resolved
+    when the call tuples are built: emitting stays a tuple walk.
+    """
 
     def __init__(self, source: Any, emits: tuple[str, ...] = COLLECTOR_EVENTS, target_name: str = "collector") -> None:
         super().__init__(source, emits, target_name)
+        self._views: dict[int, tuple[Any, ...]] = {}  # id(observer) -> its views, by worker
+
+    def _rebuild(self) -> None:
+        super()._rebuild()
+        workers = _per_worker_rows(self.source)
+        if workers is None:
+            return
+        calls = dict(self._calls)
+        for event, wrap in (("post_collect", self._fold_by_worker), ("shutdown", self._shutdown_views)):
+            if event in calls:
+                calls[event] = tuple(
+                    (wrap(fn, e.observer, workers) if _wants_workers(e.observer) else fn, e)
+                    for fn, e in calls[event]
+                )
+        self._calls = calls
+
+    def _views_of(self, observer: Any, source: Any, workers: int) -> tuple[Any, ...]:
+        views = self._views.get(id(observer))
+        if views is None:
+            views = self._views[id(observer)] = tuple(
+                observer.worker_view(source, worker) for worker in range(workers)
+            )
+        return views
+
+    def _fold_by_worker(self, fn: Any, observer: Any, workers: int) -> Any:
+        both = observer.scope == "both"
+
+        def post_collect(source: Any, batch: Any) -> None:
+            views = self._views_of(observer, source, workers)
+            if both:
+                fn(source, batch)
+            for worker, view in enumerate(views):
+                view.on_post_collect(source, batch[worker])
+
+        return post_collect
+
+    def _shutdown_views(self, fn: Any, observer: Any, workers: int) -> Any:
+        def shutdown(source: Any) -> None:
+            try:
+                fn(source)
+            finally:
+                for view in self._views.get(id(observer), ()):
+                    view.on_shutdown(source)
+
+        return shutdown
+
+    def remove(self, observer: Any) -> Any:
+        removed = super().remove(observer)
+        if removed is not None:
+            for view in self._views.pop(id(observer), ()):
+                view.detached(self.source)  # its last window
+        return removed
+
+
+def _wants_workers(observer: Any) -> bool:
+    return getattr(observer, "scope", None) in ("per_worker", "both") and callable(
+        getattr(observer, "worker_view", None)
+    )
 
 
 def _frames(collector: Any, batch: Any) -> int:
@@ -109,6 +184,11 @@ def _stacked_workers(collector: Any) -> int | None:
     if cls == "DistributedSyncCollector" or (cls == "DistributedCollector" and collector._sync):
         return collector.num_workers
     return None
+
+
+def _per_worker_rows(collector: Any) -> int | None:
+    """The number of workers when observers can fold ``collector``'s batches per worker."""
+    return None if getattr(collector, "split_trajs", False) else _stacked_workers(collector)
 
 
 def _why_not_exact(collector: Any) -> str | None:
@@ -203,7 +283,7 @@ class ObservedDistributedCollector:
     def iterator(self) -> Iterator[Any]:
         batches = torchrl_class(type(self)).iterator(self)  # type: ignore[attr-defined]
         total = getattr(self, "total_frames", float("inf"))
-        stacked = None if getattr(self, "split_trajs", False) else _stacked_workers(self)
+        stacked = _per_worker_rows(self)
         received = 0
         try:
             while True:
