@@ -10,7 +10,6 @@ read here as fold → schedule → submit. Resolved once, elsewhere: arguments
 from __future__ import annotations
 
 import functools
-import pickle
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -213,46 +212,6 @@ class LoggerObserver(Observer):
     def copies_removed(self, target: Any) -> None:
         """Called on the original once its copies are gone: logs the last aggregate windows."""
         copies.finish(self)
-
-    def worker_view(self, source: Any, worker: int) -> LoggerObserver:
-        """A ``LoggerObserver`` of one worker's share of ``source``'s batches, attached to it.
-
-        For a source that hands its observers batches stacking its workers by
-        rank, whose workers no observer copy reaches (the driver of
-        ``DistributedCollector(sync=True)`` / ``DistributedSyncCollector``,
-        :mod:`~rl_observers.remote.distributed`): the source folds
-        ``batch[worker]`` into the view when this observer's ``scope`` is
-        ``"per_worker"`` or ``"both"``. The view logs ``<name>/worker_<worker>/<metric>``
-        from fresh copies of this observer's metric sets, on the same schedule
-        over the worker's own counters, with the same step, ``log_on_close``
-        and error policy. Its counters start at zero (they are the worker's,
-        not the source's); :meth:`state_dict` does not hold it.
-
-        Raises:
-            TypeError: the metric sets cannot be copied (pickled).
-        """
-        pristine = self._contribution.pristine
-        if not pristine:
-            raise TypeError(
-                f"LoggerObserver {self.name!r}: scope={self.scope!r} folds each worker's rows into "
-                "copies of the metric sets, and these cannot be pickled; use scope='aggregate', "
-                "or metric sets (and one-liner functions) that pickle."
-            )
-        channel = self._channel()
-        view = LoggerObserver(
-            channel if channel is not None else self._sink,
-            schedule=self.schedule,
-            metrics=tuple(pickle.loads(pristine)),
-            name=f"{self.name}/worker_{worker}",
-            step=self._step_fn if self._step_fn is not None else self.step_key,
-            log_on_start=self.log_on_start,
-            log_on_close=self.log_on_close,
-            on_error=self._policy,
-            report_interval=self.report_interval,
-        )
-        view.attached(source)
-        view._align_pending = False  # its counters are the worker's, not the source's
-        return view
 
     def _bind(self, source: Any) -> None:
         """Resolves defaults, names and counters once, for ``source`` (a local one or a remote one)."""

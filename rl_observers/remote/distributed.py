@@ -65,7 +65,7 @@ Per worker: where batches stack the workers by rank (and ``split_trajs``
 is off), a ``LoggerObserver`` with ``scope="per_worker"`` or ``"both"``
 also logs ``<name>/worker_<w>/<metric>`` from ``batch[w]``, through one
 view per worker (:class:`DistributedCollectorObservers`,
-:meth:`~rl_observers.LoggerObserver.worker_view`); ``"per_worker"`` logs
+:func:`~rl_observers.logging.views.worker_view`); ``"per_worker"`` logs
 no ``<name>/<metric>`` rows. Elsewhere the worker is not known and every
 scope logs the aggregate rows of the driver's collector
 (``source_info(source).worker`` is ``None``).
@@ -78,7 +78,7 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -94,14 +94,18 @@ __all__ = ["DistributedCollectorObservers", "ObservedDistributedCollector"]
 _MASK = ("collector", "mask")
 _TRAJ_IDS = ("collector", "traj_ids")
 
+#: ``{observer class: view(observer, source, worker)}``: how an observer of that class with
+#: ``scope="per_worker"`` or ``"both"`` gets one view per worker (``LoggerObserver``:
+#: :func:`rl_observers.logging.views.worker_view`, registered when it is imported).
+WORKER_VIEWS: dict[type, Callable[[Any, Any, int], Any]] = {}
+
 
 class DistributedCollectorObservers(ObserverList):
     """The observers of one torch.distributed / RPC collector, run on the driver.
 
     On a collector whose batches stack the workers by rank, an observer with
-    ``scope="per_worker"`` or ``"both"`` and a ``worker_view(source, worker)``
-    method (:meth:`~rl_observers.LoggerObserver.worker_view`) also gets one
-    view per worker, made at its first batch: each batch's ``batch[w]`` goes
+    ``scope="per_worker"`` or ``"both"`` whose class has a view in
+    :data:`WORKER_VIEWS` also gets one view per worker, made at its first batch: each batch's ``batch[w]`` goes
     to view ``w`` (the observer itself folds the whole batch only for
     ``"both"``), and ``shutdown`` and removal reach the views too. Resolved
     when the call tuples are built: emitting stays a tuple walk.
@@ -128,9 +132,8 @@ class DistributedCollectorObservers(ObserverList):
     def _views_of(self, observer: Any, source: Any, workers: int) -> tuple[Any, ...]:
         views = self._views.get(id(observer))
         if views is None:
-            views = self._views[id(observer)] = tuple(
-                observer.worker_view(source, worker) for worker in range(workers)
-            )
+            view = _view_of(observer)
+            views = self._views[id(observer)] = tuple(view(observer, source, w) for w in range(workers))
         return views
 
     def _fold_by_worker(self, fn: Any, observer: Any, workers: int) -> Any:
@@ -163,10 +166,12 @@ class DistributedCollectorObservers(ObserverList):
         return removed
 
 
+def _view_of(observer: Any) -> Callable[[Any, Any, int], Any] | None:
+    return next((view for cls, view in WORKER_VIEWS.items() if isinstance(observer, cls)), None)
+
+
 def _wants_workers(observer: Any) -> bool:
-    return getattr(observer, "scope", None) in ("per_worker", "both") and callable(
-        getattr(observer, "worker_view", None)
-    )
+    return getattr(observer, "scope", None) in ("per_worker", "both") and _view_of(observer) is not None
 
 
 def _frames(collector: Any, batch: Any) -> int:
