@@ -60,13 +60,19 @@ def bind_sets(
     the schedule's counter, else the sets' first counter.
 
     Raises:
-        ValueError: a set that folds no event of the source, or a schedule or
-            ``step=`` naming a counter that no set counts.
+        ValueError: a set that folds no event of the source, a set the source
+            refuses (its ``check_metric_sets``), or a schedule or ``step=``
+            naming a counter that no set counts.
     """
     if sets is None:
         sets = default_metrics(source)
     else:
         check_sets_fit(sets, source)
+    # A source whose batches cannot make some numbers exact refuses those sets (the
+    # torch.distributed / RPC collectors: rl_observers.remote.distributed).
+    check = getattr(type(source), "check_metric_sets", None)
+    if check is not None:
+        check(source, sets)
     for metric_set in sets:
         metric_set.bind(source)
     extra = missing_source_counters(source, sets)

@@ -30,24 +30,60 @@ The wrapping happens when iteration starts (``for batch in collector``,
 already iterating are heard from the next iteration on; removing an
 observer takes effect at the next batch.
 
-Batches are not split per worker: a sync batch stacks (``DistributedCollector``,
-``DistributedSyncCollector``) or concatenates in arrival order
-(``RPCCollector``) the workers' batches, an async one is one worker's, and
-torchrl does not say which. Metrics are therefore aggregate only: a
-``LoggerObserver`` with ``scope="per_worker"`` sees one source, the driver's
-collector (``source_info(source).worker`` is ``None``).
+How a batch is laid out decides what can be exact (see ``docs/distributed.rst``):
+
+* **stacked by rank** (``DistributedCollector(sync=True)``,
+  ``DistributedSyncCollector``): ``batch[i]`` is worker ``i``'s rollout, in
+  lockstep with the others, so per-env running episode sums fold it as a
+  batched env with one row per worker (or per worker and env) and episodes
+  spanning batches are exact. torchrl renumbers ``("collector",
+  "traj_ids")`` across workers off by one and afresh at each batch (worker
+  ``i``'s ids are shifted by the largest id of worker ``i - 1`` in *this*
+  batch), so a carry of worker ``i > 0`` looks like a new trajectory at
+  every batch and would be dropped. Observers therefore get a shallow copy
+  of the batch whose trajectory ids are each worker's own, made unique:
+  worker ``w``'s trajectory ``k`` is ``k * num_workers + w``, the same id in
+  every batch it spans. Every other entry is the yielded batch's own tensor;
+  the batch the caller gets is untouched. (Where torchrl yields a
+  ``DistributedSyncCollector`` batch that does not carry on from the
+  previous one, its workers having collected on meanwhile, the ids do not
+  continue either and the episode in flight is dropped, never joined.)
+* **one worker's, unnamed** (``DistributedCollector(sync=False)``,
+  ``RPCCollector(sync=False)``), **concatenated in completion order**
+  (``RPCCollector(sync=True)``: ``torch.cat`` of the workers' batches, no
+  worker identity): a running sum carried from one batch to the next would
+  join one worker's episode to another's. :meth:`ObservedDistributedCollector.check_metric_sets`
+  refuses the episode statistics of
+  :class:`~rl_observers.metrics.CollectorBatchMetrics` there when a
+  ``LoggerObserver`` is attached, saying why and what to use; rewards,
+  dones, frames and episode counts (one per closing step) stay exact.
+  So does ``split_trajs=True`` on every one of these classes: torchrl pads
+  trajectories by the ids it renumbered, where two workers' trajectories can
+  share one.
+
+Per worker: where batches stack the workers by rank (and ``split_trajs``
+is off), a ``LoggerObserver`` with ``scope="per_worker"`` or ``"both"``
+also logs ``<name>/worker_<w>/<metric>`` from ``batch[w]``, through one
+view per worker (:class:`DistributedCollectorObservers`,
+:func:`~rl_observers.logging.views.worker_view`); ``"per_worker"`` logs
+no ``<name>/<metric>`` rows. Elsewhere the worker is not known and every
+scope logs the aggregate rows of the driver's collector
+(``source_info(source).worker`` is ``None``).
 
 Examples:
     >>> from rl_observers.remote.distributed import ObservedDistributedCollector
     >>> sorted(name for name in vars(ObservedDistributedCollector) if not name.startswith("__"))
-    ['iterator', 'shutdown', 'stats']
+    ['check_metric_sets', 'iterator', 'shutdown', 'stats']
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import torch
+
+from rl_observers.metrics.collector import CollectorBatchMetrics
 from rl_observers.observer import ObserverList
 from rl_observers.signals import COLLECTOR_EVENTS
 from rl_observers.sources.collectors import ObservedCollector
@@ -56,13 +92,86 @@ from rl_observers.sources.observed import observers_of, torchrl_class
 __all__ = ["DistributedCollectorObservers", "ObservedDistributedCollector"]
 
 _MASK = ("collector", "mask")
+_TRAJ_IDS = ("collector", "traj_ids")
+
+#: ``{observer class: view(observer, source, worker)}``: how an observer of that class with
+#: ``scope="per_worker"`` or ``"both"`` gets one view per worker (``LoggerObserver``:
+#: :func:`rl_observers.logging.views.worker_view`, registered when it is imported).
+WORKER_VIEWS: dict[type, Callable[[Any, Any, int], Any]] = {}
 
 
 class DistributedCollectorObservers(ObserverList):
-    """The observers of one torch.distributed / RPC collector, run on the driver."""
+    """The observers of one torch.distributed / RPC collector, run on the driver.
+
+    On a collector whose batches stack the workers by rank, an observer with
+    ``scope="per_worker"`` or ``"both"`` whose class has a view in
+    :data:`WORKER_VIEWS` also gets one view per worker, made at its first batch: each batch's ``batch[w]`` goes
+    to view ``w`` (the observer itself folds the whole batch only for
+    ``"both"``), and ``shutdown`` and removal reach the views too. Resolved
+    when the call tuples are built: emitting stays a tuple walk.
+    """
 
     def __init__(self, source: Any, emits: tuple[str, ...] = COLLECTOR_EVENTS, target_name: str = "collector") -> None:
         super().__init__(source, emits, target_name)
+        self._views: dict[int, tuple[Any, ...]] = {}  # id(observer) -> its views, by worker
+
+    def _rebuild(self) -> None:
+        super()._rebuild()
+        workers = _per_worker_rows(self.source)
+        if workers is None:
+            return
+        calls = dict(self._calls)
+        for event, wrap in (("post_collect", self._fold_by_worker), ("shutdown", self._shutdown_views)):
+            if event in calls:
+                calls[event] = tuple(
+                    (wrap(fn, e.observer, workers) if _wants_workers(e.observer) else fn, e)
+                    for fn, e in calls[event]
+                )
+        self._calls = calls
+
+    def _views_of(self, observer: Any, source: Any, workers: int) -> tuple[Any, ...]:
+        views = self._views.get(id(observer))
+        if views is None:
+            view = _view_of(observer)
+            views = self._views[id(observer)] = tuple(view(observer, source, w) for w in range(workers))
+        return views
+
+    def _fold_by_worker(self, fn: Any, observer: Any, workers: int) -> Any:
+        both = observer.scope == "both"
+
+        def post_collect(source: Any, batch: Any) -> None:
+            views = self._views_of(observer, source, workers)
+            if both:
+                fn(source, batch)
+            for worker, view in enumerate(views):
+                view.on_post_collect(source, batch[worker])
+
+        return post_collect
+
+    def _shutdown_views(self, fn: Any, observer: Any, workers: int) -> Any:
+        def shutdown(source: Any) -> None:
+            try:
+                fn(source)
+            finally:
+                for view in self._views.get(id(observer), ()):
+                    view.on_shutdown(source)
+
+        return shutdown
+
+    def remove(self, observer: Any) -> Any:
+        removed = super().remove(observer)
+        if removed is not None:
+            for view in self._views.pop(id(observer), ()):
+                view.detached(self.source)  # its last window
+        return removed
+
+
+def _view_of(observer: Any) -> Callable[[Any, Any, int], Any] | None:
+    return next((view for cls, view in WORKER_VIEWS.items() if isinstance(observer, cls)), None)
+
+
+def _wants_workers(observer: Any) -> bool:
+    return getattr(observer, "scope", None) in ("per_worker", "both") and _view_of(observer) is not None
 
 
 def _frames(collector: Any, batch: Any) -> int:
@@ -74,12 +183,112 @@ def _frames(collector: Any, batch: Any) -> int:
     return batch.numel()
 
 
+def _stacked_workers(collector: Any) -> int | None:
+    """The number of workers when ``collector``'s batches stack them by rank, else ``None``."""
+    cls = torchrl_class(type(collector)).__name__
+    if cls == "DistributedSyncCollector" or (cls == "DistributedCollector" and collector._sync):
+        return collector.num_workers
+    return None
+
+
+def _per_worker_rows(collector: Any) -> int | None:
+    """The number of workers when observers can fold ``collector``'s batches per worker."""
+    return None if getattr(collector, "split_trajs", False) else _stacked_workers(collector)
+
+
+def _why_not_exact(collector: Any) -> str | None:
+    """Why running episode sums cannot be exact over ``collector``'s batches, or ``None``."""
+    if getattr(collector, "split_trajs", False):
+        return (
+            "with split_trajs=True torchrl pads the batch into trajectories by the ids it "
+            "renumbered across workers (off by one, afresh at each batch), so two workers' "
+            "trajectories can share a padded row"
+        )
+    if _stacked_workers(collector) is not None:
+        return None
+    if torchrl_class(type(collector)).__name__ == "RPCCollector" and collector._sync:
+        return (
+            "its batches concatenate the workers' batches in the order they completed, with "
+            "nothing saying which worker sent which part, so an episode in flight at the end "
+            "of a batch cannot be joined to its rest"
+        )
+    return (
+        "each of its batches is one worker's, and the driver folds them all into one set of "
+        "running sums, which would join one worker's episode in flight to another's"
+    )
+
+
+def own_trajectory_ids(traj_ids: torch.Tensor, workers: int) -> torch.Tensor:
+    """Trajectory ids of a batch stacked by rank, as each worker numbered them, made unique.
+
+    torchrl shifts worker ``i``'s ids by the largest id of worker ``i - 1``
+    (already shifted) in the same batch; this undoes the shift and numbers
+    worker ``w``'s trajectory ``k`` as ``k * workers + w``. On the ids'
+    device, no host-device sync.
+
+    Examples:
+        >>> import torch
+        >>> from rl_observers.remote.distributed import own_trajectory_ids
+        >>> shifted = torch.tensor([[3, 3, 4], [7, 8, 8]])  # worker 1's own ids: 3, 4, 4
+        >>> own_trajectory_ids(shifted, 2)
+        tensor([[6, 6, 8],
+                [7, 9, 9]])
+    """
+    last = traj_ids.reshape(workers, -1).amax(1)
+    shift = torch.cat((last.new_zeros(1), last[:-1])).view(-1, *(1,) * (traj_ids.ndim - 1))
+    rank = torch.arange(workers, device=traj_ids.device).view_as(shift)
+    return (traj_ids - shift) * workers + rank
+
+
+def _presented(batch: Any, workers: int) -> Any:
+    """What observers get of a batch stacked by rank: its own trajectory ids (module docstring)."""
+    traj_ids = batch.get(_TRAJ_IDS, None)
+    if traj_ids is None or batch.batch_dims < 2 or batch.batch_size[0] != workers:
+        return batch
+    presented = batch.copy()
+    presented.set(_TRAJ_IDS, own_trajectory_ids(traj_ids, workers))
+    return presented
+
+
 class ObservedDistributedCollector:
     """Mixin of observed torch.distributed / RPC collectors (see the module docstring)."""
+
+    def check_metric_sets(self, sets: Sequence[Any]) -> None:
+        """Refuses metric sets whose numbers this collector's batches cannot make exact.
+
+        Called when a ``LoggerObserver`` binds its sets to this collector
+        (``add_observer``): :class:`~rl_observers.metrics.CollectorBatchMetrics`
+        with ``episode_return`` or ``episode_length`` is refused where one
+        batch does not say which worker's steps are which (see the module
+        docstring).
+
+        Raises:
+            ValueError: naming the collector, why, and what to use instead.
+        """
+        reason = _why_not_exact(self)
+        if reason is None:
+            return
+        for metric_set in sets:
+            if isinstance(metric_set, CollectorBatchMetrics) and (
+                metric_set.episode_return or metric_set.episode_length
+            ):
+                cls = torchrl_class(type(self)).__name__
+                mode = "" if cls == "DistributedSyncCollector" else f"(sync={bool(self._sync)})"  # type: ignore[attr-defined]
+                split = ", split_trajs=True" if getattr(self, "split_trajs", False) else ""
+                raise ValueError(
+                    f"CollectorBatchMetrics(episode_return={metric_set.episode_return}, "
+                    f"episode_length={metric_set.episode_length}) cannot be exact on "
+                    f"{cls}{mode}{split}: {reason}. Use CollectorBatchMetrics(episode_return=False, "
+                    "episode_length=False) there (rewards, dones, frames and episode counts stay "
+                    "exact), or collect with DistributedSyncCollector or "
+                    "DistributedCollector(sync=True) and split_trajs=False, whose batches stack "
+                    "the workers by rank."
+                )
 
     def iterator(self) -> Iterator[Any]:
         batches = torchrl_class(type(self)).iterator(self)  # type: ignore[attr-defined]
         total = getattr(self, "total_frames", float("inf"))
+        stacked = _per_worker_rows(self)
         received = 0
         try:
             while True:
@@ -94,7 +303,7 @@ class ObservedDistributedCollector:
                     received += _frames(self, batch)
                     observers = observers_of(self)
                     if observers is not None:
-                        observers.emit("post_collect", batch)
+                        observers.emit("post_collect", batch if stacked is None else _presented(batch, stacked))
                 yield batch
         finally:
             batches.close()

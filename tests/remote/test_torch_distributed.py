@@ -91,6 +91,7 @@ ROUTES = [
     "Collector(backend='rpc')",
     "RPCCollector(sync=False)",
 ]
+STACKED_BY_RANK = ("Collector(backend='distributed')", "DistributedSyncCollector")
 EXPECTED_CLASS = {
     "Collector(backend='distributed')": DistributedCollector,
     "DistributedCollector(sync=False)": DistributedCollector,
@@ -119,9 +120,11 @@ def _scenario(route: str, out: str) -> None:
     try:
         collector.add_observer(lambda batch: sizes.append(batch.numel()))
         collector.add_observer(order)
-        collector.add_observer(
-            LoggerObserver(channel, schedule=Every.counter("frames", 10**9), metrics=CollectorBatchMetrics())
-        )
+        # episode returns and lengths only where batches stack the workers by rank (the
+        # others refuse them: tests/test_distributed_exact.py)
+        episodes = route in STACKED_BY_RANK
+        metrics = CollectorBatchMetrics(episode_return=episodes, episode_length=episodes)
+        collector.add_observer(LoggerObserver(channel, schedule=Every.counter("frames", 10**9), metrics=metrics))
         batches = [batch.clone() for batch in collector]
     finally:
         collector.shutdown()
