@@ -352,13 +352,8 @@ def test_the_table_names_every_class_it_decides_for():
             assert how_observed(cls, context) is how, (context, name)
 
 
-# -- sizes and public faces ----------------------------------------------------------------------
+# -- public faces ----------------------------------------------------------------------------
 
-#: ``LoggerObserver`` reads in one file: fold → schedule → submit; what is resolved once lives in
-#: the other modules of ``logging/``.
-LOGGER_OBSERVER_MAX_LINES = 400
-#: A module longer than this says why at the top of its docstring ("Why it is long: ...").
-LONG_MODULE_LINES = 600
 #: ``MetricsChannel``'s public members: the Channel contract of DESIGN.md (submit, flush, close,
 #: handle, health, logger, name, capacity, closed), the shared channel of a logger
 #: (``for_logger``) and the explicit drive of ``background=False`` (``step``).
@@ -390,33 +385,6 @@ CHANNEL_LOGGING_SIDE = frozenset(
         "router",
     }
 )
-
-
-def _lines(module: str) -> int:
-    return len(_path_of(module).read_text().splitlines())
-
-
-def test_logger_observer_reads_in_one_file():
-    lines = _lines(f"{PACKAGE}.logging.observer")
-    assert lines <= LOGGER_OBSERVER_MAX_LINES, (
-        f"logging/observer.py has {lines} lines: move what is not fold → schedule → submit "
-        "into another module of logging/"
-    )
-
-
-def test_long_modules_say_why_they_are_long():
-    unexplained = []
-    for module in MODULES:
-        if _lines(module) <= LONG_MODULE_LINES:
-            continue
-        path = _path_of(module)
-        docstring = ast.get_docstring(ast.parse(path.read_text(), str(path))) or ""
-        if "Why it is long" not in docstring:
-            unexplained.append(f"{module} ({_lines(module)} lines)")
-    assert unexplained == [], (
-        f"modules past {LONG_MODULE_LINES} lines without 'Why it is long: ...' in their "
-        f"docstring: {unexplained}"
-    )
 
 
 def test_the_channel_s_public_members_are_its_contract():
