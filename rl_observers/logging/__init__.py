@@ -5,10 +5,10 @@ channel → logger). Modules, in the order a window meets them:
 
 - :mod:`~rl_observers.schedule`: when torchrl's ``Every`` is due;
 - :mod:`~rl_observers.logging.defaults`: what an observer gets when not told (:func:`default_metrics`, :func:`default_schedule`) and the checks of what it is told;
-- :mod:`~rl_observers.logging.observer`: :class:`LoggerObserver` (:mod:`~rl_observers.logging.attach`: ``attach_logger``);
+- :mod:`~rl_observers.logging.observer`: :class:`LoggerObserver`, one class: fold, schedule, submit, its checkpoint and its copies' side (:mod:`~rl_observers.logging.attach`: ``attach_logger``);
 - :mod:`~rl_observers.logging.namespaces`: one observer per namespace on a logger;
 - :mod:`~rl_observers.logging.resume`: steps on the source's own axis, and what a saved state must fit;
-- :mod:`~rl_observers.remote.contributions`: copies away from the channel contribute windows;
+- :mod:`~rl_observers.remote.contributions`: copies away from the channel contribute windows (the observer's ``Contribution``);
 - :mod:`~rl_observers.remote.aggregate`: the owner merges them (the channel's router).
 """
 
