@@ -400,14 +400,6 @@ def test_the_friend_scan_counts_private_attributes_of_an_argument():
     ]
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason=(
-        "10 functions still reach into 4+ private attributes (remote/copies, remote/contributions, "
-        "logging/state, metrics/collector/{ring,interleaved,from_keys}); they are being turned into "
-        "methods and collaborators with a public interface, after which this test becomes strict"
-    ),
-)
 def test_no_function_reaches_into_four_private_attributes_of_what_it_is_handed():
     found = {module: friends for module in MODULES if (friends := friend_functions(module))}
     assert found == {}, "\n".join(f"{module}: {'; '.join(friends)}" for module, friends in found.items())

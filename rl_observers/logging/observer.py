@@ -1,36 +1,54 @@
 """LoggerObserver: metric sets folded at the source, submitted on a schedule into a channel.
 
 Step of the flow: **observer → channel** (source → observer → channel → logger),
-read here as fold → schedule → submit. Resolved once, elsewhere: arguments
+read here as fold → schedule → submit, then the original's side of its copies
+elsewhere and the checkpoint. Resolved once, elsewhere: arguments
 (:mod:`~.arguments`), sets, schedule and folds (:mod:`~.wiring`), namespaces
-(:mod:`~.namespaces`), failure warnings (:mod:`~.failures`), checkpoints
-(:mod:`~.state`), the copies' side (:mod:`~.copies`, :mod:`~.contributions`).
+(:mod:`~.namespaces`), failure warnings (:mod:`~.failures`), the checkpoint's
+format and the rule for the source's own counters (:mod:`~.resume`). What the
+observer shares with its copies (where a copy runs, when it reports, what it
+sends) is its :class:`~rl_observers.remote.contributions.Contribution`.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import pickle
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from time import monotonic as _monotonic
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from torchrl.collectors import BaseCollector
 from torchrl.record.loggers.monitoring import Every
 
-from rl_observers.logging import state as _state
 from rl_observers.logging import wiring
 from rl_observers.logging.arguments import check_arguments
 from rl_observers.logging.defaults import DEFAULT_NAMES, as_metric_sets, as_sink, target_kind
 from rl_observers.logging.failures import metric_set_warning
 from rl_observers.logging.namespaces import Namespace
+from rl_observers.logging.resume import (
+    AXIS_COUNTERS,
+    STATE_VERSION,
+    describe,
+    misfit,
+    owns_axis,
+    shift_counters,
+    source_axis,
+)
 from rl_observers.metrics import MetricSet
-from rl_observers.observer import FailureStreaks, Observer
-from rl_observers.remote import MetricsChannel, copies
-from rl_observers.remote.contributions import LIVE, Contribution, mode_at_end, resolve_mode
+from rl_observers.observer import FailureStreaks, Observer, dumps
+from rl_observers.remote import MetricsChannel
+from rl_observers.remote.aggregate import aggregate_state, finish_aggregate, load_aggregate_state
+from rl_observers.remote.contributions import LAST_WINDOW_TIMEOUT, Contribution, copy_worker
+from rl_observers.remote.distributed import WORKER_VIEWS
+from rl_observers.remote.lockstep import plan_for
+from rl_observers.remote.window import AggregateSpec
 from rl_observers.schedule import ScheduleClock
 from rl_observers.sources import observers_of
+from rl_observers.sources.replay_buffers import writes_held
 
 __all__ = ["LoggerObserver"]
 
@@ -58,7 +76,7 @@ def _fold_event(event: str) -> Callable[..., None]:
         if self._streaks.failing:
             self._streaks.recover(position for position, _ in folds)
         if before is not None:  # a local observer's counters follow the source's (resume.py)
-            _state.align(self, source, before)
+            self._align(source, before)
         if self._mode == "local" and (self._emitted or not self.log_on_start):
             read = self._read_schedule_counter
             if read is not None:
@@ -131,6 +149,10 @@ class LoggerObserver(Observer):
         [(2, 2.0)]
     """
 
+    #: Every LoggerObserver of this process: a forked child resolves their mode again, and at
+    #: exit the contributing ones send their last window.
+    _live: ClassVar[weakref.WeakSet[LoggerObserver]] = weakref.WeakSet()
+
     def __init__(
         self,
         logger: Any,
@@ -164,7 +186,7 @@ class LoggerObserver(Observer):
         self._wire()  # the per-event folds (none before attaching) and the schedule's reader
         self._source: weakref.ref[Any] | None = None
         self._fresh = self._emitted = False  # data folded since the last emission; emitted once
-        self._contribution = Contribution()  # the copies' side: where it runs, when it reported
+        self._contribution = Contribution()  # the copies' side: where it runs, when it reports, what it sends
         self._mode: str | None = None  # "local" or "contribute": fixed once per process
         self._align_pending = False  # line the counters up with the source's at the next event
         self._axis_base: dict[str, int] = {}  # what lining up added (a copy tells its aggregate)
@@ -172,7 +194,7 @@ class LoggerObserver(Observer):
         self._pending_state: Mapping[str, Any] | None = None  # loaded before attaching
         self._has_copies = False  # copies run elsewhere: the aggregate at the owner is the state
         self._copies_elsewhere = False  # copies feed this namespace: this instance contributes too
-        LIVE.add(self)
+        self._live.add(self)
 
     # -- wiring, resolved once when attached ------------------------------------------------
 
@@ -209,18 +231,6 @@ class LoggerObserver(Observer):
         finally:
             self._namespace.release(self.name, self)
 
-    def prepare_copies(self, target: Any) -> None:
-        """Called on the original before copies start where ``target``'s data is (see :mod:`~.copies`)."""
-        copies.prepare(self, target)
-
-    def copies_placed(self, target: Any, workers: tuple[int | None, ...]) -> None:
-        """Called on the original once its copies are attached in ``workers`` of ``target``."""
-        copies.placed(self, workers)
-
-    def copies_removed(self, target: Any) -> None:
-        """Called on the original once its copies are gone: logs the last aggregate windows."""
-        copies.finish(self)
-
     def _bind(self, source: Any) -> None:
         """Resolves defaults, names and counters once, for ``source`` (a local one or a remote one)."""
         self._sets, schedule, self.step_key = wiring.bind_sets(
@@ -228,8 +238,7 @@ class LoggerObserver(Observer):
         )
         if self._auto_schedule:
             self.schedule, self._clock, self._auto_schedule = schedule, ScheduleClock(schedule), False
-        if self._contribution.pristine is None:  # what a copy restarts from where it runs
-            self._contribution.pristine = copies.pickled(self._sets)
+        self._contribution.keep_pristine(self._sets)  # what a copy restarts from where it runs
         self._wire()
         key = wiring.counter_key(self.schedule)
         if key is not None:
@@ -262,8 +271,53 @@ class LoggerObserver(Observer):
     def _first_event(self, source: Any) -> dict[str, float] | None:
         """Fixes the mode for this process (:class:`Contribution`); returns the counters to
         line up with the source's after the fold (a local observer, once attached or loaded)."""
-        resolve_mode(self, source)
-        return self._counters() if _state.take_alignment(self, source) else None
+        self._resolve_mode(source)
+        return self._counters() if self._take_alignment(source) else None
+
+    def _take_alignment(self, source: Any) -> bool:
+        """Whether this first event lines the counters up with the source's (once attached or loaded).
+
+        A local observer does; so does a copy whose source counts for it alone
+        (:func:`~rl_observers.logging.resume.owns_axis`), which then tells its
+        aggregate what lining up added.
+        """
+        align = self._align_pending and (self._mode == "local" or owns_axis(source))
+        self._align_pending = False
+        self._axis_base = {}
+        return align
+
+    def _align(self, source: Any, before: Mapping[str, float]) -> None:
+        """Moves counters below the source's own (restored, or counted before attaching) up to it.
+
+        ``before``: the observer's counters before the event that triggered this.
+        The rule is :mod:`~rl_observers.logging.resume`'s.
+
+        Held under a replay buffer's own lock, which every observed write holds
+        from torchrl's count to its event (:mod:`~rl_observers.sources.replay_buffers`):
+        a write another thread made meanwhile is then either folded already or not
+        counted by torchrl yet, never counted by torchrl and folded after the
+        line-up, which would count it twice (a sampling thread's first event).
+        """
+        with writes_held(source):
+            axis = source_axis(source)
+            if axis is None:
+                return
+            key = wiring.counter_key(self.schedule)
+            with self._lock:
+                counters = self._counters()
+                for counter, value in axis.items():
+                    ours = counters.get(counter)
+                    if ours is None or value <= ours:
+                        continue  # the observer's own count is ahead (its saved state): steps go on
+                    names = AXIS_COUNTERS[counter]
+                    offset = int(value - ours)
+                    shift_counters(self.metrics, names, offset)
+                    self._axis_base.update(dict.fromkeys(names, offset))
+                    if key in names:  # the threshold the source's axis had before this event
+                        prior = before.get(key, 0) + offset
+                        clock = self._clock
+                        if clock.last_counter is None or prior > clock.last_counter:
+                            clock.rebase(prior)
 
     def _set_failed(self, index: int, error: Exception, where: str) -> None:
         """One metric set raised: the policy applies to it alone; the other sets go on."""
@@ -294,7 +348,7 @@ class LoggerObserver(Observer):
         with self._lock:
             if self._mode == "contribute":
                 if self._contribution.due(self.schedule, self.report_interval, self._counters):
-                    copies.contribute(self)
+                    self._contribute()
                 return
             key = wiring.counter_key(self.schedule)  # else counters are read only when emitting
             counters = None if key is None else self._counters()
@@ -306,12 +360,12 @@ class LoggerObserver(Observer):
         """Sends the open window; ``final``: a copy's last one, sent even if empty (the owner's account)."""
         with self._lock:
             if self._mode == "contribute" and (final or self._fresh):
-                copies.contribute(self, final=final)
+                self._contribute(final=final)
             elif self._fresh:
                 self._emit(self._counters())
 
     def on_shutdown(self, source: Any) -> None:
-        contributing = mode_at_end(self) == "contribute"
+        contributing = self._mode_at_end() == "contribute"
         try:
             self._last_window()
         finally:
@@ -321,9 +375,9 @@ class LoggerObserver(Observer):
     def _last_window(self) -> None:
         """The last window: a contributor's always (its final counters may make rows due at the
         owner, whose aggregate applies ``log_on_close``), acknowledged before the process may end."""
-        if mode_at_end(self) == "contribute":
+        if self._mode_at_end() == "contribute":
             self._close_window(final=True)
-            self._sink.flush(timeout=copies.LAST_WINDOW_TIMEOUT)
+            self._sink.flush(timeout=LAST_WINDOW_TIMEOUT)
         elif self.log_on_close:
             self._close_window()
 
@@ -363,6 +417,217 @@ class LoggerObserver(Observer):
         self._emitted = True
         self._sink.submit_metrics(payload, None if step is None else int(step), namespace=self.name or "")
 
+    def _contribute(self, final: bool = False) -> None:
+        """Sends this contributor's window (a copy's, or the original's) to the channel's owner,
+        which merges it (:mod:`~rl_observers.remote.aggregate`); called holding the lock.
+
+        ``final``: the contributor's last window, which the owner's account
+        expects (:mod:`~rl_observers.remote.account`); with nothing new since
+        the previous window it is only the marker, without counters.
+        """
+        latest = tuple(g for m in self.metrics for g in m.latest_gauges)
+        spec = AggregateSpec(
+            self.schedule, self.step_key, self.scope, self.log_on_close, latest, timeout=self.worker_timeout
+        )
+        counters = self._counters()
+        fresh = self._fresh  # after the counters: what was folded meanwhile goes with this window
+        metrics = self._pull() if fresh or not final else {}  # a final one with nothing new: the marker
+        window = self._contribution.window(
+            self.name or "", metrics, counters, spec, final=final, fresh=fresh, base=self._axis_base
+        )
+        self._sink.submit_window(window)
+
+    # -- per-worker views, where a source stacks its workers' batches by rank --------------------
+
+    def worker_view(self, source: Any, worker: int) -> LoggerObserver:
+        """A ``LoggerObserver`` of worker ``worker``'s share of ``source``'s batches, attached to it.
+
+        For ``DistributedCollector(sync=True)`` / ``DistributedSyncCollector``,
+        whose workers no observer copy reaches (:mod:`~rl_observers.remote.distributed`):
+        with ``scope="per_worker"`` or ``"both"`` the source folds ``batch[w]``
+        into view ``w``. It logs ``<name>/worker_<worker>/<metric>`` from fresh
+        copies of the observer's metric sets (made before they fold anything),
+        on the same schedule over the worker's own counters, with the same step
+        counter, ``log_on_start``, ``log_on_close``, ``on_error`` and
+        ``report_interval``. Its counters start at zero: they are the worker's,
+        never lined up with the source's. ``state_dict()`` does not hold it.
+
+        Raises:
+            TypeError: the metric sets cannot be copied (pickled).
+        """
+        try:
+            sets = pickle.loads(dumps(self.metrics))
+        except Exception as error:
+            raise TypeError(
+                f"LoggerObserver {self.name!r}: scope={self.scope!r} folds each worker's rows "
+                "into copies of its metric sets, and these cannot be pickled; use scope='aggregate', "
+                "or metric sets (and one-liner functions) that pickle."
+            ) from error
+        view = LoggerObserver(
+            self._sink,
+            schedule=self.schedule,
+            metrics=tuple(sets),
+            name=f"{self.name}/worker_{worker}",
+            step=self.step_key,
+            log_on_start=self.log_on_start,
+            log_on_close=self.log_on_close,
+            on_error=self.on_error,
+            report_interval=self.report_interval,
+        )
+        view.attached(source)
+        view._align_pending = False  # its counters are the worker's, not the source's
+        return view
+
+    # -- copies elsewhere: the original's side ------------------------------------------------
+
+    def prepare_copies(self, target: Any) -> None:
+        """Called on the original before copies start where ``target``'s data is.
+
+        Multiprocessing and Ray sources ship the copies; a shared replay
+        buffer's copies start with a collector's workers. From here on the
+        original is one more contributor (worker ``"main"``) to the aggregate
+        its copies feed at the channel's owner: its mode is fixed now, never
+        switched by a window. For a source this observer is attached to here,
+        or being attached to (a shared replay buffer), only the mode changes
+        (``attached`` resolves it again, to the same); for a remote source, the
+        metric sets, namespace and step counter every copy shares are resolved
+        for ``target``, and the channel is told that copies send to it until
+        :meth:`copies_removed`.
+
+        Raises:
+            ValueError: ``step=`` is a collector or a callable, which copies cannot read.
+        """
+        self._copies_elsewhere = True
+        if any(e.observer is self for e in getattr(observers_of(target), "entries", ())):
+            with self._lock:  # attached here (or being attached): its next event keeps this mode
+                self._mode = self._contribution.join_as_original(self._report_live_at_exit)
+            return
+        if self._step_fn is not None:
+            raise ValueError(
+                "LoggerObserver: step= a collector or a callable is read where the channel lives, "
+                f"but this {type(target).__name__}'s observers run in other processes; pass a "
+                'counter name instead, e.g. step="frames".'
+            )
+        self._bind(target)
+        self._contribution.cut_where_the_driver_does(plan_for(target, self.schedule), self.schedule)
+        self._has_copies = True
+        self._mode = self._contribution.join_as_original(self._report_live_at_exit)
+        channel = self._channel()
+        if channel is not None:  # closing the channel before the copies are gone loses their windows
+            what = f"LoggerObserver {self.name!r} on a {type(target).__name__}"
+            channel._logging.copies_attached(self, what)
+        self._load_pending_state()
+
+    def copies_placed(self, target: Any, workers: tuple[int | None, ...]) -> None:
+        """Called on the original once its copies are attached in ``workers`` of ``target``.
+
+        The owner then expects each to report: a copy never heard from (its
+        worker killed before its first window arrived) is counted lost
+        instead of being invisible.
+        """
+        channel = self._channel()
+        if channel is not None:
+            channel._logging.copies_expected(self, [copy_worker(w) for w in workers])
+
+    def copies_removed(self, target: Any) -> None:
+        """Called on the original once its copies are gone: logs the aggregate's last windows.
+
+        Does nothing the second time: by then another observer may use the
+        namespace, and finishing it again would cut that observer's window
+        short. The namespace is free afterwards.
+        """
+        channel = self._channel()
+        if channel is not None:
+            channel._logging.copies_gone(self)
+        if not self._namespace.held:
+            return
+        try:
+            if channel is not None and self.name is not None and not channel.closed:
+                finish_aggregate(channel, self.name)
+        finally:
+            self._namespace.release(self.name, self)
+
+    def _resolve_mode(self, source: Any) -> None:
+        """Fixes the mode for this process: local, or contributing (see :class:`Contribution`)."""
+        self._mode, sets = self._contribution.resolve(
+            source, has_copies=self._copies_elsewhere, at_exit=self._report_live_at_exit
+        )
+        if sets is not None:
+            self._sets = sets
+            self._wire()
+
+    def _mode_at_end(self) -> str | None:
+        """The mode when the source ends; a copy that never saw an event resolves it now.
+
+        The owner expects every copy attached (:meth:`copies_placed`) to
+        report its end, so an idle copy still sends its final window instead
+        of being counted lost.
+        """
+        if self._mode is None and self._contribution.moved():
+            source = self._source() if self._source is not None else None
+            if source is not None:
+                self._resolve_mode(source)
+        return self._mode
+
+    def _report_at_exit(self) -> None:
+        """A contributor's last window as its process exits: worker processes exit without
+        shutdown events.
+
+        Sent whatever ``log_on_close`` says: the owner's aggregate applies it
+        (a trailing partial window is dropped there), but rows that the final
+        counters make due must be logged.
+
+        An original whose channel lives in this process and is closed already
+        (its source shut down, then ``close()``) is skipped when it holds
+        nothing new: its last window would only be the end marker, which the
+        closed channel would drop with a warning, and at exit that warning may
+        meet a closed ``stderr``. One that folded something since its last
+        report still submits it, so the closed channel counts it in
+        ``health()["dropped"]``. A copy always sends: its sender counts what
+        it cannot deliver.
+        """
+        if self._mode_at_end() != "contribute":
+            return
+        if not self._fresh:
+            channel = self._channel()
+            if channel is not None and channel.closed and self._sink.transport == "local":
+                return  # a channel of this process, closed: it would only drop the end marker
+        try:
+            # always: the owner needs the final counters to log the rows they made due;
+            # its aggregate drops a trailing partial window itself unless log_on_close
+            self._close_window(final=True)
+            self._sink.flush(timeout=2.0)
+        except Exception:  # the process is going away; never fail its exit
+            pass
+
+    @staticmethod
+    def _report_live_at_exit() -> None:
+        """Every contributing observer's last window: the ``at_exit`` given to :class:`Contribution`
+        (one function, whichever instance or subclass gives it: it runs once)."""
+        for observer in list(LoggerObserver._live):
+            observer._report_at_exit()
+
+    @staticmethod
+    def _forget_modes_after_fork() -> None:
+        """In a forked child every observer is a copy: its mode is resolved there again."""
+        for observer in list(LoggerObserver._live):
+            observer._mode = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy takes to where it runs (not this process's links)."""
+        state = self.__dict__.copy()
+        del state["_lock"]
+        state["_channel_ref"] = state["_source"] = None
+        state["_step_fn"] = None  # read where the channel lives (refused for copies elsewhere)
+        state["_read_schedule_counter"] = None  # resolved again where the copy runs
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock, self._mode = threading.Lock(), None  # a copy: its mode is resolved where it runs
+        self._wire()
+        self._live.add(self)
+
     # -- pull interop and checkpoints ----------------------------------------------------------
 
     def stats(self) -> dict[str, float]:
@@ -373,11 +638,49 @@ class LoggerObserver(Observer):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs to go on where this one stopped (see :mod:`~.state`).
+        """What a resumed run needs to go on where this one stopped.
 
         A :class:`~torchrl.checkpoint.Checkpoint` component: ``Checkpoint(..., observers=observer)``.
+        The format, and the rule for counters (the source's own axis), are
+        :mod:`~rl_observers.logging.resume`'s; the counters line up with the
+        source's at the first event after attaching or loading. For a source
+        whose copies run elsewhere, the state is the aggregate kept by the
+        channel's owner (:mod:`~rl_observers.remote.aggregate`).
+
+        Examples:
+            >>> import torch
+            >>> import rl_observers
+            >>> import tempfile
+            >>> from rl_observers import LoggerObserver, MetricsChannel
+            >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
+            >>> from torchrl.record import CSVLogger
+            >>> logger = CSVLogger(exp_name="resume", log_dir=tempfile.mkdtemp())
+            >>> rb = ReplayBuffer(storage=LazyTensorStorage(100))
+            >>> observer = LoggerObserver(MetricsChannel(logger, background=False))
+            >>> handle = rb.add_observer(observer)
+            >>> _ = rb.extend(torch.arange(10)); _ = rb.sample(4)
+            >>> state = observer.state_dict()
+            >>> again = ReplayBuffer(storage=LazyTensorStorage(100))
+            >>> other = CSVLogger(exp_name="resumed", log_dir=tempfile.mkdtemp())
+            >>> resumed = LoggerObserver(MetricsChannel(other, background=False))
+            >>> handle = again.add_observer(resumed)
+            >>> resumed.load_state_dict(state)
+            >>> resumed.stats()["sample_calls"], resumed.stats()["items_written"]
+            (1, 10)
         """
-        return _state.save(self)
+        with self._lock:
+            sets = self.metrics
+            state: dict[str, Any] = {
+                "version": STATE_VERSION,
+                **describe(self.name, self._source_kind(), self.scope, sets),
+                "schedule": self._schedule_spec(),
+                "metrics": [m.state_dict() for m in sets],
+                "clock": self._clock.state_dict(),
+                "last_step": self._last_step,
+            }
+        if self._has_copies:
+            state["aggregate"] = aggregate_state(self._channel(), self.name or "")
+        return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restores :meth:`state_dict` (when attached, if called before).
@@ -387,17 +690,50 @@ class LoggerObserver(Observer):
         """
         if self._sets is None:  # not attached yet: metric sets and name are resolved then
             self._pending_state = state_dict
-        else:
-            _state.load(self, state_dict)
+            return
+        sets = self.metrics
+        problem = misfit(state_dict, describe(self.name, self._source_kind(), self.scope, sets))
+        if problem is not None:
+            raise ValueError(
+                f"LoggerObserver {self.name!r}: cannot load this state: {problem}. Load it "
+                "into an observer built like the one that saved it (same name=, scope= and "
+                "metrics=)."
+            )
+        has_copies = self._has_copies
+        with self._lock:
+            # with copies elsewhere, the aggregate at the owner holds this instance's counts too
+            for metric_set, state in zip(sets, () if has_copies else state_dict["metrics"]):
+                metric_set.load_state_dict(state)
+            if state_dict.get("schedule") == self._schedule_spec():
+                self._clock.load_state_dict(state_dict["clock"])
+            else:  # another schedule: its thresholds start from the restored counters
+                self._clock = ScheduleClock(self.schedule)
+                key = wiring.counter_key(self.schedule)
+                value = None if key is None else self._counters().get(key)
+                if value is not None:
+                    self._clock.due(value)
+            saved_step = state_dict.get("last_step")
+            last = self._last_step
+            if saved_step is not None and (last is None or saved_step > last):
+                self._last_step = int(saved_step)
+            self._emitted = self._emitted or saved_step is not None
+            if not has_copies:  # resolved (and lined up) again at the next event
+                self._align_pending = True
+                self._mode = None
+        if state_dict.get("aggregate") is not None:
+            load_aggregate_state(self._channel(), self.name or "", state_dict["aggregate"])
 
-    def __getstate__(self) -> dict[str, Any]:
-        return copies.state_to_travel(self)
+    def _source_kind(self) -> str:
+        """``"collector"`` or ``"replay_buffer"``: the source's, or what the metric sets count."""
+        source = self._source() if self._source is not None else None
+        if source is not None:
+            return target_kind(source)
+        names = {n for m in self.metrics for n in m.counters()}
+        return "collector" if "frames" in names else "replay_buffer"
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock, self._mode = threading.Lock(), None  # a copy: its mode is resolved where it runs
-        self._wire()
-        LIVE.add(self)
+    def _schedule_spec(self) -> list[Any] | None:
+        schedule = self.schedule
+        return None if schedule is None else [schedule.kind, float(schedule.interval), schedule.key]
 
     def __repr__(self) -> str:
         # Before attaching, show what was passed: never ``schedule=None`` ("every event").
@@ -406,3 +742,9 @@ class LoggerObserver(Observer):
         if self._sets is not None:
             fields.append(f"metrics=[{', '.join(type(m).__name__ for m in self._sets)}]")
         return f"LoggerObserver({', '.join(fields)})"
+
+
+os.register_at_fork(after_in_child=LoggerObserver._forget_modes_after_fork)
+
+
+WORKER_VIEWS[LoggerObserver] = LoggerObserver.worker_view

@@ -17,8 +17,8 @@ Out, shipping copies (:mod:`~rl_observers.remote.shipping`, the common part):
 
 Back, windows to the owner:
 
-- :mod:`~rl_observers.remote.contributions`, :mod:`~rl_observers.remote.copies`: a
-  ``LoggerObserver`` copy's side: when it reports and what;
+- :mod:`~rl_observers.remote.contributions`: what a ``LoggerObserver`` shares with its
+  copies (its ``Contribution``): where a copy runs, when it reports, and what it sends;
 - :mod:`~rl_observers.remote.window`: what a window says besides its metrics;
 - :mod:`~rl_observers.remote.handle`: :class:`MetricsHandle`, a channel's picklable stand-in;
 - :mod:`~rl_observers.remote.transport`: the transport interface and registry;

@@ -5,11 +5,32 @@ observer → channel → logger). A :class:`~rl_observers.LoggerObserver` copy
 in a multiprocessing worker, a Ray actor or a process writing into a shared
 buffer does not decide when to log: it *contributes* its window (mergeable
 partials and its cumulative counters, with its schedule: a
-:class:`~rl_observers.remote.window.Window`) at least
-every ``report_interval`` seconds and whenever its own schedule counter
-advanced by an interval. The owner merges contributions
+:class:`~rl_observers.remote.window.Window`) at least every
+``report_interval`` seconds and whenever its own schedule counter advanced
+by an interval, or, for a lockstep source, where the driver's rows fall
+(:mod:`~rl_observers.remote.lockstep`). The owner merges contributions
 (:mod:`rl_observers.remote.aggregate`). Worker processes exit without
 shutdown events, so the last windows are sent at exit.
+
+:class:`Contribution` is the observer's collaborator for this: where a copy
+runs, when it reports, and what it sends. It knows nothing of the observer:
+what it needs comes as arguments.
+
+Examples:
+    >>> from torchrl.record.loggers.monitoring import Every
+    >>> from rl_observers.remote.contributions import Contribution
+    >>> from rl_observers.remote.window import AggregateSpec
+    >>> contribution = Contribution()
+    >>> contribution.join_as_original(at_exit=lambda: None)  # the original, once its copies run elsewhere
+    'contribute'
+    >>> contribution.namespace("collector")
+    'collector/worker_main'
+    >>> spec = AggregateSpec(Every.counter("frames", 100), "frames")
+    >>> window = contribution.window("collector", {}, {"frames": 120}, spec, final=True)
+    >>> window.observer, window.worker, window.counters, window.last
+    ('collector', 'main', {'frames': 120}, True)
+    >>> contribution.window("collector", {}, {"frames": 120}, spec, final=True, fresh=False).counters is None
+    True
 """
 
 from __future__ import annotations
@@ -19,100 +40,53 @@ import multiprocessing.util
 import os
 import pickle
 import time
-import weakref
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torchrl.record.loggers.monitoring import Every
 
+from rl_observers.observer import dumps
 from rl_observers.remote.lockstep import Lockstep
 from rl_observers.remote.window import AggregateSpec, Window
 from rl_observers.schedule import ScheduleClock
 from rl_observers.sources.placement import process_token, source_info
 
-__all__ = ["LIVE", "Contribution", "copy_worker", "mode_at_end", "resolve_mode"]
+__all__ = ["LAST_WINDOW_TIMEOUT", "Contribution", "copy_worker"]
 
-# Every LoggerObserver of this process: a forked child resolves their mode again.
-LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+#: Seconds a copy waits at its source's shutdown for its last window to be acknowledged by the
+#: owner's ingest (a relay or ingest actor still starting on a busy node takes seconds); within
+#: the source's own bound (30 s for the actors of a Ray source, see ``sources/ray.py``).
+LAST_WINDOW_TIMEOUT = 20.0
 
-
-def _forget_modes_after_fork() -> None:
-    global _EXIT_REPORT
-    _EXIT_REPORT = False
-    for observer in list(LIVE):
-        observer._mode = None
-
-
-os.register_at_fork(after_in_child=_forget_modes_after_fork)
-
-# Whether this process sends the contributors' last windows when it exits.
+# What this process runs when it exits, once a contribution started here (the holders'
+# ``at_exit``), and whether that is armed in this process (a forked child arms it again).
+_EXIT_REPORTS: list[Callable[[], None]] = []
 _EXIT_REPORT = False
 
 
-def _report_at_exit() -> None:
-    """Sends every contributing copy's last window: worker processes exit without shutdown events.
-
-    Sent whatever ``log_on_close`` says: the owner's aggregate applies it
-    (a trailing partial window is dropped there), but rows that the final
-    counters make due must be logged.
-
-    An original whose channel lives in this process and is closed already
-    (its source shut down, then ``close()``) is skipped when it holds
-    nothing new: its last window would only be the end marker, which the
-    closed channel would drop with a warning, and at exit that warning may
-    meet a closed ``stderr``. One that folded something since its last
-    report still submits it, so the closed channel counts it in
-    ``health()["dropped"]``. A copy always sends: its sender counts what
-    it cannot deliver.
-    """
-    for observer in list(LIVE):
-        if mode_at_end(observer) == "contribute":
-            if not observer._fresh and _closed_here(observer):
-                continue
-            try:
-                # always: the owner needs the final counters to log the rows they made due;
-                # its aggregate drops a trailing partial window itself unless log_on_close
-                observer._close_window(final=True)
-                observer._sink.flush(timeout=2.0)
-            except Exception:  # the process is going away; never fail its exit
-                pass
-
-
-def resolve_mode(observer: Any, source: Any) -> None:
-    """Fixes the observer's mode for this process: local, or contributing (see ``Contribution``)."""
-    observer._mode, sets = observer._contribution.resolve(source, has_copies=observer._copies_elsewhere)
-    if sets is not None:
-        observer._sets = sets
-        observer._wire()
-
-
-def mode_at_end(observer: Any) -> str | None:
-    """The observer's mode when its source ends; a copy that never saw an event resolves it now.
-
-    The owner expects every copy attached (:func:`~rl_observers.remote.copies.placed`) to report its
-    end, so an idle copy still sends its final window instead of being
-    counted lost.
-    """
-    if observer._mode is None and observer._contribution.moved():
-        source = observer._source() if observer._source is not None else None
-        if source is not None:
-            resolve_mode(observer, source)
-    return observer._mode
-
-
-def _closed_here(observer: Any) -> bool:
-    """Whether ``observer`` submits to a channel of this process that is closed."""
-    channel = observer._channel()
-    return channel is not None and channel.closed and observer._sink.transport == "local"
-
-
-def _report_contributors_at_exit() -> None:
+def _disarm_after_fork() -> None:
     global _EXIT_REPORT
+    _EXIT_REPORT = False
+
+
+os.register_at_fork(after_in_child=_disarm_after_fork)
+
+
+def _report_at_exit() -> None:
+    """Runs the holders' ``at_exit``: worker processes exit without shutdown events."""
+    for report in list(_EXIT_REPORTS):
+        report()
+
+
+def _report_contributors_at_exit(report: Callable[[], None]) -> None:
+    global _EXIT_REPORT
+    if report not in _EXIT_REPORTS:
+        _EXIT_REPORTS.append(report)
     if not _EXIT_REPORT:
         _EXIT_REPORT = True
         # multiprocessing children run these finalizers but not ``atexit``; other processes the reverse
         multiprocessing.util.Finalize(None, _report_at_exit, exitpriority=100)
         atexit.register(_report_at_exit)
-
 
 
 def copy_worker(worker: int | None) -> Any:
@@ -124,16 +98,18 @@ class Contribution:
     """The copies' side of a :class:`~rl_observers.LoggerObserver`, held by the observer.
 
     Where the observer was created (``home_pid``), the metric sets a copy
-    restarts from where it runs (``pristine``, pickled), which worker it is
-    once resolved, how many workers its source has, and when it last
-    reported. The observer decides its mode once per process with
-    :meth:`resolve`, asks :meth:`due` after each event when contributing,
-    and sends the :meth:`window` it makes.
+    restarts from where it runs (``pristine``, pickled: :meth:`keep_pristine`),
+    which worker it is once resolved, and when it last reported. The observer
+    decides its mode once per process with :meth:`resolve` (or
+    :meth:`join_as_original`), asks :meth:`due` after each event when
+    contributing, and sends the :meth:`window` it makes (under
+    :meth:`namespace`). For a lockstep source, the original is told how its
+    copies cut their windows (:meth:`cut_where_the_driver_does`).
 
-    For a lockstep source (:mod:`~rl_observers.remote.lockstep`), the
-    original is given the source's :class:`~rl_observers.remote.lockstep.Lockstep`
-    before its copies are made (:meth:`cut_where_the_driver_does`): a copy then
-    reports only where the driver's row falls, marked with the driver's counter.
+    Both take ``at_exit``: what this process runs when it exits once it
+    contributes (the holders' last windows: worker processes exit without
+    shutdown events), run once per process however many contributions
+    give it (equal callables count once).
     """
 
     __slots__ = (
@@ -162,7 +138,10 @@ class Contribution:
     def cut_where_the_driver_does(self, lockstep: Lockstep | None, schedule: Every | None) -> None:
         """Makes the copies report where the driver's rows fall (``None``: as observed).
 
-        The schedule's thresholds start from the driver's counter at zero.
+        For a lockstep source (:mod:`~rl_observers.remote.lockstep`), given to
+        the original before its copies are made: a copy then reports only
+        where the driver's row falls, marked with the driver's counter. The
+        schedule's thresholds start from the driver's counter at zero.
         """
         self.lockstep = lockstep
         self.clock = None
@@ -170,11 +149,25 @@ class Contribution:
             self.clock = ScheduleClock(schedule)
             self.clock.due(0)
 
+    def keep_pristine(self, sets: Any) -> None:
+        """Keeps ``sets`` pickled, once: what a copy restarts from where it runs.
+
+        ``b""`` if they cannot travel (only a fork copies sets that cannot be
+        pickled, and its copy then keeps what the original had folded).
+        """
+        if self.pristine is None:
+            try:
+                self.pristine = dumps(sets)
+            except Exception:
+                self.pristine = b""
+
     def moved(self) -> bool:
         """Whether this runs in another process than the observer was created in (it is a copy)."""
         return os.getpid() != self.home_pid
 
-    def resolve(self, source: Any, *, has_copies: bool) -> tuple[str, tuple[Any, ...] | None]:
+    def resolve(
+        self, source: Any, *, has_copies: bool, at_exit: Callable[[], None]
+    ) -> tuple[str, tuple[Any, ...] | None]:
         """``("local" | "contribute", fresh metric sets or None)`` for the process this runs in.
 
         Local where the channel lives, contributing anywhere else (a worker,
@@ -200,14 +193,14 @@ class Contribution:
             self.worker = "main"
         self.workers = info.num_workers or 0
         self.last_report = time.monotonic()
-        _report_contributors_at_exit()
+        _report_contributors_at_exit(at_exit)
         return "contribute", sets
 
-    def join_as_original(self) -> str:
+    def join_as_original(self, at_exit: Callable[[], None]) -> str:
         """The mode of the original once it has copies elsewhere: contributing, as worker ``"main"``."""
         self.worker = "main"
         self.last_report = time.monotonic()
-        _report_contributors_at_exit()
+        _report_contributors_at_exit(at_exit)
         return "contribute"
 
     def due(self, schedule: Any, report_interval: float, counters: Any) -> bool:
@@ -231,44 +224,66 @@ class Contribution:
             return counters().get(schedule.key, 0) - self.last_report_counter >= schedule.interval
         return False
 
+    def namespace(self, name: str | None) -> str:
+        """The namespace a contribution of the observer ``name`` is sent under."""
+        return f"{name}/worker_{self.worker}"
+
     def window(
         self,
         name: str,
         metrics: dict[str, Any],
-        counters: dict[str, float] | None,
+        counters: dict[str, float],
         spec: AggregateSpec,
         *,
-        base: dict[str, float] | None = None,
-        last: bool = False,
+        final: bool = False,
+        fresh: bool = True,
+        base: Mapping[str, int] | None = None,
     ) -> Window:
-        """One window of the observer ``name`` (and the report's time and counter are recorded).
+        """One window of a contribution, the one place it is built (the report's time and counter
+        are recorded).
 
-        ``counters=None``: a last window that only marks the end. A copy of a
-        lockstep source marks the window with the driver's counter (``cut``)
-        and whether the driver's row is due there.
+        Args:
+            name (str): the observer's name (routes the window to its aggregate).
+            metrics (dict): what the observer's metric sets pulled.
+            counters (dict[str, float]): the contributor's cumulative counters.
+            spec (AggregateSpec): what the owner needs to know about the observer; the
+                source's workers, and whether it is cut in lockstep, are filled in here.
+
+        Keyword Args:
+            final (bool, optional): the contributor's last window, which the owner's
+                account expects (:mod:`~rl_observers.remote.account`). Defaults to ``False``.
+            fresh (bool, optional): something was folded since the previous window;
+                a final window without is only the marker, without counters. Defaults to ``True``.
+            base (Mapping[str, int], optional): what lining the counters up with a
+                restored source added: counted, but not progress of this run. Defaults to ``None``.
+
+        A copy of a lockstep source marks the window with the driver's counter
+        (``cut``) and whether the driver's row is due there.
         """
         self.last_report = time.monotonic()
         schedule = spec.schedule
-        if counters is not None and schedule is not None and schedule.kind == "counter":
+        if schedule is not None and schedule.kind == "counter":
             self.last_report_counter = counters.get(schedule.key, 0)
-        spec.workers = self.lockstep.workers if self.lockstep is not None else self.workers
-        spec.lockstep = self.lockstep is not None
+        lockstep = self.lockstep
+        spec.workers = lockstep.workers if lockstep is not None else self.workers
+        spec.lockstep = lockstep is not None
+        marker = final and not fresh  # only the end: no counters, nothing to cut
         cut, due = None, False
-        if self.lockstep is not None and counters is not None:
+        if lockstep is not None and not marker:
             cut, due = self.cut, self.cut is not None
-            if cut is None:  # not where a row is due: the last window, where the driver's counter ends
-                cut = self.lockstep.driver_value(self.worker, counters)
-            self.cut = None
+            if cut is None:  # not where a row is due: the last window, where the driver's count ends
+                cut = lockstep.driver_value(self.worker, counters)
+        self.cut = None
         return Window(
-            f"{name}/worker_{self.worker}",
-            metrics,
-            observer=name,
+            self.namespace(name),
+            {} if marker else metrics,
+            observer=name or "",
             worker=self.worker,
             process=process_token(),
-            counters=counters,
-            base=base or None,
+            counters=None if marker else counters,
+            base=None if marker else (base or None),
             spec=spec,
-            last=last,
+            last=final,
             cut=cut,
             due=due,
         )
