@@ -38,6 +38,8 @@ one more number in one line), :mod:`~rl_observers.metrics.histogram`,
 :mod:`~rl_observers.metrics.collector` (:class:`CollectorBatchMetrics`, whose
 fold paths are modules of that package),
 :mod:`~rl_observers.metrics.samples` (:class:`SampleMetrics`),
+:mod:`~rl_observers.metrics.priorities` (what a prioritized sampler stores
+for the sampled items: :func:`stored_priorities`),
 :mod:`~rl_observers.metrics.writes` (:class:`WriteMetrics`),
 :mod:`~rl_observers.metrics.keys` (key checks, missing-key errors, the keys
 of a source's env) and :mod:`~rl_observers.metrics.storage` (replay-buffer
@@ -60,6 +62,7 @@ from rl_observers.metrics.oneliners import (
     Summary,
 )
 from rl_observers.metrics.policy_lag import PolicyLag
+from rl_observers.metrics.priorities import stored_priorities
 from rl_observers.metrics.quantiles import Quantiles
 from rl_observers.metrics.samples import SampleMetrics
 from rl_observers.metrics.source import StatsProvider
@@ -84,4 +87,5 @@ __all__ = [
     "Sum",
     "Summary",
     "WriteMetrics",
+    "stored_priorities",
 ]
