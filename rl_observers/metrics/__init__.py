@@ -18,10 +18,14 @@ waiting for it. Besides the events it offers:
   cumulative counters and in-flight accumulators, so a resumed run neither
   double-counts nor loses an episode.
 
-Configuration is validated at construction; keys are resolved at the first
-batch, and a missing key raises a :class:`KeyError` naming the key, the
-keys present and the argument to change (a LoggerObserver reports it for that
-set alone, per its ``on_error`` policy, and its other sets keep logging).
+Configuration is validated at construction; keys a source's specs prove
+absent are refused when the observer is attached
+(:meth:`MetricSet.check_keys`: the key, the keys present, the closest
+match); keys are resolved at the first batch, and a missing key raises a
+:class:`KeyError` naming the key, the keys present and the argument to change
+(a LoggerObserver reports it for that set alone, per its ``on_error`` policy,
+and its other sets keep logging; :class:`CollectorBatchMetrics` stops only
+the metrics that need a key its first batch lacks, and says which).
 
 Counters that depend on tensor values (``episodes``, and ``frames`` of masked
 ``trajs_per_batch`` batches) are *observed, not exact*: on CPU they are read
