@@ -135,7 +135,9 @@ class SampleMetrics(MetricSet):
         priority_weight (bool, optional): emit ``priority_weight_*``.
             Defaults to ``True``.
         priority (bool, optional): emit ``stored_priority_*`` (with a
-            prioritized sampler; nothing otherwise). Defaults to ``True``.
+            prioritized sampler; nothing otherwise). One read of the sum
+            tree per sample: measured +13 to +30 µs on a prioritized
+            ``sample(256)`` of ~255 µs (CPU). Defaults to ``True``.
         age (bool, optional): emit ``sample_age_*`` (from the writer's
             cursor, or from stamped writes with other writers or storages).
             Defaults to ``True``.
