@@ -14,9 +14,15 @@ $(VENV)/.torch:
 	$(PIP) install -q "$(TORCH_SPEC)"
 	touch $@
 
+# The test environment holds everything the demo needs (its extras are a superset): a venv
+# installed by `make test` since pyproject.toml last changed serves `make demo` as it is.
 $(VENV)/.demo: $(VENV)/.torch pyproject.toml
-	$(PIP) install -q -e ".[loggers,examples]" ninja
-	$(PY) scripts/build_torchrl_extension.py
+	@if [ -f $(VENV)/.test ] && [ $(VENV)/.test -nt pyproject.toml ]; then \
+		echo "$(VENV) has the test extras, a superset of the demo's: nothing to install"; \
+	else \
+		$(PIP) install -q -e ".[loggers,examples]" ninja && \
+		$(PY) scripts/build_torchrl_extension.py; \
+	fi
 	touch $@
 
 $(VENV)/.test: $(VENV)/.torch pyproject.toml

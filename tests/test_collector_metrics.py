@@ -743,17 +743,30 @@ def test_options_disable_metrics():
     assert set(only_reward.pull()) == {"frames", "batches", "episodes_total", "reward"}
 
 
-def test_missing_key_names_key_and_keys_present():
-    batch = collect(make_env(), 4, 4)[0]
+def test_missing_key_at_the_first_batch_stops_only_the_metrics_needing_it(warnings_seen):
+    batches = collect(make_env(), 4, 8)
     metrics = CollectorBatchMetrics(reward_key=("next", "rwd"))
-    with pytest.raises(KeyError) as info:
-        metrics.on_post_collect(None, batch)
-    message = str(info.value)
-    assert "('next', 'rwd')" in message and "('next', 'reward')" in message
-    assert "reward_key" in message
-    del batch["next", "done"]
-    with pytest.raises(KeyError, match="done_key"):
-        CollectorBatchMetrics().on_post_collect(None, batch)
+    for batch in batches:
+        metrics.on_post_collect(None, batch)  # no error: the rewards' metrics stop, the rest goes on
+    (message,) = [m for m in warnings_seen if "('next', 'rwd')" in m]
+    assert "reward_key=('next', 'rwd') (closest: ('next', 'reward'))" in message
+    assert "('next', 'reward')" in message.split("keys present:")[1]
+    assert "These metrics stopped: reward_mean, reward_std, reward_min, reward_max, episode_return_mean" in message
+    reference = CollectorBatchMetrics(reward_key=None, episode_return=False)
+    for batch in batches:
+        reference.on_post_collect(None, batch)
+    assert metrics.counters() == reference.counters()  # frames, batches, episodes: all counted
+    pulled, expected = metrics.pull(), reference.pull()
+    assert "reward" not in pulled and "episode_return" not in pulled
+    assert pulled["episode_length"].finalize() == expected["episode_length"].finalize()
+    # without any closing key, episodes stop too (and episodes_total is not logged as 0)
+    later = batches[0].clone()
+    del later["next", "done"], later["next", "terminated"], later["next", "truncated"]
+    metrics = CollectorBatchMetrics()
+    metrics.on_post_collect(None, later)
+    (message,) = [m for m in warnings_seen if "done_key=('next', 'done')" in m]
+    assert "dones" in message and "episode_length_mean" in message and "frames, batches and" in message
+    assert set(metrics.pull()) == {"frames", "batches", "reward"}
 
 
 @pytest.mark.parametrize(
@@ -771,7 +784,7 @@ def test_missing_key_names_key_and_keys_present():
         (True, ("next", "reward"), "reward_key"),
     ],
 )
-def test_a_key_of_the_first_batch_missing_from_a_later_one(reward_sum, key, what):
+def test_a_key_of_the_first_batch_missing_from_a_later_one(reward_sum, key, what, warnings_seen):
     # Keys are resolved at the first batch; a later batch without one of them fails with
     # the missing-key error of the first batch, and folds nothing.
     batches = collect(make_env(reward_sum=reward_sum), 10, 30)
@@ -791,10 +804,9 @@ def test_a_key_of_the_first_batch_missing_from_a_later_one(reward_sum, key, what
     assert message.startswith(f"CollectorBatchMetrics: {what}={key!r} is not in the data; ")
     assert ", ".join(repr(k) for k in present) in message
     assert f"Pass CollectorBatchMetrics({what}=...)" in message
-    if what in ("done_key", "reward_key"):  # required: the first batch fails the same way
-        with pytest.raises(MissingKeyError) as first:
-            CollectorBatchMetrics().on_post_collect(None, later)
-        assert str(first.value) == message
+    if what in ("done_key", "reward_key"):  # required: the first batch stops what needs it, loudly
+        CollectorBatchMetrics().on_post_collect(None, later)
+        assert [m for m in warnings_seen if f"{what}={key!r} (closest: " in m]
     # Nothing of the failed batch was folded: the set goes on as if it had not been given.
     assert metrics.counters() == counters
     metrics.on_post_collect(None, batches[2])

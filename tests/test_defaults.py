@@ -150,7 +150,7 @@ def test_buffer_metrics_logged_against_the_collector_frames(logger):
         rb.sample(8)
     source.shutdown()
     assert channel.close(timeout=10)
-    assert [s for s, _ in scalars(logger, "collector/frames")] == [100, 200, 300]
+    assert [v for _, v in scalars(logger, "collector/frames")] == [100.0, 200.0, 300.0]
     assert [s for s, _ in scalars(logger, "replay_buffer/sample_calls")] == [100, 200, 300]
 
 
@@ -201,15 +201,18 @@ def test_a_failing_metric_set_does_not_silence_the_others(logger, caplog):
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     broken = [w for w in warnings if "a bug in a custom set" in w]
     missing = [w for w in warnings if "reward_key='nope'" in w]
-    assert len(broken) == 1 and len(missing) == 1  # once per failure streak each
-    assert "metric set" in missing[0] and "CollectorBatchMetrics" in missing[0]
-    assert "Pass CollectorBatchMetrics(reward_key=...)" in missing[0]
-    assert "_MissingKeyError" not in missing[0] and "MissingKeyError" not in missing[0]
-    assert "other metric sets keep logging" in missing[0]
-    # the healthy set logs every window; the failing ones log no rows of zeros
+    assert len(broken) == 1 and len(missing) == 1  # once each
+    # a key the first batch lacks stops only the metrics that need it, named
+    assert "CollectorBatchMetrics" in missing[0] and "These metrics stopped: reward_mean" in missing[0]
+    assert "frames, batches, episodes and the others keep counting" in missing[0]
+    assert "MissingKeyError" not in missing[0]
+    # the healthy set logs every window; the failing one logs no rows of zeros; the set
+    # missing its reward key still counts frames and episodes
     assert len(scalars(logger, "collector/obs_mean")) == 3
     assert not scalars(logger, "collector/broken_calls")
-    assert not scalars(logger, "collector/frames") and not scalars(logger, "collector/episodes")
+    assert [v for _, v in scalars(logger, "collector/frames")] == [100.0, 200.0, 300.0]
+    assert len(scalars(logger, "collector/episodes")) == 3
+    assert not scalars(logger, "collector/reward_mean")
 
 
 class FailsOnce(MetricSet):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -108,3 +109,146 @@ def test_api_page_names_are_public():
             if name not in getattr(importlib.import_module(module), "__all__", ()):
                 private.append(qualified)
     assert not private, f"documented in docs/api.rst but not in its module's __all__: {private}"
+
+
+# -- the code blocks of README.md and docs/quickstart.rst run as written -------------------------
+
+README = DOCS.parent / "README.md"
+QUICKSTART = DOCS / "quickstart.rst"
+#: The mark of a block that is deliberately a fragment (not run): the line before it is
+#: ``<!-- fragment: why -->`` in Markdown, ``.. fragment: why`` (an rst comment) in rst.
+FRAGMENT = "fragment:"
+
+
+def python_blocks(path: Path) -> list[tuple[int, str, bool]]:
+    """``(line, code, is_fragment)`` of each Python block of a Markdown or rst file, in order."""
+    import re
+    import textwrap
+
+    lines = path.read_text().splitlines()
+    blocks = []
+    previous = ""  # the last non-blank line before a block
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if path.suffix == ".md" and line.strip() in ("```python", "```py"):
+            end = lines.index("```", i + 1)
+            fragment = previous.startswith("<!--") and FRAGMENT in previous
+            blocks.append((i + 1, "\n".join(lines[i + 1 : end]), fragment))
+            i = end
+        elif path.suffix == ".rst" and re.match(r"\.\. code-block:: python\s*$", line.strip()):
+            body = []
+            j = i + 1
+            while j < len(lines) and (not lines[j].strip() or lines[j].startswith((" ", "\t"))):
+                body.append(lines[j])
+                j += 1
+            fragment = previous.startswith("..") and FRAGMENT in previous
+            blocks.append((i + 1, textwrap.dedent("\n".join(body)).strip("\n"), fragment))
+            i = j - 1
+        if line.strip():
+            previous = line.strip()
+        i += 1
+    return blocks
+
+
+def run_blocks(path: Path) -> dict:
+    """Runs the Python blocks of ``path`` that are not marked fragments, in order, in one namespace."""
+    namespace: dict = {"__name__": "__main__"}
+    ran = 0
+    for line, code, fragment in python_blocks(path):
+        if fragment:
+            continue
+        exec(compile(code, f"{path.name}:{line}", "exec"), namespace)  # noqa: S102
+        ran += 1
+    assert ran, f"no Python block ran in {path}"
+    return namespace
+
+
+def tensorboard_scalars(log_dir: Path, tag: str) -> list[tuple[int, float]]:
+    """``(step, value)`` of ``tag`` in every TensorBoard event file under ``log_dir``, in write order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rows = []
+    for events in sorted(log_dir.rglob("events.out.tfevents.*")):
+        accumulator = EventAccumulator(str(events.parent), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        if tag in accumulator.Tags()["scalars"]:
+            rows.extend((e.step, e.value) for e in accumulator.Scalars(tag))
+    return rows
+
+
+def test_fragments_are_found_by_their_mark(tmp_path):
+    page = tmp_path / "page.rst"
+    page.write_text(
+        ".. code-block:: python\n\n   x = 1\n\n.. fragment: a piece of the block above\n\n"
+        ".. code-block:: python\n\n   y = ...\n"
+    )
+    assert python_blocks(page) == [(1, "x = 1", False), (7, "y = ...", True)]
+    readme = tmp_path / "README.md"
+    readme.write_text("```python\nx = 1\n```\n<!-- fragment: not a program -->\n```python\ny\n```\n")
+    assert python_blocks(readme) == [(1, "x = 1", False), (5, "y", True)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_readme_example_is_a_complete_program(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    blocks = python_blocks(README)
+    assert blocks and not any(fragment for _, _, fragment in blocks)
+    run_blocks(README)
+    # what the README says TensorBoard shows, and a pole angle that is not a constant
+    angles = [value for _, value in tensorboard_scalars(tmp_path / "runs", "collector/pole_angle_abs")]
+    assert len(angles) == 4 and len(set(angles)) > 1 and all(0 < a < 0.25 for a in angles)
+    assert tensorboard_scalars(tmp_path / "runs", "collector/episode_return_mean_last_100")
+    assert tensorboard_scalars(tmp_path / "runs", "replay_buffer/sample_age_mean")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_quickstart_runs_as_written_and_its_resume_goes_on(tmp_path, monkeypatch):
+    """Every Python block of the quickstart, in order, as a reader would paste them.
+
+    The last one is the documented resume: saved after 4,000 frames, loaded into a
+    collector built the same way, the collector's steps go on at 5,000.
+    """
+    monkeypatch.chdir(tmp_path)
+    namespace = run_blocks(QUICKSTART)
+    frames = [step for step, _ in tensorboard_scalars(tmp_path / "runs", "collector/frames")]
+    # the long form (every 5,000 of 20,000 frames), the one-line form (5,000), then the
+    # first run of the resume (every 1,000 until 4,000) and the resumed one
+    assert frames == [5000, 10000, 15000, 20000, 5000, 1000, 2000, 3000, 4000, 5000, 6000, 7000, 8000]
+    assert namespace["collector"].state_dict is not None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_one_line_form_logs_the_long_forms_series_but_the_rewards_it_names(tmp_path):
+    """``buffer.attach_logger(logger)`` vs the quickstart's long form: the same series, less reward_*."""
+    from tensordict import TensorDict
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+    from torchrl.record import CSVLogger
+
+    import rl_observers  # noqa: F401
+    from rl_observers import Every, LoggerObserver, MetricsChannel, SampleMetrics, WriteMetrics
+
+    def run(attach) -> set[str]:
+        logger = CSVLogger(exp_name="one_line", log_dir=str(tmp_path / str(len(list(tmp_path.iterdir())))))
+        buffer = TensorDictReplayBuffer(storage=LazyTensorStorage(1000), batch_size=16)
+        attach(buffer, logger)
+        for i in range(5):
+            reward = torch.arange(100.0).add(i).unsqueeze(-1)
+            buffer.extend(TensorDict({"obs": torch.ones(100, 3), "next": {"reward": reward}}, batch_size=[100]))
+            for _ in range(4):
+                buffer.sample()
+        buffer.shutdown()
+        assert MetricsChannel.for_logger(logger).close(timeout=30)
+        return set(logger.experiment.scalars)
+
+    schedule = Every.counter("sample_calls", 20)
+    long_form = run(lambda rb, logger: rb.add_observer(LoggerObserver(
+        logger, schedule=schedule, metrics=[WriteMetrics(reward_key=("next", "reward")), SampleMetrics()]
+    )))
+    one_line = run(lambda rb, logger: rb.attach_logger(logger, schedule=schedule))
+    rewards = {f"replay_buffer/reward_{s}" for s in ("mean", "std", "min", "max")}
+    assert rewards <= long_form
+    assert one_line == long_form - rewards  # what the quickstart says it leaves out, and only that

@@ -255,9 +255,11 @@ def test_checkpoint_resume_neither_loses_nor_double_counts_an_episode(tmp_path):
 def test_missing_key_error_names_the_key(logger, channel, caplog):
     collector = pendulum_collector(frames_per_batch=50, total_frames=100)
     observer = LoggerObserver(channel, metrics=CollectorBatchMetrics(reward_key=("next", "rewrd")), schedule=None)
-    collector.add_observer(observer, on_error="raise")
-    with pytest.raises(KeyError, match=r"rewrd.*reward"):
-        next(iter(collector))
+    # the env's specs prove it absent: refused when attached, the closest key named
+    with pytest.raises(ValueError, match=r"rewrd.*closest: \('next', 'reward'\)"):
+        collector.add_observer(observer, on_error="raise")
+    assert collector.observers == ()
+    collector.shutdown()
     collector = pendulum_collector(frames_per_batch=50, total_frames=100)
     # the first collector is still alive with its observer: this one needs its own name
     collector.add_observer(

@@ -849,3 +849,49 @@ def test_ray_collector_traces_come_back_to_the_driver(ray_cluster, tmp_path, unt
     finally:
         collector.shutdown()
     assert marked(trace_events(written)) == RECORDED_3_4
+
+
+# -- predictable defaults: which workers, where their traces went, a trace a browser opens -------
+
+
+def test_default_options_make_a_trace_without_python_stacks(collectors, tmp_path):
+    """The default drops Python stacks (torchrl's ``enable_profile`` keeps them): ~8x smaller traces."""
+    observer = ProfilerObserver()
+    assert observer.config.with_stack is False and observer.config.record_shapes is True
+    assert observer.config.workers == [0]
+    assert ProfilerObserver(with_stack=True).config.with_stack is True
+    source = collectors(frames_per_batch=50, batches=3)
+    profiler = ProfilerObserver(num_rollouts=3, warmup_rollouts=1, save_path=tmp_path / "t_{worker_idx}.json", activities=["cpu"])
+    source.add_observer(profiler)
+    for _ in source:
+        pass
+    events = trace_events(profiler.trace_path)  # a well-formed Chrome trace
+    assert steps(events) == ["ProfilerStep#1", "ProfilerStep#2"]
+    assert not [e for e in events if e.get("cat") == "python_function"]  # no stacks recorded
+    assert profiler.trace_paths == {0: profiler.trace_path}
+
+
+@pytest.mark.timeout(120)
+def test_trace_paths_lists_each_workers_trace_on_the_driver(tmp_path):
+    """A 2-worker MultiSyncCollector profiled in both workers: the driver says where each trace went."""
+    stale = tmp_path / "t_1.json"
+    stale.write_text("{}")  # an older trace at a worker's path is not listed as written...
+    os.utime(stale, (0, 0))
+    env = CountingEnv(max_steps=5)
+    collector = MultiSyncCollector(
+        [CountingEnv, CountingEnv], RandomPolicy(env.action_spec), frames_per_batch=16, total_frames=64
+    )
+    profiler = ProfilerObserver(
+        workers=[0, 1], num_rollouts=3, warmup_rollouts=1, save_path=tmp_path / "t_{worker_idx}.json", **FAST
+    )
+    try:
+        collector.add_observer(profiler)
+        assert profiler.trace_paths == {}  # nothing written yet
+        for _ in collector:
+            pass
+    finally:
+        collector.shutdown()
+    assert profiler.trace_path is None  # the driver profiled nothing itself
+    assert profiler.trace_paths == {0: tmp_path / "t_0.json", 1: tmp_path / "t_1.json"}  # ...until rewritten
+    for path in profiler.trace_paths.values():
+        assert steps(trace_events(path)) == ["ProfilerStep#1", "ProfilerStep#2"]

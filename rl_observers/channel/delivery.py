@@ -30,7 +30,7 @@ from torchrl._utils import logger as torchrl_logger
 from rl_observers.channel.payload import Payload, expand
 from rl_observers.channel.queue import PendingEntry, PendingQueue
 
-__all__ = ["Delivery", "Router", "Row", "health_problem", "register_router"]
+__all__ = ["Delivery", "Router", "Row", "counts_line", "health_problem", "register_router"]
 
 #: One logger call: ``(namespace, metrics, step)``.
 Row = tuple[str, dict[str, Any], "int | None"]
@@ -40,6 +40,10 @@ CLOSE_STALL_TIMEOUT = 30.0
 # that. Each wake-up of the thread takes the GIL from the source thread, and waking it is a
 # syscall in the source's submit: under steady traffic one wake-up per burst, not per entry.
 GATHER_SECONDS = 0.05
+#: The least seconds between two warnings of a sink that keeps failing (``on_error="warn"``):
+#: the first failure of a streak warns at once, then at most one warning per this many
+#: seconds while the failures go on, each with the counts since the previous one.
+REPEAT_WARNING_SECONDS = 60.0
 
 
 class Router(Protocol):
@@ -67,6 +71,32 @@ class Router(Protocol):
         produced so far are written (a router that finishes independent
         parts yields every part it can, then raises the first error).
         """
+
+
+def counts_line(counts: Mapping[str, int]) -> str:
+    """The channel's counts a warning shows: what was submitted, logged, dropped, failed (and lost).
+
+    Examples:
+        >>> counts_line({"submitted": 5, "logged": 2, "pending": 0, "dropped": 1, "sink_errors": 2})
+        'submitted 5, logged 2, pending 0, dropped 1, failed (sink_errors) 2'
+    """
+    parts = [
+        f"{label} {counts[key]}"
+        for key, label in (
+            ("submitted", "submitted"),
+            ("logged", "logged"),
+            ("pending", "pending"),
+            ("coalesced", "coalesced"),
+            ("dropped", "dropped"),
+            ("sink_errors", "failed (sink_errors)"),
+            ("remote_dropped", "dropped in other processes"),
+            ("receiver_restarts", "receiver restarts"),
+            ("copies_lost", "copies lost"),
+            ("windows_lost", "windows lost"),
+        )
+        if key in counts and (counts[key] or key in ("submitted", "logged", "pending", "dropped", "sink_errors"))
+    ]
+    return ", ".join(parts)
 
 
 def health_problem(counts: Mapping[str, int], capacity: int) -> bool:
@@ -167,6 +197,10 @@ class Delivery:
         self._lost_seen = queue.lost()
         self._routers: dict[type, Router] = {}
         self._failing = False
+        # failures of the current streak: in all, and since its last warning (and when that was)
+        self._streak_failures = 0
+        self._unwarned_failures = 0
+        self._warned_at = 0.0
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
         self._counts = queue.counts if counts is None else counts
@@ -347,12 +381,40 @@ class Delivery:
             with self._error_lock:
                 if self._error is None:
                     self._error = err
-        elif self.on_error == "warn" and not self._failing:
-            torchrl_logger.warning(
-                f"MetricsChannel {self.name!r} {what}: {err!r}. Further errors will be "
-                "silent until the logger recovers."
-            )
+        elif self.on_error == "warn":
+            self._warn_failure(err, what)
         self._failing = True
+
+    def _warn_failure(self, err: BaseException, what: str) -> None:
+        """Warns at the first failure of a streak, then once per ``REPEAT_WARNING_SECONDS``.
+
+        Each repeat says how many failures came since the previous warning
+        and in the whole streak, with the channel's counts, so a sink that
+        never recovers stays visible for the whole run (the messages differ,
+        and the torchrl logger never swallows a repeat).
+        """
+        now = time.monotonic()
+        if not self._failing:
+            self._streak_failures = self._unwarned_failures = 0
+        self._streak_failures += 1
+        self._unwarned_failures += 1
+        if self._streak_failures == 1:
+            self._warned_at = now
+            self._unwarned_failures = 0
+            torchrl_logger.warning(
+                f"MetricsChannel {self.name!r} {what}: {err!r}. While failures go on "
+                f"this is repeated at most once every {REPEAT_WARNING_SECONDS:g} seconds, with "
+                "the counts; see channel.health()."
+            )
+            return
+        if now - self._warned_at < REPEAT_WARNING_SECONDS:
+            return
+        since, self._unwarned_failures, self._warned_at = self._unwarned_failures, 0, now
+        torchrl_logger.warning(
+            f"MetricsChannel {self.name!r}: the logger is still failing: {since} more "
+            f"failure(s) since the previous warning, {self._streak_failures} in this streak; "
+            f"the latest {what}: {err!r}. {counts_line(self._counts())}."
+        )
 
     def clean_since_last_check(self) -> bool:
         """Whether nothing failed nor was lost since the previous call (what flush/close return)."""

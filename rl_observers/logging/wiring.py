@@ -60,9 +60,10 @@ def bind_sets(
     the schedule's counter, else the sets' first counter.
 
     Raises:
-        ValueError: a set that folds no event of the source, a set the source
-            refuses (its ``check_metric_sets``), or a schedule or ``step=``
-            naming a counter that no set counts.
+        ValueError: a key a set reads that the source's specs prove absent
+            (:meth:`~rl_observers.MetricSet.check_keys`), a set that folds no event of
+            the source, a set the source refuses (its ``check_metric_sets``), or a
+            schedule or ``step=`` naming a counter that no set counts.
     """
     if sets is None:
         sets = default_metrics(source)
@@ -75,6 +76,9 @@ def bind_sets(
         check(source, sets)
     for metric_set in sets:
         metric_set.bind(source)
+        check_keys = getattr(metric_set, "check_keys", None)
+        if callable(check_keys):
+            check_keys(source)  # a key the source's specs prove absent: refused here
     extra = missing_source_counters(source, sets)
     if extra is not None:
         sets = (*sets, extra)

@@ -18,10 +18,14 @@ waiting for it. Besides the events it offers:
   cumulative counters and in-flight accumulators, so a resumed run neither
   double-counts nor loses an episode.
 
-Configuration is validated at construction; keys are resolved at the first
-batch, and a missing key raises a :class:`KeyError` naming the key, the
-keys present and the argument to change (a LoggerObserver reports it for that
-set alone, per its ``on_error`` policy, and its other sets keep logging).
+Configuration is validated at construction; keys a source's specs prove
+absent are refused when the observer is attached
+(:meth:`MetricSet.check_keys`: the key, the keys present, the closest
+match); keys are resolved at the first batch, and a missing key raises a
+:class:`KeyError` naming the key, the keys present and the argument to change
+(a LoggerObserver reports it for that set alone, per its ``on_error`` policy,
+and its other sets keep logging; :class:`CollectorBatchMetrics` stops only
+the metrics that need a key its first batch lacks, and says which).
 
 Counters that depend on tensor values (``episodes``, and ``frames`` of masked
 ``trajs_per_batch`` batches) are *observed, not exact*: on CPU they are read
@@ -38,6 +42,8 @@ one more number in one line), :mod:`~rl_observers.metrics.histogram`,
 :mod:`~rl_observers.metrics.collector` (:class:`CollectorBatchMetrics`, whose
 fold paths are modules of that package),
 :mod:`~rl_observers.metrics.samples` (:class:`SampleMetrics`),
+:mod:`~rl_observers.metrics.priorities` (what a prioritized sampler stores
+for the sampled items: :func:`stored_priorities`),
 :mod:`~rl_observers.metrics.writes` (:class:`WriteMetrics`),
 :mod:`~rl_observers.metrics.keys` (key checks, missing-key errors, the keys
 of a source's env) and :mod:`~rl_observers.metrics.storage` (replay-buffer
@@ -61,6 +67,7 @@ from rl_observers.metrics.oneliners import (
     Summary,
 )
 from rl_observers.metrics.policy_lag import PolicyLag
+from rl_observers.metrics.priorities import stored_priorities
 from rl_observers.metrics.quantiles import Quantiles
 from rl_observers.metrics.samples import SampleMetrics
 from rl_observers.metrics.source import StatsProvider
@@ -86,4 +93,5 @@ __all__ = [
     "Summary",
     "WorkerHealth",
     "WriteMetrics",
+    "stored_priorities",
 ]

@@ -169,6 +169,18 @@ class MetricSet:
         there). Defaults to nothing.
         """
 
+    def check_keys(self, source: Any) -> None:
+        """Raises when a key this set reads is provably absent from ``source``'s data.
+
+        Called by the observer once, when it is attached (after
+        :meth:`bind`), where it is attached; not again on the copies that run
+        in workers or actors. A set checks what the source can tell at that
+        point (a collector's env specs, an initialized buffer's storage) and
+        raises a :class:`ValueError` naming the key, the keys present and the
+        closest match; where the source cannot tell, the first batch does.
+        Defaults to nothing.
+        """
+
     # -- reducers, created on first use ----------------------------------------------
 
     def moments(

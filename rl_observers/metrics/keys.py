@@ -5,6 +5,7 @@ Replay-buffer storage, writer and index helpers are in :mod:`rl_observers.metric
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 from typing import Any
 
@@ -145,3 +146,116 @@ def keys_from_source(source: Any) -> dict[str, NestedKey | None] | None:
         "episode_reward": ("next", *group, "episode_reward"),
         "step_count": ("next", *(any_done[:-1] if any_done else group), "step_count"),
     }
+
+
+def closest_key(key: NestedKey, present: Iterable[NestedKey]) -> NestedKey | None:
+    """The key of ``present`` whose spelling is closest to ``key`` (``difflib``), or ``None``.
+
+    Examples:
+        >>> closest_key(("next", "rewardz"), [("next", "reward"), ("next", "done"), "observation"])
+        ('next', 'reward')
+        >>> closest_key("reward", [("next", "reward"), "obs"])
+        ('next', 'reward')
+    """
+    def leaf(k: NestedKey) -> str:
+        return k[-1] if isinstance(k, tuple) else k
+
+    best, best_score = None, 0.6  # difflib's default cutoff
+    for candidate in sorted(present, key=str):
+        # the whole key, or its last name (``"reward"`` for ``("next", "reward")``)
+        score = max(
+            difflib.SequenceMatcher(None, str(key), str(candidate)).ratio(),
+            difflib.SequenceMatcher(None, leaf(key), leaf(candidate)).ratio() - 0.01,
+        )
+        if score > best_score:
+            best, best_score = candidate, score
+    return best
+
+
+def absent_key(owner: str, what: str, key: NestedKey, present: Iterable[NestedKey], where: str) -> ValueError:
+    """The error of a key that ``where`` proves absent: the key, the keys present, the closest match.
+
+    Examples:
+        >>> print(absent_key("CollectorBatchMetrics", "reward_key", ("next", "rewardz"),
+        ...                  [("next", "reward"), ("next", "done")], "the env's specs"))
+        CollectorBatchMetrics: reward_key=('next', 'rewardz') is not in the data (known from the env's specs); keys present: ('next', 'done'), ('next', 'reward'); closest: ('next', 'reward'). Pass CollectorBatchMetrics(reward_key=...) one of these keys, or None to leave that metric out.
+    """
+    present = list(present)
+    shown = ", ".join(repr(k) for k in sorted(present, key=str)) or "none"
+    match = closest_key(key, present)
+    closest = f"; closest: {match!r}" if match is not None else ""
+    return ValueError(
+        f"{owner}: {what}={key!r} is not in the data (known from {where}); "
+        f"keys present: {shown}{closest}. Pass {owner}({what}=...) one of these keys, or None "
+        "to leave that metric out."
+    )
+
+
+class SpecKeys:
+    """The keys a collector's batches hold as far as its env's specs (and policy) tell.
+
+    ``keys``: the leaves of the env's full observation, state, done and
+    action specs at the root, of its observation, state, done and reward
+    specs under ``"next"``, the policy's declared ``out_keys`` and
+    torchrl's ``("collector", "traj_ids")``. ``next_complete``: no key under
+    ``"next"`` can come from anywhere else (no ``postproc``: what a step
+    writes there is the env's, transforms included, and a policy's writes
+    there are replaced by the step's). ``root_complete``: the root keys are
+    complete too (no ``postproc``, and a policy that declares its
+    ``out_keys``: a ``RandomPolicy`` or a plain function does not).
+    """
+
+    __slots__ = ("keys", "next_complete", "root_complete")
+
+    def __init__(self, keys: set[NestedKey], next_complete: bool, root_complete: bool) -> None:
+        self.keys = keys
+        self.next_complete = next_complete
+        self.root_complete = root_complete
+
+    def proves_absent(self, key: NestedKey) -> bool:
+        """Whether ``key`` is provably not in the batches."""
+        if key in self.keys:
+            return False
+        under_next = isinstance(key, tuple) and key[0] == "next"
+        return self.next_complete if under_next else self.root_complete
+
+
+def spec_keys(source: Any) -> SpecKeys | None:
+    """What :class:`SpecKeys` the collector ``source`` tells, or ``None`` without an env here.
+
+    Examples:
+        >>> from torchrl.collectors import Collector
+        >>> from torchrl.envs.utils import RandomPolicy
+        >>> from torchrl.testing.mocking_classes import CountingEnv
+        >>> env = CountingEnv()
+        >>> collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=4, total_frames=4)
+        >>> known = spec_keys(collector)
+        >>> known.proves_absent(("next", "rewardz")), known.proves_absent(("next", "reward"))
+        (True, False)
+        >>> known.proves_absent("logits")  # RandomPolicy declares no out_keys
+        False
+        >>> collector.shutdown()
+    """
+    env = env_of(source)
+    if env is None:
+        return None
+
+    def leaves(spec: Any) -> set[tuple[str, ...]]:
+        try:
+            return {_as_tuple(k) for k in spec.keys(include_nested=True, leaves_only=True)}
+        except Exception:  # an env without that spec
+            return set()
+
+    observed = leaves(env.full_observation_spec) | leaves(env.full_state_spec)
+    done = leaves(env.full_done_spec)
+    root = observed | done | leaves(env.full_action_spec)
+    after_step = observed | done | leaves(env.full_reward_spec)
+    policy = getattr(source, "policy", None)
+    out_keys = getattr(policy, "out_keys", None)
+    keys: set[NestedKey] = {unravel_key(k) for k in root}
+    keys |= {("next", *k) for k in after_step}
+    keys.add(("collector", "traj_ids"))
+    if out_keys is not None:
+        keys |= {unravel_key(k) for k in out_keys}
+    plain = getattr(source, "postproc", None) is None
+    return SpecKeys(keys, plain, plain and out_keys is not None)

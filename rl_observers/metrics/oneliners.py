@@ -7,6 +7,12 @@ default; ``"post_sample"``, ``"post_extend"`` or ``"post_add"`` on a replay
 buffer). It receives the payload: ``fn(batch)`` for ``post_collect``,
 ``fn(batch)`` or ``fn(batch, info)`` for ``post_sample``, ``fn(data)`` or
 ``fn(data, index)`` for writes; which, is decided once from its signature.
+A function with one more required positional parameter than the whole
+payload also receives the source, last: ``fn(batch, info, buffer)``
+reads the buffer where the sample was made (its sampler, its storage), in
+the process or actor where the buffer lives, e.g.
+``Mean("priority", lambda batch, info, rb: stored_priorities(rb, info), on="post_sample")``
+(:func:`~rl_observers.metrics.stored_priorities`).
 
 It returns a real tensor (folded on its device, no host-device sync), a
 real number (Python's, or a numpy scalar such as ``np.float32``), or
@@ -92,12 +98,24 @@ _EVENTS_OF_KIND = {"collector": COLLECTOR_EVENTS, "replay_buffer": REPLAY_BUFFER
 
 
 def _arity(fn: Callable[..., Any], event: str, owner: str) -> int:
-    """How many payload arguments ``fn`` takes for ``event`` (the most it accepts)."""
+    """How many payload arguments ``fn`` takes for ``event`` (the most it accepts).
+
+    ``len(payload) + 1``: it takes the whole payload and the source, which
+    it asks for with one more required positional parameter (a parameter
+    with a default, ``lambda batch, key=key: ...``, is never given the source).
+    """
     payload = EVENT_PAYLOADS[event]
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return 1
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [
+        p for p in signature.parameters.values()
+        if p.kind in positional and p.default is inspect.Parameter.empty
+    ]
+    if len(required) == len(payload) + 1:
+        return len(payload) + 1
     for n in range(len(payload), 0, -1):
         try:
             signature.bind(*range(n))
@@ -144,7 +162,10 @@ class Metric(MetricSet):
         self.fn = fn
         self.on = on
         self.folded_events = (on,)
-        self._full = fn is not None and _arity(fn, on, owner) == 2
+        arity = 1 if fn is None else _arity(fn, on, owner)
+        self._full = arity >= 2
+        # the source too, last (see the module's docs): fn(*payload, source)
+        self._with_source = arity == len(EVENT_PAYLOADS[on]) + 1
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, on={self.on!r})"
@@ -162,25 +183,34 @@ class Metric(MetricSet):
     # -- events: the function runs outside the lock --------------------------------------
 
     def on_post_collect(self, source: Any, batch: Any) -> None:
-        value = self.fn(batch)  # type: ignore[misc]
+        value = self.fn(batch, source) if self._with_source else self.fn(batch)  # type: ignore[misc]
         if value is not None:
             with self._lock:
                 self.fold(value)
 
     def on_post_sample(self, source: Any, batch: Any, info: Any) -> None:
-        value = self.fn(batch, info) if self._full else self.fn(batch)  # type: ignore[misc]
+        if self._with_source:
+            value = self.fn(batch, info, source)  # type: ignore[misc]
+        else:
+            value = self.fn(batch, info) if self._full else self.fn(batch)  # type: ignore[misc]
         if value is not None:
             with self._lock:
                 self.fold(value)
 
     def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
-        value = self.fn(data, index) if self._full else self.fn(data)  # type: ignore[misc]
+        if self._with_source:
+            value = self.fn(data, index, source)  # type: ignore[misc]
+        else:
+            value = self.fn(data, index) if self._full else self.fn(data)  # type: ignore[misc]
         if value is not None:
             with self._lock:
                 self.fold(value)
 
     def on_post_add(self, source: Any, data: Any, index: Any) -> None:
-        value = self.fn(data, index) if self._full else self.fn(data)  # type: ignore[misc]
+        if self._with_source:
+            value = self.fn(data, index, source)  # type: ignore[misc]
+        else:
+            value = self.fn(data, index) if self._full else self.fn(data)  # type: ignore[misc]
         if value is not None:
             with self._lock:
                 self.fold(value)

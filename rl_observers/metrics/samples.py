@@ -12,6 +12,7 @@ import torch
 
 from rl_observers.metrics.base import MetricSet
 from rl_observers.metrics.keys import check_bool
+from rl_observers.metrics.priorities import prioritized_sampler, read_stored
 from rl_observers.metrics.storage import (
     dim0_capacity,
     dim0_slots,
@@ -73,13 +74,27 @@ class SampleMetrics(MetricSet):
     ``priority_weight_mean``          window    mean importance weight sampled
     ``priority_weight_min``           window    minimum importance weight
     ``priority_weight_max``           window    maximum importance weight
+    ``stored_priority_mean``          window    mean sampling priority of the sampled items,
+                                                ``(p + eps) ** alpha`` as the sampler stores it
+    ``stored_priority_min``           window    minimum of those
+    ``stored_priority_max``           window    maximum of those
     ``sample_age_mean``               window    mean age of sampled items, in items written
     ``sample_age_min``                window    minimum age
     ``sample_age_max``                window    maximum age
     ================================  ========  =========================================
 
     Weights come from the sampler's ``info["priority_weight"]`` (or
-    ``info["_weight"]``), when present. **Age** is the number of items written
+    ``info["_weight"]``), when present. **Stored priorities** are read, for
+    a buffer whose sampler is one of torchrl's prioritized samplers
+    (``PrioritizedSampler``, ``PrioritizedSliceSampler``: every
+    ``PrioritizedReplayBuffer`` and ``TensorDictPrioritizedReplayBuffer``),
+    from the sampler's sum tree at the sampled ``info["index"]`` when the
+    sample's event runs: the value the tree holds, ``(p + eps) ** alpha``
+    for a priority ``p`` (exact, in the tree's dtype; one value per sampled
+    item, per step for a slice sampler). The priority as set is
+    ``stored ** (1 / alpha) - eps`` when ``alpha > 0``
+    (:mod:`rl_observers.metrics.priorities`); a one-liner reads the same
+    values with :func:`~rl_observers.metrics.stored_priorities`. **Age** is the number of items written
     to the buffer after the sampled item: ``0`` for the newest item.
 
     With torchrl's round-robin writers on a 1-D storage (the default of every
@@ -126,15 +141,20 @@ class SampleMetrics(MetricSet):
     Keyword Args:
         priority_weight (bool, optional): emit ``priority_weight_*``.
             Defaults to ``True``.
+        priority (bool, optional): emit ``stored_priority_*`` (with a
+            prioritized sampler; nothing otherwise). One read of the sum
+            tree per sample: measured +13 to +30 µs on a prioritized
+            ``sample(256)`` of ~255 µs (CPU). Defaults to ``True``.
         age (bool, optional): emit ``sample_age_*`` (from the writer's
             cursor, or from stamped writes with other writers or storages).
             Defaults to ``True``.
         quantiles (sequence of float, optional): also report these
-            quantiles (each in (0, 1)) of the sampled ages and importance
-            weights: ``sample_age_p5``, ``sample_age_p50``, ... and
-            ``priority_weight_p5``, ... (:class:`~rl_observers.stats.QuantileSketch`
-            partials keyed ``"sample_age_quantiles"`` and
-            ``"priority_weight_quantiles"``), each within 1 % (relative) of
+            quantiles (each in (0, 1)) of the sampled ages, importance
+            weights and stored priorities: ``sample_age_p5``,
+            ``sample_age_p50``, ..., ``priority_weight_p5``, ... and
+            ``stored_priority_p5``, ... (:class:`~rl_observers.stats.QuantileSketch`
+            partials keyed ``"sample_age_quantiles"``,
+            ``"priority_weight_quantiles"`` and ``"stored_priority_quantiles"``), each within 1 % (relative) of
             the lower quantile of every value the window sampled, merged
             exactly across workers. Defaults to ``None`` (not kept).
 
@@ -159,7 +179,10 @@ class SampleMetrics(MetricSet):
     counter_names = ("sample_calls", "samples_returned")
     #: Gauges that are not cumulative counters: merged across workers by keeping the newest.
     latest_gauges: tuple[str, ...] = ("batch_size",)
-    _transient = ("_sampled", "_ring", "_ring_host", "_ring_slots", "_cursor_shared", "_cursor_cell")
+    _transient = (
+        "_sampled", "_ring", "_ring_host", "_ring_slots", "_cursor_shared", "_cursor_cell",
+        "_prioritized",
+    )
     _lock_folds = False  # writes take the lock only when ages are on
 
     def __init__(
@@ -167,6 +190,7 @@ class SampleMetrics(MetricSet):
         *,
         priority_weight: bool = True,
         age: bool = True,
+        priority: bool = True,
         quantiles: Sequence[float] | None = None,
     ) -> None:
         super().__init__()
@@ -176,12 +200,20 @@ class SampleMetrics(MetricSet):
         stats = _AGE_STATS
         self._weights = self.moments("priority_weight", stats=stats) if priority_weight else None
         self._ages = self.moments("sample_age", stats=stats) if age else None
+        self.priority = check_bool(priority, "priority", owner)
+        self._priorities = self.moments("stored_priority", stats=stats) if priority else None
+        # (sampler, storage) of a prioritized buffer, once bound
+        self._prioritized: tuple[Any, Any] | None = None
         # Opt-in quantiles: what folds into the moments folds into a sketch too.
         self._age_quantiles = None
         if quantiles is not None:
             if self._weights is not None:
                 self._weights = _WithQuantiles(
                     self._weights, self.quantiles("priority_weight", q=quantiles)
+                )
+            if self._priorities is not None:
+                self._priorities = _WithQuantiles(
+                    self._priorities, self.quantiles("stored_priority", q=quantiles)
                 )
             if self._ages is not None:
                 self._age_quantiles = self.quantiles("sample_age", q=quantiles)
@@ -231,6 +263,8 @@ class SampleMetrics(MetricSet):
         self._skips = writer_may_skip(source)
         self._ring = None
         self._ring_of(source)
+        sampler = prioritized_sampler(source) if self._priorities is not None else None
+        self._prioritized = None if sampler is None else (sampler, storage_of(source))
 
     def _ring_of(self, source: Any) -> tuple[Any, Any, int] | bool:
         ring = self._ring
@@ -311,6 +345,11 @@ class SampleMetrics(MetricSet):
                     weights = info.get("_weight", None)
                 if weights is not None:
                     self._weights.fold(torch.as_tensor(weights))
+            if self._prioritized is not None:
+                sampler, storage = self._prioritized
+                priorities = read_stored(sampler, index, storage)
+                if priorities is not None:
+                    self._priorities.fold(priorities)  # type: ignore[union-attr]
             if self._ages is None or slots is None or not n:
                 return
             ring = self._ring

@@ -12,7 +12,7 @@ import torch
 from tensordict import is_tensor_collection
 
 from rl_observers.metrics.base import MetricSet
-from rl_observers.metrics.keys import NestedKey, check_key, leaf_keys, missing_key
+from rl_observers.metrics.keys import NestedKey, absent_key, check_key, leaf_keys, missing_key
 from rl_observers.metrics.storage import (
     leading_size,
     round_robin,
@@ -140,6 +140,32 @@ class WriteMetrics(MetricSet):
         with self._lock:
             self._fold_range()
             self._ring = None
+
+    def check_keys(self, source: Any) -> None:
+        """Refuses a ``reward_key`` that the buffer's storage, once it holds data, does not have.
+
+        A storage of TensorDicts that holds items says which keys every
+        write holds (torchrl's tensor storages refuse a write with other
+        keys). An empty or uninitialized storage cannot tell: the first
+        write checks the key then.
+
+        Raises:
+            ValueError: naming the key, the keys present and the closest match.
+        """
+        if self.reward_key is None:
+            return
+        storage = storage_of(source)
+        try:
+            if storage is None or not len(storage):
+                return
+            item = storage.get(0)
+        except Exception:  # a storage that cannot be read here (remote, lazy): the first write
+            return
+        if not is_tensor_collection(item):
+            return
+        present = leaf_keys(item)
+        if self.reward_key not in present:
+            raise absent_key(type(self).__name__, "reward_key", self.reward_key, present, "the buffer's storage")
 
     def on_post_add(self, source: Any, data: Any, index: Any) -> None:
         """Counts the item, unless the writer skipped it (``index`` is ``None`` or ``-1``)."""

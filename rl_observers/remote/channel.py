@@ -31,6 +31,9 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
+from torchrl._utils import logger as torchrl_logger
+
+from rl_observers.channel.delivery import counts_line
 from rl_observers.channel.payload import Payload, check_metrics
 from rl_observers.observer import OnError
 from rl_observers.remote.handle import OWNERS, MetricsHandle
@@ -43,6 +46,11 @@ __all__ = ["MetricsChannel"]
 
 # The most seconds the interpreter's exit waits for live channels to deliver.
 _EXIT_TIMEOUT = 5.0
+
+# The health counters that say something failed or was lost (what a False flush warns about).
+_LOSSES = (
+    "dropped", "sink_errors", "remote_dropped", "receiver_restarts", "copies_lost", "windows_lost"
+)
 
 # Process-local registry of live channels, by token (closed at exit, told about forks).
 _CHANNELS: weakref.WeakValueDictionary[str, MetricsChannel] = weakref.WeakValueDictionary()
@@ -113,7 +121,10 @@ class MetricsChannel:
             one being logged aside). Must be at least 1. Defaults to ``1024``.
         on_error (str, optional): what to do when the logger raises (or a
             partial fails to merge or finalize): ``"warn"`` (default) logs a
-            warning once per failure streak through the torchrl logger,
+            warning through the torchrl logger at the first failure of a
+            streak and again at most once a minute while it goes on (with
+            the counts), and a warning when :meth:`flush` or :meth:`close`
+            returns ``False``;
             ``"raise"`` stores the first error and raises it from the next
             :meth:`flush`, :meth:`step` or :meth:`close`, ``"ignore"`` only
             counts it. Logging resumes as soon as the logger recovers.
@@ -156,7 +167,7 @@ class MetricsChannel:
         [(3, 1.0)]
     """
 
-    __slots__ = ("__weakref__", "_addresses", "_finalizer", "_state", "_token")
+    __slots__ = ("__weakref__", "_addresses", "_finalizer", "_losses_told", "_on_error", "_state", "_token")
 
     def __init__(
         self,
@@ -170,6 +181,8 @@ class MetricsChannel:
         log_health: bool = False,
     ) -> None:
         self._token = uuid.uuid4().hex
+        self._on_error = on_error
+        self._losses_told: tuple[int, ...] = ()
         owner = Owner(
             logger,
             self._token,
@@ -306,7 +319,7 @@ class MetricsChannel:
             Exception: with ``on_error="raise"``, the first logger error
                 stored since the last raise.
         """
-        return self._state.flush(timeout)
+        return self._said(self._state.flush(timeout), "flush")
 
     def step(self) -> int:
         """Delivers every pending entry in the calling thread (``background=False`` only).
@@ -365,7 +378,28 @@ class MetricsChannel:
             state = self._state
             if _SHARED.get(id(state.logger)) is self:
                 del _SHARED[id(state.logger)]
-        return state.close(timeout)
+        return self._said(state.close(timeout), "close")
+
+    def _said(self, result: bool, what: str) -> bool:
+        """``result``, with a warning when it is ``False`` (unless ``on_error="ignore"``).
+
+        A :meth:`flush` whose timeout expired while nothing failed nor was lost
+        (a slow logger, still delivering) is not warned about: only
+        :meth:`close` leaving entries behind is.
+        """
+        if not result and self._on_error != "ignore":
+            counts = self.health()
+            losses = tuple(counts.get(key, 0) for key in _LOSSES)
+            told, self._losses_told = self._losses_told, losses
+            if what == "flush" and losses == (told or (0,) * len(_LOSSES)):
+                return result
+            torchrl_logger.warning(
+                f"MetricsChannel {self.name!r}: {what}() returns False: since the previous "
+                f"flush() or close(), something failed or was not delivered ({counts_line(counts)}"
+                + ("; the timeout expired with entries pending" if counts.get("pending") else "")
+                + "). See channel.health() and the warnings above."
+            )
+        return result
 
     def health(self) -> dict[str, int]:
         """Returns the channel's counters.

@@ -137,8 +137,9 @@ def test_a_name_the_logger_cannot_store_is_a_counted_sink_error_and_the_channel_
     assert health["sink_errors"] == 1 and health["logged"] == 1
     assert_balanced(health)
     assert read_csv(tmp_path / "long" / "scalars" / "b" / "y.csv") == [(2, 2.0)]
-    (message,) = [m for m in told if "MetricsChannel 'long'" in m]
+    message, returned = [m for m in told if "MetricsChannel 'long'" in m]
     assert "File name too long" in message or "name too long" in message.lower()
+    assert "flush() returns False" in returned and "failed (sink_errors) 1" in returned
     assert channel.close(timeout=10)
 
 

@@ -54,7 +54,13 @@ def assert_nothing_lost(logger: RecordingLogger) -> None:
 
 
 def sink_warnings(told: list[str]) -> list[str]:
-    return [m for m in told if "MetricsChannel" in m]
+    """The warnings of the sink's failures (not those of flush()/close() returning False)."""
+    return [m for m in told if "MetricsChannel" in m and "returns False" not in m]
+
+
+def returned_false(told: list[str], what: str) -> list[str]:
+    """The warnings of ``what`` (``"flush"``, ``"close"``) returning False."""
+    return [m for m in told if f"{what}() returns False" in m]
 
 
 @pytest.mark.timeout(60)
@@ -106,6 +112,8 @@ def test_close_without_timeout_gives_up_on_a_hung_sink_and_says_so(gate, told, m
     assert time.monotonic() - start < 5.0
     (message,) = sink_warnings(told)
     assert "'stuck'" in message and "has not returned" in message and "2 entries" in message
+    (returned,) = returned_false(told, "close")
+    assert "'stuck'" in returned and "pending 2" in returned
     with MetricsChannel(RecordingLogger(gate=gate), name="stuck2", health_interval=None) as other:
         other.submit_metrics({"x": 1.0})
     assert other.closed  # leaving the with block is bounded too
@@ -148,10 +156,13 @@ def test_a_flaky_sink_recovers_and_logging_resumes(told):
     rb = ReplayBuffer(storage=LazyTensorStorage(1000))
     rb.add_observer(LoggerObserver(channel, name="rb", schedule=None))
 
+    refused = []
+
     def write(n, delivered=True):
         for _ in range(n):
             rb.extend(torch.arange(4))
         assert channel.flush(timeout=10) is delivered  # False while the sink fails
+        refused.append(not delivered)
 
     write(3)  # before the fault: logged
     broken.set()
@@ -169,9 +180,58 @@ def test_a_flaky_sink_recovers_and_logging_resumes(told):
     assert_balanced(health)
     streaks = [m for m in sink_warnings(told) if "'flaky'" in m]
     assert len(streaks) == 2 and "sink failure" in streaks[0]
+    # each flush that returned False said so
+    assert len(returned_false(told, "flush")) == sum(refused) == 2
     # the channel's health, logged once the sink is back, reports the errors
     assert wait_for(lambda: (logger.series("flaky/sink_errors") or [(0, -1)])[-1][1] == health["sink_errors"])
     assert channel.close(timeout=10)
+
+
+class ConnectionLost(RecordingLogger):
+    """A logger whose every call raises ``ConnectionError`` (a remote sink gone for good)."""
+
+    def log_metrics(self, metrics, step=None, **kwargs):
+        self.attempts += 1
+        raise ConnectionError("sink unreachable")
+
+
+def test_a_sink_that_never_recovers_stays_visible(told, monkeypatch):
+    """Warned at the first failure, again while it keeps failing (with counts), and at close()."""
+    monkeypatch.setattr(delivery_module, "REPEAT_WARNING_SECONDS", 1e9)  # no repeat is due yet
+    logger = ConnectionLost()
+    channel = MetricsChannel(logger, name="gone", background=False, health_interval=None)
+    for step in range(3):
+        channel.submit_metrics({"x": float(step)}, step=step, namespace="train")
+        channel.step()
+    said = [m for m in sink_warnings(told) if "'gone'" in m]
+    assert len(said) == 1 and "ConnectionError('sink unreachable')" in said[0]
+    assert "at most once every 1e+09 seconds" in said[0]
+    # the repeat interval has passed (here: it is 0): each failure warns again, with counts
+    monkeypatch.setattr(delivery_module, "REPEAT_WARNING_SECONDS", 0.0)
+    for step in range(3, 5):
+        channel.submit_metrics({"x": float(step)}, step=step, namespace="train")
+        channel.step()
+    said = [m for m in sink_warnings(told) if "'gone'" in m]
+    assert len(said) == 3
+    assert "still failing: 3 more failure(s) since the previous warning, 4 in this streak" in said[1]
+    # (the entry being logged when the sink raised is still pending)
+    assert "submitted 4, logged 0, pending 1, dropped 0, failed (sink_errors) 3" in said[1]
+    assert "1 more failure(s) since the previous warning, 5 in this streak" in said[2]
+    assert not channel.close()
+    assert returned_false(told, "close") == [
+        "MetricsChannel 'gone': close() returns False: since the previous flush() or close(), "
+        "something failed or was not delivered (submitted 5, logged 0, pending 0, dropped 0, "
+        "failed (sink_errors) 5). See channel.health() and the warnings above."
+    ]
+    assert logger.attempts == 5
+
+
+def test_on_error_ignore_stays_quiet_at_close(told):
+    channel = MetricsChannel(ConnectionLost(), name="quiet", background=False, on_error="ignore")
+    channel.submit_metrics({"x": 1.0}, namespace="train")
+    channel.step()
+    assert not channel.close()
+    assert not [m for m in told if "'quiet'" in m]
 
 
 # -- logger services whose process or actor dies ---------------------------------------------------

@@ -11,6 +11,8 @@ with the set: :class:`~rl_observers.metrics.collector.from_keys.FromKeysFold`
 (:class:`~rl_observers.metrics.collector.reducers.BatchReducers`); the ring and
 interleaved paths share the episodes in flight. The episode window is
 :mod:`~rl_observers.metrics.collector.window`.
+Keys are checked at attach where the specs can tell, else at the first batch
+(stopping only what a missing key needs).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torchrl._utils import logger as torchrl_logger
 
 from rl_observers.metrics.base import MetricSet
 from rl_observers.metrics.collector.from_keys import FromKeysFold
@@ -36,12 +39,16 @@ from rl_observers.metrics.collector.ring import RingFold, plain_stage
 from rl_observers.metrics.collector.window import EpisodeWindow
 from rl_observers.metrics.keys import (
     FROM_SOURCE,
+    MissingKeyError,
     NestedKey,
+    absent_key,
     check_bool,
     check_key,
+    closest_key,
     keys_from_source,
     leaf_keys,
     missing_key,
+    spec_keys,
 )
 from rl_observers.stats import Count, Partial, QuantileReducer
 
@@ -86,6 +93,21 @@ class CollectorBatchMetrics(MetricSet):
     and no trajectory ids, each batch's episodes in flight are dropped.
     Limit of the running sums: an episode already under way when the set
     saw its first batch is counted from that batch on.
+
+    **Keys are checked when the observer is attached** (:meth:`check_keys`):
+    a ``reward_key`` or ``done_key`` given explicitly that a collector's env
+    specs prove absent (a key under ``"next"`` that the env's specs do not
+    hold, on a collector without ``postproc``; a root key, when the policy
+    also declares its ``out_keys``) raises a :class:`ValueError` there,
+    naming the key, the keys present and the closest match. Where the specs
+    cannot tell (a multiprocessing collector's workers, a ``postproc``, a
+    policy without declared ``out_keys`` for a root key), the first batch
+    checks them: a required key missing there stops only the metrics that
+    need it, with a warning naming the key, the keys present, the closest
+    match and the metrics stopped (``reward_*`` without ``reward_key``, and
+    ``episode_return_*`` when it was summed from it; ``dones``,
+    ``episodes``, ``episode_*`` without any closing key); ``frames``,
+    ``batches`` and what else can be computed keep counting.
 
     Keys are resolved at the first batch: an optional key found there
     (``terminated_key``, ``truncated_key``, ...) is read from every later
@@ -253,6 +275,8 @@ class CollectorBatchMetrics(MetricSet):
     """
 
     counter_names = ("frames", "batches", "episodes")
+    _episodes_stopped = False  # no closing key in the batches: episodes_total is not logged
+    _config: dict[str, Any] = {}  # noqa: RUF012 (replaced per instance in __init__)
     _lock_folds = False  # on_post_collect takes the lock itself
 
     def __init__(
@@ -274,6 +298,9 @@ class CollectorBatchMetrics(MetricSet):
     ) -> None:
         super().__init__()
         owner = type(self).__name__
+        # what a reconfiguration keeps (see _stop_missing)
+        self._config = {"episode_window": episode_window, "quantiles": quantiles}
+        self._episodes_stopped = False
         given = {
             "reward": reward_key,
             "done": done_key,
@@ -389,6 +416,89 @@ class CollectorBatchMetrics(MetricSet):
                 setattr(self, f"{name}_key", found[name])
             self._plan = None  # resolved again at the next batch
 
+    def check_keys(self, source: Any) -> None:
+        """Refuses a ``reward_key`` or ``done_key`` that the collector's env specs prove absent.
+
+        Checked for keys given explicitly (those left to the source are taken
+        from its specs). Nothing is checked without an env here (a
+        multiprocessing collector seen from the driver, a replay buffer) or
+        when the specs cannot tell (see the class's docs): the first batch
+        checks those.
+
+        Raises:
+            ValueError: naming the key, the keys present and the closest match.
+        """
+        known = spec_keys(source)
+        if known is None:
+            return
+        for name in ("reward", "done"):
+            key = getattr(self, f"{name}_key")
+            if name in self._from_source or key is None or not known.proves_absent(key):
+                continue
+            raise absent_key(
+                type(self).__name__, f"{name}_key", key, known.keys, "the env's specs and the policy's out_keys"
+            )
+
+    def _stop_missing(self, source: Any, batch: Any, error: KeyError) -> None:
+        """The first batch lacks a required key: stops only the metrics that need it, and says so.
+
+        The set is configured again without the missing keys (and without
+        what needed them), keeping its counters, episodes in flight and lock;
+        the metrics that are no longer computed are named in a warning.
+        Re-raises ``error`` when no required key is missing (another cause),
+        or for a subclass (whose configuration this cannot rebuild).
+        """
+        if type(self) is not CollectorBatchMetrics:
+            raise error
+        present = leaf_keys(batch)
+        names = ("reward", "done", "terminated", "truncated", "episode_reward", "step_count")
+        kwargs: dict[str, Any] = {f"{n}_key": getattr(self, f"{n}_key") for n in names}
+        missing = [
+            (f"{n}_key", kwargs[f"{n}_key"])
+            for n in ("reward", "done")
+            if kwargs[f"{n}_key"] is not None and kwargs[f"{n}_key"] not in present
+        ]
+        if not missing:
+            raise error
+        for what, _ in missing:
+            kwargs[what] = None
+        kwargs.update(
+            mask_key=self.mask_key, traj_ids_key=self.traj_ids_key, env_index_key=self.env_index_key,
+            episode_return=self.episode_return, episode_length=self.episode_length, **self._config,
+        )
+        if kwargs["reward_key"] is None and kwargs["episode_reward_key"] not in present:
+            kwargs["episode_return"] = False  # it was to be summed from the rewards
+        closing = [kwargs[f"{n}_key"] for n in ("done", "terminated", "truncated")]
+        if not any(k is not None and k in present for k in closing):
+            kwargs.update(episode_return=False, episode_length=False)
+            kwargs.update(done_key=None, terminated_key=None, truncated_key=None)
+        if not (kwargs["episode_return"] or kwargs["episode_length"]):
+            kwargs.update(episode_window=None, quantiles=None)
+        before = self.metric_names()
+        replacement = CollectorBatchMetrics(**kwargs)
+        kept = {name: self.__dict__[name] for name in ("_lock", "_counters", "_carry", "_envs", "_reset_each_batch")}
+        self.__dict__.update(replacement.__dict__)
+        self.__dict__.update(kept)
+        self._episodes_stopped = self._episodes is None
+        if self._window is not None:
+            self._window.bind(source)
+        internal = {"reward", "episode_return", "episode_length", "episode_window"}
+        stopped = [
+            n for n in before
+            if n not in self.metric_names() and n not in internal and not n.endswith("_quantiles")
+        ]
+        going_on = ["frames", "batches"] + ([] if self._episodes_stopped else ["episodes"])
+        shown = ", ".join(repr(k) for k in sorted(present, key=str))
+        told = "; ".join(
+            f"{what}={key!r} (closest: {closest_key(key, present)!r})" for what, key in missing
+        )
+        torchrl_logger.warning(
+            f"rl_observers: CollectorBatchMetrics: not in the first batch: {told}; keys present: "
+            f"{shown}. These metrics stopped: {', '.join(stopped) or 'none'}; "
+            f"{', '.join(going_on)} and the others keep counting. Pass one of the keys present "
+            "(or None) to log them."
+        )
+
     # -- events: each batch goes to its fold path ---------------------------------------
 
     def on_post_collect(self, source: Any, batch: Any) -> None:
@@ -406,7 +516,12 @@ class CollectorBatchMetrics(MetricSet):
                         ring_fold.fold_plain(ring, stage, values, batch.batch_size)  # type: ignore[arg-type]
                         return
             if plan is None:
-                plan = self._plan = resolve_plan(self, batch)
+                try:
+                    plan = resolve_plan(self, batch)
+                except MissingKeyError as error:
+                    self._stop_missing(source, batch, error)
+                    plan = resolve_plan(self, batch)
+                self._plan = plan
             self._fold(plan, batch)
             if self._window is not None:
                 self._window.advance(batch.batch_size)
@@ -488,12 +603,15 @@ class CollectorBatchMetrics(MetricSet):
     # -- host side ------------------------------------------------------------------
 
     def gauges(self, counters: dict[str, int]) -> dict[str, float]:
-        """``frames``, ``batches`` and ``episodes_total`` (the cumulative ``episodes``)."""
-        return {
-            "frames": float(counters["frames"]),
-            "batches": float(counters["batches"]),
-            "episodes_total": float(counters["episodes"]),
-        }
+        """``frames``, ``batches`` and ``episodes_total`` (the cumulative ``episodes``).
+
+        ``episodes_total`` is left out once episodes stopped (no closing key
+        in the batches, see :meth:`check_keys`).
+        """
+        out = {"frames": float(counters["frames"]), "batches": float(counters["batches"])}
+        if not self._episodes_stopped:
+            out["episodes_total"] = float(counters["episodes"])
+        return out
 
     def pull(self) -> dict[str, float | Partial]:
         """Gauges ``frames``, ``batches``, ``episodes_total`` and the window's partials.

@@ -1,0 +1,108 @@
+"""The priorities of what a prioritized replay buffer sampled, as its sampler stores them.
+
+torchrl's prioritized samplers (:class:`~torchrl.data.PrioritizedSampler` and
+:class:`~torchrl.data.PrioritizedSliceSampler`, which derives from it) keep
+each item's *sampling priority* in a sum tree: ``(p + eps) ** alpha``, where
+``p`` is the priority the user set (``update_priority``, or the default
+priority of a new item). :func:`stored_priorities` reads that value for the
+items of a sample, exactly as the tree holds it (its dtype: ``float32``
+unless the sampler was made with ``dtype=torch.float64``), with no
+host-device sync. The priority as set is ``stored ** (1 / alpha) - eps``
+when ``alpha > 0`` (up to the tree's rounding); with ``alpha == 0`` every
+stored value is ``1`` and the priority set cannot be recovered.
+
+Examples:
+    >>> import torch
+    >>> from torchrl.data import LazyTensorStorage, PrioritizedReplayBuffer
+    >>> from rl_observers.metrics import stored_priorities
+    >>> rb = PrioritizedReplayBuffer(alpha=0.5, beta=0.4, storage=LazyTensorStorage(8))
+    >>> _ = rb.extend(torch.arange(8))
+    >>> rb.update_priority(torch.arange(8), torch.tensor([4.0, 9.0, 16.0, 1.0, 1.0, 1.0, 1.0, 1.0]))
+    >>> batch, info = rb.sample(4, return_info=True)
+    >>> stored = stored_priorities(rb, info)
+    >>> torch.equal(stored, torch.pow(torch.tensor([4.0, 9.0, 16.0, 1, 1, 1, 1, 1]) + 1e-8, 0.5)[info["index"]])
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torchrl.data.replay_buffers.samplers import PrioritizedSampler
+
+__all__ = ["stored_priorities"]
+
+
+def prioritized_sampler(source: Any) -> PrioritizedSampler | None:
+    """The prioritized sampler of a replay buffer (or the sampler itself), else ``None``."""
+    sampler = source if isinstance(source, PrioritizedSampler) else getattr(source, "_sampler", None)
+    return sampler if isinstance(sampler, PrioritizedSampler) else None
+
+
+def flat_index(index: Any, shape: Any) -> torch.Tensor | None:
+    """``info["index"]`` as flat positions in the storage (the sum tree's), or ``None``."""
+    if index is None:
+        return None
+    if isinstance(index, tuple):
+        if len(index) == 1:
+            index = index[0]
+        elif shape is None or len(shape) != len(index):
+            return None
+        else:  # per-dim tensors of a multi-dim storage: raveled as torchrl's tree is
+            flat = torch.zeros_like(index[0], dtype=torch.int64)
+            for position, size in zip(index, shape):
+                flat = flat * int(size) + position.to(torch.int64)
+            return flat.reshape(-1)
+    if not isinstance(index, torch.Tensor):
+        index = torch.as_tensor(index)
+    if index.ndim == 2 and shape is not None and len(shape) > 1 and index.shape[-1] == len(shape):
+        return flat_index(tuple(index.unbind(-1)), shape)
+    return index.reshape(-1).to(torch.int64)
+
+
+def stored_priorities(source: Any, info: Any) -> torch.Tensor | None:
+    """The sampling priorities ``(p + eps) ** alpha`` of a sample's items, as the sampler stores them.
+
+    Args:
+        source: a replay buffer with a prioritized sampler (or that sampler).
+        info: the sample's info (``rb.sample(return_info=True)``, a
+            ``post_sample`` event's ``info``), or its ``"index"``.
+
+    Returns:
+        One value per sampled item (per step, for a slice sampler: each
+        step's own priority, while the slice was drawn by its start's), on
+        the tree's device; ``None`` when the buffer's sampler is not
+        prioritized or the info holds no index. Read when called: an
+        ``update_priority`` between the sample and the call shows.
+    """
+    sampler = prioritized_sampler(source)
+    if sampler is None:
+        return None
+    index = info if info is None or isinstance(info, (torch.Tensor, tuple)) else info.get("index", None)
+    storage = getattr(source, "_storage", None) if sampler is not source else None
+    return read_stored(sampler, index, storage)
+
+
+def storage_shape(storage: Any) -> tuple[int, ...] | None:
+    """A storage's shape when it has more than one dimension (its index is then per dim), else ``None``."""
+    try:
+        shape = tuple(storage.shape)
+    except Exception:  # not initialized, or no storage
+        return None
+    return shape if len(shape) > 1 else None
+
+
+def read_stored(sampler: PrioritizedSampler, index: Any, storage: Any) -> torch.Tensor | None:
+    """The tree's values at a sample's ``index`` into ``storage`` (see :func:`stored_priorities`)."""
+    if type(index) is torch.Tensor and index.ndim == 1:
+        flat = index if index.dtype is torch.int64 else index.to(torch.int64)  # the usual sample
+    else:
+        flat = flat_index(index, storage_shape(storage))
+    if flat is None or not flat.numel():
+        return None
+    tree = sampler._sum_tree
+    device = getattr(tree, "device", None)
+    if device is not None and flat.device != torch.device(device):
+        flat = flat.to(device, non_blocking=True)
+    return torch.as_tensor(tree[flat])
