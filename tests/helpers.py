@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import socket
 import threading
 import time
 from collections import Counter
@@ -294,3 +295,17 @@ def read_csv(path: Any) -> list[tuple[int, float]]:
 
     with open(path, newline="") as file:
         return [(int(step), float(value)) for step, value in csv.reader(file)]
+
+
+def free_port() -> int:
+    """A free port whose next one is free too (torchrl's store listens on port + 1)."""
+    while True:
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+        try:
+            with socket.socket() as second:
+                second.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        return port

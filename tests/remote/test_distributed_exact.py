@@ -36,8 +36,7 @@ from torchrl.testing.mocking_classes import CountingEnv, CountingEnvCountPolicy
 
 from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel
 from rl_observers.remote.distributed import own_trajectory_ids
-from tests.helpers import read_csv
-from tests.test_distributed_collectors import _free_port
+from tests.helpers import free_port, read_csv
 
 FRAMES_PER_BATCH = 100  # 50 steps per worker: 8-step episodes span batches
 TOTAL_FRAMES = 800
@@ -61,7 +60,7 @@ def _policy(name: str):
 
 
 def _build(route: str, policy: str, **extra):
-    kwargs = dict(frames_per_batch=FRAMES_PER_BATCH, total_frames=TOTAL_FRAMES, launcher="mp", tcp_port=_free_port())
+    kwargs = dict(frames_per_batch=FRAMES_PER_BATCH, total_frames=TOTAL_FRAMES, launcher="mp", tcp_port=free_port())
     kwargs.update(extra)
     envs = [make_env] * 2
     if route == "DistributedCollector(sync=True)":

@@ -10,8 +10,6 @@ batches into a real ``CSVLogger``.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 from torchrl.collectors import Collector
@@ -26,9 +24,8 @@ from torchrl.record import CSVLogger
 from torchrl.testing.mocking_classes import CountingEnv
 
 from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel
-from tests.helpers import read_csv
+from tests.helpers import free_port, read_csv
 
-FRAMES_PER_BATCH = 100
 TOTAL_FRAMES = 400
 
 
@@ -37,24 +34,10 @@ def make_env():
     return TransformedEnv(CountingEnv(max_steps=7), RewardScaling(loc=1.0, scale=1.0))
 
 
-def _free_port() -> int:
-    """A free port whose next one is free too (torchrl's store listens on port + 1)."""
-    while True:
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-        try:
-            with socket.socket() as second:
-                second.bind(("127.0.0.1", port + 1))
-        except OSError:
-            continue
-        return port
-
-
 def _build(route: str):
     policy = RandomPolicy(make_env().action_spec)
     kwargs = dict(frames_per_batch=FRAMES_PER_BATCH, total_frames=TOTAL_FRAMES)
-    options = dict(launcher="mp", tcp_port=_free_port())
+    options = dict(launcher="mp", tcp_port=free_port())
     if route == "Collector(backend='distributed')":
         return Collector([make_env] * 2, policy, backend="distributed", sync=True, backend_options=options, **kwargs)
     if route == "DistributedCollector(sync=False)":
