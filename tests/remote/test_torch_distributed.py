@@ -26,6 +26,7 @@ from torchrl.testing.mocking_classes import CountingEnv
 from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel
 from tests.helpers import free_port, read_csv
 
+FRAMES_PER_BATCH = 100
 TOTAL_FRAMES = 400
 
 
