@@ -162,9 +162,9 @@ def logged_rows(out: Path, names, namespace: str = NAME) -> list[tuple[int, dict
 
 
 def _run(scenario: str, *args: str) -> dict:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    code = f"import sys; from tests.test_distributed_exact import {scenario}; {scenario}(*sys.argv[1:])"
+    code = f"import sys; from tests.remote.test_distributed_exact import {scenario}; {scenario}(*sys.argv[1:])"
     done = subprocess.run(
         [sys.executable, "-c", code, *args], cwd=root, env=env, capture_output=True, text=True, timeout=280
     )
