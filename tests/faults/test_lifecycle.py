@@ -14,6 +14,7 @@ import torch
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from rl_observers import Every, LoggerObserver, MetricsChannel, WriteMetrics
+from rl_observers.channel.payload import Payload
 from rl_observers.remote.ray import RaySender
 from rl_observers.testing import EventRecorder
 from tests.faults.conftest import BATCHES, assert_same_data, run_loop
@@ -235,7 +236,7 @@ def test_ray_shut_down_under_an_open_channel_starts_no_new_ray_instance(told):
         rb.add_observer(LoggerObserver(channel, name="rb", schedule=Every.counter("write_count", 1)))
         rb.extend(torch.arange(10))
         sender = RaySender(handle._addresses["ray"], relay=False, interval=0.01)
-        sender.send({"x": 1.0}, None, "sent", None)
+        sender.send(Payload("sent", {"x": 1.0}))
         assert sender.flush(timeout=30) and sender.dropped == 0
     finally:
         ray.shutdown()
@@ -243,7 +244,7 @@ def test_ray_shut_down_under_an_open_channel_starts_no_new_ray_instance(told):
     assert wait_for(said, 10)
     time.sleep(1.0)  # more drains of the ingest thread, were it still running
     rb.extend(torch.arange(10))
-    sender.send({"x": 2.0}, None, "sent", None)  # nowhere to go: it stays buffered, counted
+    sender.send(Payload("sent", {"x": 2.0}))  # nowhere to go: it stays buffered, counted
     assert not sender.flush(timeout=2)
     assert (sender.pending(), sender.dropped, sender.submitted) == (1, 0, 2)
     assert channel.flush(timeout=10) and channel.close(timeout=10)
