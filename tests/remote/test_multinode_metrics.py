@@ -21,7 +21,7 @@ from torchrl.record import CSVLogger
 
 from rl_observers import Every, LoggerObserver, MetricsChannel, WriteMetrics
 from rl_observers.remote.aggregate import finish_aggregate
-from tests.helpers import scalars
+from tests.helpers import scalars, wait_for
 from tests.remote.multinode import Cluster, two_node_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -105,7 +105,9 @@ def _buffer_actor(ray: Any) -> Any:
     return Buffer
 
 
-def _observer(channel: MetricsChannel, name: str, scope: str, schedule: Every = NEVER) -> LoggerObserver:
+def _observer(
+    channel: MetricsChannel, name: str, scope: str, schedule: Every = NEVER, worker_timeout: float = 10.0
+) -> LoggerObserver:
     return LoggerObserver(
         channel,
         schedule=schedule,
@@ -113,6 +115,7 @@ def _observer(channel: MetricsChannel, name: str, scope: str, schedule: Every = 
         name=name,
         scope=scope,
         report_interval=0.1,
+        worker_timeout=worker_timeout,
     )
 
 
@@ -204,7 +207,8 @@ def test_killing_relay_or_ingest_mid_run(cluster, actors, tmp_path, victim):
     ray = pytest.importorskip("ray")
     logger = CSVLogger(exp_name=victim, log_dir=str(tmp_path))
     channel = MetricsChannel(logger, health_interval=None)
-    observer = _observer(channel, victim, "aggregate", schedule=Every.counter("items_written", 64))
+    # the buffer is placed as worker 1 of 2 and worker 0 never writes: rows wait 0.5 s for it at most
+    observer = _observer(channel, victim, "aggregate", schedule=Every.counter("items_written", 64), worker_timeout=0.5)
     far, _ = actors
     ray.get(far.observe.remote(observer, 1))
     ray.get(far.write.remote(2, 8, seed=5))
@@ -235,6 +239,8 @@ def test_killing_relay_or_ingest_mid_run(cluster, actors, tmp_path, victim):
         assert health["remote_dropped"] > 0
     else:
         assert health["receiver_restarts"] >= 1
+    # the row waited for worker 0 (never heard from) for worker_timeout at most, then was logged
+    assert wait_for(lambda: scalars(logger, f"{victim}/items_written"), timeout=10)
     frames = scalars(logger, f"{victim}/items_written")
     assert frames and frames[-1][1] <= written  # rows go on after the fault
     start = time.monotonic()
