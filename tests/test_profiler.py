@@ -41,7 +41,7 @@ def collectors():
     made: list[BaseCollector] = []
 
     def make(batches: int = 6, **kwargs):
-        collector = make_collector(CountingEnv(max_steps=5), 8, batches=batches, **kwargs)
+        collector = make_collector(CountingEnv(max_steps=5), kwargs.pop("frames_per_batch", 8), batches=batches, **kwargs)
         made.append(collector)
         return collector
 

@@ -476,9 +476,18 @@ class CollectorBatchMetrics(MetricSet):
             kwargs.update(episode_window=None, quantiles=None)
         before = self.metric_names()
         replacement = CollectorBatchMetrics(**kwargs)
-        kept = {name: self.__dict__[name] for name in ("_lock", "_counters", "_carry", "_envs", "_reset_each_batch")}
+        # the replacement's counters go on from this set's (frames, batches, episodes)
+        envs = self._interleaved_fold.envs
+        # (the schedule reads this set's counters object: it keeps it, with the values the
+        # replacement's fold paths count into)
+        values = replacement._counters.values
+        values.update(self._counters.poll())
+        self._counters.values = values
+        lock, counters = self._lock, self._counters
         self.__dict__.update(replacement.__dict__)
-        self.__dict__.update(kept)
+        self._lock, self._counters = lock, counters
+        if envs is not None:
+            self._interleaved_fold.bind_envs(envs)
         self._episodes_stopped = self._episodes is None
         if self._window is not None:
             self._window.bind(source)
