@@ -318,6 +318,7 @@ class LoggerObserver(Observer):
                         clock = self._clock
                         if clock.last_counter is None or prior > clock.last_counter:
                             clock.rebase(prior)
+                        self._contribution.start_at(prior)  # a lockstep copy's driver-axis thresholds
 
     def _set_failed(self, index: int, error: Exception, where: str) -> None:
         """One metric set raised: the policy applies to it alone; the other sets go on."""

@@ -309,10 +309,7 @@ class Aggregate:
         fires for it (see :mod:`~rl_observers.logging.resume`).
         """
         who = (worker, process)
-        state = self._workers.get(who)
-        if state is None:
-            state = self._join(worker, process, base or {})
-            self._seen[who] = state
+        state = self._state_of(worker, process, base)
         state.last_seen = time.monotonic()
         self._seen.move_to_end(who)
         totals = self._totals
@@ -390,6 +387,10 @@ class Aggregate:
             return self.contribute(
                 window.worker, window.metrics, window.counters or {}, process=window.process, base=window.base
             )
+        # a cut is on the copy's axis; its saved state (a resumed run) went on from further
+        shift = self._state_of(window.worker, window.process, window.base).base.get(self._key, 0)
+        if shift:
+            window.cut += shift
         self._staged.setdefault(worker_key(window.worker), deque()).append(window)
         if window.due and window.cut > self._released:
             self._cuts_due.setdefault(window.cut, time.monotonic())
@@ -446,6 +447,15 @@ class Aggregate:
                 "workers each row holds); what it sends later goes into the next row. This is "
                 "reported once per worker."
             )
+
+    def _state_of(self, worker: Any, process: str | None, base: Mapping[str, float] | None) -> _Worker:
+        """The worker's state, joined at its first window."""
+        who = (worker, process)
+        state = self._workers.get(who)
+        if state is None:
+            state = self._join(worker, process, base or {})
+            self._seen[who] = state
+        return state
 
     def _join(self, worker: Any, process: str | None, base: Mapping[str, float]) -> _Worker:
         """A worker's first contribution: where its counts go on from."""

@@ -141,13 +141,28 @@ class Contribution:
         For a lockstep source (:mod:`~rl_observers.remote.lockstep`), given to
         the original before its copies are made: a copy then reports only
         where the driver's row falls, marked with the driver's counter. The
-        schedule's thresholds start from the driver's counter at zero.
+        schedule's thresholds start from the driver's counter at zero, or
+        where the copy's source was restored to (:meth:`start_at`).
         """
         self.lockstep = lockstep
         self.clock = None
         if lockstep is not None:
             self.clock = ScheduleClock(schedule)
             self.clock.due(0)
+
+    def start_at(self, counter: float) -> None:
+        """The schedule's counter of a copy starts at ``counter`` (its source's restored count).
+
+        A copy lined up with a restored (or already running) source starts
+        the driver's thresholds from the driver's count there, not from zero:
+        its first row falls where the driver's next one does.
+        """
+        clock, lockstep = self.clock, self.lockstep
+        if clock is None or lockstep is None or self.worker == "main":
+            return
+        value = lockstep.driver_value(self.worker, {lockstep.key: counter})
+        if value is not None and (clock.last_counter is None or value > clock.last_counter):
+            clock.rebase(value)
 
     def keep_pristine(self, sets: Any) -> None:
         """Keeps ``sets`` pickled, once: what a copy restarts from where it runs.
