@@ -252,7 +252,7 @@ def test_the_last_windows_make_the_last_row_at_close():
 def test_a_ray_replay_buffer_logs_the_rows_of_the_same_buffer_in_process(monkeypatch):
     from functools import partial
 
-    from torchrl.data import LazyMemmapStorage, ReplayBuffer
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     series = ("sample_calls", "samples_returned", "items_written", "writes")
