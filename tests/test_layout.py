@@ -55,7 +55,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "observer": ("signals",),
     "stats": ("signals",),
     "sources": ("signals", "observer", "stats"),
-    "metrics": ("signals", "stats", "sources.placement"),
+    # sources.observed: a metric set reads what its source's observer list counts (dropped rollouts)
+    "metrics": ("signals", "stats", "sources.placement", "sources.observed"),
     "schedule": (),
     "channel": ("observer", "stats.partials"),  # observer: the one OnError policy
 }

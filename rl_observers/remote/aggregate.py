@@ -406,12 +406,15 @@ class Aggregate:
             if missing and not everything and now - self._cuts_due[cut] < self.spec.timeout:
                 break
             del self._cuts_due[cut]
-            if missing:
+            # at the end (everything), a cut some workers never reached is no row of the
+            # driver's: it is logged at what was counted (a free run stopped between cuts)
+            ended_short = bool(missing) and everything
+            if missing and not everything:
                 self._warn_missing(missing, f"sent nothing for the row at {cut}")
             rows.extend(self._fold_staged(cut))
             self._released = cut
             if self.aggregate:
-                rows.append(self._aggregate_row(step=cut, reporting=len(holding)))
+                rows.append(self._aggregate_row(step=None if ended_short else cut, reporting=len(holding)))
         if not self._held_row or not self._everyone_heard(now):
             return rows
         self._held_row = False  # an observed row held for a silent worker: its wait is over

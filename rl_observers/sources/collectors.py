@@ -16,7 +16,9 @@ functions of its class hierarchy that read a hook property.
 
 from __future__ import annotations
 
+import functools
 import sys
+import weakref
 from types import CodeType, FunctionType
 from typing import Any
 
@@ -24,7 +26,7 @@ from rl_observers.observer import ObserverList
 from rl_observers.signals import COLLECTOR_EVENTS
 from rl_observers.sources.observed import observers_of, torchrl_class
 
-__all__ = ["CollectorObservers", "ObservedCollector"]
+__all__ = ["RUNNER_WRITES", "CollectorObservers", "ObservedCollector", "RunnerWrites"]
 
 _HOOKS = ("pre_collect_hook", "post_collect_hook")
 # The code objects of torchrl's functions that read a hook slot to call it, and the classes
@@ -70,23 +72,103 @@ def _learn_readers(cls: type) -> None:
 
 
 class CollectorObservers(ObserverList):
-    """The observers of one in-process collector, and the hook dispatchers it calls."""
+    """The observers of one in-process collector, and the hook dispatchers it calls.
+
+    A multiprocessing worker's collector whose rollouts the worker writes into
+    a shared replay buffer (``replay_buffer=`` without ``trajs_per_batch``)
+    delivers a rollout only when the worker writes it: torchrl's worker drops
+    a rollout finished while a control message arrived (shutdown, pause, an
+    attribute set, an observer attached). Its observers get ``post_collect``
+    at that write (:class:`RunnerWrites`), never for a dropped rollout, whose
+    frames are counted apart in :attr:`frames_discarded`. Between the end of a
+    rollout and its write nothing else runs in the worker: the held batch is
+    read before torchrl's next rollout reuses it, and nothing is copied.
+    """
 
     def __init__(self, source: Any, emits: tuple[str, ...] = COLLECTOR_EVENTS, target_name: str = "collector") -> None:
         super().__init__(source, emits, target_name)
         _learn_readers(torchrl_class(type(source)))
+        #: Frames of rollouts torchrl finished but never delivered (dropped before their write).
+        self.frames_discarded = 0
+        self.delivered_at_write = RunnerWrites.writes_for(source)
+        self._unwritten: Any = None  # the rollout awaiting the worker's write
+        if self.delivered_at_write:
+            RUNNER_WRITES.watch(self)
 
     def pre_collect_hook(self) -> None:
         user_hook = self.source._pre_collect_hook
         if user_hook is not None:
             user_hook()
+        if self._unwritten is not None:
+            self.drop_unwritten()
         self.emit("pre_collect")
 
     def post_collect_hook(self, batch: Any) -> None:
         user_hook = self.source._post_collect_hook
         if user_hook is not None:
             user_hook(batch)
+        if self.delivered_at_write:
+            self._unwritten = batch  # delivered when the worker writes it (written())
+            return
         self.emit("post_collect", batch)
+
+    def written(self) -> None:
+        """The worker writes the rollout it collected last: it is delivered now."""
+        batch, self._unwritten = self._unwritten, None
+        if batch is not None:
+            self.emit("post_collect", batch)
+
+    def drop_unwritten(self) -> None:
+        """The rollout collected last was never written (torchrl dropped it): counted apart."""
+        batch, self._unwritten = self._unwritten, None
+        if batch is not None:
+            self.frames_discarded += batch.numel()
+
+    def shutdown(self) -> None:
+        self.drop_unwritten()
+        super().shutdown()
+
+
+class RunnerWrites:
+    """Where a multiprocessing worker writes its rollout into the shared replay buffer.
+
+    torchrl's worker loop (``torchrl/collectors/_runner.py``) normalizes a
+    rollout's device with ``_maybe_normalize_replay_buffer_tensordict_device``
+    just before ``replay_buffer.extend``, and only for a rollout it writes.
+    That call, looked up in the loop's module at every write, is wrapped once
+    per process when the first collector there is watched; the wrapper tells
+    the watched collectors' observer lists (one per worker process) that their
+    last rollout is written.
+    """
+
+    def __init__(self) -> None:
+        self._watched: weakref.WeakSet[CollectorObservers] = weakref.WeakSet()
+        self._installed = False
+
+    @staticmethod
+    def writes_for(source: Any) -> bool:
+        """Whether ``source`` is a worker's collector whose rollouts the worker writes into a buffer."""
+        return getattr(source, "replay_buffer", None) is not None and bool(getattr(source, "_ignore_rb", False))
+
+    def watch(self, observers: CollectorObservers) -> None:
+        self._watched.add(observers)
+        if not self._installed:
+            self._installed = True
+            from torchrl.collectors import _runner
+
+            normalize = _runner._maybe_normalize_replay_buffer_tensordict_device
+
+            @functools.wraps(normalize)
+            def normalize_then_deliver(data: Any, replay_buffer: Any) -> Any:
+                for watched in list(self._watched):
+                    watched.written()
+                return normalize(data, replay_buffer)
+
+            _runner._maybe_normalize_replay_buffer_tensordict_device = normalize_then_deliver
+
+
+#: The one write point of this process (see :class:`RunnerWrites`).
+RUNNER_WRITES = RunnerWrites()
 
 
 class ObservedCollector:

@@ -50,6 +50,7 @@ from rl_observers.metrics.keys import (
     missing_key,
     spec_keys,
 )
+from rl_observers.sources.observed import observers_of
 from rl_observers.stats import Count, Partial, QuantileReducer
 
 __all__ = ["CollectorBatchMetrics"]
@@ -278,6 +279,7 @@ class CollectorBatchMetrics(MetricSet):
     _episodes_stopped = False  # no closing key in the batches: episodes_total is not logged
     _config: dict[str, Any] = {}  # noqa: RUF012 (replaced per instance in __init__)
     _lock_folds = False  # on_post_collect takes the lock itself
+    _transient = ("_delivery",)  # the source's observer list stays with the source
 
     def __init__(
         self,
@@ -297,6 +299,7 @@ class CollectorBatchMetrics(MetricSet):
         quantiles: Sequence[float] | None = None,
     ) -> None:
         super().__init__()
+        self._delivery: Any = None  # the source's observer list, where it counts dropped rollouts
         owner = type(self).__name__
         # what a reconfiguration keeps (see _stop_missing)
         self._config = {"episode_window": episode_window, "quantiles": quantiles}
@@ -399,6 +402,8 @@ class CollectorBatchMetrics(MetricSet):
         """
         if self._window is not None:
             self._window.bind(source)
+        observers = observers_of(source)  # a worker's rollouts delivered at its write: drops counted apart
+        self._delivery = observers if getattr(observers, "delivered_at_write", False) else None
         envs = getattr(source, "_num_envs", None)  # AsyncBatchedCollector: one env per index
         with self._lock:
             if isinstance(envs, int) and not isinstance(envs, bool) and envs > 0:
@@ -614,10 +619,17 @@ class CollectorBatchMetrics(MetricSet):
     def gauges(self, counters: dict[str, int]) -> dict[str, float]:
         """``frames``, ``batches`` and ``episodes_total`` (the cumulative ``episodes``).
 
+        ``frames_discarded`` too where the source drops rollouts it collected
+        (a multiprocessing worker writing a shared buffer, see
+        :class:`~rl_observers.sources.collectors.CollectorObservers`): the
+        frames of those rollouts, never in ``frames`` or any statistic.
+
         ``episodes_total`` is left out once episodes stopped (no closing key
         in the batches, see :meth:`check_keys`).
         """
         out = {"frames": float(counters["frames"]), "batches": float(counters["batches"])}
+        if self._delivery is not None:
+            out["frames_discarded"] = float(self._delivery.frames_discarded)
         if not self._episodes_stopped:
             out["episodes_total"] = float(counters["episodes"])
         return out

@@ -1,0 +1,93 @@
+"""A multiprocessing worker's rollout is counted when the worker writes it into the shared buffer.
+
+torchrl's worker drops a rollout that finished while a control message
+arrived (``async_shutdown``, pause, an attribute set, an observer attached).
+The observers of a worker writing into a shared replay buffer fold a rollout
+at that write, so their totals are what the buffer holds, and a dropped
+rollout's frames are counted apart (``frames_discarded``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torchrl.collectors import MultiSyncCollector
+from torchrl.data import LazyMemmapStorage, ReplayBuffer
+from torchrl.envs import GymEnv
+from torchrl.envs.utils import RandomPolicy
+from torchrl.record import CSVLogger
+
+from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel
+from tests.helpers import scalars, start_method
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
+
+PER_WORKER = 250
+
+
+def _cartpole() -> GymEnv:
+    return GymEnv("CartPole-v1")
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_started_collector_counts_what_its_workers_wrote_and_the_dropped_rollouts_apart(tmp_path, method):
+    rb = ReplayBuffer(storage=LazyMemmapStorage(200_000))  # memory the workers write and the test reads
+    logger = CSVLogger(exp_name="written", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger)
+    with start_method(method):
+        collector = MultiSyncCollector(
+            [_cartpole, _cartpole],
+            RandomPolicy(_cartpole().action_spec),
+            frames_per_batch=2 * PER_WORKER,
+            total_frames=-1,
+            replay_buffer=rb,
+        )
+        collector.add_observer(
+            LoggerObserver(channel, schedule=Every.counter("frames", 1000), metrics=CollectorBatchMetrics())
+        )
+        collector.start()
+        time.sleep(2.0)
+        collector.async_shutdown(timeout=60)
+    assert channel.close(timeout=60)
+    written = rb.write_count
+    stored = rb.storage.get(torch.arange(written))
+    assert written > 0 and written % PER_WORKER == 0
+    frames = scalars(logger, "collector/frames")
+    assert frames[-1] == (written, float(written))  # what the buffer holds, not what was collected
+    assert [value for _, value in scalars(logger, "collector/episodes_total")][-1] == int(stored["next", "done"].sum())
+    steps = [step for step, _ in frames]
+    assert steps == sorted(set(steps))
+    # each row holds whole written rollouts; the dropped ones are counted apart, whole rollouts too
+    assert all(value % PER_WORKER == 0 for _, value in frames)
+    discarded = scalars(logger, "collector/frames_discarded")
+    assert [step for step, _ in discarded] == steps, (frames, discarded)
+    assert discarded[-1][1] % PER_WORKER == 0
+    assert [value for _, value in discarded] == sorted(value for _, value in discarded)
+
+
+def test_an_iterated_collector_writing_a_buffer_drops_nothing(tmp_path):
+    """Iterated, every rollout is written: frames_discarded stays 0 and frames is the write count."""
+    rb = ReplayBuffer(storage=LazyMemmapStorage(10_000))
+    logger = CSVLogger(exp_name="iterated", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger)
+    with start_method("fork"):
+        collector = MultiSyncCollector(
+            [_cartpole, _cartpole],
+            RandomPolicy(_cartpole().action_spec),
+            frames_per_batch=2 * PER_WORKER,
+            total_frames=3000,
+            replay_buffer=rb,
+        )
+        collector.add_observer(
+            LoggerObserver(channel, schedule=Every.counter("frames", 1000), metrics=CollectorBatchMetrics())
+        )
+        for _ in collector:
+            pass
+        collector.shutdown()
+    assert channel.close(timeout=60)
+    stored = rb.storage.get(torch.arange(rb.write_count))
+    assert scalars(logger, "collector/frames") == [(1000, 1000.0), (2000, 2000.0), (3000, 3000.0)]
+    assert scalars(logger, "collector/frames_discarded") == [(1000, 0.0), (2000, 0.0), (3000, 0.0)]
+    assert scalars(logger, "collector/episodes_total")[-1][1] == int(stored["next", "done"].sum())
