@@ -52,14 +52,21 @@ def _observe(collector, tmp: str) -> tuple[CSVLogger, MetricsChannel]:
     return logger, channel
 
 
-def _multisync_run(seed: int) -> tuple[dict, dict]:
-    env = _cartpole()
-    policy = RandomPolicy(env.action_spec)
+def _observed_multisync(seed: int, **kwargs) -> tuple[MultiSyncCollector, CSVLogger, MetricsChannel]:
+    """The issue's 2-worker CartPole ``MultiSyncCollector``, seeded and observed (``kwargs``: torchrl's)."""
     collector = MultiSyncCollector(
-        [_cartpole, _cartpole], policy, frames_per_batch=PER_BATCH, total_frames=FRAMES
+        [_cartpole, _cartpole],
+        RandomPolicy(_cartpole().action_spec),
+        frames_per_batch=PER_BATCH,
+        total_frames=FRAMES,
+        **kwargs,
     )
     collector.set_seed(seed)
-    logger, channel = _observe(collector, tempfile.mkdtemp())
+    return collector, *_observe(collector, tempfile.mkdtemp())
+
+
+def _multisync_run(seed: int) -> tuple[dict, dict]:
+    collector, logger, channel = _observed_multisync(seed)
     batches = []
     for batch in collector:
         batches.append(batch.clone())
@@ -111,17 +118,8 @@ def _rollouts_by_worker(stored, per_worker: int) -> list:
 
 
 def _multisync_buffer_run(seed: int) -> tuple[dict, dict]:
-    env = _cartpole()
     rb = ReplayBuffer(storage=LazyMemmapStorage(2 * FRAMES))  # memory the workers write and the test reads
-    collector = MultiSyncCollector(
-        [_cartpole, _cartpole],
-        RandomPolicy(env.action_spec),
-        frames_per_batch=PER_BATCH,
-        total_frames=FRAMES,
-        replay_buffer=rb,
-    )
-    collector.set_seed(seed)
-    logger, channel = _observe(collector, tempfile.mkdtemp())
+    collector, logger, channel = _observed_multisync(seed, replay_buffer=rb)
     for batch in collector:
         assert batch is None  # the workers wrote it into the buffer
     collector.shutdown()
