@@ -203,8 +203,9 @@ def observers_of(source: Any) -> ObserverList | None:
     Read from the instance's ``__dict__``: a method bound while the source
     was observed can run after its last observer was removed (a prefetched
     ``_sample``, a write from a collector thread) and then finds ``None``.
+    An object without a ``__dict__`` (a slotted one) is never observed.
     """
-    return source.__dict__.get("_rl_observers")
+    return getattr(source, "__dict__", {}).get("_rl_observers")
 
 
 # -- the observed classes --------------------------------------------------------------------------
