@@ -54,7 +54,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchrl._utils import logger as torchrl_logger
-from torchrl.collectors import BaseCollector
+from torchrl.collectors import BaseCollector, MultiAsyncCollector
 
 from rl_observers.remote.shipping import (
     RemoteAttachError,
@@ -63,6 +63,7 @@ from rl_observers.remote.shipping import (
     detach_here,
 )
 from rl_observers.signals import COLLECTOR_EVENTS
+from rl_observers.sources.collectors import WORKER_DELIVERIES
 from rl_observers.sources.observed import torchrl_class
 from rl_observers.sources.placement import IdentityMap
 
@@ -225,7 +226,8 @@ class MultiprocessCollectorKind(RemoteKind):
                 f"cannot attach an observer to a {type(target).__name__}: {_describe_dead(dead)}; "
                 "nothing was attached."
             )
-        calls = {idx: (attach_here, payload, on_error, token, idx, n) for idx in range(n)}
+        taken_when_asked_again = isinstance(target, MultiAsyncCollector)
+        calls = {idx: (_attach_in_worker, payload, on_error, token, idx, n, taken_when_asked_again) for idx in range(n)}
         answers, dead = call_workers(target, calls)
         attached = [idx for idx, result in answers.items() if not isinstance(result, BaseException)]
         if len(attached) == n:
@@ -338,6 +340,17 @@ def _shut_down_observed_at_exit() -> None:
                 f"({why}): what their observers folded since their last report is lost. Call "
                 "collector.shutdown() before the program ends."
             )
+
+
+def _attach_in_worker(
+    source: Any, payload: bytes, on_error: str, token: int, worker: int, num_workers: int, taken_when_asked_again: bool
+) -> None:
+    """Attaches a copy in a worker, telling the worker how its driver takes rollouts.
+
+    See :class:`~rl_observers.sources.collectors.WorkerDeliveries`.
+    """
+    WORKER_DELIVERIES.taken_when_asked_again = taken_when_asked_again
+    attach_here(source, payload, on_error, token, worker, num_workers)
 
 
 def _call_in_collector(self: BaseCollector, fn: Any, *args: Any) -> Any:

@@ -26,7 +26,7 @@ from rl_observers.observer import ObserverList
 from rl_observers.signals import COLLECTOR_EVENTS
 from rl_observers.sources.observed import observers_of, torchrl_class
 
-__all__ = ["RUNNER_WRITES", "CollectorObservers", "ObservedCollector", "RunnerWrites"]
+__all__ = ["WORKER_DELIVERIES", "CollectorObservers", "ObservedCollector", "WorkerDeliveries"]
 
 _HOOKS = ("pre_collect_hook", "post_collect_hook")
 # The code objects of torchrl's functions that read a hook slot to call it, and the classes
@@ -74,101 +74,195 @@ def _learn_readers(cls: type) -> None:
 class CollectorObservers(ObserverList):
     """The observers of one in-process collector, and the hook dispatchers it calls.
 
-    A multiprocessing worker's collector whose rollouts the worker writes into
-    a shared replay buffer (``replay_buffer=`` without ``trajs_per_batch``)
-    delivers a rollout only when the worker writes it: torchrl's worker drops
-    a rollout finished while a control message arrived (shutdown, pause, an
-    attribute set, an observer attached). Its observers get ``post_collect``
-    at that write (:class:`RunnerWrites`), never for a dropped rollout, whose
-    frames are counted apart in :attr:`frames_discarded`. Between the end of a
-    rollout and its write nothing else runs in the worker: the held batch is
-    read before torchrl's next rollout reuses it, and nothing is copied.
+    A multiprocessing worker's collector delivers a rollout only once torchrl
+    delivers it (:class:`WorkerDeliveries`): when the worker writes it into a
+    shared replay buffer (``replay_buffer=`` without ``trajs_per_batch``), or,
+    without a buffer, once the driver received it from the worker's queue.
+    torchrl's worker drops a rollout finished while a control message arrived
+    (shutdown, pause, an attribute set, an observer attached), a
+    ``MultiAsyncCollector`` worker whose queue stayed full for a second rolls
+    out again, dropping the older one, and a ``MultiAsyncCollector`` stops
+    with rollouts its driver never took. Observers get ``post_collect`` for
+    delivered rollouts only; a dropped rollout's frames are counted apart in
+    :attr:`frames_discarded`. Nothing is copied: a held rollout is read before
+    torchrl's next rollout reuses its batch.
     """
 
     def __init__(self, source: Any, emits: tuple[str, ...] = COLLECTOR_EVENTS, target_name: str = "collector") -> None:
         super().__init__(source, emits, target_name)
         _learn_readers(torchrl_class(type(source)))
-        #: Frames of rollouts torchrl finished but never delivered (dropped before their write).
+        #: Frames of rollouts torchrl finished but never delivered (dropped, or collected again).
         self.frames_discarded = 0
-        self.delivered_at_write = RunnerWrites.writes_for(source)
-        self._unwritten: Any = None  # the rollout awaiting the worker's write
-        if self.delivered_at_write:
-            RUNNER_WRITES.watch(self)
+        #: Whether a rollout is delivered after ``post_collect`` (see :class:`WorkerDeliveries`).
+        self.defers_delivery = WORKER_DELIVERIES.watch(self, source)
+        self._undelivered: Any = None  # the rollout collected last, until torchrl delivers or drops it
+        self._handed_on = False  # whether the worker put it on its queue (delivered when asked again)
 
     def pre_collect_hook(self) -> None:
         user_hook = self.source._pre_collect_hook
         if user_hook is not None:
             user_hook()
-        if self._unwritten is not None:
-            self.drop_unwritten()
+        if self._undelivered is not None:
+            if self._handed_on:  # asked for another rollout: the driver took this one
+                self.delivered()
+            else:
+                self.drop_undelivered()
         self.emit("pre_collect")
 
     def post_collect_hook(self, batch: Any) -> None:
         user_hook = self.source._post_collect_hook
         if user_hook is not None:
             user_hook(batch)
-        if self.delivered_at_write:
-            self._unwritten = batch  # delivered when the worker writes it (written())
+        if self.defers_delivery:
+            self._undelivered = batch  # until the worker hands it on (handed_on())
             return
         self.emit("post_collect", batch)
 
-    def written(self) -> None:
-        """The worker writes the rollout it collected last: it is delivered now."""
-        batch, self._unwritten = self._unwritten, None
+    def handed_on(self, *, taken: bool) -> None:
+        """The worker hands on the rollout it collected last.
+
+        ``taken``: the hand-over is the delivery (a write, a put the driver
+        waits for); otherwise the rollout is delivered when the worker is asked
+        for its next one, and dropped if it shuts down first.
+        """
+        if taken:
+            self.delivered()
+        elif self._undelivered is not None:
+            self._handed_on = True
+
+    def delivered(self) -> None:
+        """The rollout collected last is delivered now."""
+        batch, self._undelivered, self._handed_on = self._undelivered, None, False
         if batch is not None:
             self.emit("post_collect", batch)
 
-    def drop_unwritten(self) -> None:
-        """The rollout collected last was never written (torchrl dropped it): counted apart."""
-        batch, self._unwritten = self._unwritten, None
+    def drop_undelivered(self) -> None:
+        """The rollout collected last was never delivered (torchrl dropped it): counted apart."""
+        batch, self._undelivered, self._handed_on = self._undelivered, None, False
         if batch is not None:
             self.frames_discarded += batch.numel()
 
     def shutdown(self) -> None:
-        self.drop_unwritten()
+        self.drop_undelivered()
         super().shutdown()
 
 
-class RunnerWrites:
-    """Where a multiprocessing worker writes its rollout into the shared replay buffer.
+class WorkerDeliveries:
+    """Where a multiprocessing worker hands its rollout on, in this process.
 
-    torchrl's worker loop (``torchrl/collectors/_runner.py``) normalizes a
-    rollout's device with ``_maybe_normalize_replay_buffer_tensordict_device``
-    just before ``replay_buffer.extend``, and only for a rollout it writes.
-    That call, looked up in the loop's module at every write, is wrapped once
-    per process when the first collector there is watched; the wrapper tells
-    the watched collectors' observer lists (one per worker process) that their
-    last rollout is written.
+    torchrl's worker loop (``_main_async_collector_impl`` in
+    ``torchrl/collectors/_runner.py``) hands a rollout on in one of two ways,
+    and only for a rollout it keeps:
+
+    * **a write** into the shared replay buffer (``replay_buffer=`` with
+      ``extend_buffer=True`` and no ``trajs_per_batch``): the loop normalizes
+      the rollout's device with
+      ``_maybe_normalize_replay_buffer_tensordict_device`` just before
+      ``replay_buffer.extend``; that function, looked up in the loop's module
+      at every write, is wrapped;
+    * **a put** on the queue to the driver (no replay buffer): the worker's
+      queue (the loop's ``queue_out``, read once from the loop's frame when
+      the first observer attaches, which happens inside the loop) gets its
+      ``put`` wrapped; a put that returns handed a rollout on, one that
+      raises ``queue.Full`` did not, and the loop rolls out again. A
+      ``MultiSyncCollector``'s driver takes every worker's rollout of a round
+      before it yields, and its queue holds a rollout of every worker: the
+      put is the delivery (made as the put starts, so the observers have it
+      before the driver does). A ``MultiAsyncCollector``'s
+      driver asks a worker for its next rollout only once it took the last
+      (:attr:`taken_when_asked_again`): a rollout is delivered when the worker
+      starts the next, and one still held at shutdown was never taken.
+
+    Each is wrapped once per process, when the first collector there is
+    watched; the wrapper tells the watched observer lists (one per worker
+    process) that their last rollout is handed on. Elsewhere (a collector in
+    the user's process, a worker whose inner collector writes by trajectories)
+    rollouts are delivered at ``post_collect``.
     """
 
     def __init__(self) -> None:
         self._watched: weakref.WeakSet[CollectorObservers] = weakref.WeakSet()
-        self._installed = False
+        self._wrapped: set[str] = set()
+        #: Set in the worker by its driver (a ``MultiAsyncCollector``): see above.
+        self.taken_when_asked_again = False
+
+    def watch(self, observers: CollectorObservers, source: Any) -> bool:
+        """Watches ``observers`` if ``source`` is a worker's collector that hands rollouts on later.
+
+        Returns whether it is: then ``observers.delivered()`` is called at each hand-over.
+        """
+        if self._writes_for(source):
+            self._wrap_write()
+        else:
+            queue = self._runner_queue()
+            if queue is None:
+                return False
+            self._wrap_put(queue)
+        self._watched.add(observers)
+        return True
 
     @staticmethod
-    def writes_for(source: Any) -> bool:
+    def _writes_for(source: Any) -> bool:
         """Whether ``source`` is a worker's collector whose rollouts the worker writes into a buffer."""
         return getattr(source, "replay_buffer", None) is not None and bool(getattr(source, "_ignore_rb", False))
 
-    def watch(self, observers: CollectorObservers) -> None:
-        self._watched.add(observers)
-        if not self._installed:
-            self._installed = True
-            from torchrl.collectors import _runner
+    @staticmethod
+    def _runner_queue() -> Any:
+        """The queue to the driver of the worker loop running this call, or ``None``.
 
-            normalize = _runner._maybe_normalize_replay_buffer_tensordict_device
+        ``None`` outside a worker loop, and for a loop with a replay buffer
+        (its puts carry no rollout, and a free run puts nothing).
+        """
+        from torchrl.collectors import _runner
 
-            @functools.wraps(normalize)
-            def normalize_then_deliver(data: Any, replay_buffer: Any) -> Any:
-                for watched in list(self._watched):
-                    watched.written()
-                return normalize(data, replay_buffer)
+        loop = _runner._main_async_collector_impl.__code__
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code is not loop:
+            frame = frame.f_back
+        if frame is None or frame.f_locals.get("replay_buffer") is not None:
+            return None
+        return frame.f_locals.get("queue_out")
 
-            _runner._maybe_normalize_replay_buffer_tensordict_device = normalize_then_deliver
+    def _hand_on(self, *, taken: bool) -> None:
+        for watched in list(self._watched):
+            watched.handed_on(taken=taken)
+
+    def _wrap_write(self) -> None:
+        if "write" in self._wrapped:
+            return
+        self._wrapped.add("write")
+        from torchrl.collectors import _runner
+
+        normalize = _runner._maybe_normalize_replay_buffer_tensordict_device
+
+        @functools.wraps(normalize)
+        def normalize_then_deliver(data: Any, replay_buffer: Any) -> Any:
+            self._hand_on(taken=True)
+            return normalize(data, replay_buffer)
+
+        _runner._maybe_normalize_replay_buffer_tensordict_device = normalize_then_deliver
+
+    def _wrap_put(self, queue: Any) -> None:
+        if "put" in self._wrapped:
+            return
+        self._wrapped.add("put")
+        put = queue.put
+
+        @functools.wraps(put)
+        def put_then_deliver(item: Any, *args: Any, **kwargs: Any) -> None:
+            rollout = isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], int)  # not "paused"
+            if rollout and not self.taken_when_asked_again:
+                # the driver takes every worker's rollout of a round: the queue has room for each
+                self._hand_on(taken=True)
+            put(item, *args, **kwargs)  # raises queue.Full: not handed on, the loop rolls out again
+            if rollout and self.taken_when_asked_again:
+                self._hand_on(taken=False)
+
+        queue.put = put_then_deliver
 
 
-#: The one write point of this process (see :class:`RunnerWrites`).
-RUNNER_WRITES = RunnerWrites()
+#: The hand-over points of this process (see :class:`WorkerDeliveries`).
+WORKER_DELIVERIES = WorkerDeliveries()
 
 
 class ObservedCollector:

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from torchrl.collectors import MultiSyncCollector
+from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector
 from torchrl.data import LazyMemmapStorage, ReplayBuffer
 from torchrl.envs import GymEnv
 from torchrl.envs.utils import RandomPolicy
@@ -91,3 +91,37 @@ def test_an_iterated_collector_writing_a_buffer_drops_nothing(tmp_path):
     assert scalars(logger, "collector/frames") == [(1000, 1000.0), (2000, 2000.0), (3000, 3000.0)]
     assert scalars(logger, "collector/frames_discarded") == [(1000, 0.0), (2000, 0.0), (3000, 0.0)]
     assert scalars(logger, "collector/episodes_total")[-1][1] == int(stored["next", "done"].sum())
+
+
+def test_a_slow_consumer_of_a_multiasync_collector_counts_what_it_received(tmp_path):
+    """Training that holds a batch for over a second: the other worker's put times out and it rolls out
+    again, dropping the older rollout; at the end, the rollouts the driver never took are dropped too.
+    Only the batches the driver received are counted; the others' frames are counted apart."""
+    logger = CSVLogger(exp_name="slow", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger)
+    per_rollout = 50
+    with start_method("fork"):
+        collector = MultiAsyncCollector(
+            [_cartpole, _cartpole],
+            RandomPolicy(_cartpole().action_spec),
+            frames_per_batch=per_rollout,
+            total_frames=6 * per_rollout,
+        )
+        collector.add_observer(
+            LoggerObserver(channel, schedule=Every.counter("frames", per_rollout), metrics=CollectorBatchMetrics())
+        )
+        received = []
+        for batch in collector:
+            received.append(batch.clone())
+            time.sleep(1.3)  # longer than torchrl's 1 s put timeout
+        collector.shutdown()
+    assert channel.close(timeout=60)
+    frames = sum(batch.numel() for batch in received)
+    frames_rows = scalars(logger, "collector/frames")
+    assert frames_rows[-1][1] == frames == 6 * per_rollout
+    # every row holds whole rollouts the driver took, at most what it had taken
+    assert all(value % per_rollout == 0 and value <= frames for _, value in frames_rows)
+    dones = sum(int(batch["next", "done"].sum()) for batch in received)
+    assert scalars(logger, "collector/episodes_total")[-1][1] == dones
+    discarded = scalars(logger, "collector/frames_discarded")[-1][1]
+    assert discarded > 0 and discarded % per_rollout == 0  # re-rollouts and the rollouts never taken

@@ -402,8 +402,8 @@ class CollectorBatchMetrics(MetricSet):
         """
         if self._window is not None:
             self._window.bind(source)
-        observers = observers_of(source)  # a worker's rollouts delivered at its write: drops counted apart
-        self._delivery = observers if getattr(observers, "delivered_at_write", False) else None
+        observers = observers_of(source)  # a worker's rollouts delivered at its hand-over: drops counted apart
+        self._delivery = observers if getattr(observers, "defers_delivery", False) else None
         envs = getattr(source, "_num_envs", None)  # AsyncBatchedCollector: one env per index
         with self._lock:
             if isinstance(envs, int) and not isinstance(envs, bool) and envs > 0:
@@ -620,7 +620,7 @@ class CollectorBatchMetrics(MetricSet):
         """``frames``, ``batches`` and ``episodes_total`` (the cumulative ``episodes``).
 
         ``frames_discarded`` too where the source drops rollouts it collected
-        (a multiprocessing worker writing a shared buffer, see
+        (a multiprocessing worker, see
         :class:`~rl_observers.sources.collectors.CollectorObservers`): the
         frames of those rollouts, never in ``frames`` or any statistic.
 
