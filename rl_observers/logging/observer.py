@@ -376,6 +376,8 @@ class LoggerObserver(Observer):
     def _last_window(self) -> None:
         """The last window: a contributor's always (its final counters may make rows due at the
         owner, whose aggregate applies ``log_on_close``), acknowledged before the process may end."""
+        if any(metric_set.changed_since_pull() for metric_set in self._sets or ()):
+            self._fresh = True  # a count made at shutdown (dropped rollouts) is sent
         if self._mode_at_end() == "contribute":
             self._close_window(final=True)
             self._sink.flush(timeout=LAST_WINDOW_TIMEOUT)

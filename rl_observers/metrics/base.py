@@ -267,6 +267,14 @@ class MetricSet:
         """
         return {name: float(value) for name, value in counters.items()}
 
+    def changed_since_pull(self) -> bool:
+        """Whether a gauge changed with no event since the last :meth:`pull`.
+
+        A count the source makes apart from its events (a rollout dropped at
+        shutdown) makes the last window worth sending. Defaults to ``False``.
+        """
+        return False
+
     def pull(self) -> dict[str, float | Partial]:
         """Closes the window: :meth:`gauges` and the reducers' partials, in one transfer."""
         with self._lock:

@@ -81,8 +81,8 @@ class CollectorObservers(ObserverList):
     torchrl's worker drops a rollout finished while a control message arrived
     (shutdown, pause, an attribute set, an observer attached), a
     ``MultiAsyncCollector`` worker whose queue stayed full for a second rolls
-    out again, dropping the older one, and a ``MultiAsyncCollector`` stops
-    with rollouts its driver never took. Observers get ``post_collect`` for
+    out again, dropping the older one, and a ``MultiAsyncCollector`` or an
+    asynchronous ``RayCollector`` stops with rollouts its driver never took. Observers get ``post_collect`` for
     delivered rollouts only; a dropped rollout's frames are counted apart in
     :attr:`frames_discarded`. Nothing is copied: a held rollout is read before
     torchrl's next rollout reuses its batch.
@@ -93,10 +93,12 @@ class CollectorObservers(ObserverList):
         _learn_readers(torchrl_class(type(source)))
         #: Frames of rollouts torchrl finished but never delivered (dropped, or collected again).
         self.frames_discarded = 0
+        mode = WORKER_DELIVERIES.watch(self, source)
         #: Whether a rollout is delivered after ``post_collect`` (see :class:`WorkerDeliveries`).
-        self.defers_delivery = WORKER_DELIVERIES.watch(self, source)
+        self.defers_delivery = mode is not None
+        self._handed_on_at_collect = mode == WorkerDeliveries.RETURNED
         self._undelivered: Any = None  # the rollout collected last, until torchrl delivers or drops it
-        self._handed_on = False  # whether the worker put it on its queue (delivered when asked again)
+        self._handed_on = False  # handed on, but delivered only when the worker is asked again
 
     def pre_collect_hook(self) -> None:
         user_hook = self.source._pre_collect_hook
@@ -115,6 +117,7 @@ class CollectorObservers(ObserverList):
             user_hook(batch)
         if self.defers_delivery:
             self._undelivered = batch  # until the worker hands it on (handed_on())
+            self._handed_on = self._handed_on_at_collect
             return
         self.emit("post_collect", batch)
 
@@ -172,6 +175,11 @@ class WorkerDeliveries:
       driver asks a worker for its next rollout only once it took the last
       (:attr:`taken_when_asked_again`): a rollout is delivered when the worker
       starts the next, and one still held at shutdown was never taken.
+    * **a return** from a remote collector actor of an asynchronous
+      ``RayCollector`` (no replay buffer): its driver, too, asks an actor for
+      its next rollout only once it took the last. A rollout the driver took
+      last before it stopped iterating (a ``break``) is delivered by the
+      driver's ``shutdown()`` (:meth:`CollectorObservers.delivered`).
 
     Each is wrapped once per process, when the first collector there is
     watched; the wrapper tells the watched observer lists (one per worker
@@ -183,23 +191,30 @@ class WorkerDeliveries:
     def __init__(self) -> None:
         self._watched: weakref.WeakSet[CollectorObservers] = weakref.WeakSet()
         self._wrapped: set[str] = set()
-        #: Set in the worker by its driver (a ``MultiAsyncCollector``): see above.
+        #: Set in the worker by its driver (a ``MultiAsyncCollector``, an asynchronous ``RayCollector``).
         self.taken_when_asked_again = False
 
-    def watch(self, observers: CollectorObservers, source: Any) -> bool:
-        """Watches ``observers`` if ``source`` is a worker's collector that hands rollouts on later.
+    #: A rollout handed on at a write or a put (wrapped here).
+    HANDED_OVER = "handed over"
+    #: A rollout handed on as it is collected (returned by a Ray actor's call).
+    RETURNED = "returned"
 
-        Returns whether it is: then ``observers.delivered()`` is called at each hand-over.
+    def watch(self, observers: CollectorObservers, source: Any) -> str | None:
+        """Watches ``observers`` if ``source`` is a worker's collector that delivers rollouts later.
+
+        Returns how it hands them on (:attr:`HANDED_OVER`, :attr:`RETURNED`),
+        or ``None`` where a rollout is delivered at ``post_collect``.
         """
         if self._writes_for(source):
             self._wrap_write()
-        else:
-            queue = self._runner_queue()
-            if queue is None:
-                return False
+        elif (queue := self._runner_queue()) is not None:
             self._wrap_put(queue)
+        elif self.taken_when_asked_again and getattr(source, "replay_buffer", None) is None:
+            return self.RETURNED
+        else:
+            return None
         self._watched.add(observers)
-        return True
+        return self.HANDED_OVER
 
     @staticmethod
     def _writes_for(source: Any) -> bool:

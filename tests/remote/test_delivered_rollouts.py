@@ -20,7 +20,7 @@ from torchrl.envs.utils import RandomPolicy
 from torchrl.record import CSVLogger
 
 from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel
-from tests.helpers import scalars, start_method
+from tests.helpers import local_ray, scalars, start_method
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
@@ -125,3 +125,56 @@ def test_a_slow_consumer_of_a_multiasync_collector_counts_what_it_received(tmp_p
     assert scalars(logger, "collector/episodes_total")[-1][1] == dones
     discarded = scalars(logger, "collector/frames_discarded")[-1][1]
     assert discarded > 0 and discarded % per_rollout == 0  # re-rollouts and the rollouts never taken
+
+
+def _ray_async_run(tmp: str, *, stop_after: int | None) -> tuple[list, CSVLogger]:
+    """An asynchronous 2-actor ``RayCollector``: iterated to its end, or left with a ``break``."""
+    from torchrl.collectors import Collector
+    from torchrl.collectors.distributed import RayCollector
+
+    collector = RayCollector(
+        [_cartpole, _cartpole],
+        RandomPolicy(_cartpole().action_spec),
+        collector_class=Collector,
+        frames_per_batch=PER_RAY_BATCH,
+        total_frames=6 * PER_RAY_BATCH,
+        sync=False,
+        remote_configs={"num_cpus": 0.5},
+    )
+    logger = CSVLogger(exp_name="ray", log_dir=tmp)
+    channel = MetricsChannel(logger)
+    collector.add_observer(
+        LoggerObserver(channel, schedule=Every.counter("frames", PER_RAY_BATCH), metrics=CollectorBatchMetrics())
+    )
+    received = []
+    for batch in collector:
+        received.append(batch.clone())
+        if len(received) == stop_after:
+            break
+    collector.shutdown(shutdown_ray=False)
+    assert channel.close(timeout=60)
+    return received, logger
+
+
+PER_RAY_BATCH = 50
+
+
+@pytest.mark.timeout(300)
+def test_an_async_ray_collector_counts_what_its_driver_took(tmp_path, monkeypatch):
+    """Each actor collects its next batch before the driver asks: the batches in flight when the
+    driver stops (one per actor at the end, the other actor's after a ``break``) are counted apart."""
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    import sys
+
+    with local_ray(sys.modules[__name__]):
+        to_the_end = _ray_async_run(str(tmp_path / "end"), stop_after=None)
+        left = _ray_async_run(str(tmp_path / "break"), stop_after=3)
+    for (received, logger), in_flight in ((to_the_end, 2), (left, 1)):
+        frames = sum(batch.numel() for batch in received)
+        frames_rows = scalars(logger, "collector/frames")
+        assert frames_rows[-1][1] == frames, (frames_rows, frames)
+        assert all(value % PER_RAY_BATCH == 0 and value <= frames for _, value in frames_rows)
+        dones = sum(int(batch["next", "done"].sum()) for batch in received)
+        assert scalars(logger, "collector/episodes_total")[-1][1] == dones
+        discarded = scalars(logger, "collector/frames_discarded")
+        assert discarded[-1][1] == in_flight * PER_RAY_BATCH, (discarded, frames_rows)

@@ -300,6 +300,7 @@ class CollectorBatchMetrics(MetricSet):
     ) -> None:
         super().__init__()
         self._delivery: Any = None  # the source's observer list, where it counts dropped rollouts
+        self._discarded_pulled = 0  # frames_discarded as last pulled
         owner = type(self).__name__
         # what a reconfiguration keeps (see _stop_missing)
         self._config = {"episode_window": episode_window, "quantiles": quantiles}
@@ -629,10 +630,15 @@ class CollectorBatchMetrics(MetricSet):
         """
         out = {"frames": float(counters["frames"]), "batches": float(counters["batches"])}
         if self._delivery is not None:
-            out["frames_discarded"] = float(self._delivery.frames_discarded)
+            self._discarded_pulled = self._delivery.frames_discarded
+            out["frames_discarded"] = float(self._discarded_pulled)
         if not self._episodes_stopped:
             out["episodes_total"] = float(counters["episodes"])
         return out
+
+    def changed_since_pull(self) -> bool:
+        """Whether rollouts were dropped since the last pull (at shutdown: no event follows)."""
+        return self._delivery is not None and self._delivery.frames_discarded != self._discarded_pulled
 
     def pull(self) -> dict[str, float | Partial]:
         """Gauges ``frames``, ``batches``, ``episodes_total`` and the window's partials.

@@ -7,10 +7,11 @@ call per actor with the pickled observer:
 * ``RayCollector``: the instance in each remote collector actor is a plain
   torchrl collector, which becomes an observed collector exactly as in
   process (a ``MultiSyncCollector`` inside the actor forwards the copy to its
-  own workers). The observer runs on every batch the actor collects,
-  including the batches an asynchronous ``RayCollector`` prefetches and then
-  discards when it stops: sources may collect more frames than the driver
-  receives.
+  own workers). The observer runs on every batch the actor collects; for an
+  asynchronous ``RayCollector``, a batch is delivered once the driver took
+  it, and the batches it prefetches and then discards when it stops are
+  counted apart (``frames_discarded``, see
+  :class:`~rl_observers.sources.collectors.WorkerDeliveries`).
 * ``RayReplayBuffer``: Ray calls the actor's public methods (``extend``,
   ``add``, ``sample``) through functions captured when the actor class was
   made, so overriding them on the instance's class has no effect. The
@@ -86,6 +87,7 @@ from rl_observers.remote.shipping import (
     ship,
 )
 from rl_observers.signals import COLLECTOR_EVENTS, REPLAY_BUFFER_EVENTS
+from rl_observers.sources.collectors import WORKER_DELIVERIES
 from rl_observers.sources.observed import (
     how_observed,
     observers_of,
@@ -149,8 +151,9 @@ class RayCollectorKind(RemoteKind):
     def attach_remote(self, target: Any, payload: bytes, on_error: str, token: int) -> None:
         actors = list(target.remote_collectors)
         n = len(actors)
+        taken_when_asked_again = not target._sync
         refs = [
-            actor.__ray_call__.remote(_attach_in_actor, payload, on_error, token, idx, n)
+            actor.__ray_call__.remote(_attach_in_collector_actor, taken_when_asked_again, payload, on_error, token, idx, n)
             for idx, actor in enumerate(actors)
         ]
         try:
@@ -178,8 +181,11 @@ class RayCollectorKind(RemoteKind):
             return
         n = len(actors)
         payloads = [(ship(observer, target, self.where), on_error, token) for observer, on_error, token in entries]
+        taken_when_asked_again = not target._sync
         refs = [
-            actor.__ray_call__.remote(_attach_in_actor, payload, on_error, token, first + i, n)
+            actor.__ray_call__.remote(
+                _attach_in_collector_actor, taken_when_asked_again, payload, on_error, token, first + i, n
+            )
             for payload, on_error, token in payloads
             for i, actor in enumerate(new)
         ]
@@ -300,6 +306,22 @@ def _attach_in_actor(source: Any, *args: Any) -> None:
     """``attach_here``, noting that the driver drains this process's outbox."""
     _DRAINED[0] = os.getpid()  # not a process forked from here (the workers of a collector in it)
     attach_here(source, *args)
+
+
+def _attach_in_collector_actor(source: Any, taken_when_asked_again: bool, *args: Any) -> None:
+    """``_attach_in_actor`` in a remote collector, telling it how its driver takes rollouts.
+
+    See :class:`~rl_observers.sources.collectors.WorkerDeliveries`.
+    """
+    WORKER_DELIVERIES.taken_when_asked_again = taken_when_asked_again
+    _attach_in_actor(source, *args)
+
+
+def _taken_here(collector: Any) -> None:
+    """The driver took this actor's last rollout and stopped iterating: it is delivered."""
+    observers = observers_of(collector)
+    if observers is not None:
+        observers.delivered()
 
 
 def _detach_and_drain(source: Any, token: int) -> list[tuple[str, bytes]]:
@@ -447,8 +469,23 @@ class _DriverObservedRayCollector:
             torchrl_class(type(self)).add_collectors(self, *args, **kwargs)  # type: ignore[attr-defined]
             RAY_COLLECTOR.attach_to_new(self, first, entries)
 
+    def _async_iterator(self) -> Any:
+        # While a batch is out with the user, its actor was not asked for another: if the
+        # user stops iterating there, that actor's last rollout was taken all the same.
+        batches = torchrl_class(type(self))._async_iterator(self)  # type: ignore[attr-defined]
+        for batch in batches:
+            frame = batches.gi_frame
+            self._rl_taken_last = None if frame is None else frame.f_locals.get("collector_index")
+            yield batch
+            self._rl_taken_last = None
+
     def stop_remote_collectors(self) -> None:
         actors = list(getattr(self, "_remote_collectors", ()))
+        taken_last = getattr(self, "_rl_taken_last", None)
+        if isinstance(taken_last, int) and taken_last < len(actors):
+            # sent before the shutdown calls: Ray runs one caller's calls to an actor in order
+            actors[taken_last].__ray_call__.remote(_taken_here)
+            self._rl_taken_last = None
         if actors:
             _emit_shutdown(actors, _collector_shutdown_here)
         return torchrl_class(type(self)).stop_remote_collectors(self)  # type: ignore[attr-defined]
