@@ -82,10 +82,11 @@ class CollectorObservers(ObserverList):
     (shutdown, pause, an attribute set, an observer attached), a
     ``MultiAsyncCollector`` worker whose queue stayed full for a second rolls
     out again, dropping the older one, and a ``MultiAsyncCollector`` or an
-    asynchronous ``RayCollector`` stops with rollouts its driver never took. Observers get ``post_collect`` for
-    delivered rollouts only; a dropped rollout's frames are counted apart in
-    :attr:`frames_discarded`. Nothing is copied: a held rollout is read before
-    torchrl's next rollout reuses its batch.
+    asynchronous ``RayCollector`` stops with rollouts its driver never took.
+    Observers get ``post_collect`` for delivered rollouts only; a dropped
+    rollout's frames are counted apart in :attr:`frames_discarded`. Nothing is
+    copied: a held rollout is read before torchrl's next rollout reuses its
+    batch.
     """
 
     def __init__(self, source: Any, emits: tuple[str, ...] = COLLECTOR_EVENTS, target_name: str = "collector") -> None:
