@@ -1,8 +1,9 @@
 """The least a Python observer can cost on the tightest budgets, step by step.
 
-Issue 24 asks ``sample(256)`` with exact sample ages for >= 0.95 of bare, in
-Python. This script measures what each step an exact age needs costs when
-written as directly as Python allows: one hand-written observer class per
+The replay-buffer budgets hold the library within 0.02 of the least a Python
+observer does for the same statistic. This script measures what each step an
+exact age needs costs when written as directly as Python allows: one
+hand-written observer class per
 step, each attached alone to its own buffer (no ``LoggerObserver``, no
 metric set, no lock, no error policy). Each method is written out in full:
 a shared helper would add the Python call whose cost is measured. The
@@ -21,7 +22,7 @@ Run it with::
 
     .venv/bin/python -m benchmarks.python_floor [rounds]
 
-``benchmarks/README.md`` ("the floor of a Python observer") has the numbers.
+``benchmarks/README.md`` (its method, "The Python floor") says how the budgets use it.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from torchrl.data import (
     LazyTensorStorage,
     ListStorage,
     PrioritizedReplayBuffer,
+    RandomSampler,
     ReplayBuffer,
     RoundRobinWriter,
     TensorDictMaxValueWriter,
@@ -103,25 +104,39 @@ def test_sample_age_at_every_cursor_position_including_zero(written):
     )
 
 
-def test_sample_age_with_an_index_changed_in_place_after_sampling():
-    # A sampler that reuses its index buffer must not change the ages of samples already
-    # taken: each sample's slots are copied when it is observed, so every sample counts.
-    rb = ReplayBuffer(storage=LazyTensorStorage(50))
+class ReusingSampler(RandomSampler):
+    """A sampler that writes each sample's index into the same tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index: torch.Tensor | None = None
+
+    def sample(self, storage, batch_size):
+        index, info = super().sample(storage, batch_size)
+        if self.index is None or self.index.shape != index.shape:
+            self.index = index.clone()
+        else:
+            self.index.copy_(index)
+        return self.index, info
+
+
+def test_sample_age_with_a_sampler_that_reuses_its_index():
+    # Ages are folded when a window closes: a sampler that rewrites its index buffer must not
+    # change the ages of the samples already taken (their indices are copied, not kept).
+    rb = ReplayBuffer(storage=LazyTensorStorage(50), sampler=ReusingSampler())
     metrics = SampleMetrics()
     metrics.bind(rb)
     rb.extend(torch.arange(20))  # the writer's cursor is at 20: slot k has age 19 - k
-    reused = torch.tensor([0, 1, 2])
-    metrics.on_post_sample(rb, None, {"index": reused})  # ages 19, 18, 17
-    reused.copy_(torch.tensor([19, 19, 19]))  # the sampler writes its next sample in place
-    metrics.on_post_sample(rb, None, {"index": reused})  # ages 0, 0, 0
-    reused.copy_(torch.tensor([10, 10, 10]))
-    got = metrics.pull()["sample_age"].finalize()
-    assert got == pytest.approx({"sample_age_mean": 9, "sample_age_min": 0, "sample_age_max": 19})
-    metrics.on_post_sample(rb, None, {"index": reused})  # ages 9, 9, 9
-    reused.copy_(torch.tensor([0, 0, 0]))
-    got = metrics.pull()["sample_age"].finalize()
-    assert got == pytest.approx({"sample_age_mean": 9, "sample_age_min": 9, "sample_age_max": 9})
-    assert metrics.counters() == {"sample_calls": 3, "samples_returned": 9}
+    for _ in range(2):
+        ages = []
+        for _ in range(5):
+            batch, info = rb.sample(3, return_info=True)
+            metrics.on_post_sample(rb, batch, info)
+            ages += (19 - batch).tolist()
+        got = metrics.pull()["sample_age"].finalize()
+        truth = {"sample_age_mean": statistics.fmean(ages), "sample_age_min": min(ages)}
+        assert got == pytest.approx({**truth, "sample_age_max": max(ages)})
+    assert metrics.counters() == {"sample_calls": 10, "samples_returned": 30}
 
 
 def test_sample_age_over_many_staged_samples():

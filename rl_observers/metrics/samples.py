@@ -16,6 +16,7 @@ from rl_observers.metrics.priorities import prioritized_sampler, read_stored
 from rl_observers.metrics.storage import (
     dim0_capacity,
     dim0_slots,
+    fresh_index,
     leading_size,
     round_robin,
     storage_device,
@@ -36,9 +37,9 @@ _STAMPS_MIN_ALLOC = 1024
 # ages folded together.
 _AGE_SAMPLES = 16
 _AGE_ENTRIES = 2**16
-# Ages from a round-robin writer's cursor: the sampled slots of up to this many slots (CPU,
-# one host block) or samples (other devices) are staged and their ages computed together.
-# (Sized for a window of 100 samples of 256 items, the default schedule: one fold per window.)
+# Ages from a round-robin writer's cursor: the sampled slots of up to this many samples, or
+# (CPU) this many slots, are staged and their ages computed together. (Sized for a window of
+# 100 samples of 256 items, the default schedule: one fold per window.)
 _CURSOR_SAMPLES = 128
 _CURSOR_ENTRIES = 2**15
 _NO_AGES = (0, 0, 0, 0)
@@ -100,11 +101,13 @@ class SampleMetrics(MetricSet):
     With torchrl's round-robin writers on a 1-D storage (the default of every
     torchrl buffer), item ``k`` of the buffer's writes lands in slot
     ``k % capacity`` and the writer's cursor is the next slot, so the age of
-    slot ``i`` is ``(cursor - 1 - i) % capacity``: a sample copies its
-    ``info["index"]`` into a host block and notes the cursor (no gather),
-    and the ages of up to 32,768 sampled items are computed together, as
-    exact integers on the host for CPU buffers (on the device otherwise, 128
-    samples at a time). Writes need no
+    slot ``i`` is ``(cursor - 1 - i) % capacity``: a sample keeps its
+    ``info["index"]`` and notes the cursor (no gather, no copy with
+    torchrl's ``RandomSampler`` and ``SamplerWithoutReplacement``, which
+    never rewrite an index they handed over; a copy with other samplers),
+    and the ages of up to 128 samples (32,768 sampled items at most) are
+    computed together, as exact integers on the host for CPU buffers (on the
+    device otherwise). Writes need no
     bookkeeping, items written before this set was attached have their true
     age, and writes from other processes sharing the writer's cursor are
     counted. (``write_at``, which writes without moving the cursor, is not
@@ -180,7 +183,7 @@ class SampleMetrics(MetricSet):
     #: Gauges that are not cumulative counters: merged across workers by keeping the newest.
     latest_gauges: tuple[str, ...] = ("batch_size",)
     _transient = (
-        "_sampled", "_ring", "_ring_host", "_ring_slots", "_cursor_shared", "_cursor_cell",
+        "_sampled", "_ring", "_ring_kept", "_ring_slots", "_cursor_shared", "_cursor_cell",
         "_prioritized",
     )
     _lock_folds = False  # writes take the lock only when ages are on
@@ -229,12 +232,13 @@ class SampleMetrics(MetricSet):
         self._sampled_written: list[int] = []
         # Round-robin writers: (writer, storage, capacity), False for others, None: undecided.
         self._ring: tuple[Any, Any, int] | bool | None = None
-        # Until folded (see _stage_ring): the sampled CPU slots, copied into one host block,
-        # and where the writer's cursor moved; other devices' samples as tensors. The
-        # window's CPU ages: (count, sum, min, max).
-        self._ring_host: np.ndarray | None = None
-        self._ring_entries = 0  # slots staged in the host block
+        # Until folded (see _stage_ring): the sampled CPU indices, the slots they hold and
+        # where the writer's cursor moved; other devices' samples as tensors. The window's
+        # CPU ages: (count, sum, min, max).
+        self._ring_kept: list[torch.Tensor] | None = None
+        self._ring_entries = 0  # CPU slots staged
         self._ring_runs: list[tuple[int, int]] = []  # (first staged slot, cursor)
+        self._ring_keeps_index = False  # the sampler's index is kept as is (else copied)
         self._ring_slots: list[torch.Tensor] | None = None
         self._age_tally: tuple[int, int, int, int] = _NO_AGES
         # The writer's shared cursor value last read and its lock-free cell (see _cursor_from).
@@ -259,8 +263,10 @@ class SampleMetrics(MetricSet):
                 self._stamp(source, index)
 
     def bind(self, source: Any) -> None:
-        """Notes whether the source's writer may skip items, and whether it is round-robin."""
+        """Notes whether the source's writer may skip items, whether it is round-robin, and
+        whether its sampler's indices can be kept as handed over."""
         self._skips = writer_may_skip(source)
+        self._ring_keeps_index = fresh_index(source)
         self._ring = None
         self._ring_of(source)
         sampler = prioritized_sampler(source) if self._priorities is not None else None
@@ -364,14 +370,15 @@ class SampleMetrics(MetricSet):
                     cursor = value
                 else:
                     cursor = self._cursor_from(value)
-                host, end = self._ring_host, self._ring_entries + n
-                if host is not None and end <= host.shape[0] and slots.is_cpu and self._ring_runs:
-                    # _stage_ring's CPU path, inlined: copy the index while it is in cache
-                    runs = self._ring_runs
-                    if runs[-1][1] != cursor:
-                        runs.append((self._ring_entries, cursor))
-                    host[self._ring_entries : end] = slots.numpy()
-                    self._ring_entries = end
+                kept = self._ring_kept
+                if kept is not None and slots.is_cpu:  # _stage_ring's CPU path, inlined
+                    runs, start = self._ring_runs, self._ring_entries
+                    if not runs or runs[-1][1] != cursor:
+                        runs.append((start, cursor))
+                    kept.append(slots if self._ring_keeps_index else slots.clone())
+                    self._ring_entries = start + n
+                    if start + n >= _CURSOR_ENTRIES or len(kept) >= _CURSOR_SAMPLES:
+                        self._fold_ring()
                 else:
                     self._stage_ring(slots, cursor)
                 return
@@ -398,35 +405,29 @@ class SampleMetrics(MetricSet):
     def _stage_ring(self, slots: torch.Tensor, cursor: int) -> None:
         """Keeps a sample's slots and the writer's cursor; their ages are folded together.
 
-        On the CPU the slots are copied into one host block at once, so a
-        sampler that reuses its index buffer cannot change them before the
-        fold (keeping the index tensors instead cost the same: the fold read
-        them back cold). The cursor is noted only where it moved since the
-        previous sample (runs of samples share it). On other devices
-        ``slot - (cursor - 1)`` is kept (one operation, no host-device copy).
+        On the CPU the index tensor is kept as the sampler handed it over
+        when the sampler never rewrites it (torchrl's ``RandomSampler`` and
+        ``SamplerWithoutReplacement``), else a copy: no per-sample work
+        besides (copying it into a host block cost more than keeping it, and
+        than concatenating the kept indices at the fold). The cursor is noted
+        only where it moved since the previous sample (runs of samples share
+        it). On other devices ``slot - (cursor - 1)`` is kept (one operation,
+        no host-device copy).
         """
         n = slots.shape[0]
         if slots.is_cpu:
-            if self._ring_slots:  # device samples staged: one device per fold
-                self._fold_ring()
-            host = self._ring_host
-            if host is None:  # fresh, or unpickled
-                host = self._ring_host = np.empty(_CURSOR_ENTRIES, dtype=np.int64)
+            kept = self._ring_kept
+            if kept is None:  # fresh, or unpickled
+                kept = self._ring_kept = []
                 self._ring_entries, self._ring_runs = 0, []
-            if self._ring_entries + n > host.shape[0]:
-                self._fold_ring()
-            if n > host.shape[0]:  # larger than the block: folded on its own
-                self._fold_host(slots.numpy().astype(np.int64), [(0, cursor)])
-                return
-            start = self._ring_entries
-            runs = self._ring_runs
+            runs, start = self._ring_runs, self._ring_entries
             if not runs or runs[-1][1] != cursor:
                 runs.append((start, cursor))
-            host[start : start + n] = slots.numpy()
+            kept.append(slots if self._ring_keeps_index else slots.clone())
             self._ring_entries = start + n
+            if start + n >= _CURSOR_ENTRIES or len(kept) >= _CURSOR_SAMPLES:
+                self._fold_ring()
             return
-        if self._ring_entries:  # CPU samples staged
-            self._fold_ring()
         staged = self._ring_slots
         if staged is None:
             staged = self._ring_slots = []
@@ -444,13 +445,15 @@ class SampleMetrics(MetricSet):
         CPU ages are exact int64 sums kept on the host (see :meth:`pull`);
         others fold on their device.
         """
-        staged, entries, runs = self._ring_slots, self._ring_entries, self._ring_runs
+        staged, kept, runs = self._ring_slots, self._ring_kept, self._ring_runs
         self._ring_slots, self._ring_entries, self._ring_runs = [], 0, []
         if staged and isinstance(self._ring, tuple):  # staged as slot - (cursor - 1)
             ages = torch.cat(staged).neg_().remainder_(self._ring[2])
             self._ages.fold(ages)  # type: ignore[union-attr]
-        if entries:
-            self._fold_host(self._ring_host[:entries], runs)  # type: ignore[index]
+        if kept:
+            self._ring_kept = []
+            # one new host array (the kept indices are never written), turned into ages in place
+            self._fold_host(torch.cat(kept).numpy().astype(np.int64, copy=False), runs)
 
     def _fold_host(self, ages: np.ndarray, runs: list[tuple[int, int]]) -> None:
         """Turns staged CPU slots into ages, in place, and tallies them (count, sum, min, max)."""
@@ -565,5 +568,5 @@ class SampleMetrics(MetricSet):
             self._stamps = None if stamps is None else stamps.clone()
             self._stamps_fixed = bool(state_dict.get("stamps_fixed", False))
             self._sampled, self._sampled_written = None, []
-            self._ring_slots, self._ring_entries, self._ring_runs = None, 0, []
+            self._ring_slots, self._ring_kept, self._ring_entries, self._ring_runs = None, None, 0, []
             self._age_tally = _NO_AGES

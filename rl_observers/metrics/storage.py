@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from tensordict import is_tensor_collection
 from torch.utils._pytree import tree_leaves
-from torchrl.data import RoundRobinWriter
+from torchrl.data import RandomSampler, RoundRobinWriter, SamplerWithoutReplacement
 
 # Helpers of the replay-buffer sets: nothing public here (see docs/api.rst).
 __all__: list[str] = []
@@ -123,6 +123,21 @@ def round_robin(source: Any) -> tuple[Any, Any, int] | None:
     if capacity is None or capacity >= 2**62:
         return None
     return writer, storage, capacity
+
+
+# torchrl's samplers whose ``sample`` hands over an index no later call writes into: a new
+# tensor (``RandomSampler``), or a slice of a permutation that is replaced, never rewritten
+# (``SamplerWithoutReplacement``). Exact types: a subclass may reuse a buffer.
+_FRESH_INDEX_SAMPLERS = (RandomSampler, SamplerWithoutReplacement)
+
+
+def fresh_index(source: Any) -> bool:
+    """Whether the source's sampler hands over an index tensor that nothing rewrites later.
+
+    Such an index can be kept as it is until its ages are folded; any other
+    sampler's is copied, as a sampler may reuse one buffer for its indices.
+    """
+    return type(getattr(source, "_sampler", None)) in _FRESH_INDEX_SAMPLERS
 
 
 def writer_cursor(writer: Any) -> int:

@@ -58,10 +58,16 @@ def test_a_started_collector_counts_what_its_workers_wrote_and_the_dropped_rollo
     assert frames[-1] == (written, float(written))  # what the buffer holds, not what was collected
     assert [value for _, value in scalars(logger, "collector/episodes_total")][-1] == int(stored["next", "done"].sum())
     steps = [step for step, _ in frames]
-    assert steps == sorted(set(steps))
+    discarded = scalars(logger, "collector/frames_discarded")
+    if len(steps) > 1 and steps[-1] == steps[-2]:
+        # a last window that only carries rollouts dropped at shutdown: same step, more discarded
+        assert discarded[-1][1] > discarded[-2][1], (frames[-2:], discarded[-2:])
+        steps_before_the_drop = steps[:-1]
+    else:
+        steps_before_the_drop = steps
+    assert steps_before_the_drop == sorted(set(steps_before_the_drop)), (frames, discarded)
     # each row holds whole written rollouts; the dropped ones are counted apart, whole rollouts too
     assert all(value % PER_WORKER == 0 for _, value in frames)
-    discarded = scalars(logger, "collector/frames_discarded")
     assert [step for step, _ in discarded] == steps, (frames, discarded)
     assert discarded[-1][1] % PER_WORKER == 0
     assert [value for _, value in discarded] == sorted(value for _, value in discarded)
