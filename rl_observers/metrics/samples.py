@@ -183,7 +183,7 @@ class SampleMetrics(MetricSet):
     #: Gauges that are not cumulative counters: merged across workers by keeping the newest.
     latest_gauges: tuple[str, ...] = ("batch_size",)
     _transient = (
-        "_sampled", "_ring", "_ring_kept", "_ring_slots", "_cursor_shared", "_cursor_cell",
+        "_sampled", "_ring", "_ring_slots", "_cursor_shared", "_cursor_cell",
         "_prioritized",
     )
     _lock_folds = False  # writes take the lock only when ages are on
@@ -232,10 +232,11 @@ class SampleMetrics(MetricSet):
         self._sampled_written: list[int] = []
         # Round-robin writers: (writer, storage, capacity), False for others, None: undecided.
         self._ring: tuple[Any, Any, int] | bool | None = None
-        # Until folded (see _stage_ring): the sampled CPU indices, the slots they hold and
-        # where the writer's cursor moved; other devices' samples as tensors. The window's
-        # CPU ages: (count, sum, min, max).
-        self._ring_kept: list[torch.Tensor] | None = None
+        # Until folded (see on_post_sample): the sampled CPU indices, the slots they hold and
+        # where the writer's cursor moved (empty whenever pickled: pickling folds them first);
+        # other devices' samples as tensors (see _stage_on_device). The window's CPU ages:
+        # (count, sum, min, max).
+        self._ring_kept: list[torch.Tensor] = []
         self._ring_entries = 0  # CPU slots staged
         self._ring_runs: list[tuple[int, int]] = []  # (first staged slot, cursor)
         self._ring_keeps_index = False  # the sampler's index is kept as is (else copied)
@@ -370,9 +371,12 @@ class SampleMetrics(MetricSet):
                     cursor = value
                 else:
                     cursor = self._cursor_from(value)
-                kept = self._ring_kept
-                if kept is not None and slots.is_cpu:  # _stage_ring's CPU path, inlined
-                    runs, start = self._ring_runs, self._ring_entries
+                if slots.is_cpu:
+                    # The index tensor is kept as the sampler handed it over when the sampler
+                    # never rewrites it (see fresh_index), else a copy: copying it into a host
+                    # block cost more than keeping it and concatenating the kept ones at the
+                    # fold. The cursor is noted only where it moved (runs of samples share it).
+                    kept, runs, start = self._ring_kept, self._ring_runs, self._ring_entries
                     if not runs or runs[-1][1] != cursor:
                         runs.append((start, cursor))
                     kept.append(slots if self._ring_keeps_index else slots.clone())
@@ -380,7 +384,7 @@ class SampleMetrics(MetricSet):
                     if start + n >= _CURSOR_ENTRIES or len(kept) >= _CURSOR_SAMPLES:
                         self._fold_ring()
                 else:
-                    self._stage_ring(slots, cursor)
+                    self._stage_on_device(slots, cursor)
                 return
             stamps = self._stamps
             if stamps is not None:
@@ -402,32 +406,9 @@ class SampleMetrics(MetricSet):
         self._cursor_shared, self._cursor_cell = value, get_obj()
         return self._cursor_cell.value
 
-    def _stage_ring(self, slots: torch.Tensor, cursor: int) -> None:
-        """Keeps a sample's slots and the writer's cursor; their ages are folded together.
-
-        On the CPU the index tensor is kept as the sampler handed it over
-        when the sampler never rewrites it (torchrl's ``RandomSampler`` and
-        ``SamplerWithoutReplacement``), else a copy: no per-sample work
-        besides (copying it into a host block cost more than keeping it, and
-        than concatenating the kept indices at the fold). The cursor is noted
-        only where it moved since the previous sample (runs of samples share
-        it). On other devices ``slot - (cursor - 1)`` is kept (one operation,
-        no host-device copy).
-        """
-        n = slots.shape[0]
-        if slots.is_cpu:
-            kept = self._ring_kept
-            if kept is None:  # fresh, or unpickled
-                kept = self._ring_kept = []
-                self._ring_entries, self._ring_runs = 0, []
-            runs, start = self._ring_runs, self._ring_entries
-            if not runs or runs[-1][1] != cursor:
-                runs.append((start, cursor))
-            kept.append(slots if self._ring_keeps_index else slots.clone())
-            self._ring_entries = start + n
-            if start + n >= _CURSOR_ENTRIES or len(kept) >= _CURSOR_SAMPLES:
-                self._fold_ring()
-            return
+    def _stage_on_device(self, slots: torch.Tensor, cursor: int) -> None:
+        """Keeps ``slot - (cursor - 1)`` of a sample off the CPU (one operation, no host-device
+        copy); the ages of up to ``_CURSOR_SAMPLES`` such samples are folded together."""
         staged = self._ring_slots
         if staged is None:
             staged = self._ring_slots = []
@@ -568,5 +549,5 @@ class SampleMetrics(MetricSet):
             self._stamps = None if stamps is None else stamps.clone()
             self._stamps_fixed = bool(state_dict.get("stamps_fixed", False))
             self._sampled, self._sampled_written = None, []
-            self._ring_slots, self._ring_kept, self._ring_entries, self._ring_runs = None, None, 0, []
+            self._ring_slots, self._ring_kept, self._ring_entries, self._ring_runs = None, [], 0, []
             self._age_tally = _NO_AGES
