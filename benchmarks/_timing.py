@@ -89,14 +89,16 @@ def paired_slowdowns(
     blocks: int = 15,
     warmup: int = 2,
     clock: Callable[[], float] = time.perf_counter,
+    block_end: dict[str, Callable[[], object]] | None = None,
 ) -> dict[str, float]:
     """Per candidate, the median over blocks of its time divided by ``reference``'s time in that block.
 
     Neighbouring blocks share the machine's load, so this ratio shrugs off load
     that comes and goes during the run (other processes, leftover threads).
+    ``block_end``: as for :func:`alternating_samples`.
     """
     samples = alternating_samples(
-        candidates, calls=calls, blocks=blocks, warmup=warmup, clock=clock
+        candidates, calls=calls, blocks=blocks, warmup=warmup, clock=clock, block_end=block_end
     )
     base = samples[reference]
     return {

@@ -3,7 +3,8 @@
 Three ways to log a loss (a 0-dim tensor, as a training step leaves it)
 every step, windows of 100 steps into one ``MetricsChannel`` over a
 ``CSVLogger``, measured in one run in alternating blocks
-(``benchmarks/_timing``):
+(``benchmarks/_timing``), each ending with the channel's ``flush`` (what a
+candidate submitted is logged, and charged, in its own block):
 
 * ``training``: ``TrainingMetrics.record(step, loss=loss)``;
 * ``one_liner``: ``Mean("loss", fn).on_post_collect(None, loss)`` per step,
@@ -65,7 +66,13 @@ def _measure(blocks, calls, benchmark=None):
             channel.submit_metrics({"loss": loss.item()}, step=next(item_steps), namespace="item")
 
         candidates = {"training": training, "one_liner": one_liner, "item": item}
-        ratios = paired_slowdowns(candidates, "one_liner", calls=calls, blocks=blocks, warmup=1)
+        # Each block ends with the channel's flush: the rows a candidate submitted are logged,
+        # and charged, in its own block (``item``'s row per call would otherwise keep the
+        # channel's thread busy through the next candidate's block).
+        flush = {name: channel.flush for name in candidates}
+        ratios = paired_slowdowns(
+            candidates, "one_liner", calls=calls, blocks=blocks, warmup=1, block_end=flush
+        )
         if benchmark is not None:
             benchmark.pedantic(training, rounds=3, iterations=calls)
         train.close()

@@ -1,4 +1,4 @@
-"""Budget: one due window costs the source's thread <= 200 us (pull + submit), default sets.
+"""Budget: one due window costs the source's thread <= 2 bare ``sample(256)`` (pull + submit), default sets.
 
 A ``LoggerObserver`` that is due pulls its metric sets' partials (one
 transfer to the host), builds the payload and hands it to
@@ -25,12 +25,13 @@ events, the window is closed as a due schedule closes it (``pull`` and
 meanwhile, is not counted; nor is time the thread spends descheduled).
 Median over 30 windows. The reference, measured in the same run in
 alternation with the windows, is a bare ``TensorDictReplayBuffer.sample(256)``
-(~90 us on a quiet machine, DESIGN.md's facts): ``make test`` asserts each
-window <= ``REFERENCE_MULTIPLE`` references (a floor that moves with the
-machine's load), ``make bench`` the 200 us budget, scaled by how much slower
-than those 90 us this run's reference was (:func:`budget_seconds`): on these
-shared virtual machines the same bare ``sample(256)`` measured 99 to 341 us
-within minutes at load average < 1, so an unscaled 200 us measures the host.
+(~90 us on a quiet machine, DESIGN.md's facts, so 2 of them are DESIGN.md's
+200 us there). ``make bench`` asserts each window <= ``BUDGET_REFERENCES``
+of them, ``make test`` <= ``REFERENCE_MULTIPLE`` (a regression floor that
+holds with one core busy). A ratio of two CPU times measured in the same
+run, because on these shared virtual machines the same bare ``sample(256)``
+measured 99 to 341 us within minutes at load average < 1: an absolute
+200 us would measure the host.
 
 The window's close includes what the sets defer to it: the collector's
 ring of staged batches (up to 16) summed, the write rewards read back from
@@ -64,12 +65,12 @@ from rl_observers import (
     WriteMetrics,
 )
 
-BUDGET_SECONDS = 200e-6
-QUIET_REFERENCE_SECONDS = 90e-6  # a bare sample(256) on a quiet machine (DESIGN.md's facts)
-# make test: a window <= this many bare sample(256) calls measured in the same run. 200 us is
-# ~2.2 of them on a quiet machine (~90 us each); measured under load (load average 11 on the 2
-# cores): CollectorBatchMetrics 2.55, WriteMetrics 1.04, SampleMetrics 1.12, Mean 0.65 — so
-# this is a regression floor, with room for the noise of two shared cores, not the budget.
+# make bench: a window <= this many bare sample(256) calls measured in the same run (~200 us on
+# a quiet machine, where one takes ~90 us).
+BUDGET_REFERENCES = 2.0
+# make test: a window <= this many of them, a regression floor with room for the noise of two
+# shared cores, not the budget (measured under load, load average 11 on the 2 cores:
+# CollectorBatchMetrics 2.55, WriteMetrics 1.04, SampleMetrics 1.12, Mean 0.65).
 REFERENCE_MULTIPLE = 4.0
 WINDOWS = 30
 NEVER = {"frames": 10**15, "write_count": 10**15, "sample_calls": 10**15}
@@ -137,11 +138,6 @@ SETS = {
 }
 
 
-def budget_seconds(reference: float) -> float:
-    """The 200 us budget on this run's machine: scaled up when its bare ``sample(256)`` is slower than 90 us."""
-    return BUDGET_SECONDS * max(1.0, reference / QUIET_REFERENCE_SECONDS)
-
-
 def window_and_reference_seconds(observer, window, reference, windows: int = WINDOWS):
     """Median thread CPU seconds of closing one window, and of one ``reference()`` call."""
     closes, references = [], []
@@ -170,8 +166,9 @@ def test_window_cost_on_the_source_thread(benchmark, tmp_path, name):
     with ExitStack() as stack:
         stack.callback(channel.close, 30)
         observer, window = SETS[name](stack, logger)
+        required = REFERENCE_MULTIPLE if benchmark.disabled else BUDGET_REFERENCES
         seconds, reference = window_and_reference_seconds(observer, window, lambda: rb.sample(256))
-        if seconds > REFERENCE_MULTIPLE * reference:  # missed once: measured once more
+        if seconds > required * reference:  # missed once: measured once more
             again = window_and_reference_seconds(observer, window, lambda: rb.sample(256))
             if again[0] / again[1] < seconds / reference:
                 seconds, reference = again
@@ -180,9 +177,7 @@ def test_window_cost_on_the_source_thread(benchmark, tmp_path, name):
         print(
             f"\n{name}: window (pull + submit) {seconds * 1e6:.0f} us on the source thread, "
             f"bare sample(256) {reference * 1e6:.0f} us: x{seconds / reference:.2f} "
-            f"(budget on this machine {budget_seconds(reference) * 1e6:.0f} us)"
+            f"(required: x{required:.1f})"
         )
-        assert seconds <= REFERENCE_MULTIPLE * reference, (seconds, reference)
-        if not benchmark.disabled:
-            assert seconds <= budget_seconds(reference), (seconds, reference)
+        assert seconds <= required * reference, (seconds, reference)
         benchmark.pedantic(lambda: (window(), observer._close_window()), rounds=3, iterations=1)

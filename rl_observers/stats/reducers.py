@@ -231,7 +231,7 @@ class _MomentsTable(_Reducer):
         self._spread = any(stat in ("std", "var") for stats in self.stats_of for stat in stats)
         self.rows = rows
         self._used = 0
-        self._row_views: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        self._row_views: list[tuple[torch.Tensor, ...]] | None = None
         self._stage: torch.Tensor | None = None  # [K, folds, N] float64
         self._stage_mask: torch.Tensor | None = None  # [folds, N] bool, for masked folds
         # Views of each fold's place in the stage (and its mask), made with the stage: a
@@ -251,8 +251,9 @@ class _MomentsTable(_Reducer):
 
     def _made_view(self, view: torch.Tensor) -> None:
         table = view.view(self.rows, len(self.prefixes), 5)
-        # Per row: the whole row, its counts and the rest, made once instead of at every fold.
-        self._row_views = [(row, row[:, 0], row[:, 1:]) for row in table.unbind(0)]
+        # Per row: the whole row and each of its columns (count, sum, M2, min, max), made once
+        # instead of at every fold: an unmasked fold writes each statistic into its column.
+        self._row_views = [(row, *row.unbind(-1)) for row in table.unbind(0)]
 
     def _empties(self) -> dict[str, Partial]:
         return {
@@ -390,16 +391,23 @@ class _MomentsTable(_Reducer):
                 mask = None
         if self._used == self.rows:
             self._compact()
-        row, count, tail = self._row_views[self._used]  # type: ignore[index]
+        row, *columns = self._row_views[self._used]  # type: ignore[index]
         if mask is None:
-            # ``[K, *S]`` values (unmasked folds of any layout, without a copy to ``[K, N]``).
+            count, total, m2, lo, hi = columns
+            # ``[K, *S]`` values (unmasked folds of any layout, without a copy to ``[K, N]``),
+            # each statistic written into its column (no temporaries, no stack).
             dims = -1 if x.ndim == 2 else tuple(range(1, x.ndim))
             n = x.numel() // x.shape[0]
-            total = x.sum(dims)
-            # (var: one pass, no deviations kept, fewer calls than centring them here.)
-            m2 = torch.var(x, dims, correction=0).mul_(n) if self._spread else torch.zeros_like(total)
             count.fill_(n)
-            torch.stack((total, m2, x.amin(dims), x.amax(dims)), -1, out=tail)
+            torch.sum(x, dims, out=total)
+            if self._spread:
+                # The sum of squared deviations itself: var divides it by n - correction = 1.
+                # (One pass, no deviations kept, fewer calls than centring them here.)
+                torch.var(x, dims, correction=n - 1, out=m2)
+            else:
+                m2.zero_()
+            torch.amin(x, dims, out=lo)
+            torch.amax(x, dims, out=hi)
         else:
             n = mask.sum(-1, dtype=_F64)
             total = torch.where(mask, x, 0.0).sum(-1)

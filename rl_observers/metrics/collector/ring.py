@@ -676,9 +676,9 @@ def _closed_on_host(
     starts = torch.cat((line.before_first, ends[:-1]))
     torch.maximum(starts, row_starts, out=starts)
     values = torch.sub(flat.index_select(1, ends), flat.index_select(1, starts))
-    # Each row's last closing step (0: none, the carry column), where its new carry starts.
-    torch.where(line.closing_slots, line.step_numbers, ring.no_step, out=line.positions_tail)
-    last = torch.amax(line.positions_tail, -1).add_(line.row_starts)
+    # Each row's last closing step, flat (a row with none: its carry column), where its new
+    # carry starts: the largest episode end of the row (no pass over the other steps).
+    last = line.row_starts.scatter_reduce(0, rows, ends, "amax")
     carry.neg = torch.sub(flat.index_select(1, last), line.sums_end)
     if len(sources) == 1:
         row = sources[0][0]
