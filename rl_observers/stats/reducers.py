@@ -400,10 +400,8 @@ class _MomentsTable(_Reducer):
             n = x.numel() // x.shape[0]
             count.fill_(n)
             torch.sum(x, dims, out=total)
-            if self._spread:
-                # The sum of squared deviations itself: var divides it by n - correction = 1.
-                # (One pass, no deviations kept, fewer calls than centring them here.)
-                torch.var(x, dims, correction=n - 1, out=m2)
+            if self._spread:  # (var: one pass, no deviations kept, fewer calls than centring)
+                torch.var(x, dims, correction=0, out=m2).mul_(n)
             else:
                 m2.zero_()
             torch.amin(x, dims, out=lo)
