@@ -775,7 +775,10 @@ class ReducerBank:
             return self.empty()
         for reducer in self._reducers:
             reducer._flush()
-        values = state.tolist()  # the one transfer (and sync) of a window
+        # The one transfer (and sync) of a window. On the CPU the reducers read the state in
+        # place, through a view of its float64s, before the reset below: no list of every slot
+        # (~500 of a CollectorBatchMetrics) is built (7 -> 1 us warm, more after collection).
+        values = memoryview(state.numpy()) if state.is_cpu else state.tolist()
         out: dict[str, Partial] = {}
         for reducer in self._reducers:
             out.update(reducer._partials(values))
