@@ -549,6 +549,33 @@ def test_episodes_that_span_many_rings(shortcuts, step_counter):
         assert_window(finalized(metrics.pull()), truth.window(start, start + 37))
 
 
+def test_a_trajectory_cut_in_a_ring_where_no_episode_closed(shortcuts):
+    # The collector's reset between two batches starts a new trajectory without closing the
+    # one in flight: a ring summed with no episode closed still drops what came before the
+    # cut, so the episode that closes in the next window counts only its own steps.
+    env = make_env(max_steps=7)
+    collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=3, total_frames=-1)
+    try:
+        batches = []
+        for index, batch in enumerate(collector):
+            batches.append(batch.clone())
+            if index == 0:
+                collector.reset()
+            if len(batches) == 6:
+                break
+    finally:
+        collector.shutdown()
+    ids = [b["collector", "traj_ids"].flatten().tolist() for b in batches]
+    assert ids[0][-1] != ids[1][0] and not batches[0]["next", "done"].any()  # cut, not closed
+    truth = Truth(batches)
+    metrics = CollectorBatchMetrics()
+    for start, stop in ((0, 2), (2, 6)):
+        for batch in batches[start:stop]:
+            metrics.on_post_collect(None, batch)
+        assert_window(finalized(metrics.pull()), truth.window(start, stop))
+    assert truth.window(0, 2)["episodes"] == 0 and truth.window(2, 6)["episodes"] >= 1
+
+
 def test_a_ring_is_summed_early_once_an_episode_closed_in_it(shortcuts, monkeypatch):
     # A host ring (here of 2 batches: _RING_STEPS) that filled up with no episode closed is
     # replaced by one of up to _RING_STEPS_OPEN steps (16 batches), summed as soon as it has

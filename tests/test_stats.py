@@ -509,6 +509,12 @@ def test_reducers_registered_after_the_first_fold_keep_the_window(shortcuts):
         clone = pickle.loads(pickle.dumps(bank))
         clone.count("later").add(1)
         assert clone.pull()["later"].finalize() == {"later": 1.0}
+        # Widened after a pull: the next pull reads the new state, not the one it read before.
+        early.fold(torch.tensor([6.0]))
+        bank.count("latest").add(2)
+        out = bank.pull()
+        assert out["early"].finalize() == {"early_count": 1.0, "early_mean": 6.0}
+        assert out["latest"].finalize() == {"latest": 2.0}
 
 
 # -- exact sums, NaN and complex values ------------------------------------------------

@@ -664,12 +664,15 @@ class ReducerBank:
         {}
     """
 
-    __slots__ = ("_reducers", "_width", "_state")
+    __slots__ = ("_reducers", "_width", "_state", "_host_view")
 
     def __init__(self) -> None:
         self._reducers: list[_Reducer] = []
         self._width = 0
         self._state: torch.Tensor | None = None
+        # (state, a view of its float64s) of a CPU state, made at its first pull: the pulls
+        # read it in place (see pull). Never pickled.
+        self._host_view: tuple[torch.Tensor, memoryview] | None = None
 
     @property
     def device(self) -> torch.device | None:
@@ -751,6 +754,7 @@ class ReducerBank:
         return {"_reducers": self._reducers, "_width": self._width, "_state": self._state}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        self._host_view = None
         for name, value in state.items():
             setattr(self, name, value)
 
@@ -776,9 +780,16 @@ class ReducerBank:
         for reducer in self._reducers:
             reducer._flush()
         # The one transfer (and sync) of a window. On the CPU the reducers read the state in
-        # place, through a view of its float64s, before the reset below: no list of every slot
-        # (~500 of a CollectorBatchMetrics) is built (7 -> 1 us warm, more after collection).
-        values = memoryview(state.numpy()) if state.is_cpu else state.tolist()
+        # place, through a view of its float64s made once, before the reset below: no list of
+        # every slot (~500 of a CollectorBatchMetrics) is built, no array made per pull
+        # (tolist 24 us, a new view 20 us, right after a window of collection).
+        if state.is_cpu:
+            host = self._host_view
+            if host is None or host[0] is not state:
+                host = self._host_view = (state, memoryview(state.numpy()))
+            values: Sequence[float] = host[1]
+        else:
+            values = state.tolist()
         out: dict[str, Partial] = {}
         for reducer in self._reducers:
             out.update(reducer._partials(values))

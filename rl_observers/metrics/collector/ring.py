@@ -256,6 +256,7 @@ class Timeline:
         "traj_next_first",
         "traj_prev_last",
         "slot_ends_closing",
+        "traj_joined",
         "closing_slots",
         "reward_slots",
         "flat_sums",
@@ -322,6 +323,7 @@ class Timeline:
             self.traj_next_first = traj[:, 1:used, 0]
             self.traj_prev_last = traj[:, : used - 1, -1]
             self.slot_ends_closing = ring.closing[:, : used - 1, -1]
+            self.traj_joined = torch.empty_like(self.traj_next_first)
 
 
 class Closed(NamedTuple):
@@ -597,15 +599,21 @@ def close_episodes(
     if traj is not None and not ring.by_id:
         carry.traj = line.traj_last.clone()
         if used > 1:  # a trajectory that does not continue in the next batch is dropped
-            cut = line.traj_next_first != line.traj_prev_last
-            if closed is not None:
+            if closed is None:
+                cut = line.traj_next_first != line.traj_prev_last
+            else:
                 # (On the CPU, reading whether any was cut waits for no device.) A cut at a
                 # step that closes an episode is a segment start already: only the others
-                # count ("cut and not closing"; count_nonzero: cheaper than any on the CPU).
+                # count. Each batch's first ids, with the previous batch's last where it
+                # closed, equal to the previous batch's last: none was cut (two operations,
+                # where comparing, masking and counting took four).
+                joined = line.traj_next_first
                 if closed:
-                    cut = torch.gt(cut, line.slot_ends_closing)
-                if not int(torch.count_nonzero(cut)):
-                    cut = None
+                    joined = torch.where(
+                        line.slot_ends_closing, line.traj_prev_last, joined, out=line.traj_joined
+                    )
+                if not torch.equal(joined, line.traj_prev_last):
+                    cut = torch.gt(line.traj_next_first != line.traj_prev_last, line.slot_ends_closing)
     if closed == 0 and cut is None:
         # CPU batches where no episode closed and every trajectory went on: nothing to
         # fold but the rewards; each env's carry grows by its totals (its reward sum, and
