@@ -604,9 +604,9 @@ def close_episodes(
             else:
                 # (On the CPU, reading whether any was cut waits for no device.) A cut at a
                 # step that closes an episode is a segment start already: only the others
-                # count. Each batch's first ids, with the previous batch's last where it
-                # closed, equal to the previous batch's last: none was cut (two operations,
-                # where comparing, masking and counting took four).
+                # count. Where the previous batch closed, its last id stands in for the next
+                # batch's first; if every first id then equals the previous last, nothing was
+                # cut: one where and one equal (comparing, masking and counting took four).
                 joined = line.traj_next_first
                 if closed:
                     joined = torch.where(
