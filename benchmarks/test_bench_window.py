@@ -1,13 +1,11 @@
 """Budget: one due window costs the source's thread <= 2 bare ``sample(256)`` (pull + submit), default sets.
 
-A ``LoggerObserver`` that is due pulls its metric sets' windows
-(``MetricSet.pull_later``), builds the payload and hands it to
+A ``LoggerObserver`` that is due pulls its metric sets' partials (one
+transfer to the host), builds the payload and hands it to
 ``MetricsChannel.submit_metrics``, on the thread of the source (the
 collector's loop, the caller of ``extend`` / ``sample``); converting,
-namespacing and the logger's calls run on the channel's thread, and so do
-the partials a set leaves for later (``CollectorBatchMetrics`` on the CPU:
-its staged batches summed, its state read). This file measures the first
-part alone, for each default set and a one-liner:
+namespacing and the logger's calls run on the channel's thread. This file
+measures the first part alone, for each default set and a one-liner:
 
 * ``CollectorBatchMetrics()`` on a ``Collector(CountingEnv(batch_size=[100]))``
   (1000-frame batches, 5-step episodes: reward moments, dones, episode
@@ -35,19 +33,14 @@ run, because on these shared virtual machines the same bare ``sample(256)``
 measured 99 to 341 us within minutes at load average < 1: an absolute
 200 us would measure the host.
 
-The window's close includes what the sets defer to it: the write rewards
-read back from the storage, the sample ages computed. The collector's ring
-of staged batches (up to 16) is summed with its partials, on the channel's
-thread; when the source's thread computes them instead (its next batch came
-before the channel's thread did), the thread CPU time it spends on them is
-charged to the close they belong to (``SourceShare``), and the count of such
-windows is printed. ``benchmarks/README.md`` splits the close.
+The window's close includes what the sets defer to it: the collector's
+ring of staged batches (up to 16) summed, the write rewards read back from
+the storage, the sample ages computed; ``benchmarks/README.md`` splits it.
 """
 
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -71,7 +64,6 @@ from rl_observers import (
     SampleMetrics,
     WriteMetrics,
 )
-from rl_observers.metrics.base import PendingPartials
 
 # make bench: a window <= this many bare sample(256) calls measured in the same run (~200 us on
 # a quiet machine, where one takes ~90 us).
@@ -146,50 +138,13 @@ SETS = {
 }
 
 
-class SourceShare:
-    """Thread CPU seconds the source's thread spends computing partials a close left for later.
-
-    ``pull_later`` leaves a ``CollectorBatchMetrics`` window's partials to the
-    channel's thread; when that thread has not computed them yet, the set's
-    next batch does, on the source's thread: that share is charged to the
-    close it belongs to.
-    """
-
-    def __init__(self, monkeypatch) -> None:
-        self.seconds = 0.0
-        self.windows = 0
-        self._source = threading.get_ident()
-        compute = PendingPartials.compute
-
-        def counted(pending, pull_partials):
-            start = time.thread_time()
-            compute(pending, pull_partials)
-            if threading.get_ident() == self._source:
-                self.seconds += time.thread_time() - start
-                self.windows += 1
-
-        monkeypatch.setattr(PendingPartials, "compute", counted)
-
-    def take(self) -> float:
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds
-
-
-def window_and_reference_seconds(observer, window, reference, share: SourceShare, windows: int = WINDOWS):
-    """Median thread CPU seconds of closing one window, and of one ``reference()`` call.
-
-    A close's seconds include what its window's partials later cost the
-    source's thread (``share``), if anything.
-    """
+def window_and_reference_seconds(observer, window, reference, windows: int = WINDOWS):
+    """Median thread CPU seconds of closing one window, and of one ``reference()`` call."""
     closes, references = [], []
     window()  # warm-up: the first window allocates what later ones reuse
     observer._close_window()
-    for index in range(windows + 1):
+    for _ in range(windows):
         window()
-        if index:  # the previous close, with the share of it the next batch computed
-            closes[-1] += share.take()
-        if index == windows:
-            break
         start = time.thread_time()
         observer._close_window()  # what a due schedule runs: pull + submit_metrics
         closes.append(time.thread_time() - start)
@@ -201,7 +156,7 @@ def window_and_reference_seconds(observer, window, reference, share: SourceShare
 
 
 @pytest.mark.parametrize("name", list(SETS))
-def test_window_cost_on_the_source_thread(benchmark, tmp_path, monkeypatch, name):
+def test_window_cost_on_the_source_thread(benchmark, tmp_path, name):
     rb = TensorDictReplayBuffer(storage=LazyTensorStorage(100_000))
     data = _rows(256)
     for _ in range(40):
@@ -212,10 +167,9 @@ def test_window_cost_on_the_source_thread(benchmark, tmp_path, monkeypatch, name
         stack.callback(channel.close, 30)
         observer, window = SETS[name](stack, logger)
         required = REFERENCE_MULTIPLE if benchmark.disabled else BUDGET_REFERENCES
-        share = SourceShare(monkeypatch)
-        seconds, reference = window_and_reference_seconds(observer, window, lambda: rb.sample(256), share)
+        seconds, reference = window_and_reference_seconds(observer, window, lambda: rb.sample(256))
         if seconds > required * reference:  # missed once: measured once more
-            again = window_and_reference_seconds(observer, window, lambda: rb.sample(256), share)
+            again = window_and_reference_seconds(observer, window, lambda: rb.sample(256))
             if again[0] / again[1] < seconds / reference:
                 seconds, reference = again
         assert channel.flush(30)
@@ -223,8 +177,7 @@ def test_window_cost_on_the_source_thread(benchmark, tmp_path, monkeypatch, name
         print(
             f"\n{name}: window (pull + submit) {seconds * 1e6:.0f} us on the source thread, "
             f"bare sample(256) {reference * 1e6:.0f} us: x{seconds / reference:.2f} "
-            f"(required: x{required:.1f}); partials the source's thread computed itself: "
-            f"{share.windows} windows"
+            f"(required: x{required:.1f})"
         )
         assert seconds <= required * reference, (seconds, reference)
         benchmark.pedantic(lambda: (window(), observer._close_window()), rounds=3, iterations=1)

@@ -317,60 +317,6 @@ def test_a_failing_merge_keeps_the_newest_value_and_is_reported(warnings_seen):
     channel.close()
 
 
-def test_later_calls_run_on_the_channels_thread_before_the_row_is_logged():
-    logger = RecordingLogger()
-    channel = MetricsChannel(logger, health_interval=None)
-    threads = []
-
-    def later():
-        threads.append(threading.current_thread())
-        return {"r": ListPartial("r", [1.0, 2.0])}
-
-    channel.submit_metrics({"g": 1.0}, step=1, namespace="a", later=[later])
-    assert channel.flush(10)
-    assert logger.calls == [({"a/g": 1.0, "a/r_count": 2.0, "a/r_sum": 3.0}, 1)]
-    assert threads and threads[0] is not threading.current_thread()
-    assert_balanced(channel.health())
-    channel.close()
-
-
-def test_a_later_call_that_raises_logs_the_rest_and_counts_a_sink_error(warnings_seen):
-    logger = RecordingLogger()
-    channel = sync_channel(logger)
-
-    def broken():
-        raise RuntimeError("no partials")
-
-    channel.submit_metrics({"g": 1.0}, step=1, namespace="a", later=[broken, lambda: {"h": 2.0}])
-    channel.submit_metrics({}, step=2, namespace="a", later=[lambda: {"string": "no"}])
-    channel.step()
-    assert logger.calls == [({"a/g": 1.0, "a/h": 2.0}, 1)]  # the second logged nothing
-    health = channel.health()
-    assert health["sink_errors"] == 2 and health["logged"] == 0
-    assert_balanced(health)
-    assert "could not compute metrics of namespace 'a'" in warnings_seen[0]
-    channel.close()
-
-
-def test_coalescing_computes_the_later_calls_of_both_payloads_first():
-    logger = RecordingLogger()
-    channel = sync_channel(logger, capacity=1)
-    calls = []
-
-    def later(values):
-        calls.append(values)
-        return {"r": ListPartial("r", values)}
-
-    channel.submit_metrics({"g": 1.0}, step=1, namespace="a", later=[lambda: later([1.0])])
-    channel.submit_metrics({"g": 2.0}, step=2, namespace="a", later=[lambda: later([2.0, 3.0])])
-    assert calls == [[1.0], [2.0, 3.0]]  # merged at once, in order
-    channel.step()
-    assert logger.calls == [({"a/g": 2.0, "a/r_count": 3.0, "a/r_sum": 6.0}, 2)]
-    assert len(calls) == 2
-    assert_balanced(channel.health())
-    channel.close()
-
-
 @pytest.mark.timeout(30)
 def test_the_queue_stays_bounded_under_a_flood_with_a_hung_logger(gate):
     logger = RecordingLogger(gate=gate)

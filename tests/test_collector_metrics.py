@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import pickle
 import statistics
-import threading
 
 import pytest
 import torch
@@ -19,19 +18,16 @@ from torchrl.data import (
 from torchrl.envs import EnvBase, GymEnv, RewardSum, SerialEnv, StepCounter, TransformedEnv
 from torchrl.envs.utils import RandomPolicy
 
-from rl_observers import Every, LoggerObserver, MetricsChannel
 from rl_observers.metrics import (
     CollectorBatchMetrics,
     MetricSet,
     SampleMetrics,
     WriteMetrics,
 )
-from rl_observers.metrics.base import PendingPartials
 from rl_observers.metrics.collector import ring as episodes_module
 from rl_observers.metrics.keys import MissingKeyError
 from rl_observers.stats import Count, Moments, ObservedCounters
 from rl_observers.stats import reducers as reducers_module
-from tests.helpers import RecordingLogger, wait_for
 
 # -- a real torchrl env with random rewards and random terminations ------------------
 
@@ -669,122 +665,6 @@ def test_counters_and_gauges():
     # pull resets the window, never the cumulative gauges
     again = metrics.pull()
     assert again["frames"] == 240.0 and finalized(again) == {"dones": 0.0, "episodes": 0.0}
-
-
-# -- pull_later: the window's partials computed off the source's thread -------------------
-
-
-@pytest.mark.parametrize("episode_window", [None, 4])
-def test_a_window_closed_with_pull_later_holds_its_batches_whoever_computes_it(shortcuts, episode_window):
-    """Each window's partials are those of its batches, computed by another thread or by the set.
-
-    Windows alternate between partials computed at once by another thread
-    (the channel's, when free) and partials left until after the next
-    window's first batch was folded (the set computes them then, first); a
-    ``state_dict``, a pickle and a plain ``pull`` in between settle them too.
-    """
-    batches = collect(make_env(batch_size=(3,)), 15, 15 * 40)
-    truth = Truth(batches)
-
-    def check(partials, gauges, window, how):
-        for key in gauges:
-            assert key not in partials, key  # the gauges were read when the window closed
-        partials = dict(partials)
-        recent = partials.pop("episode_window", None)
-        assert (recent is not None) == (episode_window is not None)
-        assert_window(finalized(partials), truth.window(*window))
-        if recent is not None:  # the last episodes, as a set pulled at once has them (see
-            # test_episode_window.py for their truth)
-            assert recent.finalize() == twin_windows[window].finalize(), how
-
-    twin, twin_windows = CollectorBatchMetrics(episode_window=episode_window), {}
-    metrics = CollectorBatchMetrics(episode_window=episode_window)
-    bounds = [0, 3, 4, 9, 10, 17, 18, 25, 26, 33, 38, 40]
-    pending, gauges, previous, how = None, {}, (0, 0), ""
-    for index, (start, stop) in enumerate(zip(bounds, bounds[1:])):
-        for position in range(start, stop):
-            twin.on_post_collect(None, batches[position])
-            metrics.on_post_collect(None, batches[position])
-            if pending is not None:  # the previous window, settled by this first batch or before
-                assert pending.done
-                check(pending(), gauges, previous, how)
-                pending = None
-        if episode_window is not None:
-            twin_windows[start, stop] = twin.pull()["episode_window"]
-        if index % 5 == 4:  # a plain pull closes this one at once
-            check(metrics.pull(), {}, (start, stop), "pull")
-            continue
-        gauges, pending = metrics.pull_later()
-        assert pending is not None and not pending.done
-        assert gauges == {
-            "frames": 15.0 * stop,
-            "batches": float(stop),
-            "episodes_total": float(sum(len(e) for e in truth.episodes[:stop])),
-        }
-        previous, how = (start, stop), ("thread", "next batch", "state_dict", "pickle")[index % 5]
-        if how == "thread":  # the channel's thread, free at once
-            worker = threading.Thread(target=pending)
-            worker.start()
-            worker.join()
-            assert pending.done
-        elif how == "state_dict":
-            metrics.state_dict()
-            assert pending.done
-        elif how == "pickle":
-            metrics = pickle.loads(pickle.dumps(metrics))  # the copy goes on from the same state
-            assert pending.done
-    assert pending is not None
-    check(pending(), gauges, previous, how)
-    assert pending() is pending()  # computed once
-
-
-def test_logger_observer_rows_are_exact_whether_the_channel_or_the_collector_computes_them(gate, monkeypatch):
-    """A ``LoggerObserver``'s windows leave their partials to the channel's thread.
-
-    While the logger hangs (``gate`` closed), the channel computes none and the
-    set computes each window's partials itself at its next batch; once it is
-    released, the channel's thread computes them. Every row equals the truth
-    of its five batches, in order.
-    """
-    computed_by = []
-    compute = PendingPartials.compute
-
-    def recorded(pending, pull_partials):
-        computed_by.append(threading.current_thread() is threading.main_thread())
-        compute(pending, pull_partials)
-
-    monkeypatch.setattr(PendingPartials, "compute", recorded)
-    logger = RecordingLogger(gate=gate)
-    channel = MetricsChannel(logger, health_interval=None)
-    env = make_env(batch_size=(3,))
-    collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=15, total_frames=15 * 60)
-    collector.add_observer(
-        LoggerObserver(channel, schedule=Every.counter("frames", 75), metrics=CollectorBatchMetrics())
-    )
-    batches = []
-    try:
-        for batch in collector:
-            batches.append(batch.clone())
-            if len(batches) == 30:  # six windows closed while the logger hung
-                # The first window's by the channel's thread (unless the next batch came first),
-                # which then hung logging it; the next four by the collector's next batches.
-                assert len(computed_by) == 5 and computed_by[1:] == [True] * 4
-                gate.set()
-                assert wait_for(lambda: len(logger.user_calls()) == 6)
-    finally:
-        collector.shutdown()
-    assert channel.flush(20)
-    # Released: the channel's thread, as soon as it can; the last window's surely (no batch follows).
-    assert len(computed_by) == 12 and computed_by[-1] is False
-    truth = Truth(batches)
-    rows = logger.user_calls()
-    assert [step for _, step in rows] == [75 * (i + 1) for i in range(12)]
-    for index, (row, _) in enumerate(rows):
-        got = {key.split("/", 1)[1]: value for key, value in row.items()}
-        want = truth.window(5 * index, 5 * index + 5)
-        for key, value in want.items():
-            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-5), (index, key)
-    channel.close()
 
 
 def test_resume_from_state_dict_neither_loses_nor_double_counts():

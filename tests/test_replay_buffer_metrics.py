@@ -5,7 +5,6 @@ from __future__ import annotations
 import multiprocessing
 import pickle
 import statistics
-import threading
 import warnings
 
 import pytest
@@ -261,70 +260,6 @@ def test_writes_from_another_process_sharing_the_cursor_are_counted(tmp_path):
     age = metrics.pull()["sample_age"]
     assert age.count == 40
     assert age.finalize() == pytest.approx(_expected_ages(ids, 12))
-
-
-@pytest.mark.parametrize("writer", ["round_robin", "max_value"])
-def test_a_window_closed_with_pull_later_holds_its_samples_ages_whoever_computes_them(writer):
-    """Each window's ages are those of its samples, computed by another thread or by the set.
-
-    The set computes a window's ages first when it is called before the
-    channel's thread: by the next write (which overwrites sampled slots), the
-    next sample, ``state_dict`` or a pickle. Both age paths: a round-robin
-    writer's cursor, a max-value writer's stamps.
-    """
-    rb = TensorDictReplayBuffer(
-        storage=LazyTensorStorage(10),
-        writer=RoundRobinWriter() if writer == "round_robin" else TensorDictMaxValueWriter(rank_key="k"),
-    )
-    metrics = SampleMetrics()
-    metrics.bind(rb)
-    written, ages = 0, []
-
-    def write(size):  # increasing ranks: a max-value writer stores each new item too
-        nonlocal written
-        data = TensorDict({"k": torch.arange(written, written + size, dtype=torch.float32)}, [size])
-        metrics.on_post_extend(rb, data, rb.extend(data))
-        written += size
-
-    def sample():
-        batch, info = rb.sample(6, return_info=True)
-        metrics.on_post_sample(rb, batch, info)
-        ages.extend(written - 1 - int(k) for k in batch["k"].tolist())
-
-    hows = ["thread", "write", "sample", "state_dict", "pickle"] * 2
-    for index, how in enumerate(hows):
-        write((4, 7, 12, 3, 9)[index % 5])  # the 12-item write wraps the whole storage
-        for _ in range(3):
-            sample()
-        window, ages = ages, []
-        gauges, pending = metrics.pull_later()
-        assert pending is not None and not pending.done
-        calls = 3 * (index + 1) + hows[:index].count("sample")
-        assert gauges == {"sample_calls": calls, "samples_returned": 6.0 * calls, "batch_size": 6.0}
-        if how == "thread":  # the channel's thread, free at once
-            worker = threading.Thread(target=pending)
-            worker.start()
-            worker.join()
-        elif how == "write":
-            # Overwrites every slot the window sampled. A round-robin writer's writes do not
-            # call the set (the ages come from the cursors noted at each sample): computed
-            # below, after the write.
-            write(10)
-        elif how == "sample":
-            sample()  # the next window's
-        elif how == "state_dict":
-            metrics.state_dict()
-        else:
-            metrics = pickle.loads(pickle.dumps(metrics))
-            metrics.bind(rb)
-        assert pending.done or (how, writer) == ("write", "round_robin")
-        assert pending()["sample_age"].finalize() == pytest.approx(
-            {
-                "sample_age_mean": statistics.fmean(window),
-                "sample_age_min": float(min(window)),
-                "sample_age_max": float(max(window)),
-            }
-        ), how
 
 
 def test_items_written_before_observing_have_no_age_with_a_max_value_writer():

@@ -233,13 +233,9 @@ class Delivery:
         return router
 
     # -------------------------------------------------------------- delivery
-    def wake(self, at_once: bool = False) -> None:
-        """Called after each put: wakes the thread only if it sleeps or the backlog grows.
-
-        ``at_once``: the payload has ``later`` calls, work taken off the
-        submitting thread, which is done before that thread needs it again.
-        """
-        if (at_once or self._asleep or self.queue.backlog() >= self._backlog) and not self._wake.is_set():
+    def wake(self) -> None:
+        """Called after each put: wakes the thread only if it sleeps or the backlog grows."""
+        if (self._asleep or self.queue.backlog() >= self._backlog) and not self._wake.is_set():
             self._wake.set()
 
     def _bind_logger_to_thread(self) -> None:
@@ -324,22 +320,16 @@ class Delivery:
         already reported.
         """
         payload = entry.payload
-        complete = True
-        if payload.later:  # a call that fails: the rest is logged, the entry counts as failed
-            error = payload.settle()
-            if error is not None:
-                complete = False
-                self.report(error, f"could not compute metrics of namespace {payload.namespace!r}")
         if payload.__class__ is not Payload:
             router = self.router(payload.__class__)
             if router is not None:
-                return self._write_rows(router.route(payload), "failed to log namespace") and complete
+                return self._write_rows(router.route(payload), "failed to log namespace")
         metrics = expand(payload.namespace, payload.metrics)
         if metrics:
             self.write(metrics, payload.step)
         for watch in self.watchers:
             watch(payload.namespace, payload.metrics, metrics, payload.step)
-        return complete
+        return True
 
     def _write_rows(self, rows: Iterable[Row], what: str) -> bool:
         """Writes each row in its own try (one refused row loses no other); whether all went."""

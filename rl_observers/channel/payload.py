@@ -25,7 +25,7 @@ Examples:
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["Payload", "check_metrics", "coalesce", "expand", "is_partial"]
@@ -148,44 +148,19 @@ class Payload:
         (2, {'train/dones': 3.0, 'train/lr': 0.2})
     """
 
-    __slots__ = ("later", "metrics", "namespace", "step")
+    __slots__ = ("metrics", "namespace", "step")
 
-    def __init__(
-        self,
-        namespace: str,
-        metrics: dict[str, Any],
-        step: int | None = None,
-        later: tuple[Callable[[], Mapping[str, Any]], ...] = (),
-    ) -> None:
+    def __init__(self, namespace: str, metrics: dict[str, Any], step: int | None = None) -> None:
         self.namespace = namespace
         self.metrics = metrics
         self.step = step
-        # Calls returning more metrics, made by the channel's thread (see settle).
-        self.later = later
-
-    def settle(self) -> Exception | None:
-        """Adds the metrics of its ``later`` calls, each called once; the first error, if any.
-
-        A call that raises adds nothing; the others still do.
-        """
-        later, self.later = self.later, ()
-        error = None
-        for compute in later:
-            try:
-                self.metrics.update(check_metrics(compute(), self.namespace, "MetricsChannel"))
-            except Exception as err:
-                error = error or err
-        return error
 
     def absorb(self, newer: Payload) -> Exception | None:
         """Merges ``newer`` (submitted later, same namespace) into this one (:func:`coalesce`).
 
-        Both are settled first. The step becomes the newest. Returns the
-        first error: of a ``later`` call, or of a partial that failed to merge.
+        The step becomes the newest. Returns the error of a partial that failed to merge.
         """
-        error = self.settle()
-        error = newer.settle() or error
-        error = coalesce(self.metrics, newer.metrics) or error
+        error = coalesce(self.metrics, newer.metrics)
         self.step = newer.step
         return error
 

@@ -39,7 +39,6 @@ from rl_observers.logging.resume import (
     source_axis,
 )
 from rl_observers.metrics import MetricSet
-from rl_observers.metrics.base import PendingPartials
 from rl_observers.observer import FailureStreaks, Observer, dumps
 from rl_observers.remote import MetricsChannel
 from rl_observers.remote.aggregate import aggregate_state, finish_aggregate, load_aggregate_state
@@ -395,33 +394,19 @@ class LoggerObserver(Observer):
     # -- submit ---------------------------------------------------------------------------------
 
     def _pull(self) -> dict[str, Any]:
-        return self._pull_sets(at_once=True)[0]
-
-    def _pull_sets(self, at_once: bool) -> tuple[dict[str, Any], list[PendingPartials]]:
-        """The sets' windows: what is read now, and the partials the channel's thread computes.
-
-        ``at_once``: every partial now (a window that is pickled to another process).
-        """
         # Before pulling: an event folded meanwhile (from another thread) marks the next window.
         self._fresh = False
         payload: dict[str, Any] = {}
-        later: list[PendingPartials] = []
         failing = self._streaks.failing
         for index, metric_set in enumerate(self._sets or ()):
             if index in failing:  # its window waits for its recovery: no rows of zeros
                 continue
             try:
-                if at_once:
-                    payload.update(metric_set.pull())
-                    continue
-                now, pending = metric_set.pull_later()
-                payload.update(now)
-                if pending is not None:
-                    later.append(pending)
+                payload.update(metric_set.pull())
             except Exception as err:
                 self._set_failed(index, err, "pull")
         self._streaks.failed_now.clear()
-        return payload, later
+        return payload
 
     def _emit(self, counters: Mapping[str, float]) -> None:
         if not self._namespace.held:  # freed when the source shut down
@@ -437,12 +422,10 @@ class LoggerObserver(Observer):
                 if self._last_step is not None and step < self._last_step:
                     step = self._last_step
                 self._last_step = step
-        payload, later = self._pull_sets(at_once=False)
+        payload = self._pull()
         self._clock.fired()
         self._emitted = True
-        self._sink.submit_metrics(
-            payload, None if step is None else int(step), namespace=self.name or "", later=later
-        )
+        self._sink.submit_metrics(payload, None if step is None else int(step), namespace=self.name or "")
 
     def _contribute(self, final: bool = False) -> None:
         """Sends this contributor's window (a copy's, or the original's) to the channel's owner,

@@ -21,7 +21,7 @@ from rl_observers.stats import (
     ReducerBank,
 )
 
-__all__ = ["MetricSet", "PendingPartials"]
+__all__ = ["MetricSet"]
 
 #: The events a metric set may fold: those that carry data (``post_collect``, ``post_add``,
 #: ``post_extend``, ``post_sample``).
@@ -34,7 +34,6 @@ def _locked(fold: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(fold)
     def locked_fold(self: MetricSet, *args: Any) -> None:
         with self._lock:
-            self._settle()
             fold(self, *args)
 
     return locked_fold
@@ -50,45 +49,6 @@ class _FoldedEventsAlias:
 def _read_counter(lock: Any, counters: ObservedCounters, name: str) -> int:
     with lock:
         return counters.poll()[name]
-
-
-class PendingPartials:
-    """The partials of a window closed by :meth:`MetricSet.pull_later`, computed once.
-
-    Called by the channel's thread before it logs the window; if the set is
-    called first (its next event, pull or state), the set computes them then,
-    before anything else touches its state. Either way the partials are those
-    of the window that was closed, computed exactly once. An error computing
-    them is kept and raised by every call (the channel reports it, and logs
-    the window's gauges without them).
-    """
-
-    __slots__ = ("_settle", "_partials", "_error")
-
-    def __init__(self, settle: Callable[[], None]) -> None:
-        self._settle = settle
-        self._partials: dict[str, Partial] | None = None
-        self._error: Exception | None = None
-
-    @property
-    def done(self) -> bool:
-        """Whether the partials were computed (or failed to be)."""
-        return self._partials is not None
-
-    def compute(self, pull_partials: Callable[[], dict[str, Partial]]) -> None:
-        """Computes the partials with ``pull_partials``; the set calls this under its lock."""
-        try:
-            self._partials = pull_partials()
-        except Exception as error:
-            self._error = error
-            self._partials = {}
-
-    def __call__(self) -> dict[str, Partial]:
-        if self._partials is None:
-            self._settle()
-        if self._error is not None:
-            raise self._error
-        return self._partials  # type: ignore[return-value]
 
 
 class MetricSet:
@@ -166,8 +126,6 @@ class MetricSet:
     #: Whether the base wraps the ``on_<event>`` methods a class defines in the lock; a class
     #: that says ``False`` (the built-in sets, which lock only when they fold) locks itself.
     _lock_folds: bool = True
-    #: The partials of the window :meth:`pull_later` closed, until they are computed.
-    _pending: PendingPartials | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -320,46 +278,13 @@ class MetricSet:
     def pull(self) -> dict[str, float | Partial]:
         """Closes the window: :meth:`gauges` and the reducers' partials, in one transfer."""
         with self._lock:
-            self._settle()
-            partials = self._pull_partials()
+            self._fold_staged()
+            partials = self._bank.pull()
             out: dict[str, float | Partial] = dict(self.gauges(self._counters.drain()))
             out.update(partials)
+            for key, sketch in self._sketches.items():
+                out[key] = sketch.pull()
             return out
-
-    def pull_later(self) -> tuple[dict[str, float], PendingPartials | None]:
-        """Closes the window in two halves: its :meth:`gauges` now, its partials later.
-
-        What a :class:`~rl_observers.LoggerObserver` calls when a window is
-        due, so that the source's thread only reads the counters: the
-        partials (summing what the set keeps staged, the transfer of the
-        reducers' state) are computed by the :class:`PendingPartials`
-        returned, which the observer hands to the channel
-        (``submit_metrics(..., later=[pending])``) and the channel's thread
-        calls before it logs the window. The set's next call computes them
-        first if the channel has not yet (a channel busy with a slow
-        logger), before anything else touches its state: the window's
-        values are the same either way.
-
-        Returns ``(pull(), None)``, all at once, unless :meth:`_defers_partials`
-        says the set's state may be read from another thread (built-in
-        :class:`~rl_observers.CollectorBatchMetrics` on the CPU).
-
-        Examples:
-            >>> import torch
-            >>> from rl_observers import Mean
-            >>> mean = Mean("x", lambda batch: batch)
-            >>> mean.on_post_collect(None, torch.ones(3))
-            >>> gauges, pending = mean.pull_later()  # a Mean pulls at once
-            >>> pending is None, gauges["x"].finalize()
-            (True, {'x': 1.0})
-        """
-        with self._lock:
-            self._settle()
-            if not self._defers_partials():
-                return self.pull(), None  # type: ignore[return-value]
-            gauges = dict(self.gauges(self._counters.drain()))
-            pending = self._pending = PendingPartials(self._settle_locked)
-            return gauges, pending
 
     def metric_names(self) -> tuple[str, ...]:
         """The names this set submits and logs, as far as known before its first event.
@@ -389,14 +314,12 @@ class MetricSet:
     def state_dict(self) -> dict[str, Any]:
         """Cumulative counters (subclasses add what they keep in flight)."""
         with self._lock:
-            self._settle()
             self._fold_staged()
             return {"counters": dict(self._counters.drain())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores what :meth:`state_dict` returned; the window starts empty."""
         with self._lock:
-            self._settle()
             self._counters.load(state_dict.get("counters", {}))
             self._bank.reset()
             for sketch in self._sketches.values():
@@ -407,42 +330,8 @@ class MetricSet:
     def _fold_staged(self) -> None:
         """Folds what a subclass keeps staged (batches not summed yet) into its reducers."""
 
-    def _pull_partials(self) -> dict[str, Partial]:
-        """The window's partials, its reducers reset: what :meth:`pull` adds to the gauges."""
-        self._fold_staged()
-        partials: dict[str, Partial] = self._bank.pull()
-        for key, sketch in self._sketches.items():
-            partials[key] = sketch.pull()
-        return partials
-
-    def _defers_partials(self) -> bool:
-        """Whether :meth:`pull_later` may leave the partials to another thread.
-
-        Only where they are read from the set's state alone (not from a
-        storage that later writes overwrite) and that state lives on the
-        CPU (on a device, another thread would enqueue on its own stream).
-        Defaults to ``False``.
-        """
-        return False
-
-    def _settle(self) -> None:
-        """Computes the partials of the window :meth:`pull_later` closed, if still pending.
-
-        Called holding the lock, first thing in every method that reads or
-        changes the set's state.
-        """
-        pending = self._pending
-        if pending is not None:
-            self._pending = None
-            pending.compute(self._pull_partials)
-
-    def _settle_locked(self) -> None:
-        with self._lock:
-            self._settle()
-
     def __getstate__(self) -> dict[str, Any]:
         with self._lock:
-            self._settle()
             self._fold_staged()
             self._counters.drain()  # CUDA events do not pickle; pending amounts are applied first
             state = self.__dict__.copy()

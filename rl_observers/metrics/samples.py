@@ -255,21 +255,17 @@ class SampleMetrics(MetricSet):
         """Stamps the slot written by ``add`` (nothing to do with a round-robin writer)."""
         if self._ages is not None and self._ring_of(source) is False:
             with self._lock:
-                self._settle()
                 self._stamp(source, index)
 
     def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
         """Stamps the slots written by ``extend`` (nothing to do with a round-robin writer)."""
         if self._ages is not None and self._ring_of(source) is False:
             with self._lock:
-                self._settle()
                 self._stamp(source, index)
 
     def bind(self, source: Any) -> None:
         """Notes whether the source's writer may skip items, whether it is round-robin, and
         whether its sampler's indices can be kept as handed over."""
-        with self._lock:
-            self._settle()  # a window closed before: its ages are measured against the old source
         self._skips = writer_may_skip(source)
         self._ring_keeps_index = fresh_index(source)
         self._ring = None
@@ -338,8 +334,6 @@ class SampleMetrics(MetricSet):
     def on_post_sample(self, source: Any, batch: Any, info: Any) -> None:
         """Counts the sample and folds its weights and ages (no host-device sync)."""
         with self._lock:
-            if self._pending is not None:  # the window closed last: computed first, if still due
-                self._settle()
             index = None if info is None else info.get("index", None)
             if type(index) is torch.Tensor and index.ndim == 1 and index.dtype is torch.int64:
                 slots = index  # the usual sample: a 1-D index of dim-0 slots
@@ -521,32 +515,17 @@ class SampleMetrics(MetricSet):
 
     def pull(self) -> dict[str, float | Partial]:
         """Gauges ``sample_calls``, ``samples_returned``, ``batch_size``; partials
-        ``"priority_weight"`` and ``"sample_age"`` (those configured).
-
-        A :class:`~rl_observers.LoggerObserver` closes the window with
-        :meth:`~rl_observers.MetricSet.pull_later` instead: on the CPU, the
-        ages of the window's samples are computed on the channel's thread.
-        """
-        return super().pull()
-
-    def _pull_partials(self) -> dict[str, Partial]:
-        out = super()._pull_partials()
-        count, total, low, high = self._age_tally
-        if count:
-            self._age_tally = _NO_AGES
-            ages = Moments._trusted("sample_age", _AGE_STATS, float(count), float(total), 0.0, low, high)
-            out["sample_age"] = ages.merge(out["sample_age"])
-        return out
-
-    def _defers_partials(self) -> bool:
-        # Ages come from what the set kept at each sample (indices and cursors, or stamps),
-        # never from the storage: deferred when all of it is on the CPU.
-        device = self._bank.device
-        return (
-            (device is None or device.type == "cpu")
-            and not self._ring_slots
-            and all(kept is None or kept.is_cpu for kept in (self._sampled, self._stamps))
-        )
+        ``"priority_weight"`` and ``"sample_age"`` (those configured)."""
+        with self._lock:
+            out = super().pull()
+            count, total, low, high = self._age_tally
+            if count:
+                self._age_tally = _NO_AGES
+                ages = Moments._trusted(
+                    "sample_age", _AGE_STATS, float(count), float(total), 0.0, low, high
+                )
+                out["sample_age"] = ages.merge(out["sample_age"])
+            return out
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, the running item count and the per-slot stamps."""

@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from torchrl._utils import logger as torchrl_logger
@@ -239,14 +239,7 @@ class MetricsChannel:
             _SHARED[id(logger)] = channel
             return channel
 
-    def submit_metrics(
-        self,
-        metrics: Mapping[str, Any],
-        step: int | None = None,
-        *,
-        namespace: str = "",
-        later: Sequence[Callable[[], Mapping[str, Any]]] = (),
-    ) -> None:
+    def submit_metrics(self, metrics: Mapping[str, Any], step: int | None = None, *, namespace: str = "") -> None:
         """Queues one payload for logging and returns at once.
 
         Never blocks and never calls the logger. After :meth:`close` the
@@ -273,34 +266,12 @@ class MetricsChannel:
             namespace (str, optional): prefix of the logged names
                 (``"<namespace>/<name>"``); also the unit of coalescing.
                 Defaults to ``""`` (no prefix).
-            later (sequence of callables, optional): calls returning more
-                metrics of this payload, made once by the channel's thread
-                just before it logs the payload (or merges it into a newer
-                one), so that work the payload needs leaves the caller's
-                thread; the thread is woken for them at once. They must
-                not submit to this channel themselves. What they return is
-                checked then; a call that raises is handled by
-                ``on_error`` and the payload is logged without its metrics,
-                counted in ``sink_errors``. A
-                :class:`~rl_observers.MetricsHandle` in another process makes
-                the calls before sending. Defaults to none.
 
         Raises:
             TypeError: if ``metrics`` is not a mapping from ``str`` names to
                 the values above, or ``namespace`` is not a ``str``.
-
-        Examples:
-            >>> from torchrl.record import CSVLogger
-            >>> from rl_observers import MetricsChannel
-            >>> import tempfile
-            >>> logger = CSVLogger("later", log_dir=tempfile.mkdtemp())
-            >>> channel = MetricsChannel.for_logger(logger)
-            >>> channel.submit_metrics({"frames": 100}, step=1, later=[lambda: {"reward_mean": 0.5}])
-            >>> channel.close()
-            True
         """
-        checked = check_metrics(metrics, namespace, "MetricsChannel")
-        self._state.submit(Payload(namespace, checked, step, tuple(later)))
+        self._state.submit(Payload(namespace, check_metrics(metrics, namespace, "MetricsChannel"), step))
 
     def submit_window(self, window: Window) -> None:
         """Queues one window of an observer's copy (:class:`~rl_observers.remote.window.Window`).

@@ -13,7 +13,7 @@ import os
 import socket
 import sys
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from rl_observers.channel.payload import Payload, check_metrics
@@ -33,14 +33,7 @@ class _Channel(Protocol):
 
     _state: Any
 
-    def submit_metrics(
-        self,
-        metrics: Mapping[str, Any],
-        step: int | None = None,
-        *,
-        namespace: str = "",
-        later: Sequence[Callable[[], Mapping[str, Any]]] = (),
-    ) -> None: ...
+    def submit_metrics(self, metrics: Mapping[str, Any], step: int | None = None, *, namespace: str = "") -> None: ...
 
     def submit_window(self, window: Window) -> None: ...
 
@@ -127,35 +120,20 @@ class MetricsHandle:
             sender = self._sender = make_sender(self._addresses, self._forced, self._owner)
         return sender
 
-    def submit_metrics(
-        self,
-        metrics: Mapping[str, Any],
-        step: int | None = None,
-        *,
-        namespace: str = "",
-        later: Sequence[Callable[[], Mapping[str, Any]]] = (),
-    ) -> None:
+    def submit_metrics(self, metrics: Mapping[str, Any], step: int | None = None, *, namespace: str = "") -> None:
         """Submits one payload to the channel; returns at once.
 
         Same arguments and values as :meth:`MetricsChannel.submit_metrics`.
-        In another process, the ``later`` calls are made here, before the
-        payload is sent (only metrics cross a process); the payload is sent
-        without the metrics of one that raises, and its error raised then.
 
         Raises:
             TypeError: if ``metrics`` is not a mapping from ``str`` names to
                 loggable values, or ``namespace`` is not a ``str``.
-            Exception: what a ``later`` call raised, in another process.
         """
         channel = self._channel
         if channel is not None:
-            channel.submit_metrics(metrics, step, namespace=namespace, later=later)
+            channel.submit_metrics(metrics, step, namespace=namespace)
             return
-        payload = Payload(namespace, check_metrics(metrics, namespace, "MetricsHandle"), step, tuple(later))
-        error = payload.settle()
-        self._send_through().send(payload)
-        if error is not None:
-            raise error
+        self._send_through().send(Payload(namespace, check_metrics(metrics, namespace, "MetricsHandle"), step))
 
     def submit_window(self, window: Window) -> None:
         """Submits one window of an observer's copy (:class:`~rl_observers.remote.window.Window`).

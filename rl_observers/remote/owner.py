@@ -148,13 +148,13 @@ class Owner:
     # ------------------------------------------------------------------ submit
     def submit(self, payload: Payload) -> None:
         """Queues a payload whose metrics were checked (:func:`~rl_observers.channel.payload.check_metrics`)."""
-        if not payload.metrics and not payload.later and payload.__class__ is Payload:
-            return  # nothing to log: not counted
+        if not payload.metrics and payload.__class__ is Payload:  # nothing to log: not counted
+            return
         if self.closed:  # the queue checks again under its lock
             self._drop_after_close()
             return
         error = self.queue.put(payload)
-        self.delivery.wake(at_once=bool(payload.later))
+        self.delivery.wake()
         if error is not None:
             self.delivery.report(error, f"could not merge a partial of namespace {payload.namespace!r}")
 

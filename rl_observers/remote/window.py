@@ -184,7 +184,6 @@ class Window(Payload):
         self.namespace = namespace
         self.metrics = metrics
         self.step = step
-        self.later = ()  # a window's metrics are computed before it is sent
         self.observer = observer
         self.worker = worker
         self.process = process

@@ -407,7 +407,6 @@ class CollectorBatchMetrics(MetricSet):
         self._delivery = observers if getattr(observers, "defers_delivery", False) else None
         envs = getattr(source, "_num_envs", None)  # AsyncBatchedCollector: one env per index
         with self._lock:
-            self._settle()
             if isinstance(envs, int) and not isinstance(envs, bool) and envs > 0:
                 self._interleaved_fold.bind_envs(envs)
             self._ring_fold.reset_at_each_batch(
@@ -520,8 +519,6 @@ class CollectorBatchMetrics(MetricSet):
     def on_post_collect(self, source: Any, batch: Any) -> None:
         """Folds one collector batch (no host-device sync)."""
         with self._lock:
-            if self._pending is not None:  # the window closed last: computed first, if still due
-                self._settle()
             plan = self._plan
             ring_fold = self._ring_fold
             ring = ring_fold.ring
@@ -649,33 +646,20 @@ class CollectorBatchMetrics(MetricSet):
         Partials are keyed ``"reward"``, ``"dones"``, ``"episodes"``,
         ``"episode_return"`` and ``"episode_length"`` (those configured). One
         device-to-host transfer; resets the window, not the episodes in flight.
-        A :class:`~rl_observers.LoggerObserver` closes the window with
-        :meth:`~rl_observers.MetricSet.pull_later` instead: on the CPU, the
-        batches still staged are summed and the partials read on the channel's
-        thread, not the collector's.
         """
-        return super().pull()
-
-    def _pull_partials(self) -> dict[str, Partial]:
-        out = super()._pull_partials()
-        plan = self._plan
-        if plan is not None and plan.running:
-            # Episodes closed in the ring's batches are the count of their moments (and
-            # the dones, when done is the only closing key).
-            counted = Count("episodes", out[self._episode.prefixes[0]].count)  # type: ignore[union-attr,attr-defined]
-            out["episodes"] = counted
-            if plan.closing == (plan.done,):
-                out["dones"] = Count("dones", counted.n)
-        if self._window is not None:
-            self._window.pulled(out)  # type: ignore[arg-type]
-        return out
-
-    def _defers_partials(self) -> bool:
-        # Everything the partials read is the set's own (no storage): deferred on the CPU.
-        return all(
-            device is None or device.type == "cpu"
-            for device in (self._bank.device, self._ring_fold.device)
-        )
+        with self._lock:
+            out = super().pull()
+            plan = self._plan
+            if plan is not None and plan.running:
+                # Episodes closed in the ring's batches are the count of their moments (and
+                # the dones, when done is the only closing key).
+                counted = Count("episodes", out[self._episode.prefixes[0]].count)  # type: ignore[union-attr,attr-defined]
+                out["episodes"] = counted
+                if plan.closing == (plan.done,):
+                    out["dones"] = Count("dones", counted.n)
+            if self._window is not None:
+                self._window.pulled(out)
+            return out
 
     def state_dict(self) -> dict[str, Any]:
         """Cumulative counters and the per-env episodes in flight."""

@@ -750,11 +750,6 @@ class RingFold:
         """Drops the ring and what is staged in it (a state loaded over it, another layout)."""
         self.ring = None
 
-    @property
-    def device(self) -> torch.device | None:
-        """The device of the batches staged in the ring, ``None`` without a ring."""
-        return None if self.ring is None else self.ring.key[2]
-
     def fold(
         self,
         plan: CollectorPlan,
