@@ -17,6 +17,7 @@ from __future__ import annotations
 from torchrl.record.loggers.monitoring import Every
 
 from rl_observers import signals
+from rl_observers.channel import MetricsChannel
 from rl_observers.logging.attach import install_attach_logger as _install_attach_logger
 from rl_observers.logging.console import LiveConsole
 from rl_observers.logging.defaults import default_metrics, default_schedule
@@ -47,7 +48,7 @@ from rl_observers.metrics import (
 from rl_observers.observer import ON_ERROR_POLICIES, Observer, ObserverHandle, OnError
 from rl_observers.profiler import ProfilerObserver
 from rl_observers.profiler import install_profiling as _install_profiling
-from rl_observers.remote import MetricsChannel, MetricsHandle
+from rl_observers.remote import MetricsHandle
 from rl_observers.sources.placement import SourceInfo, source_info
 from rl_observers.targets import install as _install
 

@@ -716,10 +716,10 @@ def test_close_callbacks_submit_their_last_window_before_the_final_flush(warning
 _EXIT_SCRIPT = """
 import sys, threading, time
 from torchrl.record import CSVLogger
-import rl_observers.remote.channel
+import rl_observers.channel.channel
 from rl_observers.remote import MetricsChannel
 
-rl_observers.remote.channel._EXIT_TIMEOUT = 2.0
+rl_observers.channel.channel._EXIT_TIMEOUT = 2.0
 
 class SlowCSV(CSVLogger):
     def log_metrics(self, metrics, step=None, **kwargs):

@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
 #: The layers, bottom first: each may import from earlier ones (and from itself).
 LAYERS: tuple[str, ...] = (
+    "lifecycle",
     "signals",
     "observer",
     "stats",
@@ -51,6 +52,7 @@ LAYERS: tuple[str, ...] = (
 )
 #: Narrower rules: the only modules (and their submodules) a layer may import besides itself.
 ALLOWED: dict[str, tuple[str, ...]] = {
+    "lifecycle": (),
     "signals": (),
     "observer": ("signals",),
     "stats": ("signals",),
@@ -58,7 +60,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     # sources.observed: a metric set reads what its source's observer list counts (dropped rollouts)
     "metrics": ("signals", "stats", "sources.placement", "sources.observed"),
     "schedule": (),
-    "channel": ("observer", "stats.partials"),  # observer: the one OnError policy
+    # the channel is local: the cross-process wing (remote) plugs into it, never the reverse
+    "channel": ("lifecycle", "observer", "stats.partials"),  # observer: the one OnError policy
 }
 
 
@@ -165,7 +168,7 @@ def violations() -> list[str]:
             if layer not in LAYERS:
                 continue  # a module the layout does not place (yet)
             if layer in ALLOWED:
-                if (layer in ("signals", "observer") or _is_package(layer)) and not any(
+                if (layer in ("lifecycle", "signals", "observer") or _is_package(layer)) and not any(
                     _within(target, allowed) for allowed in ALLOWED[layer]
                 ):
                     found.append(f"{where} imports {target}: {layer} may import only {ALLOWED[layer]}")
@@ -222,10 +225,10 @@ def test_the_graph_sees_type_checking_imports():
     source = (
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n"
-        "    from rl_observers.remote.channel import MetricsChannel\n"
+        "    from rl_observers.channel.channel import MetricsChannel\n"
     )
     found = imports_of("rl_observers.remote.handle", source)
-    assert ("rl_observers.remote.channel", 3, "import") in found
+    assert ("rl_observers.channel.channel", 3, "import") in found
 
 
 def test_no_import_cycles_including_imports_inside_functions():
@@ -529,8 +532,8 @@ CHANNEL_LOGGING_SIDE = frozenset(
 
 
 def test_the_channel_s_public_members_are_its_contract():
-    from rl_observers.remote import MetricsChannel
-    from rl_observers.remote.logging_side import LoggingSide
+    from rl_observers.channel import MetricsChannel
+    from rl_observers.channel.logging_side import LoggingSide
 
     public = {name for name in dir(MetricsChannel) if not name.startswith("_")}
     assert public == CHANNEL_CONTRACT, (

@@ -12,14 +12,15 @@ dict[str, float]``).
 - :mod:`~rl_observers.channel.delivery`: the thread that writes to the logger, its error
   policy and health; owner-side handling plugs in as a :class:`~.delivery.Router`.
 
-The public :class:`~rl_observers.MetricsChannel`, which also receives what
-other processes send, lives with everything else that crosses a process, in
-:mod:`rl_observers.remote`.
+- :mod:`~rl_observers.channel.owner`: what a channel owns in its process, and its wing
+  (what it does for other processes, which :mod:`rl_observers.remote` plugs in);
+- :mod:`~rl_observers.channel.channel`: :class:`MetricsChannel`, the public face.
 """
 
 from __future__ import annotations
 
+from rl_observers.channel.channel import MetricsChannel, register_wing
 from rl_observers.channel.delivery import Delivery, Router, register_router
 from rl_observers.channel.queue import PendingQueue
 
-__all__ = ["Delivery", "PendingQueue", "Router", "register_router"]
+__all__ = ["Delivery", "MetricsChannel", "PendingQueue", "Router", "register_router", "register_wing"]

@@ -15,8 +15,8 @@ import time
 import warnings
 from typing import Any, TextIO
 
+from rl_observers.channel import MetricsChannel
 from rl_observers.logging.histograms import add_watcher
-from rl_observers.remote import MetricsChannel
 
 __all__ = ["LiveConsole"]
 

@@ -15,9 +15,10 @@ from typing import Any
 from torchrl.collectors import BaseCollector
 from torchrl.record.loggers.monitoring import Every
 
+from rl_observers.channel import MetricsChannel
 from rl_observers.metrics import CollectorBatchMetrics, MetricSet, SampleMetrics, WriteMetrics
 from rl_observers.metrics.oneliners import Metric
-from rl_observers.remote import MetricsChannel, MetricsHandle
+from rl_observers.remote import MetricsHandle
 from rl_observers.signals import COLLECTOR_EVENTS, REPLAY_BUFFER_EVENTS
 
 __all__ = [

@@ -25,7 +25,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from rl_observers.remote import MetricsChannel
+from rl_observers.channel import MetricsChannel
 from rl_observers.stats import BinCounts, QuantileSketch
 from rl_observers.stats.partials import SKETCH_EXPONENTS
 

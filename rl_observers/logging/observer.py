@@ -13,7 +13,6 @@ sends) is its :class:`~rl_observers.remote.contributions.Contribution`.
 from __future__ import annotations
 
 import functools
-import os
 import pickle
 import threading
 import weakref
@@ -24,6 +23,8 @@ from typing import Any, ClassVar, Literal
 from torchrl.collectors import BaseCollector
 from torchrl.record.loggers.monitoring import Every
 
+from rl_observers import lifecycle
+from rl_observers.channel import MetricsChannel
 from rl_observers.logging import wiring
 from rl_observers.logging.arguments import check_arguments
 from rl_observers.logging.defaults import DEFAULT_NAMES, as_metric_sets, as_sink, target_kind
@@ -40,7 +41,6 @@ from rl_observers.logging.resume import (
 )
 from rl_observers.metrics import MetricSet
 from rl_observers.observer import FailureStreaks, Observer, dumps
-from rl_observers.remote import MetricsChannel
 from rl_observers.remote.aggregate import aggregate_state, finish_aggregate, load_aggregate_state
 from rl_observers.remote.contributions import LAST_WINDOW_TIMEOUT, Contribution, copy_worker
 from rl_observers.remote.distributed import WORKER_VIEWS
@@ -754,7 +754,7 @@ class LoggerObserver(Observer):
         return f"LoggerObserver({', '.join(fields)})"
 
 
-os.register_at_fork(after_in_child=LoggerObserver._forget_modes_after_fork)
+lifecycle.after_fork_in_child(LoggerObserver._forget_modes_after_fork)
 
 
 WORKER_VIEWS[LoggerObserver] = LoggerObserver.worker_view

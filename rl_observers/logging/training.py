@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
+from rl_observers.channel import MetricsChannel
 from rl_observers.channel.payload import coalesce
-from rl_observers.remote import MetricsChannel, MetricsHandle
+from rl_observers.remote import MetricsHandle
 from rl_observers.stats import Moments, Partial, ReducerBank, Scalar
 
 __all__ = ["TRAINING_RULES", "TrainingMetrics"]

@@ -23,8 +23,9 @@ Back, windows to the owner:
 - :mod:`~rl_observers.remote.handle`: :class:`MetricsHandle`, a channel's picklable stand-in;
 - :mod:`~rl_observers.remote.transport`: the transport interface and registry;
   :mod:`~rl_observers.remote.socket` (this machine) and :mod:`~rl_observers.remote.ray` (any node);
-- :mod:`~rl_observers.remote.channel`: :class:`MetricsChannel`, the public face, over its
-  :mod:`~rl_observers.remote.owner` (the local channel plus its receivers);
+- :mod:`~rl_observers.remote.owner`: the channel's wing, registered with the local
+  :class:`~rl_observers.MetricsChannel` (:mod:`rl_observers.channel`): its receivers, and
+  its stand-in in a forked child;
 - :mod:`~rl_observers.remote.account`: what each copy sent and what reached the owner;
 - :mod:`~rl_observers.remote.aggregate`: the owner merges the windows into rows.
 
@@ -33,13 +34,15 @@ Only this package imports Ray.
 
 from __future__ import annotations
 
+from rl_observers.channel import MetricsChannel, register_wing
 from rl_observers.remote import socket as _socket  # registers the socket transport
-from rl_observers.remote.channel import MetricsChannel
 from rl_observers.remote.handle import MetricsHandle
+from rl_observers.remote.owner import RemoteWing
 from rl_observers.remote.ray import transport as _ray_transport  # registers Ray (never imports it)
 from rl_observers.remote.shipping import RemoteAttachError
 from rl_observers.remote.transport import register_transport
 
+register_wing(RemoteWing)
 del _ray_transport, _socket
 
 __all__ = ["MetricsChannel", "MetricsHandle", "RemoteAttachError", "register_transport"]

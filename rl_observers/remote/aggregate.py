@@ -47,11 +47,10 @@ from typing import Any
 
 from torchrl.record.loggers.monitoring import Every
 
-from rl_observers.channel import register_router
+from rl_observers.channel import MetricsChannel, register_router
 from rl_observers.channel.delivery import Row
 from rl_observers.channel.payload import coalesce, is_partial
 from rl_observers.metrics.health import STALENESS
-from rl_observers.remote.channel import MetricsChannel
 from rl_observers.remote.window import AggregateSpec, Window, worker_key
 from rl_observers.schedule import ScheduleClock
 from rl_observers.stats import LatestWindow

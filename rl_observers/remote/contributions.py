@@ -35,8 +35,6 @@ Examples:
 
 from __future__ import annotations
 
-import atexit
-import multiprocessing.util
 import os
 import pickle
 import time
@@ -45,6 +43,7 @@ from typing import Any
 
 from torchrl.record.loggers.monitoring import Every
 
+from rl_observers import lifecycle
 from rl_observers.observer import dumps
 from rl_observers.remote.lockstep import Lockstep
 from rl_observers.remote.window import AggregateSpec, Window
@@ -57,37 +56,6 @@ __all__ = ["LAST_WINDOW_TIMEOUT", "Contribution", "copy_worker"]
 #: owner's ingest (a relay or ingest actor still starting on a busy node takes seconds); within
 #: the source's own bound (30 s for the actors of a Ray source, see ``sources/ray.py``).
 LAST_WINDOW_TIMEOUT = 20.0
-
-# What this process runs when it exits, once a contribution started here (the holders'
-# ``at_exit``), and whether that is armed in this process (a forked child arms it again).
-_EXIT_REPORTS: list[Callable[[], None]] = []
-_EXIT_REPORT = False
-
-
-def _disarm_after_fork() -> None:
-    global _EXIT_REPORT
-    _EXIT_REPORT = False
-
-
-os.register_at_fork(after_in_child=_disarm_after_fork)
-
-
-def _report_at_exit() -> None:
-    """Runs the holders' ``at_exit``: worker processes exit without shutdown events."""
-    for report in list(_EXIT_REPORTS):
-        report()
-
-
-def _report_contributors_at_exit(report: Callable[[], None]) -> None:
-    global _EXIT_REPORT
-    if report not in _EXIT_REPORTS:
-        _EXIT_REPORTS.append(report)
-    if not _EXIT_REPORT:
-        _EXIT_REPORT = True
-        # multiprocessing children run these finalizers but not ``atexit``; other processes the reverse
-        multiprocessing.util.Finalize(None, _report_at_exit, exitpriority=100)
-        atexit.register(_report_at_exit)
-
 
 def copy_worker(worker: int | None) -> Any:
     """The ``Window.worker`` a copy placed as ``worker`` sends under (``None``, not a worker: 0)."""
@@ -208,14 +176,14 @@ class Contribution:
             self.worker = "main"
         self.workers = info.num_workers or 0
         self.last_report = time.monotonic()
-        _report_contributors_at_exit(at_exit)
+        lifecycle.at_exit(at_exit, lifecycle.COPIES)
         return "contribute", sets
 
     def join_as_original(self, at_exit: Callable[[], None]) -> str:
         """The mode of the original once it has copies elsewhere: contributing, as worker ``"main"``."""
         self.worker = "main"
         self.last_report = time.monotonic()
-        _report_contributors_at_exit(at_exit)
+        lifecycle.at_exit(at_exit, lifecycle.COPIES)
         return "contribute"
 
     def due(self, schedule: Any, report_interval: float, counters: Any) -> bool:

@@ -16,8 +16,8 @@ import weakref
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from rl_observers.channel.owner import Owner
 from rl_observers.channel.payload import Payload, check_metrics
-from rl_observers.remote.owner import Forwarder
 from rl_observers.remote.transport import Sender, make_sender
 from rl_observers.remote.window import Window
 
@@ -27,8 +27,7 @@ __all__ = ["MetricsHandle"]
 class _Channel(Protocol):
     """What a handle uses of the :class:`~rl_observers.MetricsChannel` it refers to.
 
-    A protocol, so that this module never imports :mod:`~rl_observers.remote.channel`
-    (which imports this one).
+    A protocol: the channel is local (:mod:`rl_observers.channel`) and knows no handle.
     """
 
     _state: Any
@@ -39,12 +38,13 @@ class _Channel(Protocol):
 
     def flush(self, timeout: float | None = None) -> bool: ...
 
-    def _current_addresses(self, known: Mapping[str, Any]) -> dict[str, Any]: ...
 
 
 # Channels owned by this process, by token: an unpickled handle whose token is
 # found here submits to the channel itself. A forked child forgets them.
 OWNERS: weakref.WeakValueDictionary[str, _Channel] = weakref.WeakValueDictionary()
+# Their wings (:class:`~.owner.RemoteWing`), which know the receivers' addresses.
+WINGS: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
 class MetricsHandle:
@@ -178,11 +178,12 @@ class MetricsHandle:
             return True
         return self._sender.flush(timeout)
 
-    def _forwarder(self) -> Forwarder | None:
-        """The channel's stand-in, for a handle a forked child inherited with its channel."""
+    def _forwarder(self) -> Any:
+        """The channel's stand-in (:class:`~.owner.Forwarder`), for a handle a forked child
+        inherited with its channel."""
         channel = self._channel
         state = None if channel is None else channel._state
-        return state if isinstance(state, Forwarder) else None
+        return None if state is None or isinstance(state, Owner) else state
 
     @property
     def transport(self) -> str:
@@ -230,9 +231,9 @@ class MetricsHandle:
         return self._sender.coalesced if self._sender is not None else 0
 
     def __reduce__(self) -> tuple[Any, ...]:
-        owner = OWNERS.get(self._token)
-        if owner is not None:  # in the owner's process: receivers started since (Ray) count too
-            self._addresses = owner._current_addresses(self._addresses)
+        wing = WINGS.get(self._token)
+        if wing is not None:  # in the owner's process: receivers started since (Ray) count too
+            self._addresses = wing.current_addresses(self._addresses)
         return (
             _rebuild_handle,
             (self._token, self._addresses, self._forced, self._owner),

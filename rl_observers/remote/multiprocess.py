@@ -44,7 +44,6 @@ such a message would stall; attaching to it then raises.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import threading
@@ -56,6 +55,7 @@ from typing import Any
 from torchrl._utils import logger as torchrl_logger
 from torchrl.collectors import BaseCollector, MultiAsyncCollector
 
+from rl_observers import lifecycle
 from rl_observers.remote.shipping import (
     RemoteAttachError,
     RemoteKind,
@@ -81,7 +81,7 @@ _EXIT_MIN_WAIT = 1.0
 # Observed collectors of this process, by id (weakly): those still running are shut down at exit.
 _OBSERVED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _OBSERVED_LOCK = threading.Lock()
-# The process whose exit hook is registered (a fork inherits the hook, not the workers).
+# The process that observed them (a fork inherits the exit hook, not the workers).
 _EXIT_PID: int | None = None
 # The dead workers already reported, per collector: a dead worker is reported once.
 _REPORTED_DEAD = IdentityMap()
@@ -281,16 +281,14 @@ class _DriverObservedMultiCollector:
 def _shut_down_at_exit(collector: Any) -> None:
     """Has ``collector`` shut down at interpreter exit if it still runs then.
 
-    The hook is registered when the first collector is observed, hence after
-    multiprocessing's exit hook and the channels' (registered when their
-    modules were imported): ``atexit`` runs it before both of them.
+    Before multiprocessing's exit hook, which would wait for its workers, and
+    before the channels close (:mod:`rl_observers.lifecycle`).
     """
     global _EXIT_PID
     with _OBSERVED_LOCK:
         _OBSERVED[id(collector)] = collector
-        if _EXIT_PID != os.getpid():
-            _EXIT_PID = os.getpid()
-            atexit.register(_shut_down_observed_at_exit)
+        _EXIT_PID = os.getpid()
+    lifecycle.at_exit(_shut_down_observed_at_exit, lifecycle.SOURCES)
 
 
 def _worker_exit_codes(collector: Any) -> dict[int, Any]:

@@ -1,25 +1,22 @@
-"""What a channel is in a process: its owner, or a forwarder in a forked child.
+"""The channel's wing for other processes: receivers, handles, the account of copies.
 
 Step of the flow: **channel** (source → observer → channel → logger).
-:class:`~.channel.MetricsChannel` is a thin public face over one of two
-states:
+A :class:`~rl_observers.MetricsChannel` is local; this module plugs into it
+(:func:`~rl_observers.channel.channel.register_wing`):
 
-- :class:`Owner`, in the process that created the channel: it owns the
-  :class:`~.queue.PendingQueue`, the :class:`~.delivery.Delivery` thread, the
-  transports' receivers (started on the first :meth:`~.channel.MetricsChannel.handle`)
-  and the close callbacks;
-- :class:`Forwarder`, in a child forked from the owner's process: it owns
-  nothing and sends what is submitted to the parent's owner through a
-  transport's sender, as a :class:`~.handle.MetricsHandle` would.
-
-Threads reference the :class:`Owner`, never the public channel, so a channel
-nobody references any more is garbage-collected and its finalizer
-(:meth:`Owner.release`) stops them.
+- :class:`RemoteWing`, in the process that created the channel: it starts
+  the transports' receivers (on the first
+  :meth:`~rl_observers.MetricsChannel.handle`), queues what handles in other
+  processes send, and keeps the end-to-end account of observers' copies;
+- :class:`Forwarder`, the channel in a child forked from the owner's
+  process: it owns nothing and sends what is submitted to the parent's owner
+  through a transport's sender, as a :class:`~.handle.MetricsHandle` would.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 import weakref
@@ -28,15 +25,15 @@ from typing import Any
 
 from torchrl._utils import logger as torchrl_logger
 
-from rl_observers.channel.delivery import Delivery
+from rl_observers.channel.owner import Owner, Wing
 from rl_observers.channel.payload import Payload, is_partial
-from rl_observers.channel.queue import PendingQueue
-from rl_observers.observer import check_on_error
 from rl_observers.remote.account import Account
+from rl_observers.remote.handle import OWNERS, WINGS, MetricsHandle
 from rl_observers.remote.transport import Receiver, make_sender, transports
+from rl_observers.remote.transport import transport as find_transport
 from rl_observers.remote.window import Window
 
-__all__ = ["LAST_WINDOWS_WAIT", "Forwarder", "Owner", "check_alive"]
+__all__ = ["LAST_WINDOWS_WAIT", "Forwarder", "RemoteWing"]
 
 #: Seconds an observer's copies, once gone, have for their last windows to reach the owner before
 #: the missing ones are counted lost. A source's shutdown (or the removal) already waited for its
@@ -48,126 +45,34 @@ __all__ = ["LAST_WINDOWS_WAIT", "Forwarder", "Owner", "check_alive"]
 LAST_WINDOWS_WAIT = 3.0
 
 
-def check_alive(logger: Any) -> None:
-    """Refuses a torchrl logger (or logger service) that was already shut down."""
-    if getattr(logger, "is_alive", True) is False:
-        raise ValueError(
-            f"MetricsChannel expected a running logger, got a {type(logger).__name__} that is "
-            "shut down (its is_alive is False): metrics sent to it would be lost. Create the "
-            "channel before shutting the logger down, or start a new logger."
-        )
+class RemoteWing(Wing):
+    """What a channel does, where it was created, for the processes that send to it."""
 
+    losses = ("remote_dropped", "receiver_restarts", "copies_lost", "windows_lost")
 
-class _StrongRef:
-    """A strong reference with the call interface of a weak one."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def __call__(self) -> Any:
-        return self.obj
-
-
-class Owner:
-    """What a channel owns in its own process: queue, delivery, receivers, close callbacks.
-
-    Threads reference this object, never the public :class:`MetricsChannel`,
-    so a channel nobody references any more is garbage-collected and its
-    finalizer stops the threads.
-    """
-
-    def __init__(
-        self,
-        logger: Any,
-        token: str,
-        *,
-        capacity: int,
-        on_error: str,
-        name: str,
-        background: bool,
-        health_interval: float | None,
-        log_health: bool = False,
-    ) -> None:
-        if isinstance(logger, type):
-            raise TypeError(
-                f"MetricsChannel expected a logger instance, got the class {logger.__name__}; "
-                f"create the logger first, e.g. {logger.__name__}(exp_name=..., log_dir=...), "
-                "and pass that."
-            )
-        if not callable(getattr(logger, "log_metrics", None)) and not callable(
-            getattr(logger, "log_scalar", None)
-        ):
-            raise TypeError(
-                "MetricsChannel expected a torchrl Logger or an object with "
-                f"log_metrics(metrics, step=None) or log_scalar(name, value, step), got {logger!r}."
-            )
-        check_alive(logger)
-        if capacity.__class__ is bool or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"capacity must be an int >= 1, got {capacity!r}.")
-        check_on_error(on_error)
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"name must be a non-empty str, got {name!r}.")
-        if health_interval is not None and not health_interval >= 0:
-            raise ValueError(f"health_interval must be >= 0 or None, got {health_interval!r}.")
-        self.logger = logger
-        self.token = token
-        self.capacity = capacity
-        self.on_error = on_error
-        self.name = name
-        self.background = background
-        self.pid = os.getpid()
-        self.queue = PendingQueue(capacity)
-        self.closed = False
-        self._closed_warned = False
-        self.close_requested = False
-        self._close_callbacks: list[Callable[[], Any]] = []
+    def __init__(self, owner: Owner, channel: Any) -> None:
+        self.owner = owner
+        self.queue = owner.queue
         # producers whose copies elsewhere (workers, actors) still feed this channel, by id
         self._feeders: dict[int, tuple[weakref.ref[Any], str]] = {}
         self._lock = threading.Lock()
         self._receivers: dict[str, Receiver] = {}
-        self.account = Account(name)
+        self._addresses: dict[str, Any] = {}
+        self.account = Account(owner.name)
         # observers whose copies are gone with some last window missing: name -> (settle by, copies)
         self._unsettled: dict[str, tuple[float, frozenset[Any]]] = {}
         self._account_seen = (0, 0)
         self._receivers_started = False
         self._receivers_lock = threading.Lock()
-        self.delivery = Delivery(
-            logger,
-            self.queue,
-            on_error=on_error,
-            name=name,
-            background=background,
-            health_interval=health_interval,
-            poll=self.poll_remote,
-            log_health=bool(log_health),
-            counts=self.health,
-        )
+        OWNERS[owner.token] = channel
+        WINGS[owner.token] = self
 
-    # ------------------------------------------------------------------ submit
     def submit(self, payload: Payload) -> None:
-        """Queues a payload whose metrics were checked (:func:`~rl_observers.channel.payload.check_metrics`)."""
-        if not payload.metrics and payload.__class__ is Payload:  # nothing to log: not counted
-            return
-        if self.closed:  # the queue checks again under its lock
-            self._drop_after_close()
-            return
-        error = self.queue.put(payload)
-        self.delivery.wake()
-        if error is not None:
-            self.delivery.report(error, f"could not merge a partial of namespace {payload.namespace!r}")
+        self.owner.submit(payload)
 
-    def _drop_after_close(self) -> None:
-        self.queue.count_dropped()
-        with self._lock:
-            warn = not self._closed_warned and self.on_error != "ignore"
-            self._closed_warned = True
-        if warn:
-            torchrl_logger.warning(
-                f"MetricsChannel {self.name!r} is closed: metrics submitted after close() are "
-                "dropped and counted in health()['dropped']. This is reported once."
-            )
+    @property
+    def close_requested(self) -> bool:
+        return self.owner.close_requested
 
     def _accept(self, payload: Any, counts: Any) -> None:
         """Queues one payload from another process like a local submission, once checked.
@@ -203,7 +108,7 @@ class Owner:
             payload.metrics = {k: v for k, v in metrics.items() if is_partial(v)}
         self.submit(payload)
 
-    # -------------------------------------------------------------- receivers
+
     def addresses(self) -> dict[str, Any]:
         """Starts every registered transport's receiver on first use; returns their addresses."""
         with self._receivers_lock:
@@ -213,15 +118,35 @@ class Owner:
                 for candidate in transports():
                     if candidate.name in self._receivers or not (first or candidate.retry):
                         continue
-                    receiver = candidate.make_receiver(self.token, self.name)
+                    receiver = candidate.make_receiver(self.owner.token, self.owner.name)
                     if receiver is not None:
                         if hasattr(receiver, "on_restart"):
                             receiver.on_restart = self.queue.count_restart
-                        receiver.start(self._accept, self.queue.count_dropped, self.background)
+                        receiver.start(self._accept, self.queue.count_dropped, self.owner.background)
                         self._receivers[candidate.name] = receiver
             return {name: r.address() for name, r in self._receivers.items()}
 
-    def poll_remote(self, deadline: float | None) -> None:
+
+    def current_addresses(self, known: Mapping[str, Any]) -> dict[str, Any]:
+        """The receivers' addresses now (starting those that became available, as Ray's)."""
+        if not self.owner.closed:
+            self._addresses = self.addresses()
+            return self._addresses
+        return dict(known)
+
+    def handle(self, channel: Any, transport: str | None) -> MetricsHandle:
+        if transport is not None:
+            find_transport(transport)  # refuses an unknown name
+        self._addresses = self.addresses()
+        return MetricsHandle(
+            self.owner.token,
+            self._addresses,
+            channel=channel,
+            transport=transport,
+            owner=f"MetricsChannel {self.owner.name!r} (pid {self.owner.pid} on {socket.gethostname()})",
+        )
+
+    def poll(self, deadline: float | None) -> None:
         for receiver in list(self._receivers.values()):
             receiver.poll(deadline)
 
@@ -238,20 +163,19 @@ class Owner:
             else:
                 receiver.poll(deadline)
 
+
     def _close_receivers(self, deadline: float | None) -> None:
         with self._receivers_lock:
             self._receivers_started = True
             for receiver in self._receivers.values():
                 receiver.close(deadline)
 
-    # ------------------------------------------------------------ flush/close
-    def flush(self, timeout: float | None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        self.barrier(deadline)
-        settled = self.settle_gone(deadline)
-        return self.delivery.flush(deadline) & settled & self._account_clean()
 
-    def _account_clean(self) -> bool:
+    def flush(self, deadline: float | None) -> bool:
+        self.barrier(deadline)
+        return self.settle_gone(deadline)
+
+    def clean_since_last_check(self) -> bool:
         """Whether no copy nor window was counted lost since the previous check."""
         counts = self.account.counts()
         seen = (counts["copies_lost"], counts["windows_lost"])
@@ -259,25 +183,10 @@ class Owner:
         self._account_seen = seen
         return clean
 
-    def step(self) -> int:
-        return self.delivery.step()
-
-    def health(self) -> dict[str, int]:
+    def counts(self) -> dict[str, int]:
         if self._unsettled:
             self.settle_gone(0.0)  # those whose windows came in or whose time is up
-        return {**self.queue.counts(), **self.account.counts()}
-
-    def add_close_callback(self, callback: Callable[[], Any]) -> None:
-        if getattr(callback, "__self__", None) is not None and hasattr(callback, "__func__"):
-            ref: Callable[[], Any] = weakref.WeakMethod(callback)  # type: ignore[arg-type]
-        else:
-            ref = _StrongRef(callback)
-        with self._lock:
-            # Forget the callbacks of objects already gone: observers attached and
-            # removed over and over do not make the list grow.
-            live = [r for r in self._close_callbacks if r() is not None]
-            live.append(ref)
-            self._close_callbacks = live
+        return self.account.counts()
 
     def copies_attached(self, feeder: Any, description: str) -> None:
         """Notes that copies of ``feeder`` run elsewhere and send to this channel.
@@ -296,6 +205,7 @@ class Owner:
         if isinstance(name, str):  # the name its copies' windows carry (``Window.observer``)
             self.account.describe(name, description)
 
+
     def copies_expected(self, feeder: Any, workers: Any) -> None:
         """Notes the workers ``feeder``'s copies were attached in: each one is expected to report.
 
@@ -305,6 +215,7 @@ class Owner:
         name = getattr(feeder, "name", None)
         if isinstance(name, str) and not self.close_requested:
             self.account.expect(name, workers)
+
 
     def copies_gone(self, feeder: Any) -> None:
         """Notes that ``feeder``'s copies are gone (removed, or their source shut down); never waits.
@@ -322,13 +233,14 @@ class Owner:
         name = getattr(feeder, "name", None)
         if not isinstance(name, str) or self.close_requested:
             return
-        self.poll_remote(time.monotonic() + LAST_WINDOWS_WAIT)
+        self.poll(time.monotonic() + LAST_WINDOWS_WAIT)
         members = self.account.members(name)
         if self.account.waiting(name, members):
             with self._lock:
                 self._unsettled[name] = (time.monotonic() + LAST_WINDOWS_WAIT, members)
             return
         self.account.settle(name, members)
+
 
     def settle_gone(self, deadline: float | None = None) -> bool:
         """Settles the account of observers whose copies are gone; whether none is left unsettled.
@@ -357,7 +269,8 @@ class Owner:
             if deadline is not None and now >= deadline:
                 return False
             time.sleep(0.05)
-            self.poll_remote(deadline)
+            self.poll(deadline)
+
 
     def _copies_still_attached(self) -> bool:
         """Warns, naming them, if producers' copies elsewhere still feed this channel.
@@ -377,76 +290,49 @@ class Owner:
         if not live:
             return False
         torchrl_logger.warning(
-            f"MetricsChannel {self.name!r} is closing while observers still have copies attached "
+            f"MetricsChannel {self.owner.name!r} is closing while observers still have copies attached "
             f"in other processes or actors ({'; '.join(live)}): what those copies have not sent "
             "yet (their last windows at least) is lost. Shut the source down (collector.shutdown(), "
             "the buffer's close()) or remove its observers before closing the channel."
         )
         return True
 
-    def _run_close_callbacks(self) -> None:
-        with self._lock:
-            callbacks, self._close_callbacks = self._close_callbacks, []
-        for ref in callbacks:
-            callback = ref()
-            if callback is None:
-                continue
-            try:
-                callback()
-            except Exception as err:
-                self.delivery.report(err, f"close callback {callback!r} raised")
 
-    def close(self, timeout: float | None = None, *, at_exit: bool = False) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def before_close(self) -> bool:
+        orphaned = self._copies_still_attached()
+        # what other processes already sent is read first, so that close callbacks
+        # see it (a router may decide from it, e.g. which observers have copies elsewhere)
+        self.poll(time.monotonic() + 1.0)
+        return orphaned
+
+    def close(self, deadline: float | None) -> None:
+        self.settle_gone(deadline)
+        self._close_receivers(deadline)
         with self._lock:
-            first = not self.close_requested
-            self.close_requested = True
-        orphaned = False
-        if first:
-            orphaned = self._copies_still_attached()
-            # what other processes already sent is read first, so that close callbacks
-            # see it (a router may decide from it, e.g. which observers have copies elsewhere)
-            self.poll_remote(time.monotonic() + 1.0)
-            self._run_close_callbacks()
-            self.settle_gone(deadline)
-            self._close_receivers(deadline)
-            with self._lock:
-                self._unsettled = {}
-            self.account.settle()  # copies that never sent their last window are reported
-            self.closed = True
-            self.queue.close()
-            self.delivery.stop(at_exit)
-        done = self.delivery.join(deadline)
-        clean = self.delivery.clean_since_last_check() & self._account_clean()
-        self.delivery.raise_stored_error()
-        return done and clean and not orphaned
+            self._unsettled = {}
+        self.account.settle()  # copies that never sent their last window are reported
 
     def release(self) -> None:
-        """Stops the owner's threads without waiting: the channel was garbage-collected.
-
-        Runs in whichever thread collected the channel, so it takes no lock.
-        The delivery thread drains what is pending and exits within a second.
-        """
-        if os.getpid() != self.pid or self.close_requested:
-            return
-        self.close_requested = True
-        self.delivery.release()
         for receiver in list(self._receivers.values()):
             receiver.release()
 
-    def forget_after_fork(self) -> None:
-        """In a forked child: close the inherited receivers' copies, never the parent's files."""
-        self.close_requested = True
-        self.closed = True
-        self.delivery.release()
+    def in_forked_child(self, owner: Owner) -> Forwarder:
+        """The channel in a forked child: a forwarder; the inherited receivers' files stay the parent's."""
+        OWNERS.pop(owner.token, None)
+        WINGS.pop(owner.token, None)
+        forwarder = Forwarder(owner, self._addresses)
         for receiver in self._receivers.values():
             receiver.forget_after_fork()
+        return forwarder
 
 
 class Forwarder:
     """A channel's stand-in in a forked child process: it forwards to the parent's owner."""
 
+    loss_keys = ("dropped",)
+
     def __init__(self, owner: Owner, addresses: Mapping[str, Any]) -> None:
+        self.token = owner.token
         self.logger = owner.logger
         self.name = owner.name
         self.capacity = owner.capacity
@@ -465,6 +351,14 @@ class Forwarder:
             self._dropped_after_close += 1
             return
         self._sender.send(payload)
+
+    def handle(self, channel: Any, transport: str | None) -> MetricsHandle:
+        if transport is not None:
+            find_transport(transport)  # refuses an unknown name
+        where = f"pid {os.getppid()} on {socket.gethostname()}"
+        return MetricsHandle(
+            self.token, self._addresses, transport=transport, owner=f"MetricsChannel {self.name!r} ({where})"
+        )
 
     @property
     def transport(self) -> str:

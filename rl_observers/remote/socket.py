@@ -30,6 +30,7 @@ from typing import Any
 
 from torchrl._utils import logger as torchrl_logger
 
+from rl_observers import lifecycle
 from rl_observers.channel.payload import Payload
 from rl_observers.remote.transport import Accept, register_transport
 
@@ -502,8 +503,7 @@ def _forget_socket_after_fork() -> None:
     SocketSender._sockets = None
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_socket_after_fork)
+lifecycle.after_fork_in_child(_forget_socket_after_fork)
 
 register_transport(
     "socket",

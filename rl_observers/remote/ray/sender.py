@@ -13,6 +13,7 @@ import weakref
 from collections import deque
 from typing import Any
 
+from rl_observers import lifecycle
 from rl_observers.channel.payload import Payload
 from rl_observers.remote.ray.relay import (
     NAME,
@@ -332,8 +333,7 @@ def _forget_threads_after_fork() -> None:
         sender._forget_thread_after_fork()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_threads_after_fork)
+lifecycle.after_fork_in_child(_forget_threads_after_fork)
 
 
 class _Held:

@@ -1,56 +1,41 @@
 """MetricsChannel: the owner of a bounded, never-blocking way from observers to a logger.
 
 Step of the flow: **channel** (source → observer → channel → logger).
-Observers (directly, or through a :class:`~.handle.MetricsHandle` in another
-process) *submit* payloads; the channel puts them in its
-:class:`~.queue.PendingQueue`, receives what handles in other processes send
-through its transports' receivers (:mod:`~.transport`), and its
-:class:`~.delivery.Delivery` writes them to the logger from its own thread.
-That work is done by the channel's :class:`~.owner.Owner` (or, in a child
-forked from the owner's process, by a :class:`~.owner.Forwarder`); this
-module holds the public face, the process's registry of live channels, and
-the interpreter-exit and fork hooks.
+Observers submit payloads; the channel puts them in its
+:class:`~.queue.PendingQueue` and its :class:`~.delivery.Delivery` writes them
+to the logger from its own thread. That work is done by the channel's
+:class:`~.owner.Owner`; this module holds the public face, the process's
+registry of live channels, and what a channel does when its process exits or
+forks (:mod:`rl_observers.lifecycle`).
 
-Its queue and delivery are the local channel's
-(:mod:`rl_observers.channel`), which knows nothing about reinforcement
-learning nor about copies: the windows of observers' copies
-(:class:`~rl_observers.remote.window.Window`) go to the router registered for
-their class (:mod:`~rl_observers.remote.aggregate`); what only the logging
-package uses of a channel is in :mod:`~.logging_side`.
+The channel is local: what it does for other processes (handles, receivers,
+the account of observers' copies) is its wing, which
+:mod:`rl_observers.remote` registers (:func:`register_wing`).
 """
 
 from __future__ import annotations
 
-import atexit
 import os
-import socket
 import threading
 import time
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torchrl._utils import logger as torchrl_logger
 
+from rl_observers import lifecycle
 from rl_observers.channel.delivery import counts_line
+from rl_observers.channel.logging_side import LoggingSide
+from rl_observers.channel.owner import Owner, Wing, check_alive
 from rl_observers.channel.payload import Payload, check_metrics
 from rl_observers.observer import OnError
-from rl_observers.remote.handle import OWNERS, MetricsHandle
-from rl_observers.remote.logging_side import LoggingSide
-from rl_observers.remote.owner import Forwarder, Owner, check_alive
-from rl_observers.remote.transport import transport as find_transport
-from rl_observers.remote.window import Window
 
-__all__ = ["MetricsChannel"]
+__all__ = ["MetricsChannel", "register_wing"]
 
 # The most seconds the interpreter's exit waits for live channels to deliver.
 _EXIT_TIMEOUT = 5.0
-
-# The health counters that say something failed or was lost (what a False flush warns about).
-_LOSSES = (
-    "dropped", "sink_errors", "remote_dropped", "receiver_restarts", "copies_lost", "windows_lost"
-)
 
 # Process-local registry of live channels, by token (closed at exit, told about forks).
 _CHANNELS: weakref.WeakValueDictionary[str, MetricsChannel] = weakref.WeakValueDictionary()
@@ -58,6 +43,16 @@ _CHANNELS: weakref.WeakValueDictionary[str, MetricsChannel] = weakref.WeakValueD
 # its logger, so the id cannot be reused while the entry lives.
 _SHARED: weakref.WeakValueDictionary[int, MetricsChannel] = weakref.WeakValueDictionary()
 _REGISTRY_LOCK = threading.Lock()
+_WING: list[Callable[[Owner, Any], Wing]] = []
+
+
+def register_wing(make_wing: Callable[[Owner, Any], Wing]) -> None:
+    """Has every channel created from now on do ``make_wing(owner, channel)``'s work for other processes.
+
+    :mod:`rl_observers.remote` registers its wing when imported (as
+    ``import rl_observers`` does); a later registration replaces it.
+    """
+    _WING[:] = [make_wing]
 
 
 class MetricsChannel:
@@ -167,7 +162,7 @@ class MetricsChannel:
         [(3, 1.0)]
     """
 
-    __slots__ = ("__weakref__", "_addresses", "_finalizer", "_losses_told", "_on_error", "_state", "_token")
+    __slots__ = ("__weakref__", "_finalizer", "_losses_told", "_on_error", "_state", "_token")
 
     def __init__(
         self,
@@ -183,6 +178,7 @@ class MetricsChannel:
         self._token = uuid.uuid4().hex
         self._on_error = on_error
         self._losses_told: tuple[int, ...] = ()
+        make_wing = _WING[0] if _WING else lambda owner, channel: Wing()
         owner = Owner(
             logger,
             self._token,
@@ -192,13 +188,12 @@ class MetricsChannel:
             background=background,
             health_interval=health_interval,
             log_health=log_health,
+            make_wing=lambda owner: make_wing(owner, self),
         )
-        self._state: Owner | Forwarder = owner
-        self._addresses: dict[str, Any] = {}
+        self._state: Any = owner
         self._finalizer = weakref.finalize(self, owner.release)
         self._finalizer.atexit = False
         _CHANNELS[self._token] = self
-        OWNERS[self._token] = self
 
     @classmethod
     def for_logger(cls, logger: Any, **kwargs: Any) -> MetricsChannel:
@@ -273,13 +268,13 @@ class MetricsChannel:
         """
         self._state.submit(Payload(namespace, check_metrics(metrics, namespace, "MetricsChannel"), step))
 
-    def submit_window(self, window: Window) -> None:
+    def submit_window(self, window: Payload) -> None:
         """Queues one window of an observer's copy (:class:`~rl_observers.remote.window.Window`).
 
         What copies of a :class:`~rl_observers.LoggerObserver` send; the
-        channel's owner merges the windows of each observer into its rows
-        (:mod:`~rl_observers.remote.aggregate`). Never blocks, like
-        :meth:`submit_metrics`.
+        router registered for the window's class merges the windows of each
+        observer into its rows (:mod:`~rl_observers.remote.aggregate`).
+        Never blocks, like :meth:`submit_metrics`.
 
         Raises:
             TypeError: if the window's metrics are not loggable values.
@@ -389,9 +384,10 @@ class MetricsChannel:
         """
         if not result and self._on_error != "ignore":
             counts = self.health()
-            losses = tuple(counts.get(key, 0) for key in _LOSSES)
+            keys = self._state.loss_keys
+            losses = tuple(counts.get(key, 0) for key in keys)
             told, self._losses_told = self._losses_told, losses
-            if what == "flush" and losses == (told or (0,) * len(_LOSSES)):
+            if what == "flush" and losses == (told or (0,) * len(keys)):
                 return result
             torchrl_logger.warning(
                 f"MetricsChannel {self.name!r}: {what}() returns False: since the previous "
@@ -432,8 +428,8 @@ class MetricsChannel:
         """
         return self._state.health()
 
-    def handle(self, *, transport: str | None = None) -> MetricsHandle:
-        """Returns a picklable, non-owning handle to this channel for workers and actors.
+    def handle(self, *, transport: str | None = None) -> Any:
+        """Returns a picklable, non-owning :class:`~rl_observers.MetricsHandle` for workers and actors.
 
         The first call starts the channel's receivers: the socket that
         handles in other processes on this machine send to and, when this
@@ -470,33 +466,10 @@ class MetricsChannel:
             >>> channel.close()
             True
         """
-        if transport is not None:
-            find_transport(transport)  # refuses an unknown name
         state = self._state
         if state.closed:
             raise RuntimeError(f"MetricsChannel {self.name!r} is closed; it gives no new handles.")
-        if isinstance(state, Owner):
-            self._addresses = state.addresses()
-        channel = self if isinstance(state, Owner) else None
-        return MetricsHandle(
-            self._token,
-            self._addresses,
-            channel=channel,
-            transport=transport,
-            owner=self._owner_description(),
-        )
-
-    def _owner_description(self) -> str:
-        pid = self._state.pid if isinstance(self._state, Owner) else os.getppid()
-        return f"MetricsChannel {self.name!r} (pid {pid} on {socket.gethostname()})"
-
-    def _current_addresses(self, known: Mapping[str, Any]) -> dict[str, Any]:
-        """The receivers' addresses now (starting those that became available, as Ray's)."""
-        state = self._state
-        if isinstance(state, Owner) and not state.closed:
-            self._addresses = state.addresses()
-            return self._addresses
-        return dict(known)
+        return state.handle(self, transport)
 
     @property
     def logger(self) -> Any:
@@ -533,11 +506,9 @@ class MetricsChannel:
 
     def _after_fork_in_child(self) -> None:
         state = self._state
-        OWNERS.pop(self._token, None)
         if isinstance(state, Owner):
             self._finalizer.detach()
-            self._state = Forwarder(state, self._addresses)
-            state.forget_after_fork()
+            self._state = state.in_forked_child()
 
 
 def _close_at_exit() -> None:
@@ -566,6 +537,5 @@ def _after_fork_in_child() -> None:
         channel._after_fork_in_child()
 
 
-atexit.register(_close_at_exit)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+lifecycle.at_exit(_close_at_exit, lifecycle.CHANNELS)
+lifecycle.after_fork_in_child(_after_fork_in_child)

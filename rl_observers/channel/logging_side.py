@@ -28,8 +28,8 @@ from collections.abc import Callable
 from typing import Any
 
 from rl_observers.channel.delivery import Router
+from rl_observers.channel.owner import Owner
 from rl_observers.channel.payload import Payload
-from rl_observers.remote.owner import Forwarder, Owner
 
 __all__ = ["LoggingSide"]
 
@@ -39,13 +39,13 @@ class LoggingSide:
 
     Made anew at each ``channel._logging`` (it holds the channel's state,
     never the channel): an :class:`~.owner.Owner` where the channel was
-    created, a :class:`~.owner.Forwarder` in a forked child, where most of
-    these calls do nothing.
+    created, its wing's stand-in in a forked child, where most of these
+    calls do nothing.
     """
 
     __slots__ = ("_state",)
 
-    def __init__(self, state: Owner | Forwarder) -> None:
+    def __init__(self, state: Any) -> None:
         self._state = state
 
     def add_router(self, kind: type[Payload], router: Router) -> None:
@@ -124,7 +124,7 @@ class LoggingSide:
         cannot receive what those copies send when their source shuts down.
         The feeder is held weakly.
         """
-        note = getattr(self._state, "copies_attached", None)
+        note = getattr(getattr(self._state, "wing", None), "copies_attached", None)
         if note is not None:
             note(feeder, description)
 
@@ -135,12 +135,12 @@ class LoggingSide:
         are gone (its worker killed before its first window arrived) is
         reported and counted in ``health()["copies_lost"]``.
         """
-        note = getattr(self._state, "copies_expected", None)
+        note = getattr(getattr(self._state, "wing", None), "copies_expected", None)
         if note is not None:
             note(feeder, workers)
 
     def copies_gone(self, feeder: Any) -> None:
         """Notes that ``feeder``'s copies are gone (removed, or their source shut down)."""
-        note = getattr(self._state, "copies_gone", None)
+        note = getattr(getattr(self._state, "wing", None), "copies_gone", None)
         if note is not None:
             note(feeder)

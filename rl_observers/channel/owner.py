@@ -1,0 +1,284 @@
+"""What a channel owns in its own process, and where the cross-process wing plugs in.
+
+Step of the flow: **channel** (source → observer → channel → logger).
+:class:`~.channel.MetricsChannel` is a thin public face over its state in
+this process: an :class:`Owner` where the channel was created. The owner
+holds the :class:`~.queue.PendingQueue`, the :class:`~.delivery.Delivery`
+thread and the close callbacks, and one :class:`Wing`: what the channel does
+for other processes (receivers, handles, the account of copies). The base
+wing does nothing; :mod:`rl_observers.remote` registers its own
+(:func:`~.channel.register_wing`).
+
+Threads reference the :class:`Owner`, never the public channel, so a channel
+nobody references any more is garbage-collected and its finalizer
+(:meth:`Owner.release`) stops them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from torchrl._utils import logger as torchrl_logger
+
+from rl_observers.channel.delivery import Delivery
+from rl_observers.channel.payload import Payload
+from rl_observers.channel.queue import PendingQueue
+from rl_observers.observer import check_on_error
+
+__all__ = ["Owner", "Wing", "check_alive"]
+
+
+def check_alive(logger: Any) -> None:
+    """Refuses a torchrl logger (or logger service) that was already shut down."""
+    if getattr(logger, "is_alive", True) is False:
+        raise ValueError(
+            f"MetricsChannel expected a running logger, got a {type(logger).__name__} that is "
+            "shut down (its is_alive is False): metrics sent to it would be lost. Create the "
+            "channel before shutting the logger down, or start a new logger."
+        )
+
+
+class Wing:
+    """What a channel does for other processes: nothing, unless a plug-in registers its own.
+
+    :mod:`rl_observers.remote` subclasses it (receivers for what handles in
+    other processes send, the end-to-end account of copies, the stand-in of
+    a forked child) and registers it with :func:`~.channel.register_wing`.
+    The owner calls it at each step of its life; every method here is the
+    behaviour of a channel that only its own process feeds.
+    """
+
+    #: The ``health()`` counters it adds that count something lost.
+    losses: tuple[str, ...] = ()
+
+    def poll(self, deadline: float | None) -> None:
+        """Queues what other processes sent so far."""
+
+    def flush(self, deadline: float | None) -> bool:
+        """Brings in everything sent before the call; whether every copy's account is settled."""
+        return True
+
+    def clean_since_last_check(self) -> bool:
+        """Whether nothing was counted lost here since the previous check."""
+        return True
+
+    def counts(self) -> dict[str, int]:
+        """Counters added to the channel's ``health()``."""
+        return {}
+
+    def before_close(self) -> bool:
+        """Called once when the channel starts closing; whether it leaves producers behind."""
+        return False
+
+    def close(self, deadline: float | None) -> None:
+        """Called after the close callbacks, before the queue closes."""
+
+    def release(self) -> None:
+        """The channel was garbage-collected: stop without waiting."""
+
+    def handle(self, channel: Any, transport: str | None) -> Any:
+        raise RuntimeError(
+            f"MetricsChannel {channel.name!r} has no handles: import rl_observers (its remote "
+            "wing sends from other processes) before creating the channel."
+        )
+
+    def in_forked_child(self, owner: Owner) -> Any:
+        """The channel's state in a child forked from the owner's process (``None``: none)."""
+        return None
+
+
+class _StrongRef:
+    """A strong reference with the call interface of a weak one."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __call__(self) -> Any:
+        return self.obj
+
+
+class Owner:
+    """What a channel owns in its own process: queue, delivery, close callbacks, its wing.
+
+    Threads reference this object, never the public :class:`MetricsChannel`,
+    so a channel nobody references any more is garbage-collected and its
+    finalizer stops the threads.
+    """
+
+    def __init__(
+        self,
+        logger: Any,
+        token: str,
+        *,
+        capacity: int,
+        on_error: str,
+        name: str,
+        background: bool,
+        health_interval: float | None,
+        log_health: bool = False,
+        make_wing: Callable[[Owner], Wing] = lambda owner: Wing(),  # called before delivery starts
+    ) -> None:
+        if isinstance(logger, type):
+            raise TypeError(
+                f"MetricsChannel expected a logger instance, got the class {logger.__name__}; "
+                f"create the logger first, e.g. {logger.__name__}(exp_name=..., log_dir=...), "
+                "and pass that."
+            )
+        if not callable(getattr(logger, "log_metrics", None)) and not callable(
+            getattr(logger, "log_scalar", None)
+        ):
+            raise TypeError(
+                "MetricsChannel expected a torchrl Logger or an object with "
+                f"log_metrics(metrics, step=None) or log_scalar(name, value, step), got {logger!r}."
+            )
+        check_alive(logger)
+        if capacity.__class__ is bool or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity must be an int >= 1, got {capacity!r}.")
+        check_on_error(on_error)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty str, got {name!r}.")
+        if health_interval is not None and not health_interval >= 0:
+            raise ValueError(f"health_interval must be >= 0 or None, got {health_interval!r}.")
+        self.logger = logger
+        self.token = token
+        self.capacity = capacity
+        self.on_error = on_error
+        self.name = name
+        self.background = background
+        self.pid = os.getpid()
+        self.queue = PendingQueue(capacity)
+        self.closed = False
+        self._closed_warned = False
+        self.close_requested = False
+        self._close_callbacks: list[Callable[[], Any]] = []
+        self._lock = threading.Lock()
+        self.wing = make_wing(self)
+        self.delivery = Delivery(
+            logger,
+            self.queue,
+            on_error=on_error,
+            name=name,
+            background=background,
+            health_interval=health_interval,
+            poll=self.poll_remote,
+            log_health=bool(log_health),
+            counts=self.health,
+        )
+
+    def submit(self, payload: Payload) -> None:
+        """Queues a payload whose metrics were checked (:func:`~rl_observers.channel.payload.check_metrics`)."""
+        if not payload.metrics and payload.__class__ is Payload:  # nothing to log: not counted
+            return
+        if self.closed:  # the queue checks again under its lock
+            self._drop_after_close()
+            return
+        error = self.queue.put(payload)
+        self.delivery.wake()
+        if error is not None:
+            self.delivery.report(error, f"could not merge a partial of namespace {payload.namespace!r}")
+
+    def _drop_after_close(self) -> None:
+        self.queue.count_dropped()
+        with self._lock:
+            warn = not self._closed_warned and self.on_error != "ignore"
+            self._closed_warned = True
+        if warn:
+            torchrl_logger.warning(
+                f"MetricsChannel {self.name!r} is closed: metrics submitted after close() are "
+                "dropped and counted in health()['dropped']. This is reported once."
+            )
+
+    @property
+    def loss_keys(self) -> tuple[str, ...]:
+        """The ``health()`` counters that count something lost (a ``False`` flush warns of them)."""
+        return ("dropped", "sink_errors", *self.wing.losses)
+
+    def poll_remote(self, deadline: float | None) -> None:
+        self.wing.poll(deadline)
+
+    def flush(self, timeout: float | None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        settled = self.wing.flush(deadline)
+        return self.delivery.flush(deadline) & settled & self.wing.clean_since_last_check()
+
+    def step(self) -> int:
+        return self.delivery.step()
+
+    def health(self) -> dict[str, int]:
+        return {**self.queue.counts(), **self.wing.counts()}
+
+    def handle(self, channel: Any, transport: str | None) -> Any:
+        return self.wing.handle(channel, transport)
+
+    def add_close_callback(self, callback: Callable[[], Any]) -> None:
+        if getattr(callback, "__self__", None) is not None and hasattr(callback, "__func__"):
+            ref: Callable[[], Any] = weakref.WeakMethod(callback)  # type: ignore[arg-type]
+        else:
+            ref = _StrongRef(callback)
+        with self._lock:
+            # Forget the callbacks of objects already gone: observers attached and
+            # removed over and over do not make the list grow.
+            live = [r for r in self._close_callbacks if r() is not None]
+            live.append(ref)
+            self._close_callbacks = live
+
+    def _run_close_callbacks(self) -> None:
+        with self._lock:
+            callbacks, self._close_callbacks = self._close_callbacks, []
+        for ref in callbacks:
+            callback = ref()
+            if callback is None:
+                continue
+            try:
+                callback()
+            except Exception as err:
+                self.delivery.report(err, f"close callback {callback!r} raised")
+
+    def close(self, timeout: float | None = None, *, at_exit: bool = False) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            first = not self.close_requested
+            self.close_requested = True
+        orphaned = False
+        if first:
+            # what other processes already sent is read first, so that close callbacks see it
+            orphaned = self.wing.before_close()
+            self._run_close_callbacks()
+            self.wing.close(deadline)
+            self.closed = True
+            self.queue.close()
+            self.delivery.stop(at_exit)
+        done = self.delivery.join(deadline)
+        clean = self.delivery.clean_since_last_check() & self.wing.clean_since_last_check()
+        self.delivery.raise_stored_error()
+        return done and clean and not orphaned
+
+    def release(self) -> None:
+        """Stops the owner's threads without waiting: the channel was garbage-collected.
+
+        Runs in whichever thread collected the channel, so it takes no lock.
+        The delivery thread drains what is pending and exits within a second.
+        """
+        if os.getpid() != self.pid or self.close_requested:
+            return
+        self.close_requested = True
+        self.delivery.release()
+        self.wing.release()
+
+    def in_forked_child(self) -> Any:
+        """The channel's state in a forked child: the wing's stand-in, or this owner, closed.
+
+        The inherited threads do not run in the child; its files stay the parent's.
+        """
+        state = self.wing.in_forked_child(self)
+        self.close_requested = True
+        self.closed = True
+        self.delivery.release()
+        return self if state is None else state
