@@ -44,8 +44,8 @@ LAYERS: tuple[str, ...] = (
     "metrics",
     "schedule",
     "channel",
-    "remote",
     "logging",
+    "remote",
     "targets",
     "profiler",
     "testing",
@@ -237,6 +237,18 @@ def test_no_import_cycles_including_imports_inside_functions():
 
 def test_layers_import_one_way():
     assert violations() == []
+
+
+def test_the_channel_and_logging_import_nothing_from_the_remote_wing():
+    # the channel is local and comes first; the cross-process wing plugs into it and into logging
+    found = [
+        f"{module} imports {target} (line {line})"
+        for module in MODULES
+        if layer_of(module) in ("channel", "logging")
+        for target, line, _ in imports_of(module)
+        if layer_of(target) == "remote"
+    ]
+    assert found == []
 
 
 _IMPORT_EACH = r"""

@@ -8,8 +8,10 @@ channel → logger). Modules, in the order a window meets them:
 - :mod:`~rl_observers.logging.observer`: :class:`LoggerObserver`, one class: fold, schedule, submit, its checkpoint and its copies' side (:mod:`~rl_observers.logging.attach`: ``attach_logger``);
 - :mod:`~rl_observers.logging.namespaces`: one observer per namespace on a logger;
 - :mod:`~rl_observers.logging.resume`: steps on the source's own axis, and what a saved state must fit;
-- :mod:`~rl_observers.remote.contributions`: copies away from the channel contribute windows (the observer's ``Contribution``);
-- :mod:`~rl_observers.remote.aggregate`: the owner merges them (the channel's router).
+- :mod:`~rl_observers.logging.copies`: where copies away from the channel plug in. Their side
+  is :mod:`rl_observers.remote`'s, which imports this package, never the reverse: copies
+  contribute windows (:mod:`~rl_observers.remote.contributions`) that the owner merges
+  (:mod:`~rl_observers.remote.aggregate`).
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ from torchrl.record.loggers.monitoring import Every
 from rl_observers.channel import MetricsChannel
 from rl_observers.metrics import CollectorBatchMetrics, MetricSet, SampleMetrics, WriteMetrics
 from rl_observers.metrics.oneliners import Metric
-from rl_observers.remote import MetricsHandle
 from rl_observers.signals import COLLECTOR_EVENTS, REPLAY_BUFFER_EVENTS
 
 __all__ = [
@@ -158,9 +157,14 @@ def check_metric_names(sets: Sequence[MetricSet]) -> None:
             )
 
 
-def as_sink(logger_or_channel: Any) -> tuple[MetricsHandle, MetricsChannel | None]:
+def is_handle(value: Any) -> bool:
+    """Whether ``value`` is a channel's handle (a :class:`~rl_observers.MetricsHandle`)."""
+    return not isinstance(value, MetricsChannel) and callable(getattr(value, "submit_window", None))
+
+
+def as_sink(logger_or_channel: Any) -> tuple[Any, MetricsChannel | None]:
     """The handle an observer submits to, and the channel made for a bare logger (else ``None``)."""
-    if isinstance(logger_or_channel, MetricsHandle):
+    if is_handle(logger_or_channel):
         return logger_or_channel, None
     if isinstance(logger_or_channel, type):
         cls = logger_or_channel.__name__

@@ -27,6 +27,7 @@ from rl_observers import lifecycle
 from rl_observers.channel import MetricsChannel
 from rl_observers.logging import wiring
 from rl_observers.logging.arguments import check_arguments
+from rl_observers.logging.copies import new_copies
 from rl_observers.logging.defaults import DEFAULT_NAMES, as_metric_sets, as_sink, target_kind
 from rl_observers.logging.failures import metric_set_warning
 from rl_observers.logging.namespaces import Namespace
@@ -41,11 +42,6 @@ from rl_observers.logging.resume import (
 )
 from rl_observers.metrics import MetricSet
 from rl_observers.observer import FailureStreaks, Observer, dumps
-from rl_observers.remote.aggregate import aggregate_state, finish_aggregate, load_aggregate_state
-from rl_observers.remote.contributions import LAST_WINDOW_TIMEOUT, Contribution, copy_worker
-from rl_observers.remote.distributed import WORKER_VIEWS
-from rl_observers.remote.lockstep import plan_for
-from rl_observers.remote.window import AggregateSpec
 from rl_observers.schedule import ScheduleClock
 from rl_observers.sources import observers_of
 from rl_observers.sources.replay_buffers import writes_held
@@ -194,7 +190,7 @@ class LoggerObserver(Observer):
         self._wire()  # the per-event folds (none before attaching) and the schedule's reader
         self._source: weakref.ref[Any] | None = None
         self._fresh = self._emitted = False  # data folded since the last emission; emitted once
-        self._contribution = Contribution()  # the copies' side: where it runs, when it reports, what it sends
+        self._contribution = new_copies()  # the copies' side: where it runs, when it reports, what it sends
         self._mode: str | None = None  # "local" or "contribute": fixed once per process
         self._align_pending = False  # line the counters up with the source's at the next event
         self._axis_base: dict[str, int] = {}  # what lining up added (a copy tells its aggregate)
@@ -387,7 +383,7 @@ class LoggerObserver(Observer):
             self._fresh = True  # a count made at shutdown (dropped rollouts) is sent
         if self._mode_at_end() == "contribute":
             self._close_window(final=True)
-            self._sink.flush(timeout=LAST_WINDOW_TIMEOUT)
+            self._sink.flush(timeout=self._contribution.last_window_timeout)
         elif self.log_on_close:
             self._close_window()
 
@@ -435,15 +431,11 @@ class LoggerObserver(Observer):
         expects (:mod:`~rl_observers.remote.account`); with nothing new since
         the previous window it is only the marker, without counters.
         """
-        latest = tuple(g for m in self.metrics for g in m.latest_gauges)
-        spec = AggregateSpec(
-            self.schedule, self.step_key, self.scope, self.log_on_close, latest, timeout=self.worker_timeout
-        )
         counters = self._counters()
         fresh = self._fresh  # after the counters: what was folded meanwhile goes with this window
         metrics = self._pull() if fresh or not final else {}  # a final one with nothing new: the marker
-        window = self._contribution.window(
-            self.name or "", metrics, counters, spec, final=final, fresh=fresh, base=self._axis_base
+        window = self._contribution.window_of(
+            self, metrics, counters, final=final, fresh=fresh, base=self._axis_base
         )
         self._sink.submit_window(window)
 
@@ -519,7 +511,7 @@ class LoggerObserver(Observer):
                 'counter name instead, e.g. step="frames".'
             )
         self._bind(target)
-        self._contribution.cut_where_the_driver_does(plan_for(target, self.schedule), self.schedule)
+        self._contribution.cut_where_the_driver_does(target, self.schedule)
         self._has_copies = True
         self._mode = self._contribution.join_as_original(self._report_live_at_exit)
         channel = self._channel()
@@ -537,7 +529,7 @@ class LoggerObserver(Observer):
         """
         channel = self._channel()
         if channel is not None:
-            channel._logging.copies_expected(self, [copy_worker(w) for w in workers])
+            channel._logging.copies_expected(self, [self._contribution.worker_of(w) for w in workers])
 
     def copies_removed(self, target: Any) -> None:
         """Called on the original once its copies are gone: logs the aggregate's last windows.
@@ -553,7 +545,7 @@ class LoggerObserver(Observer):
             return
         try:
             if channel is not None and self.name is not None and not channel.closed:
-                finish_aggregate(channel, self.name)
+                self._contribution.finish(channel, self.name)
         finally:
             self._namespace.release(self.name, self)
 
@@ -689,7 +681,7 @@ class LoggerObserver(Observer):
                 "last_step": self._last_step,
             }
         if self._has_copies:
-            state["aggregate"] = aggregate_state(self._channel(), self.name or "")
+            state["aggregate"] = self._contribution.aggregate_state(self._channel(), self.name or "")
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -731,7 +723,7 @@ class LoggerObserver(Observer):
                 self._align_pending = True
                 self._mode = None
         if state_dict.get("aggregate") is not None:
-            load_aggregate_state(self._channel(), self.name or "", state_dict["aggregate"])
+            self._contribution.load_aggregate_state(self._channel(), self.name or "", state_dict["aggregate"])
 
     def _source_kind(self) -> str:
         """``"collector"`` or ``"replay_buffer"``: the source's, or what the metric sets count."""
@@ -756,5 +748,3 @@ class LoggerObserver(Observer):
 
 lifecycle.after_fork_in_child(LoggerObserver._forget_modes_after_fork)
 
-
-WORKER_VIEWS[LoggerObserver] = LoggerObserver.worker_view

@@ -21,7 +21,7 @@ import torch
 
 from rl_observers.channel import MetricsChannel
 from rl_observers.channel.payload import coalesce
-from rl_observers.remote import MetricsHandle
+from rl_observers.logging.defaults import is_handle
 from rl_observers.stats import Moments, Partial, ReducerBank, Scalar
 
 __all__ = ["TRAINING_RULES", "TrainingMetrics"]
@@ -130,7 +130,7 @@ class TrainingMetrics:
         if self.world > 1 and not self.merge_ranks:
             namespace = f"{namespace}/rank_{self.rank}" if namespace else f"rank_{self.rank}"
         self.namespace = namespace
-        if channel is not None and not isinstance(channel, (MetricsChannel, MetricsHandle)):
+        if channel is not None and not (isinstance(channel, MetricsChannel) or is_handle(channel)):
             channel = MetricsChannel.for_logger(channel)
         if channel is None and not (self.merge_ranks and self.rank != 0):
             raise ValueError(

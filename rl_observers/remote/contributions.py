@@ -45,7 +45,8 @@ from torchrl.record.loggers.monitoring import Every
 
 from rl_observers import lifecycle
 from rl_observers.observer import dumps
-from rl_observers.remote.lockstep import Lockstep
+from rl_observers.remote import aggregate
+from rl_observers.remote.lockstep import Lockstep, plan_for
 from rl_observers.remote.window import AggregateSpec, Window
 from rl_observers.schedule import ScheduleClock
 from rl_observers.sources.placement import process_token, source_info
@@ -64,6 +65,9 @@ def copy_worker(worker: int | None) -> Any:
 
 class Contribution:
     """The copies' side of a :class:`~rl_observers.LoggerObserver`, held by the observer.
+
+    What :mod:`rl_observers.remote` registers for every observer
+    (:func:`~rl_observers.logging.copies.register_copies`).
 
     Where the observer was created (``home_pid``), the metric sets a copy
     restarts from where it runs (``pristine``, pickled: :meth:`keep_pristine`),
@@ -103,8 +107,12 @@ class Contribution:
         self.clock: ScheduleClock | None = None  # the schedule, on the driver's counter
         self.cut: int | None = None  # the driver's counter where a row fell due, until sent
 
-    def cut_where_the_driver_does(self, lockstep: Lockstep | None, schedule: Every | None) -> None:
-        """Makes the copies report where the driver's rows fall (``None``: as observed).
+    #: Seconds a copy waits at its source's shutdown for its last window to be acknowledged.
+    last_window_timeout = LAST_WINDOW_TIMEOUT
+    worker_of = staticmethod(copy_worker)
+
+    def cut_where_the_driver_does(self, target: Any, schedule: Every | None) -> None:
+        """Makes the copies on ``target`` report where the driver's rows fall, if it has such rows.
 
         For a lockstep source (:mod:`~rl_observers.remote.lockstep`), given to
         the original before its copies are made: a copy then reports only
@@ -112,7 +120,7 @@ class Contribution:
         schedule's thresholds start from the driver's counter at zero, or
         where the copy's source was restored to (:meth:`start_at`).
         """
-        self.lockstep = lockstep
+        self.lockstep = lockstep = plan_for(target, schedule)
         self.clock = None
         if lockstep is not None:
             self.clock = ScheduleClock(schedule)
@@ -206,6 +214,23 @@ class Contribution:
         if schedule.kind == "counter":
             return counters().get(schedule.key, 0) - self.last_report_counter >= schedule.interval
         return False
+
+    def window_of(self, observer: Any, metrics: dict[str, Any], counters: dict[str, float], **how: Any) -> Window:
+        """:meth:`window` of ``observer`` (a ``LoggerObserver``), with what its owner needs to know."""
+        latest = tuple(g for m in observer.metrics for g in m.latest_gauges)
+        spec = AggregateSpec(
+            observer.schedule,
+            observer.step_key,
+            observer.scope,
+            observer.log_on_close,
+            latest,
+            timeout=observer.worker_timeout,
+        )
+        return self.window(observer.name or "", metrics, counters, spec, **how)
+
+    aggregate_state = staticmethod(aggregate.aggregate_state)
+    load_aggregate_state = staticmethod(aggregate.load_aggregate_state)
+    finish = staticmethod(aggregate.finish_aggregate)
 
     def namespace(self, name: str | None) -> str:
         """The namespace a contribution of the observer ``name`` is sent under."""

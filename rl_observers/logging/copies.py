@@ -1,0 +1,50 @@
+"""Where an observer's copies plug in, for sources whose data lives in other processes.
+
+Step of the flow: **observer → channel** (source → observer → channel → logger).
+A :class:`~rl_observers.LoggerObserver` is local: it folds, keeps its
+schedule and submits rows to its channel. Where its source's data lives in
+other processes (workers, actors, other nodes), copies of it run next to the
+data and send *windows* that the channel's owner merges into rows. That part
+is :mod:`rl_observers.remote`'s: it registers the collaborator each observer
+holds (:func:`register_copies`; its
+:class:`~rl_observers.remote.contributions.Contribution`). Without it an
+observer is local wherever it runs (:class:`LocalOnly`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["LocalOnly", "new_copies", "register_copies"]
+
+
+class LocalOnly:
+    """An observer's collaborator when no wing plugs copies in: local in every process."""
+
+    __slots__ = ()
+
+    def keep_pristine(self, sets: Any) -> None:
+        """Nothing to keep: no copy restarts from the sets."""
+
+    def start_at(self, counter: float) -> None:
+        """No copy's schedule to line up."""
+
+    def moved(self) -> bool:
+        return False
+
+    def resolve(self, source: Any, *, has_copies: bool, at_exit: Callable[[], None]) -> tuple[str, None]:
+        return "local", None
+
+
+_MAKE: list[Callable[[], Any]] = [LocalOnly]
+
+
+def register_copies(make: Callable[[], Any]) -> None:
+    """Has every observer created from now on hold ``make()`` for what its copies do."""
+    _MAKE[:] = [make]
+
+
+def new_copies() -> Any:
+    """The collaborator of a new observer (the registered one's, else :class:`LocalOnly`)."""
+    return _MAKE[0]()
