@@ -251,6 +251,18 @@ def test_the_channel_and_logging_import_nothing_from_the_remote_wing():
     assert found == []
 
 
+def test_the_remote_wing_knows_no_metric_set_by_name():
+    # a set declares how it merges (MetricSet, Partial); the wing applies it, whatever the set
+    found = [
+        f"{module} imports {target} (line {line})"
+        for module in MODULES
+        if layer_of(module) == "remote"
+        for target, line, _ in imports_of(module)
+        if layer_of(target) == "metrics" and target != f"{PACKAGE}.metrics.base"
+    ]
+    assert found == []
+
+
 _IMPORT_EACH = r"""
 import importlib, json, sys, traceback, types
 modules, bare = json.loads(sys.argv[1]), sys.argv[2] == "bare"

@@ -117,7 +117,8 @@ def test_the_owner_measures_how_long_a_silent_worker_has_been_silent():
             "frames": float(frames),
             "frames_per_second": PerSecond("frames_per_second", frames, start, start + 1.0),
             "resident_memory_mb": Scalar("resident_memory_mb", "max", 100.0 + frames),
-            "seconds_since_last_heard": Scalar("seconds_since_last_heard", "max", 0.0),
+            # what a worker's WorkerHealth sends: a partial that declares the owner measures it
+            "seconds_since_last_heard": WorkerHealth().pull()["seconds_since_last_heard"],
         }
 
     assert agg.contribute(0, window(40, 0.0), {"frames": 40}) == []

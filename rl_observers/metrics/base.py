@@ -121,6 +121,10 @@ class MetricSet:
     #: Gauges of :meth:`pull` that are not cumulative counters (across workers, the newest
     #: value is kept instead of the sum).
     latest_gauges: tuple[str, ...] = ()
+    #: The arguments that turn off what this set follows across batches per environment
+    #: (episodes), e.g. ``"episode_return=False"``; ``None``: it follows nothing. A source
+    #: whose batches do not say which worker's steps are which refuses such a set.
+    episode_arguments: str | None = None
     #: Attributes rebuilt on demand (scratch buffers), not pickled.
     _transient: tuple[str, ...] = ()
     #: Whether the base wraps the ``on_<event>`` methods a class defines in the lock; a class

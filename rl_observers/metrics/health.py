@@ -18,13 +18,21 @@ from rl_observers.stats import Partial, PerSecond, Scalar
 
 __all__ = ["WorkerHealth"]
 
-#: The name the owner fills with the seconds since it last heard from the oldest worker.
+#: The seconds since the owner last heard from the worker heard from longest ago (``0`` in a
+#: worker's own rows: it measures nothing of its own silence).
 STALENESS = "seconds_since_last_heard"
 _MB = 1024.0 * 1024.0
 try:
     _PAGE = os.sysconf("SC_PAGE_SIZE")
 except (AttributeError, ValueError, OSError):  # not a POSIX system
     _PAGE = 4096
+
+
+class _Silence(Scalar):
+    """:data:`STALENESS`, which the owner merging the workers measures (``Partial.silence``)."""
+
+    __slots__ = ()
+    silence = True
 
 
 def resident_memory_mb() -> float:
@@ -109,7 +117,7 @@ class WorkerHealth(MetricSet):
                 reserved = torch.cuda.memory_reserved() / _MB
                 out["cuda_memory_allocated_mb"] = Scalar("cuda_memory_allocated_mb", "max", allocated)
                 out["cuda_memory_reserved_mb"] = Scalar("cuda_memory_reserved_mb", "max", reserved)
-            out[STALENESS] = Scalar(STALENESS, "max", 0.0)  # the owner fills in what it measures
+            out[STALENESS] = _Silence(STALENESS, "max", 0.0)
             return out
 
     def metric_names(self) -> tuple[str, ...]:

@@ -50,7 +50,6 @@ from torchrl.record.loggers.monitoring import Every
 from rl_observers.channel import MetricsChannel, register_router
 from rl_observers.channel.delivery import Row
 from rl_observers.channel.payload import coalesce, is_partial
-from rl_observers.metrics.health import STALENESS
 from rl_observers.remote.window import AggregateSpec, Window, worker_key
 from rl_observers.schedule import ScheduleClock
 from rl_observers.stats import LatestWindow
@@ -535,8 +534,9 @@ class Aggregate:
         gauges["workers"] = max(len(self._workers), self.spec.workers)
         gauges["workers_reporting"] = len(self._workers) - stale if reporting is None else reporting
         metrics = {**gauges, **self._window}
-        if STALENESS in metrics and self._seen:  # (WorkerHealth) measured here, where silence shows
-            metrics[STALENESS] = time.monotonic() - next(iter(self._seen.values())).last_seen
+        if self._seen:  # a worker's silence is measured here, where it shows
+            silent = time.monotonic() - next(iter(self._seen.values())).last_seen
+            metrics.update({k: silent for k, v in self._window.items() if getattr(v, "silence", False)})
         # A partial that describes a state (the last N episodes) carries over to the next row.
         self._window = _rolling(self._window)
         self._fresh = False

@@ -83,7 +83,6 @@ from typing import Any
 
 import torch
 
-from rl_observers.metrics.collector import CollectorBatchMetrics
 from rl_observers.observer import ObserverList
 from rl_observers.signals import COLLECTOR_EVENTS
 from rl_observers.sources.collectors import ObservedCollector
@@ -257,10 +256,10 @@ class ObservedDistributedCollector:
         """Refuses metric sets whose numbers this collector's batches cannot make exact.
 
         Called when a ``LoggerObserver`` binds its sets to this collector
-        (``add_observer``): :class:`~rl_observers.metrics.CollectorBatchMetrics`
-        with ``episode_return`` or ``episode_length`` is refused where one
-        batch does not say which worker's steps are which (see the module
-        docstring).
+        (``add_observer``): a set that follows episodes across batches
+        (``MetricSet.episode_arguments``, such as ``CollectorBatchMetrics``'
+        episode returns and lengths) is refused where one batch does not say
+        which worker's steps are which (see the module docstring).
 
         Raises:
             ValueError: naming the collector, why, and what to use instead.
@@ -269,20 +268,17 @@ class ObservedDistributedCollector:
         if reason is None:
             return
         for metric_set in sets:
-            if isinstance(metric_set, CollectorBatchMetrics) and (
-                metric_set.episode_return or metric_set.episode_length
-            ):
+            if metric_set.episode_arguments is not None:
                 cls = torchrl_class(type(self)).__name__
                 mode = "" if cls == "DistributedSyncCollector" else f"(sync={bool(self._sync)})"  # type: ignore[attr-defined]
                 split = ", split_trajs=True" if getattr(self, "split_trajs", False) else ""
+                name = type(metric_set).__name__
                 raise ValueError(
-                    f"CollectorBatchMetrics(episode_return={metric_set.episode_return}, "
-                    f"episode_length={metric_set.episode_length}) cannot be exact on "
-                    f"{cls}{mode}{split}: {reason}. Use CollectorBatchMetrics(episode_return=False, "
-                    "episode_length=False) there (rewards, dones, frames and episode counts stay "
-                    "exact), or collect with DistributedSyncCollector or "
-                    "DistributedCollector(sync=True) and split_trajs=False, whose batches stack "
-                    "the workers by rank."
+                    f"{metric_set!r} follows episodes across batches, which cannot be exact on "
+                    f"{cls}{mode}{split}: {reason}. Use {name}({metric_set.episode_arguments}) "
+                    "there (rewards, dones, frames and episode counts stay exact), or collect "
+                    "with DistributedSyncCollector or DistributedCollector(sync=True) and "
+                    "split_trajs=False, whose batches stack the workers by rank."
                 )
 
     def iterator(self) -> Iterator[Any]:

@@ -87,6 +87,10 @@ class Partial:
     #: last ``N`` episodes) rather than one window: an owner keeps it from one logged row to
     #: the next, and later contributions merge into it.
     rolling = False
+    #: Whether the partial stands for how long a worker was silent, which only the owner
+    #: merging the workers can measure: an owner's row reports, instead, the seconds since
+    #: it last heard from the worker heard from longest ago.
+    silence = False
 
     def merge(self, other: Partial) -> Partial:
         """Returns the partial of the union of both operands' data."""

@@ -109,7 +109,7 @@ class Scalar(Partial):
         return self._with(newest.value, count, newest.stamp)
 
     def _with(self, value: float, count: float, stamp: float) -> Scalar:
-        out = object.__new__(Scalar)
+        out = object.__new__(self.__class__)
         out.name, out.rule, out.value, out.count, out.stamp = self.name, self.rule, value, count, stamp
         return out
 

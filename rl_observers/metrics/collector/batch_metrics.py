@@ -386,6 +386,12 @@ class CollectorBatchMetrics(MetricSet):
         self._interleaved_fold = InterleavedFold(reducers, self._carry, self._ring_fold, owner)
         self._from_keys_fold = FromKeysFold(reducers)
 
+    @property
+    def episode_arguments(self) -> str | None:  # type: ignore[override]
+        if self.episode_return or self.episode_length:
+            return "episode_return=False, episode_length=False"
+        return None
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(reward_key={self.reward_key!r}, done_key={self.done_key!r}, "
