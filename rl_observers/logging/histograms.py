@@ -10,7 +10,9 @@ counts are handed to the backend's own pre-binned call, so what is drawn is
 the merged data's counts, not a re-binning of reconstructed values
 (torchrl's ``log_histogram`` takes raw values and re-bins them):
 
-* ``TensorboardLogger``: ``SummaryWriter.add_histogram_raw``;
+* ``TensorboardLogger``: ``SummaryWriter.add_histogram_raw``, with a
+  :class:`~rl_observers.Histogram`'s exact min, max, sum and sum of squares
+  (a sketch's are read off its buckets);
 * ``WandbLogger``: ``wandb.Histogram(np_histogram=(counts, edges))`` (at most
   512 bins: adjacent bins are joined, counts stay exact);
 * ``TrackioLogger``: ``trackio.Histogram(np_histogram=(counts, edges))``;

@@ -26,7 +26,9 @@ class Histogram(Metric):
     workers; the quantiles are then exact up to the width of the bin they
     fall in (values below or above the edges read as the outer edge). Logs
     ``<name>_count`` and ``<name>_p50``, ``_p90``, ``_p99`` (``quantiles=``).
-    A tensor is binned on its device (``torch.bucketize``, no sync).
+    A tensor is binned on its device (``torch.bucketize``, no sync); the
+    binned values' exact sum, sum of squares, minimum and maximum are kept
+    beside the counts, for the histogram view (:func:`~rl_observers.draw_histograms`).
 
     NaN values fall in no bin: they are counted apart and logged as
     ``<name>_nan_count`` (when there are any), and left out of
