@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # torch first: anything that depends on torch pulls a multi-GB CUDA build otherwise.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test bench docs lint clean
+.PHONY: demo test bench docs lint clean gpu-check
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ test: $(VENV)/.test
 
 bench: $(VENV)/.test
 	$(PY) -m pytest benchmarks -q
+
+# The claims that need a CUDA device (tests marked cuda); one line and exit 0 without one.
+gpu-check: $(VENV)/.test
+	$(PY) scripts/gpu_check.py
 
 docs: $(VENV)/.test
 	$(PY) -m sphinx -W --keep-going -b html docs docs/_build/html

@@ -94,17 +94,18 @@ def measure(dqn, observed, rounds: int = ROUNDS) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def observed_dqn(out_dir: str | pathlib.Path) -> Iterator[tuple[Any, Any]]:
+def observed_dqn(out_dir: str | pathlib.Path, device: str = "cpu") -> Iterator[tuple[Any, Any]]:
     """The demo's agent with its observers built and detached, warmed up; closed afterwards.
 
     Warm-up: the random frames before updates start, then half a block
     observed, so that every later observed block has its emissions in its
     middle (schedules fire on multiples of their interval, counted while
-    attached). Torch runs on one thread meanwhile, as in the demo.
+    attached). Torch runs on one thread meanwhile, as in the demo. ``device``:
+    where the agent's networks, loss and replay buffer live.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    dqn = dqn_cartpole.make_dqn()
+    dqn = dqn_cartpole.make_dqn(dqn_cartpole.DQNConfig(device=device))
     observed = dqn_cartpole.observe(
         dqn, out_dir, every_batches=ITERATIONS_PER_BLOCK, log_on_close=False
     ).detach()

@@ -36,6 +36,9 @@ observer that costs a quarter of a training step. See ``benchmarks/README.md``.
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from benchmarks._training import ROUNDS, dqn_cartpole, measure, observed_dqn
 
 BUDGET = 0.99
@@ -48,9 +51,20 @@ MEASURES = 3
 
 
 def test_dqn_training_ratio(benchmark, tmp_path):
+    _check_ratio(benchmark, tmp_path, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dqn_training_ratio_on_cuda(benchmark, tmp_path):
+    """The same budget, the agent's networks, loss and replay buffer on the GPU (make gpu-check)."""
+    _check_ratio(benchmark, tmp_path, "cuda")
+
+
+def _check_ratio(benchmark, tmp_path, device: str) -> None:
     required = REGRESSION_FLOOR if benchmark.disabled else BUDGET
     rounds = TEST_ROUNDS if benchmark.disabled else ROUNDS
-    with observed_dqn(tmp_path) as (dqn, observed):
+    with observed_dqn(tmp_path, device) as (dqn, observed):
         result = measure(dqn, observed, rounds)
         for _ in range(MEASURES - 1):
             if result["ratio_cpu"] >= required:
@@ -58,7 +72,7 @@ def test_dqn_training_ratio(benchmark, tmp_path):
             result = max(result, measure(dqn, observed, rounds), key=lambda r: r["ratio_cpu"])
         benchmark.extra_info.update(result)
         print(
-            f"\ndqn_cartpole: bare {result['bare_ms_per_iteration']:.1f} ms/iteration "
+            f"\ndqn_cartpole ({device}): bare {result['bare_ms_per_iteration']:.1f} ms/iteration "
             f"({result['bare_cpu_ms_per_iteration']:.1f} ms CPU), observed "
             f"{result['observed_ms_per_iteration']:.1f} ms/iteration "
             f"({result['observed_cpu_ms_per_iteration']:.1f} ms CPU); "

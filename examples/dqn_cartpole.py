@@ -75,6 +75,8 @@ class DQNConfig:
     eps_frames: int = 10_000
     max_episode_steps: int = 500
     seed: int = 0
+    #: Where the networks, the loss and the replay buffer's storage live; the env steps on the CPU.
+    device: str = "cpu"
 
 
 @dataclass
@@ -119,7 +121,7 @@ def make_dqn(config: DQNConfig | None = None) -> DQN:
         eps_end=config.eps_end,
         annealing_num_steps=config.eps_frames,
     )
-    policy = TensorDictSequential(actor, greedy)
+    policy = TensorDictSequential(actor, greedy).to(config.device)
     collector = Collector(
         env,
         policy,
@@ -127,9 +129,12 @@ def make_dqn(config: DQNConfig | None = None) -> DQN:
         total_frames=-1,
         init_random_frames=config.init_random_frames,
         auto_register_policy_transforms=False,
+        policy_device=config.device,
+        storing_device=config.device,
     )
     buffer = TensorDictReplayBuffer(
-        storage=LazyTensorStorage(config.buffer_size), batch_size=config.batch_size
+        storage=LazyTensorStorage(config.buffer_size, device=config.device),
+        batch_size=config.batch_size,
     )
     loss = DQNLoss(actor, loss_function="l2", delay_value=True, action_space=env.action_spec)
     loss.make_value_estimator(gamma=config.gamma)

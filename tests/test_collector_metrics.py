@@ -978,6 +978,7 @@ def test_observed_counters_lag_until_the_copy_completes():
     assert counters.drain() == {"frames": 15, "episodes": 6}
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_batches_fold_without_sync():
     batches = collect(make_env(batch_size=(4,)), 16, 320)

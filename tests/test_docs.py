@@ -252,3 +252,54 @@ def test_the_one_line_form_logs_the_long_forms_series_but_the_rewards_it_names(t
     rewards = {f"replay_buffer/reward_{s}" for s in ("mean", "std", "min", "max")}
     assert rewards <= long_form
     assert one_line == long_form - rewards  # what the quickstart says it leaves out, and only that
+
+
+TRAINING = DOCS / "training.rst"
+
+
+def test_training_page_runs_as_written_and_its_rows_land_where_it_says(monkeypatch, tmp_path):
+    """The first block of docs/training.rst is a program; its rows are the recorded data's."""
+    import math
+    import statistics
+
+    from rl_observers import TrainingMetrics
+
+    recorded = []  # what the page's loop hands to record, kept beside the real call
+    record = TrainingMetrics.record
+
+    def recording(self, step, /, **values):
+        recorded.append((step, {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in values.items()}))
+        record(self, step, **values)
+
+    monkeypatch.setattr(TrainingMetrics, "record", recording)
+    monkeypatch.chdir(tmp_path)
+    blocks = python_blocks(TRAINING)
+    assert blocks and not blocks[0][2]  # the first block is a program, not a fragment
+    namespace = run_blocks(TRAINING)
+    rows = namespace["logger"].experiment.scalars
+    steps = [1200, 2100, 3000, 3300]  # the first record at or past each 1,000, then close()
+    assert [s for s, _ in rows["train/loss"]] == steps
+    previous = 0
+    for row, step in enumerate(steps):
+        window = [values for s, values in recorded if previous < s <= step]
+        previous = step
+        losses = [v["loss"].item() for v in window]
+        errors = torch.cat([v["error"].double() for v in window])
+        truth = {
+            "train/loss": math.fsum(losses) / len(losses),
+            "train/grad_norm": max(v["grad_norm"].item() for v in window),
+            "train/lr": window[-1]["lr"],
+            "train/error_mean": errors.mean().item(),
+            "train/error_std": statistics.pstdev(errors.tolist()),  # the population one, as it says
+            "train/error_min": errors.min().item(),
+            "train/error_max": errors.max().item(),
+        }
+        for name, value in truth.items():
+            assert rows[name][row] == (step, pytest.approx(value, rel=1e-12, abs=1e-15)), name
+    assert torch.std(errors, correction=1).item() != pytest.approx(rows["train/error_std"][-1][1], rel=1e-6)
+
+
+def test_health_page_says_which_axis_per_worker_rows_are_on():
+    """What docs/distributed.rst says of per-worker steps is on the page a health user reads."""
+    text = " ".join((DOCS / "health.rst").read_text().split())
+    assert "Per-worker rows are on **each worker's own frames axis**" in text

@@ -145,3 +145,7 @@ def test_worker_health(tmp_path):
         for prefix in ("collector", "collector/worker_0", "collector/worker_1"):
             assert rows[f"{prefix}/{name}"], (prefix, name)
     assert all(v >= 0 for _, v in rows["collector/seconds_since_last_heard"])
+    # per-worker rows are on each worker's own frames (docs/health.rst): 2,000 frames each
+    assert [step for step, _ in rows["collector/frames_per_second"]] == [2000, 4000]
+    for worker in (0, 1):
+        assert [step for step, _ in rows[f"collector/worker_{worker}/frames_per_second"]] == [2000]

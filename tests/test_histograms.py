@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import glob
 import json
+import math
+import pickle
 
 import pytest
 import torch
@@ -62,6 +64,26 @@ def _tensorboard_histograms(log_dir, tag):
         (event.step, list(event.histogram_value.bucket_limit), list(event.histogram_value.bucket))
         for event in accumulator.Histograms(tag)
     ]
+
+
+def _tensorboard_fields(log_dir, tag):
+    """``(step, (min, max, num, sum, sum_squares))`` of each histogram of ``tag`` in the event file."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = glob.glob(f"{log_dir}/**/events.out.tfevents.*", recursive=True)
+    accumulator = EventAccumulator(events, size_guidance={"histograms": 0})
+    accumulator.Reload()
+    out = []
+    for event in accumulator.Histograms(tag):
+        h = event.histogram_value
+        out.append((event.step, (h.min, h.max, h.num, h.sum, h.sum_squares)))
+    return out
+
+
+def _fields_of(values):
+    """What TensorBoard's own ``add_histogram`` computes from the raw values (float64)."""
+    x = torch.as_tensor(values, dtype=torch.float64)
+    return (x.min().item(), x.max().item(), float(x.numel()), x.sum().item(), (x * x).sum().item())
 
 
 def _observed_collector(env_maker, logger_or_channel, *, multi=False, frames=600):
@@ -157,6 +179,11 @@ def test_workers_are_merged_before_drawing(tmp_path):
     assert [step for step, _, _ in drawn] == sorted(counts)
     for step, _, bucket in drawn:
         assert sum(bucket) == counts[step]
+    # the exact fields merge across workers too: over the rows, they are all the data's
+    fields = [f for _, f in _tensorboard_fields(tmp_path, "collector/obs")]
+    low, high, num, total, squares = _fields_of(torch.cat([_obs(b).reshape(-1) for b in batches]))
+    assert min(f[0] for f in fields) == low and max(f[1] for f in fields) == high
+    assert [sum(f[i] for f in fields) for i in (2, 3, 4)] == [num, total, squares]
     # over all rows, the drawn counts are the counts of all the data both workers collected
     values = torch.cat([_obs(b).reshape(-1) for b in batches]).tolist()
     _, truth = histogram_of(BinCounts.from_values("obs", values, edges=EDGES))
@@ -252,3 +279,61 @@ def test_histogram_of_sketches_and_coarsening_keep_every_count():
     below_above = histogram_of(BinCounts.from_values("x", [-5.0, 20.0], edges=EDGES))
     assert below_above == ([-1.0, 0.0, *EDGES[1:], 11.0], [1.0] + [0.0] * 10 + [1.0])
     assert json.dumps(below_above)  # plain floats
+
+
+def _small_angle(batch):
+    """Values between the bin edges, both signs (as a pole angle's)."""
+    return (batch["observation"].float() * 1.3).sin() * 0.2
+
+
+@pytest.mark.timeout(120)
+def test_tensorboard_histogram_fields_are_the_window_data_not_the_bins(tmp_path):
+    from torchrl.record.loggers.tensorboard import TensorboardLogger
+
+    logger = TensorboardLogger(exp_name="fields", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger)
+    draw_histograms(channel)
+    env = _env()
+    collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=50, total_frames=600)
+    edges = [i / 100 for i in range(-21, 22)]
+    collector.add_observer(
+        LoggerObserver(
+            channel, schedule=Every.counter("frames", 200), metrics=[Histogram("angle", _small_angle, edges=edges)]
+        )
+    )
+    batches = []
+    try:
+        for batch in collector:
+            batches.append(batch.clone())
+    finally:
+        collector.shutdown()
+    assert channel.close(timeout=30)
+    logger.experiment.flush()
+    rows = _tensorboard_fields(tmp_path, "collector/angle")
+    assert [step for step, _ in rows] == [200, 400, 600]
+    for (_, fields), start in zip(rows, range(0, len(batches), 4)):
+        window = torch.cat([_small_angle(b).reshape(-1) for b in batches[start : start + 4]])
+        assert fields == pytest.approx(_fields_of(window), rel=1e-12, abs=1e-15)
+        assert -0.21 < fields[0] and fields[1] < 0.21  # inside the outer edges, as the data
+
+
+def test_histogram_fields_merge_exactly_and_leave_nan_out():
+    nan = float("nan")
+    metric = Histogram("x", lambda v: v, edges=EDGES)
+    for value in (torch.tensor([0.5, nan, -2.0]), torch.tensor([]), 3.25, nan, torch.tensor([12.0, 7.5])):
+        metric.on_post_collect(None, value)
+    first = metric.pull()["x"]
+    metric.on_post_collect(None, torch.tensor([-7.0, 1.0], dtype=torch.float64))
+    second = metric.pull()["x"]
+    assert metric.pull()["x"].max == -math.inf  # the window after a pull starts empty
+    data = [0.5, -2.0, 3.25, 12.0, 7.5, -7.0, 1.0]
+    for partial in (first.merge(second), second.merge(first)):
+        assert (partial.min, partial.max, partial.sum, partial.sum_squares) == (
+            -7.0, 12.0, math.fsum(data), math.fsum(v * v for v in data)
+        )
+        truth = BinCounts.from_values("x", [*data, nan, nan], edges=EDGES)
+        assert (partial.counts, partial.nan) == (truth.counts, 2.0)
+        assert (truth.min, truth.max, truth.sum, truth.sum_squares) == (
+            partial.min, partial.max, partial.sum, partial.sum_squares
+        )
+    assert pickle.loads(pickle.dumps(first)).sum == first.sum

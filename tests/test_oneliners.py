@@ -517,6 +517,7 @@ def test_a_syncing_function_is_documented_not_refused():
     assert math.isfinite(3.0)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_values_fold_without_sync():
     values = [torch.rand(64, device="cuda") * 2 for _ in range(8)]
@@ -537,4 +538,7 @@ def test_cuda_values_fold_without_sync():
     assert metrics[0].pull()["m"].finalize()["m"] == pytest.approx(data.mean().item())
     assert metrics[2].pull()["x"].finalize()["x"] == pytest.approx(data.max().item())
     assert metrics[4].pull()["c"].finalize()["c"] == (data > 1).sum().item()
-    assert sum(metrics[6].pull()["h"].counts) == data.numel()
+    histogram = metrics[6].pull()["h"]
+    assert sum(histogram.counts) == data.numel()
+    assert (histogram.min, histogram.max) == (data.min().item(), data.max().item())
+    assert histogram.sum == pytest.approx(data.sum().item(), rel=1e-12)

@@ -221,6 +221,7 @@ def test_four_workers_aggregate_and_per_worker_quantiles_are_within_accuracy():
             assert abs(logged - truth) <= 0.01 * abs(truth), (ns, q, truth, logged)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_folds_do_not_sync():
     values = [torch.randn(1000, device="cuda") * 10 for _ in range(8)]
@@ -244,6 +245,27 @@ def test_cuda_folds_do_not_sync():
     _within(metric.pull()["v"], data.tolist(), 0.01)
     _within(fine.pull(), data.tolist(), 0.0002)
     _within(masked.pull(), data[data > 0].tolist(), 0.01)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_episode_quantiles_fold_without_sync():
+    from rl_observers import CollectorBatchMetrics
+
+    from .test_collector_metrics import Truth, collect, make_env
+
+    batches = collect(make_env(batch_size=(3,)), 15, 900)
+    metrics = CollectorBatchMetrics(quantiles=QS)
+    cuda_batches = [b.to("cuda") for b in batches]
+    metrics.on_post_collect(None, cuda_batches[0])  # the first fold allocates the buffers and tables
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for batch in cuda_batches[1:]:
+            metrics.on_post_collect(None, batch)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    _check_episode_quantiles(metrics.pull(), [e for b in Truth(batches).episodes for e in b], QS)
 
 
 def test_staged_folds_survive_pickling_and_size_changes():

@@ -553,6 +553,7 @@ def test_write_metrics_read_back_with_a_mask():
     )
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_buffer_metrics_add_no_sync_to_writes_and_samples():
     # torchrl's own extend/sample synchronise; the observers must add none (counted, not refused)

@@ -150,6 +150,7 @@ def test_a_handle_records_from_another_process(tmp_path):
     assert scalars(logger, "train/loss") == [(2, 1.5), (4, 3.5)]
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_no_host_device_sync_per_step_on_cuda(tmp_path):
     logger = CSVLogger(exp_name="cuda", log_dir=str(tmp_path))

@@ -10,7 +10,9 @@ counts are handed to the backend's own pre-binned call, so what is drawn is
 the merged data's counts, not a re-binning of reconstructed values
 (torchrl's ``log_histogram`` takes raw values and re-bins them):
 
-* ``TensorboardLogger``: ``SummaryWriter.add_histogram_raw``;
+* ``TensorboardLogger``: ``SummaryWriter.add_histogram_raw``, with a
+  :class:`~rl_observers.Histogram`'s exact min, max, sum and sum of squares
+  (a sketch's are read off its buckets);
 * ``WandbLogger``: ``wandb.Histogram(np_histogram=(counts, edges))`` (at most
   512 bins: adjacent bins are joined, counts stay exact);
 * ``TrackioLogger``: ``trackio.Histogram(np_histogram=(counts, edges))``;
@@ -173,24 +175,36 @@ class HistogramDrawer:
             if histogram is None:
                 continue
             edges, counts = histogram
-            getattr(self, f"_{self.backend}")(_tag(namespace, key), edges, counts, step)
+            getattr(self, f"_{self.backend}")(_tag(namespace, key), edges, counts, step, value)
             self.drawn += 1
 
-    def _tensorboard(self, tag: str, edges: list[float], counts: list[float], step: int | None) -> None:
-        mids = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
+    def _tensorboard(
+        self, tag: str, edges: list[float], counts: list[float], step: int | None, partial: Any
+    ) -> None:
+        if getattr(partial, "min", math.inf) <= getattr(partial, "max", -math.inf):
+            fields = partial.min, partial.max, partial.sum, partial.sum_squares  # the data's
+        else:  # a sketch keeps only its buckets: their bounds and midpoints
+            mids = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
+            fields = (
+                edges[0],
+                edges[-1],
+                sum(c * m for c, m in zip(counts, mids)),
+                sum(c * m * m for c, m in zip(counts, mids)),
+            )
+        low, high, total, squares = fields
         self.logger.experiment.add_histogram_raw(
             tag,
-            min=edges[0],
-            max=edges[-1],
+            min=low,
+            max=high,
             num=sum(counts),
-            sum=sum(c * m for c, m in zip(counts, mids)),
-            sum_squares=sum(c * m * m for c, m in zip(counts, mids)),
+            sum=total,
+            sum_squares=squares,
             bucket_limits=edges[1:],
             bucket_counts=counts,
             global_step=step,
         )
 
-    def _wandb(self, tag: str, edges: list[float], counts: list[float], step: int | None) -> None:
+    def _wandb(self, tag: str, edges: list[float], counts: list[float], step: int | None, _: Any) -> None:
         import numpy as np
         import wandb
 
@@ -198,7 +212,7 @@ class HistogramDrawer:
         histogram = wandb.Histogram(np_histogram=(np.asarray(counts), np.asarray(edges)))
         self.logger.log_metrics({tag: histogram}, step=step)  # torchrl's own step handling
 
-    def _trackio(self, tag: str, edges: list[float], counts: list[float], step: int | None) -> None:
+    def _trackio(self, tag: str, edges: list[float], counts: list[float], step: int | None, _: Any) -> None:
         import numpy as np
         import trackio
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,7 +26,9 @@ class Histogram(Metric):
     workers; the quantiles are then exact up to the width of the bin they
     fall in (values below or above the edges read as the outer edge). Logs
     ``<name>_count`` and ``<name>_p50``, ``_p90``, ``_p99`` (``quantiles=``).
-    A tensor is binned on its device (``torch.bucketize``, no sync).
+    A tensor is binned on its device (``torch.bucketize``, no sync); the
+    binned values' exact sum, sum of squares, minimum and maximum are kept
+    beside the counts, for the histogram view (:func:`~rl_observers.draw_histograms`).
 
     NaN values fall in no bin: they are counted apart and logged as
     ``<name>_nan_count`` (when there are any), and left out of
@@ -64,9 +65,10 @@ class Histogram(Metric):
         super().__init__(name, fn, on=on)
         empty = BinCounts(name, edges, quantiles=quantiles)  # validates
         self.edges, self.quantiles = empty.edges, empty.quantiles
+        # the bins, NaN, then the binned values' sum, sum of squares, min and max
         self._counts: torch.Tensor | None = None
         self._edges_t: torch.Tensor | None = None
-        self._host = [0.0] * (len(self.edges) + 2)  # the bins, then NaN
+        self._host: list[float] = []  # Python numbers, binned at the pull
 
     _transient = ("_edges_t",)
 
@@ -77,8 +79,9 @@ class Histogram(Metric):
             counts = self._counts
             if counts is None:
                 counts = self._counts = torch.zeros(
-                    len(self.edges) + 2, dtype=torch.float64, device=value.device
+                    len(self.edges) + 6, dtype=torch.float64, device=value.device
                 )
+                counts[-2], counts[-1] = math.inf, -math.inf  # no min, no max yet
             edges = self._edges_t
             if edges is None or edges.device != counts.device:
                 # A last edge at +inf: bucketize puts NaN past every edge, so NaN gets a
@@ -92,23 +95,26 @@ class Histogram(Metric):
             values = value.reshape(-1).to(counts.device, torch.float64)
             bins = torch.bucketize(values, edges)
             counts.index_add_(0, bins, torch.ones_like(values))
+            if values.numel():  # (amin and amax refuse an empty tensor)
+                # NaN is in no bin: nansum leaves it out, fmin/fmax pick the other operand
+                counts[-4:-2] += torch.stack((values.nansum(), values.square().nansum()))
+                counts[-2] = torch.fmin(values, counts[-2]).amin()
+                counts[-1] = torch.fmax(values, counts[-1]).amax()
             return
-        value = _host_number(value, self)
-        host = self._host
-        host[-1 if value != value else bisect.bisect_left(self.edges, value)] += 1
+        self._host.append(_host_number(value, self))
 
     def partials(self) -> dict[str, Partial]:
-        counts = list(self._host)
-        self._host = [0.0] * len(counts)
+        host, self._host = self._host, []
+        out = BinCounts.from_values(self.name, host, edges=self.edges, quantiles=self.quantiles)
         if self._counts is not None:
-            for i, c in enumerate(self._counts.tolist()):  # the one transfer of the window
-                counts[i] += c
+            *counts, nan, total, squares, low, high = self._counts.tolist()  # the one transfer
             self._counts.zero_()
-        return {
-            self.name: BinCounts(
-                self.name, self.edges, counts[:-1], quantiles=self.quantiles, nan=counts[-1]
-            )
-        }
+            self._counts[-2], self._counts[-1] = math.inf, -math.inf
+            out = out.merge(BinCounts(
+                self.name, self.edges, counts, quantiles=self.quantiles, nan=nan,
+                sum=total, sum_squares=squares, min=low, max=high,
+            ))
+        return {self.name: out}
 
     def metric_names(self) -> tuple[str, ...]:
         return (

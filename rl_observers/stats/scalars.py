@@ -32,7 +32,7 @@ import bisect
 import math
 from collections.abc import Sequence
 
-from rl_observers.stats.partials import Partial, _check_name, _max, _min
+from rl_observers.stats.partials import Partial, _check_name, _max, _min, _total
 
 __all__ = ["SCALAR_RULES", "BinCounts", "Fraction", "PerSecond", "Scalar"]
 
@@ -261,6 +261,11 @@ class BinCounts(Partial):
     ``<name>_count`` and the quantiles are those of the values in the bins;
     ``<name>_nan_count`` is reported when there are NaN values.
 
+    The binned values' exact ``sum``, ``sum_squares``, ``min`` and ``max``
+    merge too (sums add; ``min <= max`` once one of them is known): what a
+    histogram view shows besides the counts (TensorBoard's fields), not
+    guessed from the bins. They are not logged as scalars.
+
     Args:
         name (str): outputs are ``<name>_p50`` etc. and ``<name>_count``.
         edges (sequence of float): the bin edges, strictly increasing.
@@ -271,6 +276,8 @@ class BinCounts(Partial):
         quantiles (sequence of float, optional): which quantiles
             :meth:`finalize` reports. Defaults to ``(0.5, 0.9, 0.99)``.
         nan (float, optional): how many NaN values were seen. Defaults to ``0``.
+        sum, sum_squares, min, max (float, optional): of the values in the
+            bins. Defaults to ``0``, ``0``, ``inf`` and ``-inf`` (not known).
 
     Examples:
         >>> from rl_observers.stats import BinCounts
@@ -282,7 +289,7 @@ class BinCounts(Partial):
         {'lag_count': 1.0, 'lag_p50': 0.5, 'lag_nan_count': 1.0}
     """
 
-    __slots__ = ("name", "edges", "counts", "quantiles", "nan")
+    __slots__ = ("name", "edges", "counts", "quantiles", "nan", "sum", "sum_squares", "min", "max")
 
     def __init__(
         self,
@@ -292,11 +299,17 @@ class BinCounts(Partial):
         *,
         quantiles: Sequence[float] = (0.5, 0.9, 0.99),
         nan: float = 0.0,
+        sum: float = 0.0,
+        sum_squares: float = 0.0,
+        min: float = math.inf,
+        max: float = -math.inf,
     ) -> None:
         self.name = _check_name(name, "name")
         self.edges = _check_edges(edges, name)
         self.quantiles = _check_quantiles(quantiles, name)
         self.nan = float(nan)
+        self.sum, self.sum_squares = float(sum), float(sum_squares)
+        self.min, self.max = float(min), float(max)
         if counts is None:
             counts = (0.0,) * (len(self.edges) + 1)
         self.counts = tuple(float(c) for c in counts)
@@ -316,17 +329,16 @@ class BinCounts(Partial):
         quantiles: Sequence[float] = (0.5, 0.9, 0.99),
     ) -> BinCounts:
         """Counts ``values`` on the host (NaN values in ``nan``)."""
-        out = cls(name, edges, quantiles=quantiles)
+        values = [float(v) for v in values]
+        binned = [v for v in values if v == v]
+        out = cls(name, edges, quantiles=quantiles, nan=len(values) - len(binned))
         counts = list(out.counts)
-        nan = 0
-        for v in values:
-            v = float(v)
-            if v != v:
-                nan += 1
-            else:
-                counts[bisect.bisect_left(out.edges, v)] += 1
+        for v in binned:
+            counts[bisect.bisect_left(out.edges, v)] += 1
         out.counts = tuple(counts)
-        out.nan = float(nan)
+        if binned:
+            out.sum, out.sum_squares = _total(binned), _total([v * v for v in binned])
+            out.min, out.max = min(binned), max(binned)
         return out
 
     def merge(self, other: Partial) -> BinCounts:
@@ -344,6 +356,8 @@ class BinCounts(Partial):
         out.name, out.edges, out.quantiles = self.name, self.edges, self.quantiles
         out.counts = tuple(a + b for a, b in zip(self.counts, other.counts))
         out.nan = self.nan + other.nan
+        out.sum, out.sum_squares = self.sum + other.sum, self.sum_squares + other.sum_squares
+        out.min, out.max = _min(self.min, other.min), _max(self.max, other.max)
         return out
 
     def quantile(self, q: float) -> float | None:
