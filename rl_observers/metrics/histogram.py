@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -68,7 +69,7 @@ class Histogram(Metric):
         # the bins, NaN, then the binned values' sum, sum of squares, min and max
         self._counts: torch.Tensor | None = None
         self._edges_t: torch.Tensor | None = None
-        self._host: list[float] = []  # Python numbers, binned at the pull
+        self._host = self._empty()  # Python numbers, folded into the same layout on the host
 
     _transient = ("_edges_t",)
 
@@ -101,19 +102,31 @@ class Histogram(Metric):
                 counts[-2] = torch.fmin(values, counts[-2]).amin()
                 counts[-1] = torch.fmax(values, counts[-1]).amax()
             return
-        self._host.append(_host_number(value, self))
+        value, host = _host_number(value, self), self._host
+        if value != value:
+            host[-5] += 1
+            return
+        host[bisect.bisect_left(self.edges, value)] += 1
+        host[-4] += value
+        host[-3] += value * value
+        host[-2], host[-1] = min(host[-2], value), max(host[-1], value)
+
+    def _empty(self) -> list[float]:
+        return [0.0] * (len(self.edges) + 4) + [math.inf, -math.inf]
+
+    def _bin_counts(self, folded: list[float]) -> BinCounts:
+        *counts, nan, total, squares, low, high = folded
+        return BinCounts(
+            self.name, self.edges, counts, quantiles=self.quantiles, nan=nan,
+            sum=total, sum_squares=squares, min=low, max=high,
+        )
 
     def partials(self) -> dict[str, Partial]:
-        host, self._host = self._host, []
-        out = BinCounts.from_values(self.name, host, edges=self.edges, quantiles=self.quantiles)
+        out, self._host = self._bin_counts(self._host), self._empty()
         if self._counts is not None:
-            *counts, nan, total, squares, low, high = self._counts.tolist()  # the one transfer
+            out = out.merge(self._bin_counts(self._counts.tolist()))  # the one transfer
             self._counts.zero_()
             self._counts[-2], self._counts[-1] = math.inf, -math.inf
-            out = out.merge(BinCounts(
-                self.name, self.edges, counts, quantiles=self.quantiles, nan=nan,
-                sum=total, sum_squares=squares, min=low, max=high,
-            ))
         return {self.name: out}
 
     def metric_names(self) -> tuple[str, ...]:
