@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import re
 import threading
+import time
 
 import pytest
 from torchrl.collectors import Collector, MultiSyncCollector
@@ -25,9 +26,9 @@ class ThreadRecordingConsole(LiveConsole):
         self.threads = set()
         super().__init__(*args, **kwargs)
 
-    def _read(self, namespace, payload):
+    def _read(self, *args):
         self.threads.add(threading.current_thread().name)
-        super()._read(namespace, payload)
+        super()._read(*args)
 
 
 def _env():
@@ -127,3 +128,54 @@ def test_a_wrong_mode_is_refused(tmp_path):
     with pytest.raises(ValueError, match="mode must be one of"):
         LiveConsole(channel, mode="fancy")
     channel.close()
+
+
+def _collect_and_sample(tmp_path, *, total_frames, after_loop=0.0):
+    """Collects into a replay buffer and samples from it; ``after_loop`` seconds of other work
+    come between the last batch and the shutdown.
+
+    Returns the console's plain lines and the truths: frames per second over the collection
+    (the test's own clock, loop start to the last batch) and samples per second (first to
+    last sample).
+    """
+    env = _env()
+    collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=50, total_frames=total_frames)
+    channel = MetricsChannel(CSVLogger(exp_name="rates", log_dir=str(tmp_path)))
+    collector.add_observer(LoggerObserver(channel, schedule=Every.counter("frames", 1_000), metrics=CollectorBatchMetrics()))
+    buffer = ReplayBuffer(storage=LazyTensorStorage(10_000), batch_size=32)
+    buffer.attach_logger(channel, schedule=Every.counter("sample_calls", 100))
+    out = io.StringIO()
+    LiveConsole(channel, mode="plain", plain_interval=0.0, file=out)
+    frames = samples = 0
+    try:
+        start = time.monotonic()
+        for batch in collector:
+            frames += batch.numel()
+            last_batch = time.monotonic()
+            buffer.extend(batch)
+            for _ in range(3):
+                buffer.sample()
+                samples += 32
+                if samples == 32:
+                    first_sample = time.monotonic()
+            last_sample = time.monotonic()
+        time.sleep(after_loop)  # what a training script does before it shuts the collector down
+    finally:
+        collector.shutdown()
+    assert channel.close(timeout=60)
+    fps = frames / (last_batch - start)
+    samples_per_second = (samples - 32) / (last_sample - first_sample)
+    return out.getvalue().splitlines(), fps, samples_per_second
+
+
+@pytest.mark.timeout(120)
+def test_the_last_lines_rates_are_over_the_time_the_data_was_made(tmp_path):
+    # 5,050 frames and 303 sample calls: the last window of each end (50 frames, 3 calls) is
+    # logged at shutdown, two seconds after its data was made.
+    lines, fps, samples_per_second = _collect_and_sample(tmp_path, total_frames=5_050, after_loop=2.0)
+    last = lines[-1]
+    assert last.startswith("frames 5,050 | ")
+    shown_fps = float(re.search(r"([\d,]+) fps", last).group(1).replace(",", ""))
+    shown_samples = float(re.search(r"([\d,]+) samples/s", last).group(1).replace(",", ""))
+    assert shown_fps == pytest.approx(fps, rel=0.2), last
+    assert shown_samples == pytest.approx(samples_per_second, rel=0.2), last

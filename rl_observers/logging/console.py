@@ -17,6 +17,7 @@ from typing import Any, TextIO
 
 from rl_observers.logging.histograms import add_watcher
 from rl_observers.remote import MetricsChannel
+from rl_observers.stats import LastEvent
 
 __all__ = ["LiveConsole"]
 
@@ -25,20 +26,32 @@ LOSS_COUNTERS: tuple[str, ...] = ("dropped", "remote_dropped", "sink_errors", "c
 
 
 class _Rate:
-    """A cumulative counter and its rate between the last two rows that moved it."""
+    """A cumulative counter and its rate since the first row that carried it.
 
-    __slots__ = ("total", "at", "rate")
+    Over the source's times of the rows' last events (:class:`~rl_observers.stats.LastEvent`),
+    not over when the rows arrive: the last window of a run arrives at shutdown.
+    """
+
+    __slots__ = ("first", "since", "total", "at")
 
     def __init__(self) -> None:
-        self.total: float | None = None
-        self.at = 0.0
-        self.rate = math.nan
+        self.first: float | None = None
+        self.since = self.total = self.at = 0.0
 
-    def update(self, total: float, now: float) -> None:
-        if self.total is not None and total > self.total and now > self.at:
-            self.rate = (total - self.total) / (now - self.at)
-        if self.total is None or total != self.total:
-            self.total, self.at = total, now
+    def update(self, total: float, at: float) -> None:
+        if self.first is None or total < self.total:  # the first row, or the counter went back
+            self.first, self.since = total, at
+        self.total, self.at = total, at
+
+    @property
+    def rate(self) -> float:
+        return (self.total - self.first) / (self.at - self.since) if self.at > self.since else math.nan
+
+
+def _rate(rates: dict[str, _Rate]) -> float:
+    """The sources' rates added up (NaN before any has one)."""
+    known = [r.rate for r in rates.values() if r.rate == r.rate]
+    return sum(known) if known else math.nan
 
 
 class LiveConsole:
@@ -49,13 +62,14 @@ class LiveConsole:
 
     * ``frames``: the sum of the top-level ``<namespace>/frames`` gauges
       (collectors; per-worker rows are not counted twice), and the frames
-      per second between the last two rows that moved it, measured where
-      the rows arrive;
+      per second since the first row, over the source's own times of the
+      rows' last batches (:class:`~rl_observers.stats.LastEvent`), not
+      over when the rows arrive;
     * ``return``: the rolling episode return
       (``<namespace>/episode_return_mean_last_<N>`` when the collector's
       metrics keep an episode window, else the last window's
       ``episode_return_mean``);
-    * ``samples/s``: from the replay buffers' ``samples_returned`` gauges;
+    * ``samples/s``: from the replay buffers' ``samples_returned`` gauges, in the same way;
     * ``workers``: ``workers_reporting/workers`` of aggregated rows;
     * ``lost``: what the channel counts as lost (dropped payloads, sink
       errors, lost copies and windows); shown only when not zero.
@@ -119,12 +133,10 @@ class LiveConsole:
         self.interval = float(interval if mode == "bar" else plain_interval)
         self.total_frames = total_frames
         self._lock = threading.Lock()
-        self._frames: dict[str, float] = {}
-        self._samples: dict[str, float] = {}
+        self._frames: dict[str, _Rate] = {}
+        self._samples: dict[str, _Rate] = {}
         self._returns: dict[str, float] = {}
         self._workers: dict[str, tuple[float, float]] = {}
-        self._frame_rate = _Rate()
-        self._sample_rate = _Rate()
         self._drawn_at = -math.inf
         self._last_line = ""
         self._bar: Any = None
@@ -151,7 +163,9 @@ class LiveConsole:
     def __call__(self, namespace: str, metrics: Any, payload: dict[str, Any], step: int | None) -> None:
         """Reads one delivered row; redraws when ``interval`` has passed (on the channel's thread)."""
         try:
-            self._read(namespace, payload)
+            last = metrics.get(LastEvent.KEY)  # when the source saw the window's last event
+            at = last.time if isinstance(last, LastEvent) and last.time > -math.inf else time.time()
+            self._read(namespace, payload, at)
             now = time.monotonic()
             if now - self._drawn_at >= self.interval:
                 self._draw(now)
@@ -160,21 +174,16 @@ class LiveConsole:
                 self._warned = True
                 warnings.warn(f"LiveConsole failed to show a row ({err!r}); it stays as it was.", stacklevel=2)
 
-    def _read(self, namespace: str, payload: dict[str, Any]) -> None:
+    def _read(self, namespace: str, payload: dict[str, Any], at: float) -> None:
         if "/worker_" in namespace or namespace.startswith("worker_"):
             return
         prefix = f"{namespace}/" if namespace else ""
         get = payload.get
-        now = time.monotonic()
         with self._lock:
-            frames = get(prefix + "frames")
-            if isinstance(frames, (int, float)):
-                self._frames[namespace] = float(frames)
-                self._frame_rate.update(sum(self._frames.values()), now)
-            samples = get(prefix + "samples_returned")
-            if isinstance(samples, (int, float)):
-                self._samples[namespace] = float(samples)
-                self._sample_rate.update(sum(self._samples.values()), now)
+            for name, rates in (("frames", self._frames), ("samples_returned", self._samples)):
+                value = get(prefix + name)
+                if isinstance(value, (int, float)):
+                    rates.setdefault(namespace, _Rate()).update(float(value), at)
             rolling = [key for key in payload if key.startswith(prefix + "episode_return_mean_last_")]
             value = get(rolling[0]) if rolling else get(prefix + "episode_return_mean")
             if isinstance(value, (int, float)):
@@ -189,14 +198,15 @@ class LiveConsole:
         """The line as it would be drawn now."""
         with self._lock:
             parts = []
+            fps, samples = _rate(self._frames), _rate(self._samples)
             if self._frames:
-                parts.append(f"frames {sum(self._frames.values()):,.0f}")
-                if self._frame_rate.rate == self._frame_rate.rate:
-                    parts.append(f"{self._frame_rate.rate:,.0f} fps")
+                parts.append(f"frames {sum(r.total for r in self._frames.values()):,.0f}")
+                if fps == fps:
+                    parts.append(f"{fps:,.0f} fps")
             for namespace, value in self._returns.items():
                 parts.append(f"return {value:.2f}" if len(self._returns) == 1 else f"{namespace} return {value:.2f}")
-            if self._sample_rate.rate == self._sample_rate.rate:
-                parts.append(f"{self._sample_rate.rate:,.0f} samples/s")
+            if samples == samples:
+                parts.append(f"{samples:,.0f} samples/s")
             if self._workers:
                 reporting = sum(r for r, _ in self._workers.values())
                 total = sum(w for _, w in self._workers.values())
@@ -214,8 +224,7 @@ class LiveConsole:
             return
         self._last_line = line
         if self._bar is not None:
-            frames = sum(self._frames.values())
-            self._bar.n = frames
+            self._bar.n = sum(r.total for r in self._frames.values())
             self._bar.set_postfix_str(line.split(" | ", 1)[1] if " | " in line else "", refresh=False)
             self._bar.refresh()
         else:
