@@ -82,6 +82,7 @@ def test_the_bar_is_throttled_and_ends_on_the_last_numbers(tmp_path):
     # 10 rows, an hour between redraws: the bar's start, the first row and the close
     assert text.count("frames/s") + text.count("frames [") <= 4
     assert "1.00k/1.00k" in text.split("\r")[-1]
+    assert re.search(r"1\.00k/1\.00k \[\d\d:\d\d, [\d,]+ fps \| return [-\d.]+\]", text.split("\r")[-1])
     assert console.line().startswith("frames 1,000")
 
 

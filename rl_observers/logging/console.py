@@ -151,9 +151,9 @@ class LiveConsole:
                 unit_scale=True,
                 file=self.file,
                 dynamic_ncols=True,
-                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}] {postfix}"
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
                 if total_frames
-                else "{n_fmt} frames [{elapsed}] {postfix}",
+                else "{n_fmt} frames [{elapsed}{postfix}]",
             )
         add_watcher(channel, self)
         channel._logging.add_close_callback(self._channel_closing)
