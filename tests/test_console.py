@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import io
+import logging
 import re
 import threading
 import time
 
 import pytest
+import torch
 from torchrl.collectors import Collector, MultiSyncCollector
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl.envs.utils import RandomPolicy
@@ -131,6 +133,17 @@ def test_a_wrong_mode_is_refused(tmp_path):
     channel.close()
 
 
+def _screen(text):
+    """The lines a terminal shows after ``text``: each ``\\r`` writes over its line from the start."""
+    lines = []
+    for line in text.split("\n"):
+        shown = ""
+        for part in line.split("\r"):
+            shown = part + shown[len(part):]
+        lines.append(shown.rstrip())
+    return [line for line in lines if line]
+
+
 def _collect_and_sample(tmp_path, *, total_frames, after_loop=0.0):
     """Collects into a replay buffer and samples from it; ``after_loop`` seconds of other work
     come between the last batch and the shutdown.
@@ -180,3 +193,23 @@ def test_the_last_lines_rates_are_over_the_time_the_data_was_made(tmp_path):
     shown_samples = float(re.search(r"([\d,]+) samples/s", last).group(1).replace(",", ""))
     assert shown_fps == pytest.approx(fps, rel=0.2), last
     assert shown_samples == pytest.approx(samples_per_second, rel=0.2), last
+
+
+def test_a_torchrl_log_line_while_the_bar_is_live_leaves_no_extra_line(tmp_path, monkeypatch):
+    from torchrl._utils import logger as torchrl_logger
+
+    terminal = io.StringIO()  # the bar and torchrl's console handler share the terminal
+    monkeypatch.setattr("sys.stdout", terminal)
+    handler = next(h for h in torchrl_logger.handlers if isinstance(h, logging.StreamHandler))
+    monkeypatch.setattr(handler, "stream", terminal)
+    channel = MetricsChannel(CSVLogger(exp_name="log", log_dir=str(tmp_path)), background=False)
+    LiveConsole(channel, mode="bar", total_frames=1_000)
+    buffer = ReplayBuffer(storage=LazyTensorStorage(100))
+    buffer.extend(torch.zeros(10, 2))  # torchrl logs "Initialized LazyTensorStorage ..." at INFO
+    channel.submit_metrics({"frames": 1_000}, step=1_000, namespace="collector")
+    channel.step()
+    assert channel.close()
+    screen = _screen(terminal.getvalue())
+    assert len(screen) == 2, screen  # the log line, then the bar: no bar left behind above it
+    assert "Initialized LazyTensorStorage" in screen[0] and "%|" not in screen[0]
+    assert "1.00k/1.00k" in screen[1]

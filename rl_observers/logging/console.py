@@ -8,12 +8,15 @@ once per ``interval`` seconds, on that thread.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import threading
 import time
 import warnings
 from typing import Any, TextIO
+
+from torchrl._utils import logger as torchrl_logger
 
 from rl_observers.logging.histograms import add_watcher
 from rl_observers.remote import MetricsChannel
@@ -77,8 +80,9 @@ class LiveConsole:
     The line is redrawn at most once per ``interval`` seconds, on the
     channel's thread (never on a hot path), and once more at :meth:`close`
     (which :meth:`MetricsChannel.close` calls too). In a terminal it is a
-    ``tqdm`` bar rewritten in place (``total_frames`` gives it a length);
-    when ``file`` is not a terminal (a log file, a pipe) it is a plain line
+    ``tqdm`` bar rewritten in place (``total_frames`` gives it a length),
+    with torchrl's log lines written above it while it is live; when
+    ``file`` is not a terminal (a log file, a pipe) it is a plain line
     per update, without control characters, at most once per
     ``plain_interval`` seconds.
 
@@ -142,8 +146,10 @@ class LiveConsole:
         self._bar: Any = None
         self._closed = False
         self._warned = False
+        self._exit = contextlib.ExitStack()  # what close() ends: the bar, the redirection of log lines
         if mode == "bar":
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             self._bar = tqdm(
                 total=total_frames,
@@ -155,6 +161,9 @@ class LiveConsole:
                 if total_frames
                 else "{n_fmt} frames [{elapsed}{postfix}]",
             )
+            self._exit.callback(self._bar.close)
+            # torchrl's log lines (its own handler: it does not propagate) go above the bar, not into it
+            self._exit.enter_context(logging_redirect_tqdm([torchrl_logger]))
         add_watcher(channel, self)
         channel._logging.add_close_callback(self._channel_closing)
 
@@ -244,8 +253,7 @@ class LiveConsole:
             return
         self._draw(time.monotonic())
         self._closed = True
-        if self._bar is not None:
-            self._bar.close()
+        self._exit.close()
 
     def __repr__(self) -> str:
         return f"LiveConsole(mode={self.mode!r}, interval={self.interval})"
