@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import logging
+import pathlib
 import re
 import threading
 import time
@@ -21,6 +22,7 @@ from rl_observers import CollectorBatchMetrics, Every, LiveConsole, LoggerObserv
 from tests.helpers import scalars
 
 CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f]")  # anything but "\n"
+DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "console.rst"
 
 
 class ThreadRecordingConsole(LiveConsole):
@@ -193,6 +195,25 @@ def test_the_last_lines_rates_are_over_the_time_the_data_was_made(tmp_path):
     shown_samples = float(re.search(r"([\d,]+) samples/s", last).group(1).replace(",", ""))
     assert shown_fps == pytest.approx(fps, rel=0.2), last
     assert shown_samples == pytest.approx(samples_per_second, rel=0.2), last
+
+
+def _documented_plain_line():
+    """The plain line's format as docs/console.rst gives it: ``frames <frames> | <fps> fps | ...``."""
+    template = next(line.strip() for line in DOCS.read_text().splitlines() if line.strip().startswith("frames <"))
+    number = r"-?[\d,]+(?:\.\d+)?"
+    return [re.compile(re.sub(r"<[^>]+>", lambda _: number, re.escape(part))) for part in template.split(" | ")]
+
+
+@pytest.mark.timeout(120)
+def test_plain_lines_follow_the_documented_format(tmp_path):
+    fields = _documented_plain_line()
+    assert len(fields) == 6  # frames, fps, return, samples/s, workers, lost
+    lines, _, _ = _collect_and_sample(tmp_path, total_frames=2_000)
+    assert lines
+    for line in lines:
+        remaining = iter(fields)  # the line's fields are the documented ones, in their order
+        assert all(any(field.fullmatch(part) for field in remaining) for part in line.split(" | ")), line
+    assert " fps | return " in lines[-1] and " samples/s" in lines[-1]
 
 
 def test_a_torchrl_log_line_while_the_bar_is_live_leaves_no_extra_line(tmp_path, monkeypatch):
