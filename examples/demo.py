@@ -20,10 +20,13 @@ it with ``make demo`` (about a minute on 2 CPU cores), or
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import logging
 import pathlib
 import shutil
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,6 +48,19 @@ PLOTTED = (
     ("collector/episodes", "episodes completed per window", "frames (whole windows: a shorter last one is left out)"),
 )
 COUNTS = ("collector/episodes",)
+
+
+@contextlib.contextmanager
+def quiet_torchrl() -> Iterator[None]:
+    """torchrl's INFO lines (storage initialised, ...) tell the demo's viewer nothing, and in a
+    log file they come with colour codes among the console's plain lines: WARNING and up."""
+    torchrl_logger = logging.getLogger("torchrl")
+    level = torchrl_logger.level
+    torchrl_logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        torchrl_logger.setLevel(level)
 
 
 def read_scalars(csv_dir: pathlib.Path) -> dict[str, list[tuple[float, float]]]:
@@ -116,14 +132,15 @@ def main(out_dir: str = "runs", total_frames: int = 50_000) -> dict[str, tuple[i
         shutil.rmtree(out / previous / "dqn", ignore_errors=True)
     torch.set_num_threads(1)  # a 64-unit MLP: threads cost more than they give
     print(f"rl_observers {rl_observers.__version__}: DQN on CartPole-v1, {total_frames:,} frames")
-    dqn = make_dqn()
-    observed = observe(dqn, out, quantiles=QUANTILES)
-    # One line, redrawn once a second from the channel's thread (plain lines in a log file).
-    rl_observers.LiveConsole(observed.channel, total_frames=total_frames)
-    start = time.monotonic()
-    train(dqn, -(-total_frames // dqn.config.frames_per_batch))
-    close(dqn)
-    observed.close(timeout=30)
+    with quiet_torchrl():
+        dqn = make_dqn()
+        observed = observe(dqn, out, quantiles=QUANTILES)
+        # One line, redrawn once a second from the channel's thread (plain lines in a log file).
+        rl_observers.LiveConsole(observed.channel, total_frames=total_frames)
+        start = time.monotonic()
+        train(dqn, -(-total_frames // dqn.config.frames_per_batch))
+        close(dqn)
+        observed.close(timeout=30)
     seconds = time.monotonic() - start
 
     scalars = read_scalars(out / "csv" / "dqn")
