@@ -11,7 +11,8 @@ quantile of the window). The console shows one live line
 return, samples per second) as training goes; the run ends with a table of every series and a plot read back from
 the run's own CSV files (a run replaces the previous one's): the median
 episode return and sample age of each window, inside the band of their
-5th to 95th percentiles, and the episodes completed per window. Run
+5th to 95th percentiles, and the episodes completed per window (whole
+windows: the last one, cut short by the run's end, is left out). Run
 it with ``make demo`` (about a minute on 2 CPU cores), or
 ``python examples/demo.py --frames 10000`` for less.
 """
@@ -26,26 +27,33 @@ import pathlib
 import shutil
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from dqn_cartpole import close, make_dqn, observe, train
 
 import rl_observers
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 QUANTILES = (0.05, 0.5, 0.95)
 #: (series, y label, x label): a series logged with quantiles is drawn as its median inside
 #: its p5-p95 band. (CartPole's episode length is its return, and its reward is 1 at every
-#: step: the third panel counts the episodes completed per window, fewer as they get longer.)
+#: step: the third panel counts the episodes completed per window, fewer as they get longer.
+#: A count depends on its window's length: windows shorter than the others are left out.)
 PLOTTED = (
     ("collector/episode_return", "episode return", "frames"),
     ("replay_buffer/sample_age", "age of sampled data (items)", "sample calls"),
-    ("collector/episodes", "episodes completed per window", "frames"),
+    ("collector/episodes", "episodes completed per window", "frames (whole windows: a shorter last one is left out)"),
 )
+COUNTS = ("collector/episodes",)
 
 
 @contextlib.contextmanager
 def quiet_torchrl() -> Iterator[None]:
-    """torchrl's INFO lines (storage initialised, ...) would break the progress line: WARNING and up."""
+    """torchrl's INFO lines (storage initialised, ...) tell the demo's viewer nothing, and in a
+    log file they come with colour codes among the console's plain lines: WARNING and up."""
     torchrl_logger = logging.getLogger("torchrl")
     level = torchrl_logger.level
     torchrl_logger.setLevel(logging.WARNING)
@@ -67,11 +75,24 @@ def read_scalars(csv_dir: pathlib.Path) -> dict[str, list[tuple[float, float]]]:
     return scalars
 
 
-def plot(scalars: dict[str, list[tuple[float, float]]], out: pathlib.Path) -> pathlib.Path:
-    """Episode return, sample age and episodes per window, as logged, into one PNG.
+def whole_windows(rows: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The rows of windows as long (in steps) as the longest: a run's last window, cut short, is left out.
+
+    Examples:
+        >>> whole_windows([(1280.0, 5.0), (2560.0, 4.0), (2688.0, 0.0)])
+        [(1280.0, 5.0), (2560.0, 4.0)]
+    """
+    lengths = [step - before for (step, _), before in zip(rows, [0.0] + [step for step, _ in rows])]
+    return [row for row, length in zip(rows, lengths) if length >= max(lengths)]
+
+
+def plot(scalars: dict[str, list[tuple[float, float]]], out: pathlib.Path) -> Figure:
+    """Episode return, sample age and episodes per window, as logged, into one PNG at ``out``.
 
     A series with quantiles is drawn as its median per window (``_p50``)
-    inside the band of its 5th to 95th percentiles (``_p5``, ``_p95``).
+    inside the band of its 5th to 95th percentiles (``_p5``, ``_p95``); a
+    count per window over whole windows only (:func:`whole_windows`).
+    Returns the figure (closed).
     """
     import matplotlib
 
@@ -82,6 +103,7 @@ def plot(scalars: dict[str, list[tuple[float, float]]], out: pathlib.Path) -> pa
     for ax, (name, label, x_label) in zip(axes, PLOTTED):
         banded = f"{name}_p50" in scalars
         rows = scalars.get(f"{name}_p50" if banded else name, [])
+        rows = whole_windows(rows) if name in COUNTS and rows else rows
         ax.plot([s for s, _ in rows], [v for _, v in rows], marker=".", label="median" if banded else None)
         low, high = scalars.get(f"{name}_p5", []), scalars.get(f"{name}_p95", [])
         if banded and low and len(low) == len(high):
@@ -101,7 +123,7 @@ def plot(scalars: dict[str, list[tuple[float, float]]], out: pathlib.Path) -> pa
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
-    return out
+    return fig
 
 
 def main(out_dir: str = "runs", total_frames: int = 50_000) -> dict[str, tuple[int, float]]:
@@ -128,7 +150,8 @@ def main(out_dir: str = "runs", total_frames: int = 50_000) -> dict[str, tuple[i
         if name.startswith(("collector", "replay_buffer")):
             rows, last = summary[name]
             print(f"{name:<40} {rows:>5} {last:>12.3f}")
-    png = plot(scalars, out / "dqn_cartpole.png")
+    png = out / "dqn_cartpole.png"
+    plot(scalars, png)
     print(f"\n{dqn.frames:,} frames, {dqn.updates:,} updates in {seconds:.0f} s")
     print(f"Plot:             {png}")
     print(f"CSV files:        {out / 'csv'}")

@@ -38,6 +38,22 @@ def test_demo(tmp_path, capsys, monkeypatch):
     assert "collector/episode_return_mean" in out and str(png) in out
 
 
+def test_the_demo_plot_leaves_out_the_last_partial_window_of_a_count(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    demo = load("demo")
+    # as make demo logs them: a window every 1,280 frames, the last one 128 frames long
+    episodes = [(1_280.0 * i, 5.0) for i in range(1, 40)] + [(50_048.0, 0.0)]
+    returns = [(step, 200.0) for step, _ in episodes]
+    scalars = {"collector/episodes": episodes, **{f"collector/episode_return_p{p}": returns for p in (5, 50, 95)}}
+    fig = demo.plot(scalars, tmp_path / "plot.png")
+    panel = next(ax for ax in fig.axes if ax.get_title() == "collector/episodes")
+    x, y = panel.lines[0].get_data()
+    assert list(x) == [1_280.0 * i for i in range(1, 40)] and set(y) == {5.0}  # no false collapse to 0
+    assert "left out" in panel.get_xlabel()
+    ret = next(ax for ax in fig.axes if ax.get_title().startswith("collector/episode_return"))
+    assert list(ret.lines[0].get_data()[0]) == [step for step, _ in returns]  # a median is not a count
+
+
 @pytest.mark.timeout(120)
 def test_dqn_cartpole_trains(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES))

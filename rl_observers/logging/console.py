@@ -8,6 +8,7 @@ once per ``interval`` seconds, on that thread.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import threading
@@ -15,8 +16,11 @@ import time
 import warnings
 from typing import Any, TextIO
 
+from torchrl._utils import logger as torchrl_logger
+
 from rl_observers.channel import MetricsChannel
 from rl_observers.logging.histograms import add_watcher
+from rl_observers.stats import LastEvent
 
 __all__ = ["LiveConsole"]
 
@@ -25,20 +29,32 @@ LOSS_COUNTERS: tuple[str, ...] = ("dropped", "remote_dropped", "sink_errors", "c
 
 
 class _Rate:
-    """A cumulative counter and its rate between the last two rows that moved it."""
+    """A cumulative counter and its rate since the first row that carried it.
 
-    __slots__ = ("total", "at", "rate")
+    Over the source's times of the rows' last events (:class:`~rl_observers.stats.LastEvent`),
+    not over when the rows arrive: the last window of a run arrives at shutdown.
+    """
+
+    __slots__ = ("first", "since", "total", "at")
 
     def __init__(self) -> None:
-        self.total: float | None = None
-        self.at = 0.0
-        self.rate = math.nan
+        self.first: float | None = None
+        self.since = self.total = self.at = 0.0
 
-    def update(self, total: float, now: float) -> None:
-        if self.total is not None and total > self.total and now > self.at:
-            self.rate = (total - self.total) / (now - self.at)
-        if self.total is None or total != self.total:
-            self.total, self.at = total, now
+    def update(self, total: float, at: float) -> None:
+        if self.first is None or total < self.total:  # the first row, or the counter went back
+            self.first, self.since = total, at
+        self.total, self.at = total, at
+
+    @property
+    def rate(self) -> float:
+        return (self.total - self.first) / (self.at - self.since) if self.at > self.since else math.nan
+
+
+def _rate(rates: dict[str, _Rate]) -> float:
+    """The sources' rates added up (NaN before any has one)."""
+    known = [r.rate for r in rates.values() if r.rate == r.rate]
+    return sum(known) if known else math.nan
 
 
 class LiveConsole:
@@ -49,13 +65,14 @@ class LiveConsole:
 
     * ``frames``: the sum of the top-level ``<namespace>/frames`` gauges
       (collectors; per-worker rows are not counted twice), and the frames
-      per second between the last two rows that moved it, measured where
-      the rows arrive;
+      per second since the first row, over the source's own times of the
+      rows' last batches (:class:`~rl_observers.stats.LastEvent`), not
+      over when the rows arrive;
     * ``return``: the rolling episode return
       (``<namespace>/episode_return_mean_last_<N>`` when the collector's
       metrics keep an episode window, else the last window's
       ``episode_return_mean``);
-    * ``samples/s``: from the replay buffers' ``samples_returned`` gauges;
+    * ``samples/s``: from the replay buffers' ``samples_returned`` gauges, in the same way;
     * ``workers``: ``workers_reporting/workers`` of aggregated rows;
     * ``lost``: what the channel counts as lost (dropped payloads, sink
       errors, lost copies and windows); shown only when not zero.
@@ -63,8 +80,9 @@ class LiveConsole:
     The line is redrawn at most once per ``interval`` seconds, on the
     channel's thread (never on a hot path), and once more at :meth:`close`
     (which :meth:`MetricsChannel.close` calls too). In a terminal it is a
-    ``tqdm`` bar rewritten in place (``total_frames`` gives it a length);
-    when ``file`` is not a terminal (a log file, a pipe) it is a plain line
+    ``tqdm`` bar rewritten in place (``total_frames`` gives it a length),
+    with torchrl's log lines written above it while it is live; when
+    ``file`` is not a terminal (a log file, a pipe) it is a plain line
     per update, without control characters, at most once per
     ``plain_interval`` seconds.
 
@@ -119,19 +137,19 @@ class LiveConsole:
         self.interval = float(interval if mode == "bar" else plain_interval)
         self.total_frames = total_frames
         self._lock = threading.Lock()
-        self._frames: dict[str, float] = {}
-        self._samples: dict[str, float] = {}
+        self._frames: dict[str, _Rate] = {}
+        self._samples: dict[str, _Rate] = {}
         self._returns: dict[str, float] = {}
         self._workers: dict[str, tuple[float, float]] = {}
-        self._frame_rate = _Rate()
-        self._sample_rate = _Rate()
         self._drawn_at = -math.inf
         self._last_line = ""
         self._bar: Any = None
         self._closed = False
         self._warned = False
+        self._exit = contextlib.ExitStack()  # what close() ends: the bar, the redirection of log lines
         if mode == "bar":
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             self._bar = tqdm(
                 total=total_frames,
@@ -139,10 +157,13 @@ class LiveConsole:
                 unit_scale=True,
                 file=self.file,
                 dynamic_ncols=True,
-                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}] {postfix}"
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
                 if total_frames
-                else "{n_fmt} frames [{elapsed}] {postfix}",
+                else "{n_fmt} frames [{elapsed}{postfix}]",
             )
+            self._exit.callback(self._bar.close)
+            # torchrl's log lines (its own handler: it does not propagate) go above the bar, not into it
+            self._exit.enter_context(logging_redirect_tqdm([torchrl_logger]))
         add_watcher(channel, self)
         channel._logging.add_close_callback(self._channel_closing)
 
@@ -151,7 +172,9 @@ class LiveConsole:
     def __call__(self, namespace: str, metrics: Any, payload: dict[str, Any], step: int | None) -> None:
         """Reads one delivered row; redraws when ``interval`` has passed (on the channel's thread)."""
         try:
-            self._read(namespace, payload)
+            last = metrics.get(LastEvent.KEY)  # when the source saw the window's last event
+            at = last.time if isinstance(last, LastEvent) and last.time > -math.inf else time.time()
+            self._read(namespace, payload, at)
             now = time.monotonic()
             if now - self._drawn_at >= self.interval:
                 self._draw(now)
@@ -160,21 +183,16 @@ class LiveConsole:
                 self._warned = True
                 warnings.warn(f"LiveConsole failed to show a row ({err!r}); it stays as it was.", stacklevel=2)
 
-    def _read(self, namespace: str, payload: dict[str, Any]) -> None:
+    def _read(self, namespace: str, payload: dict[str, Any], at: float) -> None:
         if "/worker_" in namespace or namespace.startswith("worker_"):
             return
         prefix = f"{namespace}/" if namespace else ""
         get = payload.get
-        now = time.monotonic()
         with self._lock:
-            frames = get(prefix + "frames")
-            if isinstance(frames, (int, float)):
-                self._frames[namespace] = float(frames)
-                self._frame_rate.update(sum(self._frames.values()), now)
-            samples = get(prefix + "samples_returned")
-            if isinstance(samples, (int, float)):
-                self._samples[namespace] = float(samples)
-                self._sample_rate.update(sum(self._samples.values()), now)
+            for name, rates in (("frames", self._frames), ("samples_returned", self._samples)):
+                value = get(prefix + name)
+                if isinstance(value, (int, float)):
+                    rates.setdefault(namespace, _Rate()).update(float(value), at)
             rolling = [key for key in payload if key.startswith(prefix + "episode_return_mean_last_")]
             value = get(rolling[0]) if rolling else get(prefix + "episode_return_mean")
             if isinstance(value, (int, float)):
@@ -189,14 +207,15 @@ class LiveConsole:
         """The line as it would be drawn now."""
         with self._lock:
             parts = []
+            fps, samples = _rate(self._frames), _rate(self._samples)
             if self._frames:
-                parts.append(f"frames {sum(self._frames.values()):,.0f}")
-                if self._frame_rate.rate == self._frame_rate.rate:
-                    parts.append(f"{self._frame_rate.rate:,.0f} fps")
+                parts.append(f"frames {sum(r.total for r in self._frames.values()):,.0f}")
+                if fps == fps:
+                    parts.append(f"{fps:,.0f} fps")
             for namespace, value in self._returns.items():
                 parts.append(f"return {value:.2f}" if len(self._returns) == 1 else f"{namespace} return {value:.2f}")
-            if self._sample_rate.rate == self._sample_rate.rate:
-                parts.append(f"{self._sample_rate.rate:,.0f} samples/s")
+            if samples == samples:
+                parts.append(f"{samples:,.0f} samples/s")
             if self._workers:
                 reporting = sum(r for r, _ in self._workers.values())
                 total = sum(w for _, w in self._workers.values())
@@ -214,8 +233,7 @@ class LiveConsole:
             return
         self._last_line = line
         if self._bar is not None:
-            frames = sum(self._frames.values())
-            self._bar.n = frames
+            self._bar.n = sum(r.total for r in self._frames.values())
             self._bar.set_postfix_str(line.split(" | ", 1)[1] if " | " in line else "", refresh=False)
             self._bar.refresh()
         else:
@@ -235,8 +253,7 @@ class LiveConsole:
             return
         self._draw(time.monotonic())
         self._closed = True
-        if self._bar is not None:
-            self._bar.close()
+        self._exit.close()
 
     def __repr__(self) -> str:
         return f"LiveConsole(mode={self.mode!r}, interval={self.interval})"

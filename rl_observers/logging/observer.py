@@ -18,6 +18,7 @@ import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from time import monotonic as _monotonic
+from time import time as _time
 from typing import Any, ClassVar, Literal
 
 from torchrl.collectors import BaseCollector
@@ -45,6 +46,7 @@ from rl_observers.observer import FailureStreaks, Observer, dumps
 from rl_observers.schedule import ScheduleClock
 from rl_observers.sources import observers_of
 from rl_observers.sources.replay_buffers import writes_held
+from rl_observers.stats import LastEvent
 
 __all__ = ["LoggerObserver"]
 
@@ -77,6 +79,7 @@ def _fold_event(event: str) -> Callable[..., None]:
             except Exception as err:
                 self._set_failed(position, err, where)
         self._fresh = True  # again: an emission from another thread may have pulled meanwhile
+        self._last_event = _time()
         if self._streaks.failing:
             self._streaks.recover(position for position, _ in folds)
         if before is not None:  # a local observer's counters follow the source's (resume.py)
@@ -156,6 +159,7 @@ class LoggerObserver(Observer):
     #: Every LoggerObserver of this process: a forked child resolves their mode again, and at
     #: exit the contributing ones send their last window.
     _live: ClassVar[weakref.WeakSet[LoggerObserver]] = weakref.WeakSet()
+    _last_event = float("-inf")  # time.time() of the last event: the window's LastEvent (rates off rows)
 
     def __init__(
         self,
@@ -392,7 +396,7 @@ class LoggerObserver(Observer):
     def _pull(self) -> dict[str, Any]:
         # Before pulling: an event folded meanwhile (from another thread) marks the next window.
         self._fresh = False
-        payload: dict[str, Any] = {}
+        payload: dict[str, Any] = {LastEvent.KEY: LastEvent(self._last_event)}
         failing = self._streaks.failing
         for index, metric_set in enumerate(self._sets or ()):
             if index in failing:  # its window waits for its recovery: no rows of zeros

@@ -5,7 +5,7 @@
   mergeable);
 * :mod:`~rl_observers.stats.scalars`: :class:`Scalar` (one value with a
   declared merge rule), :class:`Fraction`, :class:`PerSecond`,
-  :class:`BinCounts` (torch-free partials too);
+  :class:`BinCounts`, :class:`LastEvent` (torch-free partials too);
 * :mod:`~rl_observers.stats.reducers`: :class:`ReducerBank` and its reducers,
   which fold tensors on their device and reach the host in one transfer;
 * :mod:`~rl_observers.stats.counters`: cumulative host counters fed by device
@@ -32,13 +32,21 @@ from rl_observers.stats.reducers import (
     QuantileReducer,
     ReducerBank,
 )
-from rl_observers.stats.scalars import SCALAR_RULES, BinCounts, Fraction, PerSecond, Scalar
+from rl_observers.stats.scalars import (
+    SCALAR_RULES,
+    BinCounts,
+    Fraction,
+    LastEvent,
+    PerSecond,
+    Scalar,
+)
 
 __all__ = [
     "MOMENT_STATS",
     "SCALAR_RULES",
     "BinCounts",
     "Fraction",
+    "LastEvent",
     "PerSecond",
     "Scalar",
     "Count",

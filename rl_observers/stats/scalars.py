@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 from rl_observers.stats.partials import Partial, _check_name, _max, _min, _total
 
-__all__ = ["SCALAR_RULES", "BinCounts", "Fraction", "PerSecond", "Scalar"]
+__all__ = ["SCALAR_RULES", "BinCounts", "Fraction", "LastEvent", "PerSecond", "Scalar"]
 
 #: The merge rules of a :class:`Scalar`.
 SCALAR_RULES: tuple[str, ...] = ("sum", "mean", "min", "max", "latest")
@@ -220,6 +220,39 @@ class PerSecond(Partial):
 
     def __repr__(self) -> str:
         return f"PerSecond({self.name!r}, {self.amount!r}, start={self.start!r}, end={self.end!r})"
+
+
+class LastEvent(Partial):
+    """When a window's last event happened (``time.time()``, at the source); merged by max, logs nothing.
+
+    A :class:`~rl_observers.LoggerObserver` puts one in each window under
+    :attr:`KEY`, so that a rate read off the rows (the live console's) is
+    over the time the data was made, not over when its row arrived: the
+    last window of a run arrives at shutdown.
+
+    Examples:
+        >>> from rl_observers.stats import LastEvent
+        >>> LastEvent(10.0).merge(LastEvent(12.5)).time, LastEvent(12.5).finalize()
+        (12.5, {})
+    """
+
+    __slots__ = ("time",)
+    #: The key of a window's :class:`LastEvent`.
+    KEY = "last_event"
+
+    def __init__(self, time: float = -math.inf) -> None:
+        self.time = float(time)
+
+    def merge(self, other: Partial) -> LastEvent:
+        """Returns the later of both times."""
+        return LastEvent(_max(self.time, other.time))  # type: ignore[attr-defined]
+
+    def finalize(self) -> dict[str, float]:
+        """Returns ``{}``: a time is not a metric."""
+        return {}
+
+    def __repr__(self) -> str:
+        return f"LastEvent({self.time!r})"
 
 
 def _check_edges(edges: Sequence[float], name: str) -> tuple[float, ...]:
