@@ -32,7 +32,10 @@ merged in the actor), ``empty()`` (emits ``empty`` in the actor). Before
 ``RayCollector.shutdown()`` / ``RayReplayBuffer.close()`` kill the actors,
 one call per actor emits ``shutdown`` there; once the actors are gone, the
 driver's originals are told (``copies_removed``), so a ``LoggerObserver``
-logs its last aggregate windows and frees its namespace.
+logs its last aggregate windows and frees its namespace. Only then may
+torchrl's runtime lease shut Ray down, once the channels took in what the
+Ray wire holds (:func:`_shutting_down`). Ray shut down under a running
+source tells its originals that the copies went with it.
 
 **Clients.** ``rb.client()`` / ``rb.clients(n)`` hand out torchrl's
 lightweight clients, which call the actor directly (a ``RayCollector`` given
@@ -74,6 +77,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from torchrl._utils import logger as torchrl_logger
@@ -487,11 +491,8 @@ def _emit_shutdown(actors: list[Any], fn: Any) -> None:
 # -- the driver-side observed classes --------------------------------------------------------------
 
 
-class _LeaseHeld:
-    """Stands in for torchrl's Ray runtime lease while torchrl shuts a source down."""
-
-    def release(self) -> None:
-        """The lease itself is released by :func:`_shutting_down`, once the copies are done."""
+# Stands in for torchrl's Ray runtime lease while torchrl shuts a source down (_shutting_down).
+_LEASE_HELD = SimpleNamespace(release=lambda: None)
 
 
 @contextlib.contextmanager
@@ -506,7 +507,7 @@ def _shutting_down(target: Any, kind: RemoteKind, shutdown_ray: bool = False) ->
     """
     lease = target.__dict__.get("_runtime_lease")
     if lease is not None:
-        target._runtime_lease = _LeaseHeld()
+        target._runtime_lease = _LEASE_HELD
     try:
         yield
     finally:
@@ -515,7 +516,7 @@ def _shutting_down(target: Any, kind: RemoteKind, shutdown_ray: bool = False) ->
         try:
             kind.shut_down(target)
         finally:
-            leases = type(lease)
+            leases = type(lease)  # torchrl's _RayRuntimeLease: its last release stops the Ray it started
             last = getattr(lease, "_released", True) is False and getattr(leases, "_leases", 0) == 1
             if shutdown_ray or (last and getattr(leases, "_owns_runtime", False)):
                 close_ray_receivers()
@@ -525,7 +526,6 @@ def _shutting_down(target: Any, kind: RemoteKind, shutdown_ray: bool = False) ->
                 import ray
 
                 ray.shutdown()
-
 
 
 class _DriverObservedRayCollector:
