@@ -270,3 +270,44 @@ def test_ray_shut_down_by_the_user_under_running_copies_warns_and_counts_them_lo
     assert channel.health()["copies_lost"] == 2
     assert any("2 copies of LoggerObserver 'collector' on a RayCollector vanished" in m for m in told), told
     assert not ray.is_initialized()
+
+
+@pytest.mark.timeout(120)
+def test_a_ray_replay_buffer_that_starts_ray_logs_every_window_before_shutting_it_down(
+    tmp_path, monkeypatch, told
+):
+    """A ``RayReplayBuffer`` created with no Ray running starts it, and its ``close()`` shuts it
+    down (its runtime lease): every window its actor sent is logged, unwarned."""
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    from functools import partial
+
+    from tensordict import TensorDict
+    from torchrl.data import LazyTensorStorage, RayReplayBuffer
+
+    from rl_observers import WriteMetrics
+
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        pytest.skip("Ray is initialized in this process")
+    logger = CSVLogger(exp_name="rb", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger)
+    try:
+        rb = RayReplayBuffer(
+            storage=partial(LazyTensorStorage, 1000),
+            batch_size=8,
+            ray_init_config={"num_cpus": 2, "include_dashboard": False, "log_to_driver": False},
+            remote_config={"num_cpus": 0},
+        )
+        rb.add_observer(LoggerObserver(channel, name="rb", schedule=Every.counter("write_count", 10), metrics=WriteMetrics()))
+        written = [TensorDict({"obs": torch.full((10,), float(i))}, [10]) for i in range(5)]
+        for data in written:
+            rb.extend(data)
+        rb.close()
+        assert not ray.is_initialized()  # the buffer's lease shut it down
+    finally:
+        ray.shutdown()
+    assert channel.close(timeout=60)
+    truth = [(10 * (i + 1), 10.0 * (i + 1)) for i in range(len(written))]
+    assert scalars(logger, "rb/items_written") == truth
+    assert channel.health()["copies_lost"] == channel.health()["windows_lost"] == 0
+    assert not [message for message in told if "Ray was shut down" in message or "lost" in message], told
