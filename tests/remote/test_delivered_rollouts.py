@@ -9,6 +9,7 @@ rollout's frames are counted apart (``frames_discarded``).
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -270,6 +271,11 @@ def test_ray_shut_down_by_the_user_under_running_copies_warns_and_counts_them_lo
     assert channel.health()["copies_lost"] == 2
     assert any("2 copies of LoggerObserver 'collector' on a RayCollector vanished" in m for m in told), told
     assert not ray.is_initialized()
+    # torchrl's RayCollector.__del__ releases its runtime lease (which later Ray sources count)
+    # and would ray.kill its dead actors, which starts a new local Ray
+    collector._remote_collectors.clear()
+    del collector
+    gc.collect()
 
 
 @pytest.mark.timeout(120)
