@@ -100,6 +100,7 @@ class CollectorObservers(ObserverList):
         self._handed_on_at_collect = mode == WorkerDeliveries.RETURNED
         self._undelivered: Any = None  # the rollout collected last, until torchrl delivers or drops it
         self._handed_on = False  # handed on, but delivered only when the worker is asked again
+        self._next_started = False  # delivering as torchrl starts the next rollout
 
     def pre_collect_hook(self) -> None:
         user_hook = self.source._pre_collect_hook
@@ -107,10 +108,19 @@ class CollectorObservers(ObserverList):
             user_hook()
         if self._undelivered is not None:
             if self._handed_on:  # asked for another rollout: the driver took this one
-                self.delivered()
+                self._next_started = True
+                try:
+                    self.delivered()
+                finally:
+                    self._next_started = False
             else:
                 self.drop_undelivered()
         self.emit("pre_collect")
+
+    def contribute_stats(self, stats: dict[str, Any]) -> dict[str, Any]:
+        if self._next_started and "batches" in stats:
+            stats["batches"] -= 1  # torchrl counts the rollout it started: observers see the one delivered
+        return super().contribute_stats(stats)
 
     def post_collect_hook(self, batch: Any) -> None:
         user_hook = self.source._post_collect_hook

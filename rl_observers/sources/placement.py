@@ -92,6 +92,12 @@ class IdentityMap:
         with self._lock:
             items[ident] = (weakref.ref(key, forget), value)
 
+    def items(self) -> list[tuple[Any, Any]]:
+        """The ``(key, value)`` pairs whose key is still alive."""
+        with self._lock:
+            entries = list(self._items.values())
+        return [(key, value) for ref, value in entries if (key := ref()) is not None]
+
     def setdefault(self, key: Any, factory: Any) -> Any:
         """Returns the value of ``key``, first setting it to ``factory()`` if it has none."""
         with self._lock:

@@ -249,6 +249,6 @@ def test_ray_shut_down_under_an_open_channel_starts_no_new_ray_instance(told):
     assert (sender.pending(), sender.dropped, sender.submitted) == (1, 0, 2)
     assert channel.flush(timeout=10) and channel.close(timeout=10)
     assert not ray.is_initialized()
-    assert len(said()) == 1 and "Close the channel (channel.close()) before ray.shutdown()" in said()[0]
+    assert len(said()) == 1 and "close the channel (channel.close()) before ray.shutdown()" in said()[0]
     assert len([m for m in told if "cannot reach its owner" in m and "Ray was shut down" in m]) == 1
     assert channel.health()["dropped"] == 0 and logger.calls  # the local path went on

@@ -9,6 +9,7 @@ rollout's frames are counted apart (``frames_discarded``).
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -127,14 +128,27 @@ def test_a_slow_consumer_of_a_multiasync_collector_counts_what_it_received(tmp_p
     assert frames_rows[-1][1] == frames == 6 * per_rollout
     # every row holds whole rollouts the driver took, at most what it had taken
     assert all(value % per_rollout == 0 and value <= frames for _, value in frames_rows)
+    _batches_are_the_drivers(logger, received)
     dones = sum(int(batch["next", "done"].sum()) for batch in received)
     assert scalars(logger, "collector/episodes_total")[-1][1] == dones
     discarded = scalars(logger, "collector/frames_discarded")[-1][1]
     assert discarded > 0 and discarded % per_rollout == 0  # re-rollouts and the rollouts never taken
 
 
-def _ray_async_run(tmp: str, *, stop_after: int | None) -> tuple[list, CSVLogger]:
-    """An asynchronous 2-actor ``RayCollector``: iterated to its end, or left with a ``break``."""
+def _batches_are_the_drivers(logger: CSVLogger, received: list) -> None:
+    """Every row's ``batches`` is the number of the driver's batches its ``frames`` hold."""
+    (size,) = {batch.numel() for batch in received}
+    frames, batches = scalars(logger, "collector/frames"), scalars(logger, "collector/batches")
+    assert [step for step, _ in batches] == [step for step, _ in frames]
+    assert [value for _, value in batches] == [value / size for _, value in frames], (batches, frames)
+    assert batches[-1][1] == len(received)
+
+
+def _ray_async_run(
+    tmp: str, *, stop_after: int | None, ray_init_config: dict | None = None
+) -> tuple[list, CSVLogger, MetricsChannel]:
+    """An asynchronous 2-actor ``RayCollector``: iterated to its end, or left with a ``break``;
+    then ``shutdown()`` and ``close()``, as torchrl's IMPALA example ends."""
     from torchrl.collectors import Collector
     from torchrl.collectors.distributed import RayCollector
 
@@ -146,6 +160,7 @@ def _ray_async_run(tmp: str, *, stop_after: int | None) -> tuple[list, CSVLogger
         total_frames=6 * PER_RAY_BATCH,
         sync=False,
         remote_configs={"num_cpus": 0.5},
+        ray_init_config=ray_init_config,
     )
     logger = CSVLogger(exp_name="ray", log_dir=tmp)
     channel = MetricsChannel(logger)
@@ -157,9 +172,21 @@ def _ray_async_run(tmp: str, *, stop_after: int | None) -> tuple[list, CSVLogger
         received.append(batch.clone())
         if len(received) == stop_after:
             break
-    collector.shutdown(shutdown_ray=False)
+    collector.shutdown()
     assert channel.close(timeout=60)
-    return received, logger
+    return received, logger, channel
+
+
+def _rows_are_the_drivers(received: list, logger: CSVLogger, in_flight: int) -> None:
+    frames = sum(batch.numel() for batch in received)
+    frames_rows = scalars(logger, "collector/frames")
+    assert frames_rows[-1][1] == frames, (frames_rows, frames)
+    assert all(value % PER_RAY_BATCH == 0 and value <= frames for _, value in frames_rows)
+    _batches_are_the_drivers(logger, received)
+    dones = sum(int(batch["next", "done"].sum()) for batch in received)
+    assert scalars(logger, "collector/episodes_total")[-1][1] == dones
+    discarded = scalars(logger, "collector/frames_discarded")
+    assert discarded[-1][1] == in_flight * PER_RAY_BATCH, (discarded, frames_rows)
 
 
 PER_RAY_BATCH = 50
@@ -168,19 +195,125 @@ PER_RAY_BATCH = 50
 @pytest.mark.timeout(300)
 def test_an_async_ray_collector_counts_what_its_driver_took(tmp_path, monkeypatch):
     """Each actor collects its next batch before the driver asks: the batches in flight when the
-    driver stops (one per actor at the end, the other actor's after a ``break``) are counted apart."""
+    driver stops (one per actor at the end, the other actor's after a ``break``) are counted apart,
+    and each row's ``batches`` are those the driver received (counted as torchrl delivers them)."""
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     import sys
 
     with local_ray(sys.modules[__name__]):
         to_the_end = _ray_async_run(str(tmp_path / "end"), stop_after=None)
         left = _ray_async_run(str(tmp_path / "break"), stop_after=3)
-    for (received, logger), in_flight in ((to_the_end, 2), (left, 1)):
-        frames = sum(batch.numel() for batch in received)
-        frames_rows = scalars(logger, "collector/frames")
-        assert frames_rows[-1][1] == frames, (frames_rows, frames)
-        assert all(value % PER_RAY_BATCH == 0 and value <= frames for _, value in frames_rows)
-        dones = sum(int(batch["next", "done"].sum()) for batch in received)
-        assert scalars(logger, "collector/episodes_total")[-1][1] == dones
-        discarded = scalars(logger, "collector/frames_discarded")
-        assert discarded[-1][1] == in_flight * PER_RAY_BATCH, (discarded, frames_rows)
+    for (received, logger, _), in_flight in ((to_the_end, 2), (left, 1)):
+        _rows_are_the_drivers(received, logger, in_flight)
+
+
+@pytest.mark.timeout(300)
+def test_an_async_ray_collector_that_starts_ray_logs_every_window_before_shutting_it_down(
+    tmp_path, monkeypatch, told
+):
+    """torchrl's ``RayCollector`` starts Ray itself and shuts it down at the end of iteration (its
+    runtime lease), before the user can close the channel: every window is logged all the same,
+    and nobody is told that something may be lost."""
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    import sys
+
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        pytest.skip("Ray is initialized in this process")
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    try:
+        config = {"num_cpus": 2, "include_dashboard": False, "log_to_driver": False}
+        received, logger, channel = _ray_async_run(str(tmp_path), stop_after=None, ray_init_config=config)
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+        ray.shutdown()  # a no-op when the collector shut it down
+    _rows_are_the_drivers(received, logger, in_flight=2)
+    health = channel.health()
+    assert health["submitted"] == health["logged"] > 0
+    assert health["copies_lost"] == health["windows_lost"] == health["dropped"] == 0
+    assert not [message for message in told if "Ray was shut down" in message or "lost" in message], told
+
+
+@pytest.mark.timeout(300)
+def test_ray_shut_down_by_the_user_under_running_copies_warns_and_counts_them_lost(
+    tmp_path, monkeypatch, told
+):
+    """``ray.shutdown()`` while an observed ``RayCollector`` still runs (left with a ``break``)
+    and the channel is open: its copies go with Ray. Said once, counted, and no new Ray starts."""
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    import sys
+
+    from torchrl.collectors import Collector
+    from torchrl.collectors.distributed import RayCollector
+
+    with local_ray(sys.modules[__name__]) as ray:
+        collector = RayCollector(
+            [_cartpole, _cartpole],
+            RandomPolicy(_cartpole().action_spec),
+            collector_class=Collector,
+            frames_per_batch=PER_RAY_BATCH,
+            total_frames=100 * PER_RAY_BATCH,
+            sync=False,
+            remote_configs={"num_cpus": 0.5},
+        )
+        logger = CSVLogger(exp_name="ray", log_dir=str(tmp_path))
+        channel = MetricsChannel(logger)
+        collector.add_observer(
+            LoggerObserver(channel, schedule=Every.counter("frames", PER_RAY_BATCH), metrics=CollectorBatchMetrics())
+        )
+        for received, _ in enumerate(collector, 1):
+            if received == 3:
+                break
+        ray.shutdown()
+    assert not channel.close(timeout=60)
+    said = [m for m in told if "Ray was shut down in this process while" in m]
+    assert len(said) == 1 and "collector.shutdown()" in said[0], told
+    assert channel.health()["copies_lost"] == 2
+    assert any("2 copies of LoggerObserver 'collector' on a RayCollector vanished" in m for m in told), told
+    assert not ray.is_initialized()
+    # torchrl's RayCollector.__del__ releases its runtime lease (which later Ray sources count)
+    # and would ray.kill its dead actors, which starts a new local Ray
+    collector._remote_collectors.clear()
+    del collector
+    gc.collect()
+
+
+@pytest.mark.timeout(120)
+def test_a_ray_replay_buffer_that_starts_ray_logs_every_window_before_shutting_it_down(
+    tmp_path, monkeypatch, told
+):
+    """A ``RayReplayBuffer`` created with no Ray running starts it, and its ``close()`` shuts it
+    down (its runtime lease): every window its actor sent is logged, unwarned."""
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    from functools import partial
+
+    from tensordict import TensorDict
+    from torchrl.data import LazyTensorStorage, RayReplayBuffer
+
+    from rl_observers import WriteMetrics
+
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        pytest.skip("Ray is initialized in this process")
+    logger = CSVLogger(exp_name="rb", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger)
+    try:
+        rb = RayReplayBuffer(
+            storage=partial(LazyTensorStorage, 1000),
+            batch_size=8,
+            ray_init_config={"num_cpus": 2, "include_dashboard": False, "log_to_driver": False},
+            remote_config={"num_cpus": 0},
+        )
+        rb.add_observer(LoggerObserver(channel, name="rb", schedule=Every.counter("write_count", 10), metrics=WriteMetrics()))
+        written = [TensorDict({"obs": torch.full((10,), float(i))}, [10]) for i in range(5)]
+        for data in written:
+            rb.extend(data)
+        rb.close()
+        assert not ray.is_initialized()  # the buffer's lease shut it down
+    finally:
+        ray.shutdown()
+    assert channel.close(timeout=60)
+    truth = [(10 * (i + 1), 10.0 * (i + 1)) for i in range(len(written))]
+    assert scalars(logger, "rb/items_written") == truth
+    assert channel.health()["copies_lost"] == channel.health()["windows_lost"] == 0
+    assert not [message for message in told if "Ray was shut down" in message or "lost" in message], told

@@ -32,7 +32,10 @@ merged in the actor), ``empty()`` (emits ``empty`` in the actor). Before
 ``RayCollector.shutdown()`` / ``RayReplayBuffer.close()`` kill the actors,
 one call per actor emits ``shutdown`` there; once the actors are gone, the
 driver's originals are told (``copies_removed``), so a ``LoggerObserver``
-logs its last aggregate windows and frees its namespace.
+logs its last aggregate windows and frees its namespace. Only then may
+torchrl's runtime lease shut Ray down, once the channels took in what the
+Ray wire holds (:func:`_shutting_down`). Ray shut down under a running
+source tells its originals that the copies went with it.
 
 **Clients.** ``rb.client()`` / ``rb.clients(n)`` hand out torchrl's
 lightweight clients, which call the actor directly (a ``RayCollector`` given
@@ -74,10 +77,12 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from torchrl._utils import logger as torchrl_logger
 
+from rl_observers.remote.ray.receiver import RAY_GONE, close_ray_receivers
 from rl_observers.remote.shipping import (
     RemoteAttachError,
     RemoteKind,
@@ -94,6 +99,7 @@ from rl_observers.sources.observed import (
     switch_class,
     torchrl_class,
 )
+from rl_observers.sources.placement import IdentityMap
 from rl_observers.sources.replay_buffers import emit_eagerly
 
 __all__ = ["RAY_COLLECTOR", "RAY_REPLAY_BUFFER", "send_file_to_driver"]
@@ -128,7 +134,32 @@ def _gather(refs: list[Any], action: str, target: Any) -> list[Any]:
     return results
 
 
-class RayCollectorKind(RemoteKind):
+# The driver-side Ray sources observed in this process, told when Ray goes down under them.
+_SOURCES = IdentityMap()
+
+
+class _RayKind(RemoteKind):
+    """A Ray source: its copies live in Ray actors, and go with Ray."""
+
+    def first_added(self, target: Any) -> None:
+        _SOURCES.set(target, self)
+        super().first_added(target)
+
+
+def _copies_gone_with_ray() -> None:
+    """Ray went down under an open channel: the Ray sources' copies went with their actors.
+
+    Their originals are told, as at a shutdown, so that the owner's account
+    reports and counts the copies whose last window never came.
+    """
+    for target, kind in _SOURCES.items():
+        kind.shut_down(target)
+
+
+RAY_GONE.append(_copies_gone_with_ray)
+
+
+class RayCollectorKind(_RayKind):
     """Observers of a ``RayCollector``: a copy in every remote collector actor."""
 
     target_name = "collector"
@@ -216,7 +247,7 @@ class RayCollectorKind(RemoteKind):
             _write_files([_get_or_none(ref) for ref in refs])
 
 
-class RayReplayBufferKind(RemoteKind):
+class RayReplayBufferKind(_RayKind):
     """Observers of a ``RayReplayBuffer``: a copy inside the buffer's actor."""
 
     target_name = "replay buffer"
@@ -439,6 +470,8 @@ def _emit_shutdown(actors: list[Any], fn: Any) -> None:
     """
     import ray
 
+    if not ray.is_initialized():  # the actors went with Ray (and a call would start a new Ray)
+        return
     refs = [actor.__ray_call__.remote(fn) for actor in actors]
     deadline = time.monotonic() + _SHUTDOWN_TIMEOUT
     failed = []
@@ -456,6 +489,43 @@ def _emit_shutdown(actors: list[Any], fn: Any) -> None:
 
 
 # -- the driver-side observed classes --------------------------------------------------------------
+
+
+# Stands in for torchrl's Ray runtime lease while torchrl shuts a source down (_shutting_down).
+_LEASE_HELD = SimpleNamespace(release=lambda: None)
+
+
+@contextlib.contextmanager
+def _shutting_down(target: Any, kind: RemoteKind, shutdown_ray: bool = False) -> Any:
+    """Runs torchrl's shutdown of ``target`` (the block), tells the originals, then lets Ray go.
+
+    torchrl releases the source's Ray runtime lease last, and that release calls
+    ``ray.shutdown()`` when the source's own ``ray.init`` started or connected Ray. The lease
+    is held until the originals know their copies are gone (``kind.shut_down``: last
+    aggregate rows, namespace freed); if Ray goes down then, the channels first take in what
+    the Ray wire still holds (:func:`close_ray_receivers`), so nothing is lost nor warned about.
+    """
+    lease = target.__dict__.get("_runtime_lease")
+    if lease is not None:
+        target._runtime_lease = _LEASE_HELD
+    try:
+        yield
+    finally:
+        if lease is not None:
+            target._runtime_lease = lease
+        try:
+            kind.shut_down(target)
+        finally:
+            leases = type(lease)  # torchrl's _RayRuntimeLease: its last release stops the Ray it started
+            last = getattr(lease, "_released", True) is False and getattr(leases, "_leases", 0) == 1
+            if shutdown_ray or (last and getattr(leases, "_owns_runtime", False)):
+                close_ray_receivers()
+            if lease is not None:
+                lease.release()
+            if shutdown_ray:
+                import ray
+
+                ray.shutdown()
 
 
 class _DriverObservedRayCollector:
@@ -480,7 +550,10 @@ class _DriverObservedRayCollector:
             self._rl_taken_last = None
 
     def stop_remote_collectors(self) -> None:
-        actors = list(getattr(self, "_remote_collectors", ()))
+        import ray
+
+        # after a ray.shutdown() the actors went with Ray (and a call would start a new Ray)
+        actors = list(getattr(self, "_remote_collectors", ())) if ray.is_initialized() else []
         taken_last = getattr(self, "_rl_taken_last", None)
         if isinstance(taken_last, int) and taken_last < len(actors):
             # sent before the shutdown calls: Ray runs one caller's calls to an actor in order
@@ -491,30 +564,13 @@ class _DriverObservedRayCollector:
         return torchrl_class(type(self)).stop_remote_collectors(self)  # type: ignore[attr-defined]
 
     def shutdown(self, timeout: float | None = None, shutdown_ray: bool = False) -> None:
-        # Once the actors emitted shutdown and were killed, the originals learn that their
-        # copies are gone (last aggregate rows, namespace freed for the next collector);
-        # Ray stops only after that, as it would have at the end of torchrl's shutdown.
-        try:
+        # The actors emit shutdown before they are killed (stop_remote_collectors, above).
+        with _shutting_down(self, RAY_COLLECTOR, shutdown_ray):
             torchrl_class(type(self)).shutdown(self, timeout=timeout)  # type: ignore[attr-defined]
-        finally:
-            RAY_COLLECTOR.shut_down(self)
-        if shutdown_ray:
-            import ray
-
-            ray.shutdown()
 
     async def async_shutdown(self, shutdown_ray: bool = False) -> None:
-        # torchrl's async_shutdown stops the actors through stop_remote_collectors (above: they
-        # emit shutdown and their copies' last windows are acknowledged first); then, as in
-        # shutdown(), the originals learn that their copies are gone.
-        try:
+        with _shutting_down(self, RAY_COLLECTOR, shutdown_ray):
             await torchrl_class(type(self)).async_shutdown(self, shutdown_ray=False)  # type: ignore[attr-defined]
-        finally:
-            RAY_COLLECTOR.shut_down(self)
-        if shutdown_ray:
-            import ray
-
-            ray.shutdown()
 
 
 class _DriverObservedRayReplayBuffer:
@@ -538,10 +594,8 @@ class _DriverObservedRayReplayBuffer:
     def close(self) -> None:
         if hasattr(self, "_rb"):
             _emit_shutdown([self._rb], _buffer_shutdown_here)
-        try:
+        with _shutting_down(self, RAY_REPLAY_BUFFER):  # the actor and its copies are gone
             torchrl_class(type(self)).close(self)  # type: ignore[attr-defined]
-        finally:
-            RAY_REPLAY_BUFFER.shut_down(self)  # the actor and its copies are gone
 
 
 #: What a client of a ``RayReplayBuffer`` refuses: observers are attached to the buffer itself.

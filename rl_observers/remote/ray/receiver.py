@@ -10,6 +10,7 @@ import os
 import pickle
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -34,6 +35,22 @@ torchrl_logger = logging.getLogger("torchrl")
 
 #: Seconds a relay is given to forward what it holds, at a flush or close.
 RELAY_FLUSH = 5.0
+
+# The receivers started in this process (closed by close_ray_receivers).
+_STARTED: weakref.WeakSet[RayReceiver] = weakref.WeakSet()
+#: Called once a receiver found Ray shut down under it (the Ray sources' copies went with it).
+RAY_GONE: list[Callable[[], None]] = []
+
+
+def close_ray_receivers() -> None:
+    """Takes in what Ray holds for this process's channels, then stops their Ray transport.
+
+    For a ``ray.shutdown()`` known to come (a torchrl source's runtime lease
+    that started Ray): the relays and ingest actors hand over what they hold,
+    and the channels have nothing to warn about once Ray is gone.
+    """
+    for receiver in list(_STARTED):
+        receiver.close(time.monotonic() + RELAY_FLUSH)
 
 
 class RayReceiver:
@@ -106,6 +123,7 @@ class RayReceiver:
         self._accept = accept
         self._refuse = refuse
         self._actor = self._create_ingest()
+        _STARTED.add(self)
         if background:
             self._thread = threading.Thread(
                 target=self._run, name="rl_observers-ray-ingest", daemon=True
@@ -206,9 +224,13 @@ class RayReceiver:
         torchrl_logger.warning(
             f"{self._owner}: Ray was shut down in this process while the "
             "channel was open; its Ray transport stopped, and whatever its ingest actor still "
-            "held is lost (it is not counted: the actor went with Ray). Close the channel "
+            "held is lost: the copies of observers in Ray actors went with Ray, and those whose "
+            "last window had not arrived are counted in health()['copies_lost']. Shut the Ray "
+            "sources down (collector.shutdown(), the buffer's close()) and close the channel "
             "(channel.close()) before ray.shutdown()."
         )
+        for hook in RAY_GONE:
+            hook()
 
     def _load(self, data: bytes) -> list[Message]:
         """The messages of one batch; an unreadable batch is refused (counted as dropped)."""
