@@ -1,6 +1,6 @@
 """The least a Python observer can cost on the tightest budgets, step by step.
 
-The replay-buffer budgets hold the library within 0.02 of the least a Python
+The replay-buffer budgets hold the library within 0.04 of the least a Python
 observer does for the same statistic. This script measures what each step an
 exact age needs costs when written as directly as Python allows: one
 hand-written observer class per

@@ -88,7 +88,8 @@ NO_RESETS_FLOOR = 0.80
 # sample(256) + SampleMetrics() (exact ages) and extend(256) + WriteMetrics(reward_key=...):
 # at most this far below the hand-written Python floor for the same statistic, both ratios to
 # bare measured in the same run (the floor moves with the machine's load; only a pair counts).
-FLOOR_DISTANCE_BUDGET = 0.02
+# DESIGN.md settled it at 0.04: one run's spread here is about +-0.03.
+FLOOR_DISTANCE_BUDGET = 0.04
 # make test's distance: one core busy widens the gap (0.874 against 0.923 measured), and it
 # catches a regression, not the last hundredths.
 FLOOR_DISTANCE_IN_TEST = 0.12
