@@ -106,6 +106,14 @@ def _observed_collector(env_maker, logger_or_channel, *, multi=False, frames=600
     return collector
 
 
+def _collect(collector):
+    """Every batch the driver receives (cloned), then the collector's shutdown."""
+    try:
+        return [batch.clone() for batch in collector]
+    finally:
+        collector.shutdown()
+
+
 def _env():
     return CountingEnv(max_steps=6)
 
@@ -118,12 +126,7 @@ def test_tensorboard_histograms_hold_the_merged_data_counts_row_by_row(tmp_path)
     channel = MetricsChannel(logger)
     assert draw_histograms(channel).backend == "tensorboard"
     collector = _observed_collector(_env, channel)
-    batches = []
-    try:
-        for batch in collector:
-            batches.append(batch.clone())
-    finally:
-        collector.shutdown()
+    batches = _collect(collector)
     assert channel.close(timeout=30)
     logger.experiment.flush()
     windows = [batches[i : i + 4] for i in range(0, len(batches), 4)]  # 4 batches of 50 per row
@@ -160,12 +163,7 @@ def test_workers_are_merged_before_drawing(tmp_path):
     channel = MetricsChannel(logger)
     draw_histograms(channel, names=["obs"])
     collector = _observed_collector(_env, channel, multi=True, frames=1_000)
-    batches = []
-    try:
-        for batch in collector:
-            batches.append(batch.clone())
-    finally:
-        collector.shutdown()
+    batches = _collect(collector)
     assert channel.close(timeout=60)
     logger.experiment.flush()
     drawn = _tensorboard_histograms(tmp_path, "collector/obs")
@@ -216,12 +214,7 @@ def test_wandb_offline_run_holds_the_merged_histograms(tmp_path, monkeypatch):
     channel = MetricsChannel.for_logger(logger)
     assert drawer.channel is channel
     collector = _observed_collector(_env, logger)
-    batches = []
-    try:
-        for batch in collector:
-            batches.append(batch.clone())
-    finally:
-        collector.shutdown()
+    batches = _collect(collector)
     assert channel.close(timeout=30)
     logger.experiment.finish()
     (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "*.wandb"))
@@ -301,12 +294,7 @@ def test_tensorboard_histogram_fields_are_the_window_data_not_the_bins(tmp_path)
             channel, schedule=Every.counter("frames", 200), metrics=[Histogram("angle", _small_angle, edges=edges)]
         )
     )
-    batches = []
-    try:
-        for batch in collector:
-            batches.append(batch.clone())
-    finally:
-        collector.shutdown()
+    batches = _collect(collector)
     assert channel.close(timeout=30)
     logger.experiment.flush()
     rows = _tensorboard_fields(tmp_path, "collector/angle")
