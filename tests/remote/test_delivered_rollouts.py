@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -144,24 +145,30 @@ def _batches_are_the_drivers(logger: CSVLogger, received: list) -> None:
     assert batches[-1][1] == len(received)
 
 
+def _async_ray_collector(total_frames: int, **kwargs: Any) -> Any:
+    """An asynchronous ``RayCollector`` of two CartPole actors, as torchrl's IMPALA example builds it."""
+    from torchrl.collectors import Collector
+    from torchrl.collectors.distributed import RayCollector
+
+    return RayCollector(
+        [_cartpole, _cartpole],
+        RandomPolicy(_cartpole().action_spec),
+        collector_class=Collector,
+        frames_per_batch=PER_RAY_BATCH,
+        total_frames=total_frames,
+        sync=False,
+        remote_configs={"num_cpus": 0.5},
+        **kwargs,
+    )
+
+
 def _ray_async_run(
     tmp: str, *, stop_after: int | None, ray_init_config: dict | None = None
 ) -> tuple[list, CSVLogger, MetricsChannel]:
     """An asynchronous 2-actor ``RayCollector``: iterated to its end, or left with a ``break``;
     then ``shutdown()`` and ``close()``, as torchrl's IMPALA example ends."""
-    from torchrl.collectors import Collector
-    from torchrl.collectors.distributed import RayCollector
 
-    collector = RayCollector(
-        [_cartpole, _cartpole],
-        RandomPolicy(_cartpole().action_spec),
-        collector_class=Collector,
-        frames_per_batch=PER_RAY_BATCH,
-        total_frames=6 * PER_RAY_BATCH,
-        sync=False,
-        remote_configs={"num_cpus": 0.5},
-        ray_init_config=ray_init_config,
-    )
+    collector = _async_ray_collector(6 * PER_RAY_BATCH, ray_init_config=ray_init_config)
     logger = CSVLogger(exp_name="ray", log_dir=tmp)
     channel = MetricsChannel(logger)
     collector.add_observer(
@@ -243,19 +250,9 @@ def test_ray_shut_down_by_the_user_under_running_copies_warns_and_counts_them_lo
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     import sys
 
-    from torchrl.collectors import Collector
-    from torchrl.collectors.distributed import RayCollector
 
     with local_ray(sys.modules[__name__]) as ray:
-        collector = RayCollector(
-            [_cartpole, _cartpole],
-            RandomPolicy(_cartpole().action_spec),
-            collector_class=Collector,
-            frames_per_batch=PER_RAY_BATCH,
-            total_frames=100 * PER_RAY_BATCH,
-            sync=False,
-            remote_configs={"num_cpus": 0.5},
-        )
+        collector = _async_ray_collector(100 * PER_RAY_BATCH)
         logger = CSVLogger(exp_name="ray", log_dir=str(tmp_path))
         channel = MetricsChannel(logger)
         collector.add_observer(
