@@ -299,11 +299,12 @@ class RemoteWing(Wing):
 
 
     def before_close(self) -> bool:
-        orphaned = self._copies_still_attached()
-        # what other processes already sent is read first, so that close callbacks
-        # see it (a router may decide from it, e.g. which observers have copies elsewhere)
+        # What other processes already sent is read first, so that close callbacks see it (a
+        # router may decide from it), and so that a Ray shut down under running copies is
+        # noticed here, not by the receiver's thread some time later: its copies then count
+        # as lost, not as still attached.
         self.poll(time.monotonic() + 1.0)
-        return orphaned
+        return self._copies_still_attached()
 
     def close(self, deadline: float | None) -> None:
         self.settle_gone(deadline)

@@ -167,7 +167,6 @@ def _ray_async_run(
 ) -> tuple[list, CSVLogger, MetricsChannel]:
     """An asynchronous 2-actor ``RayCollector``: iterated to its end, or left with a ``break``;
     then ``shutdown()`` and ``close()``, as torchrl's IMPALA example ends."""
-
     collector = _async_ray_collector(6 * PER_RAY_BATCH, ray_init_config=ray_init_config)
     logger = CSVLogger(exp_name="ray", log_dir=tmp)
     channel = MetricsChannel(logger)
@@ -250,29 +249,29 @@ def test_ray_shut_down_by_the_user_under_running_copies_warns_and_counts_them_lo
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     import sys
 
-
     with local_ray(sys.modules[__name__]) as ray:
         collector = _async_ray_collector(100 * PER_RAY_BATCH)
-        logger = CSVLogger(exp_name="ray", log_dir=str(tmp_path))
-        channel = MetricsChannel(logger)
-        collector.add_observer(
-            LoggerObserver(channel, schedule=Every.counter("frames", PER_RAY_BATCH), metrics=CollectorBatchMetrics())
-        )
-        for received, _ in enumerate(collector, 1):
-            if received == 3:
-                break
-        ray.shutdown()
-    assert not channel.close(timeout=60)
-    said = [m for m in told if "Ray was shut down in this process while" in m]
-    assert len(said) == 1 and "collector.shutdown()" in said[0], told
-    assert channel.health()["copies_lost"] == 2
-    assert any("2 copies of LoggerObserver 'collector' on a RayCollector vanished" in m for m in told), told
-    assert not ray.is_initialized()
-    # torchrl's RayCollector.__del__ releases its runtime lease (which later Ray sources count)
-    # and would ray.kill its dead actors, which starts a new local Ray
-    collector._remote_collectors.clear()
-    del collector
-    gc.collect()
+        try:
+            logger = CSVLogger(exp_name="ray", log_dir=str(tmp_path))
+            channel = MetricsChannel(logger)
+            observer = LoggerObserver(channel, schedule=Every.counter("frames", PER_RAY_BATCH), metrics=CollectorBatchMetrics())
+            collector.add_observer(observer)
+            for received, _ in enumerate(collector, 1):
+                if received == 3:
+                    break
+            ray.shutdown()
+            assert not channel.close(timeout=60)  # at once: the channel notices Ray is gone itself
+            said = [m for m in told if "Ray was shut down in this process while" in m]
+            assert len(said) == 1 and "collector.shutdown()" in said[0], told
+            assert channel.health()["copies_lost"] == 2
+            assert any("2 copies of LoggerObserver 'collector' on a RayCollector vanished" in m for m in told), told
+            assert not ray.is_initialized()
+        finally:
+            # torchrl's RayCollector.__del__ releases its runtime lease (which later Ray sources
+            # count) and would ray.kill its dead actors, which starts a new local Ray
+            collector._remote_collectors.clear()
+            del collector
+            gc.collect()
 
 
 @pytest.mark.timeout(120)
