@@ -25,12 +25,15 @@ Examples:
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from operator import attrgetter
+from typing import Any, ClassVar, TypeVar
 
 __all__ = ["Payload", "check_metrics", "coalesce", "expand", "is_partial"]
 
 _MISSING = object()
+P = TypeVar("P", bound="Payload")
 GAUGE_TYPES = (float, int)
 # Value classes already known to be loggable as they are: numbers and partial classes.
 _LOGGABLE_CLASSES: set[type] = {float, int, bool}
@@ -132,6 +135,14 @@ def expand(namespace: str, metrics: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def payload_class(cls: type[P]) -> type[P]:
+    """Makes ``cls`` a slotted dataclass, equal only to itself, that pickles as its fields in order."""
+    cls = dataclass(slots=True, eq=False)(cls)
+    cls._values = attrgetter(*(field.name for field in fields(cls)))
+    return cls
+
+
+@payload_class
 class Payload:
     """One submission: ``metrics`` for ``namespace`` at ``step``.
 
@@ -148,12 +159,15 @@ class Payload:
         (2, {'train/dones': 3.0, 'train/lr': 0.2})
     """
 
-    __slots__ = ("metrics", "namespace", "step")
+    namespace: str
+    metrics: dict[str, Any]
+    step: int | None = None
+    _values: ClassVar[Callable[[Payload], tuple[Any, ...]]]
 
-    def __init__(self, namespace: str, metrics: dict[str, Any], step: int | None = None) -> None:
-        self.namespace = namespace
-        self.metrics = metrics
-        self.step = step
+    def __reduce__(self) -> tuple[Any, ...]:
+        # a payload that leaves its process is pickled at every hop: its fields as the
+        # constructor's arguments take half the time and bytes of the default for slots
+        return self.__class__, self._values(self)
 
     def absorb(self, newer: Payload) -> Exception | None:
         """Merges ``newer`` (submitted later, same namespace) into this one (:func:`coalesce`).

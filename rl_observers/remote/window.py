@@ -29,17 +29,23 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from operator import attrgetter
 from typing import Any
 
 from torchrl.record.loggers.monitoring import Every
 
-from rl_observers.channel.payload import Payload, coalesce
+from rl_observers.channel.payload import Payload, coalesce, payload_class
 
 __all__ = ["AggregateSpec", "Window", "worker_key"]
 
 
+@dataclass(slots=True, unsafe_hash=True)
 class AggregateSpec:
     """What the owner needs to know to merge one observer's windows: its schedule, step, scope.
+
+    Compared and hashed by value; not frozen: a copy fills in ``workers`` and
+    ``lockstep`` when it builds a window.
 
     Args:
         schedule (Every, optional): when rows are due; ``None``: at every window.
@@ -59,62 +65,30 @@ class AggregateSpec:
             Defaults to ``10.0``.
     """
 
-    __slots__ = ("latest", "lockstep", "log_on_close", "schedule", "scope", "step_key", "timeout", "workers")
-
-    def __init__(
-        self,
-        schedule: Every | None,
-        step_key: str | None,
-        scope: str = "aggregate",
-        log_on_close: bool = True,
-        latest: tuple[str, ...] = (),
-        *,
-        workers: int = 0,
-        lockstep: bool = False,
-        timeout: float = 10.0,
-    ) -> None:
-        self.schedule = schedule
-        self.step_key = step_key
-        self.scope = scope
-        self.log_on_close = log_on_close
-        self.latest = tuple(latest)
-        self.workers = workers
-        self.lockstep = lockstep
-        self.timeout = timeout
-
-    def _fields(self) -> tuple[Any, ...]:
-        schedule = self.schedule
-        raw = None if schedule is None else (schedule.kind, schedule.interval, schedule.key)
-        return (
-            raw, self.step_key, self.scope, self.log_on_close, self.latest, self.workers, self.lockstep, self.timeout
-        )
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, AggregateSpec) and self._fields() == other._fields()
-
-    def __hash__(self) -> int:
-        return hash(self._fields())
+    schedule: Every | None
+    step_key: str | None
+    scope: str = "aggregate"
+    log_on_close: bool = True
+    latest: tuple[str, ...] = ()
+    workers: int = 0
+    lockstep: bool = False
+    timeout: float = 10.0
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _spec, self._fields()
-
-    def __repr__(self) -> str:
-        return (
-            f"AggregateSpec(schedule={self.schedule!r}, step_key={self.step_key!r}, "
-            f"scope={self.scope!r}, log_on_close={self.log_on_close!r}, latest={self.latest!r}, "
-            f"workers={self.workers!r}, lockstep={self.lockstep!r}, timeout={self.timeout!r})"
-        )
+        # a window carries its spec: the schedule as a plain tuple pickles in a third of Every's time
+        schedule = self.schedule
+        raw = None if schedule is None else (schedule.kind, schedule.interval, schedule.key)
+        return _spec, (raw, *_SPEC_REST(self))
 
 
-def _spec(
-    raw: Any, step_key: Any, scope: Any, log_on_close: Any, latest: Any, workers: Any, lockstep: Any, timeout: Any
-) -> AggregateSpec:
-    schedule = None if raw is None else Every(kind=raw[0], interval=raw[1], key=raw[2])
-    return AggregateSpec(
-        schedule, step_key, scope, log_on_close, latest, workers=workers, lockstep=lockstep, timeout=timeout
-    )
+_SPEC_REST = attrgetter(*(f.name for f in fields(AggregateSpec)[1:]))
 
 
+def _spec(raw: tuple[str, float, str | None] | None, *rest: Any) -> AggregateSpec:
+    return AggregateSpec(None if raw is None else Every(*raw), *rest)
+
+
+@payload_class
 class Window(Payload):
     """One window of one copy of an observer (or the marker that ends an observer's aggregate).
 
@@ -124,7 +98,8 @@ class Window(Payload):
         step (int, optional): unused by the owner (rows take their step from the counters).
 
     Keyword Args:
-        observer (str): the observer's name: the aggregate the window merges into.
+        observer (str): the observer's name: the aggregate the window merges into
+            (``""`` for an unnamed one).
         worker (Any, optional): the worker it comes from (an index, or ``"main"``).
         process (str, optional): a token of the process it was sent from (two copies
             with one worker index stay apart).
@@ -145,58 +120,19 @@ class Window(Payload):
         due (bool, optional): whether the driver's row is due at ``cut``.
     """
 
-    __slots__ = (
-        "base",
-        "copy",
-        "counters",
-        "cut",
-        "due",
-        "finish",
-        "last",
-        "observer",
-        "process",
-        "seq",
-        "spec",
-        "windows",
-        "worker",
-    )
-
-    def __init__(
-        self,
-        namespace: str,
-        metrics: dict[str, Any],
-        step: int | None = None,
-        *,
-        observer: str,
-        worker: Any = None,
-        process: str | None = None,
-        counters: Mapping[str, float] | None = None,
-        base: Mapping[str, float] | None = None,
-        spec: AggregateSpec | None = None,
-        copy: str | None = None,
-        seq: int | None = None,
-        windows: int = 1,
-        last: bool = False,
-        finish: bool = False,
-        cut: int | None = None,
-        due: bool = False,
-    ) -> None:
-        self.namespace = namespace
-        self.metrics = metrics
-        self.step = step
-        self.observer = observer
-        self.worker = worker
-        self.process = process
-        self.counters = counters
-        self.base = base
-        self.spec = spec
-        self.copy = copy
-        self.seq = seq
-        self.windows = windows
-        self.last = last
-        self.finish = finish
-        self.cut = cut
-        self.due = due
+    observer: str = ""
+    worker: Any = None
+    process: str | None = None
+    counters: Mapping[str, float] | None = None
+    base: Mapping[str, float] | None = None
+    spec: AggregateSpec | None = None
+    copy: str | None = None
+    seq: int | None = None
+    windows: int = 1
+    last: bool = False
+    finish: bool = False
+    cut: int | None = None
+    due: bool = False
 
     @property
     def final(self) -> bool:
@@ -257,7 +193,7 @@ class Window(Payload):
         return error
 
     def _take_origin(self, other: Window) -> None:
-        for name in ("observer", "worker", "process", "counters", "base", "spec", "copy", "seq", "windows", "cut", "due"):
+        for name in _ORIGIN:
             setattr(self, name, getattr(other, name))
         self.last = self.last or other.last
         self.finish = self.finish or other.finish
@@ -267,71 +203,9 @@ class Window(Payload):
         self.copy, self.seq = copy, seq
         return self
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return _window, (
-            self.namespace,
-            self.metrics,
-            self.step,
-            self.observer,
-            self.worker,
-            self.process,
-            self.counters,
-            self.base,
-            self.spec,
-            self.copy,
-            self.seq,
-            self.windows,
-            self.last,
-            self.finish,
-            self.cut,
-            self.due,
-        )
 
-    def __repr__(self) -> str:
-        fields = ", ".join(
-            f"{name}={getattr(self, name)!r}"
-            for name in ("observer", "worker", "counters", "copy", "seq", "windows", "last", "finish", "cut", "due")
-            if getattr(self, name) is not None and getattr(self, name) is not False
-        )
-        return f"Window({self.namespace!r}, {self.metrics!r}, {fields})"
-
-
-def _window(
-    namespace: str,
-    metrics: dict[str, Any],
-    step: int | None,
-    observer: str,
-    worker: Any,
-    process: str | None,
-    counters: Mapping[str, float] | None,
-    base: Mapping[str, float] | None,
-    spec: AggregateSpec | None,
-    copy: str | None,
-    seq: int | None,
-    windows: int,
-    last: bool,
-    finish: bool,
-    cut: int | None,
-    due: bool,
-) -> Window:
-    return Window(
-        namespace,
-        metrics,
-        step,
-        observer=observer,
-        worker=worker,
-        process=process,
-        counters=counters,
-        base=base,
-        spec=spec,
-        copy=copy,
-        seq=seq,
-        windows=windows,
-        last=last,
-        finish=finish,
-        cut=cut,
-        due=due,
-    )
+# what a window takes from the newer of two it merges (its number, counters, settings)
+_ORIGIN = tuple(f.name for f in fields(Window)[3:] if f.name not in ("last", "finish"))
 
 
 def worker_key(worker: Any) -> Any:
