@@ -42,6 +42,7 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from torchrl.record.loggers.monitoring import Every
@@ -51,6 +52,7 @@ from rl_observers.sources.observed import torchrl_class
 __all__ = ["Lockstep", "plan_for"]
 
 
+@dataclass(slots=True)
 class Lockstep:
     """How a copy of a lockstep source turns its own counter into the driver's.
 
@@ -62,13 +64,13 @@ class Lockstep:
             own counter is the driver's (one copy, or ``batches``).
     """
 
-    __slots__ = ("key", "per_rollout", "total", "workers")
+    workers: int
+    key: str
+    per_rollout: tuple[int, ...] | None = None
+    total: int | None = field(init=False, repr=False, compare=False)
 
-    def __init__(self, workers: int, key: str, per_rollout: tuple[int, ...] | None = None) -> None:
-        self.workers = workers
-        self.key = key
-        self.per_rollout = per_rollout
-        self.total = None if per_rollout is None else sum(per_rollout)
+    def __post_init__(self) -> None:
+        self.total = None if self.per_rollout is None else sum(self.per_rollout)
 
     def driver_value(self, worker: Any, counters: Mapping[str, float]) -> int | None:
         """The driver's counter once this worker's counters are ``counters``; ``None`` if unknown."""
@@ -81,12 +83,6 @@ class Lockstep:
         if worker.__class__ is not int or not 0 <= worker < len(per_rollout):
             return None  # not one of the source's workers (the driver's original)
         return int(value // per_rollout[worker]) * self.total  # type: ignore[operator]
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return Lockstep, (self.workers, self.key, self.per_rollout)
-
-    def __repr__(self) -> str:
-        return f"Lockstep(workers={self.workers}, key={self.key!r}, per_rollout={self.per_rollout})"
 
 
 def _rollout_frames(target: Any) -> tuple[int, ...] | None:
