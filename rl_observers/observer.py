@@ -689,12 +689,6 @@ class ObserverLeftBehind:
         self.description = description
         self.error = f"{type(error).__name__}: {error}"
 
-    def __getstate__(self) -> tuple[str, str]:
-        return self.description, self.error
-
-    def __setstate__(self, state: tuple[str, str]) -> None:
-        self.description, self.error = state
-
     def __repr__(self) -> str:
         return f"<observer {self.description}, left behind: {self.error}>"
 

@@ -78,7 +78,36 @@ __all__ = [
 _R = TypeVar("_R", bound="_Reducer")
 
 
-class _Reducer:
+class Transient:
+    """Pickles its attributes (slots and ``__dict__``) but the ``_transient`` ones, which come back ``None``.
+
+    A class declares once what it rebuilds on demand (views, scratch
+    buffers); :meth:`_flush` runs first, so that folds still staged reach
+    the pickled state.
+    """
+
+    __slots__ = ()
+    _transient: tuple[str, ...] = ()
+
+    def _flush(self) -> None:
+        """Reduces folds still staged into the state (see :class:`MomentsReducer`)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        self._flush()
+        state = dict(getattr(self, "__dict__", ()))
+        for cls in type(self).__mro__:
+            for name in cls.__dict__.get("__slots__", ()):
+                if hasattr(self, name):
+                    state[name] = getattr(self, name)
+        state.update(dict.fromkeys(self._transient))
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+
+
+class _Reducer(Transient):
     """A reducer owns ``width`` consecutive slots of its bank's state tensor.
 
     The view of those slots is made at the first fold and kept: the bank
@@ -122,28 +151,10 @@ class _Reducer:
     def _made_view(self, view: torch.Tensor) -> None:
         """Derives further cached views from the state's (see :meth:`_state`)."""
 
-    def _flush(self) -> None:
-        """Reduces folds still staged into the state (see :class:`MomentsReducer`)."""
-
     def _window_partials(self) -> Any:
         """A function of the copied state giving this window's partials (see :class:`WindowCopy`)."""
         return self._partials
 
-    def __getstate__(self) -> dict[str, Any]:
-        self._flush()
-        transient = self._transient
-        return {
-            name: getattr(self, name)
-            for cls in type(self).__mro__
-            for name in cls.__dict__.get("__slots__", ())
-            if name not in transient and hasattr(self, name)
-        }
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        for name in self._transient:
-            setattr(self, name, None)
-        for name, value in state.items():
-            setattr(self, name, value)
 
 
 _F64 = torch.float64
@@ -264,10 +275,6 @@ class _MomentsTable(_Reducer):
     def _reset(self) -> None:
         self._used = 0
         self._staged = 0
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._staged = 0  # flushed before pickling
 
     def _window_partials(self) -> Any:
         # The rows used by this window, fixed now: the window's reset zeroes ``_used``.
@@ -640,7 +647,7 @@ class CountReducer(_Reducer):
         self.add(torch.count_nonzero(flags))
 
 
-class ReducerBank:
+class ReducerBank(Transient):
     """Holds the window state of several reducers in one ``float64`` tensor.
 
     Register reducers with :meth:`moments`, :meth:`moments_group` and
@@ -665,6 +672,7 @@ class ReducerBank:
     """
 
     __slots__ = ("_reducers", "_width", "_state", "_host_view")
+    _transient = ("_host_view",)
 
     def __init__(self) -> None:
         self._reducers: list[_Reducer] = []
@@ -739,8 +747,7 @@ class ReducerBank:
         which is copied on the device into a wider one; views are made again.
         """
         old = self._state
-        for reducer in self._reducers:
-            reducer._flush()
+        self._flush()
         state = torch.zeros(self._width, dtype=torch.float64, device=old.device)
         state[: old.numel()].copy_(old)
         self._state = state
@@ -748,15 +755,9 @@ class ReducerBank:
             for name in reducer._transient:
                 setattr(reducer, name, None)
 
-    def __getstate__(self) -> dict[str, Any]:
+    def _flush(self) -> None:
         for reducer in self._reducers:
-            reducer._flush()  # staged folds reach the state before it is pickled
-        return {"_reducers": self._reducers, "_width": self._width, "_state": self._state}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self._host_view = None
-        for name, value in state.items():
-            setattr(self, name, value)
+            reducer._flush()
 
     def _state_on(self, device: torch.device) -> torch.Tensor:
         state = self._state
@@ -885,7 +886,7 @@ _RAW_BITS = 10
 _I32 = torch.int32
 
 
-class QuantileReducer:
+class QuantileReducer(Transient):
     """Folds tensors into a :class:`~rl_observers.stats.QuantileSketch` on their device.
 
     The counts live in one ``float64`` buffer on the device of the first
@@ -925,6 +926,7 @@ class QuantileReducer:
     """
 
     __slots__ = ("_empty", "_raw", "_buffer", "_ones", "_stage", "_stage_slots", "_staged")
+    _transient = ("_ones", "_stage", "_stage_slots")
 
     def __init__(
         self,
@@ -959,16 +961,6 @@ class QuantileReducer:
             return 1 << (9 + p)
         low, high = sketch_key_range(p)
         return 2 * (high - low) + 2
-
-    def __getstate__(self) -> dict[str, Any]:
-        self._flush()
-        return {"_empty": self._empty, "_raw": self._raw, "_buffer": self._buffer}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self._ones = self._stage = self._stage_slots = None
-        self._staged = 0
-        for name, value in state.items():
-            setattr(self, name, value)
 
     def fold(self, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Counts ``values`` (those where ``mask`` is true) in their buckets, on their device.

@@ -14,12 +14,13 @@ import torch
 
 from rl_observers.metrics.collector.plan import CollectorPlan
 from rl_observers.metrics.collector.reducers import BatchReducers
+from rl_observers.stats.reducers import Transient
 
 # Implementation of CollectorBatchMetrics: nothing public here (see docs/api.rst).
 __all__: list[str] = []
 
 
-class FromKeysFold:
+class FromKeysFold(Transient):
     """The fold path of batches whose episode quantities are read at their closing steps.
 
     Holds the :class:`~rl_observers.metrics.collector.reducers.BatchReducers`
@@ -29,17 +30,11 @@ class FromKeysFold:
     """
 
     __slots__ = ("reducers", "stacked")
+    _transient = ("stacked",)
 
     def __init__(self, reducers: BatchReducers) -> None:
         self.reducers = reducers
         self.stacked: torch.Tensor | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"reducers": self.reducers, "stacked": None}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.reducers = state["reducers"]
-        self.stacked = state["stacked"]
 
     def fold(
         self,

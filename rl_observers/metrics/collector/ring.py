@@ -33,6 +33,7 @@ from tensordict import TensorDict
 from rl_observers.metrics.collector.plan import CollectorPlan, EpisodeCarry
 from rl_observers.metrics.collector.reducers import BatchReducers
 from rl_observers.metrics.collector.split_trajs import carry_by_id
+from rl_observers.stats.reducers import Transient
 
 # Implementation of CollectorBatchMetrics: nothing public here (see docs/api.rst).
 __all__: list[str] = []
@@ -694,7 +695,7 @@ def _closed_on_host(
     return Closed(line.reward_slots, None, dones, values, None)
 
 
-class RingFold:
+class RingFold(Transient):
     """The fold path of ``[*B, T]`` batches with running episode sums: through a ring.
 
     Holds the ring (made for the batches' layout, remade for another one,
@@ -718,6 +719,7 @@ class RingFold:
         "sources",
         "reset_each_batch",
     )
+    _transient = ("ring",)  # buffers, remade at the next batch (the set sums it first)
 
     def __init__(self, reducers: BatchReducers, carry: EpisodeCarry) -> None:
         self.reducers = reducers
@@ -729,15 +731,6 @@ class RingFold:
         # The plan's episode_sources the ring was made for (what close_episodes reads).
         self.sources: tuple[tuple[int, Any], ...] = ()
         self.reset_each_batch = False
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = {name: getattr(self, name) for name in self.__slots__}
-        state["ring"] = None  # buffers, remade at the next batch (the set sums it first)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        for name, value in state.items():
-            setattr(self, name, value)
 
     def reset_at_each_batch(self, reset: bool) -> None:
         """Whether the bound collector resets its envs at each batch; the ring is summed first."""
