@@ -35,6 +35,7 @@ from rl_observers import (
     SampleMetrics,
     WriteMetrics,
 )
+from rl_observers.logging.resume import STATE_VERSION
 from tests.helpers import scalars
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,6 +169,8 @@ def test_a_state_that_does_not_fit_is_refused_naming_the_difference(tmp_path):
     _, renamed = _observed_buffer(other, metrics=[WriteMetrics(), SampleMetrics()], name="rb")
     with pytest.raises(ValueError, match=r"namespace 'replay_buffer' \(this observer: 'rb'\)"):
         renamed.load_state_dict(state)
+    with pytest.raises(ValueError, match=rf"saved in format 0, this version reads format {STATE_VERSION}"):
+        renamed.load_state_dict({**state, "version": 0})  # a state of another layout
     _, fewer = _observed_buffer(other, metrics=[WriteMetrics()], name="fewer")
     with pytest.raises(ValueError, match=r"metric sets \['WriteMetrics', 'SampleMetrics'\]"):
         fewer.load_state_dict(state)

@@ -43,6 +43,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Mapping
+from dataclasses import fields
 from typing import Any
 
 from torchrl.record.loggers.monitoring import Every
@@ -151,39 +152,17 @@ class Aggregate:
         name (str): the observer's namespace.
 
     Keyword Args:
-        schedule (Every, optional): when rows are due; ``None`` logs at every
-            contribution. Defaults to ``None``.
-        step_key (str, optional): the counter used as step. Defaults to the
-            schedule's counter.
-        scope (str, optional): ``"aggregate"``, ``"per_worker"`` or
-            ``"both"``. Defaults to ``"aggregate"``.
-        log_on_close (bool, optional): whether :meth:`finish` logs the last
-            partial windows. Defaults to ``True``.
-        latest (tuple of str, optional): gauges that are not cumulative
-            counters (e.g. ``batch_size``): the newest value (the last one
-            contributed, by any worker) is kept instead of the sum over
-            workers. Defaults to ``()``.
+        **how: how the windows merge, the fields of
+            :class:`~rl_observers.remote.window.AggregateSpec` (``step_key``
+            defaults to the schedule's counter).
     """
 
-    def __init__(
-        self,
-        name: str,
-        *,
-        schedule: Every | None = None,
-        step_key: str | None = None,
-        scope: str = "aggregate",
-        log_on_close: bool = True,
-        latest: tuple[str, ...] = (),
-        workers: int = 0,
-        lockstep: bool = False,
-        timeout: float = 10.0,
-    ) -> None:
-        if step_key is None and schedule is not None and schedule.kind == "counter":
-            step_key = schedule.key
+    def __init__(self, name: str, **how: Any) -> None:
         self.name = name
-        self.spec = AggregateSpec(
-            schedule, step_key, scope, log_on_close, latest, workers=workers, lockstep=lockstep, timeout=timeout
-        )
+        self.spec = AggregateSpec(**how)
+        schedule = self.spec.schedule
+        if self.spec.step_key is None and schedule is not None and schedule.kind == "counter":
+            self.spec.step_key = schedule.key
         self.clock = ScheduleClock(schedule)
         key = schedule.key if schedule is not None and schedule.kind == "counter" else None
         if key is not None:
@@ -259,18 +238,7 @@ class Aggregate:
     @classmethod
     def from_spec(cls, name: str, spec: AggregateSpec | None) -> Aggregate:
         """The aggregate of the observer ``name`` whose windows say ``spec``."""
-        spec = spec or AggregateSpec(None, None)
-        return cls(
-            name,
-            schedule=spec.schedule,
-            step_key=spec.step_key,
-            scope=spec.scope,
-            log_on_close=spec.log_on_close,
-            latest=spec.latest,
-            workers=spec.workers,
-            lockstep=spec.lockstep,
-            timeout=spec.timeout,
-        )
+        return cls(name, **({} if spec is None else {f.name: getattr(spec, f.name) for f in fields(spec)}))
 
     @property
     def per_worker(self) -> bool:

@@ -48,8 +48,8 @@ class AggregateSpec:
     ``lockstep`` when it builds a window.
 
     Args:
-        schedule (Every, optional): when rows are due; ``None``: at every window.
-        step_key (str, optional): the counter used as step.
+        schedule (Every, optional): when rows are due; ``None`` (the default): at every window.
+        step_key (str, optional): the counter used as step. Defaults to ``None``.
         scope (str, optional): ``"aggregate"``, ``"per_worker"`` or ``"both"``.
             Defaults to ``"aggregate"``.
         log_on_close (bool, optional): whether the last partial windows are
@@ -65,8 +65,8 @@ class AggregateSpec:
             Defaults to ``10.0``.
     """
 
-    schedule: Every | None
-    step_key: str | None
+    schedule: Every | None = None
+    step_key: str | None = None
     scope: str = "aggregate"
     log_on_close: bool = True
     latest: tuple[str, ...] = ()
