@@ -164,6 +164,15 @@ class PendingQueue:
             self._in_flight = entry
             return entry
 
+    def take_all(self) -> list[PendingEntry]:
+        """Removes every waiting entry, counted as passed on (``logged``): a batch for the next hop."""
+        with self._lock:
+            taken = list(self._pending)
+            self._pending.clear()
+            self._newest.clear()
+            self._logged += len(taken)
+            return taken
+
     def untake(self, entry: PendingEntry) -> None:
         """Puts the in-flight ``entry`` back in front: its hop said to try again later."""
         with self._lock:
