@@ -1,9 +1,11 @@
-"""The owner's bounded queue of pending payloads, and its counters.
+"""The bounded queue where payloads wait, and its counters.
 
-Step of the flow: **channel** (source → observer → channel → logger). Every
-submission (local, or received from a handle in another process) is *put*
-here; the delivery thread *takes* entries one at a time and marks them
-*done*. At most ``capacity`` entries wait: on overflow a payload coalesces
+Step of the flow: **channel** (source → observer → channel → logger). The
+owner queues every submission here (local, or received from a handle in
+another process) for its delivery thread; a handle in another process
+queues here what waits for its wire (:class:`~rl_observers.remote.transport.Outbox`).
+A payload is *put*; its hop *takes* entries one at a time and marks them
+*done* (or gives one back with :meth:`~PendingQueue.untake`). At most ``capacity`` entries wait: on overflow a payload coalesces
 into the newest pending entry of its namespace (:meth:`~.payload.Payload.absorb`)
 or, if that namespace has none, the oldest entry is dropped. Everything is
 counted in payloads, under one lock, so that ``submitted == logged + pending +
@@ -123,6 +125,11 @@ class PendingQueue:
         with self._lock:
             return self._dropped + self._remote_dropped + self._receiver_restarts
 
+    def losses(self) -> tuple[int, int]:
+        """Payloads ``(dropped, coalesced)`` here so far."""
+        with self._lock:
+            return self._dropped, self._coalesced
+
     def count_dropped(self) -> None:
         """Counts one submission dropped before it was queued (after close, unreadable)."""
         with self._lock:
@@ -157,11 +164,33 @@ class PendingQueue:
             self._in_flight = entry
             return entry
 
-    def done(self, entry: PendingEntry, delivered: bool) -> None:
-        """Marks the in-flight ``entry`` as logged (or as a sink error) and wakes waiters."""
+    def take_all(self) -> list[PendingEntry]:
+        """Removes every waiting entry, counted as passed on (``logged``): a batch for the next hop."""
+        with self._lock:
+            taken = list(self._pending)
+            self._pending.clear()
+            self._newest.clear()
+            self._logged += len(taken)
+            return taken
+
+    def untake(self, entry: PendingEntry) -> None:
+        """Puts the in-flight ``entry`` back in front: its hop said to try again later."""
         with self._lock:
             self._in_flight = None
-            if delivered:
+            self._pending.appendleft(entry)
+            self._newest.setdefault(entry.namespace, entry)
+
+    def done(self, entry: PendingEntry, delivered: bool, lost: bool = False) -> None:
+        """Marks the in-flight ``entry`` as logged (or as a sink error) and wakes waiters.
+
+        ``lost``: its hop lost it; it counts as dropped with every payload merged into it.
+        """
+        with self._lock:
+            self._in_flight = None
+            if lost:
+                self._dropped += entry.payloads
+                self._coalesced -= entry.payloads - 1
+            elif delivered:
                 self._logged += 1
             else:
                 self._sink_errors += 1

@@ -59,15 +59,13 @@ class MetricsHandle:
       the channel alive (it never closes it: a channel referenced by nobody
       but its handles is still usable, and is stopped when the last one goes).
     - In another process, it sends through the first reachable transport
-      of its channel (:attr:`transport`), chosen at its first use there.
-      With the Unix-datagram socket, it pickles the payload into one datagram sent without blocking. If the owner's socket
-      queue is full, the payload is coalesced into a small per-namespace
-      backlog that is sent first on the next submission or by :meth:`flush`;
-      if the owner is gone, or the payload cannot be pickled or is larger
-      than one datagram carries (the socket's send buffer as the kernel
-      grants it, at most 1 MiB; about 416 KiB with Linux's defaults), it is
-      dropped, counted in :attr:`dropped` and, unless the owner is gone,
-      reported at once to the owner's ``health()["remote_dropped"]``.
+      of its channel (:attr:`transport`), chosen at its first use there:
+      a bounded queue that coalesces per namespace while the transport is
+      full (:class:`~rl_observers.remote.transport.Outbox`). What it loses
+      (owner gone, a payload that cannot be pickled or is larger than one
+      datagram carries: about 416 KiB with Linux's defaults) is counted in
+      :attr:`dropped` and, unless the owner is gone, reported at once to the
+      owner's ``health()["remote_dropped"]``.
 
     A handle made with ``channel.handle(transport=name)`` always sends
     through that transport, even in the channel's own process.
@@ -155,16 +153,16 @@ class MetricsHandle:
         """Pushes what the handle holds towards the channel.
 
         In the channel's process, this is :meth:`MetricsChannel.flush`. In
-        another process, it retries what the transport holds back (the
-        socket's backlog while the owner's queue was full, and the count of
-        what it dropped that the owner has not heard of); it does not wait
+        another process, it retries what the handle holds back (its queue
+        while the owner's was full, and the count of what it dropped that
+        the owner has not heard of); it does not wait
         for the owner to log (a worker cannot see that), so call it before a
         worker exits. A handle a forked child inherited with its channel
         pushes what the channel's stand-in there holds.
 
         Args:
             timeout (float, optional): the most seconds to wait. Defaults to
-                ``None`` (until the backlog is sent).
+                ``None`` (until its queue is sent).
 
         Returns:
             ``True`` if nothing is left in the handle.
@@ -220,7 +218,7 @@ class MetricsHandle:
 
     @property
     def coalesced(self) -> int:
-        """Payloads merged into the handle's backlog while the owner's queue was full.
+        """Payloads merged into the handle's queue while the owner's was full.
 
         In a forked child that inherited the handle with its channel, those of
         the channel's stand-in there.

@@ -3,8 +3,9 @@
 Step of the flow: **channel** (source → observer → channel → logger). The
 owner binds a datagram socket in a private (0700) temporary directory
 (:class:`SocketReceiver`); a handle in another process on the same machine
-pickles each payload into one datagram and sends it without ever blocking
-(:class:`SocketSender`). Unix-domain sockets reach only the owner's machine:
+sends each pickled payload as one datagram without ever blocking
+(:class:`SocketWire`, behind the handle's
+:class:`~rl_observers.remote.transport.Outbox`). Unix-domain sockets reach only the owner's machine:
 :func:`reachable` is ``False`` where the socket file does not exist.
 
 How large a datagram can be is the kernel's call: Linux refuses one longer
@@ -31,10 +32,9 @@ from typing import Any
 from torchrl._utils import logger as torchrl_logger
 
 from rl_observers import lifecycle
-from rl_observers.channel.payload import Payload
-from rl_observers.remote.transport import Accept, register_transport
+from rl_observers.remote.transport import GONE, RETRY, SENT, Accept, register_transport
 
-__all__ = ["SocketAddress", "SocketReceiver", "SocketSender", "machine_id", "reachable"]
+__all__ = ["SocketAddress", "SocketReceiver", "SocketWire", "machine_id", "reachable"]
 
 # The largest payload a handle sends in one datagram (pickled), in bytes: the receiver reads
 # this much at once. A sender's own limit is its send buffer, which the kernel may keep smaller.
@@ -43,8 +43,6 @@ MAX_DATAGRAM = 1 << 20
 _SNDBUF_OVERHEAD = 32
 # How many datagrams the receiver reads in one go before releasing its lock.
 _RECEIVE_BATCH = 4096
-# How many namespaces a sender keeps in its backlog while the owner's socket queue is full.
-BACKLOG_NAMESPACES = 64
 # Errors meaning "the owner's socket queue is full right now": retry later.
 _RETRY_ERRNOS = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS, errno.ENOMEM})
 
@@ -98,19 +96,11 @@ def reachable(address: Any) -> bool:
     return os.path.exists(address)
 
 
-class SocketSender:
-    """Sends payloads to an owner's socket from another process; never blocks.
+class SocketWire:
+    """Sends one datagram to an owner's socket from another process; never blocks.
 
-    When the owner's socket queue is full (``EAGAIN``), the payload joins a
-    small per-namespace backlog (coalesced with
-    :meth:`~rl_observers.channel.payload.Payload.absorb`) that is sent first on the
-    next submission or by :meth:`flush`. Any other error (owner gone, payload
-    too large or not picklable) drops the payload, with every payload
-    coalesced into it. Drops are counted and reported to the owner
-    (``health()["remote_dropped"]``) with the next datagram; a payload too
-    large or not picklable is reported at once, in a datagram of its own
-    that carries only the counts (the next payload may never come).
-    ``path=None`` drops all.
+    ``EAGAIN`` (the owner's socket queue is full) is ``RETRY``; any other
+    error (owner gone, a message too large) is ``GONE``. ``path=None`` loses all.
     """
 
     name = "socket"
@@ -119,15 +109,7 @@ class SocketSender:
 
     def __init__(self, path: str | None) -> None:
         self.path = path
-        self.submitted = 0
-        self.dropped = 0
-        self.coalesced = 0
-        self._unreported_dropped = 0
-        self._unreported_coalesced = 0
-        # namespace -> [payload, payloads held]
-        self._backlog: dict[str, list[Any]] = {}
-        self._lock = threading.Lock()
-        self._warned: set[str] = set()
+        self._warned = False
 
     @classmethod
     def _socket(cls) -> tuple[socket.socket, int, int]:
@@ -156,148 +138,35 @@ class SocketSender:
         """The most bytes a pickled payload may take to be sent from this process."""
         return cls._socket()[1]
 
-    def send(self, payload: Payload) -> None:
-        with self._lock:
-            self.submitted += 1
-            if self.path is None:
-                self.drop()
-                return
-            if self._backlog and not self._send_backlog_locked():
-                self._backlog_locked(payload)
-                return
-            status = self._send_locked(payload)
-            if status == "retry":
-                self._backlog_locked(payload)
-
-    def flush(self, timeout: float | None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.0005
-        while True:
-            with self._lock:
-                if (not self._backlog or self._send_backlog_locked()) and self._report_locked():
-                    return True
-            if deadline is not None and time.monotonic() + delay > deadline:
-                return False
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
-
-    def pending(self) -> int:
-        """Namespaces held in the backlog."""
-        return len(self._backlog)
-
-    def drop(self, count: int = 1) -> None:
-        """Counts ``count`` payloads dropped (and reports them with the next datagram)."""
-        self.dropped += count
-        self._unreported_dropped += count
-
-    def _lose_locked(self, payloads: int) -> None:
-        """Counts a payload dropped with the ``payloads - 1`` coalesced into it, as dropped."""
-        self.drop(payloads)
-        merged = payloads - 1
-        if merged:  # no longer coalesced: lost (the owner's counts follow, as its queue's do)
-            self.coalesced -= merged
-            self._unreported_coalesced -= merged
-
-    def _report_locked(self) -> bool:
-        """Sends the unreported counts alone, in a tiny datagram; ``False`` only to retry later.
-
-        It always fits, so the owner learns of a drop even when no payload
-        gets through after it.
-        """
-        counts = (self._unreported_dropped, self._unreported_coalesced)
-        if counts == (0, 0) or self.path is None:
-            return True
-        data = pickle.dumps((None, counts), protocol=pickle.HIGHEST_PROTOCOL)
-        status = self._sendto_locked(data)
-        if status == "sent":
-            self._unreported_dropped -= counts[0]
-            self._unreported_coalesced -= counts[1]
-        return status != "retry"  # an owner that is gone never hears of them
-
-    def _send_backlog_locked(self) -> bool:
-        """Sends the backlog, oldest first; returns whether it is now empty."""
-        backlog = self._backlog
-        while backlog:
-            namespace = next(iter(backlog))
-            payload, payloads = backlog[namespace]
-            if self._send_locked(payload, payloads) == "retry":
-                return False
-            del backlog[namespace]
-        return True
-
-    def _backlog_locked(self, payload: Payload) -> None:
-        namespace = payload.namespace
-        held = self._backlog.get(namespace)
-        if held is not None:
-            error = held[0].absorb(payload)
-            if error is not None:
-                self._warn_once("merge", f"could not merge a partial of namespace {namespace!r}: {error!r}")
-            held[1] += 1
-            self.coalesced += 1
-            self._unreported_coalesced += 1
-        elif len(self._backlog) < BACKLOG_NAMESPACES:
-            self._backlog[namespace] = [payload, 1]
-        else:
-            self.drop()
-
-    def _send_locked(self, payload: Payload, payloads: int = 1) -> str:
-        """Sends one payload (holding ``payloads``); returns ``"sent"``, ``"retry"`` or ``"dropped"``."""
-        counts = (self._unreported_dropped, self._unreported_coalesced)
-        namespace = payload.namespace
+    def send(self, data: bytes) -> str:
+        if self.path is None:
+            return GONE
+        sock, limit, sndbuf = self._socket()
         try:
-            data = pickle.dumps((payload, counts), protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as err:
-            self._lose_locked(payloads)
-            self._warn_once(
-                "pickle",
-                f"could not pickle a payload of namespace {namespace!r}: {err!r}; it is dropped "
-                "and counted in the owner's health()['remote_dropped']",
-            )
-            self._report_locked()
-            return "dropped"
-        _, limit, sndbuf = self._socket()
-        status = "too large" if len(data) > limit else self._sendto_locked(data)
-        if status == "sent":
-            self._unreported_dropped -= counts[0]
-            self._unreported_coalesced -= counts[1]
-            return "sent"
-        if status == "retry":
-            return "retry"
-        self._lose_locked(payloads)
-        if status == "too large":
-            if limit < MAX_DATAGRAM:
-                why = (
-                    f"this process's socket send buffer is {sndbuf} bytes, as much as the kernel "
-                    "grants (on Linux, raise net.core.wmem_max for more)"
-                )
-            else:
-                why = "the most the channel's socket reads at once"
-            self._warn_once(
-                "size",
-                f"dropped a payload of namespace {namespace!r}: {len(data)} bytes pickled, more "
-                f"than the {limit} bytes one datagram carries here ({why}). It is counted in the "
-                "owner's health()['remote_dropped']; log less per payload (a smaller window, "
-                "fewer metrics)",
-            )
-            self._report_locked()  # at once: the next payload may be as large
-        return "dropped"
-
-    def _sendto_locked(self, data: bytes) -> str:
-        """One datagram: ``"sent"``, ``"retry"`` (queue full), ``"too large"`` or ``"gone"``."""
-        try:
-            self._socket()[0].sendto(data, self.path)
+            if len(data) <= limit:
+                sock.sendto(data, self.path)
+                return SENT
         except OSError as err:
             if err.errno in _RETRY_ERRNOS:
-                return "retry"
-            if err.errno == errno.EMSGSIZE:
-                return "too large"
-            return "gone"  # the owner is gone (ENOENT, ECONNREFUSED) or worse
-        return "sent"
-
-    def _warn_once(self, kind: str, message: str) -> None:
-        if kind not in self._warned:
-            self._warned.add(kind)
-            torchrl_logger.warning(f"MetricsHandle {message}. Further such errors are silent.")
+                return RETRY
+            if err.errno != errno.EMSGSIZE:
+                return GONE  # the owner is gone (ENOENT, ECONNREFUSED) or worse
+        if limit < MAX_DATAGRAM:
+            why = (
+                f"this process's socket send buffer is {sndbuf} bytes, as much as the kernel "
+                "grants (on Linux, raise net.core.wmem_max for more)"
+            )
+        else:
+            why = "the most the channel's socket reads at once"
+        if not self._warned:
+            self._warned = True
+            torchrl_logger.warning(
+                f"MetricsHandle dropped a payload: {len(data)} bytes pickled, more than the "
+                f"{limit} bytes one datagram carries here ({why}). It is counted in the owner's "
+                "health()['remote_dropped']; log less per payload (a smaller window, fewer "
+                "metrics). Further such errors are silent."
+            )
+        return GONE
 
 
 class SocketReceiver:
@@ -500,14 +369,14 @@ class SocketReceiver:
 
 
 def _forget_socket_after_fork() -> None:
-    SocketSender._sockets = None
+    SocketWire._sockets = None
 
 
 lifecycle.after_fork_in_child(_forget_socket_after_fork)
 
 register_transport(
     "socket",
-    make_sender=SocketSender,
+    make_sender=SocketWire,
     make_receiver=SocketReceiver.create,
     reachable=reachable,
     priority=0,

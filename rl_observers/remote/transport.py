@@ -3,20 +3,19 @@
 Step of the flow: **channel** (source → observer → channel → logger). A
 transport has two halves:
 
-- a :class:`Sender`, inside a :class:`~rl_observers.MetricsHandle` used in a
-  worker or actor: :meth:`Sender.send` never blocks and never raises for
-  transport reasons; it is bounded, coalesces per namespace with
-  :meth:`~rl_observers.channel.payload.Payload.absorb`, and drops and counts
-  beyond that (warning once);
+- a :class:`Wire`, whose ``send(data)`` carries one message of bytes to the
+  owner without blocking: ``SENT``, ``RETRY`` (full now) or ``GONE``
+  (lost). A handle in a worker or actor sends through an :class:`Outbox`:
+  the bounded queue that coalesces per namespace
+  (:class:`~rl_observers.channel.queue.PendingQueue`, as the owner's), pumped
+  into the wire; it pickles, and counts what it drops. (A transport may
+  instead give a whole :class:`Sender`, as Ray does: its calls are too slow
+  to make inline.)
 - a :class:`Receiver`, started by the owning
   :class:`~rl_observers.MetricsChannel` when its first handle is made: it
   hands every message to the channel as ``accept(payload,
   (unreported_dropped, unreported_coalesced))`` and reports unreadable ones
   with ``refuse()``.
-
-What travels is the submitted object itself: a
-:class:`~rl_observers.channel.payload.Payload`, or an observer copy's
-:class:`~rl_observers.remote.window.Window`.
 
 Transports register themselves with :func:`register_transport`; a handle
 keeps the address of every receiver of its channel and, when first used in
@@ -27,15 +26,22 @@ The Unix-datagram socket (:mod:`rl_observers.remote.socket`) is one.
 from __future__ import annotations
 
 import os
+import pickle
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 from torchrl._utils import logger as torchrl_logger
 
 from rl_observers.channel.payload import Payload
+from rl_observers.channel.queue import PendingQueue
 
 __all__ = [
+    "GONE",
+    "RETRY",
+    "SENT",
+    "Outbox",
     "Receiver",
     "Sender",
     "Transport",
@@ -44,14 +50,18 @@ __all__ = [
     "register_transport",
     "transport",
     "transports",
+    "Wire",
 ]
 
 #: ``accept(payload, (unreported_dropped, unreported_coalesced))``.
 Accept = Callable[[Payload, tuple], None]
+SENT, RETRY, GONE = "sent", "retry", "gone"
+#: Payloads a handle in another process holds while its wire says to retry.
+OUTBOX_CAPACITY = 64
 
 
 class Sender(Protocol):
-    """The sending half of a transport, used by a handle in another process."""
+    """What a handle in another process sends through (an :class:`Outbox`, or Ray's sender)."""
 
     name: str
     submitted: int
@@ -117,7 +127,8 @@ def register_transport(
     Args:
         name (str): the transport's name (``"socket"``, ``"ray"``, ...).
         make_sender (Callable): ``make_sender(address)`` returns a
-            :class:`Sender` for a receiver's address (``None`` if it cannot).
+            :class:`Wire` (or a whole :class:`Sender`) for a receiver's
+            address (``None`` if it cannot).
         make_receiver (Callable): ``make_receiver(channel_token, channel_name)``
             returns the owner's :class:`Receiver` (``None`` if unavailable here).
         reachable (Callable): ``reachable(address)`` says, cheaply, whether a
@@ -152,10 +163,109 @@ def transport(name: str) -> Transport:
     return found
 
 
-class Unreachable:
-    """The sender of a handle that reaches its owner by no transport: it drops and counts.
+class Wire(Protocol):
+    """What carries bytes to the owner: :meth:`send` never blocks nor raises."""
 
-    It warns once, at the first payload, naming the owner and why each
+    name: str
+
+    def send(self, data: bytes) -> str:
+        """Sends one message: ``SENT``, ``RETRY`` (full now, keep it) or ``GONE`` (lost)."""
+
+
+class Outbox:
+    """A handle's sender: the bounded, coalescing queue of payloads waiting for its wire.
+
+    ``send`` queues, then pumps the queue into the wire inline, oldest first
+    (no thread: a worker hands its GIL to nobody); ``RETRY`` keeps the rest
+    for the next ``send`` or :meth:`flush`. Each message is the pickled
+    ``(payload, (dropped, coalesced))``: what this sender dropped or coalesced
+    since the last message travels with it, and alone (payload ``None``)
+    when nothing else carries it, so the owner learns of a drop even when no
+    payload gets through after it.
+    """
+
+    def __init__(self, wire: Wire, capacity: int = OUTBOX_CAPACITY) -> None:
+        self.name = wire.name
+        self.wire = wire
+        self.queue = PendingQueue(capacity)
+        self._told = (0, 0)  # (dropped, coalesced) the owner heard of
+        self._lock = threading.Lock()
+        self._warned = False
+
+    def send(self, payload: Payload) -> None:
+        with self._lock:
+            error = self.queue.put(payload)
+            if error is not None:
+                self._warn(f"could not merge a partial of namespace {payload.namespace!r}: {error!r}")
+            self._pump()
+
+    def flush(self, timeout: float | None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.0005
+        while True:
+            with self._lock:
+                if self._pump():
+                    return True
+            if deadline is not None and time.monotonic() + delay > deadline:
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def _pump(self) -> bool:
+        """Sends what waits, then any count not told yet; whether nothing is left. Holds ``_lock``."""
+        queue = self.queue
+        while (entry := queue.take()) is not None:
+            status = self._ship(entry.payload)
+            if status == RETRY:
+                queue.untake(entry)
+                return False
+            queue.done(entry, True, lost=status != SENT)
+        return self._ship(None) != RETRY  # an owner that is gone never hears of them
+
+    def _ship(self, payload: Payload | None) -> str:
+        counts = self.queue.losses()
+        told = self._told
+        unreported = (counts[0] - told[0], counts[1] - told[1])
+        if payload is None and unreported == (0, 0):
+            return SENT
+        try:
+            data = pickle.dumps((payload, unreported), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as err:
+            self._warn(
+                f"could not pickle a payload of namespace {payload.namespace!r}: {err!r}; it is "
+                "dropped and counted in the owner's health()['remote_dropped']"
+            )
+            return GONE
+        status = self.wire.send(data)
+        if status == SENT:
+            self._told = counts
+        return status
+
+    def _warn(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            torchrl_logger.warning(f"MetricsHandle {message}. Further such errors are silent.")
+
+    @property
+    def submitted(self) -> int:
+        return self.queue.counts()["submitted"]
+
+    @property
+    def dropped(self) -> int:
+        return self.queue.losses()[0]
+
+    @property
+    def coalesced(self) -> int:
+        return self.queue.losses()[1]
+
+    def pending(self) -> int:
+        return self.queue.backlog()
+
+
+class Unreachable:
+    """The wire of a handle that reaches its owner by no transport: all is ``GONE``.
+
+    It warns once, at the first message, naming the owner and why each
     transport cannot reach it.
     """
 
@@ -164,18 +274,11 @@ class Unreachable:
     def __init__(self, owner: str, reason: str) -> None:
         self.owner = owner
         self.reason = reason
-        self.submitted = 0
-        self.dropped = 0
-        self.coalesced = 0
         self._warned = False
-        self._lock = threading.Lock()
 
-    def send(self, payload: Payload) -> None:
-        with self._lock:
-            self.submitted += 1
-            self.dropped += 1
-            warn, self._warned = not self._warned, True
-        if warn:
+    def send(self, data: bytes) -> str:
+        if not self._warned:
+            self._warned = True
             torchrl_logger.warning(
                 f"MetricsHandle cannot reach its owner {self.owner} from pid {os.getpid()} on "
                 f"{os.uname().nodename}: {self.reason}. Its metrics are dropped and counted "
@@ -184,12 +287,7 @@ class Unreachable:
                 "workers, a buffer's actor) shut down: shut the source down, or remove its "
                 "observers, before closing the channel. This is reported once."
             )
-
-    def flush(self, timeout: float | None) -> bool:
-        return True
-
-    def pending(self) -> int:
-        return 0
+        return GONE
 
 
 def _why_not(candidates: tuple[Transport, ...], addresses: Mapping[str, Any]) -> str:
@@ -209,7 +307,7 @@ def make_sender(
     """A sender for the first reachable address, by priority (``prefer`` if given).
 
     When none is reachable (or ``prefer``'s is not), the sender is an
-    :class:`Unreachable` one: it warns once, naming ``owner`` and the
+    :class:`Unreachable` wire: it warns once, naming ``owner`` and the
     reason, then drops and counts.
     """
     candidates = (transport(prefer),) if prefer is not None else transports()
@@ -219,5 +317,5 @@ def make_sender(
             continue
         sender = candidate.make_sender(address)
         if sender is not None:
-            return sender
-    return Unreachable(owner, _why_not(candidates, addresses))
+            return sender if hasattr(sender, "flush") else Outbox(sender)
+    return Outbox(Unreachable(owner, _why_not(candidates, addresses)))

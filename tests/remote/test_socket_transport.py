@@ -159,12 +159,12 @@ def test_payloads_larger_than_64_kib_cross_the_socket():
 
 
 def test_a_payload_too_large_for_a_datagram_is_counted_at_the_owner_at_once(warnings_seen):
-    from rl_observers.remote.socket import SocketSender
+    from rl_observers.remote.socket import SocketWire
 
     logger = RecordingLogger()
     channel = sync_channel(logger)
     handle = socket_handle(channel)
-    too_large = {f"k{i}": float(i) for i in range(SocketSender.max_payload() // 10)}
+    too_large = {f"k{i}": float(i) for i in range(SocketWire.max_payload() // 10)}
     for step in range(3):  # every payload too large: no later datagram carries the count
         handle.submit_metrics(too_large, step=step, namespace="w")
     assert handle.dropped == 3
@@ -192,9 +192,9 @@ def test_unpicklable_payloads_are_dropped_by_the_sender_and_counted_at_the_owner
 
 _CHILD_SENDS_TOO_LARGE = """
 import pickle
-from rl_observers.remote.socket import SocketSender
+from rl_observers.remote.socket import SocketWire
 handle = pickle.loads(handle)
-payload = {f"k{i}": float(i) for i in range(SocketSender.max_payload() // 10)}
+payload = {f"k{i}": float(i) for i in range(SocketWire.max_payload() // 10)}
 for i in range(4):
     handle.submit_metrics(payload, step=i, namespace="big")
 assert handle.transport == "socket" and handle.dropped == 4

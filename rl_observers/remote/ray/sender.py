@@ -1,4 +1,4 @@
-"""The sending side of the Ray transport: a bounded buffer and a thread per process.
+"""The sending side of the Ray transport: a bounded queue and a thread per process.
 
 See :mod:`rl_observers.remote.ray.transport` for the flow.
 """
@@ -10,11 +10,11 @@ import os
 import threading
 import time
 import weakref
-from collections import deque
 from typing import Any
 
 from rl_observers import lifecycle
 from rl_observers.channel.payload import Payload
+from rl_observers.channel.queue import PendingQueue
 from rl_observers.remote.ray.relay import (
     NAME,
     RELAY_INTERVAL,
@@ -49,7 +49,7 @@ class RaySender:
 
     Keyword Args:
         capacity (int, optional): messages buffered here before they coalesce
-            per namespace (then drop). Defaults to ``SENDER_CAPACITY``.
+            per namespace (or drop the oldest). Defaults to ``SENDER_CAPACITY``.
         in_flight (int, optional): batches in flight at most. Defaults to
             ``SENDER_IN_FLIGHT``.
         relay (bool, optional): send through this node's relay actor
@@ -78,10 +78,8 @@ class RaySender:
         if not _is_address(address):
             raise TypeError(f"RaySender expected a RayAddress, got {address!r}.")
         self.address = RayAddress(*address)
-        self._taken = 0  # entries the sending thread took (``submitted`` counts them)
-        self._overflowed = 0  # payloads sent to a full buffer (merged or dropped)
-        self._dropped = 0
-        self._coalesced = 0
+        self._queue = PendingQueue(capacity)
+        self._told = (0, 0)  # the queue's (dropped, coalesced) already sent to the owner
         self._capacity = capacity
         # a buffer half full wakes the sending thread early: at a high rate it would otherwise
         # fill before the next round and every further send would take the merging path
@@ -91,9 +89,6 @@ class RaySender:
         self._interval = interval
         self._relay_interval = relay_interval
         self._lock = threading.Lock()
-        self._pending: deque[_Held] = deque()
-        self._newest: dict[str, _Held] = {}
-        self._unreported = [0, 0]  # dropped, coalesced
         self._forwarder = _Forwarder(self._find_target, in_flight)
         self._relay_handle: Any = None
         self._warned = False
@@ -112,51 +107,30 @@ class RaySender:
 
     # -- worker side: never waits ---------------------------------------------------------------
     def send(self, payload: Payload) -> None:
-        """Buffers one payload for the owner; returns at once."""
+        """Queues one payload for the owner; returns at once."""
         if not self._running:
             self._start_thread()
-        pending = self._pending
-        if len(pending) < self._capacity:
-            # No lock: the append is atomic and the sending thread only pops from the left.
-            # ``_newest`` may name an entry already taken: taken entries are marked (under
-            # the lock), and a full buffer merges only into one that is not.
-            entry = _Held(payload)
-            pending.append(entry)
-            self._newest[payload.namespace] = entry
-            if len(pending) == self._wake_at:
+        queue = self._queue
+        if queue.backlog() < self._capacity:
+            queue.put(payload)
+            if queue.backlog() == self._wake_at:
                 self._wake.set()
             return
-        self._send_full(payload)
-
-    def _send_full(self, payload: Payload) -> None:
-        """A full buffer: merges into the newest entry of ``namespace`` not taken yet, or drops."""
-        error = None
-        namespace = payload.namespace
-        with self._lock:
-            self._overflowed += 1
-            entry = self._newest.get(namespace)
-            if entry is not None and not entry.taken:
-                error = entry.payload.absorb(payload)
-                entry.payloads += 1  # lost with the entry later, it counts as dropped
-                self._coalesced += 1
-                self._unreported[1] += 1
-            else:  # only this payload is lost: nothing merged into it yet
-                self._dropped += 1
-                self._unreported[0] += 1
-                error = "full"
-        if error == "full":
-            self._warn_once(
-                f"dropped a payload of namespace {namespace!r}: its buffer of {self._capacity} "
-                f"messages to its owner {self.address.owner} is full (Ray does not keep up)"
+        # full: the queue merges into the newest entry of the namespace, or drops the oldest
+        dropped = queue.losses()[0]
+        error = queue.put(payload)
+        if queue.losses()[0] > dropped:
+            error = (
+                f"its buffer of {self._capacity} messages to its owner {self.address.owner} is "
+                "full (Ray does not keep up): the oldest payload was dropped"
             )
-        elif error is not None:
-            self._warn_once(f"could not merge a partial of namespace {namespace!r}: {error!r}")
+        if error is not None:
+            self._warn_once(f"namespace {payload.namespace!r}: {error}")
 
     @property
     def submitted(self) -> int:
         """Payloads given to :meth:`send` in this process (buffered, merged or dropped)."""
-        with self._lock:
-            return self._taken + len(self._pending) + self._overflowed
+        return self._queue.counts()["submitted"]
 
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until what was sent before reached the owner's ingest (or ``timeout``)."""
@@ -215,35 +189,28 @@ class RaySender:
                 )
 
     def _take(self) -> list[Message]:
-        with self._lock:
-            pending = self._pending
-            if not pending:
-                return []
-            taken = []
-            for _ in range(len(pending)):  # what senders append meanwhile waits for the next round
-                entry = pending.popleft()
-                entry.taken = True
-                taken.append(entry)
-            self._taken += len(taken)
-            d, c = self._unreported
-            self._unreported = [0, 0]
+        taken = self._queue.take_all()  # what senders append meanwhile waits for the next round
+        if not taken:
+            return []
+        counts, told = self._queue.losses(), self._told
+        self._told = counts
         batch = [Message(e.payload, (0, 0), (e.payloads, e.payloads - 1)) for e in taken]
-        batch[0].counts = (d, c)
+        batch[0].counts = (counts[0] - told[0], counts[1] - told[1])
         return batch
 
     def _send_pending(self) -> None:
         forwarder = self._forwarder
-        if not self._pending:
+        if not self._queue.backlog():
             return
         if not forwarder.ready():
-            return  # beyond its capacity, the buffer coalesces, then drops
+            return  # beyond its capacity, the queue coalesces or drops
         batch = self._take()
         if batch:
             forwarder.send(batch)  # a failed call is counted by the forwarder
 
     def _flush(self, deadline: float | None) -> bool:
         forwarder = self._forwarder
-        while self._pending:
+        while self._queue.backlog():
             if deadline is not None and time.monotonic() > deadline:
                 return False
             forwarder.reap()
@@ -293,12 +260,13 @@ class RaySender:
     def _forget_thread_after_fork(self) -> None:
         """In a forked child: the parent's sending thread is not here (the next send starts one)."""
         self._running = False
-        self._lock = threading.Lock()  # it may have been held by a thread the child lacks
+        # their locks may have been held by a thread the child lacks; the parent sends its own
+        self._lock = threading.Lock()
+        self._queue, self._told = PendingQueue(self._capacity), (0, 0)
 
     def pending(self) -> int:
         """Entries buffered here, not yet handed to a call (the ``Sender`` protocol's ``pending``)."""
-        with self._lock:
-            return len(self._pending)
+        return self._queue.backlog()
 
     @property
     def dropped(self) -> int:
@@ -306,12 +274,12 @@ class RaySender:
 
         A lost message counts every payload merged into it.
         """
-        return self._dropped + self._forwarder.dropped
+        return self._queue.losses()[0] + self._forwarder.dropped
 
     @property
     def coalesced(self) -> int:
         """Payloads merged into a buffered one, but for those lost with it (counted as dropped)."""
-        return self._coalesced - self._forwarder.merged_lost
+        return self._queue.losses()[1] - self._forwarder.merged_lost
 
     @property
     def stats(self) -> dict[str, int]:
@@ -334,14 +302,3 @@ def _forget_threads_after_fork() -> None:
 
 
 lifecycle.after_fork_in_child(_forget_threads_after_fork)
-
-
-class _Held:
-    """A payload buffered for the sending thread: how many it holds, whether the thread took it."""
-
-    __slots__ = ("payload", "payloads", "taken")
-
-    def __init__(self, payload: Payload) -> None:
-        self.payload = payload
-        self.payloads = 1
-        self.taken = False

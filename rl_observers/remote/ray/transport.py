@@ -28,9 +28,10 @@ sender's call that fails, a full relay or ingest, a relay that dies), all its
 payloads count as dropped and its merged ones no longer as coalesced, as in
 the owner's queue.
 
-Nothing on a worker's path waits for Ray: :meth:`RaySender.send` appends to a
-bounded local buffer (coalescing per namespace beyond it, then dropping and
-counting). A daemon thread of the sender's process makes the ``.remote()``
+Nothing on a worker's path waits for Ray: :meth:`RaySender.send` puts into
+the bounded queue the owner uses too
+(:class:`~rl_observers.channel.queue.PendingQueue`: beyond its capacity it
+coalesces per namespace, or drops the oldest entry, and counts). A daemon thread of the sender's process makes the ``.remote()``
 calls and checks finished ones with ``ray.wait(..., timeout=0)``. A relay or
 ingest actor that dies costs the messages it held (counted as dropped); the
 next batch finds (or creates) a new one by name.
