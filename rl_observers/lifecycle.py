@@ -1,10 +1,8 @@
 """What rl_observers does when a process forks or exits: every such hook is registered here.
 
-A forked child runs the :func:`after_fork_in_child` hooks in the order they
-were added. At exit, the :func:`at_exit` hooks run once per process, phase by
-phase: observed sources still running are shut down, so that their workers'
-copies send their last windows (``SOURCES``); copies in this process send
-theirs (``COPIES``); channels deliver what is pending (``CHANNELS``).
+At exit, hooks run once, phase by phase: observed sources shut down so
+their workers' copies send their last windows (``SOURCES``), copies here
+send theirs (``COPIES``), channels deliver (``CHANNELS``).
 
 Examples:
     >>> from rl_observers import lifecycle
@@ -37,10 +35,9 @@ def after_fork_in_child(hook: Callable[[], None]) -> None:
 def at_exit(hook: Callable[[], None], phase: int) -> None:
     """Runs ``hook()`` once when this process exits, after the hooks of earlier phases.
 
-    Adding a new hook moves the exit run after every exit handler registered
-    before it (``atexit`` runs the newest first), such as multiprocessing's,
-    which would otherwise wait for workers that were never shut down. A hook
-    added twice runs once; what it raises is ignored (the process is going away).
+    Each new hook moves the run after every exit handler registered before
+    (such as multiprocessing's, which would wait for workers never shut
+    down). A hook added twice runs once; what it raises is ignored.
     """
     global _FINALIZER_PID
     if all(known != hook for _, known in _EXIT_HOOKS):

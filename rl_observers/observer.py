@@ -1,16 +1,9 @@
 """Observers, the ordered observer list of a source, handles and the error policy.
 
-An observer is any object with ``on_<event>`` methods; only the events it
-defines are wired. A plain callable is a ``post_collect`` receiver ``fn(batch)``.
-Everything about an observer (which events, how to call them, its error
-policy) is resolved once, when it is attached, so that emitting an event is a
-walk over a tuple.
-
-Why it is long: the observer protocol, the ordered list that emits to it, its
-one error policy and failure-streak tracker, and how the list pickles with
-its source (observers left behind where they cannot be unpickled) are one
-contract that every source relies on; the lowest layer may import only
-``signals``, so these cannot move to a module of their own under it.
+Step **observer** of the flow (source → observer → channel → logger). An
+observer is any object with ``on_<event>`` methods (a plain callable is a
+``post_collect`` receiver ``fn(batch)``); everything about it is resolved
+when it is attached, so emitting an event is a walk over a tuple.
 """
 
 from __future__ import annotations
@@ -50,7 +43,7 @@ ON_ERROR_POLICIES: tuple[str, ...] = ("warn", "raise", "ignore")
 
 
 def check_on_error(on_error: Any) -> str:
-    """``on_error`` if it is one of :data:`ON_ERROR_POLICIES`; raises ``ValueError`` saying so otherwise."""
+    """``on_error`` if it is one of :data:`ON_ERROR_POLICIES`, else a ``ValueError``."""
     if on_error not in ON_ERROR_POLICIES:
         raise ValueError(f"on_error must be one of 'warn', 'raise' or 'ignore', got {on_error!r}.")
     return on_error
@@ -74,11 +67,10 @@ OPTIONAL_HOOKS: tuple[str, ...] = (
 
 
 class Observer:
-    """Optional base class for observers.
+    """Optional base class for observers: documents the protocol, gives no-op lifecycle callbacks.
 
-    Subclassing is not required: any object with ``on_<event>`` methods is an
-    observer. The base class documents the protocol and gives no-op lifecycle
-    callbacks. Event methods take the source first, then the payload:
+    Any object with ``on_<event>`` methods is an observer. Event methods take
+    the source first, then the payload:
 
     ==============================================  ===============================
     method                                          called
@@ -92,15 +84,10 @@ class Observer:
     ``on_empty(self, source)``                      after ``replay_buffer.empty()``
     ==============================================  ===============================
 
-    Only the methods a class defines are called; defining none of the events
-    of a target is an error at attach time. An observer whose class defines
-    more event methods than an instance needs may narrow them with an
-    ``observed_events`` attribute (a tuple of event names), read at attach time. Observers must be picklable to be
-    shipped to worker processes and Ray actors. The observers of a shared
-    replay buffer travel inside the buffer's pickle to ``spawn`` workers; one
-    that cannot be unpickled there is left behind in that worker, with one
-    warning naming it and the error, and the buffer and its other observers
-    work as usual.
+    Only the methods a class defines are called; defining none of a target's
+    events fails at attach time. An ``observed_events`` tuple narrows them.
+    Observers must be picklable to reach workers and Ray actors; see
+    :ref:`events` and :ref:`observed-objects`.
 
     Examples:
         >>> import torch
@@ -129,21 +116,12 @@ class Observer:
     def prepare_copies(self, target: Any) -> None:
         """Called on the original, in the driver, before copies are shipped where ``target`` runs.
 
-        Sources whose data lives elsewhere (multiprocessing workers, Ray
-        actors) run copies of their observers; ``attached``/``detached`` are
-        called on the copies. This is the original's chance to fix what all
-        copies must share. Also called for a shared replay buffer (attached
-        here too) before its copies start in the workers of a collector
-        writing into it, or are mirrored to running ones.
+        The chance to fix what all copies must share; ``attached``/``detached``
+        are called on the copies.
         """
 
     def copies_removed(self, target: Any) -> None:
-        """Called once on the original, in the driver, when its copies are gone.
-
-        That is when every copy was detached from ``target``, or when
-        ``target`` shut down (the copies went with its worker processes or
-        actors), whichever comes first.
-        """
+        """Called once on the original when its copies are gone (all detached, or ``target`` shut down)."""
 
 
 def _check_optional_hooks(observer: Any) -> None:
@@ -216,11 +194,8 @@ class _CallablePostCollect:
 class FailureStreaks:
     """Which parts of an observer are in a failure streak: the one tracker of ``on_error``'s rule.
 
-    A key is what fails (an event of an observer, the position of a metric
-    set). :meth:`fail` applies the policy: ``"raise"`` raises the error,
-    ``"warn"`` warns when a streak starts (once per streak), ``"ignore"``
-    only records it. A key's streak ends with :meth:`succeeded`, or with
-    :meth:`recover` for the keys that did not fail again since the last call.
+    :meth:`fail` raises, warns once per streak or records; a streak ends with
+    :meth:`succeeded`, or :meth:`recover` for keys that did not fail again.
 
     Examples:
         >>> from rl_observers.observer import FailureStreaks
@@ -243,11 +218,7 @@ class FailureStreaks:
     def fail(
         self, key: Any, error: Exception, policy: str, warning: Callable[[], str], *, per_key: bool = True
     ) -> None:
-        """``key`` raised ``error``: raises, warns (``warning()``, once per streak) or records it.
-
-        With ``per_key=False`` all keys form one streak: it is warned when
-        the first key starts failing and ends when every key succeeded again.
-        """
+        """``key`` raised ``error``: raises, warns (once per streak) or records it; ``per_key=False`` makes one streak of all keys."""
         if policy == "raise":
             raise error
         if policy == "warn" and (key not in self.failing if per_key else not self.failing):
@@ -271,10 +242,8 @@ class FailureStreaks:
 class _Entry(FailureStreaks):
     """One attached observer: its resolved event calls and its error state.
 
-    ``failing`` holds the events whose last call raised. A failure streak
-    starts when the set stops being empty (warned once) and ends when every
-    failing event has succeeded again, so an observer broken in one event is
-    not reported again each time another of its events succeeds.
+    A streak lasts while any event of the observer is failing, so one broken
+    event is not warned about again when another succeeds.
     """
 
     __slots__ = ("calls", "observer", "on_error", "stats")
@@ -318,10 +287,7 @@ def _receiver_key(receiver: Any) -> Any:
 def resolve_observer(
     observer: Any, emits: tuple[str, ...], target_name: str, on_error: str | None
 ) -> _Entry:
-    """Validates ``observer`` for a target emitting ``emits`` and resolves its calls.
-
-    All checks happen here, at attach time, never on the event path.
-    """
+    """Validates ``observer`` for a target emitting ``emits`` and resolves its calls, at attach time."""
     if on_error is None:
         own = getattr(observer, "on_error", None)
         on_error = own if isinstance(own, str) else "warn"
@@ -375,22 +341,12 @@ CallTransform = Callable[[str, Calls], Iterable[tuple[Callable[..., Any], _Entry
 
 
 class ObserverList:
-    """The ordered observers of one source, and the emitters the source calls.
+    """The ordered observers of one source (``source._rl_observers``) and the emitters it calls.
 
-    Lives on an observed source as ``source._rl_observers``. Emitting walks a
-    tuple built at registration; a registration replaces the tuple, so an
-    event in flight finishes over the snapshot it started with.
-
-    The list pickles with its source. When it is pickled for a new process
-    (``spawn`` / ``forkserver`` workers of a multiprocessing collector
-    receiving a shared replay buffer), each observer is pickled on its own:
-    one that fails to unpickle in the new process is left behind there, with
-    one warning through torchrl's logger naming it and the error, whatever
-    its ``on_error``; the source and the other observers go on. It keeps its
-    place in the list as a stand-in that receives no event, so positions
-    match across processes. Observers that reach their own list again (an
-    observer holding its source) are pickled inline, as is any list pickled
-    elsewhere (Ray, ``copy.deepcopy``, ``pickle``).
+    Emitting walks a tuple rebuilt at each registration, so an event in flight
+    finishes over its snapshot. Pickled for a new process, each observer is
+    pickled apart: one that fails to unpickle there is left behind as a
+    stand-in, with one warning (:class:`ObserverLeftBehind`).
     """
 
     def __init__(self, source: Any, emits: tuple[str, ...], target_name: str) -> None:
@@ -433,13 +389,10 @@ class ObserverList:
         return removed
 
     def set_call_transform(self, transform: CallTransform | None) -> CallTransform | None:
-        """Installs ``transform(event, calls) -> calls``, or removes it with ``None``.
+        """Installs ``transform(event, calls) -> calls`` (``None`` removes it); returns the previous one.
 
-        The transform rewrites the ``(call, entry)`` tuple of each event when the
-        tuples are built: now, and at every later registration. It can wrap calls
-        (``ProfilerObserver(record_observers=True)`` times each observer) or move
-        them, and it costs nothing per event: emitting stays a tuple walk. A
-        list holds one transform; the previous one is returned. Not pickled.
+        Applied when the call tuples are built, now and at later registrations,
+        so it costs nothing per event. Not pickled.
         """
         with self._lock:
             previous, self._call_transform = self._call_transform, transform
@@ -468,9 +421,8 @@ class ObserverList:
     def copy_for(self, source: Any) -> ObserverList:
         """A new list for ``source`` (a shallow copy of this list's source) with the same observers.
 
-        The observers and their policies are the same objects; error streaks
-        start afresh, the call transform is not copied, and registrations on
-        either list leave the other alone.
+        Error streaks start afresh, the call transform is not copied, and each
+        list's registrations leave the other alone.
         """
         new = type(self)(source, self.emits, self.target_name)
         with self._lock:
@@ -497,11 +449,7 @@ class ObserverList:
             self._send(signal, event, dict(zip(signals.EVENT_PAYLOADS[event], payload)))
 
     def _send(self, signal: Any, event: str, kwargs: dict[str, Any]) -> None:
-        """Calls the signal's receivers for this source, each under its own error policy.
-
-        Like blinker's ``send``, but a receiver that raises is handled as an
-        observer is: by its ``on_error`` attribute if it has one, else ``"warn"``.
-        """
+        """Calls the signal's receivers for this source, each under its own ``on_error`` (default ``"warn"``)."""
         source = self.source
         for receiver in signal.receivers_for(source):
             try:
@@ -536,12 +484,7 @@ class ObserverList:
         return stats
 
     def shutdown(self) -> None:
-        """Emits ``shutdown`` once, however often the source shuts down.
-
-        Every observer receives it, even after one raised with
-        ``on_error="raise"`` (its last window is not lost because of another
-        observer); the first such error is raised once all have run.
-        """
+        """Emits ``shutdown`` once to every observer, even after one raised; the first error is raised after all ran."""
         if self._shut_down:
             return
         self._shut_down = True
@@ -617,10 +560,7 @@ class _PickledInline(Exception):
 def _pickle_apart(observers: ObserverList, attached: list[tuple[Any, str]]) -> list[tuple[bytes, str, str]] | None:
     """Each ``(observer, on_error)`` pickled on its own, or ``None`` to pickle them inline.
 
-    Inline when an observer cannot be pickled on its own (the enclosing
-    pickle then reports the error as it would without this), or reaches its
-    own list again (it holds its source: pickled apart, it would copy the
-    source, and recurse).
+    Inline when one cannot be pickled alone, or reaches its own list again.
     """
     busy: set[int] = _APART.__dict__.setdefault("busy", set())
     if id(observers) in busy:
@@ -637,12 +577,9 @@ def _pickle_apart(observers: ObserverList, attached: list[tuple[Any, str]]) -> l
 def dumps(obj: Any, *, by_value: bool = False, spawn: bool = False) -> bytes:
     """``obj`` pickled to travel to another process: the one pickling helper of the package.
 
-    By reference first (:mod:`pickle`; with ``spawn=True``, ``multiprocessing``'s
-    pickler and its reducers, as a ``spawn`` worker receives its arguments),
-    then by value with cloudpickle (a torchrl dependency) when that fails: a
-    lambda or a function of ``__main__`` (a one-liner's ``fn``) cannot be
-    pickled by reference. ``by_value=True`` goes to cloudpickle at once, for
-    a process that does not share this one's ``__main__`` (a Ray actor).
+    By reference first (with ``spawn=True``, as a ``spawn`` worker receives
+    its arguments), then by value with cloudpickle (lambdas, functions of
+    ``__main__``); ``by_value=True`` goes to cloudpickle at once (Ray actors).
 
     Raises:
         Exception: what cloudpickle raised when ``obj`` cannot be pickled at all.
@@ -677,11 +614,7 @@ def _describe(observer: Any) -> str:
 
 
 class ObserverLeftBehind:
-    """Stands for an observer that could not be unpickled in this process: it receives no event.
-
-    Keeps the observer's place in its list, so that positions stay the same
-    in every process.
-    """
+    """Stands for an observer that could not be unpickled here: keeps its place, receives no event."""
 
     __slots__ = ("description", "error")
 
@@ -696,8 +629,7 @@ class ObserverLeftBehind:
 class ObserverHandle:
     """What ``add_observer`` returns: removes the observer, also as a context manager.
 
-    The handle holds its target weakly, so keeping a handle does not keep a
-    collector or replay buffer alive. Removing twice is harmless.
+    Holds its target weakly; removing twice is harmless.
 
     Examples:
         >>> import torch

@@ -1,44 +1,13 @@
 """ProfilerObserver: ``torch.profiler`` over chosen rollouts, stacked with any observers.
 
-torchrl's ``collector.enable_profile()`` drives the profiler from the single
-``post_collect_hook`` slot, so it evicts a user hook and is evicted by one.
-:class:`ProfilerObserver` drives the same profiler, with the same
-:class:`~torchrl.collectors.ProfileConfig` semantics, as one observer among
-others; :func:`install_profiling` (run by ``import rl_observers``) makes
-``enable_profile()`` / ``disable_profile()`` attach and detach one.
-
-**What one profiler step is.** Step ``k`` is rollout ``k`` (counted from 0 in
-the process that collects) and everything done about it: it starts when
-every observer is done with batch ``k - 1`` and ends when every observer is
-done with batch ``k``. So a step holds, in order: the consumer's work on
-batch ``k - 1`` (the training loop between two batches), the ``pre_collect``
-hook and observers, the whole rollout (including torchrl's ``Collector.rollout``
-range when ``TORCHRL_PROFILING=1``), the user's ``post_collect_hook`` and every
-``post_collect`` observer, whether registered before or after the profiler.
-The step boundary is the profiler's own ``post_collect`` call, which it moves
-behind the other observers of its source when it starts (see
-:meth:`~rl_observers.observer.ObserverList.set_call_transform`); in lists
-without that seam it stays at its registration position. Steps
-``warmup_rollouts .. num_rollouts - 1`` are recorded, as with torchrl's hook,
-and the trace is exported as soon as step ``num_rollouts - 1`` ends. By
-default the profiler starts at the first event it sees, inside rollout 0: with
-``warmup_rollouts=0`` the first recorded step misses the start of that rollout.
-With ``start_after_frames`` / ``start_after_batches`` / ``start_when`` (or
-``start()``) it starts right after the batch that met them, and step 0 is
-the next rollout, whole. In a Ray actor the written trace is also sent back
-to the driver (:func:`rl_observers.remote.ray.observed.send_file_to_driver`).
-
-Boundaries at ``post_collect`` keep every rollout whole inside one step
-(``ProfilerStep#k`` contains ``Collector.rollout`` #k) and let the trace be
-written right after the last profiled batch; boundaries at ``pre_collect``
-would cut each rollout range in two and delay the trace until the next
-rollout starts.
-
-Why it is long (~730 lines): ``ProfilerObserver`` (most of it) and the
-``enable_profile`` / ``disable_profile`` methods it installs share one
-process-wide profiler slot (torch runs one profile per process) and one
-lifecycle (warm-up, rollouts, trace, stop); split, the slot's rules would be
-written twice.
+torchrl's ``enable_profile()`` takes the single ``post_collect_hook`` slot;
+:class:`ProfilerObserver` drives the same profiler as one observer among
+others, and :func:`install_profiling` (run by ``import rl_observers``)
+makes ``enable_profile()`` / ``disable_profile()`` attach and detach one.
+Profiler step ``k`` ends when every observer is done with batch ``k``
+(the observer moves its ``post_collect`` behind the others'), so each
+rollout stays whole in one step and the trace is written right after the
+last profiled batch. See :doc:`migration`.
 """
 
 from __future__ import annotations
@@ -105,12 +74,7 @@ def _make_config(values: dict[str, Any]) -> ProfileConfig:
 
 
 def _worker_index(source: Any) -> int | None:
-    """The index of ``source`` among the workers of a multi-process or Ray collector.
-
-    ``None`` for a collector that is nobody's worker. Asks
-    :func:`rl_observers.sources.placement.source_info`, then the ``worker_idx`` torchrl
-    gives the inner collectors of its workers.
-    """
+    """The index of ``source`` among its collector's workers, ``None`` for nobody's worker."""
     worker = source_info(source).worker
     if worker is not None:
         return worker
@@ -121,9 +85,8 @@ def _worker_index(source: Any) -> int | None:
 class _RolloutSchedule:
     """``torch.profiler`` schedule: skip, one warm-up step, then record until ``num_rollouts``.
 
-    Unlike ``torch.profiler.schedule(warmup=0)`` it does not warn, and it warms
-    the profiler up during the last skipped rollout, so that the first recorded
-    rollout does not pay for starting the trace.
+    Unlike ``schedule(warmup=0)`` it does not warn, and it warms up during the
+    last skipped rollout so the first recorded one does not pay for it.
     """
 
     __slots__ = ("last", "skip")
@@ -157,105 +120,55 @@ def _recorded(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 class ProfilerObserver(Observer):
     """Profiles whole collector rollouts with :mod:`torch.profiler`, next to any other observers.
 
-    The observer does what torchrl's ``enable_profile()`` does, with the same
-    :class:`~torchrl.collectors.ProfileConfig` (and its validation), but as an
-    observer: it never takes the ``post_collect_hook`` slot, so a user hook,
-    other observers and the profiler all run on every batch. It runs in the
-    process where collection runs: a pickled copy (sent to a worker process or
-    a Ray actor) builds its own profiler there, on the first event it receives,
-    and learns its worker index from its source. Only the workers in
-    ``config.workers`` profile; a collector that is nobody's worker (a plain
-    ``Collector``) is worker ``0`` and, as with torchrl, is profiled whatever
-    ``workers`` says.
-
-    **When it starts.** By default the profiler starts at the first rollout
-    the copy sees, which on a fresh collector is the warm-up (random-policy,
-    ``init_random_frames``) phase. ``start_after_frames`` /
-    ``start_after_batches`` make each copy wait until *its* source has
-    collected that many frames / batches (a worker counts its own frames, not
-    the total), and ``start_when`` until a condition of yours holds; the
-    profiler then starts right after the batch that met them, so the first
-    rollout it counts is the next one, whole. ``start()`` starts it at the
-    next event, for an in-process collector.
-
-    Rollouts are counted from the start: rollouts
-    ``0 .. warmup_rollouts - 1`` are skipped (the last of them warms the
-    profiler up), rollouts ``warmup_rollouts .. num_rollouts - 1`` are
-    recorded, one profiler step (``ProfilerStep#k`` in the trace) each, and
-    the trace is written as soon as every observer is done with rollout
-    ``num_rollouts - 1``. A profiler step covers the rollout, the
-    ``pre_collect`` / ``post_collect`` hooks and every observer's work on it
-    (also observers registered after this one), and the consumer's work on
-    the previous batch. Shutting the collector down or detaching the observer
-    stops the profiler early, writing what was recorded so far.
-
-    **Which workers.** On a multiprocessing or Ray collector only the
-    workers in ``workers`` are traced (``[0]`` by default, as torchrl's);
-    :attr:`trace_paths` on the observer you attached lists the traces they
-    wrote. The ``USDT: ... profiler_start`` / ``profiler_stop`` lines on
-    stderr are torch's own profiler's (any ``torch.profiler.profile()``).
-
-    **Where traces land.** ``save_path`` (``{worker_idx}`` filled in) on the
-    machine where the copy runs: in process and in multiprocessing workers,
-    the driver's machine. In a ``RayCollector``'s remote collectors, which may
-    run on other nodes, the trace is also sent back: the driver writes it
-    under the same absolute path when the observer is removed or the
-    collector shuts down (``shutdown()``, or the end of iteration), unless
-    an identical file is already there. A relative ``save_path`` is resolved
-    in the actor's working directory. Traces of a multiprocessing collector
-    running inside a Ray actor stay on that actor's node.
-
-    ``torch.profiler`` runs one profile per process: while a profiler (this
-    one on another collector, or one the user started) runs in a process, a
-    ProfilerObserver starting there warns and does not profile.
+    What torchrl's ``enable_profile()`` does, with the same
+    :class:`~torchrl.collectors.ProfileConfig`, but without taking the
+    ``post_collect_hook`` slot. It runs where collection runs: a copy in a
+    worker or Ray actor builds its own profiler, and only the workers in
+    ``workers`` profile (a collector that is nobody's worker is worker ``0``).
+    Rollouts ``warmup_rollouts .. num_rollouts - 1`` after the start are
+    recorded, one ``ProfilerStep#k`` each, covering the rollout, its hooks and
+    every observer's work on it; shutdown or detaching stops it early, writing
+    what was recorded. One profile runs per process: a second profiler warns
+    and does not profile. With ``warmup_rollouts=0`` and no start condition
+    the first recorded step misses the start of rollout 0. See
+    :doc:`migration` for where traces land and how large they are.
 
     Args:
-        config (ProfileConfig, optional): a ready-made torchrl profiling
-            configuration. Give either this or the keyword arguments below,
-            which build one exactly as ``enable_profile()`` does.
+        config (ProfileConfig, optional): a ready-made configuration; give
+            either it or the keywords that build one.
 
     Keyword Args:
-        workers (list[int], optional): worker indices to profile. Defaults to ``[0]``.
-        num_rollouts (int, optional): rollouts to run the profiler for,
-            warm-up included. Defaults to ``3``.
-        warmup_rollouts (int, optional): rollouts skipped before recording.
-            Defaults to ``1``.
-        save_path (str or Path, optional): where to write the Chrome trace;
-            ``{worker_idx}`` is replaced by the worker index. Defaults to
-            ``"./collector_profile_{worker_idx}.json"``.
-        activities (list[str], optional): ``"cpu"`` and/or ``"cuda"`` (CUDA
-            only where available). Defaults to ``["cpu", "cuda"]``.
-        record_shapes (bool, optional): record tensor shapes. Defaults to ``True``.
-        profile_memory (bool, optional): profile memory. Defaults to ``False``.
-        with_stack (bool, optional): record Python stacks. Defaults to
-            ``False`` (torchrl's ``enable_profile`` says ``True``): stacks make
-            traces about 8x larger (153 MB instead of 18 MB for 2 rollouts of
-            250 CartPole frames), too large for a browser to open well.
-        with_flops (bool, optional): estimate FLOPs. Defaults to ``False``.
+        workers (list[int], optional): workers to profile. Defaults to ``[0]``.
+        num_rollouts (int, optional): rollouts profiled, warm-up included.
+            Defaults to ``3``.
+        warmup_rollouts (int, optional): rollouts skipped first. Defaults to ``1``.
+        save_path (str or Path, optional): the Chrome trace, ``{worker_idx}``
+            filled in. Defaults to ``"./collector_profile_{worker_idx}.json"``.
+        activities (list[str], optional): ``"cpu"`` and/or ``"cuda"``.
+            Defaults to ``["cpu", "cuda"]``.
+        record_shapes (bool, optional): Defaults to ``True``.
+        profile_memory (bool, optional): Defaults to ``False``.
+        with_stack (bool, optional): record Python stacks (traces about 8x
+            larger). Defaults to ``False``, unlike torchrl.
+        with_flops (bool, optional): Defaults to ``False``.
         on_trace_ready (Callable, optional): called with the profiler instead
             of writing ``save_path``. Defaults to ``None``.
-        record_observers (bool, optional): while the profiler runs, time each
-            other observer of the source in a range named
-            ``rl_observers/<ObserverClass>.on_<event>`` (a plain function is
-            named after itself), to see which observer costs what. Defaults
-            to ``False``.
-        start_after_frames (int, optional): frames the copy's source collects
-            before the profiler starts (counted per worker). Defaults to ``0``.
-        start_after_batches (int, optional): batches the copy's source
-            collects before the profiler starts (counted per worker).
-            Defaults to ``0``.
+        record_observers (bool, optional): time each other observer in a
+            range ``rl_observers/<ObserverClass>.on_<event>``. Defaults to
+            ``False``.
+        start_after_frames (int, optional): frames this copy's source collects
+            before the profiler starts. Defaults to ``0``.
+        start_after_batches (int, optional): likewise, in batches. Defaults
+            to ``0``.
         start_when (Callable, optional): ``start_when(source) -> bool``,
-            called before each rollout and after each batch (once the
-            ``start_after_*`` thresholds are met) until it returns ``True``;
-            the profiler starts then. It runs where the copy runs and must be
-            picklable for workers and Ray actors. Defaults to ``None``.
+            checked before each rollout and after each batch; picklable for
+            workers and actors. Defaults to ``None``.
 
     Raises:
-        TypeError: if ``config`` is not a :class:`ProfileConfig`, or is given
-            together with configuration keywords.
-        ValueError: as :class:`ProfileConfig` does, if ``num_rollouts <=
-            warmup_rollouts`` or ``warmup_rollouts < 0``; if
-            ``start_after_frames`` or ``start_after_batches`` is not a
+        TypeError: if ``config`` is not a :class:`ProfileConfig`, or comes
+            with configuration keywords.
+        ValueError: if ``num_rollouts <= warmup_rollouts``,
+            ``warmup_rollouts < 0``, or a ``start_after_*`` is not a
             non-negative int.
 
     Examples:
@@ -380,25 +293,16 @@ class ProfilerObserver(Observer):
 
     @property
     def trace_path(self) -> Path | None:
-        """The trace this copy wrote (``None`` before, or with ``on_trace_ready``).
-
-        On the driver of a multiprocessing or Ray collector, whose copies
-        profile in the workers, it stays ``None``: see :attr:`trace_paths`.
-        """
+        """The trace this copy wrote (``None`` before, with ``on_trace_ready``, or on a driver whose workers profile)."""
         return self._trace_path
 
     @property
     def trace_paths(self) -> dict[int, Path]:
-        """Where each profiled worker's trace was written: ``{worker_idx: path}``.
+        """``{worker_idx: path}`` of the traces written since the observer was attached, as far as this process knows.
 
-        On the observer the user attached: for a multiprocessing collector,
-        the traces its workers wrote on this machine; for a ``RayCollector``,
-        those its remote collectors sent back (written by the driver when the
-        observer is removed or the collector shuts down); for a collector in
-        this process, ``{0: trace_path}``. Only traces written since the
-        observer was attached are listed (an older file at the same path is
-        not), and only those of ``workers`` (``[0]`` by default). Empty with
-        ``on_trace_ready`` (nothing is written).
+        A ``RayCollector``'s traces appear once the driver wrote them back (when
+        the observer is removed or the collector shuts down). Empty with
+        ``on_trace_ready``.
         """
         if self._trace_path is not None:
             return {self._worker_idx or 0: self._trace_path}
@@ -432,19 +336,13 @@ class ProfilerObserver(Observer):
     def start(self) -> None:
         """Starts this copy's profiler at the next event, whatever ``start_after_*`` and ``start_when`` say.
 
-        A trigger for an in-process collector: the profiler starts before the
-        next rollout (or right after the batch being collected, if called
-        during a rollout) and counts ``warmup_rollouts`` / ``num_rollouts``
-        from there. Copies in worker processes and Ray actors are not reached
-        by it: give them ``start_when``. Does nothing once the profiler ran.
+        For an in-process collector (copies in workers and actors are not
+        reached: use ``start_when``); does nothing once the profiler ran.
         """
         self._start_requested = True
 
     def stop(self) -> None:
-        """Stops this copy's profiler now, writing what it recorded; later rollouts are not profiled.
-
-        Idempotent. Called on ``shutdown`` and when the observer is detached.
-        """
+        """Stops this copy's profiler now, writing what it recorded; idempotent."""
         with self._lock:
             self._finish()
 
@@ -664,28 +562,11 @@ def enable_profile(
 ) -> None:
     """Enables profiling of collector rollouts by attaching a :class:`ProfilerObserver`.
 
-    Same arguments, errors and ``profile_config`` as torchrl's
-    ``BaseCollector.enable_profile``; the difference is that the profiler is
-    an observer instead of the ``post_collect_hook``, so it never evicts a
-    user hook or another observer, and is not evicted by setting one. For
-    multi-process and Ray collectors, the observer runs in the workers. Calling
-    it again replaces the previous profiler.
-
-    Args:
-        workers: worker indices to profile. Defaults to ``[0]``; ignored by a
-            single-process collector.
-        num_rollouts: rollouts to run the profiler for, warm-up included.
-            Defaults to ``3``.
-        warmup_rollouts: rollouts skipped before recording. Defaults to ``1``.
-        save_path: trace path, ``{worker_idx}`` is replaced by the worker
-            index. Defaults to ``"./collector_profile_{worker_idx}.json"``.
-        activities: ``"cpu"`` and/or ``"cuda"``. Defaults to ``["cpu", "cuda"]``.
-        record_shapes: record tensor shapes. Defaults to ``True``.
-        profile_memory: profile memory. Defaults to ``False``.
-        with_stack: record Python stacks. Defaults to ``True``.
-        with_flops: estimate FLOPs. Defaults to ``False``.
-        on_trace_ready: called with the profiler instead of writing
-            ``save_path``. Defaults to ``None``.
+    torchrl's ``BaseCollector.enable_profile`` signature, errors and
+    ``profile_config``, but the profiler is an observer: it never evicts a
+    user hook or another observer. Calling it again replaces the profiler.
+    The arguments are :class:`ProfilerObserver`'s, except that ``with_stack``
+    defaults to ``True`` as in torchrl.
 
     Raises:
         RuntimeError: if iteration over the collector has started, or the
@@ -737,11 +618,7 @@ def enable_profile(
 
 
 def disable_profile(self: BaseCollector) -> None:
-    """Stops profiling and detaches the profiler; user hooks and other observers stay.
-
-    Safe to call when profiling was never enabled (a no-op). When the profiler
-    already stopped after ``num_rollouts`` rollouts, this only detaches it.
-    """
+    """Stops profiling and detaches the profiler (a no-op if none); user hooks and other observers stay."""
     if self._profile_config is None:
         return
     _detach_profiler(self)  # a collector refusing the removal now (being iterated) keeps both
@@ -780,13 +657,10 @@ def _subclasses(cls: type) -> list[type]:
 
 
 def install_profiling() -> None:
-    """Makes ``enable_profile()`` / ``disable_profile()`` of every torchrl collector use observers.
+    """Makes every torchrl collector's ``enable_profile()`` / ``disable_profile()`` use observers; idempotent.
 
-    Called by ``import rl_observers``; calling it again is harmless. Only
-    these two methods are replaced, never a method on the collection path.
-    torchrl copies public methods into ``Collector``, ``MultiSyncCollector``,
-    ``MultiAsyncCollector`` and ``AsyncCollector`` (to accept RPC references),
-    so those copies are replaced too, keeping that wrapper.
+    Only these two methods are replaced, also in the copies torchrl makes of
+    them in its collector classes (keeping their RPC wrapper).
     """
     with _INSTALL_LOCK:
         if _ORIGINALS:

@@ -1,14 +1,9 @@
 """When a schedule is due: torchrl's ``Every``, evaluated where events arrive.
 
-Step of the flow: **observer** (source → observer → channel → logger): a
-:class:`~rl_observers.LoggerObserver` asks its clock after every event, and
-the owner-side aggregation (:mod:`rl_observers.remote.aggregate`) asks one
-per worker. The schedule itself is torchrl's
-:class:`~torchrl.record.loggers.monitoring.Every`; torchrl keeps the due
-logic private to ``LoggerMonitor`` (``LoggerMonitor._is_due`` on its
-internal ``_Watch``), so the clock here follows it: counter schedules fire
-once per crossed threshold and re-baseline when the counter goes down,
-seconds schedules fire once the interval has passed since the last emission.
+Step **observer** of the flow. The clock follows ``LoggerMonitor``'s
+private due logic: a counter schedule fires once per crossed threshold and
+re-baselines when the counter goes down; a seconds schedule fires once
+the interval has passed since the last emission.
 
 Examples:
     >>> from rl_observers.schedule import ScheduleClock
@@ -36,12 +31,7 @@ __all__ = ["ScheduleClock"]
 
 
 class ScheduleClock:
-    """When an :class:`Every` schedule is due, with ``LoggerMonitor``'s semantics.
-
-    Counter schedules fire when the counter crosses the next multiple of the
-    interval (once, however many multiples it jumped); a counter that goes
-    down re-baselines instead of firing.
-    """
+    """When an :class:`Every` schedule is due, with ``LoggerMonitor``'s semantics."""
 
     __slots__ = ("last_counter", "last_time", "next_threshold", "schedule")
 

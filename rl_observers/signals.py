@@ -1,12 +1,8 @@
 """The events sources emit, as blinker signals.
 
-Each event of a collector or replay buffer is a :class:`blinker.Signal` in a
-private namespace. Observers attached with ``add_observer`` are called inline
-(cheaper than a signal send); the signal is sent after them, and only when it
-has receivers, so anyone can ``connect`` a receiver for one source or for all.
-
-Receivers get the source as ``sender`` and the payload as keyword arguments
-named like the observer method's parameters:
+Observers attached with ``add_observer`` are called inline; each event's
+:class:`blinker.Signal` is sent after them, only when it has receivers.
+Receivers get the source as ``sender`` and the payload as keywords:
 
 ========================  =====================================
 signal                    keyword arguments
@@ -20,13 +16,10 @@ signal                    keyword arguments
 ``empty``                 none
 ========================  =====================================
 
-A receiver connected for one source (``connect(fn, sender=rb)``) makes that
-source emit, exactly as an observer would. A receiver connected for all
-sources (the default) hears every source that emits: any source with an
-observer or a source-specific receiver. A receiver that raises is handled
-like an observer (see ``on_error`` in ``add_observer``): its own
-``on_error`` attribute if it has one, else ``"warn"``, so a broken receiver
-never breaks ``rb.extend`` or a collection.
+A receiver connected for one source (``sender=rb``) makes that source emit;
+one connected for all hears every source that emits. A receiver that
+raises is handled like an observer: by its ``on_error`` attribute, else
+``"warn"``.
 
 Examples:
     >>> import torch
@@ -95,13 +88,7 @@ EVENT_PAYLOADS: dict[str, tuple[str, ...]] = {
 
 
 def signal_for(event: str) -> Signal:
-    """Returns the signal of ``event``.
-
-    Args:
-        event: an event name such as ``"post_collect"``.
-
-    Raises:
-        ValueError: if ``event`` is not an event name.
+    """Returns the signal of ``event`` (``"post_collect"``, ...); raises ``ValueError`` for another name.
 
     Examples:
         >>> from rl_observers.signals import signal_for

@@ -1,41 +1,13 @@
 """What each torchrl class becomes when an observer is attached: the one table, installed.
 
-Read a row as "a ``<class>`` is observed by ``<mixin>``, keeps its observers
-in ``<observer list>``, and, for a remote kind, its observers run as copies
-``<kind.where>``". A class is matched by the nearest class of its MRO named
-here (a user's subclass of ``Collector`` is a ``Collector``), never by the
-order of rows or imports; a class not named here is refused at
-``add_observer`` with what to use instead (see
-:func:`rl_observers.sources.observed.refusal`):
-
-* a torchrl class this table does not name (a future torchrl release's),
-* a subclass that replaces a method of its row's ``loop`` (for an
-  in-process collector, the collection loop whose hook reads emit the
-  events: its observers would hear nothing).
-
-Where the user holds the object (context ``None``):
-
-* ``Collector``, ``AsyncBatchedCollector``: ``ObservedCollector``; observers
-  run in this process, called from the collection loop's hook-slot reads.
-* ``MultiSyncCollector``, ``MultiAsyncCollector``, ``AsyncCollector``
-  (``MultiCollector``): ``MultiprocessCollectorKind``; one copy per worker
-  process.
-* ``RayCollector``: ``RayCollectorKind``; one copy per remote collector actor.
-* ``DistributedCollector``, ``DistributedSyncCollector``, ``RPCCollector``:
-  ``ObservedDistributedCollector``; on the driver, on the batches it yields.
-* ``ReplayBuffer`` and torchrl's subclasses (prioritized, ``TensorDict*``,
-  HER, remote, ensemble): ``ObservedReplayBuffer``; in this process, and in
-  every worker writing into it when it is shared. One built with
-  ``prefetch=N`` takes its row in the ``"prefetching"`` context instead:
-  ``ObservedPrefetchingReplayBuffer``, whose ``sample()`` emits for the
-  batch it hands over.
-* ``RayReplayBuffer``: ``RayReplayBufferKind``; one copy inside the buffer's
-  actor.
-
-Inside a ``RayReplayBuffer``'s actor (context ``"ray_actor"``), the buffer
-is observed through the private lookups torchrl's public methods make; the
-clients an observed ``RayReplayBuffer`` hands out (context ``"ray_client"``)
-route ``stats()`` / ``empty()`` through the actor's observers.
+Step **source** of the flow (source → observer → channel → logger). A row
+reads "a ``<class>`` is observed by ``<mixin>``, keeps its observers in
+``<observer list>`` and, for a remote kind, runs them as copies
+``<kind.where>``", per context (``None``: where the user holds the object;
+``"prefetching"``, ``"ray_actor"``, ``"ray_client"``). A class matches by
+the nearest class of its MRO named here; a class not named, or a subclass
+replacing a method of its row's ``loop``, is refused at ``add_observer``.
+See :ref:`distributed-per-class`.
 
 Examples:
     >>> import rl_observers
@@ -166,44 +138,35 @@ _INSTALLED = False
 def add_observer(self: Any, observer: Any, *, on_error: str | None = None) -> ObserverHandle:
     """Attaches ``observer`` to this collector or replay buffer.
 
-    The observer runs where the data is: in this process for a local source,
-    inside every worker of a multiprocessing collector, inside the Ray actors
-    of a Ray collector or Ray replay buffer. Observers of one source are
-    called in registration order.
+    The observer runs where the data is: in this process, in every worker of a
+    multiprocessing collector, or in the Ray actors of a Ray collector or
+    replay buffer. Observers are called in registration order.
 
     Args:
         observer: an object with ``on_<event>`` methods (see
-            :class:`~rl_observers.Observer`), or a plain callable, which
-            receives each ``post_collect`` batch like ``post_collect_hook``.
+            :class:`~rl_observers.Observer`), or a callable receiving each
+            ``post_collect`` batch like ``post_collect_hook``.
 
     Keyword Args:
-        on_error (str, optional): what happens when the observer raises:
-            ``"warn"`` logs one warning per failure streak (from the first
-            failing event until every failing event succeeded again) and
-            goes on, ``"raise"`` propagates the error to the caller (the
-            observers after it miss that event; ``shutdown`` still reaches
-            them all and the source still shuts down), ``"ignore"`` goes
-            on silently. Defaults to the observer's own ``on_error`` attribute
-            if it has one, else ``"warn"``. Multiprocessing and Ray
-            collectors refuse ``"raise"``: their observers run in worker
-            processes or actors, where raising kills the worker and the
-            error never reaches the caller.
+        on_error (str, optional): when the observer raises: ``"warn"`` warns
+            once per failure streak, ``"raise"`` propagates to the caller (the
+            later observers miss that event; ``shutdown`` still reaches all),
+            ``"ignore"`` goes on silently. Defaults to the observer's
+            ``on_error`` attribute, else ``"warn"``. Multiprocessing and Ray
+            collectors refuse ``"raise"`` (it would kill the worker unseen).
 
     Returns:
-        An :class:`~rl_observers.ObserverHandle`; ``handle.remove()`` (or
-        leaving its ``with`` block) detaches the observer.
+        An :class:`~rl_observers.ObserverHandle`.
 
     Raises:
         TypeError: if ``observer`` is neither an observer nor a callable, has
             an event method with the wrong signature, or observes none of the
             events this source emits.
         ValueError: for an ``on_*`` method that is not an event, an unknown
-            ``on_error``, ``on_error="raise"`` on a multiprocessing or Ray
-            collector, or an observer that is already attached.
-        RuntimeError: if the source is shut down, or one of its worker
-            processes is dead (nothing is attached).
-        Exception: whatever the observer's ``attached`` method raises; the
-            observer is then not attached.
+            ``on_error``, ``"raise"`` on a multiprocessing or Ray collector,
+            or an observer already attached.
+        RuntimeError: if the source is shut down or a worker is dead.
+        Exception: what the observer's ``attached`` raises (not attached then).
 
     Examples:
         >>> import rl_observers
@@ -229,23 +192,17 @@ def add_observer(self: Any, observer: Any, *, on_error: str | None = None) -> Ob
 
 
 def remove_observer(self: Any, observer: Any) -> None:
-    """Detaches ``observer`` from this collector or replay buffer.
+    """Detaches ``observer``; with the last one gone the source runs exactly torchrl's code again.
 
-    Once the last observer is removed the source runs exactly torchrl's own
-    code again. On a multiprocessing collector with a dead worker, the
-    observer is removed from every live worker and from ``observers``, and
-    the dead worker is reported once with a warning.
-
-    Args:
-        observer: an observer previously given to :meth:`add_observer`.
+    A dead worker of a multiprocessing collector is skipped and warned about
+    once.
 
     Raises:
         ValueError: if ``observer`` is not attached to this source.
         RuntimeError: if a ``MultiAsyncCollector`` is being iterated (nothing
             is removed).
-        RemoteAttachError: if detaching a copy failed where it runs (for
-            example in its ``detached`` method); the observer is removed
-            from ``observers`` all the same.
+        RemoteAttachError: if detaching a copy failed where it runs; the
+            observer is removed from ``observers`` all the same.
     """
     kind = kind_of(self)
     if kind is not None:
@@ -275,10 +232,7 @@ def _on_receiver_disconnected(signal: Any, *, receiver: Any, sender: Any) -> Non
 
 
 def install() -> None:
-    """Adds ``add_observer``, ``remove_observer`` and ``observers`` to torchrl's sources.
-
-    Called by ``import rl_observers``; calling it again is harmless.
-    """
+    """Adds ``add_observer``, ``remove_observer`` and ``observers`` to torchrl's sources; idempotent."""
     global _INSTALLED
     with ATTACH_LOCK:
         if _INSTALLED:

@@ -34,20 +34,15 @@ def _size(value: Any) -> int | None:
 
 
 class EventRecorder:
-    """Records every event it receives, in order, with the size of its payload.
-
-    Thread-safe: several threads may emit at once. Holds sizes, not payloads,
-    so it never keeps batches alive. It has an ``on_<event>`` method for every
-    event, so it fits any source.
+    """Records every event it receives, in order, with the size of its payload; thread-safe, picklable.
 
     Keyword Args:
-        keep_payloads (bool, optional): also keep the payload objects
-            themselves (for identity checks). Defaults to ``False``.
+        keep_payloads (bool, optional): also keep the payloads. Defaults to
+            ``False`` (batches are not kept alive).
 
     Attributes:
-        events (list[str]): event names, in the order received.
-        sizes (list[int | None]): ``numel()`` or ``len()`` of each event's
-            first payload (``None`` without payload).
+        events (list[str]): event names, in order.
+        sizes (list[int | None]): ``numel()`` or ``len()`` of each first payload.
         payloads (list[tuple]): the payloads, when ``keep_payloads``.
         pid (int | None): the process of the last event.
     """

@@ -1,21 +1,11 @@
 """The owner's delivery: the one place where pending payloads become logger calls.
 
-Step of the flow: **channel → logger** (source → observer → channel → logger).
-:class:`Delivery` takes entries from the :class:`~.queue.PendingQueue`, in
-its own daemon thread (or in the caller's, with ``background=False``), and
-*writes* them: partials are finalized (:func:`~.payload.expand`), names get
-their namespace and ``logger.log_metrics(payload, step=step)`` is called. It
-applies the ``on_error`` policy, logs the channel's health, and carries
-flush / step / close. A submission wakes the thread only when it sleeps;
-under steady traffic it wakes every ``GATHER_SECONDS`` and delivers what
-came (flush, close and a backlog wake it at once).
-
-A payload of a class a :class:`Router` was added for (a subclass of
-:class:`~.payload.Payload`) is handed to that router instead, which returns
-the rows to write: that is how owner-side handling (the merge of the windows
-that copies of observers send, :mod:`rl_observers.remote.aggregate`) plugs
-in, without the channel knowing about it. :func:`register_router` makes a
-router part of every channel (created lazily per channel).
+Step **channel → logger** of the flow. :class:`Delivery` takes entries from
+the :class:`~.queue.PendingQueue` in its daemon thread (or the caller's),
+finalizes partials and calls ``logger.log_metrics``, with the ``on_error``
+policy and the channel's health. A payload of a class a :class:`Router` was
+registered for goes to that router instead, which returns the rows to
+write: that is how :mod:`rl_observers.remote.aggregate` plugs in.
 """
 
 from __future__ import annotations
@@ -49,11 +39,9 @@ REPEAT_WARNING_SECONDS = 60.0
 class Router(Protocol):
     """Owner-side handling of the payloads of one class (a subclass of :class:`~.payload.Payload`).
 
-    Both methods run where entries are delivered (the channel's thread),
-    one call at a time. The rows they return are written as they are
-    produced, each in its own logger call: a row the logger refuses is
-    reported through the channel's ``on_error`` policy and does not stop
-    the next ones. An entry with a row refused counts once in
+    Both methods run on the channel's thread, one call at a time. Each row
+    returned is written in its own logger call: a refused row goes through
+    ``on_error`` and does not stop the next; the entry counts once in
     ``sink_errors``.
     """
 
@@ -66,15 +54,13 @@ class Router(Protocol):
     def finish(self) -> Iterable[Row]:
         """The last rows, when the channel closes.
 
-        An error raised while producing the rows (here or in :meth:`route`)
-        is handled by the channel's ``on_error`` policy after the rows
-        produced so far are written (a router that finishes independent
-        parts yields every part it can, then raises the first error).
+        An error (here or in :meth:`route`) is handled by ``on_error`` after the
+        rows produced so far are written.
         """
 
 
 def counts_line(counts: Mapping[str, int]) -> str:
-    """The channel's counts a warning shows: what was submitted, logged, dropped, failed (and lost).
+    """The channel's counts a warning shows.
 
     Examples:
         >>> counts_line({"submitted": 5, "logged": 2, "pending": 0, "dropped": 1, "sink_errors": 2})
@@ -100,10 +86,7 @@ def counts_line(counts: Mapping[str, int]) -> str:
 
 
 def health_problem(counts: Mapping[str, int], capacity: int) -> bool:
-    """Whether the channel's counters show something wrong.
-
-    Entries dropped or coalesced (here or in other processes), sink errors,
-    or a backlog of at least half the queue's capacity.
+    """Whether the counters show something wrong: losses, coalescing, sink errors, or a half-full queue.
 
     Examples:
         >>> from rl_observers.channel.delivery import health_problem
@@ -132,37 +115,23 @@ _ROUTER_FACTORIES: dict[type, Callable[[], Router]] = {}
 
 
 def register_router(kind: type[Payload], factory: Callable[[], Router]) -> None:
-    """Gives every channel a router for the payloads of class ``kind``.
-
-    ``factory()`` is called once per channel, at the first such entry (or
-    when :meth:`Delivery.router` asks for it).
-    """
+    """Gives every channel a router for class ``kind``: ``factory()``, called once per channel when first needed."""
     _ROUTER_FACTORIES[kind] = factory
 
 
 class Delivery:
     """Writes a queue's entries to a logger, with the channel's error policy and health.
 
-    ``watchers``: callables ``watch(namespace, metrics, payload, step)`` called
-    with each row (its partials and its logger names and values) after it is
-    logged, on the delivering thread (``rl_observers.logging.histograms``,
-    ``rl_observers.logging.console``).
-
     Args:
         logger (Any): the sink (``log_metrics`` or ``log_scalar``).
         queue (PendingQueue): where entries come from.
 
     Keyword Args:
-        on_error (str): ``"warn"``, ``"raise"`` or ``"ignore"``.
-        name (str): the channel's name (health namespace, thread name, warnings).
-        background (bool): whether a daemon thread delivers.
-        health_interval (float | None): seconds between health reports; ``None``: none.
-        log_health (bool): report health at every interval (``True``) or only once
-            something is wrong (``False``: see :func:`health_problem`).
+        on_error, name, background, health_interval, log_health: as for
+            :class:`~rl_observers.MetricsChannel`.
         poll (Callable): ``poll(deadline)`` hands over what other processes sent.
-        counts (Callable, optional): the health counters to log (the channel's
-            ``health()``: the queue's and the end-to-end account's). Defaults
-            to the queue's counters.
+        counts (Callable, optional): the health counters to log. Defaults to
+            the queue's.
     """
 
     watchers: tuple[Callable[[str, Any, dict[str, Any], int | None], None], ...] = ()
@@ -239,13 +208,7 @@ class Delivery:
             self._wake.set()
 
     def _bind_logger_to_thread(self) -> None:
-        """Makes the logger's per-thread state current in the channel's thread.
-
-        MLflow keeps its active run per thread, and ``MLFlowLogger`` logs through
-        that fluent API: from another thread it would open a new run. The
-        channel's thread therefore resumes the logger's run (without ever
-        ending it).
-        """
+        """Resumes an MLflow logger's run in this thread (MLflow keeps its active run per thread)."""
         experiment = getattr(self.logger, "experiment", None)
         if not type(experiment).__module__.startswith("mlflow"):
             return
@@ -314,11 +277,7 @@ class Delivery:
             count += 1
 
     def _deliver(self, entry: PendingEntry) -> bool:
-        """Turns one entry into logger calls (through the router of its payload's class, if any).
-
-        Returns whether every call succeeded; a refused row of a router was
-        already reported.
-        """
+        """Turns one entry into logger calls (through its class's router, if any); whether all succeeded."""
         payload = entry.payload
         if payload.__class__ is not Payload:
             router = self.router(payload.__class__)
@@ -386,13 +345,7 @@ class Delivery:
         self._failing = True
 
     def _warn_failure(self, err: BaseException, what: str) -> None:
-        """Warns at the first failure of a streak, then once per ``REPEAT_WARNING_SECONDS``.
-
-        Each repeat says how many failures came since the previous warning
-        and in the whole streak, with the channel's counts, so a sink that
-        never recovers stays visible for the whole run (the messages differ,
-        and the torchrl logger never swallows a repeat).
-        """
+        """Warns at a streak's first failure, then once per ``REPEAT_WARNING_SECONDS`` with the counts so far."""
         now = time.monotonic()
         if not self._failing:
             self._streak_failures = self._unwarned_failures = 0
@@ -519,12 +472,7 @@ class Delivery:
         return self._join_while_progressing(thread)
 
     def _join_while_progressing(self, thread: threading.Thread) -> bool:
-        """Joins the delivery thread while the logger makes progress.
-
-        Gives up, warns and returns ``False`` when one logger call has not
-        returned for ``CLOSE_STALL_TIMEOUT`` seconds: ``close()`` never hangs
-        on a hung logger.
-        """
+        """Joins the thread while the logger makes progress; warns and returns ``False`` once a call has hung ``CLOSE_STALL_TIMEOUT`` seconds."""
         seen, since = -1, time.monotonic()
         while True:
             thread.join(0.05)

@@ -1,12 +1,6 @@
-"""What the logging package uses of a channel beyond its public contract.
+"""What the logging package uses of a channel beyond its public contract: ``channel._logging``.
 
-Step of the flow: **channel** (source → observer → channel → logger). A
-:class:`~.channel.MetricsChannel`'s public members are the Channel contract
-(submit, flush, close, handle, health, ...). The few things only
-:mod:`rl_observers.logging` needs (owner-side routers, close callbacks, the
-record of copies sending from other processes) are reached as
-``channel._logging``, a :class:`LoggingSide` over the channel's state in this
-process: internal API, not for users.
+Step **channel** of the flow. Internal API, not for users.
 
 Examples:
     >>> import tempfile
@@ -37,10 +31,8 @@ __all__ = ["LoggingSide"]
 class LoggingSide:
     """The private interface of one channel for :mod:`rl_observers.logging`, in this process.
 
-    Made anew at each ``channel._logging`` (it holds the channel's state,
-    never the channel): an :class:`~.owner.Owner` where the channel was
-    created, its wing's stand-in in a forked child, where most of these
-    calls do nothing.
+    Made anew at each access over the channel's state (an owner, or a forked
+    child's stand-in where most calls do nothing).
     """
 
     __slots__ = ("_state",)
@@ -49,29 +41,23 @@ class LoggingSide:
         self._state = state
 
     def add_router(self, kind: type[Payload], router: Router) -> None:
-        """Hands the payloads of class ``kind`` to ``router`` instead of the logger.
+        """Hands the payloads of class ``kind`` to ``router`` instead of the logger (owner only).
 
-        The router runs where entries are delivered (the channel's thread):
-        ``router.route(payload)`` returns the rows ``(namespace, metrics,
-        step)`` to log now, and ``router.finish()`` the last ones when the
-        channel closes (:mod:`~rl_observers.remote.aggregate` registers its
-        merge of copies' windows for every channel with
-        :func:`~rl_observers.channel.delivery.register_router`). Does nothing
-        in a process that does not own the channel.
+        ``router.route(payload)`` returns the rows ``(namespace, metrics, step)``
+        due now, ``router.finish()`` the last ones at close.
         """
         state = self._state
         if isinstance(state, Owner):
             state.delivery.add_router(kind, router)
 
     def add_watcher(self, watch: Callable[..., Any]) -> None:
-        """Calls ``watch(namespace, metrics, logged, step)`` with every row the channel delivers.
+        """Calls ``watch(namespace, metrics, logged, step)`` on the channel's thread after each row is logged.
 
-        On the channel's thread, after the row is logged (what it raises
-        counts as a sink error): ``metrics`` holds the row's partials,
-        ``logged`` its logger names and values.
+        ``metrics`` holds the row's partials, ``logged`` its logged names and
+        values; what it raises counts as a sink error.
 
         Raises:
-            ValueError: in a process that does not own the channel (rows are delivered elsewhere).
+            ValueError: in a process that does not own the channel.
         """
         state = self._state
         if not isinstance(state, Owner):
@@ -87,54 +73,36 @@ class LoggingSide:
         return state.delivery.router(kind) if isinstance(state, Owner) else None
 
     def has_pending(self, wanted: Callable[[Payload], bool]) -> bool:
-        """Whether a payload that is ``wanted`` waits for delivery (or is being delivered).
-
-        Payloads that handles in other processes sent are not read by this
-        call (see :meth:`receive`). Always ``False`` in a process that does
-        not own the channel.
-        """
+        """Whether a ``wanted`` payload waits or is being delivered (not reading other processes')."""
         state = self._state
         return isinstance(state, Owner) and state.queue.has_pending(wanted)
 
     def receive(self, timeout: float | None = None) -> None:
-        """Queues what handles in other processes have sent so far, without delivering it.
-
-        ``timeout``: the most seconds to wait for a receiver busy in another thread.
-        """
+        """Queues what handles in other processes sent so far, waiting at most ``timeout`` for a busy receiver."""
         state = self._state
         if isinstance(state, Owner):
             state.poll_remote(None if timeout is None else time.monotonic() + timeout)
 
     def add_close_callback(self, callback: Callable[[], Any]) -> None:
-        """Registers ``callback()`` to run once when the channel closes, before its final flush.
+        """Registers ``callback()`` to run once at close, before the final flush (held weakly if a bound method).
 
-        Producers use it to submit their last, partial window (an observer's
-        ``log_on_close``). Callbacks run in the thread that calls ``close``
-        (or at interpreter exit), in registration order; an error is handled
-        by the channel's ``on_error`` policy. A bound method is held weakly.
+        For producers' last windows. Runs in the closing thread, in registration
+        order; errors go through ``on_error``.
         """
         self._state.add_close_callback(callback)
 
     def copies_attached(self, feeder: Any, description: str) -> None:
-        """Notes that copies of ``feeder`` run in other processes or actors and send here.
+        """Notes that copies of ``feeder`` (held weakly) send here from other processes.
 
-        Until :meth:`copies_gone` is called for it, the channel's ``close``
-        warns, naming ``description`` (e.g. ``"LoggerObserver 'collector' on
-        a MultiSyncCollector"``), and returns ``False``: a closed channel
-        cannot receive what those copies send when their source shuts down.
-        The feeder is held weakly.
+        Until :meth:`copies_gone`, ``close`` warns naming ``description`` and
+        returns ``False``.
         """
         note = getattr(getattr(self._state, "wing", None), "copies_attached", None)
         if note is not None:
             note(feeder, description)
 
     def copies_expected(self, feeder: Any, workers: Any) -> None:
-        """Notes the workers ``feeder``'s copies were attached in (each ``Window.worker``): each must report.
-
-        A copy expected here and never heard from when its observer's copies
-        are gone (its worker killed before its first window arrived) is
-        reported and counted in ``health()["copies_lost"]``.
-        """
+        """Notes the workers ``feeder``'s copies were attached in; one never heard from counts in ``copies_lost``."""
         note = getattr(getattr(self._state, "wing", None), "copies_expected", None)
         if note is not None:
             note(feeder, workers)

@@ -1,17 +1,9 @@
 """What a channel owns in its own process, and where the cross-process wing plugs in.
 
-Step of the flow: **channel** (source → observer → channel → logger).
-:class:`~.channel.MetricsChannel` is a thin public face over its state in
-this process: an :class:`Owner` where the channel was created. The owner
-holds the :class:`~.queue.PendingQueue`, the :class:`~.delivery.Delivery`
-thread and the close callbacks, and one :class:`Wing`: what the channel does
-for other processes (receivers, handles, the account of copies). The base
-wing does nothing; :mod:`rl_observers.remote` registers its own
-(:func:`~.channel.register_wing`).
-
-Threads reference the :class:`Owner`, never the public channel, so a channel
-nobody references any more is garbage-collected and its finalizer
-(:meth:`Owner.release`) stops them.
+Step **channel** of the flow. The :class:`Owner` holds the queue, the
+delivery thread, the close callbacks and one :class:`Wing`. Threads
+reference the owner, never the public channel, so an unreferenced channel
+is collected and its finalizer stops them.
 """
 
 from __future__ import annotations
@@ -46,11 +38,9 @@ def check_alive(logger: Any) -> None:
 class Wing:
     """What a channel does for other processes: nothing, unless a plug-in registers its own.
 
-    :mod:`rl_observers.remote` subclasses it (receivers for what handles in
-    other processes send, the end-to-end account of copies, the stand-in of
-    a forked child) and registers it with :func:`~.channel.register_wing`.
-    The owner calls it at each step of its life; every method here is the
-    behaviour of a channel that only its own process feeds.
+    :mod:`rl_observers.remote` subclasses it and registers it with
+    :func:`~.channel.register_wing`; the methods here are the behaviour of a
+    channel fed only by its own process.
     """
 
     #: The ``health()`` counters it adds that count something lost.
@@ -105,12 +95,7 @@ class _StrongRef:
 
 
 class Owner:
-    """What a channel owns in its own process: queue, delivery, close callbacks, its wing.
-
-    Threads reference this object, never the public :class:`MetricsChannel`,
-    so a channel nobody references any more is garbage-collected and its
-    finalizer stops the threads.
-    """
+    """What a channel owns in its own process: queue, delivery, close callbacks, its wing."""
 
     def __init__(
         self,
@@ -261,11 +246,7 @@ class Owner:
         return done and clean and not orphaned
 
     def release(self) -> None:
-        """Stops the owner's threads without waiting: the channel was garbage-collected.
-
-        Runs in whichever thread collected the channel, so it takes no lock.
-        The delivery thread drains what is pending and exits within a second.
-        """
+        """Stops the threads without waiting or locking (the channel was garbage-collected)."""
         if os.getpid() != self.pid or self.close_requested:
             return
         self.close_requested = True
@@ -273,10 +254,7 @@ class Owner:
         self.wing.release()
 
     def in_forked_child(self) -> Any:
-        """The channel's state in a forked child: the wing's stand-in, or this owner, closed.
-
-        The inherited threads do not run in the child; its files stay the parent's.
-        """
+        """The channel's state in a forked child: the wing's stand-in, or this owner, closed."""
         state = self.wing.in_forked_child(self)
         self.close_requested = True
         self.closed = True

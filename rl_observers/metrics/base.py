@@ -54,39 +54,16 @@ def _read_counter(lock: Any, counters: ObservedCounters, name: str) -> int:
 class MetricSet:
     """Base class of metric sets: what a :class:`~rl_observers.LoggerObserver` folds.
 
-    A subclass defines an ``on_<event>(source, ...)`` method per event it
-    folds (``post_collect``, ``post_add``, ``post_extend``,
-    ``post_sample``, with the observer's signatures) and folds what it sees
-    into reducers. The base class owns everything else:
-
-    * **the lock**: each ``on_<event>`` a subclass defines runs under
-      ``self._lock`` (an ``RLock``; :meth:`pull`, :meth:`state_dict` and
-      :meth:`load_state_dict` take it too), so events from a prefetch thread
-      and a pull from another thread never interleave;
-    * **the reducers**: :meth:`moments`, :meth:`count` and
-      :meth:`moments_group` return the reducer of a name, created in the
-      set's :class:`~rl_observers.stats.ReducerBank` on first use, so a set may
-      create them in ``__init__`` or where it folds;
-    * **the counters** named in :attr:`counter_names`, cumulative host ints
-      advanced with :meth:`add_to_counter` (a host number, or a device
-      tensor read later without a sync);
-    * defaults for :meth:`counters`, :meth:`pull`, :meth:`stats`,
-      :meth:`state_dict` and :meth:`load_state_dict`, and pickling (for
-      workers and actors) with the set's state.
-
-    The events a set folds are :attr:`folded_events`, derived from the
-    ``on_<event>`` methods it defines unless declared. (An
-    :class:`~rl_observers.observer.ObserverList`'s ``events`` are the events
-    a *source emits*; here they are the events a set *folds*, hence the
-    name. ``events`` still reads :attr:`folded_events`, and a subclass that
-    declares ``events`` declares its folded events.)
-
-    A set whose defaults depend on the source (such as the reward key of a
-    collector's env) resolves them in :meth:`bind`, which the observer calls
-    once when it is attached, before any event, wherever the set runs. A set
-    may also define ``on_empty(source)``, called when a replay buffer is
-    emptied (after torchrl's ``empty()``, before any later write), e.g. to
-    fold what it still reads from the storage; it takes the lock itself.
+    A subclass defines ``on_<event>(source, ...)`` per event it folds
+    (:attr:`folded_events` is derived from them) and folds into reducers. The
+    base class gives the lock (each ``on_<event>``, :meth:`pull` and the state
+    methods run under one ``RLock``), the reducers (:meth:`moments`,
+    :meth:`count`, :meth:`moments_group`, :meth:`quantiles`, created on first
+    use), the counters of :attr:`counter_names` (:meth:`add_to_counter`), the
+    default :meth:`pull`, :meth:`stats`, state and pickling. Defaults that
+    depend on the source are resolved in :meth:`bind`. An optional
+    ``on_empty(source)`` runs after a replay buffer's ``empty()`` (taking the
+    lock itself). ``events`` is the former name of :attr:`folded_events`.
 
     Examples:
         >>> import torch
@@ -166,23 +143,14 @@ class MetricSet:
     # -- what a source decides -------------------------------------------------------
 
     def bind(self, source: Any) -> None:
-        """Resolves what depends on ``source``, once, before its first event.
-
-        Called by the observer when it is attached to ``source`` (and again
-        on the copy that runs in a worker or an actor, with the source
-        there). Defaults to nothing.
-        """
+        """Resolves what depends on ``source``, once, before its first event (also on copies in workers). Defaults to nothing."""
 
     def check_keys(self, source: Any) -> None:
-        """Raises when a key this set reads is provably absent from ``source``'s data.
+        """Raises a ``ValueError`` when a key this set reads is provably absent from ``source``'s data.
 
-        Called by the observer once, when it is attached (after
-        :meth:`bind`), where it is attached; not again on the copies that run
-        in workers or actors. A set checks what the source can tell at that
-        point (a collector's env specs, an initialized buffer's storage) and
-        raises a :class:`ValueError` naming the key, the keys present and the
-        closest match; where the source cannot tell, the first batch does.
-        Defaults to nothing.
+        Called once at attach time, after :meth:`bind`, where the observer is
+        attached (not on copies); where the source cannot tell, the first batch
+        checks. Defaults to nothing.
         """
 
     # -- reducers, created on first use ----------------------------------------------
@@ -190,21 +158,14 @@ class MetricSet:
     def moments(
         self, prefix: str, *, stats: Sequence[str] = ("mean", "std", "min", "max")
     ) -> MomentsReducer:
-        """The :class:`~rl_observers.stats.MomentsReducer` pulled as ``prefix``.
-
-        Created on first use with ``stats`` (``<prefix>_mean``, ``_std``,
-        ``_min``, ``_max`` by default); later calls return the same reducer.
-        """
+        """The :class:`~rl_observers.stats.MomentsReducer` pulled as ``prefix``, created on first use with ``stats``."""
         reducer = self._reducers.get(prefix)
         if reducer is None:
             reducer = self._reducers[prefix] = self._bank.moments(prefix, stats=stats)
         return reducer
 
     def moments_group(self, specs: Sequence[tuple[str, Sequence[str]]]) -> MomentsGroupReducer:
-        """A :class:`~rl_observers.stats.MomentsGroupReducer` of quantities sharing a mask.
-
-        Keyed by the first prefix; created on first use.
-        """
+        """A :class:`~rl_observers.stats.MomentsGroupReducer` keyed by its first prefix, created on first use."""
         key = specs[0][0]
         reducer = self._reducers.get(key)
         if reducer is None:
@@ -221,14 +182,7 @@ class MetricSet:
     def quantiles(
         self, name: str, *, q: Sequence[float] = (0.05, 0.5, 0.95), accuracy: float = 0.01
     ) -> QuantileReducer:
-        """The :class:`~rl_observers.stats.QuantileReducer` of ``name``, created on first use.
-
-        Pulled under the key ``"<name>_quantiles"`` as a
-        :class:`~rl_observers.stats.QuantileSketch` that logs ``<name>_p5``,
-        ``<name>_p50``, ``<name>_p95`` (one per ``q``), each within
-        ``accuracy`` of the true quantile of the window's values (relative),
-        and ``<name>_nonfinite`` when NaN or infinite values were folded.
-        """
+        """The :class:`~rl_observers.stats.QuantileReducer` of ``name``, created on first use; pulled as ``"<name>_quantiles"``."""
         key = f"{name}_quantiles"
         reducer = self._sketches.get(key)
         if reducer is None:
@@ -236,11 +190,7 @@ class MetricSet:
         return reducer
 
     def add_to_counter(self, name: str, amount: int | torch.Tensor) -> None:
-        """Adds ``amount`` to the cumulative counter ``name`` (one of :attr:`counter_names`).
-
-        A tensor is not read at once off the CPU: it is added when its copy
-        to the host completes (see :class:`~rl_observers.stats.ObservedCounters`).
-        """
+        """Adds ``amount`` to the cumulative counter ``name``; a device tensor is added once its copy lands (no sync)."""
         if isinstance(amount, torch.Tensor):
             self._counters.add_observed((name,), amount.reshape(()))
         else:
@@ -254,29 +204,17 @@ class MetricSet:
             return dict(self._counters.poll())
 
     def _counter_reader(self, name: str) -> Callable[[], int] | None:
-        """A call returning counter ``name`` as :meth:`counters` would, or ``None``.
-
-        Lets an observer check a counter schedule per event without building
-        the counters dict. ``None`` when a subclass computes its counters
-        itself (it may override this too) or does not count ``name``.
-        """
+        """A call returning counter ``name`` as :meth:`counters` would (per-event schedule checks), or ``None``."""
         if type(self).counters is not MetricSet.counters or name not in self._counters.values:
             return None
         return functools.partial(_read_counter, self._lock, self._counters, name)
 
     def gauges(self, counters: dict[str, int]) -> dict[str, float]:
-        """The cumulative gauges :meth:`pull` reports, from the exact ``counters``.
-
-        Defaults to every counter, as a float.
-        """
+        """The cumulative gauges :meth:`pull` reports; defaults to every counter, as a float."""
         return {name: float(value) for name, value in counters.items()}
 
     def changed_since_pull(self) -> bool:
-        """Whether a gauge changed with no event since the last :meth:`pull`.
-
-        A count the source makes apart from its events (a rollout dropped at
-        shutdown) makes the last window worth sending. Defaults to ``False``.
-        """
+        """Whether a gauge changed with no event since the last :meth:`pull` (a rollout dropped at shutdown). Defaults to ``False``."""
         return False
 
     def pull(self) -> dict[str, float | Partial]:
@@ -293,9 +231,7 @@ class MetricSet:
     def metric_names(self) -> tuple[str, ...]:
         """The names this set submits and logs, as far as known before its first event.
 
-        Its gauges (from :attr:`counter_names`) and, for each reducer made so
-        far, its key and the names its partial finalizes to. A
-        :class:`~rl_observers.LoggerObserver` refuses two sets sharing one.
+        A :class:`~rl_observers.LoggerObserver` refuses two sets sharing one.
         """
         with self._lock:
             names = list(self.gauges(dict.fromkeys(self.counter_names, 0)))

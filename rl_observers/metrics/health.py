@@ -1,8 +1,6 @@
 """WorkerHealth: throughput and health of the process a collector runs in, per worker.
 
-Step of the flow: **observer**, next to the data (in each worker). Per event
-it adds two host integers; the clock, ``/proc`` and the CUDA allocator are
-read once per window, at the pull.
+Per event two host integers; the clock, ``/proc`` and the CUDA allocator are read at the pull.
 """
 
 from __future__ import annotations
@@ -52,25 +50,11 @@ def resident_memory_mb() -> float:
 class WorkerHealth(MetricSet):
     """Frames and batches per second, resident and CUDA memory, and staleness, per worker.
 
-    Opt-in, next to the other sets: ``metrics=[CollectorBatchMetrics(),
-    WorkerHealth()]``, with ``scope="per_worker"`` or ``"both"`` to see
-    each worker. It logs, each declaring how workers merge:
-
-    * ``frames_per_second``, ``batches_per_second``: the window's frames
-      (``batch.numel()``, a host number) and batches over its wall-clock
-      span, read at the pull: no clock read per event. Merged as
-      :class:`~rl_observers.stats.PerSecond` (amounts add over the union of
-      the spans): the aggregate is the **sum** of the workers' rates;
-    * ``resident_memory_mb``: the process's resident memory (``/proc``),
-      merged by **max**;
-    * ``cuda_memory_allocated_mb``, ``cuda_memory_reserved_mb``: the CUDA
-      caching allocator's counters of the current device (no sync), when
-      the process has initialised CUDA; merged by **max**;
-    * ``seconds_since_last_heard``: measured at the channel's owner, where a
-      stuck worker is noticed by sending nothing: an aggregated row reports
-      the seconds since the owner last heard from the worker it heard from
-      longest ago (**max** over workers). A worker's own row, and a source
-      with no workers, is produced when it is heard: ``0``.
+    Opt-in (``metrics=[CollectorBatchMetrics(), WorkerHealth()]``, with
+    ``scope="per_worker"`` or ``"both"`` to see each worker). Rates merge as
+    :class:`~rl_observers.stats.PerSecond` (workers' rates add), memory by
+    max; ``seconds_since_last_heard`` is measured at the channel's owner (max
+    over workers). See :doc:`health`.
 
     Examples:
         >>> from tensordict import TensorDict

@@ -21,20 +21,12 @@ __all__ = ["Histogram"]
 
 
 class Histogram(Metric):
-    """Counts of values over fixed bins; logs quantiles read off the counts.
+    """Counts of values over fixed bins (merged exactly); logs ``<name>_count`` and quantiles read off them.
 
-    Fixed bin edges make the counts merge exactly across windows and
-    workers; the quantiles are then exact up to the width of the bin they
-    fall in (values below or above the edges read as the outer edge). Logs
-    ``<name>_count`` and ``<name>_p50``, ``_p90``, ``_p99`` (``quantiles=``).
-    A tensor is binned on its device (``torch.bucketize``, no sync); the
-    binned values' exact sum, sum of squares, minimum and maximum are kept
-    beside the counts, for the histogram view (:func:`~rl_observers.draw_histograms`).
-
-    NaN values fall in no bin: they are counted apart and logged as
-    ``<name>_nan_count`` (when there are any), and left out of
-    ``<name>_count`` and the quantiles, whether they come in tensors or as
-    Python numbers (see :class:`~rl_observers.stats.BinCounts`).
+    Quantiles are exact up to their bin's width. Tensors are binned on their
+    device (no sync); NaN values are counted apart (``<name>_nan_count``).
+    The values' exact sum, sum of squares, min and max are kept for
+    :func:`~rl_observers.draw_histograms`.
 
     Args:
         name (str): the prefix of the logged names.

@@ -51,16 +51,8 @@ def missing_key(
 ) -> KeyError:
     """The error of a key missing from the data: names the key, the keys present and the fix.
 
-    Args:
-        owner (str): who reads the key (a class name).
-        what (str): the argument of ``owner`` that names the key.
-        key (NestedKey): the key missing.
-        present (iterable of NestedKey): the keys the data has.
-
-    Keyword Args:
-        fix (str, optional): what to change, when it is more than passing
-            another key or ``None``. Defaults to ``None``: pass
-            ``owner(what=...)`` one of the keys present, or ``None``.
+    ``owner`` reads the key through its argument ``what``; ``fix`` replaces
+    the default advice (pass another key or ``None``).
 
     Examples:
         >>> print(missing_key("WriteMetrics", "reward_key", "rew", ["obs", ("next", "reward")]))
@@ -102,12 +94,9 @@ def env_of(source: Any) -> Any:
 def keys_from_source(source: Any) -> dict[str, NestedKey | None] | None:
     """Batch keys of a collector's steps, from its env's specs; ``None`` without an env here.
 
-    ``reward`` is ``("next", *env.reward_keys[0])``. ``done``,
-    ``terminated`` and ``truncated`` are the done keys of that name in the
-    reward's group (``("agents", "done")`` next to ``("agents", "reward")``),
-    else at the root, else anywhere; ``None`` when the env has none.
-    ``episode_reward`` and ``step_count`` are where ``RewardSum`` and
-    ``StepCounter`` write them: next to the reward and to the done key.
+    The reward is the first reward key; done keys are those of the reward's
+    group, else the root, else anywhere; ``RewardSum`` / ``StepCounter``
+    entries sit next to the reward and done keys.
 
     Examples:
         >>> from torchrl.collectors import Collector
@@ -194,15 +183,9 @@ def absent_key(owner: str, what: str, key: NestedKey, present: Iterable[NestedKe
 class SpecKeys:
     """The keys a collector's batches hold as far as its env's specs (and policy) tell.
 
-    ``keys``: the leaves of the env's full observation, state, done and
-    action specs at the root, of its observation, state, done and reward
-    specs under ``"next"``, the policy's declared ``out_keys`` and
-    torchrl's ``("collector", "traj_ids")``. ``next_complete``: no key under
-    ``"next"`` can come from anywhere else (no ``postproc``: what a step
-    writes there is the env's, transforms included, and a policy's writes
-    there are replaced by the step's). ``root_complete``: the root keys are
-    complete too (no ``postproc``, and a policy that declares its
-    ``out_keys``: a ``RandomPolicy`` or a plain function does not).
+    ``next_complete``: no key under ``"next"`` can come from elsewhere (no
+    ``postproc``). ``root_complete``: root keys are complete too (and the
+    policy declares its ``out_keys``).
     """
 
     __slots__ = ("keys", "next_complete", "root_complete")

@@ -1,54 +1,13 @@
 """Metric one-liners: one more number is one line in ``LoggerObserver(metrics=[...])``.
 
-Each one-liner is a :class:`~rl_observers.MetricSet` built from a name and a
-function of an event's payload. The function runs next to the data (in the
-worker or the actor), on the event named by ``on`` (``"post_collect"`` by
-default; ``"post_sample"``, ``"post_extend"`` or ``"post_add"`` on a replay
-buffer). It receives the payload: ``fn(batch)`` for ``post_collect``,
-``fn(batch)`` or ``fn(batch, info)`` for ``post_sample``, ``fn(data)`` or
-``fn(data, index)`` for writes; which, is decided once from its signature.
-A function with one more required positional parameter than the whole
-payload also receives the source, last: ``fn(batch, info, buffer)``
-reads the buffer where the sample was made (its sampler, its storage), in
-the process or actor where the buffer lives, e.g.
-``Mean("priority", lambda batch, info, rb: stored_priorities(rb, info), on="post_sample")``
-(:func:`~rl_observers.metrics.stored_priorities`).
-
-It returns a real tensor (folded on its device, no host-device sync), a
-real number (Python's, or a numpy scalar such as ``np.float32``), or
-``None`` (nothing to fold); complex values are refused, not cut to their
-real part. Each one-liner declares how its values merge across events,
-windows and workers:
-
-* :class:`Mean` (all values), :class:`Sum`, :class:`Min`, :class:`Max`,
-  and :class:`Gauge` (``merge="latest"``, ``"mean"``, ``"max"``, ``"min"``
-  or ``"sum"``) log ``name`` (a :class:`~rl_observers.stats.Scalar`);
-* :class:`Summary` logs ``name_mean``, ``name_std``, ``name_min``,
-  ``name_max`` (exact moments, a :class:`~rl_observers.stats.Moments`);
-* :class:`CountTrue` logs the number of true entries (a sum);
-* :class:`Ratio` logs a fraction whose numerator and denominator are summed
-  (a :class:`~rl_observers.stats.Fraction`);
-* :class:`Rate` logs an amount per second over the union of the time spans
-  (a :class:`~rl_observers.stats.PerSecond`);
-* :class:`~rl_observers.Histogram` logs quantiles read off bin counts
-  that merge exactly (a :class:`~rl_observers.stats.BinCounts`).
-
-A function that reads a device tensor on the host (``.item()``,
-``float(t)``, ``bool(t)``, ``.tolist()``) synchronises the device at every
-event: return the tensor instead and let the one-liner fold it.
-
-Built on these: :class:`~rl_observers.PolicyLag` (how
-many policy versions old the data is, from the ``policy_version`` entries
-torchrl collectors stamp with ``track_policy_version=True``), and in
-:mod:`~rl_observers.metrics.source` the source's own counters
-(``frames``, ``write_count``, ``sample_calls``, ...), which a
-:class:`~rl_observers.LoggerObserver` adds when its metric sets do not count
-them, so counter schedules work with one-liners alone, and
-:class:`~rl_observers.StatsProvider`.
-
-Why it is long (~600 lines): each one-liner is a short subclass of
-:class:`Metric` (a declared merge rule over one function of the data); read
-together they show every merge rule a one-liner can declare.
+Step **observer** of the flow. Each one-liner is a
+:class:`~rl_observers.MetricSet` made of a name, a function of an event's
+payload run where the data is, and a declared merge rule: :class:`Mean`,
+:class:`Sum`, :class:`Min`, :class:`Max`, :class:`Gauge`, :class:`Summary`,
+:class:`CountTrue`, :class:`Ratio`, :class:`Rate` (and
+:class:`~rl_observers.Histogram`, :class:`~rl_observers.Quantiles`). The
+function returns a tensor (folded on its device, no sync), a real number,
+or ``None``. See :doc:`custom` for the signatures ``fn`` may have.
 """
 
 from __future__ import annotations
@@ -98,11 +57,9 @@ _EVENTS_OF_KIND = {"collector": COLLECTOR_EVENTS, "replay_buffer": REPLAY_BUFFER
 
 
 def _arity(fn: Callable[..., Any], event: str, owner: str) -> int:
-    """How many payload arguments ``fn`` takes for ``event`` (the most it accepts).
+    """How many payload arguments ``fn`` takes for ``event``: ``len(payload) + 1`` when it asks for the source too.
 
-    ``len(payload) + 1``: it takes the whole payload and the source, which
-    it asks for with one more required positional parameter (a parameter
-    with a default, ``lambda batch, key=key: ...``, is never given the source).
+    A parameter with a default is never given the source.
     """
     payload = EVENT_PAYLOADS[event]
     try:
@@ -132,19 +89,16 @@ def _arity(fn: Callable[..., Any], event: str, owner: str) -> int:
 class Metric(MetricSet):
     """Base of the one-liners: a name, a function of the payload, an event.
 
-    Subclasses implement :meth:`fold` (values of one event, under the lock)
-    and :meth:`partials` (the window's partials, under the lock).
+    Subclasses implement :meth:`fold` and :meth:`partials`, both under the lock.
 
     Args:
-        name (str): the logged name (or prefix, for :class:`Summary` and
-            :class:`Histogram`).
+        name (str): the logged name (or prefix).
         fn (callable): a function of the event's payload, run where the data is.
 
     Keyword Args:
-        on (str, optional): the event, among ``post_collect``,
-            ``post_sample``, ``post_extend``, ``post_add``. Defaults to
-            ``"post_collect"``. A target that does not emit it is refused
-            when the observer is attached.
+        on (str, optional): ``"post_collect"`` (default), ``"post_sample"``,
+            ``"post_extend"`` or ``"post_add"``; a target that does not emit
+            it is refused at attach time.
     """
 
     _lock_folds = False  # the function runs outside the lock; only folding takes it
@@ -335,10 +289,7 @@ class _Reduced(Metric):
 
 
 class Mean(_Reduced):
-    """The mean of every value the function returns over the window (all workers).
-
-    A tensor contributes each of its entries (``Mean("reward", lambda b:
-    b["next", "reward"])`` is the per-step reward mean); a number, one value.
+    """The mean of every value the function returns over the window (all workers); a tensor contributes each entry.
 
     Examples:
         >>> import torch
@@ -395,13 +346,12 @@ class Gauge(_Reduced):
 
     Args:
         name (str): the logged name.
-        fn (callable): a function of the payload returning a number or a
-            tensor (one element with ``merge="latest"``).
+        fn (callable): returns a number or a tensor (one element with
+            ``merge="latest"``).
 
     Keyword Args:
-        merge (str): ``"latest"`` (the newest value, by wall-clock time,
-            of all workers), ``"mean"``, ``"max"``, ``"min"`` or ``"sum"``.
-            Required: a gauge's merge rule is declared, never guessed.
+        merge (str): ``"latest"`` (newest by wall-clock time, of all
+            workers), ``"mean"``, ``"max"``, ``"min"`` or ``"sum"``; required.
         on (str, optional): see :class:`Metric`.
 
     Examples:
@@ -429,12 +379,7 @@ class Gauge(_Reduced):
 
 
 class Summary(Metric):
-    """Mean, standard deviation, minimum and maximum of the values (exact moments).
-
-    Logs ``<name>_mean``, ``<name>_std``, ``<name>_min``, ``<name>_max`` (or
-    the ``stats`` chosen, among ``count``, ``mean``, ``std``, ``var``,
-    ``min``, ``max``); merges like :class:`~rl_observers.stats.Moments`, whose
-    partial it submits.
+    """``<name>_mean``, ``_std``, ``_min``, ``_max`` (or the ``stats`` chosen) of the values: exact moments.
 
     Examples:
         >>> import torch
@@ -487,10 +432,7 @@ class Summary(Metric):
 class CountTrue(Metric):
     """How many entries are true (non-zero) over the window, summed across workers.
 
-    A tensor counts its true entries (on its device); a Python or numpy
-    number (``bool`` included) counts one if it is non-zero, and anything
-    else (a ``str``, a list) is refused rather than counted by its
-    truthiness. Submitted as a :class:`~rl_observers.stats.Count`.
+    A number counts one if non-zero; neither tensor nor number is refused.
 
     Examples:
         >>> import torch
@@ -524,13 +466,10 @@ class CountTrue(Metric):
 
 
 class Ratio(Metric):
-    """A fraction that merges exactly: summed numerators over summed denominators.
+    """Summed numerators over summed denominators: never a mean of fractions.
 
-    The function returns a boolean tensor (the fraction of true entries),
-    or a pair ``(numerator, denominator)`` of numbers or tensors (each
-    summed, on its device). Submitted as a :class:`~rl_observers.stats.Fraction`:
-    the aggregate over workers is the fraction of all their entries, never
-    a mean of fractions.
+    The function returns a boolean tensor (the fraction of true entries) or a
+    pair ``(numerator, denominator)`` of numbers or tensors.
 
     Examples:
         >>> import torch
@@ -589,14 +528,10 @@ def _one(*payload: Any) -> int:
 
 
 class Rate(Metric):
-    """An amount per second of wall-clock time over the window.
+    """An amount per second of wall-clock time over the window; workers' rates add.
 
-    The function returns the amount of one event (a number, or a tensor
-    summed on its device); without a function each event counts one. A
-    window spans from the previous window's end (or from when the metric
-    was bound to its source) to the pull. Across workers the amounts add
-    over the union of their spans (:class:`~rl_observers.stats.PerSecond`),
-    so the aggregate rate is the sum of the workers' rates.
+    The function returns one event's amount (without one, each event counts
+    one). A window spans from the previous pull (or the bind) to this pull.
 
     Examples:
         >>> import torch

@@ -18,28 +18,18 @@ __all__ = ["PolicyLag"]
 class PolicyLag(Summary):
     """How many policy versions old the data is: ``policy_lag_mean``, ``policy_lag_max``.
 
-    torchrl collectors built with ``track_policy_version=True`` stamp each
-    step with the version of the policy that acted (``"policy_version"``),
-    which advances with every ``collector.update_policy_weights_()``. The
-    lag of a step is ``current - stamped``.
+    Collectors built with ``track_policy_version=True`` stamp each step with
+    the acting policy's version; the lag is ``current - stamped``.
 
     Keyword Args:
-        current_version (callable | object | None, optional): the current
-            version: a callable returning it (``lambda: learner.version``),
-            an object with a ``policy_version`` attribute (a collector), or
-            ``None``: the newest version this metric has seen (in the buffer's
-            writes for ``post_sample``, in the batches for ``post_collect``),
-            which needs nothing from the driver and works in workers and
-            actors. A callable or object is read on the host once per event,
-            where the metric runs: on a source in another process it must
-            be readable there. Defaults to ``None``.
-        on (str, optional): ``"post_sample"`` on a replay buffer (the age of
-            sampled data) or ``"post_collect"`` on a collector (the age of
-            collected data, for async collectors). Defaults to ``"post_collect"``.
-        key (NestedKey, optional): the stamped key (a collector writing into a
-            replay buffer stamps ``("next", "policy_version")``). Data without
-            it raises a :class:`KeyError` naming the keys present and the fix.
-            Defaults to ``"policy_version"``.
+        current_version (callable | object | None, optional): a callable, an
+            object with ``policy_version`` (a collector), or ``None``: the
+            newest version seen in the data (works in workers and actors). Read
+            once per event where the metric runs. Defaults to ``None``.
+        on (str, optional): ``"post_sample"`` or ``"post_collect"``. Defaults
+            to ``"post_collect"``.
+        key (NestedKey, optional): the stamped key; missing, a ``KeyError``
+            says the fix. Defaults to ``"policy_version"``.
         name (str, optional): Defaults to ``"policy_lag"``.
         stats (sequence of str, optional): Defaults to ``("mean", "max")``.
 

@@ -1,15 +1,9 @@
 """The priorities of what a prioritized replay buffer sampled, as its sampler stores them.
 
-torchrl's prioritized samplers (:class:`~torchrl.data.PrioritizedSampler` and
-:class:`~torchrl.data.PrioritizedSliceSampler`, which derives from it) keep
-each item's *sampling priority* in a sum tree: ``(p + eps) ** alpha``, where
-``p`` is the priority the user set (``update_priority``, or the default
-priority of a new item). :func:`stored_priorities` reads that value for the
-items of a sample, exactly as the tree holds it (its dtype: ``float32``
-unless the sampler was made with ``dtype=torch.float64``), with no
-host-device sync. The priority as set is ``stored ** (1 / alpha) - eps``
-when ``alpha > 0`` (up to the tree's rounding); with ``alpha == 0`` every
-stored value is ``1`` and the priority set cannot be recovered.
+torchrl's prioritized samplers keep ``(p + eps) ** alpha`` per item in a
+sum tree (``float32`` unless made with ``dtype=torch.float64``), ``p`` the
+priority set. The priority is ``stored ** (1 / alpha) - eps`` when
+``alpha > 0``; with ``alpha == 0`` it cannot be recovered.
 
 Examples:
     >>> import torch
@@ -62,19 +56,16 @@ def flat_index(index: Any, shape: Any) -> torch.Tensor | None:
 
 
 def stored_priorities(source: Any, info: Any) -> torch.Tensor | None:
-    """The sampling priorities ``(p + eps) ** alpha`` of a sample's items, as the sampler stores them.
+    """The sampling priorities ``(p + eps) ** alpha`` of a sample's items, as the sampler stores them (no sync).
 
     Args:
         source: a replay buffer with a prioritized sampler (or that sampler).
-        info: the sample's info (``rb.sample(return_info=True)``, a
-            ``post_sample`` event's ``info``), or its ``"index"``.
+        info: the sample's info, or its ``"index"``.
 
     Returns:
-        One value per sampled item (per step, for a slice sampler: each
-        step's own priority, while the slice was drawn by its start's), on
-        the tree's device; ``None`` when the buffer's sampler is not
-        prioritized or the info holds no index. Read when called: an
-        ``update_priority`` between the sample and the call shows.
+        One value per sampled item (per step for a slice sampler), on the
+        tree's device, read when called; ``None`` without a prioritized
+        sampler or an index.
     """
     sampler = prioritized_sampler(source)
     if sampler is None:

@@ -14,32 +14,21 @@ __all__ = ["Quantiles"]
 
 
 class Quantiles(Metric):
-    """Quantiles of the values, within ``accuracy`` of the true ones, merged exactly.
+    """Quantiles of the values within ``accuracy`` (relative) of the true ones, merged exactly; no edges to choose.
 
-    Logs ``<name>_p5``, ``<name>_p50``, ``<name>_p95`` (one per ``q``), and
-    ``<name>_nonfinite`` when NaN or infinite values came (counted apart,
-    never in a quantile). The values are counted in the logarithmic buckets
-    of a :class:`~rl_observers.stats.QuantileSketch`, whose counts add: the
-    aggregate over workers and windows is the sketch of the union of their
-    values, and every reported quantile is within ``accuracy`` (relative) of
-    the lower rank-based quantile of that union
-    (``numpy.quantile(values, q, method="lower")``). Unlike
-    :class:`~rl_observers.Histogram`, nothing is to be guessed in advance:
-    the buckets cover magnitudes from ``2**-64`` to ``2**64``, at most 2048
-    per sign (the smallest magnitudes collapse first, see the sketch).
-
-    A tensor is bucketed on its device (a few tensor operations and an
-    ``index_add_``, no sync); numbers are bucketed on the host at the pull.
+    Logs ``<name>_p5``, ``<name>_p50``, ``<name>_p95`` (one per ``q``) and
+    ``<name>_nonfinite`` when NaN or infinite values came. Values are counted
+    in a :class:`~rl_observers.stats.QuantileSketch` (tensors on their device,
+    no sync), so the aggregate over workers and windows is exact.
 
     Args:
         name (str): the prefix of the logged names.
         fn (callable): a function of the payload.
 
     Keyword Args:
-        q (sequence of float, optional): the quantiles, each in (0, 1).
-            Defaults to ``(0.05, 0.5, 0.95)``.
-        accuracy (float, optional): the relative accuracy, in (0, 0.5).
-            Defaults to ``0.01``.
+        q (sequence of float, optional): each in (0, 1). Defaults to
+            ``(0.05, 0.5, 0.95)``.
+        accuracy (float, optional): in (0, 0.5). Defaults to ``0.01``.
         on (str, optional): see :class:`~rl_observers.metrics.oneliners.Metric`.
 
     Raises:

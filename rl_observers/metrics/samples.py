@@ -61,105 +61,28 @@ class _WithQuantiles:
 
 
 class SampleMetrics(MetricSet):
-    """What a replay buffer's samples look like: calls, sizes, weights, age.
+    """What a replay buffer's samples look like: calls, sizes, weights, stored priorities, age.
 
-    Folds ``post_sample`` events, and ``post_add`` / ``post_extend`` events to
-    stamp storage slots for the age of sampled data.
-
-    ================================  ========  =========================================
-    name                              kind      meaning
-    ================================  ========  =========================================
-    ``sample_calls``                  gauge     cumulative ``sample`` calls
-    ``samples_returned``              gauge     cumulative sampled items (index entries)
-    ``batch_size``                    gauge     items in the last sample
-    ``priority_weight_mean``          window    mean importance weight sampled
-    ``priority_weight_min``           window    minimum importance weight
-    ``priority_weight_max``           window    maximum importance weight
-    ``stored_priority_mean``          window    mean sampling priority of the sampled items,
-                                                ``(p + eps) ** alpha`` as the sampler stores it
-    ``stored_priority_min``           window    minimum of those
-    ``stored_priority_max``           window    maximum of those
-    ``sample_age_mean``               window    mean age of sampled items, in items written
-    ``sample_age_min``                window    minimum age
-    ``sample_age_max``                window    maximum age
-    ================================  ========  =========================================
-
-    Weights come from the sampler's ``info["priority_weight"]`` (or
-    ``info["_weight"]``), when present. **Stored priorities** are read, for
-    a buffer whose sampler is one of torchrl's prioritized samplers
-    (``PrioritizedSampler``, ``PrioritizedSliceSampler``: every
-    ``PrioritizedReplayBuffer`` and ``TensorDictPrioritizedReplayBuffer``),
-    from the sampler's sum tree at the sampled ``info["index"]`` when the
-    sample's event runs: the value the tree holds, ``(p + eps) ** alpha``
-    for a priority ``p`` (exact, in the tree's dtype; one value per sampled
-    item, per step for a slice sampler). The priority as set is
-    ``stored ** (1 / alpha) - eps`` when ``alpha > 0``
-    (:mod:`rl_observers.metrics.priorities`); a one-liner reads the same
-    values with :func:`~rl_observers.metrics.stored_priorities`. **Age** is the number of items written
-    to the buffer after the sampled item: ``0`` for the newest item.
-
-    With torchrl's round-robin writers on a 1-D storage (the default of every
-    torchrl buffer), item ``k`` of the buffer's writes lands in slot
-    ``k % capacity`` and the writer's cursor is the next slot, so the age of
-    slot ``i`` is ``(cursor - 1 - i) % capacity``: a sample keeps its
-    ``info["index"]`` and notes the cursor (no gather, no copy with
-    torchrl's ``RandomSampler`` and ``SamplerWithoutReplacement``, which
-    never rewrite an index they handed over; a copy with other samplers),
-    and the ages of up to 128 samples (32,768 sampled items at most) are
-    computed together, as exact integers on the host for CPU buffers (on the
-    device otherwise). Writes need no
-    bookkeeping, items written before this set was attached have their true
-    age, and writes from other processes sharing the writer's cursor are
-    counted. (``write_at``, which writes without moving the cursor, is not
-    seen; a buffer with a consuming sampler, whose writes go to consumed
-    slots that way, takes the stamp path below.)
-
-    With other writers or storages, every write stamps its dim-0 slots with
-    the running item count (a ``scatter_reduce`` on the index's device, so a
-    write that wraps around the storage keeps the latest stamp), and a sample
-    reads the stamps of its ``info["index"]``. Items written before this set
-    saw any write have no stamp and are left out of the age statistics;
-    stamps are kept for storages whose capacity is known (up to 2**24 slots)
-    or whose indices live on the CPU. Writes from other processes sharing a
-    storage are not seen. Items a writer did not store (index ``-1``, see
-    :class:`WriteMetrics`) stamp no slot and do not count as written.
-    torchrl's ``info["index_generation"]`` counts rewrites *per slot*, not
-    writes to the buffer, so it cannot give an age and is not used.
-
-    Ages are read when the sample's event runs, when ``sample()`` hands
-    the batch over: just after torchrl made it, or, for a buffer built with
-    ``prefetch=N``, when ``sample()`` returns a batch a prefetch thread made
-    earlier. An age is thus taken at hand-over: it counts the items written
-    while the batch waited in the prefetch queue. A write from another
-    thread or process that lands between the making and the event counts
-    toward that sample's ages (they count its rows too; an item it overwrote
-    is aged as the one that replaced it, and a batch made before
-    ``empty()`` and handed over after it is aged against the emptied
-    buffer). Counts and importance weights are those of the batches
-    ``sample()`` returned, weights as they were drawn.
-
-    :meth:`counters` and :meth:`stats` give ``sample_calls`` and
-    ``samples_returned``.
+    Folds ``post_sample`` events, and writes to stamp slots where the age
+    needs it. Weights come from ``info["priority_weight"]`` (or
+    ``info["_weight"]``); stored priorities are read from a prioritized
+    sampler's sum tree at ``info["index"]`` (``(p + eps) ** alpha``, see
+    :mod:`rl_observers.metrics.priorities`); the age of an item is the number
+    of items written after it. With a round-robin writer on a 1-D storage,
+    ages come from the writer's cursor with no per-write cost; otherwise from
+    per-slot stamps. Metric names: :ref:`metric-names`; ages: the FAQ's
+    "Why is ``sample_age_*`` missing?".
 
     Keyword Args:
         priority_weight (bool, optional): emit ``priority_weight_*``.
             Defaults to ``True``.
-        priority (bool, optional): emit ``stored_priority_*`` (with a
-            prioritized sampler; nothing otherwise). One read of the sum
-            tree per sample: measured +13 to +30 µs on a prioritized
-            ``sample(256)`` of ~255 µs (CPU). Defaults to ``True``.
-        age (bool, optional): emit ``sample_age_*`` (from the writer's
-            cursor, or from stamped writes with other writers or storages).
+        priority (bool, optional): emit ``stored_priority_*`` (prioritized
+            samplers; about +13 to +30 µs on a ~255 µs ``sample(256)``).
             Defaults to ``True``.
-        quantiles (sequence of float, optional): also report these
-            quantiles (each in (0, 1)) of the sampled ages, importance
-            weights and stored priorities: ``sample_age_p5``,
-            ``sample_age_p50``, ..., ``priority_weight_p5``, ... and
-            ``stored_priority_p5``, ... (:class:`~rl_observers.stats.QuantileSketch`
-            partials keyed ``"sample_age_quantiles"``,
-            ``"priority_weight_quantiles"`` and ``"stored_priority_quantiles"``), each within 1 % (relative) of
-            the lower quantile of every value the window sampled, merged
-            exactly across workers. Defaults to ``None`` (not kept).
+        age (bool, optional): emit ``sample_age_*``. Defaults to ``True``.
+        quantiles (sequence of float, optional): also report these quantiles
+            of ages, weights and stored priorities (``sample_age_p5``, ...,
+            keys ``"<name>_quantiles"``). Defaults to ``None``.
 
     Examples:
         >>> import torch
@@ -264,8 +187,7 @@ class SampleMetrics(MetricSet):
                 self._stamp(source, index)
 
     def bind(self, source: Any) -> None:
-        """Notes whether the source's writer may skip items, whether it is round-robin, and
-        whether its sampler's indices can be kept as handed over."""
+        """Notes whether the source's writer may skip items or is round-robin, and whether its sampler's indices can be kept."""
         self._skips = writer_may_skip(source)
         self._ring_keeps_index = fresh_index(source)
         self._ring = None
@@ -407,8 +329,7 @@ class SampleMetrics(MetricSet):
         return self._cursor_cell.value
 
     def _stage_on_device(self, slots: torch.Tensor, cursor: int) -> None:
-        """Keeps ``slot - (cursor - 1)`` of a sample off the CPU (one operation, no host-device
-        copy); the ages of up to ``_CURSOR_SAMPLES`` such samples are folded together."""
+        """Keeps ``slot - (cursor - 1)`` of a sample off the CPU, to fold up to ``_CURSOR_SAMPLES`` together."""
         staged = self._ring_slots
         if staged is None:
             staged = self._ring_slots = []
@@ -421,11 +342,7 @@ class SampleMetrics(MetricSet):
             self._fold_ring()
 
     def _fold_ring(self) -> None:
-        """Folds the ages of the staged samples: ``(cursor - 1 - slot) % capacity``.
-
-        CPU ages are exact int64 sums kept on the host (see :meth:`pull`);
-        others fold on their device.
-        """
+        """Folds the ages ``(cursor - 1 - slot) % capacity`` of the staged samples (exact ints on the host for CPU)."""
         staged, kept, runs = self._ring_slots, self._ring_kept, self._ring_runs
         self._ring_slots, self._ring_entries, self._ring_runs = [], 0, []
         if staged and isinstance(self._ring, tuple):  # staged as slot - (cursor - 1)
@@ -514,8 +431,7 @@ class SampleMetrics(MetricSet):
         return out
 
     def pull(self) -> dict[str, float | Partial]:
-        """Gauges ``sample_calls``, ``samples_returned``, ``batch_size``; partials
-        ``"priority_weight"`` and ``"sample_age"`` (those configured)."""
+        """Gauges ``sample_calls``, ``samples_returned``, ``batch_size``; the configured partials."""
         with self._lock:
             out = super().pull()
             count, total, low, high = self._age_tally

@@ -1,11 +1,4 @@
-"""What a source counts and reports itself: its counters for schedules, scalars for ``stats()``.
-
-:class:`SourceCounters` are the source's own cumulative counters (``frames``,
-``write_count``, ``sample_calls``, ...), which a
-:class:`~rl_observers.LoggerObserver` adds when its metric sets do not count
-them (:func:`missing_source_counters`). :class:`StatsProvider` adds scalars to
-the source's ``stats()``.
-"""
+"""What a source counts and reports itself: :class:`SourceCounters` for schedules, :class:`StatsProvider` for ``stats()``."""
 
 from __future__ import annotations
 
@@ -41,14 +34,11 @@ _COUNTER_GROUPS = (
 class SourceCounters(MetricSet):
     """A source's own cumulative counters, for schedules and steps; logs nothing.
 
-    ``frames`` and ``batches`` on a collector; ``write_count`` (items
-    written, as :class:`~rl_observers.WriteMetrics` counts it), ``writes``,
-    ``items_written``, ``sample_calls`` and ``samples_returned`` on a replay
-    buffer. A :class:`~rl_observers.LoggerObserver` adds one for the
-    counters its metric sets do not keep (see :func:`missing_source_counters`),
-    so ``Every.counter("frames", n)`` works with one-liners alone. Frames
-    are the batch's ``numel()``; items are the leading size of what was
-    written or sampled.
+    ``frames`` (``numel()``) and ``batches`` on a collector; ``write_count``,
+    ``writes``, ``items_written``, ``sample_calls`` and ``samples_returned``
+    (leading sizes) on a replay buffer. A
+    :class:`~rl_observers.LoggerObserver` adds those its sets do not keep, so
+    ``Every.counter("frames", n)`` works with one-liners alone.
 
     Examples:
         >>> import torch
@@ -115,11 +105,7 @@ class SourceCounters(MetricSet):
 
 
 def missing_source_counters(source: Any, sets: Sequence[MetricSet]) -> SourceCounters | None:
-    """The :class:`SourceCounters` of ``source``'s counters that none of ``sets`` keeps.
-
-    ``None`` when every counter of the source's kind is kept already (or the
-    source is of an unknown kind).
-    """
+    """The :class:`SourceCounters` of ``source``'s counters that none of ``sets`` keeps, or ``None``."""
     kind = source_kind(source)
     if kind is None:
         return None
@@ -139,23 +125,17 @@ def missing_source_counters(source: Any, sets: Sequence[MetricSet]) -> SourceCou
 
 
 class StatsProvider:
-    """An observer that adds cheap, source-side entries to ``source.stats()``.
+    """An observer that adds cheap, source-side entries to ``source.stats()``; it folds no event.
 
-    Attach it like any observer (``target.add_observer(StatsProvider(...))``):
-    it travels where the source runs, like every observer, so on a Ray
-    replay buffer it runs in the actor and only the scalars cross (still one
-    round trip for ``stats()``), and on a multiprocessing collector the
-    driver's ``stats()`` calls it in the driver. torchrl's
-    ``LoggerMonitor`` and push observers reading ``stats()`` see the same
-    numbers. It folds no event: its only cost is at ``stats()`` time.
+    It runs where the source runs (in a Ray buffer's actor, only the scalars
+    cross), so torchrl's ``LoggerMonitor`` sees the same numbers.
 
     Args:
         providers (mapping or callable, optional): ``{name: fn}``, or one
-            ``fn`` returning a mapping ``{name: number}``.
+            ``fn`` returning ``{name: number}``.
         **named: more ``name=fn`` providers.
 
-    Each ``fn`` takes no argument or the source (decided once, from its
-    signature) and returns a number (or a mapping, for the unnamed form).
+    Each ``fn`` takes no argument or the source (decided from its signature).
 
     Examples:
         >>> import torch

@@ -1,11 +1,4 @@
-"""Replay-buffer storage, writer and index helpers: where a write landed, who writes next.
-
-What :class:`~rl_observers.metrics.WriteMetrics` and
-:class:`~rl_observers.metrics.SampleMetrics` read from a replay buffer besides
-its event data: its storage (slots, capacity, device), its writer (whether it
-writes round-robin, its cursor), the dim-0 slots of an index, and the size of
-the data of a write.
-"""
+"""Replay-buffer storage, writer and index helpers: where a write landed, who writes next."""
 
 from __future__ import annotations
 
@@ -26,12 +19,9 @@ def storage_of(source: Any) -> Any:
 
 
 def dim0_slots(index: Any, storage: Any, *, per_item: bool = False) -> torch.Tensor | None:
-    """The dim-0 storage slots of a replay-buffer index, as a 1-D int64 tensor.
+    """The dim-0 storage slots of a replay-buffer index (int, tensor, ``[N, ndim]`` cells or per-dim tuple), as 1-D int64.
 
-    ``index`` is what ``add``/``extend`` return or ``info["index"]``: an int, a
-    tensor of slots, a ``[N, ndim]`` tensor of cells (multi-dim storages), or
-    a tuple of per-dim tensors. With ``per_item``, a write's cells are reduced
-    to one slot per item written (their dim-0 slot, repeated consecutively).
+    ``per_item``: one slot per item written.
     """
     if index is None:
         return None
@@ -57,25 +47,16 @@ def dim0_slots(index: Any, storage: Any, *, per_item: bool = False) -> torch.Ten
 
 
 def writer_may_skip(source: Any) -> bool:
-    """Whether a replay buffer's writer may leave items of a write unstored (index ``-1``).
-
-    torchrl's round-robin writers store every item; others (such as
-    ``TensorDictMaxValueWriter``, which keeps the best items) may not.
-    """
+    """Whether a buffer's writer may leave items unstored (index ``-1``): any but torchrl's round-robin ones."""
     return not isinstance(getattr(source, "_writer", None), RoundRobinWriter)
 
 
 def stored_slots(
     index: Any, storage: Any, *, may_skip: bool
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The dim-0 slots of the items a write stored, and which items of the write those are.
+    """``(slots, stored)``: one slot per item a write stored, and the mask of stored items (``None``: all).
 
-    Returns ``(slots, stored)``: one slot per item stored, and a boolean
-    ``[items]`` mask of the items stored, or ``None`` when every item was
-    (always, unless ``may_skip``). A writer marks an item it did not store
-    with index ``-1``; dropping those reads the index on the host (such
-    writers, like ``TensorDictMaxValueWriter``, read every item's rank on the
-    host anyway).
+    Dropping ``-1`` indices reads the index on the host.
     """
     slots = dim0_slots(index, storage, per_item=True)
     if slots is None or not may_skip or not slots.numel():
@@ -102,13 +83,9 @@ def dim0_capacity(storage: Any) -> int | None:
 
 
 def round_robin(source: Any) -> tuple[Any, Any, int] | None:
-    """``(writer, storage, capacity)`` when slots are written in turn, on a 1-D storage.
+    """``(writer, storage, capacity)`` when item ``k`` lands in slot ``k % capacity`` of a 1-D storage, else ``None``.
 
-    torchrl's round-robin writers write item ``k`` of the buffer's writes at
-    slot ``k % capacity`` and keep the next slot in their cursor, so the age
-    and the position of every stored item follow from the cursor alone.
-    Not with a consuming sampler: its buffer writes into consumed slots
-    (``write_at``), wherever they are, without moving the cursor.
+    Not with a consuming sampler, whose buffer writes without moving the cursor.
     """
     writer = getattr(source, "_writer", None)
     storage = storage_of(source)
@@ -132,11 +109,7 @@ _FRESH_INDEX_SAMPLERS = (RandomSampler, SamplerWithoutReplacement)
 
 
 def fresh_index(source: Any) -> bool:
-    """Whether the source's sampler hands over an index tensor that nothing rewrites later.
-
-    Such an index can be kept as it is until its ages are folded; any other
-    sampler's is copied, as a sampler may reuse one buffer for its indices.
-    """
+    """Whether the source's sampler hands over an index tensor nothing rewrites later (else it is copied)."""
     return type(getattr(source, "_sampler", None)) in _FRESH_INDEX_SAMPLERS
 
 

@@ -40,55 +40,17 @@ def _written_rows(index: Any, data: Any) -> int:
 class WriteMetrics(MetricSet):
     """What is written to a replay buffer: calls, items, rewards.
 
-    Folds ``post_add`` and ``post_extend`` events.
-
-    =========================  ========  ==============================================
-    name                       kind      meaning
-    =========================  ========  ==============================================
-    ``writes``                 gauge     cumulative ``add`` / ``extend`` calls
-    ``items_written``          gauge     cumulative items written (torchrl's write count)
-    ``reward_mean``            window    mean reward of the written data
-    ``reward_std``             window    population std of those rewards
-    ``reward_min``             window    minimum of those rewards
-    ``reward_max``             window    maximum of those rewards
-    =========================  ========  ==============================================
-
-    Items are counted like torchrl's ``write_count``: one per dim-0 slot
-    written. Items the writer did not store are **not** counted as written
-    and their rewards are left out: ``TensorDictMaxValueWriter`` marks them
-    with index ``-1`` in what ``extend`` returns, and returns ``None`` from an
-    ``add`` it skipped (a skipped ``add`` still counts in ``writes``, the
-    calls). With a writer other than torchrl's round-robin ones, the index
-    of each write is read on the host to find skipped items.
-
-    With a round-robin writer on a 1-D ``TensorStorage``, no buffer
-    transform, no consuming sampler and no other process writing (a buffer
-    not ``shared``), the rows a write stored are the ones just before the
-    writer's cursor: a write only advances the pending range of slots, and
-    the rewards (and masks) are folded from the storage itself, once per
-    window, at ``empty()``, or when a quarter of the storage is pending, with
-    no copy per write. (Observed buffers run each write and its event under
-    the buffer's lock, so writes from other threads never interleave.) A
-    write of more than a quarter of the storage is folded from its data;
-    when one of more than three quarters, or a move of the cursor without
-    a write event (``load_state_dict``, an unobserved writer, an ``empty()``
-    that emitted no event), overwrites pending rows, their rewards are
-    gone: a warning says how many, and from
-    then on every write is folded from its data. Once a buffer is shared
-    with other processes, every write is folded from its data. Rows
-    changed in place before they are folded (``rb[index] = data``,
-    relabelling) are read as changed.
-
-    :meth:`counters` gives ``write_count`` (= ``items_written``, as
-    observed), ``writes`` and ``items_written``; :meth:`stats` gives
-    ``writes``, ``items_written`` and ``seconds_since_last_write``.
+    Folds ``post_add`` and ``post_extend``. Items count like torchrl's
+    ``write_count``; items the writer did not store are not counted and their
+    rewards are left out. With a round-robin writer the rewards are folded
+    from the storage once per window, with no copy per write. Details:
+    :ref:`metric-names`.
 
     Keyword Args:
-        reward_key (NestedKey, optional): reward entry of the written
-            TensorDicts; required in the data when given. Defaults to
-            ``None`` (no reward metrics).
-        mask_key (NestedKey, optional): valid-step mask, used when present
-            (padded trajectories). Defaults to ``("collector", "mask")``.
+        reward_key (NestedKey, optional): reward entry of the written data,
+            required there when given. Defaults to ``None`` (no reward metrics).
+        mask_key (NestedKey, optional): valid-step mask, used when present.
+            Defaults to ``("collector", "mask")``.
 
     Examples:
         >>> import torch
@@ -142,12 +104,7 @@ class WriteMetrics(MetricSet):
             self._ring = None
 
     def check_keys(self, source: Any) -> None:
-        """Refuses a ``reward_key`` that the buffer's storage, once it holds data, does not have.
-
-        A storage of TensorDicts that holds items says which keys every
-        write holds (torchrl's tensor storages refuse a write with other
-        keys). An empty or uninitialized storage cannot tell: the first
-        write checks the key then.
+        """Refuses a ``reward_key`` that the buffer's storage, once it holds data, does not have (else the first write checks).
 
         Raises:
             ValueError: naming the key, the keys present and the closest match.
@@ -268,13 +225,7 @@ class WriteMetrics(MetricSet):
             self._fold_range()
 
     def _unseen_before(self, n: int) -> int:
-        """Rows the cursor moved past without an event between the pending rows and a write of ``n``.
-
-        The write just stored ``n`` rows ending at the writer's cursor; they
-        start where the pending rows end unless the cursor moved in between
-        (an unobserved ``empty()`` or writer, ``load_state_dict``). A write
-        that fills the storage overwrites every pending row anyway: 0.
-        """
+        """Rows the cursor moved past without an event, between the pending rows and a write of ``n`` (0 if it fills the storage)."""
         ring = self._ring
         pending = self._range_len
         if not pending or not ring or n >= ring[2]:
@@ -286,10 +237,7 @@ class WriteMetrics(MetricSet):
     def _after_unobserved(self, start: int, n: int, pending: int, capacity: int) -> bool:
         """The cursor moved between two observed writes; whether the range path goes on.
 
-        Taken as rows written without an event in between (an unobserved
-        writer), which overwrote only the oldest pending rows, if any: the
-        rest are folded from the storage. A loss is reported and ends the
-        range path; this write's own rows, in place, are folded then.
+        Taken as an unobserved writer's rows; a loss is reported and ends the path.
         """
         unseen = (start - self._range_start - pending) % capacity
         lost = self._fold_range(overwritten=unseen + n)
@@ -311,12 +259,7 @@ class WriteMetrics(MetricSet):
         )
 
     def _fold_range(self, overwritten: int = 0) -> int:
-        """Folds the rewards of the pending rows, read from the storage (no copy).
-
-        ``overwritten``: rows written after them since (a write larger than
-        3/4 of the storage can overwrite the oldest pending rows, whose
-        rewards are then gone). Returns how many pending rows were gone.
-        """
+        """Folds the pending rows' rewards from the storage; returns how many were overwritten (``overwritten``: rows written since)."""
         n, self._range_len = self._range_len, 0
         ring = self._ring
         if not n or not ring:

@@ -1,17 +1,8 @@
 """Statistics that merge exactly: torch-free partials, device reducers, observed counters.
 
-* :mod:`~rl_observers.stats.partials`: :class:`Partial`, :class:`Moments`,
-  :class:`Count`, :class:`QuantileSketch` (host side, torch-free, picklable,
-  mergeable);
-* :mod:`~rl_observers.stats.scalars`: :class:`Scalar` (one value with a
-  declared merge rule), :class:`Fraction`, :class:`PerSecond`,
-  :class:`BinCounts`, :class:`LastEvent` (torch-free partials too);
-* :mod:`~rl_observers.stats.reducers`: :class:`ReducerBank` and its reducers,
-  which fold tensors on their device and reach the host in one transfer;
-* :mod:`~rl_observers.stats.counters`: cumulative host counters fed by device
-  values without a sync.
-
-This package imports no other part of :mod:`rl_observers`.
+:mod:`~rl_observers.stats.partials` and :mod:`~rl_observers.stats.scalars`
+hold the host-side partials, :mod:`~rl_observers.stats.reducers` the device
+reducers. This package imports no other part of :mod:`rl_observers`.
 """
 
 from rl_observers.stats.counters import ObservedCounters

@@ -1,10 +1,8 @@
 """Host-side cumulative counters that device values feed without a sync.
 
-Counters that depend on tensor values (``episodes``, and ``frames`` of masked
-``trajs_per_batch`` batches) are *observed, not exact*: on CPU they are read
-at once; on CUDA the value is copied without blocking to pinned memory and
-added at a later event, once its CUDA event has completed, so such a counter
-may lag by a batch or so. :meth:`ObservedCounters.drain` makes them exact.
+Counters fed by tensor values (``episodes``, ``frames`` of masked batches)
+may lag by a batch or so on CUDA; :meth:`ObservedCounters.drain` makes
+them exact.
 """
 
 from __future__ import annotations
@@ -21,10 +19,9 @@ __all__ = ["ObservedCounters"]
 class ObservedCounters:
     """Host-side counters, some fed by device values without a sync.
 
-    ``add`` takes a host number. ``add_observed`` takes a 1-D integer tensor
-    (one entry per counter): on CPU it is read at once; on CUDA it is copied
-    without blocking to pinned memory and added by a later :meth:`poll` once
-    its event has completed; on other devices it is read at :meth:`drain`.
+    ``add_observed`` takes a 1-D integer tensor, one entry per counter: read
+    at once on CPU, copied without blocking and added by a later :meth:`poll`
+    on CUDA, read at :meth:`drain` elsewhere.
     """
 
     __slots__ = ("values", "_pending")

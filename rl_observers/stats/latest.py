@@ -1,13 +1,7 @@
-"""A device reducer of the latest entries of a stream: pulled as a :class:`LatestWindow`.
+"""A device reducer of the latest entries of a stream, pulled as a :class:`LatestWindow`.
 
-:class:`LatestReducer` keeps, in its slice of a
-:class:`~rl_observers.stats.ReducerBank`'s state, the ``size`` latest
-entries (an order key, a stamp, an index and ``K`` values) folded since the
-last pull. A fold is a ``topk`` over the held entries and the new
-candidates: fixed shapes, no host read. The entries reach the host with the
-rest of the bank in its one transfer, as the :class:`LatestWindow` of the
-window just pulled; whoever pulls merges it into the window carried so far
-(:meth:`LatestWindow.merge` keeps the latest ``size``).
+A fold is a ``topk`` over the held entries and the new ones: fixed shapes,
+no host read. The entries reach the host in the bank's one transfer.
 
 Examples:
     >>> import torch
@@ -43,11 +37,9 @@ _HEAD = 3
 class LatestReducer(_Reducer):
     """Keeps the ``size`` latest entries folded in the window, on their device.
 
-    Slots are a ``[3 + K, size]`` table (one row per column): per entry an order key (``0`` marks
-    an empty slot, which is what the bank's reset leaves), the stamp and
-    index reported in the entry's key, and its ``K`` values. Pulled as a
-    :class:`LatestWindow` whose keys are ``(stamp, source, index)``, with
-    :attr:`source` set by the owner of the reducer (a worker index).
+    Slots are a ``[3 + K, size]`` table: order (``0``: empty), stamp, index
+    and ``K`` values per entry. Pulled with keys ``(stamp, source, index)``,
+    :attr:`source` set by the reducer's owner (a worker index).
     """
 
     __slots__ = ("size", "names", "stats", "source", "_cells")
@@ -117,20 +109,17 @@ class LatestReducer(_Reducer):
     def fold(
         self, values: torch.Tensor, ended: torch.Tensor, *, step_base: int, cell_base: int
     ) -> None:
-        """Folds the entries where ``ended`` is true; keeps the ``size`` latest.
+        """Folds the entries where ``ended`` is true, keeping the ``size`` latest; no host read.
 
         Args:
             values (torch.Tensor): ``[K, rows, steps]``, one value per name.
             ended (torch.Tensor): ``[rows, steps]`` booleans: where entries end.
 
         Keyword Args:
-            step_base (int): the steps before step ``0``: an entry ending at
-                step ``t`` is stamped ``step_base + t + 1``, and its row is its index.
-            cell_base (int): the order of cell ``(0, 0)``: a cell's order is
-                ``cell_base + t * rows + row``. Orders must grow from fold to
-                fold (count the cells folded before).
-
-        Tensor operations only: no host read, no data-dependent shape.
+            step_base (int): an entry ending at step ``t`` is stamped
+                ``step_base + t + 1``; its row is its index.
+            cell_base (int): cell ``(t, row)`` has order ``cell_base + t * rows +
+                row``; orders must grow from fold to fold.
         """
         rows, steps = ended.shape
         view = self._view

@@ -1,13 +1,9 @@
 """Mergeable partial statistics, torch-free: what crosses a process boundary.
 
-A :class:`Partial` (:class:`Moments`, :class:`Count`) is a small, picklable,
-mergeable statistic. Any merge of partials, in any grouping and any order,
-equals the statistic over the union of the data (up to floating-point
-rounding), so partials can cross process boundaries and be combined by code
-that knows nothing about RL. The empty partial is the identity of
-:meth:`Partial.merge`. Device-side folding lives in
-:mod:`rl_observers.stats.reducers`; the dict-level rule that merges whole
-payloads lives in the channel.
+Any merge of partials, in any grouping and order, equals the statistic of
+the union of the data (up to rounding); the empty partial is the identity.
+The device side lives in :mod:`rl_observers.stats.reducers`. See
+:ref:`partials`.
 
 Examples:
     >>> from rl_observers.stats import Count, Moments
@@ -17,12 +13,6 @@ Examples:
     3.0
     >>> Count("dones", 1).merge(Count("dones", 0)).finalize()
     {'dones': 1.0}
-
-Why it is long (~850 lines): it is the whole host side of the merge contract
-(what crosses a process boundary and what the channel merges), kept torch-free
-in one place so that the channel, which may import only this module of
-``stats``, sees every partial it merges; ``QuantileSketch`` (the last ~280
-lines) is the seam to split at if it grows.
 """
 
 from __future__ import annotations
@@ -67,14 +57,10 @@ def _check_stats(stats: Iterable[str], prefix: str) -> tuple[str, ...]:
 class Partial:
     """A mergeable partial statistic: what crosses a process boundary.
 
-    Subclasses are small, picklable objects with ``__slots__``. The contract:
-
-    * :meth:`merge` is exact (up to floating-point rounding), associative and
-      commutative, returns a new object and leaves both operands untouched;
-      merging with an empty partial returns an equal partial.
-    * :meth:`finalize` maps metric names (relative to a namespace, such as
-      ``"reward_mean"``) to floats. An empty partial reports its counts as
-      ``0`` and omits means, deviations, minima and maxima.
+    Subclasses are small and picklable. :meth:`merge` is exact, associative
+    and commutative, and returns a new object; :meth:`finalize` maps metric
+    names (relative to a namespace) to floats, an empty partial giving its
+    counts as ``0`` and no means, deviations, minima or maxima.
 
     Examples:
         >>> from rl_observers.stats import Count, Partial
@@ -109,11 +95,7 @@ def _chan(na: float, mean_a: float, m2_a: float, nb: float, mean_b: float, m2_b:
 
 
 def _min(a: float, b: float) -> float:
-    """The smaller of ``a`` and ``b``; NaN when either is NaN, as ``torch.minimum``.
-
-    Python's ``min`` keeps whichever NaN-compared operand comes first, which
-    would make a merge depend on its order.
-    """
+    """The smaller of ``a`` and ``b``; NaN when either is NaN (order-independent, unlike ``min``)."""
     return a if a <= b or a != a else b
 
 
@@ -133,35 +115,22 @@ def _total(values: Sequence[float]) -> float:
 class Moments(Partial):
     """Count, sum, mean, sum of squared deviations, minimum and maximum of some values.
 
-    Merging adds the counts and the sums (so the sum of integer values is
-    exact up to ``2**53``, and the mean of the union is its sum over its
-    count) and uses Chan et al.'s parallel update for the squared
-    deviations, so the mean and standard deviation of merged partials are
-    those of the union of the data; the standard deviation is the
-    **population** one (``sqrt(M2 / count)``, what ``torch.std(x,
-    correction=0)`` and ``statistics.pstdev`` compute), which is defined for a
-    single value and does not depend on how data was split. A NaN among the
-    values makes the mean, the deviation, the minimum and the maximum NaN, as
-    ``torch.mean``, ``torch.amin`` and ``torch.amax`` do, whatever the order
-    of the merges.
+    Merging adds counts and sums (integer sums exact up to ``2**53``) and
+    combines M2 with Chan et al.'s update, so merged means and deviations are
+    those of the union. The deviation is the population one (``correction=0``).
+    A NaN makes mean, deviation, min and max NaN, in any merge order.
 
     Args:
-        prefix (str): output names are ``f"{prefix}_{stat}"`` (or ``stat`` when
-            the prefix is empty), e.g. ``"reward"`` gives ``reward_mean``. Two
-            partials merge only when their prefix and ``stats`` agree.
+        prefix (str): output names are ``f"{prefix}_{stat}"`` (``stat`` when
+            empty). Partials merge only when prefix and ``stats`` agree.
 
     Keyword Args:
-        stats (sequence of str, optional): which statistics :meth:`finalize`
-            emits, among ``"count"``, ``"mean"``, ``"std"``, ``"var"``,
-            ``"min"``, ``"max"``. Defaults to ``("mean", "std", "min", "max")``.
-        count (float, optional): number of values. Defaults to ``0``.
-        mean (float, optional): their mean. Defaults to ``sum / count``, or
-            ``0`` without ``sum``.
-        sum (float, optional): their sum. Defaults to ``mean * count``.
-        m2 (float, optional): sum of squared deviations from the mean.
-            Defaults to ``0``.
-        min (float, optional): their minimum. Defaults to ``inf``.
-        max (float, optional): their maximum. Defaults to ``-inf``.
+        stats (sequence of str, optional): among ``"count"``, ``"mean"``,
+            ``"std"``, ``"var"``, ``"min"``, ``"max"``. Defaults to
+            ``("mean", "std", "min", "max")``.
+        count, mean, sum, m2, min, max (float, optional): the state; ``mean``
+            defaults to ``sum / count`` and ``sum`` to ``mean * count``, the
+            others to ``0``, ``inf`` and ``-inf`` (empty).
 
     Examples:
         >>> from rl_observers.stats import Moments
@@ -264,10 +233,7 @@ class Moments(Partial):
         min: float,
         max: float,
     ) -> Moments:
-        """Builds a partial from validated ``prefix``/``stats``, a count and the values' sum.
-
-        The mean is ``total / count`` (``0`` when ``count`` is ``0``, the empty partial).
-        """
+        """Builds a partial from validated ``prefix``/``stats``, a count and the values' sum."""
         self = object.__new__(cls)
         self.prefix = prefix
         self.stats = stats
@@ -331,10 +297,6 @@ class Moments(Partial):
 
 class Count(Partial):
     """A count over a window: merges by addition, finalizes to ``{name: n}``.
-
-    Args:
-        name (str): the metric name, e.g. ``"episodes"``.
-        n (float, optional): the count. Defaults to ``0``.
 
     Examples:
         >>> from rl_observers.stats import Count
@@ -420,34 +382,21 @@ def _quantile(ordered: Sequence[float], q: float) -> float:
 class LatestWindow(Partial):
     """The ``size`` latest entries of a stream (the last ``N`` episodes), merged by end order.
 
-    Each entry is an *order key* and a tuple of values, one per name (an
-    episode's return and length). The key says when the entry ended and is
-    unique: ``(stamp, source, index)`` tuples, compared in that order (the
-    step at which an episode ended on its worker's clock, the worker, the env
-    row). Merging takes the union of both sides' entries (an entry present on
-    both sides, with the same key, counts once) and keeps the ``size`` with
-    the greatest keys, so any merge, in any grouping and order and with any
-    repetition, is the window of the union: a source may re-send its window
-    every time and the merge stays exact. Statistics are exact over the
-    entries held: quantiles too, since the partial holds the values. A NaN
-    value makes every statistic of its name NaN but the count (as
-    :class:`Moments`).
-
-    Unlike a window partial, a :class:`LatestWindow` describes a *state*
-    (:attr:`rolling` is ``True``): an owner merging contributions keeps it
-    from one logged row to the next.
+    Each entry is a unique order key (``(stamp, source, index)``: when it
+    ended, on which worker, which env row) and one value per name. A merge
+    keeps the ``size`` greatest keys of the union, an entry seen on both sides
+    counting once, so a source may re-send its window every time. Statistics
+    are exact over the entries held. Unlike a window partial it describes a
+    state (:attr:`rolling`), kept by an owner from one row to the next.
 
     Args:
-        size (int): how many entries to keep (``N``). Output names end with
-            ``_last_<N>``.
+        size (int): how many entries to keep; names end with ``_last_<N>``.
         names (sequence of str): the name of each value of an entry.
 
     Keyword Args:
-        stats (sequence of sequences of str, optional): per name, the
-            statistics :meth:`finalize` emits, among :data:`WINDOW_STATS`.
-            Defaults to ``("mean",)`` for every name.
+        stats (sequence of sequences of str, optional): per name, statistics
+            among :data:`WINDOW_STATS`. Defaults to ``("mean",)`` for each.
         entries (iterable of (key, values), optional): initial entries.
-            Defaults to none.
 
     Examples:
         >>> from rl_observers.stats import LatestWindow
@@ -583,13 +532,7 @@ def check_quantile(q: object, owner: str) -> float:
 
 
 def sketch_resolution(accuracy: object, owner: str = "QuantileSketch") -> int:
-    """Mantissa bits ``p`` whose buckets are within ``accuracy`` (relative), for ``accuracy`` in (0, 0.5).
-
-    A bucket holds the magnitudes whose float32 exponent and ``p`` leading mantissa bits
-    agree: its relative width is at most ``2**-p``, and the point reported for it is
-    within ``2**-p / (2 + 2**-p)`` of any value in it (relative). ``p`` is the smallest
-    that keeps this (plus the float32 rounding of the values) within ``accuracy``.
-    """
+    """The fewest mantissa bits ``p`` whose buckets (relative width ``2**-p``) stay within ``accuracy``."""
     if (
         isinstance(accuracy, bool)
         or not isinstance(accuracy, (int, float))
@@ -614,11 +557,7 @@ def sketch_key_range(p: int) -> tuple[int, int]:
 
 
 def sketch_bucket_value(key: int, p: int) -> float:
-    """The point reported for the magnitude bucket ``key``: the harmonic mean of its bounds.
-
-    ``2 L U / (L + U)`` is as far (relatively) from its lower bound ``L`` as from its
-    upper bound ``U``.
-    """
+    """The point reported for the magnitude bucket ``key``: ``2 L U / (L + U)``, as far (relatively) from either bound."""
     shift = _F32_MANTISSA - p
     exponent, mantissa = divmod(key, 1 << p)
     low = math.ldexp(1.0 + mantissa * 2.0**-p, exponent - _F32_BIAS)
@@ -641,54 +580,28 @@ def _collapse(store: dict[int, float], limit: int) -> dict[int, float]:
 class QuantileSketch(Partial):
     """Quantiles within a declared relative accuracy, from bucket counts that add (DDSketch).
 
-    Values are counted in logarithmic buckets of bounded relative width,
-    kept apart for positive values, negative values (by magnitude) and
-    zeros. A bucket holds the magnitudes whose float32 exponent and leading
-    ``p`` mantissa bits agree, ``p`` the smallest that makes every bucket
-    narrower than ``accuracy`` (so a 1 % sketch uses 64 buckets per power of
-    two: DDSketch's logarithmic mapping, linearly interpolated between
-    powers of two, computed from the bits without a logarithm). Merging adds
-    the counts, so any merge of sketches, in any grouping and any order,
-    *is* the sketch of the union of the data, exactly.
-
-    **The quantile** ``q`` of ``n`` values is the lower rank-based one: the
-    value of rank ``floor(q (n - 1))`` (0-based) in sorted order, what
-    ``numpy.quantile(values, q, method="lower")`` computes. The sketch
-    reports the point of the bucket that value fell in, within ``accuracy``
-    of it, relatively: ``|reported - true| <= accuracy * |true|``.
-
-    **Bounded memory:** each sign keeps at most ``max_buckets`` buckets
-    (default 2048: at 1 %, a span of 2**32 in magnitude). Past that, the
-    buckets of the smallest magnitudes are collapsed into the lowest one
-    kept (DDSketch's collapsing-lowest store): quantiles that fall among the
-    collapsed values lose their accuracy (they read as the lowest bucket
-    kept), the others keep it, and merges stay exact. Magnitudes outside
-    ``[2**-64, 2**64)`` share the outer buckets (and float32's limits
-    apply: a magnitude below ~1e-45 counts as a zero, one above ~3.4e38 as
-    non-finite).
-
-    **Non-finite values** (NaN, ``inf``, ``-inf``) are counted apart, never
-    bucketed; :meth:`finalize` reports ``<name>_nonfinite`` when there were
-    any.
+    Values are counted in logarithmic buckets (by float32 exponent and leading
+    mantissa bits), apart for positives, negatives and zeros; merging adds the
+    counts, so a merge *is* the sketch of the union. The quantile ``q`` is the
+    lower rank-based one (``numpy.quantile(..., method="lower")``), reported
+    within ``accuracy`` of it, relatively. At most ``max_buckets`` per sign:
+    past that the smallest magnitudes collapse into the lowest bucket kept.
+    Non-finite values are counted apart (``<name>_nonfinite``). See
+    :doc:`custom` for the details.
 
     Args:
-        name (str): output names are ``<name>_p5``, ``<name>_p50``, ... (see
-            :func:`~rl_observers.stats.scalars.quantile_name`).
+        name (str): output names are ``<name>_p5``, ``<name>_p50``, ...
 
     Keyword Args:
         quantiles (sequence of float, optional): each in (0, 1). Defaults to
             ``(0.05, 0.5, 0.95)``.
-        accuracy (float, optional): the relative accuracy, in (0, 0.5).
-            Defaults to ``0.01``.
+        accuracy (float, optional): relative, in (0, 0.5). Defaults to ``0.01``.
         max_buckets (int, optional): the most buckets per sign. Defaults to
             ``2048``.
-        positive (dict of int to float, optional): counts per magnitude key
-            of positive values. Defaults to none.
-        negative (dict of int to float, optional): the same for negative
-            values. Defaults to none.
-        zero (float, optional): how many zeros. Defaults to ``0``.
-        nonfinite (float, optional): how many NaN or infinite values.
-            Defaults to ``0``.
+        positive, negative (dict of int to float, optional): counts per
+            magnitude key. Defaults to none.
+        zero, nonfinite (float, optional): counts of zeros and of NaN or
+            infinite values. Defaults to ``0``.
 
     Raises:
         ValueError: a quantile outside (0, 1), an accuracy outside (0, 0.5).

@@ -1,23 +1,11 @@
 """Device reducers: fold tensors into mergeable partials without waiting for the device.
 
-A statistic lives in two places:
-
-* **On the data's device**, while batches stream by. A :class:`ReducerBank`
-  owns one preallocated ``float64`` tensor that holds the window state of all
-  its reducers. A :class:`MomentsReducer` or :class:`CountReducer` folds a
-  tensor into its slice of that tensor in place, with tensor operations only:
-  no ``.item()``, no ``bool(tensor)``, no data-dependent shapes, so folding
-  never waits for the device (CPU tensors, which need no wait, may take
-  exact shortcuts such as dropping masked-out entries first).
-  :meth:`ReducerBank.pull` moves the whole state
-  to the host in **one** transfer, turns it into partials and resets the
-  window.
-* **On the host**, as :class:`Partial` objects (:class:`Moments`,
-  :class:`Count`): small, picklable, and mergeable. Any merge of partials,
-  in any grouping and any order, equals the statistic over the union of the
-  data (up to floating-point rounding), so partials can cross process
-  boundaries and be combined by code that knows nothing about RL. The empty
-  partial is the identity of :meth:`Partial.merge`.
+Step **observer** of the flow (source → observer → channel → logger). A
+:class:`ReducerBank` keeps the window state of its reducers in one
+``float64`` tensor on the data's device, folded with tensor operations only
+(no host read); :meth:`ReducerBank.pull` moves it to the host in one
+transfer as :class:`Partial` objects, which merge exactly in any order.
+See :ref:`partials`.
 
 Examples:
     >>> import torch
@@ -35,11 +23,6 @@ Examples:
     3.0
     >>> worker_a["dones"].merge(worker_b["dones"]).finalize()
     {'dones': 1.0}
-
-Why it is long (~1,000 lines): every reducer writes into slices of its
-bank's one state tensor, which :meth:`ReducerBank.pull` reads in one
-transfer; the bank, the moments table with its staging and the quantile
-reducer share that layout and the no-sync rules, so they are read together.
 """
 
 from __future__ import annotations
@@ -110,9 +93,8 @@ class Transient:
 class _Reducer(Transient):
     """A reducer owns ``width`` consecutive slots of its bank's state tensor.
 
-    The view of those slots is made at the first fold and kept: the bank
-    zeroes its state in place, so the view stays valid. Views are not pickled
-    (a pickled view would own a copy of the state); they are made again.
+    Its view of them is made at the first fold and kept (the bank zeroes the
+    state in place); views are not pickled but made again.
     """
 
     __slots__ = ("_bank", "_offset", "key", "_view")
@@ -194,20 +176,11 @@ def _cpu_scratch(like: torch.Tensor) -> torch.Tensor:
 
 
 class _MomentsTable(_Reducer):
-    """Count, sum, M2, min and max of ``K`` quantities, folded row by row on the device.
+    """Count, sum, M2, min and max of ``K`` quantities in a ``[rows, K, 5]`` table, one row per fold.
 
-    The slots are a ``[rows, K, 5]`` table. Each fold writes the statistics
-    of its values (a handful of reductions over the last dimension, no
-    combination with the window) into the next row. When the rows are used
-    up, they are combined on the device into the first row (Chan's parallel
-    formulas, vectorised over the rows), so the cost of combining is paid
-    once every ``rows`` folds. At pull time the used rows reach the host with
-    the rest of the bank and are merged there in plain floats.
-
-    Rows hold sums, not means: counts and sums then combine by addition, so
-    the sum of integer values stays exact (up to ``2**53``) through every
-    combination, and the mean is divided once, from the window's sum. Minima
-    and maxima combine as ``amin``/``amax`` do: a NaN makes them NaN.
+    Used rows are combined on the device into the first (Chan's formulas) and,
+    at pull time, merged on the host. Rows hold sums, not means, so integer
+    sums stay exact.
     """
 
     __slots__ = (
@@ -318,11 +291,7 @@ class _MomentsTable(_Reducer):
         self._used = 1
 
     def _fold_rows(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
-        """Folds each row of ``x`` (``[K, N]``, ``N > 0``) into its quantity.
-
-        ``mask`` is ``None`` or a ``[N]`` tensor (true: the entry counts). A
-        small fold is staged (one copy); others are reduced at once.
-        """
+        """Folds each row of ``x`` (``[K, N]``, ``N > 0``) into its quantity; a small fold is staged."""
         view = self._view
         if view is None:
             view = self._state(x.device)
@@ -369,16 +338,13 @@ class _MomentsTable(_Reducer):
         self._reduce(x, None if mask is None else mask[:staged].reshape(-1))
 
     def _reduce_now(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
-        """:meth:`_reduce`, the table made first if this is the first fold (``staged=False``)."""
+        """:meth:`_reduce`, the table made first at the first fold."""
         if self._view is None:
             self._state(x.device)
         self._reduce(x, mask)
 
     def _reduce(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
-        """Writes the statistics of each row of ``x`` (``[K, N]``; unmasked: ``[K, *S]``) into the next row.
-
-        Off the CPU: tensor operations only, no host read, no data-dependent shape.
-        """
+        """Writes the statistics of each row of ``x`` into the next row, with no host read off the CPU."""
         device = self._view.device  # type: ignore[union-attr]
         scratch = device.type == "cpu" and _STAGE_ENTRIES < x.numel() <= _SCRATCH_ENTRIES
         if x.dtype is not _F64 or x.device != device:
@@ -429,22 +395,10 @@ class _MomentsTable(_Reducer):
 
 
 class MomentsReducer(_MomentsTable):
-    """Folds tensors into count, sum, M2, min and max on their device.
+    """Folds tensors into count, sum, M2, min and max on their device; pulled as a :class:`Moments`.
 
-    Created by :meth:`ReducerBank.moments`; pulled as a :class:`Moments`.
-    Values are accumulated in ``float64`` whatever their dtype.
-
-    Each fold writes the statistics of its tensor (count, sum, M2, min, max:
-    a handful of reductions, no combination with the window; M2 only when
-    ``std`` or ``var`` is among ``stats``, 0 otherwise) into the next of
-    ``rows`` rows of the bank's state. A small fold (up to 2048 values) is
-    first staged, copied next to the previous folds of its size, and those
-    are reduced together, 16 at a time or when the window closes: a fold then
-    costs one copy. When the rows are used up, they are combined on the
-    device into the first row (Chan's parallel formulas, vectorised over the
-    rows), so the cost of combining is paid once every ``rows`` reductions.
-    At pull time the used rows reach the host with the rest of the bank and
-    are merged there.
+    Created by :meth:`ReducerBank.moments`. Accumulates in ``float64``; M2 is
+    kept only when ``std`` or ``var`` is among ``stats``.
 
     Examples:
         >>> import torch
@@ -476,25 +430,19 @@ class MomentsReducer(_MomentsTable):
     def fold(
         self, values: torch.Tensor, mask: torch.Tensor | None = None, *, staged: bool = True
     ) -> None:
-        """Folds ``values`` (those where ``mask`` is true) into the window.
+        """Folds ``values`` (those where ``mask`` is true) into the window, with no host read.
 
         Args:
             values (torch.Tensor): any shape and real dtype.
-            mask (torch.Tensor, optional): boolean, broadcastable to
-                ``values``; only entries where it is ``True`` count.
+            mask (torch.Tensor, optional): boolean, broadcastable to ``values``.
                 Defaults to ``None`` (all entries count).
 
         Keyword Args:
-            staged (bool, optional): a small fold may be staged (see above).
-                ``False``: reduced at once, for folds whose size changes from
-                fold to fold (staging would make a new stage at each).
-                Defaults to ``True``.
+            staged (bool, optional): stage small folds; pass ``False`` when the
+                size changes from fold to fold. Defaults to ``True``.
 
         Raises:
             TypeError: if ``values`` is complex.
-
-        Never reads a value on the host: the count of masked entries stays a
-        tensor.
         """
         if values.is_complex():
             raise _complex(f"MomentsReducer({self.prefixes[0]!r})", values)
@@ -515,11 +463,9 @@ class MomentsReducer(_MomentsTable):
 
 
 class MomentsGroupReducer(_MomentsTable):
-    """Folds ``K`` quantities sharing a mask at once; pulled as ``K`` :class:`Moments`.
+    """Folds ``K`` quantities sharing a mask at once, for about the cost of one; pulled as ``K`` :class:`Moments`.
 
-    Created by :meth:`ReducerBank.moments_group`. One fold costs about what
-    one :meth:`MomentsReducer.fold` costs, whatever ``K``: the reductions run
-    over a ``[K, N]`` tensor and write one ``[K, 5]`` row.
+    Created by :meth:`ReducerBank.moments_group`.
 
     Examples:
         >>> import torch
@@ -545,13 +491,10 @@ class MomentsGroupReducer(_MomentsTable):
         Args:
             values (torch.Tensor): ``[K, *S]``, any real dtype.
             mask (torch.Tensor, optional): boolean, broadcastable to ``S``.
-                Defaults to ``None`` (all entries count).
+                Defaults to ``None``.
 
         Keyword Args:
-            staged (bool, optional): a small fold may be staged (see
-                :class:`MomentsReducer`). ``False``: reduced at once, for folds
-                whose size changes from fold to fold (staging would make a new
-                stage at each). Defaults to ``True``.
+            staged (bool, optional): as for :meth:`MomentsReducer.fold`.
 
         Raises:
             TypeError: if ``values`` is complex.
@@ -581,9 +524,7 @@ class MomentsGroupReducer(_MomentsTable):
 
 
 class CountReducer(_Reducer):
-    """Counts events on the device; pulled as a :class:`Count`.
-
-    Created by :meth:`ReducerBank.count`.
+    """Counts events on the device; created by :meth:`ReducerBank.count`, pulled as a :class:`Count`.
 
     Examples:
         >>> import torch
@@ -610,15 +551,11 @@ class CountReducer(_Reducer):
         return {self.name: Count(self.name, values[self._offset])}
 
     def add(self, amount: torch.Tensor | float, *, device: torch.device | None = None) -> None:
-        """Adds ``amount`` (a number or a one-element tensor) to the window count.
-
-        Args:
-            amount: what to add. A tensor stays on its device.
+        """Adds ``amount`` (a number or a one-element tensor, kept on its device) to the window count.
 
         Keyword Args:
-            device (torch.device, optional): where to allocate the bank's
-                state if this is its first fold and ``amount`` is a number.
-                Defaults to the bank's device, or CPU.
+            device (torch.device, optional): where to allocate the bank's state
+                at a first fold of a number. Defaults to the bank's device, or CPU.
         """
         view = self._view
         if isinstance(amount, torch.Tensor):
@@ -650,14 +587,10 @@ class CountReducer(_Reducer):
 class ReducerBank(Transient):
     """Holds the window state of several reducers in one ``float64`` tensor.
 
-    Register reducers with :meth:`moments`, :meth:`moments_group` and
-    :meth:`count`; the state tensor is allocated on the device of the first
-    tensor folded, and a tensor on another device is moved to it. A reducer
-    registered after the first fold widens the state (a copy on the device,
-    once), so reducers can be created when first needed.
-    :meth:`pull` copies the whole state to the host in one transfer, resets
-    the window and returns one partial per key (a :class:`Moments` per
-    prefix, a :class:`Count` per name).
+    The state lives on the device of the first tensor folded; a reducer
+    registered later widens it (one copy on the device). :meth:`pull` copies
+    it to the host in one transfer, resets the window and returns one partial
+    per key.
 
     Examples:
         >>> import torch
@@ -697,8 +630,8 @@ class ReducerBank(Transient):
     ) -> MomentsReducer:
         """Registers a :class:`MomentsReducer` pulled as ``Moments(prefix, stats=stats)``.
 
-        ``rows`` is how many folds it keeps apart before combining them on the
-        device (more rows: fewer combinations, a larger state to transfer).
+        ``rows``: folds kept apart before they are combined on the device (more
+        rows: fewer combinations, a larger transfer).
         """
         prefix = _check_name(prefix, "prefix")
         return self._register(MomentsReducer(self, self._width, prefix, stats, rows))
@@ -706,16 +639,10 @@ class ReducerBank(Transient):
     def moments_group(
         self, specs: Sequence[tuple[str, Sequence[str]]], *, rows: int = 32
     ) -> MomentsGroupReducer:
-        """Registers a :class:`MomentsGroupReducer` of quantities folded together.
+        """Registers a :class:`MomentsGroupReducer`, one ``(prefix, stats)`` of ``specs`` per quantity.
 
-        Args:
-            specs (sequence of (str, sequence of str)): ``(prefix, stats)``
-                per quantity, in the order of the first dimension of what
-                :meth:`MomentsGroupReducer.fold` takes; each is pulled as
-                ``Moments(prefix, stats=stats)``.
-
-        Keyword Args:
-            rows (int, optional): as for :meth:`moments`. Defaults to ``32``.
+        Each is pulled as ``Moments(prefix, stats=stats)``; ``rows`` as for
+        :meth:`moments`.
         """
         specs = tuple(specs)
         if not specs or not all(isinstance(s, tuple) and len(s) == 2 for s in specs):
@@ -741,11 +668,7 @@ class ReducerBank(Transient):
         return reducer
 
     def _grow(self) -> None:
-        """Widens the state for a reducer registered after the first fold (no host read).
-
-        The window so far is kept: staged folds are reduced into the old state,
-        which is copied on the device into a wider one; views are made again.
-        """
+        """Widens the state for a reducer registered after the first fold, keeping the window."""
         old = self._state
         self._flush()
         state = torch.zeros(self._width, dtype=torch.float64, device=old.device)
@@ -800,12 +723,8 @@ class ReducerBank(Transient):
     def copy_out(self) -> WindowCopy:
         """Closes the window like :meth:`pull`, without waiting for the device.
 
-        The state is copied in one non-blocking transfer (into pinned host
-        memory, with a CUDA event recorded after it, when it lives on a GPU;
-        a plain copy on the CPU) and the window is reset on the device, in
-        stream order after the copy. :meth:`WindowCopy.ready` tells, without
-        waiting, whether the copy has landed; :meth:`WindowCopy.partials`
-        reads it (waiting only if it has not).
+        A non-blocking copy (to pinned memory with a CUDA event on a GPU) then a
+        reset in stream order; :meth:`WindowCopy.ready` tells whether it landed.
 
         Examples:
             >>> import torch
@@ -847,10 +766,9 @@ class WindowCopy:
     """One window of a :class:`ReducerBank` on its way to the host (:meth:`ReducerBank.copy_out`).
 
     Args:
-        host (torch.Tensor or None): the state copied to host memory (``None``:
-            nothing was folded, ``partials`` holds the empty partials).
-        landed (torch.cuda.Event or None): recorded after a non-blocking copy
-            from a GPU; ``None`` when the copy is already complete.
+        host (torch.Tensor or None): the copied state (``None``: nothing was
+            folded and ``partials`` holds the empty partials).
+        landed (torch.cuda.Event or None): recorded after a GPU copy.
         partials: the reducers' functions of the copied values, or the empty partials.
     """
 
@@ -889,29 +807,16 @@ _I32 = torch.int32
 class QuantileReducer(Transient):
     """Folds tensors into a :class:`~rl_observers.stats.QuantileSketch` on their device.
 
-    The counts live in one ``float64`` buffer on the device of the first
-    tensor folded. At the default resolutions (accuracy down to about
-    0.05 %), a fold converts its values to float32 and counts each under its
-    ``[sign | exponent | p leading mantissa bits]`` pattern (a shift, a mask
-    and an ``index_add_``: ``2**(9 + p)`` slots, 32,768 at 1 %); :meth:`pull`
-    maps the patterns to the sketch's buckets (zeros, non-finite values,
-    the exponent range) on the host. Finer resolutions compute each value's
-    bucket on the device instead (``2 * 128 * 2**p`` slots). Tensor
-    operations only, no host read: folding never waits for the device. Small
-    unmasked folds (up to 2048 values) are staged like a
-    :class:`MomentsReducer`'s, copied next to the previous folds of their
-    size and counted 16 at a time, so such a fold costs about one copy.
-    :meth:`pull` moves the buffer to the host in one transfer, keeps its
-    non-zero slots and resets it. Unlike the reducers of a
-    :class:`ReducerBank` it owns its buffer (the bank's state reaches the
-    host as a list; thousands of slots would cost more there).
+    Counts live in a ``float64`` buffer of its own on the first tensor's
+    device, folded with no host read (small folds staged);
+    :meth:`pull` moves it to the host in one transfer and resets it.
 
     Args:
         name (str): the sketch's name.
 
     Keyword Args:
         quantiles, accuracy, max_buckets: as for
-            :class:`~rl_observers.stats.QuantileSketch` (validated here).
+            :class:`~rl_observers.stats.QuantileSketch`.
 
     Examples:
         >>> import torch
@@ -967,8 +872,7 @@ class QuantileReducer(Transient):
 
         Args:
             values (torch.Tensor): any shape and real dtype.
-            mask (torch.Tensor, optional): boolean, broadcastable to
-                ``values``. Defaults to ``None`` (all entries count).
+            mask (torch.Tensor, optional): boolean, broadcastable to ``values``.
 
         Raises:
             TypeError: if ``values`` is complex.
@@ -1019,7 +923,7 @@ class QuantileReducer(Transient):
             self._count(self._stage[:staged].reshape(-1), None)  # type: ignore[index]
 
     def _count(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
-        """Adds the values of ``x`` (1-D; those where ``mask`` is true) to their slots."""
+        """Adds the values of ``x`` (1-D, where ``mask`` is true) to their slots."""
         buffer = self._buffer
         device = buffer.device  # type: ignore[union-attr]
         if x.dtype is not torch.float32 or x.device != device:
@@ -1041,7 +945,7 @@ class QuantileReducer(Transient):
         buffer.index_add_(0, slots, weights)  # type: ignore[union-attr]
 
     def _slots(self, bits: torch.Tensor) -> torch.Tensor:
-        """Each value's bucket slot, computed (for resolutions whose raw slots would be many)."""
+        """Each value's bucket slot, computed on the device (fine resolutions)."""
         p = self._empty.p
         low, high = sketch_key_range(p)
         width = high - low

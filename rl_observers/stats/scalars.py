@@ -1,20 +1,7 @@
-"""Partials of one named number with a declared merge rule, fractions, rates and histograms.
+"""Torch-free partials of one value under a merge rule, fractions, rates and histograms.
 
-Torch-free and picklable, like :mod:`~rl_observers.stats.partials`: any merge,
-in any grouping and order, equals the statistic over the union of the data.
-They are what the metric one-liners (:mod:`rl_observers.metrics.oneliners`)
-submit:
-
-* :class:`Scalar`: one value merged by a rule, ``"sum"``, ``"mean"``,
-  ``"min"``, ``"max"`` or ``"latest"`` (the value with the newest time
-  stamp), finalized as ``{name: value}``;
-* :class:`Fraction`: a numerator and a denominator, each summed, finalized as
-  their ratio (the fraction of a union, never a mean of fractions);
-* :class:`PerSecond`: an amount over a span of wall-clock time; merged spans
-  are the union ``[min start, max end]`` and amounts add, so concurrent
-  workers add their rates and consecutive windows average theirs;
-* :class:`BinCounts`: counts over fixed bin edges, which merge exactly;
-  quantiles are read off the merged counts (within a bin's width).
+What the metric one-liners (:mod:`rl_observers.metrics.oneliners`) submit;
+any merge, in any grouping and order, equals the statistic of the union.
 
 Examples:
     >>> from rl_observers.stats import Fraction, Scalar
@@ -45,19 +32,15 @@ class Scalar(Partial):
 
     Args:
         name (str): the logged name.
-        rule (str): ``"sum"`` (values add), ``"mean"`` (``value`` holds the
-            sum of ``count`` values), ``"min"``, ``"max"`` (a NaN wins, as
-            with ``torch.minimum``), or ``"latest"`` (the value with the
-            largest ``stamp`` wins).
+        rule (str): ``"sum"``, ``"mean"`` (``value`` holds the sum of
+            ``count`` values), ``"min"``, ``"max"`` (a NaN wins), or
+            ``"latest"`` (the largest ``stamp`` wins).
         value (float, optional): see ``rule``. Defaults to ``0``.
 
     Keyword Args:
-        count (float, optional): how many values were folded. Defaults to
-            ``1`` when a ``value`` is given, else ``0`` (the empty partial).
-        stamp (float, optional): when ``value`` was seen (``"latest"``).
-            Defaults to ``-inf``.
-
-    An empty partial finalizes to ``{}`` except with ``"sum"``, which reports ``0``.
+        count (float, optional): values folded. Defaults to ``1`` with a
+            ``value``, else ``0`` (empty: finalizes to ``{}``, ``0`` for a sum).
+        stamp (float, optional): when ``value`` was seen. Defaults to ``-inf``.
 
     Examples:
         >>> from rl_observers.stats import Scalar
@@ -132,13 +115,7 @@ _EMPTY = {"sum": 0.0, "mean": 0.0, "min": math.inf, "max": -math.inf, "latest": 
 
 
 class Fraction(Partial):
-    """``numerator / denominator``, both summed on merge: the fraction of the union.
-
-    Args:
-        name (str): the logged name.
-        numerator (float, optional): Defaults to ``0``.
-        denominator (float, optional): Defaults to ``0``; a fraction with
-            no denominator finalizes to ``{}``.
+    """``numerator / denominator``, both summed on merge (``{}`` without a denominator).
 
     Examples:
         >>> from rl_observers.stats import Fraction
@@ -170,17 +147,10 @@ class Fraction(Partial):
 
 
 class PerSecond(Partial):
-    """An amount over the wall-clock span ``[start, end]`` (seconds, ``time.time()``).
+    """An amount over the wall-clock span ``[start, end]`` (``time.time()`` seconds).
 
-    Merging adds the amounts and takes the union of the spans, so the rate
-    of several workers over the same time is the sum of their rates, and
-    the rate over consecutive windows is their total over their total time.
-
-    Args:
-        name (str): the logged name.
-        amount (float, optional): Defaults to ``0``.
-        start (float, optional): Defaults to ``inf`` (no span).
-        end (float, optional): Defaults to ``-inf`` (no span).
+    Merging adds amounts and unites spans: concurrent workers add their rates,
+    consecutive windows average theirs.
 
     Examples:
         >>> from rl_observers.stats import PerSecond
@@ -223,12 +193,10 @@ class PerSecond(Partial):
 
 
 class LastEvent(Partial):
-    """When a window's last event happened (``time.time()``, at the source); merged by max, logs nothing.
+    """When a window's last event happened at the source; merged by max, logs nothing.
 
-    A :class:`~rl_observers.LoggerObserver` puts one in each window under
-    :attr:`KEY`, so that a rate read off the rows (the live console's) is
-    over the time the data was made, not over when its row arrived: the
-    last window of a run arrives at shutdown.
+    Put in each window under :attr:`KEY` so a rate read off the rows is over
+    the time the data was made, not when its row arrived.
 
     Examples:
         >>> from rl_observers.stats import LastEvent
@@ -282,35 +250,24 @@ def quantile_name(name: str, q: float) -> str:
 class BinCounts(Partial):
     """Counts of values over fixed bins, merged exactly; finalized as quantiles.
 
-    Bin ``0`` holds values ``<= edges[0]``, bin ``i`` the values in
-    ``(edges[i-1], edges[i]]`` and the last bin values ``> edges[-1]``
-    (``len(edges) + 1`` counts, what ``torch.bucketize`` gives). A quantile
-    is interpolated linearly inside the bin where its rank falls, so it is
-    exact up to that bin's width; ranks in the outer bins read as the outer
-    edges. Two partials merge when their name, edges and quantiles agree.
-
-    A NaN has no bin (it is neither below, inside nor above the edges): NaN
-    values are counted apart, in ``nan``, which merges by addition too.
-    ``<name>_count`` and the quantiles are those of the values in the bins;
-    ``<name>_nan_count`` is reported when there are NaN values.
-
-    The binned values' exact ``sum``, ``sum_squares``, ``min`` and ``max``
-    merge too (sums add; ``min <= max`` once one of them is known): what a
-    histogram view shows besides the counts (TensorBoard's fields), not
-    guessed from the bins. They are not logged as scalars.
+    Bins as ``torch.bucketize`` gives them: ``<= edges[0]``, ``(edges[i-1],
+    edges[i]]``, ``> edges[-1]``. A quantile is interpolated inside its bin
+    (exact up to the bin's width; outer bins read as the outer edges). NaN
+    values are counted apart (``<name>_nan_count``). The exact ``sum``,
+    ``sum_squares``, ``min`` and ``max`` of the binned values merge too, for
+    histogram views; they are not logged as scalars.
 
     Args:
-        name (str): outputs are ``<name>_p50`` etc. and ``<name>_count``.
-        edges (sequence of float): the bin edges, strictly increasing.
+        name (str): outputs are ``<name>_count`` and ``<name>_p50`` etc.
+        edges (sequence of float): strictly increasing.
         counts (sequence of float, optional): ``len(edges) + 1`` counts.
             Defaults to zeros.
 
     Keyword Args:
-        quantiles (sequence of float, optional): which quantiles
-            :meth:`finalize` reports. Defaults to ``(0.5, 0.9, 0.99)``.
-        nan (float, optional): how many NaN values were seen. Defaults to ``0``.
-        sum, sum_squares, min, max (float, optional): of the values in the
-            bins. Defaults to ``0``, ``0``, ``inf`` and ``-inf`` (not known).
+        quantiles (sequence of float, optional): Defaults to
+            ``(0.5, 0.9, 0.99)``.
+        nan, sum, sum_squares, min, max (float, optional): Defaults to ``0``,
+            ``0``, ``0``, ``inf`` and ``-inf``.
 
     Examples:
         >>> from rl_observers.stats import BinCounts
@@ -412,8 +369,7 @@ class BinCounts(Partial):
         return edges[-1]
 
     def finalize(self) -> dict[str, float]:
-        """Returns ``<name>_count`` and one ``<name>_p<q>`` per quantile (none when empty),
-        and ``<name>_nan_count`` when NaN values were seen."""
+        """Returns ``<name>_count``, ``<name>_p<q>`` per quantile and ``<name>_nan_count`` (when any)."""
         out = {f"{self.name}_count": float(sum(self.counts))}
         if out[f"{self.name}_count"]:
             for q in self.quantiles:

@@ -1,18 +1,11 @@
 """CollectorBatchMetrics: reward, done and episode metrics of collector batches.
 
-The class resolves a batch's keys once (:mod:`~rl_observers.metrics.collector.plan`),
-reads each batch's entries and hands the batch to its fold path, an object made
-with the set: :class:`~rl_observers.metrics.collector.from_keys.FromKeysFold`
-(episodes read at closing steps),
-:class:`~rl_observers.metrics.collector.ring.RingFold` (running sums of
-``[*B, T]`` batches, padded split trajectories included) or
-:class:`~rl_observers.metrics.collector.interleaved.InterleavedFold`
-(``AsyncBatchedCollector``'s interleaved envs). Each holds what it folds into
-(:class:`~rl_observers.metrics.collector.reducers.BatchReducers`); the ring and
-interleaved paths share the episodes in flight. The episode window is
-:mod:`~rl_observers.metrics.collector.window`.
-Keys are checked at attach where the specs can tell, else at the first batch
-(stopping only what a missing key needs).
+Step **observer** of the flow. Keys are resolved once
+(:mod:`~rl_observers.metrics.collector.plan`); each batch goes to the set's
+fold path: :class:`~rl_observers.metrics.collector.from_keys.FromKeysFold`
+(episodes read at closing steps), :class:`~rl_observers.metrics.collector.ring.RingFold`
+(running sums) or :class:`~rl_observers.metrics.collector.interleaved.InterleavedFold`
+(interleaved envs).
 """
 
 from __future__ import annotations
@@ -59,189 +52,41 @@ __all__ = ["CollectorBatchMetrics"]
 class CollectorBatchMetrics(MetricSet):
     """Reward, done and episode metrics of collector batches.
 
-    Folds ``post_collect`` batches: TensorDicts of shape ``[T]``, or
-    ``[*B, T]`` for batched environments (``SerialEnv``, ``ParallelEnv``, an
-    env with ``batch_size=[n]``): time is the last batch dimension. Padded
-    ``split_trajs=True`` and ``trajs_per_batch`` batches are supported:
-    steps where ``mask_key`` is false count nowhere. So are the flat ``[N]``
-    batches of ``AsyncBatchedCollector``, whose steps of several envs are
-    interleaved (see ``env_index_key``).
-
-    An episode closes at a step where ``done``, ``terminated`` **or**
-    ``truncated`` is set, so a time-limit reset never leaks a return into the
-    next episode. Its return and length are taken from ``episode_reward_key``
-    (:class:`~torchrl.envs.RewardSum`) and ``step_count_key``
-    (:class:`~torchrl.envs.StepCounter`) at that step when the batch has them;
-    otherwise from per-env running sums carried across batches (cumulative
-    sums over the batches' steps plus the carry: vectorised, no loop over
-    time, no sync; the batches are copied into a ring and summed up to 16 at
-    a time, fewer for large batches, or when the window closes). Either way an
-    episode spanning several
-    batches is counted once,
-    in the window where it ends, with its full return. When the batch has
-    ``traj_ids_key``, a carry whose trajectory id does not continue in the
-    next batch (``reset_at_each_iter``, a ``trajs_per_batch`` row) is
-    dropped, never added to another episode. In padded batches with
-    ``traj_ids_key`` (``split_trajs=True``) a row is a trajectory, not an
-    env: each batch is summed on its own and an episode in flight is carried
-    by its trajectory id into the row of the next batch that continues it.
-    In batches with ``env_index_key`` (``AsyncBatchedCollector``: one
-    ``[N]`` time dimension of interleaved steps of several envs, each env's
-    in time order), the sums are kept per env index; the number of envs is
-    the bound collector's, or grows with the indices of CPU batches (batches
-    off the CPU from an unbound set are refused: add ``RewardSum`` and
-    ``StepCounter``). Bound to a collector with ``reset_at_each_iter=True``
-    and no trajectory ids, each batch's episodes in flight are dropped.
-    Limit of the running sums: an episode already under way when the set
-    saw its first batch is counted from that batch on.
-
-    **Keys are checked when the observer is attached** (:meth:`check_keys`):
-    a ``reward_key`` or ``done_key`` given explicitly that a collector's env
-    specs prove absent (a key under ``"next"`` that the env's specs do not
-    hold, on a collector without ``postproc``; a root key, when the policy
-    also declares its ``out_keys``) raises a :class:`ValueError` there,
-    naming the key, the keys present and the closest match. Where the specs
-    cannot tell (a multiprocessing collector's workers, a ``postproc``, a
-    policy without declared ``out_keys`` for a root key), the first batch
-    checks them: a required key missing there stops only the metrics that
-    need it, with a warning naming the key, the keys present, the closest
-    match and the metrics stopped (``reward_*`` without ``reward_key``, and
-    ``episode_return_*`` when it was summed from it; ``dones``,
-    ``episodes``, ``episode_*`` without any closing key); ``frames``,
-    ``batches`` and what else can be computed keep counting.
-
-    Keys are resolved at the first batch: an optional key found there
-    (``terminated_key``, ``truncated_key``, ...) is read from every later
-    batch too. A later batch without it raises the :class:`KeyError` a
-    missing required key raises (naming the key, the keys present and the
-    argument to change), before anything of that batch is folded.
-
-    **Keys follow the source.** Keys left to their default are taken from
-    the collector's env specs when the set is bound to it (:meth:`bind`,
-    called by the observer when attached, in the driver and in each worker
-    or actor): the reward is the env's first reward key (``("next",
-    *env.reward_keys[0])``), the done, terminated and truncated keys are
-    those of the reward's group (``("agents", "done")`` next to
-    ``("agents", "reward")``), else the root ones; ``RewardSum`` and
-    ``StepCounter`` entries are looked for next to them. Unbound, the keys
-    are ``("next", "reward")``, ``("next", "done")``, ... as in most envs.
-
-    **Steps with several entries** (agents, nested envs: a reward of shape
-    ``[*B, T, n, 1]``): every entry has its own episodes (its own return,
-    length and count), as multi-agent training reports them; a flag with
-    one value per step (a root ``done``) closes the episodes of every entry.
-    ``frames`` still counts env steps.
-
-    Metric names (what :meth:`pull` yields once finalized):
-
-    ========================  ========  ==================================================
-    name                      kind      meaning
-    ========================  ========  ==================================================
-    ``frames``                gauge     cumulative valid steps (``numel``, or mask sum)
-    ``batches``               gauge     cumulative batches
-    ``episodes_total``        gauge     cumulative completed episodes
-    ``reward_mean``           window    mean of per-step rewards (every reward entry)
-    ``reward_std``            window    population std of per-step rewards
-    ``reward_min``            window    minimum per-step reward
-    ``reward_max``            window    maximum per-step reward
-    ``dones``                 window    steps (entries) with ``done_key`` set
-    ``episodes``              window    episodes (of each entry) completed in the window
-    ``episode_return_mean``   window    mean return of the episodes completed
-    ``episode_return_std``    window    population std of those returns
-    ``episode_return_min``    window    minimum of those returns
-    ``episode_return_max``    window    maximum of those returns
-    ``episode_length_mean``   window    mean length (steps) of the episodes completed
-    ``episode_length_min``    window    minimum of those lengths
-    ``episode_length_max``    window    maximum of those lengths
-    ========================  ========  ==================================================
-
-    With ``episode_window=N``, the last ``N`` episodes completed, carried
-    from window to window (pulled as one
-    :class:`~rl_observers.stats.LatestWindow` partial, key
-    ``"episode_window"``):
-
-    ====================================  ========  ==========================================
-    name                                  kind      meaning
-    ====================================  ========  ==========================================
-    ``episode_return_mean_last_<N>``      rolling   mean return of the last ``N`` episodes
-    ``episode_return_std_last_<N>``       rolling   population std of those returns
-    ``episode_return_min_last_<N>``       rolling   minimum of those returns
-    ``episode_return_max_last_<N>``       rolling   maximum of those returns
-    ``episode_return_p10_last_<N>``       rolling   10th percentile of those returns
-    ``episode_return_median_last_<N>``    rolling   median of those returns
-    ``episode_return_p90_last_<N>``       rolling   90th percentile of those returns
-    ``episode_length_mean_last_<N>``      rolling   mean length of the last ``N`` episodes
-    ====================================  ========  ==========================================
-
-    (``episode_return_*`` with ``episode_return``, ``episode_length_*`` with
-    ``episode_length``; nothing before the first episode.) Episodes are
-    ordered by where they ended: the step on their worker's own clock (the
-    steps it collected, a step of a batched env counting once), then the
-    worker index, then the env row; merging windows of any workers keeps the
-    ``N`` latest of their union, exactly, and an episode sent twice counts
-    once. Quantiles are exact over the ``N`` returns (linear interpolation,
-    as ``torch.quantile``). Per batch, the window is updated on the batch's
-    device (a ``topk`` over the ``N`` kept and the batch's steps); episodes
-    reach the host with the window's one transfer. :meth:`state_dict` keeps
-    the last ``N``.
-
-    With ``quantiles=(0.05, 0.5, 0.95)`` (opt-in), the episodes completed in
-    the window also give ``episode_return_p5``, ``episode_return_p50``,
-    ``episode_return_p95`` and ``episode_length_p5``, ... (one per
-    quantile): :class:`~rl_observers.stats.QuantileSketch` partials (keys
-    ``"episode_return_quantiles"``, ``"episode_length_quantiles"``), each
-    quantile within 1 % (relative) of the lower quantile of the returns of
-    every episode completed in the window, over all workers with
-    ``scope="aggregate"``; folded on the batch's device where the moments
-    are. With ``episode_window`` too, the rolling window reports the same
-    quantiles of its ``N`` episodes, exactly (``episode_return_p5_last_<N>``,
-    ...).
-
-    A window with no reward (or no completed episode) omits the ``*_mean``,
-    ``*_std``, ``*_min``, ``*_max`` entries; counts are then ``0``.
-    :meth:`counters` gives ``frames``, ``batches`` and ``episodes``
-    (cumulative; ``episodes`` is observed, not exact, on CUDA).
+    Folds ``post_collect`` batches of shape ``[T]`` or ``[*B, T]`` (time last),
+    padded ones (steps where ``mask_key`` is false count nowhere) and the
+    interleaved ``[N]`` batches of ``AsyncBatchedCollector``. An episode closes
+    where ``done``, ``terminated`` or ``truncated`` is set; its return and
+    length come from ``episode_reward_key`` / ``step_count_key`` when present,
+    else from running sums carried across batches, so an episode spanning
+    batches counts once, with its full return, in the window where it ends.
+    Keys left to their default follow the bound collector's env specs.
+    Metric names, layouts and key checks: :ref:`metric-names` and the FAQ.
 
     Keyword Args:
-        reward_key (NestedKey, optional): per-step reward. Required in the
-            batch unless ``None`` (no reward metrics). Defaults to the
-            source's reward key, ``("next", "reward")`` until bound.
-        done_key (NestedKey, optional): done flags. Required in the batch
-            unless ``None``. Defaults to the source's done key,
-            ``("next", "done")`` until bound.
-        terminated_key (NestedKey, optional): also closes episodes, when
-            present. Defaults to the source's terminated key,
-            ``("next", "terminated")`` until bound.
-        truncated_key (NestedKey, optional): also closes episodes, when
-            present. Defaults to the source's truncated key,
-            ``("next", "truncated")`` until bound.
-        episode_return (bool, optional): emit ``episode_return_*``.
-            Defaults to ``True``.
-        episode_length (bool, optional): emit ``episode_length_*``.
-            Defaults to ``True``.
-        episode_reward_key (NestedKey, optional): cumulative episode reward,
-            used at closing steps when present. Defaults to
-            ``"episode_reward"`` next to the source's reward key,
-            ``("next", "episode_reward")`` until bound.
-        step_count_key (NestedKey, optional): steps since reset, used at
-            closing steps when present. Defaults to ``"step_count"`` next to
-            the source's done key, ``("next", "step_count")`` until bound.
-        mask_key (NestedKey, optional): valid-step mask of padded batches,
-            used when present. Defaults to ``("collector", "mask")``.
-        traj_ids_key (NestedKey, optional): trajectory ids, used when present
-            to drop carries that do not continue (and, in padded batches, to
-            match each carry to the row that continues it). Defaults to
-            ``("collector", "traj_ids")``.
-        env_index_key (NestedKey, optional): the env of each step in ``[N]``
-            batches of interleaved envs, used when present and running sums
-            are needed: the sums are kept per env index. Defaults to
-            ``"env_index"`` (``AsyncBatchedCollector``).
-        episode_window (int, optional): also report the last
-            ``episode_window`` episodes (``*_last_<N>``, see above). Defaults
-            to ``None`` (not kept: the fold costs exactly what it did).
+        reward_key (NestedKey, optional): per-step reward; ``None``: no reward
+            metrics. Defaults to the source's, ``("next", "reward")`` unbound.
+        done_key (NestedKey, optional): done flags; ``None`` allowed. Defaults
+            to the source's, ``("next", "done")`` unbound.
+        terminated_key, truncated_key (NestedKey, optional): also close
+            episodes, when present. Default to the source's.
+        episode_return (bool, optional): emit ``episode_return_*``. Defaults
+            to ``True``.
+        episode_length (bool, optional): emit ``episode_length_*``. Defaults
+            to ``True``.
+        episode_reward_key (NestedKey, optional): ``RewardSum``'s entry.
+            Defaults to ``"episode_reward"`` next to the reward key.
+        step_count_key (NestedKey, optional): ``StepCounter``'s entry.
+            Defaults to ``"step_count"`` next to the done key.
+        mask_key (NestedKey, optional): valid-step mask of padded batches.
+            Defaults to ``("collector", "mask")``.
+        traj_ids_key (NestedKey, optional): trajectory ids, to drop carries
+            that do not continue. Defaults to ``("collector", "traj_ids")``.
+        env_index_key (NestedKey, optional): the env of each step of
+            interleaved batches. Defaults to ``"env_index"``.
+        episode_window (int, optional): also report the last ``N`` episodes
+            (``*_last_<N>``). Defaults to ``None``.
         quantiles (sequence of float, optional): also report these quantiles
-            (each in (0, 1)) of the episodes' returns and lengths (see
-            above). Defaults to ``None`` (not kept).
+            of returns and lengths. Defaults to ``None``.
 
     Examples:
         >>> import torch
@@ -401,12 +246,7 @@ class CollectorBatchMetrics(MetricSet):
     # -- key resolution -------------------------------------------------------------
 
     def bind(self, source: Any) -> None:
-        """Takes the keys left to the source from its env's specs (a collector in this process).
-
-        Keys given explicitly are kept. Without an env here (a replay buffer,
-        a multiprocessing collector seen from the driver: its workers bind
-        their copies), nothing changes. Called before the first batch.
-        """
+        """Takes the keys left to the source from its env's specs (a collector in this process); before the first batch."""
         if self._window is not None:
             self._window.bind(source)
         observers = observers_of(source)  # a worker's rollouts delivered at its hand-over: drops counted apart
@@ -429,13 +269,9 @@ class CollectorBatchMetrics(MetricSet):
             self._plan = None  # resolved again at the next batch
 
     def check_keys(self, source: Any) -> None:
-        """Refuses a ``reward_key`` or ``done_key`` that the collector's env specs prove absent.
+        """Refuses an explicit ``reward_key`` or ``done_key`` that the collector's env specs prove absent.
 
-        Checked for keys given explicitly (those left to the source are taken
-        from its specs). Nothing is checked without an env here (a
-        multiprocessing collector seen from the driver, a replay buffer) or
-        when the specs cannot tell (see the class's docs): the first batch
-        checks those.
+        Where the specs cannot tell, the first batch checks.
 
         Raises:
             ValueError: naming the key, the keys present and the closest match.
@@ -452,13 +288,9 @@ class CollectorBatchMetrics(MetricSet):
             )
 
     def _stop_missing(self, source: Any, batch: Any, error: KeyError) -> None:
-        """The first batch lacks a required key: stops only the metrics that need it, and says so.
+        """The first batch lacks a required key: reconfigures without what needs it and warns which metrics stop.
 
-        The set is configured again without the missing keys (and without
-        what needed them), keeping its counters, episodes in flight and lock;
-        the metrics that are no longer computed are named in a warning.
-        Re-raises ``error`` when no required key is missing (another cause),
-        or for a subclass (whose configuration this cannot rebuild).
+        Re-raises ``error`` for another cause, or for a subclass.
         """
         if type(self) is not CollectorBatchMetrics:
             raise error
@@ -624,16 +456,7 @@ class CollectorBatchMetrics(MetricSet):
     # -- host side ------------------------------------------------------------------
 
     def gauges(self, counters: dict[str, int]) -> dict[str, float]:
-        """``frames``, ``batches`` and ``episodes_total`` (the cumulative ``episodes``).
-
-        ``frames_discarded`` too where the source drops rollouts it collected
-        (a multiprocessing worker, see
-        :class:`~rl_observers.sources.collectors.CollectorObservers`): the
-        frames of those rollouts, never in ``frames`` or any statistic.
-
-        ``episodes_total`` is left out once episodes stopped (no closing key
-        in the batches, see :meth:`check_keys`).
-        """
+        """``frames``, ``batches``, ``episodes_total`` (left out once episodes stopped), and ``frames_discarded`` where rollouts are dropped."""
         out = {"frames": float(counters["frames"]), "batches": float(counters["batches"])}
         if self._delivery is not None:
             self._discarded_pulled = self._delivery.frames_discarded
@@ -647,11 +470,9 @@ class CollectorBatchMetrics(MetricSet):
         return self._delivery is not None and self._delivery.frames_discarded != self._discarded_pulled
 
     def pull(self) -> dict[str, float | Partial]:
-        """Gauges ``frames``, ``batches``, ``episodes_total`` and the window's partials.
+        """Gauges and the window's partials (``"reward"``, ``"dones"``, ``"episodes"``, ``"episode_return"``, ...).
 
-        Partials are keyed ``"reward"``, ``"dones"``, ``"episodes"``,
-        ``"episode_return"`` and ``"episode_length"`` (those configured). One
-        device-to-host transfer; resets the window, not the episodes in flight.
+        One device-to-host transfer; resets the window, not the episodes in flight.
         """
         with self._lock:
             out = super().pull()

@@ -1,10 +1,4 @@
-"""Episodes read from the batch: ``RewardSum`` / ``StepCounter`` entries taken at closing steps.
-
-When the env provides ``("next", "episode_reward")`` and ``("next",
-"step_count")`` (or whichever of them the set reports), an episode's return and
-length are the entries at its closing step: nothing is carried across batches
-and each batch is folded at once, on its device.
-"""
+"""Episodes read from the batch: ``RewardSum`` / ``StepCounter`` entries taken at closing steps; nothing carried."""
 
 from __future__ import annotations
 
@@ -23,10 +17,8 @@ __all__: list[str] = []
 class FromKeysFold(Transient):
     """The fold path of batches whose episode quantities are read at their closing steps.
 
-    Holds the :class:`~rl_observers.metrics.collector.reducers.BatchReducers`
-    a batch is folded into and ``stacked``, the ``[K, rows, steps]`` float64
-    buffer the quantities are read into (remade for another shape or device,
-    never pickled).
+    ``stacked``: the ``[K, rows, steps]`` float64 buffer they are read into
+    (remade for another shape or device, never pickled).
     """
 
     __slots__ = ("reducers", "stacked")

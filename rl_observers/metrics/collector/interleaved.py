@@ -1,10 +1,4 @@
-"""Interleaved batches: the steps of several envs in one time dimension, carried per env index.
-
-``AsyncBatchedCollector`` yields flat ``[N]`` batches whose steps come from
-several envs (``env_index``), each env's in time order.
-:class:`InterleavedFold` folds such a batch on its own: :func:`close_interleaved`
-sorts its steps by env and sums them with each env's episode in flight.
-"""
+"""Interleaved batches (``AsyncBatchedCollector``'s flat ``[N]``): several envs' steps in one time dimension, carried per env index."""
 
 from __future__ import annotations
 
@@ -24,12 +18,8 @@ __all__: list[str] = []
 class InterleavedFold:
     """The fold path of interleaved batches: each folded on its own, carried per env index.
 
-    Holds the :class:`~rl_observers.metrics.collector.reducers.BatchReducers`
-    its episodes are folded into, the episodes in flight (one per entry row
-    and env index, see :func:`close_interleaved`), the ring path whose staged
-    batches are summed before a batch of this layout, and ``envs``: env
-    indices are below it (the bound source's env count, else learnt from CPU
-    batches), ``None`` until known. ``owner`` names the set in errors.
+    ``envs``: env indices are below it (the bound source's count, else learnt
+    from CPU batches; ``None`` until known). ``owner`` names the set in errors.
     """
 
     __slots__ = ("reducers", "carry", "ring_fold", "owner", "envs")
@@ -59,12 +49,7 @@ class InterleavedFold:
         episode_mask: torch.Tensor | None,
         batch_size: torch.Size,
     ) -> None:
-        """Folds a batch of interleaved env steps (``env_index``), carried per env index.
-
-        Each batch is summed on its own
-        (:func:`close_interleaved`): its episodes
-        are folded at once.
-        """
+        """Folds a batch of interleaved env steps (``env_index``) at once, carried per env index."""
         ring_fold = self.ring_fold
         ring_fold.flush()  # batches of another layout in the ring are summed first
         ring_fold.discard()
@@ -120,21 +105,13 @@ def close_interleaved(
     envs: int,
     from_keys: Sequence[tuple[int, torch.Tensor]],
 ) -> torch.Tensor:
-    """Episodes of a batch of interleaved steps of several envs, carried per env index.
+    """Episodes of a batch of interleaved steps, carried per env index (``carry`` updated).
 
-    ``env`` (``[steps]`` integers below ``envs``) says which env each step
-    of the batch comes from (``AsyncBatchedCollector``'s ``env_index``);
-    each env's steps are in time order. ``closing``, ``reward`` and ``mask``
-    are ``[rows, steps]`` (``rows``: the entries of one step, ``1`` for
-    one); ``closing`` is already masked. The steps are stably sorted by env,
-    so every env's steps form one run: the running sums are those of
-    :func:`close_episodes` with a segment start at each env's first step,
-    where the env's carry (in ``carry.neg``, one column per entry row and
-    env index) is added. ``from_keys`` are (row, ``[rows, steps]`` values)
-    taken from batch keys instead of the sums. Returns the ``[2, rows,
-    steps]`` float64 (return, length) of the episodes closing at each step,
-    in the batch's order, and updates ``carry``. No host read, no
-    data-dependent shape.
+    The steps are stably sorted by env, so each env's steps form one run
+    summed as in :func:`close_episodes`, its carry added at its first step.
+    ``from_keys``: (row, values) taken from batch keys instead of the sums.
+    Returns the ``[2, rows, steps]`` (return, length) closing at each step,
+    in batch order. No host read.
     """
     rows, steps = closing.shape
     device = closing.device

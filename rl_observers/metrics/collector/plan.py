@@ -1,12 +1,4 @@
-"""What a collector batch's fold needs: its keys resolved once, its layout, the episodes in flight.
-
-:func:`resolve_plan` reads the keys of a
-:class:`~rl_observers.metrics.CollectorBatchMetrics` from its first batch into a
-:class:`CollectorPlan`, which decides the batch's fold path (episodes read from
-keys, running sums over a ring, interleaved envs). :func:`per_entry` and
-:func:`flags` lay entries out as ``[rows, steps]`` (time last, one row per env
-and entry); :class:`EpisodeCarry` holds the episodes in flight between batches.
-"""
+"""What a collector batch's fold needs: its keys resolved once (:class:`CollectorPlan`), its layout, the episodes in flight."""
 
 from __future__ import annotations
 
@@ -25,10 +17,8 @@ __all__: list[str] = []
 class CollectorPlan:
     """Keys of a collector batch, resolved at the first batch.
 
-    ``entries`` is the shape of the entries of one step (agents, nested
-    envs) when the per-step values have several, else ``()``: each entry
-    then has episodes of its own. ``reads`` are the keys a batch is read at,
-    each once, with the argument that names it: ``(key, "truncated_key")``.
+    ``entries``: the shape of one step's entries (agents, nested envs), ``()``
+    for one. ``reads``: ``(key, argument name)`` pairs, each key read once.
     """
 
     __slots__ = (
@@ -52,11 +42,7 @@ class CollectorPlan:
 
 
 def per_entry(value: torch.Tensor, batch_dims: int, entries: tuple[int, ...]) -> torch.Tensor:
-    """``[*B, T, *extra]`` -> ``[B * E, T]``: one row per env and entry, time last.
-
-    ``extra`` is ``entries`` (possibly with a trailing 1), or one value per
-    step, which is broadcast to every entry. Makes a copy.
-    """
+    """``[*B, T, *extra]`` -> ``[B * E, T]`` (a copy): one row per env and entry, a per-step value broadcast."""
     lead = value.shape[:batch_dims]
     steps = lead[-1]
     if math.prod(value.shape[batch_dims:]) == 1:
@@ -78,13 +64,7 @@ def flags(value: torch.Tensor, rows: int, steps: int) -> torch.Tensor:
 def entries_of(
     batch: Any, per_step: list[tuple[Any, str]], closing: tuple[Any, ...], owner: str
 ) -> tuple[int, ...]:
-    """The shape of the entries of one step (agents, nested envs), ``()`` for one entry.
-
-    Decided by the per-step values of the episodes (rewards, ``RewardSum``
-    and ``StepCounter`` entries); with one entry, closing flags with several
-    close the env's episode when any is set. Otherwise every key has one
-    value per step (broadcast to the entries) or one per entry.
-    """
+    """The shape of one step's entries, decided by the episode values; ``()`` for one entry (any closing flag closes it)."""
     dims = batch.batch_dims
     entries: tuple[int, ...] = ()
     seen = None
@@ -112,15 +92,9 @@ def entries_of(
 class EpisodeCarry:
     """The episodes in flight at the end of the batches summed so far.
 
-    ``neg``: ``[2, rows]`` float64, minus the (return, length) of each row's
-    episode in flight; ``traj``: ``[rows]`` trajectory ids of the last step
-    summed (when the batches have them). ``None`` before the first sum.
-    For padded batches with trajectory ids (:attr:`EpisodeRing.by_id`),
-    ``rows`` are the last batch's rows and ``traj`` the id of each row's
-    last valid step, matched by id (not by row) in the next batch. For
-    interleaved batches (:func:`close_interleaved`), ``neg`` is
-    ``[2, rows * envs]`` (one column per entry row and env index, env
-    fastest) and ``traj`` is ``None``.
+    ``neg``: ``[2, rows]`` float64, minus each row's (return, length) in
+    flight (``[2, rows * envs]`` for interleaved batches); ``traj``: the rows'
+    last trajectory ids, if any. Padded batches match carries by id.
     """
 
     __slots__ = ("neg", "traj")

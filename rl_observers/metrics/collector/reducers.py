@@ -1,12 +1,4 @@
-"""What a collector batch is folded into: the set's reducers, its counters and its episode window.
-
-:class:`BatchReducers` is made once with a
-:class:`~rl_observers.metrics.CollectorBatchMetrics`; each fold path
-(:mod:`~rl_observers.metrics.collector.from_keys`,
-:mod:`~rl_observers.metrics.collector.ring`,
-:mod:`~rl_observers.metrics.collector.interleaved`) holds it and folds what it
-found in a batch through its methods.
-"""
+"""What a collector batch is folded into: the set's reducers, counters and episode window (:class:`BatchReducers`)."""
 
 from __future__ import annotations
 
@@ -28,13 +20,9 @@ __all__: list[str] = []
 class BatchReducers:
     """The reducers, counters and episode window the fold paths of a collector batch fold into.
 
-    ``reward`` (per-step reward moments), ``dones`` (done steps), ``episodes``
-    (episodes closed) and ``episode`` (the moments of the episodes' returns
-    and lengths, folded together) are ``None`` when not reported;
-    ``quantiles`` holds a sketch per episode quantity (none unless asked
-    for); ``window`` is the episode window of ``episode_window=N``, or
-    ``None``. ``counters`` are the set's cumulative counters (``frames``,
-    ``batches``, ``episodes``), ``counts`` their host values.
+    ``reward``, ``dones``, ``episodes`` and ``episode`` (returns and lengths
+    together) are ``None`` when not reported; ``quantiles`` holds a sketch per
+    episode quantity; ``window`` is the ``episode_window`` or ``None``.
 
     Examples:
         >>> import torch
@@ -118,13 +106,10 @@ class BatchReducers:
         staged: bool = True,
         base: tuple[int, int] | None = None,
     ) -> None:
-        """Folds episode quantities into their moments, sketches and the episode window.
+        """Folds episode quantities (``values[k]``: return, length) into their moments, sketches and window.
 
-        ``values[k]`` are the ``k``-th quantity (return, length) of the
-        episodes closing at ``closing`` steps, or of one episode each when
-        ``closing`` is ``None``; ``staged``: the moments may stage a small
-        fold; ``base``: the window's clocks at the first batch of ``values``
-        (``None``: the current ones).
+        ``closing``: where the episodes close (``None``: one episode per column);
+        ``base``: the window's clocks at the first batch (``None``: current).
         """
         self.episode.fold(values, closing, staged=staged)  # type: ignore[union-attr]
         if self.quantiles:  # (iterating over values would unbind them)

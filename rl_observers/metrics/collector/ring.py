@@ -1,24 +1,11 @@
 """Running episode sums of ``[*B, T]`` batches: staged into a ring, summed a ring at a time.
 
-Without ``RewardSum`` / ``StepCounter`` entries, an episode's return and length
-are running sums over the steps of its env, carried across batches
-(:class:`~rl_observers.metrics.collector.plan.EpisodeCarry`).
-:class:`RingFold` is that fold path: :meth:`RingFold.fold` copies each batch
-into an :class:`EpisodeRing` (:meth:`RingFold.fold_plain`, with the views of a
-:class:`PlainStage` made once, for plain CPU batches); :meth:`RingFold.flush`
-sums the staged batches as one timeline per env (:func:`close_episodes`; on
-the CPU, the episodes are read at their closing steps alone,
-:func:`_closed_on_host`) and folds what closed. Padded batches of split
-trajectories are summed one at a time, their carries matched by trajectory id
-(:mod:`~rl_observers.metrics.collector.split_trajs`).
-No function reads a tensor value on the host off the CPU.
-
-Why it is long (~860 lines): the ring's buffers, the views a flush works
-with (:class:`Timeline`), the staging of a batch (:func:`stage_batch`, and
-:class:`PlainStage`, its fast path), the sum that reads them
-(:func:`close_episodes`) and :class:`RingFold`, which drives them, share one
-memory layout, ``[rows, slots, steps]``; split, each part would depend on the
-others' slot arithmetic.
+Without ``RewardSum`` / ``StepCounter`` entries, returns and lengths are
+running sums carried across batches. :class:`RingFold` copies each batch
+into an :class:`EpisodeRing`; a flush sums the staged batches as one
+timeline per env (:func:`close_episodes`) and folds what closed. Padded
+batches of split trajectories are summed one at a time, carried by
+trajectory id. No tensor value is read on the host off the CPU.
 """
 
 from __future__ import annotations
@@ -62,16 +49,10 @@ _CPU_SHORTCUTS = True
 
 
 class EpisodeRing:
-    """Batches waiting for their running episode sums, laid out ``[rows, batches, steps]``.
+    """Batches waiting for their running episode sums, laid out ``[rows, batches, steps]``, with the sums' work buffers.
 
-    Each batch is copied into the next slot (rewards as float64, closing flags,
-    and what else the sums need); :func:`close_episodes` sums the
-    used slots as one timeline per env. The buffers the sums work in are kept
-    here too, sized for a full ring.
-
-    ``host``: the batches are unmasked CPU tensors, read at once (no device to
-    wait for): closed episodes and done steps are counted on the host per
-    batch, and no done flags are kept.
+    ``host``: unmasked CPU batches, whose closed episodes and done steps are
+    counted on the host per batch.
     """
 
     __slots__ = (
@@ -190,8 +171,7 @@ class EpisodeRing:
         return 0 if self.host else None
 
     def due(self) -> bool:
-        """Whether the staged batches are summed now: the ring is full, or it has staged
-        ``closing_size`` batches and an episode closed in them (an opened ring)."""
+        """Whether to sum now: the ring is full, or an opened ring staged ``closing_size`` batches with an episode closed."""
         used = self.used
         return used == self.size or (used >= self.closing_size and self.closed != 0)
 
@@ -221,8 +201,7 @@ class EpisodeRing:
 class Timeline:
     """The first ``used`` slots of a ring as one timeline per env: views and work buffers.
 
-    ``copies`` are the (source, destination) pairs that lay the slots out as
-    ``[rows, used * steps]`` when the ring is not full (a full ring already is).
+    ``copies`` lay a partly used ring out as ``[rows, used * steps]``.
     """
 
     __slots__ = (
@@ -384,12 +363,10 @@ def stage_batch(
 ) -> torch.Tensor | int:
     """Copies one batch into the ring's next slot; returns its count of closing steps.
 
-    ``get`` reads a batch entry as ``[rows, steps]`` (or in the batch's own
-    layout, when it has that many values); ``closing_flags`` are the batch's
-    closing flags as ``[rows, steps]`` booleans (already masked), in the order
-    of ``plan.closing``. The count is an int when the ring counts on the host
-    (``ring.host``; it is then added to ``ring.closed``), else a 0-d tensor.
-    The caller advances ``ring.used``.
+    ``get`` reads an entry as ``[rows, steps]``; ``closing_flags`` are masked
+    ``[rows, steps]`` booleans in ``plan.closing``'s order. The count is an
+    int on a host ring (added to ``ring.closed``), else a 0-d tensor. The
+    caller advances ``ring.used``.
     """
     if ring.done is not None:
         done = closing_flags[ring.done_index]  # type: ignore[index]
@@ -435,13 +412,9 @@ def _count_on_host(
 class PlainStage:
     """How a plain batch is staged into a ring: its entries and each slot's views, made once.
 
-    A plain batch is a ``TensorDict`` (its nested entries too) of the batch
-    size, entry shapes and closing-flag dtype (``bool``) of the batch the
-    stage was made from, with one value per step and no mask, for a ring
-    that counts on the host. :meth:`read` finds its entries with dictionary
-    look-ups (what ``TensorDict.get`` does, without the per-call
-    overhead), or returns ``None`` for any other batch; :meth:`stage` then
-    does what :func:`stage_batch` does, with the slot views made once.
+    A plain batch has the stage's batch size, entry shapes and ``bool`` flags,
+    one value per step and no mask. :meth:`read` returns its entries (plain
+    dict look-ups) or ``None`` for any other batch.
     """
 
     __slots__ = ("plan", "batch_size", "entries", "closing", "done_index", "direct_reward", "slots")
@@ -544,24 +517,15 @@ def close_episodes(
     *,
     dense: bool = False,
 ) -> Closed | None:
-    """Sums the batches in the ring: the episodes that closed, and the new carry.
+    """Sums the batches in the ring: the episodes that closed, and the new carry (updated in place).
 
-    The used slots form one timeline per env, across batches. Within it,
-    the cumulative sums of (reward, 1) are prefixed with minus the carry
-    of the episode in flight; an episode closing at step ``t`` is the
-    cumulative sum at ``t`` minus the one at the previous segment start
-    (found with a running maximum of closing positions), or minus the
-    prefix when none. Between two batches whose trajectory ids do not
-    continue, the episode in flight is dropped (a segment start that
-    closes no episode); padded batches with ids are summed one at a time
-    and their carries matched by id (:func:`~rl_observers.metrics.collector.split_trajs.carry_by_id`). What follows the last closing is the new carry
-    (``carry`` is updated in place). ``sources`` are the plan's
-    ``episode_sources``. Returns ``None`` when the ring is empty.
-    ``dense``: the caller takes the closed episodes as ``[K, episodes]``
-    values with no ``closing`` flags (no position needed); on the CPU they
-    are then computed at the closing steps alone (:func:`_closed_on_host`).
-    Off the CPU: tensor operations only, no host read, no data-dependent
-    shape (on the CPU, see ``_CPU_SHORTCUTS``).
+    Cumulative sums of (reward, 1) along each env's timeline, prefixed with
+    minus the carry; an episode closing at ``t`` is the sum at ``t`` minus
+    the one at its segment's start (a running maximum of closing positions).
+    A break in trajectory ids drops the episode in flight. ``dense``: return
+    ``[K, episodes]`` values with no flags (computed at the closing steps
+    alone on the CPU). Returns ``None`` for an empty ring. No host read off
+    the CPU.
     """
     if not ring.used:
         return None
@@ -665,16 +629,7 @@ def _closed_on_host(
     sources: Sequence[tuple[int, Any]],
     dones: torch.Tensor | int | None,
 ) -> Closed:
-    """:func:`close_episodes` for CPU batches (some episode closed): sums read at the closing steps.
-
-    The closing steps are found on the host (``nonzero``: no device to wait
-    for), so an episode's (return, length) is read as the difference of two
-    cumulative sums at flat indices: its closing step's, and the previous
-    closing step's of its env (or the carry column, for the env's first).
-    The env's new carry is read the same way at its last closing step. No
-    value of the other steps is computed, and the episodes come out dense:
-    no mask for the reducers to apply.
-    """
+    """:func:`close_episodes` for CPU batches: each episode is the difference of two cumulative sums at its env's closing steps."""
     if line.reward_slots is not None:
         torch.cumsum(line.reward_slots, -1, out=line.cum_reward)
     flat = line.flat_sums
@@ -696,17 +651,12 @@ def _closed_on_host(
 
 
 class RingFold(Transient):
-    """The fold path of ``[*B, T]`` batches with running episode sums: through a ring.
+    """The fold path of ``[*B, T]`` batches with running episode sums, through a ring.
 
-    Holds the ring (made for the batches' layout, remade for another one,
-    never pickled: it is summed first), the episodes in flight the sums go on
-    from (shared with the interleaved path, see
-    :class:`~rl_observers.metrics.collector.interleaved.InterleavedFold`), and
-    the :class:`~rl_observers.metrics.collector.reducers.BatchReducers` what
-    the sums find is folded into, with the few of them a batch uses taken
-    once. ``reset_each_batch``: bound to a collector that resets its envs at
-    each batch (``reset_at_each_iter``), so an episode in flight at the end
-    of a batch never goes on in the next one.
+    Holds the ring (never pickled: summed first), the episodes in flight
+    (shared with the interleaved path) and the
+    :class:`~rl_observers.metrics.collector.reducers.BatchReducers`.
+    ``reset_each_batch``: the bound collector resets its envs at each batch.
     """
 
     __slots__ = (
@@ -755,11 +705,7 @@ class RingFold(Transient):
         mask: torch.Tensor | None,
         episode_mask: torch.Tensor | None,
     ) -> None:
-        """Copies what the episode sums need into the ring's next slot (a few copies).
-
-        ``read`` holds the batch's entries read by the set; ``get`` gives
-        them as ``[rows, steps]``.
-        """
+        """Copies what the episode sums need into the ring's next slot; ``get`` gives ``read``'s entries as ``[rows, steps]``."""
         batch_size = batch.batch_size
         ring = self.ring
         key = (rows, steps, closing_flags[0].device, mask is None)
@@ -801,11 +747,7 @@ class RingFold(Transient):
     def fold_plain(
         self, ring: EpisodeRing, stage: PlainStage, values: list[torch.Tensor], batch_size: Any
     ) -> None:
-        """What :meth:`fold` does with a plain batch (see :class:`PlainStage`), in fewer steps.
-
-        Counts the batch and advances the episode window too: the set does
-        nothing else with it.
-        """
+        """What :meth:`fold` does with a plain batch, in fewer steps; also counts it and advances the episode window."""
         window = self.window
         if window is not None and not ring.used:
             ring.base = window.clocks

@@ -1,11 +1,7 @@
 """Padded batches of split trajectories: a carry goes on in the row that continues its trajectory.
 
-With ``split_trajs=True`` (or ``trajs_per_batch``) a batch row is a
-trajectory, padded with masked steps, not an env, and the rows of two batches
-do not correspond. The ring sums each such batch on its own
-(:attr:`~rl_observers.metrics.collector.ring.EpisodeRing.by_id`) and
-:func:`carry_by_id` hands each row the episode in flight of the previous
-batch's row whose last valid step has the trajectory id of its first.
+A row is a trajectory, not an env, so rows of two batches do not
+correspond; each batch is summed alone and carries are matched by id.
 """
 
 from __future__ import annotations
@@ -21,13 +17,9 @@ __all__: list[str] = []
 
 
 def carry_by_id(ring: Any, line: Any, carry: EpisodeCarry) -> None:
-    """Fills the carry column of a ring of one padded batch, matching trajectory ids.
+    """Fills the carry column of a ring of one padded batch from the previous batch's row whose last trajectory id starts this row.
 
-    A row of the batch takes the carry of the previous batch's row whose last
-    valid step has the trajectory id of its first step (and the same entry,
-    when steps have several): a trajectory that goes on in the next batch
-    keeps its id (``split_trajs``). Rows with no such carry start at zero.
-    No host read; ``[rows, previous rows]`` comparisons.
+    Rows with no such carry start at zero. No host read.
     """
     rows = ring.closing.shape[0]
     previous, neg_carry = carry.traj, carry.neg

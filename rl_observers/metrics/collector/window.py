@@ -1,10 +1,4 @@
-"""The episode window of ``episode_window=N``: the last ``N`` episodes, across logging windows.
-
-:class:`EpisodeWindow` holds the device reducer of the episodes that ended
-since the last pull (:class:`~rl_observers.stats.latest.LatestReducer`), the
-host-side :class:`~rl_observers.stats.LatestWindow` of the last ``N`` carried
-from window to window, and the clocks that stamp where each episode ended.
-"""
+"""The episode window of ``episode_window=N``: the last ``N`` episodes, across logging windows."""
 
 from __future__ import annotations
 
@@ -29,9 +23,7 @@ WINDOW_STATS: dict[str, tuple[str, ...]] = {
 class EpisodeWindow:
     """The last ``size`` episodes completed, folded on the device, kept on the host.
 
-    ``clocks`` are ``(steps, cells)`` folded before the next batch: the
-    stamps and the order of episode ends (see
-    :class:`~rl_observers.metrics.CollectorBatchMetrics`).
+    ``clocks``: ``(steps, cells)`` folded so far, which stamp and order the episode ends.
     """
 
     __slots__ = ("reducer", "clocks", "recent")
