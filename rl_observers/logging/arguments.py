@@ -1,10 +1,5 @@
 """The checks of a LoggerObserver's constructor arguments, run once when it is created.
 
-Step of the flow: **observer** (source → observer → channel → logger),
-before any event: :func:`check_arguments` refuses a misconfiguration with a
-message saying what was expected and what was given, and resolves ``step=``
-into a counter name or a function read when a window is emitted.
-
 Examples:
     >>> from rl_observers.logging.arguments import check_arguments
     >>> check_arguments("auto", "aggregate", "warn", None, "frames")
@@ -48,13 +43,11 @@ def check_arguments(
 ) -> tuple[Every | None, bool, str | None, Callable[[], Any] | None]:
     """``(schedule, auto, step_key, step_fn)`` from the arguments, or an error saying what to pass.
 
-    ``auto``: ``schedule="auto"`` was given (the schedule is chosen when
-    attached). ``step`` becomes a counter name (``step_key``) or a function
-    returning the step (``step_fn``: a collector's frames, or the callable).
+    ``step`` becomes a counter name or a function returning the step.
 
     Raises:
-        TypeError: ``schedule`` is not an ``Every``, ``"auto"`` or ``None``; ``step`` is
-            neither a counter name, a collector nor a callable.
+        TypeError: ``schedule`` is not an ``Every``, ``"auto"`` or ``None``;
+            ``step`` is neither a counter name, a collector nor a callable.
         ValueError: a NaN interval, an unknown ``scope`` or ``on_error``, an empty ``name``.
     """
     auto = isinstance(schedule, str) and schedule == "auto"

@@ -1,9 +1,4 @@
-"""``attach_logger``: a LoggerObserver on a collector or replay buffer in one line.
-
-Step of the flow: **source → observer** (source → observer → channel →
-logger): :func:`install_attach_logger` adds :func:`attach_logger` to
-torchrl's collectors and replay buffers when ``rl_observers`` is imported.
-"""
+"""``attach_logger``: a LoggerObserver on a collector or replay buffer in one line (added when ``rl_observers`` is imported)."""
 
 from __future__ import annotations
 
@@ -30,21 +25,9 @@ def attach_logger(
 ) -> Any:
     """Logs this source's metrics: ``add_observer(LoggerObserver(logger, ...))`` in one line.
 
-    Metrics default to those fitting the source (:func:`default_metrics`),
-    the schedule to one that does not flood (``"auto"``: every 1,000 frames
-    on a collector, every 100 ``sample()`` calls on a replay buffer, see
-    :func:`default_schedule`), the namespace to ``"collector"`` or
-    ``"replay_buffer"``. Returns the same handle as :meth:`add_observer`.
-
-    Args:
-        logger (Logger | MetricsChannel | MetricsHandle): where the metrics go.
-
-    Keyword Args:
-        schedule (Every | str, optional): see :class:`LoggerObserver`.
-            Defaults to ``"auto"``.
-        metrics (MetricSet | Sequence[MetricSet], optional): see :class:`LoggerObserver`.
-        name (str, optional): see :class:`LoggerObserver`.
-        **kwargs: the other keyword arguments of :class:`LoggerObserver`.
+    Defaults fit the source (:func:`default_metrics`, ``schedule="auto"``:
+    :func:`default_schedule`); the keyword arguments are
+    :class:`LoggerObserver`'s. Returns the handle of :meth:`add_observer`.
 
     Examples:
         >>> import tempfile

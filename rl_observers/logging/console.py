@@ -1,10 +1,4 @@
-"""LiveConsole: one line in the terminal with what the run is doing, from the channel's thread.
-
-Step of the flow: a watcher of the channel's delivered rows. It never runs
-on a collection, write or sample path: the rows it reads are the ones the
-channel's thread logs anyway (merged across workers), and it redraws at most
-once per ``interval`` seconds, on that thread.
-"""
+"""LiveConsole: one line in the terminal with what the run is doing, from the channel's thread (never a hot path)."""
 
 from __future__ import annotations
 
@@ -29,11 +23,7 @@ LOSS_COUNTERS: tuple[str, ...] = ("dropped", "remote_dropped", "sink_errors", "c
 
 
 class _Rate:
-    """A cumulative counter and its rate since the first row that carried it.
-
-    Over the source's times of the rows' last events (:class:`~rl_observers.stats.LastEvent`),
-    not over when the rows arrive: the last window of a run arrives at shutdown.
-    """
+    """A cumulative counter and its rate since the first row that carried it, over the rows' source times (:class:`~rl_observers.stats.LastEvent`)."""
 
     __slots__ = ("first", "since", "total", "at")
 
@@ -60,44 +50,22 @@ def _rate(rates: dict[str, _Rate]) -> float:
 class LiveConsole:
     """One console line: frames, frames per second, episode return, samples per second, workers, losses.
 
-    Opt-in. Watches the rows ``channel`` delivers (after the merge across
-    workers) and shows, on one line:
-
-    * ``frames``: the sum of the top-level ``<namespace>/frames`` gauges
-      (collectors; per-worker rows are not counted twice), and the frames
-      per second since the first row, over the source's own times of the
-      rows' last batches (:class:`~rl_observers.stats.LastEvent`), not
-      over when the rows arrive;
-    * ``return``: the rolling episode return
-      (``<namespace>/episode_return_mean_last_<N>`` when the collector's
-      metrics keep an episode window, else the last window's
-      ``episode_return_mean``);
-    * ``samples/s``: from the replay buffers' ``samples_returned`` gauges, in the same way;
-    * ``workers``: ``workers_reporting/workers`` of aggregated rows;
-    * ``lost``: what the channel counts as lost (dropped payloads, sink
-      errors, lost copies and windows); shown only when not zero.
-
-    The line is redrawn at most once per ``interval`` seconds, on the
-    channel's thread (never on a hot path), and once more at :meth:`close`
-    (which :meth:`MetricsChannel.close` calls too). In a terminal it is a
-    ``tqdm`` bar rewritten in place (``total_frames`` gives it a length),
-    with torchrl's log lines written above it while it is live; when
-    ``file`` is not a terminal (a log file, a pipe) it is a plain line
-    per update, without control characters, at most once per
-    ``plain_interval`` seconds.
+    Opt-in; reads the rows ``channel`` delivers (merged across workers) and
+    redraws at most once per ``interval`` on the channel's thread, and at
+    :meth:`close`. In a terminal it is a ``tqdm`` bar; otherwise a plain line
+    at most once per ``plain_interval``. See :doc:`console`.
 
     Args:
-        channel (MetricsChannel or Logger): the channel (or the logger whose
-            shared channel, :meth:`MetricsChannel.for_logger`, to use).
+        channel (MetricsChannel or Logger): the channel, or a logger whose
+            shared channel to use.
 
     Keyword Args:
-        total_frames (int, optional): the run's frames, for the bar's length. Defaults to ``None``.
-        mode (str, optional): ``"auto"`` (a bar when ``file`` is a
-            terminal, else plain lines), ``"bar"`` or ``"plain"``. Defaults to ``"auto"``.
-        interval (float, optional): the least seconds between two redraws
-            of the bar. Defaults to ``1.0``.
+        total_frames (int, optional): the bar's length. Defaults to ``None``.
+        mode (str, optional): ``"auto"``, ``"bar"`` or ``"plain"``. Defaults
+            to ``"auto"`` (a bar in a terminal).
+        interval (float, optional): seconds between bar redraws. Defaults to ``1.0``.
         plain_interval (float, optional): the same for plain lines. Defaults to ``10.0``.
-        file (TextIO, optional): where to write. Defaults to ``sys.stdout``.
+        file (TextIO, optional): Defaults to ``sys.stdout``.
 
     Examples:
         >>> import io, tempfile

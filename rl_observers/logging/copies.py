@@ -1,14 +1,8 @@
 """Where an observer's copies plug in, for sources whose data lives in other processes.
 
-Step of the flow: **observer → channel** (source → observer → channel → logger).
-A :class:`~rl_observers.LoggerObserver` is local: it folds, keeps its
-schedule and submits rows to its channel. Where its source's data lives in
-other processes (workers, actors, other nodes), copies of it run next to the
-data and send *windows* that the channel's owner merges into rows. That part
-is :mod:`rl_observers.remote`'s: it registers the collaborator each observer
-holds (:func:`register_copies`; its
-:class:`~rl_observers.remote.contributions.Contribution`). Without it an
-observer is local wherever it runs (:class:`LocalOnly`).
+:mod:`rl_observers.remote` registers the collaborator each observer holds
+(:func:`register_copies`); without it an observer is local wherever it
+runs (:class:`LocalOnly`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,4 @@
-"""What a LoggerObserver is given: its defaults per target, and the checks of its arguments.
-
-Everything here runs once, when an observer is created or attached, never
-per event: :func:`default_metrics` and :func:`default_schedule` (what
-``metrics=None`` and ``schedule="auto"`` mean for a collector or a replay
-buffer), and the checks that refuse a misconfiguration with a message
-saying what to do instead.
-"""
+"""What a LoggerObserver is given: its defaults per target, and the checks of its arguments, run once at creation or attach."""
 
 from __future__ import annotations
 
@@ -60,11 +53,9 @@ def target_kind(target: Any) -> str:
 def default_schedule(target: Any, metrics: Sequence[MetricSet] | None = None) -> Every:
     """The schedule of a :class:`LoggerObserver` created with ``schedule="auto"`` (the default).
 
-    A collector emits every 1,000 frames; a replay buffer every 100
-    ``sample()`` calls, or every 1,000 items written when its metric sets
-    count no samples (see :data:`DEFAULT_SCHEDULES`); metric sets counting
-    none of these emit every 10 seconds. A few rows per second at most in a
-    typical run, never a row per event.
+    Every 1,000 frames on a collector; every 100 ``sample()`` calls on a
+    replay buffer, or 1,000 items written when no set counts samples; every
+    10 seconds when the sets count none of these (:data:`DEFAULT_SCHEDULES`).
 
     Args:
         target: a torchrl collector or replay buffer.
@@ -89,13 +80,11 @@ def default_schedule(target: Any, metrics: Sequence[MetricSet] | None = None) ->
 
 
 def default_metrics(target: Any) -> tuple[MetricSet, ...]:
-    """The metric sets a :class:`LoggerObserver` uses when given none.
+    """The metric sets a :class:`LoggerObserver` uses when given none, bound to ``target``.
 
-    Collectors get :class:`~rl_observers.CollectorBatchMetrics`; replay
-    buffers get :class:`~rl_observers.WriteMetrics` and
-    :class:`~rl_observers.SampleMetrics`. The sets are bound to ``target``
-    (:meth:`MetricSet.bind <rl_observers.MetricSet.bind>`): a collector's
-    reward and done keys come from its env's specs.
+    :class:`~rl_observers.CollectorBatchMetrics` for a collector;
+    :class:`~rl_observers.WriteMetrics` and :class:`~rl_observers.SampleMetrics`
+    for a replay buffer.
 
     Examples:
         >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
@@ -123,13 +112,7 @@ def _describe_set(metric_set: MetricSet) -> str:
 
 
 def check_metric_names(sets: Sequence[MetricSet]) -> None:
-    """Refuses metric sets of one observer that would log under the same name.
-
-    Two sets logging ``reward`` in one namespace would overwrite each other's
-    values in every row; this is checked once, when the observer is attached.
-
-    Raises:
-        ValueError: naming both sets and the shared names.
+    """Refuses metric sets of one observer that would log under the same name (a ``ValueError`` naming both).
 
     Examples:
         >>> from rl_observers import CollectorBatchMetrics

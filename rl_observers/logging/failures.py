@@ -1,9 +1,4 @@
-"""What a LoggerObserver says when one of its metric sets raises.
-
-Step of the flow: **observer** (source → observer → channel → logger). Each
-metric set fails alone: its failure streak is tracked by the observer's
-:class:`~rl_observers.observer.FailureStreaks` (the package's one tracker),
-with the warning written here, naming the set, the error and the fix.
+"""What a LoggerObserver says when one of its metric sets raises (each set fails alone).
 
 Examples:
     >>> from rl_observers.logging.failures import public_error_name

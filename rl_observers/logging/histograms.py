@@ -1,24 +1,8 @@
 """Distributions drawn in the logger's histogram view, from the exactly merged partials.
 
-Step of the flow: the channel's thread, at delivery. The distribution
-partials of a row (:class:`~rl_observers.stats.BinCounts` from
-:class:`~rl_observers.Histogram`, :class:`~rl_observers.stats.QuantileSketch`
-from :class:`~rl_observers.Quantiles` and the episode quantiles of
-:class:`~rl_observers.CollectorBatchMetrics`) are already merged across
-workers and windows when they reach the channel's thread; their bucket
-counts are handed to the backend's own pre-binned call, so what is drawn is
-the merged data's counts, not a re-binning of reconstructed values
-(torchrl's ``log_histogram`` takes raw values and re-bins them):
-
-* ``TensorboardLogger``: ``SummaryWriter.add_histogram_raw``, with a
-  :class:`~rl_observers.Histogram`'s exact min, max, sum and sum of squares
-  (a sketch's are read off its buckets);
-* ``WandbLogger``: ``wandb.Histogram(np_histogram=(counts, edges))`` (at most
-  512 bins: adjacent bins are joined, counts stay exact);
-* ``TrackioLogger``: ``trackio.Histogram(np_histogram=(counts, edges))``;
-* anything else (``CSVLogger``, ``MLFlowLogger``, a logger service or its
-  client, which only forwards ``log_metrics``): nothing drawn; the quantile
-  scalars are logged as always, and no error.
+Runs on the channel's thread at delivery: each row's merged bucket counts
+go to the backend's pre-binned call (TensorBoard, W&B, Trackio); other
+loggers get the quantile scalars only. See :doc:`histograms`.
 """
 
 from __future__ import annotations
@@ -40,13 +24,9 @@ WANDB_MAX_BINS = 512
 def histogram_of(partial: Any) -> tuple[list[float], list[float]] | None:
     """``(edges, counts)`` of a distribution partial (``len(edges) == len(counts) + 1``), or ``None``.
 
-    Bins are contiguous and ascending; gaps between the partial's buckets are
-    zero-count bins. A :class:`~rl_observers.stats.BinCounts` gives its bins;
-    values below its first edge (above its last) are drawn in a bin of the
-    first (last) bin's width just outside, when there are any. A
-    :class:`~rl_observers.stats.QuantileSketch` gives its logarithmic buckets
-    (the bounds of each), zeros in a bin of width ``2 * 2**-64`` around 0.
-    NaN and infinite values are not drawn (they are logged as counts).
+    Bins are contiguous and ascending, gaps filled with zero counts; values
+    outside a :class:`~rl_observers.stats.BinCounts`'s edges get a bin of the
+    outer width; NaN and infinities are not drawn.
 
     Examples:
         >>> from rl_observers.stats import BinCounts
@@ -135,21 +115,19 @@ def _tag(namespace: str, key: str) -> str:
 class HistogramDrawer:
     """Draws the distribution partials of each delivered row with the logger's pre-binned call.
 
-    Made by :func:`draw_histograms`; its :meth:`draw` runs on the channel's
-    thread, before the row's scalars are logged.
+    Made by :func:`draw_histograms`; draws on the channel's thread, before the
+    row's scalars are logged.
 
     Args:
         logger: the channel's sink.
 
     Keyword Args:
-        names (iterable of str, optional): the partials' keys to draw
-            (``"episode_return_quantiles"``, a :class:`~rl_observers.Histogram`'s
-            name). Defaults to ``None``: every distribution partial.
+        names (iterable of str, optional): the partials' keys to draw.
+            Defaults to ``None`` (all).
 
     Attributes:
         backend (str or None): ``"tensorboard"``, ``"wandb"``, ``"trackio"``,
-            or ``None`` when the logger has no histogram view this can fill
-            (the rows' quantile scalars are logged as always).
+            or ``None`` (nothing drawn).
     """
 
     def __init__(self, logger: Any, *, names: Iterable[str] | None = None) -> None:
@@ -238,40 +216,28 @@ def _backend(logger: Any) -> str | None:
 
 
 def add_watcher(channel: MetricsChannel, watch: Any) -> None:
-    """Calls ``watch(namespace, metrics, payload, step)`` with every row ``channel`` delivers.
-
-    On the delivering thread, after the row is logged (what it raises counts as a sink error); ``metrics`` holds the
-    row's partials, ``payload`` its logger names and values.
-    """
+    """Calls ``watch(namespace, metrics, payload, step)`` on the delivering thread after each row ``channel`` logs."""
     channel._logging.add_watcher(watch)
 
 
 def draw_histograms(target: Any, *, names: Iterable[str] | None = None) -> HistogramDrawer:
     """Opts in: the distributions logged through ``target`` are also drawn as histograms.
 
-    Every row the channel delivers (after the merge across workers and
-    windows) has its distribution partials drawn with the backend's
-    pre-binned call (see :mod:`rl_observers.logging.histograms`); their
-    quantile scalars are logged as before. Loggers without a histogram view
-    this can fill (``CSVLogger``, ``MLFlowLogger``, a logger service) get the
-    quantile scalars only, and no error.
+    Loggers without such a view get the quantile scalars only, and no error.
 
     Args:
-        target (MetricsChannel or Logger): the channel (or the logger whose
-            shared channel, :meth:`MetricsChannel.for_logger`, to use; that
-            channel then stays open until it is closed or the interpreter
-            exits, rather than closing when nothing else references it).
+        target (MetricsChannel or Logger): the channel, or a logger whose
+            shared channel then stays open until closed or exit.
 
     Keyword Args:
         names (iterable of str, optional): only these partial keys. Defaults
-            to every distribution partial.
+            to all.
 
     Returns:
         The :class:`HistogramDrawer` (its ``backend`` says what is drawn).
 
     Raises:
-        ValueError: if ``target`` is a channel's copy in another process
-            (drawing happens where the channel delivers).
+        ValueError: if ``target`` is a channel's copy in another process.
 
     Examples:
         >>> import tempfile, torch

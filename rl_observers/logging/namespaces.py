@@ -1,12 +1,7 @@
 """Namespace claims: one observer per ``<name>/`` on a logger, even through two channels.
 
-Step of the flow: **observer → channel** (source → observer → channel →
-logger). A :class:`~rl_observers.LoggerObserver` claims its namespace when it
-is attached and frees it when it is removed or its source shuts down, so two
-observers on one logger never write into one namespace without being told.
-Claims are process-global, keyed by the channel's logger (or by the channel
-when its logger cannot be a weak key), and hold neither the logger nor the
-observer alive.
+Claims are process-global, keyed by the channel's logger (or the
+channel), and keep neither the logger nor the observer alive.
 
 Examples:
     >>> import tempfile
@@ -54,11 +49,7 @@ def _names_on(channel: Any) -> Any:
 
 
 def claim(channel: Any, name: str, owner: Any, *, hint: str = "") -> None:
-    """Takes ``name`` on ``channel``'s logger for ``owner``; refuses a name another owner holds there.
-
-    Raises:
-        ValueError: another live owner holds ``name`` on that logger.
-    """
+    """Takes ``name`` on ``channel``'s logger for ``owner``; a ``ValueError`` if another live owner holds it."""
     with _LOCK:
         taken = _NAMES.setdefault(_names_on(channel), weakref.WeakValueDictionary())
         other = taken.get(name)
@@ -80,11 +71,9 @@ def release(channel: Any, name: str, owner: Any) -> None:
 
 
 def claim_again(channel: Any, name: str, owner: Any, what: str) -> None:
-    """Takes ``name`` back for ``owner``, whose source (``what``) is used again after its shutdown.
+    """Takes ``name`` back for ``owner`` when its source (``what``) is used after its shutdown.
 
-    A torchrl replay buffer still takes writes after ``shutdown()``, which
-    freed the namespace. If another observer took it meanwhile, the window is
-    not logged rather than mixing two sources' rows in one namespace.
+    If another observer took it meanwhile, the window is not logged.
 
     Raises:
         ValueError: another live owner holds ``name`` on that logger now.
@@ -101,13 +90,7 @@ def claim_again(channel: Any, name: str, owner: Any, what: str) -> None:
 
 
 class Namespace:
-    """One observer's hold on its namespace on its channel's logger (the channel held weakly).
-
-    ``held`` says whether the observer holds it now: it is taken when the
-    observer is attached (:meth:`claim`), freed when it is removed or its
-    source shuts down (:meth:`release`), and taken back when the source is
-    used again (:meth:`claim_again`).
-    """
+    """One observer's hold on its namespace (the channel held weakly): taken at attach, freed at removal or shutdown, taken back on reuse."""
 
     __slots__ = ("channel_ref", "given", "held")
 

@@ -1,13 +1,8 @@
 """LoggerObserver: metric sets folded at the source, submitted on a schedule into a channel.
 
-Step of the flow: **observer → channel** (source → observer → channel → logger),
-read here as fold → schedule → submit, then the original's side of its copies
-elsewhere and the checkpoint. Resolved once, elsewhere: arguments
-(:mod:`~.arguments`), sets, schedule and folds (:mod:`~.wiring`), namespaces
-(:mod:`~.namespaces`), failure warnings (:mod:`~.failures`), the checkpoint's
-format and the rule for the source's own counters (:mod:`~.resume`). What the
-observer shares with its copies (where a copy runs, when it reports, what it
-sends) is its :class:`~rl_observers.remote.contributions.Contribution`.
+Step **observer → channel** of the flow, read as fold → schedule → submit,
+then the original's side of its copies and the checkpoint. What it shares
+with its copies is its :class:`~rl_observers.remote.contributions.Contribution`.
 """
 
 from __future__ import annotations
@@ -57,10 +52,8 @@ _NO_ARGUMENT = object()  # post_collect's payload is one argument, the others' t
 def _fold_event(event: str) -> Callable[..., None]:
     """``LoggerObserver.on_<event>``: folds the payload into the sets, then checks the schedule.
 
-    The check of a schedule inside its interval is inlined (one read, one comparison):
-    this runs at every event, where each Python call costs ~0.5 us next to cold caches.
-    The payload is passed on as it came (one or two arguments, never packed into a tuple),
-    and the event's folds are read by position (no ``getattr`` call).
+    The in-interval check is inlined and the payload passed on as it came:
+    this runs at every event, where each Python call costs ~0.5 us.
     """
     which = wiring.DATA_EVENTS.index(event)
     where = f"on_{event}"
@@ -276,34 +269,22 @@ class LoggerObserver(Observer):
     # -- fold ---------------------------------------------------------------------------------
 
     def _first_event(self, source: Any) -> dict[str, float] | None:
-        """Fixes the mode for this process (:class:`Contribution`); returns the counters to
-        line up with the source's after the fold (a local observer, once attached or loaded)."""
+        """Fixes this process's mode; returns the counters to line up with the source's after the fold."""
         self._resolve_mode(source)
         return self._counters() if self._take_alignment(source) else None
 
     def _take_alignment(self, source: Any) -> bool:
-        """Whether this first event lines the counters up with the source's (once attached or loaded).
-
-        A local observer does; so does a copy whose source counts for it alone
-        (:func:`~rl_observers.logging.resume.owns_axis`), which then tells its
-        aggregate what lining up added.
-        """
+        """Whether this first event lines the counters up with the source's (a local observer, or a copy that owns the axis)."""
         align = self._align_pending and (self._mode == "local" or owns_axis(source))
         self._align_pending = False
         self._axis_base = {}
         return align
 
     def _align(self, source: Any, before: Mapping[str, float]) -> None:
-        """Moves counters below the source's own (restored, or counted before attaching) up to it.
+        """Moves counters below the source's own up to it (:mod:`~rl_observers.logging.resume`'s rule).
 
-        ``before``: the observer's counters before the event that triggered this.
-        The rule is :mod:`~rl_observers.logging.resume`'s.
-
-        Held under a replay buffer's own lock, which every observed write holds
-        from torchrl's count to its event (:mod:`~rl_observers.sources.replay_buffers`):
-        a write another thread made meanwhile is then either folded already or not
-        counted by torchrl yet, never counted by torchrl and folded after the
-        line-up, which would count it twice (a sampling thread's first event).
+        ``before``: the counters before the triggering event. Run under a replay
+        buffer's own lock, so a concurrent write is never counted twice.
         """
         with writes_held(source):
             axis = source_axis(source)
@@ -381,8 +362,7 @@ class LoggerObserver(Observer):
                 self._namespace.release(self.name, self)
 
     def _last_window(self) -> None:
-        """The last window: a contributor's always (its final counters may make rows due at the
-        owner, whose aggregate applies ``log_on_close``), acknowledged before the process may end."""
+        """The last window, acknowledged before the process may end (always for a contributor)."""
         if any(metric_set.changed_since_pull() for metric_set in self._sets or ()):
             self._fresh = True  # a count made at shutdown (dropped rollouts) is sent
         if self._mode_at_end() == "contribute":
@@ -428,12 +408,10 @@ class LoggerObserver(Observer):
         self._sink.submit_metrics(payload, None if step is None else int(step), namespace=self.name or "")
 
     def _contribute(self, final: bool = False) -> None:
-        """Sends this contributor's window (a copy's, or the original's) to the channel's owner,
-        which merges it (:mod:`~rl_observers.remote.aggregate`); called holding the lock.
+        """Sends this contributor's window to the channel's owner to merge; called holding the lock.
 
-        ``final``: the contributor's last window, which the owner's account
-        expects (:mod:`~rl_observers.remote.account`); with nothing new since
-        the previous window it is only the marker, without counters.
+        ``final``: the last window the owner's account expects (only the marker
+        when nothing is new).
         """
         counters = self._counters()
         fresh = self._fresh  # after the counters: what was folded meanwhile goes with this window
@@ -448,15 +426,10 @@ class LoggerObserver(Observer):
     def worker_view(self, source: Any, worker: int) -> LoggerObserver:
         """A ``LoggerObserver`` of worker ``worker``'s share of ``source``'s batches, attached to it.
 
-        For ``DistributedCollector(sync=True)`` / ``DistributedSyncCollector``,
-        whose workers no observer copy reaches (:mod:`~rl_observers.remote.distributed`):
-        with ``scope="per_worker"`` or ``"both"`` the source folds ``batch[w]``
-        into view ``w``. It logs ``<name>/worker_<worker>/<metric>`` from fresh
-        copies of the observer's metric sets (made before they fold anything),
-        on the same schedule over the worker's own counters, with the same step
-        counter, ``log_on_start``, ``log_on_close``, ``on_error`` and
-        ``report_interval``. Its counters start at zero: they are the worker's,
-        never lined up with the source's. ``state_dict()`` does not hold it.
+        For ``DistributedCollector(sync=True)`` / ``DistributedSyncCollector``
+        with ``scope="per_worker"`` or ``"both"``: logs
+        ``<name>/worker_<worker>/<metric>`` from fresh copies of the metric sets,
+        same schedule and options, counters from zero; not in ``state_dict()``.
 
         Raises:
             TypeError: the metric sets cannot be copied (pickled).
@@ -489,16 +462,10 @@ class LoggerObserver(Observer):
     def prepare_copies(self, target: Any) -> None:
         """Called on the original before copies start where ``target``'s data is.
 
-        Multiprocessing and Ray sources ship the copies; a shared replay
-        buffer's copies start with a collector's workers. From here on the
-        original is one more contributor (worker ``"main"``) to the aggregate
-        its copies feed at the channel's owner: its mode is fixed now, never
-        switched by a window. For a source this observer is attached to here,
-        or being attached to (a shared replay buffer), only the mode changes
-        (``attached`` resolves it again, to the same); for a remote source, the
-        metric sets, namespace and step counter every copy shares are resolved
-        for ``target``, and the channel is told that copies send to it until
-        :meth:`copies_removed`.
+        The original becomes one more contributor (worker ``"main"``) to the
+        aggregate at the channel's owner; for a remote source, the sets, namespace
+        and step counter the copies share are resolved, and the channel expects
+        them until :meth:`copies_removed`.
 
         Raises:
             ValueError: ``step=`` is a collector or a callable, which copies cannot read.
@@ -525,23 +492,13 @@ class LoggerObserver(Observer):
         self._load_pending_state()
 
     def copies_placed(self, target: Any, workers: tuple[int | None, ...]) -> None:
-        """Called on the original once its copies are attached in ``workers`` of ``target``.
-
-        The owner then expects each to report: a copy never heard from (its
-        worker killed before its first window arrived) is counted lost
-        instead of being invisible.
-        """
+        """Called once its copies are attached in ``workers``: each must report, or counts lost."""
         channel = self._channel()
         if channel is not None:
             channel._logging.copies_expected(self, [self._contribution.worker_of(w) for w in workers])
 
     def copies_removed(self, target: Any) -> None:
-        """Called on the original once its copies are gone: logs the aggregate's last windows.
-
-        Does nothing the second time: by then another observer may use the
-        namespace, and finishing it again would cut that observer's window
-        short. The namespace is free afterwards.
-        """
+        """Called once its copies are gone: logs the aggregate's last windows (once) and frees the namespace."""
         channel = self._channel()
         if channel is not None:
             channel._logging.copies_gone(self)
@@ -563,12 +520,7 @@ class LoggerObserver(Observer):
             self._wire()
 
     def _mode_at_end(self) -> str | None:
-        """The mode when the source ends; a copy that never saw an event resolves it now.
-
-        The owner expects every copy attached (:meth:`copies_placed`) to
-        report its end, so an idle copy still sends its final window instead
-        of being counted lost.
-        """
+        """The mode when the source ends; an idle copy resolves it now, so it still reports its end."""
         if self._mode is None and self._contribution.moved():
             source = self._source() if self._source is not None else None
             if source is not None:
@@ -576,21 +528,10 @@ class LoggerObserver(Observer):
         return self._mode
 
     def _report_at_exit(self) -> None:
-        """A contributor's last window as its process exits: worker processes exit without
-        shutdown events.
+        """A contributor's last window as its process exits (worker processes get no shutdown event).
 
-        Sent whatever ``log_on_close`` says: the owner's aggregate applies it
-        (a trailing partial window is dropped there), but rows that the final
-        counters make due must be logged.
-
-        An original whose channel lives in this process and is closed already
-        (its source shut down, then ``close()``) is skipped when it holds
-        nothing new: its last window would only be the end marker, which the
-        closed channel would drop with a warning, and at exit that warning may
-        meet a closed ``stderr``. One that folded something since its last
-        report still submits it, so the closed channel counts it in
-        ``health()["dropped"]``. A copy always sends: its sender counts what
-        it cannot deliver.
+        Sent whatever ``log_on_close`` says (the owner applies it). An original
+        whose local channel is closed skips it when it holds nothing new.
         """
         if self._mode_at_end() != "contribute":
             return
@@ -608,8 +549,7 @@ class LoggerObserver(Observer):
 
     @staticmethod
     def _report_live_at_exit() -> None:
-        """Every contributing observer's last window: the ``at_exit`` given to :class:`Contribution`
-        (one function, whichever instance or subclass gives it: it runs once)."""
+        """Every contributing observer's last window: the one ``at_exit`` hook of :class:`Contribution`."""
         for observer in list(LoggerObserver._live):
             observer._report_at_exit()
 

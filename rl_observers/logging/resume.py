@@ -1,35 +1,11 @@
 """Resuming: steps on the source's own counter axis, and what an observer's saved state must fit.
 
-Step of the flow: **observer** (source → observer → channel → logger), when
-a run is resumed from a checkpoint (torchrl's
-:class:`~torchrl.checkpoint.Checkpoint`) or an observer is attached to a
-source that already ran.
-
-The rule: a :class:`~rl_observers.LoggerObserver` counts on the axis of the
-cumulative counter torchrl itself keeps and restores for the source:
-
-- a collector's ``frames`` (its ``state_dict()["frames"]``,
-  ``stats()["frames"]``);
-- a replay buffer's ``write_count`` (the observer's ``write_count`` and
-  ``items_written``).
-
-At the first event after it is attached (or after its
-:meth:`~rl_observers.LoggerObserver.load_state_dict`), an observer that
-counted fewer than the source moves its counter up to the source's
-(:func:`source_axis`), and its counter schedule's next threshold with it,
-so an observer attached to a collector restored at 12,000 frames logs its
-first row at 13,000. An observer that counted more (its own saved state, a
-buffer emptied with ``empty_write_count=True``, a collector rebuilt in a
-loop) keeps its own count: steps never go backwards. Counters torchrl does
-not keep (``sample_calls``, ``samples_returned``, ``episodes``) come back
-only from the observer's own saved state.
-
-Copies that run away from the channel (multiprocessing workers, Ray actors)
-line up the same way when their source counts for them alone
-(:func:`owns_axis`): a worker of a restored ``MultiSyncCollector`` starts at
-its restored ``frames``, and its windows carry how much of the count came
-from there (``Window.base``), so the owner's aggregate counts on from the
-restored sum and fires no threshold for it, saved state or not.
+An observer counts on the cumulative counter torchrl keeps and restores
+for the source (a collector's ``frames``, a buffer's ``write_count``). At
+the first event after attaching or loading, one that counted fewer moves
+up to the source's count (and its schedule with it); one that counted
+more keeps its own. Copies whose source counts for them alone
+(:func:`owns_axis`) line up the same way. See :ref:`resume`.
 
 Examples:
     >>> import torch
@@ -65,11 +41,7 @@ STATE_VERSION = 1
 
 
 def source_axis(source: Any) -> dict[str, int]:
-    """The cumulative counters torchrl keeps for ``source``, and their values now.
-
-    ``frames`` and ``batches`` for a collector, ``write_count`` for a replay
-    buffer; empty when the source does not say.
-    """
+    """The cumulative counters torchrl keeps for ``source`` and their values now (empty when it does not say)."""
     try:
         if isinstance(source, BaseCollector):
             stats = source.stats()
@@ -81,17 +53,11 @@ def source_axis(source: Any) -> dict[str, int]:
 
 
 def owns_axis(source: Any) -> bool:
-    """Whether a copy contributing from ``source`` (away from the channel) lines up with its counters.
+    """Whether a copy contributing from ``source`` lines up with its counters: its source counts for it alone.
 
-    True where the copy's source counts for this copy alone: a
-    multiprocessing worker's inner collector, a remote Ray collector, a Ray
-    replay buffer's actor. Their counters restored (a ``MultiSyncCollector``
-    loaded from a checkpoint restores each worker's ``frames``), the copy
-    starts from them and tells the owner's aggregate how much of its count
-    came from there (``Window.base``), so the aggregate's thresholds and
-    steps go on from the restored sum, saved observer state or not. False
-    for a shared replay buffer, whose ``write_count`` counts every process's
-    writes.
+    True for a multiprocessing worker's inner collector, a remote Ray
+    collector, a Ray replay buffer's actor; the copy then reports the
+    restored part of its count (``Window.base``). False for a shared buffer.
     """
     info = source_info(source)
     return info.remote and (info.kind == "collector" or info.worker is None)

@@ -1,11 +1,8 @@
 """TrainingMetrics: values of the training loop (losses, gradient norms, learning rates) in one line.
 
-Step of the flow: the training loop is a source of its own. Its values are
-folded where they are (device tensors into one preallocated device tensor,
-host numbers on the host), reach the host once per window in one
-non-blocking copy, and are submitted to the same
-:class:`~rl_observers.MetricsChannel` as the collectors' and buffers'
-metrics, as the same mergeable partials, on a step axis the caller names.
+The training loop is a source of its own: its values are folded where they
+are, reach the host once per window, and go to the same
+:class:`~rl_observers.MetricsChannel` as the same mergeable partials.
 """
 
 from __future__ import annotations
@@ -33,58 +30,28 @@ TRAINING_RULES: tuple[str, ...] = ("mean", "sum", "min", "max", "latest", "summa
 class TrainingMetrics:
     """Records values from the training loop and logs them once per window, without a sync.
 
-    ``record(step, loss=loss, grad_norm=norm, lr=lr)`` folds each value at
-    once: a tensor stays on its device (detached and folded in place into
-    the window's preallocated ``float64`` state, no ``.item()``, no host
-    read), a Python or numpy number stays on the host (copying a learning
-    rate to the device would be a host-to-device transfer per step). When
-    ``step`` reaches the next multiple of ``every``, the window closes: the
-    device state is copied to the host in **one** non-blocking transfer and
-    reset in stream order, and the window's payload is submitted to the
-    channel as soon as the copy has landed (checked without waiting at the
-    next :meth:`record`, or waited for at :meth:`flush` / :meth:`close`).
-    On the CPU the same code runs (the copy is complete at once).
-
-    Each name is reduced over the window by its rule (``reduce=``),
-    with the partials the collectors' metrics use, so a row merges exactly
-    with others (across ranks, or coalesced in the channel):
-
-    * ``"mean"`` (default), ``"sum"``, ``"min"``, ``"max"``: one value,
-      logged as ``<namespace>/<name>`` (a tensor contributes each of its
-      entries, as with :class:`~rl_observers.Mean`);
-    * ``"summary"``: ``<name>_mean``, ``_std``, ``_min``, ``_max`` (exact moments);
-    * ``"latest"``: the last host number recorded (a learning rate, an
-      epsilon); a tensor is refused (keeping one would be a second transfer).
-
-    The step axis is the caller's: the optimisation step, or a collector's
-    ``frames``; a row is logged at the step that closed its window, and
-    each namespace keeps its own step in the channel.
-
-    **torch.distributed.** When a process group is initialised with more
-    than one rank and ``merge_ranks=True`` (the default), every rank must
-    record on the same steps and call :meth:`close`: at each window's close
-    the ranks' partials are gathered to rank 0 (``gather_object``, a
-    collective once per window, which waits for the window's copy) and
-    merged there exactly (the mean of all ranks' losses, not a mean of
-    means); only rank 0 submits, and only rank 0 needs a channel.
-    ``merge_ranks=False``: each rank logs under
-    ``<namespace>/rank_<r>`` through its own channel, with no collective.
+    ``record(step, loss=loss, lr=lr)`` folds a tensor on its device (no host
+    read) and a number on the host. When ``step`` reaches the next multiple of
+    ``every`` the window is copied to the host in one non-blocking transfer
+    and submitted once it has landed. Rules per name (``reduce=``):
+    ``"mean"`` (default), ``"sum"``, ``"min"``, ``"max"``, ``"summary"``
+    (``<name>_mean``, ``_std``, ``_min``, ``_max``) and ``"latest"`` (host
+    numbers only). Under ``torch.distributed`` with ``merge_ranks=True`` every
+    rank records on the same steps and calls :meth:`close`, and rank 0 logs
+    the ranks' exact merge; see :doc:`training`.
 
     Args:
         channel (MetricsChannel, MetricsHandle, Logger or None): where rows
-            go; a torchrl logger is wrapped in its shared channel
-            (:meth:`MetricsChannel.for_logger`); a
-            :meth:`MetricsChannel.handle` sends from another process (call
-            :meth:`close` there before the process ends). ``None`` only on
-            ranks other than 0 when ranks are merged.
+            go (a logger gets its shared channel); ``None`` only on ranks
+            other than 0 when ranks are merged.
 
     Keyword Args:
-        every (int, optional): the window, in units of the step axis.
-            Defaults to ``100``.
-        namespace (str, optional): the logged names' prefix. Defaults to ``"train"``.
-        reduce (Mapping[str, str], optional): a rule per name (see above);
-            names not listed use ``"mean"``. Defaults to ``None``.
-        merge_ranks (bool, optional): see above. Defaults to ``True``.
+        every (int, optional): the window, on the step axis. Defaults to ``100``.
+        namespace (str, optional): Defaults to ``"train"``.
+        reduce (Mapping[str, str], optional): a rule per name. Defaults to
+            ``None`` (all ``"mean"``).
+        merge_ranks (bool, optional): merge ranks at rank 0 (else each logs
+            ``<namespace>/rank_<r>``). Defaults to ``True``.
 
     Examples:
         >>> import tempfile, torch
@@ -155,14 +122,7 @@ class TrainingMetrics:
     # -- the hot path ------------------------------------------------------------------
 
     def record(self, step: int, /, **values: Any) -> None:
-        """Folds ``values`` (name -> tensor or number) at ``step``; closes the window when due.
-
-        Never reads a device tensor on the host.
-
-        Args:
-            step (int): the position on the step axis (rising).
-            **values: a tensor (any shape, real dtype, any device) or a real number per name.
-        """
+        """Folds ``values`` (name -> tensor or real number) at ``step`` (rising); closes the window when due."""
         with self._lock:
             if self._pending:
                 self._deliver(wait=False)
@@ -186,10 +146,9 @@ class TrainingMetrics:
     # -- windows -------------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Closes the current window (if anything was recorded) and submits every window copied.
+        """Closes the current window and submits every window copied, waiting for copies in flight.
 
-        Waits for the device copies still in flight (once per window). Under
-        merged ranks this is a collective: call it on every rank.
+        A collective under merged ranks: call it on every rank.
         """
         with self._lock:
             if self._last_step is not None and (self._host or self._has_device_folds()):
@@ -291,12 +250,7 @@ class TrainingMetrics:
 
 
 class _DeviceSlots:
-    """One-element tensors of a name, copied into a preallocated device buffer, one copy each.
-
-    The buffer is reduced into the name's moments when it is full and when
-    the window closes, so a step costs one ``copy_`` on the device; larger
-    tensors are folded at once.
-    """
+    """One-element tensors of a name, copied into a device buffer (one ``copy_`` per step), reduced when full or at close."""
 
     __slots__ = ("reducer", "buffer", "views", "used")
     size = 256

@@ -1,10 +1,4 @@
-"""What a LoggerObserver resolves once per source: its metric sets, schedule, step and folds.
-
-Step of the flow: **observer** (source → observer → channel → logger), when
-attached (or when its copies are prepared): :func:`bind_sets` picks the
-metric sets and schedule for the source, binds the sets to it and checks the
-counter names; :func:`event_folds` and :func:`schedule_counter_reader` turn
-them into what each event walks, so the event path does no lookup.
+"""What a LoggerObserver resolves once per source: its metric sets, schedule, step and per-event folds.
 
 Examples:
     >>> import torch
@@ -52,18 +46,16 @@ def bind_sets(
     source: Any, sets: tuple[MetricSet, ...] | None, schedule: Every | None, step_key: str | None,
     *, auto: bool = True,
 ) -> tuple[tuple[MetricSet, ...], Every | None, str | None]:
-    """``(sets, schedule, step_key)`` resolved for ``source``; the sets are bound to it.
+    """``(sets, schedule, step_key)`` resolved for ``source``, the sets bound to it.
 
-    ``sets=None``: the default sets for the source; the source's own
-    counters the sets do not keep are added (for schedules). ``auto``: the
-    default schedule for the source replaces ``schedule``. ``step_key=None``:
-    the schedule's counter, else the sets' first counter.
+    ``sets=None``: the defaults, plus the source's own counters no set keeps;
+    ``auto``: the default schedule; ``step_key=None``: the schedule's counter,
+    else the sets' first.
 
     Raises:
-        ValueError: a key a set reads that the source's specs prove absent
-            (:meth:`~rl_observers.MetricSet.check_keys`), a set that folds no event of
-            the source, a set the source refuses (its ``check_metric_sets``), or a
-            schedule or ``step=`` naming a counter that no set counts.
+        ValueError: a key the source proves absent, a set folding no event of
+            the source or refused by it, or a schedule or ``step=`` naming a
+            counter no set counts.
     """
     if sets is None:
         sets = default_metrics(source)
@@ -117,10 +109,7 @@ def event_folds(sets: Sequence[MetricSet]) -> dict[str, tuple[tuple[int, Callabl
 
 
 def schedule_counter_reader(schedule: Every | None, sets: Sequence[MetricSet]) -> Callable[[], Any] | None:
-    """A call reading the counter schedule's counter as the sets' merged counters would, or ``None``.
-
-    The sets later in the list win when counters are merged: the last set counting the key is read.
-    """
+    """A call reading the schedule's counter as the merged counters would (the last set counting it), or ``None``."""
     key = counter_key(schedule)
     if key is None:
         return None

@@ -1,17 +1,11 @@
 """How collectors emit events.
 
-torchrl's collectors call their ``pre_collect_hook`` / ``post_collect_hook``
-slots at every rollout, reading the properties of the same names (in
-``Collector.rollout`` and ``Collector.iterator``; in a multiprocessing worker
-the inner collector does the same). An observed collector answers *those*
-reads with its observer list's dispatchers, which call the user's hook
-first and then the observers; every other read of the slot (the user's
-code, torchrl's tests, a save-and-restore) gets exactly what was set, or
-``None``. So a slot round-trips (``saved = c.post_collect_hook; ...;
-c.post_collect_hook = saved``), and the slot, ``enable_profile`` and
-observers never evict one another. The readers are told apart by the code
-object of the calling frame, learnt once per torchrl class from the
-functions of its class hierarchy that read a hook property.
+torchrl's collectors read their ``pre_collect_hook`` / ``post_collect_hook``
+properties at every rollout. An observed collector answers *those* reads
+(told apart by the calling frame's code object, learnt once per class)
+with dispatchers that call the user's hook, then the observers; every
+other read gets what was set. So a slot round-trips, and the slot,
+``enable_profile`` and observers never evict one another.
 """
 
 from __future__ import annotations
@@ -74,19 +68,10 @@ def _learn_readers(cls: type) -> None:
 class CollectorObservers(ObserverList):
     """The observers of one in-process collector, and the hook dispatchers it calls.
 
-    A multiprocessing worker's collector delivers a rollout only once torchrl
-    delivers it (:class:`WorkerDeliveries`): when the worker writes it into a
-    shared replay buffer (``replay_buffer=`` without ``trajs_per_batch``), or,
-    without a buffer, once the driver received it from the worker's queue.
-    torchrl's worker drops a rollout finished while a control message arrived
-    (shutdown, pause, an attribute set, an observer attached), a
-    ``MultiAsyncCollector`` worker whose queue stayed full for a second rolls
-    out again, dropping the older one, and a ``MultiAsyncCollector`` or an
-    asynchronous ``RayCollector`` stops with rollouts its driver never took.
-    Observers get ``post_collect`` for delivered rollouts only; a dropped
-    rollout's frames are counted apart in :attr:`frames_discarded`. Nothing is
-    copied: a held rollout is read before torchrl's next rollout reuses its
-    batch.
+    In a multiprocessing worker, a rollout reaches ``post_collect`` only once
+    torchrl delivers it (:class:`WorkerDeliveries`); the frames of rollouts
+    torchrl drops count apart in :attr:`frames_discarded` (see
+    :ref:`what-is-counted`). Nothing is copied.
     """
 
     def __init__(self, source: Any, emits: tuple[str, ...] = COLLECTOR_EVENTS, target_name: str = "collector") -> None:
@@ -135,9 +120,8 @@ class CollectorObservers(ObserverList):
     def handed_on(self, *, taken: bool) -> None:
         """The worker hands on the rollout it collected last.
 
-        ``taken``: the hand-over is the delivery (a write, a put the driver
-        waits for); otherwise the rollout is delivered when the worker is asked
-        for its next one, and dropped if it shuts down first.
+        ``taken``: the hand-over is the delivery; otherwise it is delivered when
+        the worker is asked for its next, and dropped if it shuts down first.
         """
         if taken:
             self.delivered()
@@ -164,39 +148,15 @@ class CollectorObservers(ObserverList):
 class WorkerDeliveries:
     """Where a multiprocessing worker hands its rollout on, in this process.
 
-    torchrl's worker loop (``_main_async_collector_impl`` in
-    ``torchrl/collectors/_runner.py``) hands a rollout on in one of two ways,
-    and only for a rollout it keeps:
-
-    * **a write** into the shared replay buffer (``replay_buffer=`` with
-      ``extend_buffer=True`` and no ``trajs_per_batch``): the loop normalizes
-      the rollout's device with
-      ``_maybe_normalize_replay_buffer_tensordict_device`` just before
-      ``replay_buffer.extend``; that function, looked up in the loop's module
-      at every write, is wrapped;
-    * **a put** on the queue to the driver (no replay buffer): the worker's
-      queue (the loop's ``queue_out``, read once from the loop's frame when
-      the first observer attaches, which happens inside the loop) gets its
-      ``put`` wrapped; a put that returns handed a rollout on, one that
-      raises ``queue.Full`` did not, and the loop rolls out again. A
-      ``MultiSyncCollector``'s driver takes every worker's rollout of a round
-      before it yields, and its queue holds a rollout of every worker: the
-      put is the delivery (made as the put starts, so the observers have it
-      before the driver does). A ``MultiAsyncCollector``'s
-      driver asks a worker for its next rollout only once it took the last
-      (:attr:`taken_when_asked_again`): a rollout is delivered when the worker
-      starts the next, and one still held at shutdown was never taken.
-    * **a return** from a remote collector actor of an asynchronous
-      ``RayCollector`` (no replay buffer): its driver, too, asks an actor for
-      its next rollout only once it took the last. A rollout the driver took
-      last before it stopped iterating (a ``break``) is delivered by the
-      driver's ``shutdown()`` (:meth:`CollectorObservers.delivered`).
-
-    Each is wrapped once per process, when the first collector there is
-    watched; the wrapper tells the watched observer lists (one per worker
-    process) that their last rollout is handed on. Elsewhere (a collector in
-    the user's process, a worker whose inner collector writes by trajectories)
-    rollouts are delivered at ``post_collect``.
+    torchrl's worker loop hands on a kept rollout by a write into the shared
+    replay buffer (the loop's device-normalizing function is wrapped), a put
+    on its queue to the driver (``queue_out.put`` is wrapped; ``queue.Full``
+    means not handed on), or a return from an asynchronous ``RayCollector``'s
+    actor. A ``MultiSyncCollector``'s put is the delivery; a
+    ``MultiAsyncCollector``'s or asynchronous Ray rollout is delivered when
+    the driver asks for the next (:attr:`taken_when_asked_again`). Each is
+    wrapped once per process; elsewhere rollouts are delivered at
+    ``post_collect``.
     """
 
     def __init__(self) -> None:
@@ -211,11 +171,7 @@ class WorkerDeliveries:
     RETURNED = "returned"
 
     def watch(self, observers: CollectorObservers, source: Any) -> str | None:
-        """Watches ``observers`` if ``source`` is a worker's collector that delivers rollouts later.
-
-        Returns how it hands them on (:attr:`HANDED_OVER`, :attr:`RETURNED`),
-        or ``None`` where a rollout is delivered at ``post_collect``.
-        """
+        """Watches ``observers`` if ``source`` is a worker's collector that delivers later; returns how (:attr:`HANDED_OVER`, :attr:`RETURNED`) or ``None``."""
         if self._writes_for(source):
             self._wrap_write()
         elif (queue := self._runner_queue()) is not None:
@@ -234,11 +190,7 @@ class WorkerDeliveries:
 
     @staticmethod
     def _runner_queue() -> Any:
-        """The queue to the driver of the worker loop running this call, or ``None``.
-
-        ``None`` outside a worker loop, and for a loop with a replay buffer
-        (its puts carry no rollout, and a free run puts nothing).
-        """
+        """The queue to the driver of the worker loop running this call (``None`` outside one, or with a replay buffer)."""
         from torchrl.collectors import _runner
 
         loop = _runner._main_async_collector_impl.__code__

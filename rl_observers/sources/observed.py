@@ -1,49 +1,16 @@
 """Observed classes: the subclass a source becomes while it has observers.
 
-A source with no observers is an instance of its own torchrl class, so it
-runs exactly torchrl's code. Attaching the first observer switches the
-instance's ``__class__`` to a subclass that emits events and stores the
-source's :class:`~rl_observers.observer.ObserverList` as ``_rl_observers``;
-removing the last one switches it back. This module is the whole mechanism:
-:func:`attach` / :func:`release` are the one in-process attach and detach,
-:func:`torchrl_class` the one way to find torchrl's class behind an observed
-one, and :func:`observers_of` the one guard for a missing observer list.
-
-An observed object behaves like the torchrl object it is:
-
-* ``type(obj)`` prints as torchrl's class (``<class '...ReplayBuffer'>``),
-  has its ``__name__`` and is a subclass of it, so ``isinstance`` holds;
-  ``type(obj) is ReplayBuffer`` is false while it has observers.
-* ``type(obj)(...)`` builds a plain torchrl object, exactly as calling
-  torchrl's class does (its metaclass included), with no observers.
-* ``copy.deepcopy(obj)`` carries deep copies of the observers, attached to
-  the copy; its events name the copy as ``source``. ``attached`` is not
-  called on the copies.
-* ``copy.copy(obj)`` gets its own observer list holding the *same* observer
-  objects (a shallow copy), so attaching to or removing from one never
-  changes the other; its events name the copy as ``source``.
-* ``pickle`` round-trips: the object unpickles observed, with unpickled
-  copies of its observers (see :class:`~rl_observers.observer.ObserverList`
-  for observers that cannot be unpickled in a ``spawn`` worker).
-
-Which mixin a torchrl class gets is read from one table
-(:mod:`rl_observers.targets`), handed to :func:`use_table` once: a
-class is matched by the nearest class of its MRO that the table names, so
-neither import order nor registration order decides anything. A class the
-table does not know (a torchrl class it does not name, or a subclass that
-replaces a method through which its events are emitted) is refused with a
-message saying what to use instead.
-
-A *context* names another way of observing the same torchrl class, for
-places where the in-process mixin cannot work: inside a Ray actor, torchrl's
-public methods are called through functions captured when the actor class
-was made, so the table's ``"ray_actor"`` rows intercept private lookups
-instead. The default context (``None``) is the in-process one; the
-driver-side object of a source whose observers run elsewhere (a remote
-kind, :class:`~rl_observers.remote.shipping.RemoteKind`) is switched with
-its kind's own context by :func:`switch_class` and back by
-:func:`switch_back`, the only ``__class__`` assignments besides
-:func:`observe` / :func:`release`.
+Step **source** of the flow. A source without observers is an instance of
+its torchrl class and runs exactly torchrl's code; the first observer
+switches its ``__class__`` to a subclass that emits events and keeps the
+:class:`~rl_observers.observer.ObserverList` as ``_rl_observers``; the last
+one's removal switches it back. This module is the whole mechanism
+(:func:`attach` / :func:`release`, :func:`switch_class` /
+:func:`switch_back` for remote kinds). The mixin of a class comes from
+one table (:mod:`rl_observers.targets`), matched by the nearest class of
+its MRO, per *context* (``None`` in process; ``"ray_actor"`` and others
+where the in-process mixin cannot work). How an observed object behaves
+under ``type``, ``copy`` and ``pickle``: :ref:`observed-objects`.
 """
 
 from __future__ import annotations
@@ -88,20 +55,15 @@ class How(NamedTuple):
     """How one torchrl class is observed: a row of :data:`rl_observers.targets.TABLE`.
 
     Attributes:
-        mixin: the class whose methods the observed class gets (for a
-            remote kind, the driver-side object's).
+        mixin: the class whose methods the observed class gets.
         observer_list: the :class:`~rl_observers.observer.ObserverList`
-            subclass an in-process source keeps its observers in (a remote
-            kind's driver-side object keeps none).
-        kind: the :class:`~rl_observers.remote.shipping.RemoteKind` of a
-            source whose observers run as copies elsewhere, else ``None``.
-        loop: the methods through which the events are emitted: a subclass
-            that replaces one of them is refused (its events would never
-            reach the observers).
+            subclass of an in-process source.
+        kind: the :class:`~rl_observers.remote.shipping.RemoteKind` when the
+            observers run as copies elsewhere, else ``None``.
+        loop: the methods that emit the events; a subclass replacing one is
+            refused.
         variant: ``variant(source)``, the context whose row observes this
-            instance instead (for example a replay buffer that prefetches),
-            or ``None`` to keep this row; read when the source becomes
-            observed.
+            instance instead (a prefetching buffer), or ``None``.
     """
 
     mixin: type
@@ -119,12 +81,7 @@ _TABLE_LOCK = threading.Lock()
 
 
 def use_table(table: dict[str | None, dict[str, How]]) -> None:
-    """Makes ``table`` the one answer to "how is this torchrl class observed?".
-
-    Called once, by :mod:`rl_observers.sources` with
-    :data:`rl_observers.targets.TABLE`. Rows whose :class:`How` has a
-    ``kind`` are also the driver-side rows of that kind's context.
-    """
+    """Makes ``table`` the one answer to "how is this torchrl class observed?"; called once by :mod:`rl_observers.sources`."""
     with _TABLE_LOCK:
         contexts: dict[str | None, dict[str, How]] = {c: dict(rows) for c, rows in table.items()}
         for name, how in table.get(None, {}).items():
@@ -200,10 +157,8 @@ def torchrl_class(cls: type) -> type:
 def observers_of(source: Any) -> ObserverList | None:
     """The observer list of an in-process ``source``, or ``None`` when it is not observed.
 
-    Read from the instance's ``__dict__``: a method bound while the source
-    was observed can run after its last observer was removed (a prefetched
-    ``_sample``, a write from a collector thread) and then finds ``None``.
-    An object without a ``__dict__`` (a slotted one) is never observed.
+    Read from the instance's ``__dict__``: a method bound while observed may
+    run after the last observer left.
     """
     return getattr(source, "__dict__", {}).get("_rl_observers")
 
@@ -244,11 +199,7 @@ def _reconstruct(reduced: Any) -> Any:
 
 
 def _observed_metaclass(meta: type) -> type:
-    """The metaclass of observed classes whose torchrl class has metaclass ``meta``.
-
-    Calling an observed class builds a plain torchrl object through
-    torchrl's own metaclass; its ``repr`` is torchrl's class's.
-    """
+    """The metaclass of observed classes whose torchrl class has metaclass ``meta``: calling one builds a plain torchrl object."""
     cls = _METACLASSES.get(meta)
     if cls is None:
 
@@ -350,12 +301,7 @@ def release(source: Any) -> None:
 
 
 def switch_class(source: Any, context: str) -> None:
-    """Makes the driver-side object of a remote kind an instance of its observed class in ``context``.
-
-    Its observers run elsewhere (:class:`~rl_observers.remote.shipping.RemoteKind`);
-    the observed class only adds what the driver side does differently (for
-    example letting the copies report before torchrl's shutdown kills them).
-    """
+    """Makes the driver-side object of a remote kind an instance of its observed class in ``context``."""
     with ATTACH_LOCK:
         source.__class__ = observed_class(type(source), context)
 
@@ -367,12 +313,7 @@ def switch_back(source: Any) -> None:
 
 
 def attach(source: Any, observer: Any, on_error: str | None, context: str | None = None) -> None:
-    """Attaches ``observer`` to the in-process ``source``, then calls its ``attached(source)``.
-
-    The one in-process attach: used by ``add_observer`` and, inside worker
-    processes and actors, for observer copies. An observer whose ``attached``
-    raises is not left attached.
-    """
+    """Attaches ``observer`` to the in-process ``source``, then calls its ``attached(source)``; not left attached if that raises."""
     with ATTACH_LOCK:
         observers = observe(source, context)
         try:

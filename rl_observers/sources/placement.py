@@ -1,10 +1,7 @@
 """Where a source runs: its kind, its worker index, its process.
 
-An observer attached to a multiprocessing or Ray collector runs as a copy in
-every worker; an observer of a shared replay buffer runs in every process
-that writes into it. :func:`source_info` tells such an observer which copy it
-is, so that it can namespace its metrics per worker, from the ``source`` its
-event methods receive.
+:func:`source_info` tells an observer copy which worker it runs in, from
+the ``source`` its event methods receive.
 
 Examples:
     >>> import os
@@ -35,15 +32,12 @@ class SourceInfo:
 
     Attributes:
         kind: ``"collector"`` or ``"replay_buffer"``.
-        worker: the index of the worker this source is, among the workers of a
-            multiprocessing collector or the remote collectors of a
-            ``RayCollector``; ``None`` for a source that is not a worker (a
-            local collector or buffer, a Ray replay buffer's actor). A shared
-            replay buffer written in a collector worker reports that worker.
-        num_workers: how many such workers there are, when known, else ``None``.
+        worker: the worker index among a multiprocessing collector's workers
+            or a ``RayCollector``'s remote collectors (a shared buffer written
+            in a worker reports that worker); ``None`` otherwise.
+        num_workers: how many workers, when known, else ``None``.
         process: the id of the process the source runs in.
-        remote: whether the source runs in a collector worker process or a Ray
-            actor rather than in the process that built it.
+        remote: whether it runs in a worker process or a Ray actor.
     """
 
     kind: str
@@ -65,11 +59,7 @@ class _Placement:
 
 
 class IdentityMap:
-    """A mapping keyed by object identity that does not keep its keys alive.
-
-    Collectors and replay buffers are not guaranteed to be hashable, so a
-    ``WeakKeyDictionary`` is not an option.
-    """
+    """A mapping keyed by object identity that does not keep its keys alive (sources may be unhashable)."""
 
     def __init__(self) -> None:
         self._items: dict[int, tuple[weakref.ref[Any], Any]] = {}
@@ -114,11 +104,7 @@ _PROCESS_WORKER: tuple[int, int | None] | None = None
 
 
 def place(source: Any, worker: int | None, num_workers: int | None, remote: bool = True) -> None:
-    """Records where ``source`` runs; called where observer copies are attached.
-
-    A worker index also becomes the index of this process, so that a shared
-    replay buffer written here reports the same worker.
-    """
+    """Records where ``source`` runs (called where copies are attached); a worker index also becomes this process's."""
     global _PROCESS_WORKER
     _PLACEMENTS.set(source, _Placement(worker, num_workers, remote))
     if worker is not None:
@@ -126,11 +112,7 @@ def place(source: Any, worker: int | None, num_workers: int | None, remote: bool
 
 
 def process_token() -> str:
-    """This process, told apart from every other one, on any machine: ``"<pid>-<random>"``.
-
-    Worker indices repeat across collectors (two collectors writing into one
-    buffer both have a worker 0) and pids across machines; this does not.
-    """
+    """This process, told apart from every other on any machine: ``"<pid>-<random>"``."""
     global _TOKEN
     pid = os.getpid()
     if _TOKEN is None or _TOKEN[0] != pid:  # a fork child gets its own
@@ -142,10 +124,7 @@ _TOKEN: tuple[int, str] | None = None
 
 
 def source_kind(source: Any) -> str | None:
-    """``"collector"``, ``"replay_buffer"``, or ``None`` for an object of neither kind.
-
-    The one place that tells a torchrl collector from a replay buffer.
-    """
+    """``"collector"``, ``"replay_buffer"`` or ``None``: the one place that tells them apart."""
     from torchrl.collectors import BaseCollector
     from torchrl.data import ReplayBuffer
 
@@ -172,11 +151,7 @@ def _in_ray_worker() -> bool:
 
 
 def _torchrl_worker_index() -> int | None:
-    """The index of the torchrl collector worker whose loop is on this thread's stack.
-
-    A shared replay buffer written by a worker loop learns its worker index
-    here, without anything registered; ``None`` outside such a loop.
-    """
+    """The index of the torchrl collector worker whose loop is on this thread's stack, else ``None``."""
     try:
         frame = sys._getframe(2)
     except ValueError:  # called from the top of a stack
@@ -192,19 +167,8 @@ def _torchrl_worker_index() -> int | None:
 def source_info(source: Any) -> SourceInfo:
     """Returns where ``source`` runs: its kind, worker index and process.
 
-    Works in the driver, in multiprocessing workers and in Ray actors, on the
-    ``source`` an observer's event methods receive. Call it once (for
-    example in :meth:`~rl_observers.Observer.attached` or at the first event)
-    and keep the result: it looks things up.
-
-    Args:
-        source: a torchrl collector or replay buffer.
-
-    Returns:
-        A :class:`SourceInfo`. In a multiprocessing worker, ``source`` is the
-        worker's inner collector and ``worker`` its index; in a remote Ray
-        collector, ``worker`` is the index of the remote collector; a shared
-        replay buffer written in a collector worker reports that worker.
+    Works in the driver, in workers and in Ray actors. It looks things up:
+    call it once (in ``attached`` or at the first event) and keep the result.
 
     Examples:
         >>> import rl_observers

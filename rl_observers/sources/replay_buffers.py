@@ -1,44 +1,13 @@
 """How replay buffers emit events.
 
-An observed buffer's ``add`` / ``extend`` emit after torchrl wrote the data,
-with the index torchrl returned. ``post_sample`` carries the batch and the
-sampler's info dict (whether or not the caller asked for it) and is emitted
-for each batch ``sample()`` hands over, once, in the calling thread:
-
-* a buffer that does not prefetch makes the batch in ``sample()``: its
-  ``_sample`` emits, just after torchrl made it (the hot path: one
-  method, torchrl's ``sample()`` untouched);
-* a buffer built with ``prefetch=N`` makes batches ahead, in up to ``N``
-  threads of torchrl's pool, and ``sample()`` hands over the oldest (or
-  makes one at once when none is queued). It is observed by
-  :class:`ObservedPrefetchingReplayBuffer`: its ``_sample`` emits nothing
-  (in any thread), its ``sample`` emits for the batch it returned, with the
-  info the batch was made with, one caller at a time. A batch the queue
-  drops (torchrl's ``load_state_dict`` / ``loads`` replace the queue, and
-  ``shutdown()`` leaves it behind) is never handed over, so never counted;
-  a batch made before an observer was attached and handed over after is
-  counted, one handed over after the last observer left is not.
-  torchrl's ``empty()`` keeps the queue: batches made before it are still
-  handed over after it, and counted then.
-
-A write and its event run together under the buffer's own reentrant lock
-(torchrl's ``_replay_lock``, which the write takes anyway): an observer
-sees the buffer as the write left it (a round-robin writer's cursor just
-past the rows stored), never as another thread's write moved it since.
-Observers may use the buffer from their methods; they must not wait for
-another thread that writes to it. Samples are not held that way (their
-transforms run outside torchrl's lock, in parallel when prefetching), and
-writers in other processes sharing a buffer are not held by it.
-
-torchrl's multiprocessing collectors set up the storage of a buffer given
-to them before its first write with a fake write and ``empty()``; neither is
-an event.
-
-Observers always run eagerly, outside any ``torch.compile``d region: a
-compiled function that writes to or samples from an observed buffer gets
-the graphs (and graph breaks) it gets without observers, and observer code
-is never traced, specialised or recompiled. The cost is one
-``torch.compiler.disable`` boundary per event (a fraction of a microsecond).
+``add`` / ``extend`` emit after torchrl wrote, with the index it returned,
+under the buffer's own reentrant lock (so an observer sees the buffer as
+the write left it). ``post_sample`` carries the batch and the sampler's
+info, once per batch ``sample()`` hands over, in the calling thread; a
+buffer with ``prefetch=N`` is observed by
+:class:`ObservedPrefetchingReplayBuffer`, which emits at hand-over.
+Observers run eagerly, outside any ``torch.compile`` region. See
+:ref:`events`.
 """
 
 from __future__ import annotations
@@ -83,11 +52,7 @@ _SETUP_CODE = _code_of(getattr(MultiCollector, "_check_replay_buffer_init", None
 
 
 def emit_eagerly(source: Any, event: str, *payload: Any) -> None:
-    """Emits ``event`` from ``source``; under ``torch.compile`` the observers run eagerly, never traced.
-
-    Emits nothing once the source has no observer list (see
-    :func:`~rl_observers.sources.observed.observers_of`).
-    """
+    """Emits ``event`` from ``source`` (nothing once it has no observer list); under ``torch.compile`` the observers run eagerly."""
     if torch.compiler.is_dynamo_compiling():  # constant for dynamo, ``return False`` eagerly
         _emit_outside_graph(source, event, *payload)
         return
@@ -106,8 +71,7 @@ def _emit_outside_graph(source: Any, event: str, *payload: Any) -> None:
 def _write_method(name: str, event: str) -> Callable[..., Any]:
     """torchrl's ``add`` / ``extend``, then ``event`` with the data and the index it returned.
 
-    The hot path of every write: :func:`emit_eagerly` and :func:`torchrl_class`
-    are inlined (a Python call costs ~0.5 us next to a write's cold caches).
+    The hot path of every write, with its calls inlined (~0.5 us each).
     """
 
     def write(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -130,8 +94,7 @@ def _write_method(name: str, event: str) -> Callable[..., Any]:
 
 
 def writes_held(source: Any) -> Any:
-    """The lock each observed write holds from torchrl's count to its event (reentrant),
-    or a no-op context for a source without one (a collector)."""
+    """The reentrant lock each observed write holds from torchrl's count to its event, or a no-op context."""
     lock = getattr(source, "__dict__", {}).get("_replay_lock")  # no __getattr__ forwarding
     return contextlib.nullcontext() if lock is None else lock
 
@@ -147,13 +110,7 @@ SHARED_COPIES_RUN = "in the workers of the collectors writing into it"
 
 
 class ReplayBufferObservers(ObserverList):
-    """The observers of one in-process replay buffer.
-
-    A buffer shared with the workers of multiprocessing collectors
-    (``shared=True``) refuses ``on_error="raise"``: its copies run
-    :data:`SHARED_COPIES_RUN`. The copies' side of such a buffer is
-    :class:`~rl_observers.remote.shared_buffers.SharedBufferObservers`.
-    """
+    """The observers of one in-process replay buffer; one shared with workers (``shared=True``) refuses ``on_error="raise"``."""
 
     def __init__(
         self,
@@ -172,11 +129,7 @@ class ReplayBufferObservers(ObserverList):
 
 
 class ObservedReplayBuffer:
-    """Mixin of observed replay buffers (see :mod:`rl_observers.sources.observed`).
-
-    torchrl's class is found with :func:`torchrl_class` on each call: a call
-    bound while the buffer was observed may run after it became plain again.
-    """
+    """Mixin of observed replay buffers; torchrl's class is found per call (a bound call may run after the buffer became plain)."""
 
     add = _write_method("add", "post_add")
     extend = _write_method("extend", "post_extend")
@@ -214,24 +167,17 @@ class ObservedReplayBuffer:
 
 
 def prefetching(source: Any) -> str | None:
-    """:data:`PREFETCHING` for a buffer that prefetches (torchrl's ``prefetch=N``), else ``None``.
-
-    The :attr:`~rl_observers.sources.observed.How.variant` of the in-process
-    replay-buffer rows: torchrl fixes ``prefetch`` when the buffer is built.
-    """
+    """:data:`PREFETCHING` for a buffer built with ``prefetch=N``, else ``None``: the in-process rows' :attr:`~rl_observers.sources.observed.How.variant`."""
     return PREFETCHING if source.__dict__.get("_prefetch") else None
 
 
 class PrefetchingBufferObservers(ReplayBufferObservers):
     """The observers of a replay buffer that prefetches: ``post_sample`` at hand-over.
 
-    :meth:`hand_over` runs torchrl's ``sample()`` and emits ``post_sample``
-    for the batch it returned: the head of torchrl's prefetch queue when
-    one was queued (peeked before torchrl pops it; only ``sample()`` pops,
-    and observed calls of it take turns here), else the batch torchrl made
-    at once in the calling thread (noted by :meth:`made`). Batches made in
-    the prefetch threads are not noted at all: a batch the queue drops
-    leaves nothing behind.
+    :meth:`hand_over` runs torchrl's ``sample()`` and emits for the batch it
+    returned (the queue's head, peeked before torchrl pops it, or the batch
+    made at once in this thread, noted by :meth:`made`). Batches the queue
+    drops leave nothing behind.
     """
 
     def __init__(
@@ -270,12 +216,7 @@ class PrefetchingBufferObservers(ReplayBufferObservers):
 
 
 class ObservedPrefetchingReplayBuffer(ObservedReplayBuffer):
-    """Mixin of observed replay buffers that prefetch (``prefetch=N``): sampling emits at hand-over.
-
-    Writes, ``empty()``, ``shutdown()`` and ``stats()`` are
-    :class:`ObservedReplayBuffer`'s; see :class:`PrefetchingBufferObservers`
-    for ``sample()``.
-    """
+    """Mixin of observed replay buffers that prefetch: sampling emits at hand-over; the rest is :class:`ObservedReplayBuffer`'s."""
 
     def _sample(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         cls = type(self)
