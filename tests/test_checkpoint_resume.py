@@ -62,6 +62,7 @@ def runs(tmp_path_factory):
     return {**first, **run(where, "second", "--variants", "directory,archive,without")}
 
 
+@pytest.mark.real_collector
 @pytest.mark.parametrize("archive", [False, True], ids=["directory", "archive"])
 def test_resumed_collector_and_buffer_log_what_one_run_logs(runs, archive):
     whole, first, second = runs["whole"], runs["first"], runs["archive" if archive else "directory"]
@@ -72,6 +73,7 @@ def test_resumed_collector_and_buffer_log_what_one_run_logs(runs, archive):
         assert second[f"replay_buffer/{name}"][-1] == whole[f"replay_buffer/{name}"][-1]
 
 
+@pytest.mark.real_collector
 def test_observers_left_out_of_the_checkpoint_still_log_on_the_source_axis(runs):
     """Without their state, steps follow the restored frames and write_count; sample_calls restart."""
     second = runs["without"]
@@ -90,6 +92,7 @@ def multisync(tmp_path_factory):
     return {**first, **run(where, "second", "--variants", "directory,without", source="multisync")}
 
 
+@pytest.mark.real_collector
 def test_resumed_multiprocessing_collector_goes_on_from_the_owners_aggregate(multisync):
     """The aggregate at the owner is saved and restored."""
     first, second = multisync["first"], multisync["directory"]
@@ -106,6 +109,7 @@ def test_resumed_multiprocessing_collector_goes_on_from_the_owners_aggregate(mul
     assert set(second["collector/episode_length_mean"][-1][1:]) == {5.0}
 
 
+@pytest.mark.real_collector
 def test_multiprocessing_aggregate_without_saved_state_goes_on_from_the_restored_frames(multisync):
     """No observer state: the workers' restored frames are the aggregate's axis (as the driver's frames)."""
     second = multisync["without"]
@@ -133,6 +137,7 @@ def ray_buffer(tmp_path_factory):
 RAY_DETERMINISTIC = ("items_written", "writes", "batch_size", "sample_calls", "samples_returned")
 
 
+@pytest.mark.real_collector
 def test_resumed_ray_replay_buffer_logs_what_one_run_logs(ray_buffer):
     """torchrl's Checkpoint saves the buffer (an actor round trip) and the observer (the owner's aggregate)."""
     whole, resumed = ray_buffer["whole"], joined(ray_buffer["first"], ray_buffer["directory"])
@@ -145,6 +150,7 @@ def test_resumed_ray_replay_buffer_logs_what_one_run_logs(ray_buffer):
     assert ray_buffer["directory"]["replay_buffer/samples_returned"] == [[6, 24.0], [8, 32.0]]
 
 
+@pytest.mark.real_collector
 def test_ray_replay_buffer_without_observer_state_goes_on_from_the_restored_write_count(ray_buffer):
     """The actor's copy lines up with the restored write_count; sample_calls (not kept by torchrl) restart."""
     second = ray_buffer["without"]

@@ -90,6 +90,7 @@ def test_the_bar_is_throttled_and_ends_on_the_last_numbers(tmp_path):
     assert console.line().startswith("frames 1,000")
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_workers_and_samples_per_second_from_a_multi_worker_run(tmp_path):

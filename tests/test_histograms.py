@@ -118,6 +118,7 @@ def _env():
     return CountingEnv(max_steps=6)
 
 
+@pytest.mark.real_collector
 @pytest.mark.timeout(120)
 def test_tensorboard_histograms_hold_the_merged_data_counts_row_by_row(tmp_path):
     from torchrl.record.loggers.tensorboard import TensorboardLogger
@@ -154,6 +155,7 @@ def test_tensorboard_histograms_hold_the_merged_data_counts_row_by_row(tmp_path)
     assert [e.step for e in accumulator.Scalars("collector/obs_p50")] == [200, 400, 600]
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_workers_are_merged_before_drawing(tmp_path):
@@ -199,6 +201,7 @@ def _wandb_rows(run_file):
     return _wandb_history(run_file)
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_wandb_offline_run_holds_the_merged_histograms(tmp_path, monkeypatch):
@@ -232,6 +235,7 @@ def test_wandb_offline_run_holds_the_merged_histograms(tmp_path, monkeypatch):
     assert [row["collector/step"] for row in rows] == [200, 400, 600]
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_loggers_without_histograms_get_the_quantile_scalars_and_no_error(tmp_path):

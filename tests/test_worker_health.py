@@ -77,6 +77,7 @@ def test_rows_of_a_local_collector(tmp_path):
     assert resident_memory_mb() == pytest.approx(psutil.Process().memory_info().rss / 2**20, rel=0.05)
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_per_worker_and_aggregate_rows_follow_the_declared_merge_rules(tmp_path):

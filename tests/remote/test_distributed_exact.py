@@ -214,6 +214,7 @@ def assert_rows_equal(logged, truth):
 ROW_METRICS = ("frames", "reward_mean", "episodes", *EPISODE_METRICS)
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("route", STACKED)
@@ -246,6 +247,7 @@ def test_stacked_by_rank_rows_equal_the_driver_s_batches(route, policy, scope, t
     assert first[1][0] == max(first[0]) != 0  # worker 1 shifted by worker 0's largest id
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_per_worker_scope_logs_only_each_worker_s_rows(tmp_path):
@@ -306,6 +308,7 @@ def refused_scenario(route: str, split_trajs: str, out: str) -> None:
     Path(out, "seen.json").write_text(json.dumps(seen))
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(

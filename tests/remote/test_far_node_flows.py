@@ -33,6 +33,7 @@ def cluster() -> Iterator[Cluster]:
         yield running
 
 
+@pytest.mark.real_collector
 @pytest.mark.parametrize("flow", list(FLOWS))
 def test_far_node_flow_delivers_exactly(cluster, flow):
     with tempfile.TemporaryDirectory() as tmp:
@@ -40,6 +41,7 @@ def test_far_node_flow_delivers_exactly(cluster, flow):
     assert result.exact, str(result)
 
 
+@pytest.mark.real_collector
 def test_a_ray_collector_that_connects_itself_logs_every_window_before_it_disconnects(cluster, tmp_path, told):
     """torchrl's IMPALA flow across nodes: the driver is not connected to Ray; an asynchronous
     ``RayCollector`` with its actors on the far node connects through its ``ray_init_config`` and

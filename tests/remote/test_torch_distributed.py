@@ -135,6 +135,7 @@ def _scenario(route: str, out: str) -> None:
     Path(out, "seen.json").write_text(json.dumps(seen))
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("route", ROUTES)

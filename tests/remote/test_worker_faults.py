@@ -54,6 +54,7 @@ def frames_logged(logger: RecordingLogger) -> list[float]:
     return [value for _, value in logger.series("workers/frames")]
 
 
+@pytest.mark.real_collector
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("cls", [MultiSyncCollector, MultiAsyncCollector], ids=["sync", "async"])
 def test_a_worker_killed_while_the_collector_is_iterated(tmp_path, cls):
@@ -94,6 +95,7 @@ def test_a_worker_killed_while_the_collector_is_iterated(tmp_path, cls):
     assert channel.close(timeout=10)
 
 
+@pytest.mark.real_collector
 @pytest.mark.timeout(90)
 def test_a_worker_killed_before_its_first_window_is_counted(told):
     # The copy in worker 0 dies before it sent anything: the owner was told at attach which
@@ -130,6 +132,7 @@ def kill_outside_buffer_writes(rb: ReplayBuffer, proc: Any) -> None:
         assert wait_for(lambda: not proc.is_alive(), timeout=10)
 
 
+@pytest.mark.real_collector
 @pytest.mark.timeout(120)
 def test_a_worker_killed_while_the_collector_runs_free(tmp_path, monkeypatch, told):
     import rl_observers.remote.aggregate as aggregate
@@ -179,6 +182,7 @@ def test_a_worker_killed_while_the_collector_runs_free(tmp_path, monkeypatch, to
     assert channel.close(timeout=10)
 
 
+@pytest.mark.real_collector
 @pytest.mark.timeout(120)
 def test_removing_an_observer_after_a_worker_died_leaves_a_consistent_state(tmp_path, told):
     log = tmp_path / "events.txt"
@@ -260,6 +264,7 @@ def _kill_actor_0_once_both_ran(ray, collector, log: Path, heard: Callable[[], A
                 ray.kill(collector.remote_collectors[0], no_restart=True)
 
 
+@pytest.mark.real_collector
 @pytest.mark.timeout(180)
 def test_a_killed_ray_collector_actor(ray_cluster, tmp_path, told):
     from ray.exceptions import RayActorError
@@ -297,6 +302,7 @@ def test_a_killed_ray_collector_actor(ray_cluster, tmp_path, told):
     assert channel.close(timeout=10)
 
 
+@pytest.mark.real_collector
 @pytest.mark.timeout(180)
 def test_surviving_ray_actors_close_their_windows_when_another_actor_died(ray_cluster, tmp_path, told):
     from ray.exceptions import RayActorError
