@@ -309,3 +309,32 @@ def free_port() -> int:
         except OSError:
             continue
         return port
+
+
+def run_fresh(function: str, *args: str, timeout: float = 280) -> None:
+    """Calls ``function`` (``"module:name"``) with ``args`` in a fresh interpreter; fails with its stderr.
+
+    For torch.distributed and RPC, which keep process-wide state (a second RPC collector in
+    one process waits forever). Its workers start from a forkserver that imported torch and
+    torchrl once, as the suite's do (tests/conftest.py), instead of importing them again each.
+    """
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    module, name = function.split(":")
+    code = (
+        "import multiprocessing, sys\n"
+        "if __name__ == '__main__':\n"
+        "    multiprocessing.set_start_method('forkserver', force=True)\n"
+        "    multiprocessing.set_forkserver_preload(['torch', 'torchrl.collectors', 'torchrl.envs', 'rl_observers'])\n"
+        f"    from {module} import {name}\n"
+        f"    {name}(*sys.argv[1:])\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=root, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stderr[-4000:]

@@ -4,9 +4,9 @@
 workers' batches by rank: one ``LoggerObserver`` on the driver logs, row by
 row, what a reference fold over the yielded batches (one running episode per
 worker, rows at the driver's cumulative frames) computes in this test. Where
-a batch does not say which worker's steps are which (``RPCCollector``, the
-async modes, ``split_trajs=True``), episode statistics are refused at
-``add_observer``, and what stays allowed is exact.
+a batch does not say which worker's steps are which (``split_trajs=True`` here;
+``RPCCollector`` and the async modes in ``test_torch_distributed.py``), episode
+statistics are refused at ``add_observer``, and what stays allowed is exact.
 
 Each scenario runs in a fresh interpreter (torch.distributed and RPC keep
 process-wide state), with real torchrl workers (``launcher="mp"``, gloo over
@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +24,6 @@ import torch
 from torchrl.collectors.distributed import (
     DistributedCollector,
     DistributedSyncCollector,
-    RPCCollector,
 )
 from torchrl.envs import RewardScaling, TransformedEnv
 from torchrl.envs.utils import RandomPolicy
@@ -36,7 +32,7 @@ from torchrl.testing.mocking_classes import CountingEnv, CountingEnvCountPolicy
 
 from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel
 from rl_observers.remote.distributed import own_trajectory_ids
-from tests.helpers import free_port, read_csv
+from tests.helpers import free_port, read_csv, run_fresh
 
 FRAMES_PER_BATCH = 100  # 50 steps per worker: 8-step episodes span batches
 TOTAL_FRAMES = 800
@@ -65,14 +61,8 @@ def _build(route: str, policy: str, **extra):
     envs = [make_env] * 2
     if route == "DistributedCollector(sync=True)":
         return DistributedCollector(envs, _policy(policy), sync=True, **kwargs)
-    if route == "DistributedCollector(sync=False)":
-        return DistributedCollector(envs, _policy(policy), sync=False, **kwargs)
     if route == "DistributedSyncCollector":
         return DistributedSyncCollector(envs, _policy(policy), **kwargs)
-    if route == "RPCCollector(sync=True)":
-        return RPCCollector(envs, _policy(policy), sync=True, **kwargs)
-    if route == "RPCCollector(sync=False)":
-        return RPCCollector(envs, _policy(policy), sync=False, **kwargs)
     raise AssertionError(route)
 
 
@@ -162,13 +152,7 @@ def logged_rows(out: Path, names, namespace: str = NAME) -> list[tuple[int, dict
 
 
 def _run(scenario: str, *args: str) -> dict:
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    code = f"import sys; from tests.remote.test_distributed_exact import {scenario}; {scenario}(*sys.argv[1:])"
-    done = subprocess.run(
-        [sys.executable, "-c", code, *args], cwd=root, env=env, capture_output=True, text=True, timeout=280
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_fresh(f"tests.remote.test_distributed_exact:{scenario}", *args)
     return json.loads(Path(args[-1], "seen.json").read_text())
 
 
@@ -313,12 +297,9 @@ def refused_scenario(route: str, split_trajs: str, out: str) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("route", "split_trajs", "why"),
-    [
-        ("RPCCollector(sync=True)", "no", "in the order they completed"),
-        ("RPCCollector(sync=False)", "no", "each of its batches is one worker's"),
-        ("DistributedCollector(sync=False)", "no", "each of its batches is one worker's"),
-        ("DistributedSyncCollector", "split", "split_trajs=True"),
-    ],
+    # RPCCollector and DistributedCollector(sync=False) are refused, and what stays allowed
+    # is exact, in the run tests/remote/test_torch_distributed.py makes of each
+    [("DistributedSyncCollector", "split", "split_trajs=True")],
 )
 def test_episode_statistics_are_refused_where_a_batch_does_not_name_its_workers(route, split_trajs, why, tmp_path):
     seen = _run("refused_scenario", route, split_trajs, str(tmp_path))
