@@ -29,7 +29,7 @@ import rl_observers
 from rl_observers import Observer, ProfilerObserver
 from rl_observers.profiler import install_profiling
 from rl_observers.sources import observers_of
-from tests.helpers import local_ray, make_collector
+from tests.helpers import make_collector
 
 REPO = Path(__file__).resolve().parents[1]
 # Small, fast traces: Python stacks make traces ~10x larger.
@@ -582,12 +582,6 @@ def test_multi_sync_profiles_in_the_selected_workers(tmp_path):
     ranges = named(events, "rl_observers/Marker.on_post_collect")
     assert [step_of(e, events) for e in ranges] == ["ProfilerStep#1", "ProfilerStep#2"]
     assert [step_of(e, events) for e in named(events, "marker/post#")] == ["ProfilerStep#1", "ProfilerStep#2"]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    with local_ray() as ray:
-        yield ray
 
 
 @pytest.mark.real_collector

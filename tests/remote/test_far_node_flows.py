@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import tempfile
 import warnings
-from collections.abc import Iterator
 
 import pytest
 from torchrl.record import CSVLogger
@@ -22,15 +21,12 @@ from torchrl.record import CSVLogger
 from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel
 from tests.helpers import scalars
 from tests.remote.far_node import FLOWS, FRAMES_PER_BATCH, _far_collector
-from tests.remote.multinode import HEAD_IP, Cluster, two_node_cluster
+from tests.remote.multinode import HEAD_IP, cluster_fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    with two_node_cluster(num_cpus=1) as running:
-        yield running
+cluster = cluster_fixture()
 
 
 @pytest.mark.real_collector

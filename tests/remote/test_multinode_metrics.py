@@ -22,17 +22,14 @@ from torchrl.record import CSVLogger
 from rl_observers import Every, LoggerObserver, MetricsChannel, WriteMetrics
 from rl_observers.remote.aggregate import finish_aggregate
 from tests.helpers import scalars, wait_for
-from tests.remote.multinode import Cluster, two_node_cluster
+from tests.remote.multinode import cluster_fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 NEVER = Every.counter("items_written", 10**12)
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    with two_node_cluster(num_cpus=1) as running:
-        yield running
+cluster = cluster_fixture()
 
 
 def _buffer_actor(ray: Any) -> Any:

@@ -26,7 +26,7 @@ from rl_observers import (
     WriteMetrics,
 )
 from rl_observers.remote.window import AggregateSpec, Window
-from tests.helpers import RecordingLogger, local_ray, scalars, start_method
+from tests.helpers import RecordingLogger, scalars, start_method
 
 NEVER = Every.counter("frames", 10**12)
 
@@ -339,12 +339,6 @@ def test_two_collectors_writing_one_shared_buffer_are_four_workers(tmp_path):
     assert scalars(logger, "rb/workers")[-1][1] == 4
     rows = ("worker_0", "worker_1", "worker_0_2", "worker_1_2")
     assert sum(scalars(logger, f"rb/{row}/items_written")[-1][1] for row in rows) == 800
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    with local_ray() as ray:
-        yield ray
 
 
 @pytest.mark.real_collector

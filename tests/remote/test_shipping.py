@@ -56,13 +56,14 @@ from rl_observers.sources.placement import SourceInfo, source_info
 from tests.helpers import (
     CountingHandle,
     counting_rpcs,
-    local_ray,
     make_multi,
     scalars,
     wait_for,
 )
 
 HERE = Path(__file__).parent
+# the user hooks torchrl hands to Ray travel by value: the module the ``helpers`` fixture imports
+RAY_BY_VALUE = ("helpers",)
 DRIVER = os.getpid()
 
 
@@ -416,12 +417,6 @@ def test_kinds():
 
 
 # -- Ray -------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(helpers) -> Iterator[Any]:
-    with local_ray(helpers) as ray:  # the user hooks torchrl hands to Ray travel by value
-        yield ray
 
 
 @pytest.mark.slow

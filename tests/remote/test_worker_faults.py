@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 import warnings
 from collections import Counter
@@ -31,16 +30,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import cloudpickle
 import pytest
 from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 import tests.remote._remote_observers as remote_observers
 from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel
-from tests.helpers import RecordingLogger, local_ray, make_multi, wait_for
+from tests.helpers import RecordingLogger, make_multi, wait_for
 
 pytestmark = pytest.mark.slow
+RAY_BY_VALUE = (remote_observers,)  # the recording observers travel to Ray's actors by value (tests/conftest.py)
 
 
 def lines_of(log: Path, tag: str, event: str) -> Counter[int]:
@@ -221,16 +220,6 @@ def test_removing_an_observer_after_a_worker_died_leaves_a_consistent_state(tmp_
 
 # -- Ray -------------------------------------------------------------------------------------------
 
-
-@pytest.fixture
-def ray_cluster():
-    module = sys.modules[remote_observers.__name__]
-    cloudpickle.register_pickle_by_value(module)
-    try:
-        with local_ray(module) as ray:
-            yield ray
-    finally:
-        cloudpickle.unregister_pickle_by_value(module)
 
 
 def _ray_collector():
