@@ -9,7 +9,7 @@ a batch does not say which worker's steps are which (``split_trajs=True`` here;
 statistics are refused at ``add_observer``, and what stays allowed is exact.
 
 Each scenario runs in a fresh interpreter (torch.distributed and RPC keep
-process-wide state), with real torchrl workers (``launcher="mp"``, gloo over
+process-wide state), all side by side, with real torchrl workers (``launcher="mp"``, gloo over
 loopback, a free TCP port) and a real ``CSVLogger``.
 """
 
@@ -32,7 +32,7 @@ from torchrl.testing.mocking_classes import CountingEnv, CountingEnvCountPolicy
 
 from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel
 from rl_observers.remote.distributed import own_trajectory_ids
-from tests.helpers import free_port, read_csv, run_fresh
+from tests.helpers import free_port, read_csv
 
 FRAMES_PER_BATCH = 100  # 50 steps per worker: 8-step episodes span batches
 TOTAL_FRAMES = 800
@@ -151,9 +151,26 @@ def logged_rows(out: Path, names, namespace: str = NAME) -> list[tuple[int, dict
     return sorted(rows.items())
 
 
-def _run(scenario: str, *args: str) -> dict:
-    run_fresh(f"tests.remote.test_distributed_exact:{scenario}", *args)
-    return json.loads(Path(args[-1], "seen.json").read_text())
+THIS = "tests.remote.test_distributed_exact"
+
+
+def fresh_run_of(item):
+    """The scenario a selected test reads (``tests/conftest.py``'s ``fresh_runs``): all start side by side."""
+    params = getattr(item, "callspec", None)
+    params = params.params if params else {}
+    if item.originalname == "test_stacked_by_rank_rows_equal_the_driver_s_batches":
+        return (f"{THIS}:stacked_scenario", params["route"], params["policy"], params["scope"])
+    if item.originalname == "test_per_worker_scope_logs_only_each_worker_s_rows":
+        return (f"{THIS}:stacked_scenario", "DistributedCollector(sync=True)", "random", "per_worker")
+    if item.originalname == "test_episode_statistics_are_refused_where_a_batch_does_not_name_its_workers":
+        return (f"{THIS}:refused_scenario", params["route"], params["split_trajs"])
+    return None
+
+
+def _run(fresh_runs, scenario: str, *args: str) -> tuple[Path, dict]:
+    """The scenario's output directory, once it ended well, and what it saw."""
+    out = fresh_runs(f"{THIS}:{scenario}", *args)
+    return out, json.loads((out / "seen.json").read_text())
 
 
 def stacked_scenario(route: str, policy: str, scope: str, out: str) -> None:
@@ -203,8 +220,8 @@ ROW_METRICS = ("frames", "reward_mean", "episodes", *EPISODE_METRICS)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("route", STACKED)
 @pytest.mark.parametrize(("policy", "scope"), [("count", "aggregate"), ("random", "both")])
-def test_stacked_by_rank_rows_equal_the_driver_s_batches(route, policy, scope, tmp_path):
-    seen = _run("stacked_scenario", route, policy, scope, str(tmp_path))
+def test_stacked_by_rank_rows_equal_the_driver_s_batches(route, policy, scope, fresh_runs):
+    tmp_path, seen = _run(fresh_runs, "stacked_scenario", route, policy, scope)
     assert seen["flushed"]
     assert all(shape == [2, FRAMES_PER_BATCH // 2] for shape in seen["shapes"])
     truth = seen["truth"]
@@ -234,8 +251,8 @@ def test_stacked_by_rank_rows_equal_the_driver_s_batches(route, policy, scope, t
 @pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_per_worker_scope_logs_only_each_worker_s_rows(tmp_path):
-    seen = _run("stacked_scenario", "DistributedCollector(sync=True)", "random", "per_worker", str(tmp_path))
+def test_per_worker_scope_logs_only_each_worker_s_rows(fresh_runs):
+    tmp_path, seen = _run(fresh_runs, "stacked_scenario", "DistributedCollector(sync=True)", "random", "per_worker")
     assert seen["flushed"]
     assert logged_rows(tmp_path, ROW_METRICS) == []
     for w, worker_truth in enumerate(seen["worker_truth"]):
@@ -301,8 +318,8 @@ def refused_scenario(route: str, split_trajs: str, out: str) -> None:
     # is exact, in the run tests/remote/test_torch_distributed.py makes of each
     [("DistributedSyncCollector", "split", "split_trajs=True")],
 )
-def test_episode_statistics_are_refused_where_a_batch_does_not_name_its_workers(route, split_trajs, why, tmp_path):
-    seen = _run("refused_scenario", route, split_trajs, str(tmp_path))
+def test_episode_statistics_are_refused_where_a_batch_does_not_name_its_workers(route, split_trajs, why, fresh_runs):
+    tmp_path, seen = _run(fresh_runs, "refused_scenario", route, split_trajs)
     assert seen["attached"] == 0  # nothing left attached by a refusal
     assert len(seen["refusals"]) == 2
     for message in seen["refusals"]:

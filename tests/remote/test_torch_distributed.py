@@ -1,6 +1,6 @@
 """torch.distributed and RPC collectors (``launcher="mp"``): observed on the driver.
 
-Each test runs one collector in a fresh interpreter, which starts real
+Each test runs one collector in a fresh interpreter (all side by side), which starts real
 torchrl workers (gloo over loopback, its own free TCP port), and checks that
 episode statistics are refused at ``add_observer`` where a batch does not say
 which worker's steps are which, then, against the batches the driver received: a plain callable
@@ -26,7 +26,7 @@ from torchrl.record import CSVLogger
 from torchrl.testing.mocking_classes import CountingEnv
 
 from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel
-from tests.helpers import free_port, read_csv, run_fresh
+from tests.helpers import free_port, read_csv
 
 FRAMES_PER_BATCH = 100
 TOTAL_FRAMES = 400
@@ -151,14 +151,25 @@ def _scenario(route: str, out: str) -> None:
     Path(out, "seen.json").write_text(json.dumps(seen))
 
 
+def fresh_run_of_route(route: str) -> tuple[str, str]:
+    return ("tests.remote.test_torch_distributed:_scenario", route)
+
+
+def fresh_run_of(item):
+    """The collector a selected test reads (``tests/conftest.py``'s ``fresh_runs``): all start side by side."""
+    if item.originalname == "test_observers_hear_every_batch_the_driver_receives":
+        return fresh_run_of_route(item.callspec.params["route"])
+    return None
+
+
 @pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("route", ROUTES)
-def test_observers_hear_every_batch_the_driver_receives(route, tmp_path):
+def test_observers_hear_every_batch_the_driver_receives(route, fresh_runs):
     import json
 
-    run_fresh("tests.remote.test_torch_distributed:_scenario", route, str(tmp_path))
+    tmp_path = fresh_runs(*fresh_run_of_route(route))
     seen = json.loads((tmp_path / "seen.json").read_text())
     expected = EXPECTED_CLASS[route]
     assert (seen["module"], seen["class"]) == (expected.__module__, expected.__qualname__)
