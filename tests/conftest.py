@@ -86,23 +86,22 @@ def told(warnings_seen):
 def ray_cluster(request):
     """A local Ray cluster (:func:`tests.helpers.local_ray`) shared by the module's tests.
 
-    The modules named in the test module's ``RAY_BY_VALUE`` (a module, or the name of a
-    fixture that gives one) travel to Ray's workers by value, in Ray's pickler and in
-    the ``cloudpickle`` torchrl wraps env makers with.
+    The modules named in the test module's ``RAY_BY_VALUE`` travel to Ray's workers by
+    value. A module given as such also travels by value in the ``cloudpickle`` torchrl
+    wraps env makers with; one given as the name of a fixture is that fixture's to register.
     """
     import cloudpickle
 
-    by_value = [
-        request.getfixturevalue(item) if isinstance(item, str) else item
-        for item in getattr(request.module, "RAY_BY_VALUE", ())
-    ]
-    for module in by_value:
+    named = getattr(request.module, "RAY_BY_VALUE", ())
+    by_value = [request.getfixturevalue(item) if isinstance(item, str) else item for item in named]
+    own = [item for item in named if not isinstance(item, str)]
+    for module in own:
         cloudpickle.register_pickle_by_value(module)
     try:
         with helpers.local_ray(*by_value) as ray:
             yield ray
     finally:
-        for module in by_value:
+        for module in own:
             cloudpickle.unregister_pickle_by_value(module)
 
 
