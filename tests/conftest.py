@@ -116,7 +116,7 @@ def fresh_runs(request, tmp_path_factory):
     """
     runs: dict[tuple[str, ...], tuple[helpers.FreshRun, str]] = {}
     for item in request.session.items:
-        wanted = request.module.fresh_run_of(item) if item.module is request.module else None
+        wanted = request.module.fresh_run_of(item) if getattr(item, "module", None) is request.module else None
         if wanted is not None and wanted not in runs:
             out = str(tmp_path_factory.mktemp("fresh"))
             runs[wanted] = (helpers.FreshRun(*wanted, out), out)

@@ -72,7 +72,7 @@ def parts(request, tmp_path_factory):
     kinds do not share anything, and their processes mostly wait (on Ray, on workers).
     """
     wanted = {
-        name for item in request.session.items if item.module is request.module for name in item.fixturenames
+        name for item in request.session.items if getattr(item, "module", None) is request.module for name in item.fixturenames
     } & set(PARTS)
     if importlib.util.find_spec("ray") is None:
         wanted.discard("ray_buffer")  # its fixture skips
