@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
+import pathlib
 import threading
 import warnings
 
@@ -18,13 +18,9 @@ os.environ.setdefault("RL_WARNINGS", "0")
 import rl_observers  # noqa: E402,F401  (installs add_observer on torchrl's classes)
 from tests import helpers  # noqa: E402
 
-# torchrl starts its workers with the global start method (spawn when unset). A
-# forkserver has spawn's semantics (a fresh process, arguments pickled) but forks
-# each worker from a server that imported torch and torchrl once, instead of
-# importing them again per worker (~6 s of CPU each). Tests about a start method
-# set it themselves (tests.helpers.start_method).
-multiprocessing.set_start_method("forkserver", force=True)
-multiprocessing.set_forkserver_preload(["torch", "torchrl.collectors", "torchrl.envs", "rl_observers"])
+# torchrl starts its workers with the global start method (spawn when unset). Tests
+# about a start method set it themselves (tests.helpers.start_method).
+helpers.preloaded_forkserver()
 
 
 @pytest.fixture
@@ -84,3 +80,52 @@ def told(warnings_seen):
         warnings.simplefilter("always")
         yield warnings_seen
     warnings_seen.extend(str(w.message) for w in caught)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(request):
+    """A local Ray cluster (:func:`tests.helpers.local_ray`) shared by the module's tests.
+
+    The modules named in the test module's ``RAY_BY_VALUE`` travel to Ray's workers by
+    value. A module given as such also travels by value in the ``cloudpickle`` torchrl
+    wraps env makers with; one given as the name of a fixture is that fixture's to register.
+    """
+    import cloudpickle
+
+    named = getattr(request.module, "RAY_BY_VALUE", ())
+    by_value = [request.getfixturevalue(item) if isinstance(item, str) else item for item in named]
+    own = [item for item in named if not isinstance(item, str)]
+    for module in own:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        with helpers.local_ray(*by_value) as ray:
+            yield ray
+    finally:
+        for module in own:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+@pytest.fixture(scope="module")
+def fresh_runs(request, tmp_path_factory):
+    """The fresh interpreters (:class:`tests.helpers.FreshRun`) the module's selected tests read, started side by side.
+
+    The test module's ``fresh_run_of(item)`` gives a selected test's ``(function, *args)``
+    or ``None``; each is started once, with a new output directory as its last argument,
+    and mostly waits (on its workers, their ports, their exit). A test calls
+    ``fresh_runs(function, *args)``: the run's directory, once it ended well.
+    """
+    runs: dict[tuple[str, ...], tuple[helpers.FreshRun, str]] = {}
+    for item in request.session.items:
+        wanted = request.module.fresh_run_of(item) if getattr(item, "module", None) is request.module else None
+        if wanted is not None and wanted not in runs:
+            out = str(tmp_path_factory.mktemp("fresh"))
+            runs[wanted] = (helpers.FreshRun(*wanted, out), out)
+
+    def result(*wanted: str):
+        run, out = runs[wanted]
+        run.wait()
+        return pathlib.Path(out)
+
+    yield result
+    for run, _ in runs.values():
+        run.stop()

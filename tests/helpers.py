@@ -67,6 +67,11 @@ def assert_balanced(health: dict[str, int]) -> None:
     ), health
 
 
+def small_env(max_steps: int = 6) -> CountingEnv:
+    """A ``CountingEnv`` whose episodes end every ``max_steps + 1`` steps; picklable by name, for workers."""
+    return CountingEnv(max_steps=max_steps)
+
+
 def make_collector(
     env: EnvBase | None = None,
     frames_per_batch: int = 16,
@@ -309,3 +314,65 @@ def free_port() -> int:
         except OSError:
             continue
         return port
+
+
+def preloaded_forkserver() -> None:
+    """Starts multiprocessing workers from a forkserver that imported torch and torchrl once.
+
+    A forkserver has spawn's semantics (a fresh process, arguments pickled) but forks each
+    worker from a server that imported torch and torchrl once, instead of importing them
+    again per worker (~6 s of CPU each). For the suite (tests/conftest.py) and the fresh
+    interpreters it starts (:class:`FreshRun`, tests/resume_runs.py).
+    """
+    multiprocessing.set_start_method("forkserver", force=True)
+    multiprocessing.set_forkserver_preload(["torch", "torchrl.collectors", "torchrl.envs", "rl_observers"])
+
+
+class FreshRun:
+    """``function`` (``"module:name"``) called with ``args`` in a fresh interpreter, started now.
+
+    For torch.distributed and RPC, which keep process-wide state (a second RPC collector in
+    one process waits forever). Its workers start as the suite's do (:func:`preloaded_forkserver`).
+    Its stderr goes to a file (a pipe nobody reads yet would stop it when full).
+    """
+
+    def __init__(self, function: str, *args: str) -> None:
+        import os
+        import subprocess
+        import sys
+        import tempfile
+        from pathlib import Path
+
+        root = Path(__file__).resolve().parents[1]
+        module, name = function.split(":")
+        code = (
+            "import sys\n"
+            "from tests.helpers import preloaded_forkserver\n"
+            "if __name__ == '__main__':\n"
+            "    preloaded_forkserver()\n"
+            f"    from {module} import {name}\n"
+            f"    {name}(*sys.argv[1:])\n"
+        )
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+        self._stderr = tempfile.TemporaryFile(mode="w+")
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", code, *args], cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=self._stderr, text=True
+        )
+
+    def wait(self, timeout: float = 280) -> None:
+        """Waits for the interpreter to end; fails with the end of its stderr unless it exited with 0."""
+        import subprocess
+
+        try:
+            self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+        self._stderr.seek(0)
+        assert self._process.returncode == 0, self._stderr.read()[-4000:]
+
+    def stop(self) -> None:
+        """Kills the interpreter if it still runs (its workers end with their driver's pipes)."""
+        if self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+

@@ -207,4 +207,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from tests.helpers import preloaded_forkserver
+
+    preloaded_forkserver()  # the MultiSyncCollector's workers, as the suite's
     main()

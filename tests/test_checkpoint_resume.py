@@ -7,15 +7,17 @@ together equal those of one uninterrupted run. Two processes per kind of
 source: the first part goes on to the end after saving (a save changes
 nothing: that is the uninterrupted run), and the resumes of one source
 (directory, archive, without the observers' state) share one interpreter,
-each with everything rebuilt.
+each with everything rebuilt. The kinds of source run side by side.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -55,14 +57,44 @@ def joined(first: dict, second: dict) -> dict:
     return {name: first.get(name, []) + second.get(name, []) for name in {*first, *second}}
 
 
+#: Per fixture: the kind of source and the resumes of its second part.
+PARTS = {
+    "runs": ("collector", "directory,archive,without"),
+    "multisync": ("multisync", "directory,without"),
+    "ray_buffer": ("raybuffer", "directory,without"),
+}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def parts(request, tmp_path_factory):
+    """Both parts of each kind of source the selected tests read, the kinds side by side.
+
+    Each kind's parts run one after the other, each in its own process, as before; the
+    kinds do not share anything, and their processes mostly wait (on Ray, on workers).
+    """
+    wanted = {
+        name for item in request.session.items if getattr(item, "module", None) is request.module for name in item.fixturenames
+    } & set(PARTS)
+    if importlib.util.find_spec("ray") is None:
+        wanted.discard("ray_buffer")  # its fixture skips
+    where = {name: tmp_path_factory.mktemp(PARTS[name][0]) for name in wanted}
+
+    def both(name):
+        source, variants = PARTS[name]
+        first = run(where[name], "first", source=source)
+        return {**first, **run(where[name], "second", "--variants", variants, source=source)}
+
+    with ThreadPoolExecutor(max(len(wanted), 1)) as pool:
+        return dict(zip(wanted, pool.map(both, wanted)))
+
+
+@pytest.fixture(scope="module")
+def runs(parts):
     """The first part of a split run (saved as a directory and an archive), its whole run, and three resumes."""
-    where = tmp_path_factory.mktemp("resume")
-    first = run(where, "first")
-    return {**first, **run(where, "second", "--variants", "directory,archive,without")}
+    return parts["runs"]
 
 
+@pytest.mark.real_collector
 @pytest.mark.parametrize("archive", [False, True], ids=["directory", "archive"])
 def test_resumed_collector_and_buffer_log_what_one_run_logs(runs, archive):
     whole, first, second = runs["whole"], runs["first"], runs["archive" if archive else "directory"]
@@ -73,6 +105,7 @@ def test_resumed_collector_and_buffer_log_what_one_run_logs(runs, archive):
         assert second[f"replay_buffer/{name}"][-1] == whole[f"replay_buffer/{name}"][-1]
 
 
+@pytest.mark.real_collector
 def test_observers_left_out_of_the_checkpoint_still_log_on_the_source_axis(runs):
     """Without their state, steps follow the restored frames and write_count; sample_calls restart."""
     second = runs["without"]
@@ -84,13 +117,12 @@ def test_observers_left_out_of_the_checkpoint_still_log_on_the_source_axis(runs)
 
 
 @pytest.fixture(scope="module")
-def multisync(tmp_path_factory):
+def multisync(parts):
     """A 2-worker MultiSyncCollector, 10 frames a batch each: saved at 80 frames, resumed with and without observers."""
-    where = tmp_path_factory.mktemp("multisync")
-    first = run(where, "first", source="multisync")
-    return {**first, **run(where, "second", "--variants", "directory,without", source="multisync")}
+    return parts["multisync"]
 
 
+@pytest.mark.real_collector
 def test_resumed_multiprocessing_collector_goes_on_from_the_owners_aggregate(multisync):
     """The aggregate at the owner is saved and restored."""
     first, second = multisync["first"], multisync["directory"]
@@ -107,6 +139,7 @@ def test_resumed_multiprocessing_collector_goes_on_from_the_owners_aggregate(mul
     assert set(second["collector/episode_length_mean"][-1][1:]) == {5.0}
 
 
+@pytest.mark.real_collector
 def test_multiprocessing_aggregate_without_saved_state_goes_on_from_the_restored_frames(multisync):
     """No observer state: the workers' restored frames are the aggregate's axis (as the driver's frames)."""
     second = multisync["without"]
@@ -119,21 +152,20 @@ def test_multiprocessing_aggregate_without_saved_state_goes_on_from_the_restored
 
 
 @pytest.fixture(scope="module")
-def ray_buffer(tmp_path_factory):
+def ray_buffer(parts):
     """A RayReplayBuffer, its observer in the actor: saved after 4 writes and 4 samples, resumed twice.
 
     Each part starts Ray in its process (``ray.init(num_cpus=2)``) and shuts it down.
     """
     pytest.importorskip("ray")
-    where = tmp_path_factory.mktemp("raybuffer")
-    first = run(where, "first", source="raybuffer")
-    return {**first, **run(where, "second", "--variants", "directory,without", source="raybuffer")}
+    return parts["ray_buffer"]
 
 
 #: What a Ray buffer's observer logs that does not depend on the actor's sampling RNG (not in the checkpoint).
 RAY_DETERMINISTIC = ("items_written", "writes", "batch_size", "sample_calls", "samples_returned")
 
 
+@pytest.mark.real_collector
 def test_resumed_ray_replay_buffer_logs_what_one_run_logs(ray_buffer):
     """torchrl's Checkpoint saves the buffer (an actor round trip) and the observer (the owner's aggregate)."""
     whole, resumed = ray_buffer["whole"], joined(ray_buffer["first"], ray_buffer["directory"])
@@ -146,6 +178,7 @@ def test_resumed_ray_replay_buffer_logs_what_one_run_logs(ray_buffer):
     assert ray_buffer["directory"]["replay_buffer/samples_returned"] == [[6, 24.0], [8, 32.0]]
 
 
+@pytest.mark.real_collector
 def test_ray_replay_buffer_without_observer_state_goes_on_from_the_restored_write_count(ray_buffer):
     """The actor's copy lines up with the restored write_count; sample_calls (not kept by torchrl) restart."""
     second = ray_buffer["without"]

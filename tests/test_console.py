@@ -15,11 +15,10 @@ from torchrl.collectors import Collector, MultiSyncCollector
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl.envs.utils import RandomPolicy
 from torchrl.record import CSVLogger
-from torchrl.testing.mocking_classes import CountingEnv
 
 import rl_observers  # noqa: F401
 from rl_observers import CollectorBatchMetrics, Every, LiveConsole, LoggerObserver, MetricsChannel
-from tests.helpers import scalars
+from tests.helpers import scalars, small_env
 
 CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f]")  # anything but "\n"
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "console.rst"
@@ -35,12 +34,8 @@ class ThreadRecordingConsole(LiveConsole):
         super()._read(*args)
 
 
-def _env():
-    return CountingEnv(max_steps=6)
-
-
 def test_plain_lines_carry_the_logged_numbers_without_control_characters(tmp_path):
-    env = _env()
+    env = small_env()
     collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=50, total_frames=600)
     logger = CSVLogger(exp_name="console", log_dir=str(tmp_path))
     channel = MetricsChannel(logger)
@@ -68,7 +63,7 @@ def test_plain_lines_carry_the_logged_numbers_without_control_characters(tmp_pat
 
 
 def test_the_bar_is_throttled_and_ends_on_the_last_numbers(tmp_path):
-    env = _env()
+    env = small_env()
     collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=50, total_frames=1_000)
     logger = CSVLogger(exp_name="bar", log_dir=str(tmp_path))
     channel = MetricsChannel(logger)
@@ -90,12 +85,13 @@ def test_the_bar_is_throttled_and_ends_on_the_last_numbers(tmp_path):
     assert console.line().startswith("frames 1,000")
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_workers_and_samples_per_second_from_a_multi_worker_run(tmp_path):
     logger = CSVLogger(exp_name="workers", log_dir=str(tmp_path))
     channel = MetricsChannel(logger)
-    collector = MultiSyncCollector([_env, _env], RandomPolicy(_env().action_spec), frames_per_batch=100, total_frames=1_000)
+    collector = MultiSyncCollector([small_env, small_env], RandomPolicy(small_env().action_spec), frames_per_batch=100, total_frames=1_000)
     collector.add_observer(LoggerObserver(channel, schedule=Every.counter("frames", 200), metrics=CollectorBatchMetrics()))
     buffer = ReplayBuffer(storage=LazyTensorStorage(10_000), batch_size=16)
     buffer.attach_logger(channel, schedule=Every.counter("sample_calls", 20))
@@ -154,7 +150,7 @@ def _collect_and_sample(tmp_path, *, total_frames, after_loop=0.0):
     (the test's own clock, loop start to the last batch) and samples per second (first to
     last sample).
     """
-    env = _env()
+    env = small_env()
     collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=50, total_frames=total_frames)
     channel = MetricsChannel(CSVLogger(exp_name="rates", log_dir=str(tmp_path)))
     collector.add_observer(LoggerObserver(channel, schedule=Every.counter("frames", 1_000), metrics=CollectorBatchMetrics()))

@@ -161,6 +161,7 @@ def test_partial_validates_and_pickles():
 # -- one process: windows of batches, both episode paths ---------------------------------
 
 
+@pytest.mark.real_collector
 @pytest.mark.parametrize("batch_size", [(), (3,)])
 @pytest.mark.parametrize("running", [True, False], ids=["running_sums", "rewardsum"])
 def test_last_episodes_are_exact_across_batches_and_windows(batch_size, running):
@@ -186,6 +187,7 @@ def test_last_episodes_are_exact_across_batches_and_windows(batch_size, running)
     assert len(episodes) > 5 * n
 
 
+@pytest.mark.real_collector
 def test_more_batches_than_a_ring_and_a_window_of_one_episode():
     batches = collect(make_env(batch_size=(2,)), 6, 600)
     episodes, _ = ended_episodes(batches)
@@ -198,6 +200,7 @@ def test_more_batches_than_a_ring_and_a_window_of_one_episode():
         assert_matches(metrics.pull()["episode_window"], episodes, n)
 
 
+@pytest.mark.real_collector
 def test_state_dict_and_pickling_keep_the_window():
     batches = collect(make_env(batch_size=(2,)), 6, 300)
     episodes, _ = ended_episodes(batches)
@@ -231,6 +234,7 @@ def test_fold_never_reads_a_value_on_the_host():
             metrics.pull()
 
 
+@pytest.mark.real_collector
 def test_local_collector_into_a_csv_logger(tmp_path):
     env = make_env()
     collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=5, total_frames=400)
@@ -268,6 +272,7 @@ def test_owner_carries_the_window_from_row_to_row():
     assert [e for e, _ in rows[0][1]["w"].entries] == [(1, 0, 0), (3, 1, 0), (5, 0, 0)]
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_multisync_workers_aggregate_by_episode_end_order(tmp_path):
@@ -317,6 +322,7 @@ def test_multisync_workers_aggregate_by_episode_end_order(tmp_path):
         assert scalars(logger, "collector/" + key)[-1][1] == pytest.approx(final[key], abs=1e-5)
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_window_larger_than_64_kib_travels_from_the_workers(tmp_path):

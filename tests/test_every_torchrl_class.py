@@ -231,11 +231,13 @@ def _test_exists(node_id: str) -> bool:
 CLASSES = exported_classes()
 
 
+@pytest.mark.real_collector
 def test_the_enumeration_finds_torchrls_collectors_and_buffers():
     names = {cls.__qualname__ for cls in CLASSES}
     assert {"Collector", "MultiSyncCollector", "RayCollector", "RPCCollector", "ReplayBuffer", "RayReplayBuffer"} <= names
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda cls: cls.__qualname__)

@@ -12,7 +12,6 @@ import torch
 from torchrl.collectors import Collector, MultiSyncCollector
 from torchrl.envs.utils import RandomPolicy
 from torchrl.record import CSVLogger
-from torchrl.testing.mocking_classes import CountingEnv
 
 import rl_observers  # noqa: F401
 from rl_observers import (
@@ -26,7 +25,7 @@ from rl_observers import (
 )
 from rl_observers.logging.histograms import coarsen, histogram_of
 from rl_observers.stats import BinCounts, QuantileSketch
-from tests.helpers import scalars
+from tests.helpers import scalars, small_env
 from tests.test_channel import _wandb_history, wait_for
 
 EDGES = list(range(11))
@@ -114,10 +113,7 @@ def _collect(collector):
         collector.shutdown()
 
 
-def _env():
-    return CountingEnv(max_steps=6)
-
-
+@pytest.mark.real_collector
 @pytest.mark.timeout(120)
 def test_tensorboard_histograms_hold_the_merged_data_counts_row_by_row(tmp_path):
     from torchrl.record.loggers.tensorboard import TensorboardLogger
@@ -125,7 +121,7 @@ def test_tensorboard_histograms_hold_the_merged_data_counts_row_by_row(tmp_path)
     logger = TensorboardLogger(exp_name="hist", log_dir=str(tmp_path))
     channel = MetricsChannel(logger)
     assert draw_histograms(channel).backend == "tensorboard"
-    collector = _observed_collector(_env, channel)
+    collector = _observed_collector(small_env, channel)
     batches = _collect(collector)
     assert channel.close(timeout=30)
     logger.experiment.flush()
@@ -154,6 +150,7 @@ def test_tensorboard_histograms_hold_the_merged_data_counts_row_by_row(tmp_path)
     assert [e.step for e in accumulator.Scalars("collector/obs_p50")] == [200, 400, 600]
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_workers_are_merged_before_drawing(tmp_path):
@@ -162,7 +159,7 @@ def test_workers_are_merged_before_drawing(tmp_path):
     logger = TensorboardLogger(exp_name="multi", log_dir=str(tmp_path))
     channel = MetricsChannel(logger)
     draw_histograms(channel, names=["obs"])
-    collector = _observed_collector(_env, channel, multi=True, frames=1_000)
+    collector = _observed_collector(small_env, channel, multi=True, frames=1_000)
     batches = _collect(collector)
     assert channel.close(timeout=60)
     logger.experiment.flush()
@@ -199,6 +196,7 @@ def _wandb_rows(run_file):
     return _wandb_history(run_file)
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_wandb_offline_run_holds_the_merged_histograms(tmp_path, monkeypatch):
@@ -213,7 +211,7 @@ def test_wandb_offline_run_holds_the_merged_histograms(tmp_path, monkeypatch):
     assert drawer.backend == "wandb"
     channel = MetricsChannel.for_logger(logger)
     assert drawer.channel is channel
-    collector = _observed_collector(_env, logger)
+    collector = _observed_collector(small_env, logger)
     batches = _collect(collector)
     assert channel.close(timeout=30)
     logger.experiment.finish()
@@ -232,6 +230,7 @@ def test_wandb_offline_run_holds_the_merged_histograms(tmp_path, monkeypatch):
     assert [row["collector/step"] for row in rows] == [200, 400, 600]
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_loggers_without_histograms_get_the_quantile_scalars_and_no_error(tmp_path):
@@ -242,7 +241,7 @@ def test_loggers_without_histograms_get_the_quantile_scalars_and_no_error(tmp_pa
     for logger in (csv_logger, mlflow_logger):
         channel = MetricsChannel(logger)
         assert draw_histograms(channel).backend is None
-        collector = _observed_collector(_env, channel, frames=400)
+        collector = _observed_collector(small_env, channel, frames=400)
         try:
             for _ in collector:
                 pass
@@ -286,7 +285,7 @@ def test_tensorboard_histogram_fields_are_the_window_data_not_the_bins(tmp_path)
     logger = TensorboardLogger(exp_name="fields", log_dir=str(tmp_path))
     channel = MetricsChannel(logger)
     draw_histograms(channel)
-    env = _env()
+    env = small_env()
     collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=50, total_frames=600)
     edges = [i / 100 for i in range(-21, 22)]
     collector.add_observer(

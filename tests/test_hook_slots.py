@@ -183,6 +183,7 @@ def tags(path: Path) -> list[str]:
     return path.read_text().split()[::2] if path.exists() else []
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_multiprocessing_slots_round_trip_and_reach_the_workers(tmp_path):

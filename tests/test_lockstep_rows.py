@@ -78,6 +78,7 @@ def _multisync_run(seed: int) -> tuple[dict, dict]:
     return logged_rows(logger, "collector"), driver_rows(batches, EVERY)
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 def test_multisync_aggregate_rows_are_the_driver_s_rows_in_every_run():
     with start_method("fork"):
@@ -132,6 +133,7 @@ def _multisync_buffer_run(seed: int) -> tuple[dict, dict]:
     )
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 def test_multisync_writing_a_buffer_logs_the_rows_of_what_its_workers_wrote():
     """Buffer mode (iteration yields ``None``): the truth is what the workers wrote, batch by batch."""
@@ -171,6 +173,7 @@ def _ray_sync_run() -> tuple[dict, dict]:
     return logged_rows(logger, "collector"), driver_rows(batches, EVERY)
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 def test_ray_sync_collector_aggregate_rows_are_the_driver_s_rows_in_every_run(monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
@@ -290,6 +293,7 @@ def test_a_ray_replay_buffer_logs_the_rows_of_the_same_buffer_in_process(monkeyp
     assert there == here
 
 
+@pytest.mark.real_collector
 def test_an_observer_attached_mid_run_logs_the_driver_s_next_rows(tmp_path):
     """Attached after 80 frames (4 batches of 20), every 40: the driver's next rows are 120, 160, 200."""
     from torchrl.testing.mocking_classes import CountingEnv

@@ -129,6 +129,7 @@ def test_every_counter_works_with_one_liners_alone():
     assert [s for m, s in logger.calls if "collector/obs" in m] == [20, 40, 60]
 
 
+@pytest.mark.real_collector
 @pytest.mark.timeout(120)
 def test_merge_rules_across_two_forked_workers():
     with start_method("fork"):

@@ -29,7 +29,7 @@ import rl_observers
 from rl_observers import Observer, ProfilerObserver
 from rl_observers.profiler import install_profiling
 from rl_observers.sources import observers_of
-from tests.helpers import local_ray, make_collector
+from tests.helpers import make_collector
 
 REPO = Path(__file__).resolve().parents[1]
 # Small, fast traces: Python stacks make traces ~10x larger.
@@ -409,6 +409,7 @@ def test_observer_list_call_transform_seam(collectors):
 # -- enable_profile / disable_profile -------------------------------------------------------------
 
 
+@pytest.mark.real_collector
 def test_install_profiling_is_idempotent():
     install_profiling()
     install_profiling()
@@ -472,6 +473,7 @@ def test_disable_then_hook_and_observers_survive(collectors, tmp_path):
     collectors(batches=1).disable_profile()
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_disable_profile_refused_while_iterating_keeps_the_profiler_to_remove_later(tmp_path):
@@ -517,6 +519,7 @@ def test_enable_profile_keeps_torchrl_errors(collectors, tmp_path):
     assert collector.observers == ()
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_enable_profile_on_a_closed_multi_collector_raises():
@@ -540,6 +543,7 @@ def _multi_sync(batches: int = 5) -> MultiSyncCollector:
     )
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_multi_sync_profiles_in_the_selected_workers(tmp_path):
@@ -580,12 +584,7 @@ def test_multi_sync_profiles_in_the_selected_workers(tmp_path):
     assert [step_of(e, events) for e in named(events, "marker/post#")] == ["ProfilerStep#1", "ProfilerStep#2"]
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    with local_ray() as ray:
-        yield ray
-
-
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_ray_collector_enable_profile_traces_the_selected_remote_collector(ray_cluster, tmp_path):
@@ -771,6 +770,7 @@ def test_pickled_copy_keeps_the_start_options(tmp_path):
     assert isinstance(copy.start_when, _AfterFile) and copy._frames_seen == 0
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_start_after_counts_each_workers_frames(tmp_path):
@@ -822,6 +822,7 @@ def one_actor_ray_collector(remote_configs: dict) -> Any:
         )
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("until", ["shutdown", "remove"])
@@ -871,6 +872,7 @@ def test_default_options_make_a_trace_without_python_stacks(collectors, tmp_path
     assert profiler.trace_paths == {0: profiler.trace_path}
 
 
+@pytest.mark.real_collector
 @pytest.mark.timeout(120)
 def test_trace_paths_lists_each_workers_trace_on_the_driver(tmp_path):
     """A 2-worker MultiSyncCollector profiled in both workers: the driver says where each trace went."""

@@ -177,6 +177,7 @@ def _values(batch):
     return torch.exp(obs * 0.4) - 3.0
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_four_workers_aggregate_and_per_worker_quantiles_are_within_accuracy():

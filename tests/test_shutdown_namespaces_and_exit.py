@@ -103,6 +103,7 @@ def test_a_buffer_written_after_its_namespace_was_taken_reports_it(tmp_path, cap
     MetricsChannel.for_logger(logger).close(10)
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_shut_down_multiprocess_collector_frees_its_namespace(tmp_path):
@@ -124,6 +125,7 @@ def test_a_shut_down_multiprocess_collector_frees_its_namespace(tmp_path):
     assert [step for step, _ in scalars(logger, "collector/frames")] == [400, 800, 400, 800]
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_refusal_of_raise_describes_the_observer_as_passed(tmp_path):
@@ -165,6 +167,7 @@ _EXIT_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_multiprocess_collector_not_shut_down_logs_its_last_window_at_exit(tmp_path):
@@ -182,6 +185,7 @@ def test_a_multiprocess_collector_not_shut_down_logs_its_last_window_at_exit(tmp
     assert rows[-1] == (1400, 1400.0)
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_shut_down_ray_collector_and_a_closed_ray_buffer_free_their_namespaces(tmp_path):

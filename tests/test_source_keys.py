@@ -129,6 +129,7 @@ def test_an_observer_binds_its_sets_when_attached(tmp_path):
     assert scalars(logger, "collector/episodes")
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 def test_multiprocessing_workers_bind_their_copies(tmp_path):
     logger = CSVLogger(exp_name="keys_mp", log_dir=str(tmp_path))

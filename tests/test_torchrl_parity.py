@@ -135,6 +135,7 @@ def _linear_policy():
     return TensorDictModule(module, in_keys=["observation"], out_keys=["action"]), module
 
 
+@pytest.mark.real_collector
 def test_collector_iteration(tmp_path):
     def scenario(observe, tmp):
         env = CountingEnv(max_steps=5)
@@ -148,6 +149,7 @@ def test_collector_iteration(tmp_path):
     _compare(scenario, tmp_path)
 
 
+@pytest.mark.real_collector
 def test_collector_update_policy_weights(tmp_path):
     def scenario(observe, tmp):
         torch.manual_seed(0)
@@ -166,6 +168,7 @@ def test_collector_update_policy_weights(tmp_path):
     _compare(scenario, tmp_path)
 
 
+@pytest.mark.real_collector
 def test_collector_start_with_replay_buffer(tmp_path):
     """``.start()`` runs the collector in a thread until ``total_frames``; the buffer ends up identical."""
 
@@ -215,6 +218,7 @@ def _hook_pattern(collector):
     return calls, seen_slots
 
 
+@pytest.mark.real_collector
 def test_hook_slots_set_replace_clear(tmp_path):
     def scenario(observe, tmp):
         env = CountingEnv(max_steps=5)
@@ -225,6 +229,7 @@ def test_hook_slots_set_replace_clear(tmp_path):
     _compare(scenario, tmp_path)
 
 
+@pytest.mark.real_collector
 def test_hook_slots_read_back_what_was_set(tmp_path):
     def scenario(observe, tmp):
         env = CountingEnv(max_steps=5)
@@ -235,6 +240,7 @@ def test_hook_slots_read_back_what_was_set(tmp_path):
     _compare(scenario, tmp_path)
 
 
+@pytest.mark.real_collector
 def test_enable_profile_with_user_hook(tmp_path):
     def scenario(observe, tmp):
         env = CountingEnv(max_steps=5)
@@ -250,6 +256,7 @@ def test_enable_profile_with_user_hook(tmp_path):
     _compare(scenario, tmp_path)
 
 
+@pytest.mark.real_collector
 def test_nested_reward_env(tmp_path):
     def scenario(observe, tmp):
         env = NestedCountingEnv(max_steps=5, nest_obs_action=True, nest_done=True, nest_reward=True)
@@ -261,6 +268,7 @@ def test_nested_reward_env(tmp_path):
     _compare(scenario, tmp_path)
 
 
+@pytest.mark.real_collector
 def test_multisync_iteration_fork(tmp_path):
     def scenario(observe, tmp):
         with start_method("fork"):
@@ -376,6 +384,7 @@ def _buffer_scenario(kind):
     return scenario
 
 
+@pytest.mark.real_collector
 @pytest.mark.parametrize(
     "kind",
     [
@@ -406,6 +415,7 @@ def test_replay_buffer_stats_differences_are_the_documented_ones(tmp_path):
     assert observed["sample_calls"] == 1 and observed["samples_returned"] == 2  # counted since attached
 
 
+@pytest.mark.real_collector
 def test_threads_sampling_and_writing(tmp_path):
     """Concurrent extend and sample through the public API: same final storage, no error either way."""
 

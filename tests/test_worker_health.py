@@ -11,21 +11,16 @@ import torch
 from torchrl.collectors import Collector, MultiSyncCollector
 from torchrl.envs.utils import RandomPolicy
 from torchrl.record import CSVLogger
-from torchrl.testing.mocking_classes import CountingEnv
 
 import rl_observers  # noqa: F401
 from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel, WorkerHealth
 from rl_observers.metrics.health import resident_memory_mb
 from rl_observers.remote.aggregate import Aggregate
-from tests.helpers import scalars
-
-
-def _env():
-    return CountingEnv(max_steps=6)
+from tests.helpers import scalars, small_env
 
 
 def test_a_window_counts_its_frames_and_batches_and_reads_the_clock_once_per_window(monkeypatch):
-    env = _env()
+    env = small_env()
     collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=30, total_frames=300)
     health = WorkerHealth()
     health.bind(collector)
@@ -52,7 +47,7 @@ def test_a_window_counts_its_frames_and_batches_and_reads_the_clock_once_per_win
 
 
 def test_rows_of_a_local_collector(tmp_path):
-    env = _env()
+    env = small_env()
     collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=50, total_frames=400)
     logger = CSVLogger(exp_name="health", log_dir=str(tmp_path))
     channel = MetricsChannel(logger)
@@ -77,12 +72,13 @@ def test_rows_of_a_local_collector(tmp_path):
     assert resident_memory_mb() == pytest.approx(psutil.Process().memory_info().rss / 2**20, rel=0.05)
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_per_worker_and_aggregate_rows_follow_the_declared_merge_rules(tmp_path):
     logger = CSVLogger(exp_name="workers", log_dir=str(tmp_path))
     channel = MetricsChannel(logger)
-    collector = MultiSyncCollector([_env, _env], RandomPolicy(_env().action_spec), frames_per_batch=100, total_frames=1_000)
+    collector = MultiSyncCollector([small_env, small_env], RandomPolicy(small_env().action_spec), frames_per_batch=100, total_frames=1_000)
     collector.add_observer(
         LoggerObserver(channel, schedule=Every.counter("frames", 200), metrics=[WorkerHealth()], scope="both")
     )

@@ -257,6 +257,7 @@ class SubmitsBadValues:
         self.handle.submit_metrics({"bad": "not a number"}, namespace="bad")
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_bad_input_inside_workers_is_handled_there_and_the_workers_go_on():

@@ -242,6 +242,7 @@ class UnpicklableInWorkers(EventRecorder):
         super().__setstate__(state)
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_an_observer_failing_to_unpickle_in_workers_is_refused_at_add_observer():
@@ -260,6 +261,7 @@ def test_an_observer_failing_to_unpickle_in_workers_is_refused_at_add_observer()
         collector.shutdown()
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_shared_buffer_observer_failing_to_unpickle_in_spawned_workers_is_left_behind_there(tmp_path, capfd):

@@ -164,6 +164,7 @@ _EXIT_AFTER_CLOSE = textwrap.dedent(
 )
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(360)
 def test_exit_after_shutdown_and_close_says_nothing(tmp_path):

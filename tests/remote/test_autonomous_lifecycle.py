@@ -92,6 +92,7 @@ def _wait_for_data(rb, timeout=60.0):
         time.sleep(0.02)
 
 
+@pytest.mark.real_collector
 @pytest.mark.parametrize(
     ("kind", "method"),
     [(MultiAsyncCollector, "spawn"), (MultiAsyncCollector, "fork"), (MultiSyncCollector, "fork")],
@@ -112,6 +113,7 @@ def test_start_update_policy_async_shutdown_leaves_no_child(tmp_path, kind, meth
     assert _wait_until_gone(before) == set()
 
 
+@pytest.mark.real_collector
 @pytest.mark.parametrize("order", ["attach_then_start", "start_then_attach"])
 def test_user_error_between_start_and_shutdown_leaves_no_child(tmp_path, order):
     before = _children()
@@ -129,6 +131,7 @@ def test_user_error_between_start_and_shutdown_leaves_no_child(tmp_path, order):
     assert _wait_until_gone(before) == set()
 
 
+@pytest.mark.real_collector
 def test_attach_failure_after_start_leaves_no_child(tmp_path):
     class RefusesWorkers:
         def attached(self, source):
@@ -150,6 +153,7 @@ def test_attach_failure_after_start_leaves_no_child(tmp_path):
     assert _wait_until_gone(before) == set()
 
 
+@pytest.mark.real_collector
 def test_deleted_collector_shuts_its_workers_down(tmp_path):
     """Never shut down, only dropped: torchrl's ``__del__`` shuts the workers down, observed or not.
 
@@ -167,6 +171,7 @@ def test_deleted_collector_shuts_its_workers_down(tmp_path):
     assert _wait_until_gone(before) == set()
 
 
+@pytest.mark.real_collector
 def test_shutdown_before_start_then_attach_refused_leaves_no_child(tmp_path):
     before = _children()
     with start_method("fork"):

@@ -33,6 +33,7 @@ def _cartpole() -> GymEnv:
     return GymEnv("CartPole-v1")
 
 
+@pytest.mark.real_collector
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_a_started_collector_counts_what_its_workers_wrote_and_the_dropped_rollouts_apart(tmp_path, method):
     rb = ReplayBuffer(storage=LazyMemmapStorage(200_000))  # memory the workers write and the test reads
@@ -75,6 +76,7 @@ def test_a_started_collector_counts_what_its_workers_wrote_and_the_dropped_rollo
     assert [value for _, value in discarded] == sorted(value for _, value in discarded)
 
 
+@pytest.mark.real_collector
 def test_an_iterated_collector_writing_a_buffer_drops_nothing(tmp_path):
     """Iterated, every rollout is written: frames_discarded stays 0 and frames is the write count."""
     rb = ReplayBuffer(storage=LazyMemmapStorage(10_000))
@@ -101,6 +103,7 @@ def test_an_iterated_collector_writing_a_buffer_drops_nothing(tmp_path):
     assert scalars(logger, "collector/episodes_total")[-1][1] == int(stored["next", "done"].sum())
 
 
+@pytest.mark.real_collector
 def test_a_slow_consumer_of_a_multiasync_collector_counts_what_it_received(tmp_path):
     """Training that holds a batch for over a second: the other worker's put times out and it rolls out
     again, dropping the older rollout; at the end, the rollouts the driver never took are dropped too.
@@ -198,6 +201,7 @@ def _rows_are_the_drivers(received: list, logger: CSVLogger, in_flight: int) -> 
 PER_RAY_BATCH = 50
 
 
+@pytest.mark.real_collector
 @pytest.mark.timeout(300)
 def test_an_async_ray_collector_counts_what_its_driver_took(tmp_path, monkeypatch):
     """Each actor collects its next batch before the driver asks: the batches in flight when the
@@ -213,6 +217,7 @@ def test_an_async_ray_collector_counts_what_its_driver_took(tmp_path, monkeypatc
         _rows_are_the_drivers(received, logger, in_flight)
 
 
+@pytest.mark.real_collector
 @pytest.mark.timeout(300)
 def test_an_async_ray_collector_that_starts_ray_logs_every_window_before_shutting_it_down(
     tmp_path, monkeypatch, told
@@ -240,6 +245,7 @@ def test_an_async_ray_collector_that_starts_ray_logs_every_window_before_shuttin
     assert not [message for message in told if "Ray was shut down" in message or "lost" in message], told
 
 
+@pytest.mark.real_collector
 @pytest.mark.timeout(300)
 def test_ray_shut_down_by_the_user_under_running_copies_warns_and_counts_them_lost(
     tmp_path, monkeypatch, told

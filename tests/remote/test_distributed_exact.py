@@ -4,12 +4,12 @@
 workers' batches by rank: one ``LoggerObserver`` on the driver logs, row by
 row, what a reference fold over the yielded batches (one running episode per
 worker, rows at the driver's cumulative frames) computes in this test. Where
-a batch does not say which worker's steps are which (``RPCCollector``, the
-async modes, ``split_trajs=True``), episode statistics are refused at
-``add_observer``, and what stays allowed is exact.
+a batch does not say which worker's steps are which (``split_trajs=True`` here;
+``RPCCollector`` and the async modes in ``test_torch_distributed.py``), episode
+statistics are refused at ``add_observer``, and what stays allowed is exact.
 
 Each scenario runs in a fresh interpreter (torch.distributed and RPC keep
-process-wide state), with real torchrl workers (``launcher="mp"``, gloo over
+process-wide state), all side by side, with real torchrl workers (``launcher="mp"``, gloo over
 loopback, a free TCP port) and a real ``CSVLogger``.
 """
 
@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +24,6 @@ import torch
 from torchrl.collectors.distributed import (
     DistributedCollector,
     DistributedSyncCollector,
-    RPCCollector,
 )
 from torchrl.envs import RewardScaling, TransformedEnv
 from torchrl.envs.utils import RandomPolicy
@@ -65,14 +61,8 @@ def _build(route: str, policy: str, **extra):
     envs = [make_env] * 2
     if route == "DistributedCollector(sync=True)":
         return DistributedCollector(envs, _policy(policy), sync=True, **kwargs)
-    if route == "DistributedCollector(sync=False)":
-        return DistributedCollector(envs, _policy(policy), sync=False, **kwargs)
     if route == "DistributedSyncCollector":
         return DistributedSyncCollector(envs, _policy(policy), **kwargs)
-    if route == "RPCCollector(sync=True)":
-        return RPCCollector(envs, _policy(policy), sync=True, **kwargs)
-    if route == "RPCCollector(sync=False)":
-        return RPCCollector(envs, _policy(policy), sync=False, **kwargs)
     raise AssertionError(route)
 
 
@@ -161,15 +151,26 @@ def logged_rows(out: Path, names, namespace: str = NAME) -> list[tuple[int, dict
     return sorted(rows.items())
 
 
-def _run(scenario: str, *args: str) -> dict:
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    code = f"import sys; from tests.remote.test_distributed_exact import {scenario}; {scenario}(*sys.argv[1:])"
-    done = subprocess.run(
-        [sys.executable, "-c", code, *args], cwd=root, env=env, capture_output=True, text=True, timeout=280
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(Path(args[-1], "seen.json").read_text())
+THIS = "tests.remote.test_distributed_exact"
+
+
+def fresh_run_of(item):
+    """The scenario a selected test reads (``tests/conftest.py``'s ``fresh_runs``): all start side by side."""
+    params = getattr(item, "callspec", None)
+    params = params.params if params else {}
+    if item.originalname == "test_stacked_by_rank_rows_equal_the_driver_s_batches":
+        return (f"{THIS}:stacked_scenario", params["route"], params["policy"], params["scope"])
+    if item.originalname == "test_per_worker_scope_logs_only_each_worker_s_rows":
+        return (f"{THIS}:stacked_scenario", "DistributedCollector(sync=True)", "random", "per_worker")
+    if item.originalname == "test_episode_statistics_are_refused_where_a_batch_does_not_name_its_workers":
+        return (f"{THIS}:refused_scenario", params["route"], params["split_trajs"])
+    return None
+
+
+def _run(fresh_runs, scenario: str, *args: str) -> tuple[Path, dict]:
+    """The scenario's output directory, once it ended well, and what it saw."""
+    out = fresh_runs(f"{THIS}:{scenario}", *args)
+    return out, json.loads((out / "seen.json").read_text())
 
 
 def stacked_scenario(route: str, policy: str, scope: str, out: str) -> None:
@@ -214,12 +215,13 @@ def assert_rows_equal(logged, truth):
 ROW_METRICS = ("frames", "reward_mean", "episodes", *EPISODE_METRICS)
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("route", STACKED)
 @pytest.mark.parametrize(("policy", "scope"), [("count", "aggregate"), ("random", "both")])
-def test_stacked_by_rank_rows_equal_the_driver_s_batches(route, policy, scope, tmp_path):
-    seen = _run("stacked_scenario", route, policy, scope, str(tmp_path))
+def test_stacked_by_rank_rows_equal_the_driver_s_batches(route, policy, scope, fresh_runs):
+    tmp_path, seen = _run(fresh_runs, "stacked_scenario", route, policy, scope)
     assert seen["flushed"]
     assert all(shape == [2, FRAMES_PER_BATCH // 2] for shape in seen["shapes"])
     truth = seen["truth"]
@@ -246,10 +248,11 @@ def test_stacked_by_rank_rows_equal_the_driver_s_batches(route, policy, scope, t
     assert first[1][0] == max(first[0]) != 0  # worker 1 shifted by worker 0's largest id
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_per_worker_scope_logs_only_each_worker_s_rows(tmp_path):
-    seen = _run("stacked_scenario", "DistributedCollector(sync=True)", "random", "per_worker", str(tmp_path))
+def test_per_worker_scope_logs_only_each_worker_s_rows(fresh_runs):
+    tmp_path, seen = _run(fresh_runs, "stacked_scenario", "DistributedCollector(sync=True)", "random", "per_worker")
     assert seen["flushed"]
     assert logged_rows(tmp_path, ROW_METRICS) == []
     for w, worker_truth in enumerate(seen["worker_truth"]):
@@ -306,19 +309,17 @@ def refused_scenario(route: str, split_trajs: str, out: str) -> None:
     Path(out, "seen.json").write_text(json.dumps(seen))
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("route", "split_trajs", "why"),
-    [
-        ("RPCCollector(sync=True)", "no", "in the order they completed"),
-        ("RPCCollector(sync=False)", "no", "each of its batches is one worker's"),
-        ("DistributedCollector(sync=False)", "no", "each of its batches is one worker's"),
-        ("DistributedSyncCollector", "split", "split_trajs=True"),
-    ],
+    # RPCCollector and DistributedCollector(sync=False) are refused, and what stays allowed
+    # is exact, in the run tests/remote/test_torch_distributed.py makes of each
+    [("DistributedSyncCollector", "split", "split_trajs=True")],
 )
-def test_episode_statistics_are_refused_where_a_batch_does_not_name_its_workers(route, split_trajs, why, tmp_path):
-    seen = _run("refused_scenario", route, split_trajs, str(tmp_path))
+def test_episode_statistics_are_refused_where_a_batch_does_not_name_its_workers(route, split_trajs, why, fresh_runs):
+    tmp_path, seen = _run(fresh_runs, "refused_scenario", route, split_trajs)
     assert seen["attached"] == 0  # nothing left attached by a refusal
     assert len(seen["refusals"]) == 2
     for message in seen["refusals"]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import tempfile
 import warnings
-from collections.abc import Iterator
 
 import pytest
 from torchrl.record import CSVLogger
@@ -22,17 +21,15 @@ from torchrl.record import CSVLogger
 from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel
 from tests.helpers import scalars
 from tests.remote.far_node import FLOWS, FRAMES_PER_BATCH, _far_collector
-from tests.remote.multinode import HEAD_IP, Cluster, two_node_cluster
+from tests.remote.multinode import HEAD_IP, cluster_fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    with two_node_cluster(num_cpus=1) as running:
-        yield running
+cluster = cluster_fixture()
 
 
+@pytest.mark.real_collector
 @pytest.mark.parametrize("flow", list(FLOWS))
 def test_far_node_flow_delivers_exactly(cluster, flow):
     with tempfile.TemporaryDirectory() as tmp:
@@ -40,6 +37,7 @@ def test_far_node_flow_delivers_exactly(cluster, flow):
     assert result.exact, str(result)
 
 
+@pytest.mark.real_collector
 def test_a_ray_collector_that_connects_itself_logs_every_window_before_it_disconnects(cluster, tmp_path, told):
     """torchrl's IMPALA flow across nodes: the driver is not connected to Ray; an asynchronous
     ``RayCollector`` with its actors on the far node connects through its ``ray_init_config`` and

@@ -22,17 +22,14 @@ from torchrl.record import CSVLogger
 from rl_observers import Every, LoggerObserver, MetricsChannel, WriteMetrics
 from rl_observers.remote.aggregate import finish_aggregate
 from tests.helpers import scalars, wait_for
-from tests.remote.multinode import Cluster, two_node_cluster
+from tests.remote.multinode import cluster_fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 NEVER = Every.counter("items_written", 10**12)
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    with two_node_cluster(num_cpus=1) as running:
-        yield running
+cluster = cluster_fixture()
 
 
 def _buffer_actor(ray: Any) -> Any:
@@ -157,6 +154,7 @@ def _check(logger: Any, namespace: str, values: list[float]) -> None:
     assert scalars(logger, f"{namespace}/items_written")[0][1] == len(values)
 
 
+@pytest.mark.real_collector
 def test_far_node_windows_reach_the_drivers_csv_exactly(cluster, actors, tmp_path):
     """scope="both", log_on_close at shutdown: far node through Ray, head node through the socket."""
     ray = pytest.importorskip("ray")
@@ -180,6 +178,7 @@ def test_far_node_windows_reach_the_drivers_csv_exactly(cluster, actors, tmp_pat
     assert health["dropped"] == health["remote_dropped"] == 0
 
 
+@pytest.mark.real_collector
 @pytest.mark.parametrize("scope", ["aggregate", "per_worker"])
 def test_remove_observer_then_flush_delivers_everything(cluster, actors, tmp_path, scope):
     ray = pytest.importorskip("ray")
@@ -201,6 +200,7 @@ def test_remove_observer_then_flush_delivers_everything(cluster, actors, tmp_pat
     assert channel.close(timeout=10)
 
 
+@pytest.mark.real_collector
 @pytest.mark.parametrize("victim", ["relay", "ingest"])
 def test_killing_relay_or_ingest_mid_run(cluster, actors, tmp_path, victim):
     """Collection goes on; the owner's health shows the loss; flush/close return in time."""
@@ -248,6 +248,7 @@ def test_killing_relay_or_ingest_mid_run(cluster, actors, tmp_path, victim):
     assert time.monotonic() - start < 12
 
 
+@pytest.mark.real_collector
 def test_unreachable_owner_warns_once_and_counts(cluster, actors, tmp_path):
     """A handle that reaches its owner by no transport says so once, and counts its drops."""
     ray = pytest.importorskip("ray")

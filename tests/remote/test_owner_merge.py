@@ -26,7 +26,7 @@ from rl_observers import (
     WriteMetrics,
 )
 from rl_observers.remote.window import AggregateSpec, Window
-from tests.helpers import RecordingLogger, local_ray, scalars, start_method
+from tests.helpers import RecordingLogger, scalars, start_method
 
 NEVER = Every.counter("frames", 10**12)
 
@@ -58,6 +58,7 @@ def episodes_per_worker(batches):
     return episodes
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", ["fork", "spawn"])
@@ -92,6 +93,7 @@ def test_multisync_aggregate_is_exact_over_every_frame(tmp_path, method):
         )
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_global_counter_schedule_and_removal_flush(tmp_path):
@@ -125,6 +127,7 @@ def test_global_counter_schedule_and_removal_flush(tmp_path):
 # (these run before the Ray tests of this module: a driver connected to Ray hands its
 # forked workers a Ray sender instead of the socket one)
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
@@ -163,6 +166,7 @@ def test_log_on_close_false_still_logs_the_rows_the_final_counters_make_due(
         assert sum(value for _, value in scalars(logger, "mp/episodes")) == len(truth)
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_closing_the_channel_before_the_collector_shuts_down_is_reported(tmp_path, warnings_seen):
@@ -195,6 +199,7 @@ def test_closing_the_channel_before_the_collector_shuts_down_is_reported(tmp_pat
     ).read_text()
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_closing_the_channel_after_removing_the_observer_is_clean(tmp_path, warnings_seen):
@@ -229,6 +234,7 @@ def _pendulum_writing_into(rb, total_frames, method="fork"):
         )
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_shared_buffer_writes_from_every_worker_are_aggregated(tmp_path):
@@ -253,6 +259,7 @@ def test_shared_buffer_writes_from_every_worker_are_aggregated(tmp_path):
     assert scalars(logger, "rb/workers")[0][1] == 3  # two workers and the driver
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", ["fork", "spawn"])
@@ -281,6 +288,7 @@ def test_shared_buffer_last_rows_per_worker_and_lambda_one_liners(tmp_path, meth
     assert sum(last) == 600
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_the_collector_s_set_up_write_into_a_fresh_shared_buffer_is_not_data(tmp_path):
@@ -304,6 +312,7 @@ def test_the_collector_s_set_up_write_into_a_fresh_shared_buffer_is_not_data(tmp
     assert scalars(logger, "rb/reward_max")[-1][1] < 0  # Pendulum's rewards; no fake 0.0
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_two_collectors_writing_one_shared_buffer_are_four_workers(tmp_path):
@@ -332,12 +341,7 @@ def test_two_collectors_writing_one_shared_buffer_are_four_workers(tmp_path):
     assert sum(scalars(logger, f"rb/{row}/items_written")[-1][1] for row in rows) == 800
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    with local_ray() as ray:
-        yield ray
-
-
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_ray_collector_into_ray_buffer_one_logger(ray_cluster, tmp_path):

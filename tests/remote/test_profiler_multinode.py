@@ -33,6 +33,7 @@ def _node_id(collector) -> str:
     return ray.get_runtime_context().get_node_id()
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_trace_written_on_the_far_node_arrives_on_the_driver(cluster, tmp_path):

@@ -56,13 +56,14 @@ from rl_observers.sources.placement import SourceInfo, source_info
 from tests.helpers import (
     CountingHandle,
     counting_rpcs,
-    local_ray,
     make_multi,
     scalars,
     wait_for,
 )
 
 HERE = Path(__file__).parent
+# the user hooks torchrl hands to Ray travel by value: the module the ``helpers`` fixture imports
+RAY_BY_VALUE = ("helpers",)
 DRIVER = os.getpid()
 
 
@@ -104,6 +105,7 @@ def remote_lines(lines: list[Any]) -> list[Any]:
 # -- multiprocessing collectors --------------------------------------------------------------------
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("method", ["fork", "spawn"])
@@ -156,6 +158,7 @@ def test_multisync_observers_run_in_every_worker(helpers, tmp_path, method):
     assert collector.observers == (late,)
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("method", ["fork", "spawn"])
@@ -211,6 +214,7 @@ def test_shared_buffer_observers_see_writes_from_every_process(helpers, tmp_path
     assert driver == []
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_iterated_multiasync_refuses_observers(helpers, tmp_path):
@@ -226,6 +230,7 @@ def test_iterated_multiasync_refuses_observers(helpers, tmp_path):
         collector.shutdown()
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_profiler_user_hook_and_observers_coexist_in_workers(helpers, tmp_path):
@@ -276,6 +281,7 @@ class _SamplesOnly:
         pass
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_attach_errors_are_raised_on_the_driver(helpers, tmp_path):
@@ -320,6 +326,7 @@ def test_attach_errors_are_raised_on_the_driver(helpers, tmp_path):
     MetricsChannel.for_logger(logger).close(10)
 
 
+@pytest.mark.real_collector
 def test_on_error_raise_is_refused_for_a_buffer_written_in_workers():
     # Its copies run in the workers, where "raise" would kill them: refused when the buffer is
     # shared, or when a collector is about to start workers writing into it.
@@ -410,12 +417,6 @@ def test_kinds():
 
 
 # -- Ray -------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(helpers) -> Iterator[Any]:
-    with local_ray(helpers) as ray:  # the user hooks torchrl hands to Ray travel by value
-        yield ray
 
 
 @pytest.mark.slow
@@ -633,6 +634,7 @@ def test_ray_replay_buffer_client_empty_emits_empty(ray_cluster, helpers, tmp_pa
     assert scalars(logger, "rb/reward_mean")[-1][1] == pytest.approx((10 * 1.0 + 30 * 5.0 + 10 * 3.0) / 60)
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
@@ -724,6 +726,7 @@ def _add_one_actor(collector):
     )
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_ray_collectors_added_later_get_every_attached_observer(ray_cluster, helpers, tmp_path):
@@ -763,6 +766,7 @@ def test_ray_collectors_added_later_get_every_attached_observer(ray_cluster, hel
     assert {(line.worker, line.num_workers) for line in lines if line.event == "post_collect"} == {(0, 1), (1, 2)}
 
 
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_ray_collectors_added_are_dropped_when_an_observer_cannot_attach(ray_cluster, helpers, tmp_path):

@@ -1,7 +1,9 @@
 """torch.distributed and RPC collectors (``launcher="mp"``): observed on the driver.
 
-Each test runs one collector in a fresh interpreter, which starts real
-torchrl workers (gloo over loopback, its own free TCP port), and checks, against the batches the driver received: a plain callable
+Each test runs one collector in a fresh interpreter (all side by side), which starts real
+torchrl workers (gloo over loopback, its own free TCP port), and checks that
+episode statistics are refused at ``add_observer`` where a batch does not say
+which worker's steps are which, then, against the batches the driver received: a plain callable
 is called once per batch, the events come in order (``pre_collect`` before
 each batch, ``shutdown`` last), and a ``LoggerObserver`` with
 ``CollectorBatchMetrics`` logs the frames, rewards and episodes of those
@@ -75,6 +77,11 @@ ROUTES = [
     "Collector(backend='rpc')",
     "RPCCollector(sync=False)",
 ]
+REFUSED_BECAUSE = {
+    "Collector(backend='rpc')": "in the order they completed",
+    "RPCCollector(sync=False)": "each of its batches is one worker's",
+    "DistributedCollector(sync=False)": "each of its batches is one worker's",
+}
 STACKED_BY_RANK = ("Collector(backend='distributed')", "DistributedSyncCollector")
 EXPECTED_CLASS = {
     "Collector(backend='distributed')": DistributedCollector,
@@ -107,11 +114,18 @@ def _scenario(route: str, out: str) -> None:
     channel = MetricsChannel(logger)
     sizes: list[int] = []
     order = _Order()
+    refusals = []
     try:
+        if route not in STACKED_BY_RANK:  # refused at add_observer, before the run that follows
+            for refused in (CollectorBatchMetrics(), CollectorBatchMetrics(episode_return=False)):
+                try:
+                    collector.add_observer(LoggerObserver(channel, schedule=Every.counter("frames", 1), metrics=refused))
+                except ValueError as error:
+                    refusals.append(str(error))
+        attached_after_refusals = len(collector.observers)
         collector.add_observer(lambda batch: sizes.append(batch.numel()))
         collector.add_observer(order)
-        # episode returns and lengths only where batches stack the workers by rank (the
-        # others refuse them: tests/test_distributed_exact.py)
+        # episode returns and lengths only where batches stack the workers by rank
         episodes = route in STACKED_BY_RANK
         metrics = CollectorBatchMetrics(episode_return=episodes, episode_length=episodes)
         collector.add_observer(LoggerObserver(channel, schedule=Every.counter("frames", 10**9), metrics=metrics))
@@ -131,30 +145,45 @@ def _scenario(route: str, out: str) -> None:
         "dones": sum(int(batch["next", "done"].sum()) for batch in batches),
         "closing": sum(int(_closing(batch).sum()) for batch in batches),
         "flushed": flushed,
+        "refusals": refusals,
+        "attached_after_refusals": attached_after_refusals,
     }
     Path(out, "seen.json").write_text(json.dumps(seen))
 
 
+def fresh_run_of_route(route: str) -> tuple[str, str]:
+    return ("tests.remote.test_torch_distributed:_scenario", route)
+
+
+def fresh_run_of(item):
+    """The collector a selected test reads (``tests/conftest.py``'s ``fresh_runs``): all start side by side."""
+    if item.originalname == "test_observers_hear_every_batch_the_driver_receives":
+        return fresh_run_of_route(item.callspec.params["route"])
+    return None
+
+
+@pytest.mark.real_collector
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("route", ROUTES)
-def test_observers_hear_every_batch_the_driver_receives(route, tmp_path):
+def test_observers_hear_every_batch_the_driver_receives(route, fresh_runs):
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    code = "import sys; from tests.remote.test_torch_distributed import _scenario; _scenario(sys.argv[1], sys.argv[2])"
-    done = subprocess.run(
-        [sys.executable, "-c", code, route, str(tmp_path)], cwd=root, env=env, capture_output=True, text=True, timeout=280
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    tmp_path = fresh_runs(*fresh_run_of_route(route))
     seen = json.loads((tmp_path / "seen.json").read_text())
     expected = EXPECTED_CLASS[route]
     assert (seen["module"], seen["class"]) == (expected.__module__, expected.__qualname__)
+
+    # episode statistics refused at add_observer where a batch does not say which worker's
+    # steps are which; nothing left attached by a refusal (split_trajs=True:
+    # tests/remote/test_distributed_exact.py)
+    assert seen["attached_after_refusals"] == 0
+    assert len(seen["refusals"]) == (0 if route in STACKED_BY_RANK else 2)
+    for message in seen["refusals"]:
+        assert "cannot be exact on" in message and expected.__name__ in message
+        assert REFUSED_BECAUSE[route] in message
+        assert "CollectorBatchMetrics(episode_return=False, episode_length=False)" in message
+        assert "DistributedSyncCollector or DistributedCollector(sync=True)" in message
 
     # once per driver batch, exactly the batches the caller got
     assert seen["sizes"] == seen["received"] and sum(seen["sizes"]) == TOTAL_FRAMES

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 import warnings
 from collections import Counter
@@ -31,16 +30,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import cloudpickle
 import pytest
 from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 import tests.remote._remote_observers as remote_observers
 from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel
-from tests.helpers import RecordingLogger, local_ray, make_multi, wait_for
+from tests.helpers import RecordingLogger, make_multi, wait_for
 
 pytestmark = pytest.mark.slow
+RAY_BY_VALUE = (remote_observers,)  # the recording observers travel to Ray's actors by value (tests/conftest.py)
 
 
 def lines_of(log: Path, tag: str, event: str) -> Counter[int]:
@@ -54,6 +53,7 @@ def frames_logged(logger: RecordingLogger) -> list[float]:
     return [value for _, value in logger.series("workers/frames")]
 
 
+@pytest.mark.real_collector
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("cls", [MultiSyncCollector, MultiAsyncCollector], ids=["sync", "async"])
 def test_a_worker_killed_while_the_collector_is_iterated(tmp_path, cls):
@@ -94,6 +94,7 @@ def test_a_worker_killed_while_the_collector_is_iterated(tmp_path, cls):
     assert channel.close(timeout=10)
 
 
+@pytest.mark.real_collector
 @pytest.mark.timeout(90)
 def test_a_worker_killed_before_its_first_window_is_counted(told):
     # The copy in worker 0 dies before it sent anything: the owner was told at attach which
@@ -130,6 +131,7 @@ def kill_outside_buffer_writes(rb: ReplayBuffer, proc: Any) -> None:
         assert wait_for(lambda: not proc.is_alive(), timeout=10)
 
 
+@pytest.mark.real_collector
 @pytest.mark.timeout(120)
 def test_a_worker_killed_while_the_collector_runs_free(tmp_path, monkeypatch, told):
     import rl_observers.remote.aggregate as aggregate
@@ -179,6 +181,7 @@ def test_a_worker_killed_while_the_collector_runs_free(tmp_path, monkeypatch, to
     assert channel.close(timeout=10)
 
 
+@pytest.mark.real_collector
 @pytest.mark.timeout(120)
 def test_removing_an_observer_after_a_worker_died_leaves_a_consistent_state(tmp_path, told):
     log = tmp_path / "events.txt"
@@ -218,16 +221,6 @@ def test_removing_an_observer_after_a_worker_died_leaves_a_consistent_state(tmp_
 # -- Ray -------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def ray_cluster():
-    module = sys.modules[remote_observers.__name__]
-    cloudpickle.register_pickle_by_value(module)
-    try:
-        with local_ray(module) as ray:
-            yield ray
-    finally:
-        cloudpickle.unregister_pickle_by_value(module)
-
 
 def _ray_collector():
     from torchrl.collectors.distributed import RayCollector
@@ -260,6 +253,7 @@ def _kill_actor_0_once_both_ran(ray, collector, log: Path, heard: Callable[[], A
                 ray.kill(collector.remote_collectors[0], no_restart=True)
 
 
+@pytest.mark.real_collector
 @pytest.mark.timeout(180)
 def test_a_killed_ray_collector_actor(ray_cluster, tmp_path, told):
     from ray.exceptions import RayActorError
@@ -297,6 +291,7 @@ def test_a_killed_ray_collector_actor(ray_cluster, tmp_path, told):
     assert channel.close(timeout=10)
 
 
+@pytest.mark.real_collector
 @pytest.mark.timeout(180)
 def test_surviving_ray_actors_close_their_windows_when_another_actor_died(ray_cluster, tmp_path, told):
     from ray.exceptions import RayActorError
