@@ -7,7 +7,9 @@ payload run where the data is, and a declared merge rule: :class:`Mean`,
 :class:`CountTrue`, :class:`Ratio`, :class:`Rate` (and
 :class:`~rl_observers.Histogram`, :class:`~rl_observers.Quantiles`). The
 function returns a tensor (folded on its device, no sync), a real number,
-or ``None``. See :doc:`custom` for the signatures ``fn`` may have.
+or ``None``; one that reads a tensor on the host (``.item()``)
+synchronises the device at every event. See :doc:`custom` for the
+signatures ``fn`` may have.
 """
 
 from __future__ import annotations
