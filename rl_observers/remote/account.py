@@ -1,39 +1,13 @@
 """The end-to-end account: what each copy of an observer sent, and what reached the owner.
 
-Step of the flow: **channel**, at the owner (source → observer → channel →
-logger). A copy of an observer running away from the channel (in a worker,
-an actor, on another node) sends its windows (:class:`~rl_observers.remote.window.Window`) through a
-:class:`~rl_observers.MetricsHandle`, which numbers them (``seq``,
-per copy, named by its ``copy``); a copy marks its last window
-(``last``) when its source shuts down, when it is removed and when
-its process exits. A window that others merged into on the way says how
-many it holds (``windows``), so the owner counts each of them.
-Windows may pass each other on the way (a relay takes calls concurrently):
-the owner delivers a late one with its copy's newest counters, which are
-cumulative and so never go back.
-
-The owner's :class:`Account` notes every numbered window it receives. When a
-copy's observer is done (its copies removed, its source shut down, the
-channel closing), each copy is settled:
-
-- a copy whose last window arrived: the windows it numbered and the owner
-  never got count in ``windows_lost``;
-- a copy whose last window never came (its actor was killed, its node is
-  gone, its worker was SIGKILLed): it is reported once, in a warning naming
-  the source, the worker, where it ran and what its last report held, and
-  counted in ``copies_lost`` (and its missing numbers in ``windows_lost``).
-  What it reported stays in the aggregate; what it collected after its last
-  report is what was lost.
-
-A copy may also die before its first window ever reached the owner (its
-worker SIGKILLed at once, its actor killed while the relay was not running
-yet). So that it is not invisible, the original tells the owner, once its
-copies are attached, which workers it has copies in (:meth:`Account.expect`);
-a copy expected and never heard from by the time it is settled is reported
-and counted in ``copies_lost`` like one that vanished later.
-
-So ``health()["copies_lost"] == health()["windows_lost"] == 0`` means every
-copy that was attached, or that ever reported, was heard to its end.
+Step **channel**, at the owner. A copy's handle numbers its windows
+(``copy``, ``seq``; a merged window says how many it holds, ``windows``) and
+marks its last one (``last``). The owner's :class:`Account` notes each
+window it receives and, once the observer is done, settles each copy: the
+windows that never came count in ``windows_lost``; a copy whose last window
+never came, or that was expected (:meth:`Account.expect`) and never heard
+from, is reported once and counted in ``copies_lost``. See
+``docs/distributed.rst``, "What flush guarantees".
 
 Examples:
     >>> from rl_observers.remote.account import Account
@@ -114,12 +88,7 @@ class Account:
             self._sources[name] = description
 
     def expect(self, name: str, workers: Any, where: str = "never heard from") -> None:
-        """Notes that copies of the observer ``name`` were attached in ``workers``.
-
-        Each is expected to send windows under its worker (``Window.worker``);
-        one never heard from when it is settled is reported and counted lost.
-        ``where`` says where it runs, for that warning.
-        """
+        """Notes that copies of ``name`` were attached in ``workers``; one never heard from is counted lost."""
         with self._lock:
             for worker in workers:
                 key = (name, worker_key(worker))
@@ -129,9 +98,7 @@ class Account:
     def note(self, window: Window) -> bool:
         """Notes one numbered window received by the owner; whether it arrived late.
 
-        A window that arrives after a newer one of its copy (windows can pass
-        each other on the way) is given the newest counters of its copy:
-        counters are cumulative, so they never go back. Returns ``True`` then.
+        A late window is given its copy's newest counters (cumulative, they never go back).
         """
         seq = window.seq
         if seq.__class__ is not int:
@@ -168,11 +135,7 @@ class Account:
             )
 
     def waiting(self, name: str, members: frozenset[tuple[Any, ...]] | None = None) -> list[str]:
-        """The copies of the observer ``name`` whose last window (or an earlier one) has not arrived.
-
-        With ``members`` (from :meth:`members`), only those copies: a copy heard
-        from first since, under the same name, belongs to a later attach.
-        """
+        """The copies of ``name`` (only ``members``, if given) with a window still missing."""
         with self._lock:
             return [
                 f"worker {c.worker} ({c.where})"
@@ -185,14 +148,11 @@ class Account:
             ]
 
     def settle(self, name: str | None = None, members: frozenset[tuple[Any, ...]] | None = None) -> None:
-        """Closes the account of the observer ``name`` (every observer's with ``None``).
+        """Closes the account of ``name`` (every observer's with ``None``; only ``members``, if given).
 
-        Copies whose last window arrived count the windows they numbered and
-        the owner never received; copies whose last window never came are
-        reported (one warning per observer) and counted lost. Their entries
-        are forgotten: the name may be used again. With ``members`` (from
-        :meth:`members`), only those copies are settled (and an expected one
-        heard from first since then).
+        Missing windows count in ``windows_lost``; copies whose last window
+        never came are reported (one warning per observer) and counted in
+        ``copies_lost``. The name may then be used again.
         """
 
         def chosen(key: tuple[Any, ...]) -> bool:
@@ -251,11 +211,7 @@ class Account:
             )
 
     def forget(self, name: str) -> None:
-        """Forgets the copies of the observer ``name`` without settling them (nothing is counted).
-
-        For a channel closed while their source still runs: they are not
-        lost, the channel was closed first (which its ``close`` reports).
-        """
+        """Forgets the copies of ``name`` uncounted: the channel closed while their source still runs."""
         with self._lock:
             for key in [k for k in self._copies if k[0] == name]:
                 del self._copies[key]
@@ -271,9 +227,5 @@ class Account:
 
 
 def _belongs(key: tuple[Any, ...], members: frozenset[tuple[Any, ...]] | None) -> bool:
-    """Whether a copy's key is one of ``members`` (all copies if ``None``).
-
-    A copy heard from, ``(name, worker, copy)``, belongs when it or its
-    expected ``(name, worker)`` was a member.
-    """
+    """Whether a copy's key, or its expected ``(name, worker)``, is one of ``members`` (all if ``None``)."""
     return members is None or key in members or key[:2] in members

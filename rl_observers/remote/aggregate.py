@@ -1,28 +1,12 @@
 """Merging what several workers report into one view, at the channel's owner.
 
-Step of the flow: **channel → logger**, at the owner (source → observer →
-channel → logger). :class:`AggregationRouter` is registered as the channel's
-router for :class:`~rl_observers.remote.window.Window` payloads: the channel hands
-them over on its delivery thread and logs the rows the router returns.
-
-A :class:`~rl_observers.LoggerObserver` copy that runs away from its channel
-(in a multiprocessing worker, a Ray actor, a process writing into a shared
-buffer) does not decide when to log: it *contributes* its window (mergeable
-partials and its cumulative counters) every so often. The channel's owner
-keeps one :class:`Aggregate` per observer name and decides, on its own
-thread:
-
-- ``scope="aggregate"``: partials from all workers merge exactly, cumulative
-  counters add up across workers, and the schedule runs on that global
-  counter (observed at contribution time, not exact); rows go to
-  ``<name>/<metric>`` with ``workers_reporting`` and ``workers``;
-- ``scope="per_worker"``: each worker's window goes to
-  ``<name>/worker_<i>/<metric>`` on that worker's own counter;
-- ``scope="both"``: both.
-
-The aggregate knows nothing of RL: a contribution is a flat mapping of
-gauges and partials in a window saying which worker it comes from, its
-counters, and the observer's schedule.
+Step **channel → logger**, at the owner. :class:`AggregationRouter` is the
+channel's router for :class:`~rl_observers.remote.window.Window` payloads:
+it keeps one :class:`Aggregate` per observer name, which merges the windows
+that copies running elsewhere contribute and logs by ``scope``
+(``"aggregate"``, ``"per_worker"``, ``"both"``; see ``docs/distributed.rst``,
+"Scopes"). It knows nothing of RL: a window is a flat mapping of gauges and
+partials, its worker, its counters and the observer's schedule.
 
 Examples:
     >>> from rl_observers.remote.aggregate import Aggregate
@@ -105,12 +89,7 @@ def _saved_rolling(window: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _restored_rolling(saved: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Rebuilds :func:`_saved_rolling`, each entry older than anything counted after the resume.
-
-    An entry's key starts with the step it was stamped at in its copy's
-    window; the copies of a resumed run stamp from 0 again, so the saved
-    entries are moved below 0 (their order kept): new episodes push them out.
-    """
+    """Rebuilds :func:`_saved_rolling`, moved below step 0 (a resumed run's copies stamp from 0 again)."""
     out: dict[str, Any] = {}
     for key, part in (saved or {}).items():
         entries = [(tuple(k), tuple(values)) for k, values in part["entries"]]
@@ -195,11 +174,8 @@ class Aggregate:
     def state_dict(self) -> dict[str, Any]:
         """The counters summed over workers, each worker index's counters and the schedules' baselines.
 
-        What a resumed run needs for its steps and totals to go on (the
-        workers' copies restart from zero there, or from their source's
-        restored counters), and the rolling partials (the last N episodes)
-        of the aggregate and of each worker. Other windows not logged yet
-        are not kept.
+        With the rolling partials (the last N episodes); other windows not
+        logged yet are not kept.
         """
         workers: dict[Any, dict[str, Any]] = {}
         for (index, _), state in self._workers.items():
@@ -258,21 +234,11 @@ class Aggregate:
     ) -> list[Row]:
         """Folds one worker's window in; returns the rows now due.
 
-        Rows of the aggregate are observed: due when the counters summed over
-        workers cross a threshold, and not before every worker the source has
-        (``workers``) was heard from once, or ``timeout`` seconds have passed
-        since the first one was. A lockstep aggregate logs its rows where the
-        copies cut them instead (:meth:`receive`).
-
-        A worker is its index *and* its process: two collectors writing into
-        one buffer both have a worker 0, and a restarted worker starts its
-        counts afresh. The second process with an index logs its rows as
-        ``worker_<index>_2`` (then ``_3``, ...).
-
-        ``base``: what the worker's source had counted before its copy did
-        (a worker of a restored collector starts at its restored ``frames``):
-        part of ``counters``, but not progress of this run, so no threshold
-        fires for it (see :mod:`~rl_observers.logging.resume`).
+        A row is due when the summed counters cross a threshold, once every
+        worker was heard from (or ``timeout`` seconds passed). A worker is its
+        index *and* its process; a second process with an index logs as
+        ``worker_<index>_2``. ``base``: what the worker's source had counted
+        before its copy did (a restored collector); no threshold fires for it.
         """
         who = (worker, process)
         state = self._state_of(worker, process, base)
@@ -340,12 +306,8 @@ class Aggregate:
     def receive(self, window: Window) -> list[Row]:
         """Takes one window; returns the rows now due.
 
-        A window cut where the driver's rows fall (``window.cut``, see
-        :mod:`~rl_observers.remote.lockstep`) waits until every worker's
-        window of its cut is in (or ``timeout`` seconds have passed since the
-        first one was); then every worker's windows up to that cut are folded
-        in and the row is logged at the cut. Other windows are folded at once
-        (:meth:`contribute`).
+        A lockstep window (``window.cut``) waits until every worker's window
+        of its cut is in, or ``timeout`` seconds; others are folded at once.
         """
         if window.cut is None or not self.spec.lockstep:
             if not (window.metrics or window.counters):
@@ -513,13 +475,7 @@ class Aggregate:
 
 
 class AggregationRouter:
-    """The channel's router for workers' contributions: one :class:`Aggregate` per observer name.
-
-    A :class:`~rl_observers.remote.window.Window` names the observer, the
-    worker, its cumulative counters and the observer's
-    :class:`~rl_observers.remote.window.AggregateSpec`; ``finish`` logs that
-    observer's last windows and forgets it.
-    """
+    """The channel's router for workers' contributions: one :class:`Aggregate` per observer name."""
 
     def __init__(self) -> None:
         self.aggregates: dict[str, Aggregate] = {}
@@ -554,10 +510,8 @@ class AggregationRouter:
     def finish(self) -> Iterator[Row]:
         """Every aggregate's last rows; the router is emptied.
 
-        Aggregates are independent: one whose :meth:`Aggregate.finish`
-        raises does not keep the others' rows from being yielded. The first
-        such error is raised once every other aggregate's rows were yielded,
-        so the channel applies its ``on_error`` policy to it.
+        An aggregate that raises does not stop the others: the first error is
+        raised after all their rows.
         """
         error: Exception | None = None
         for name in list(self.aggregates):
@@ -608,11 +562,7 @@ def load_aggregate_state(channel: MetricsChannel | None, name: str, state: Mappi
 
 
 def has_aggregate(channel: MetricsChannel, name: str) -> bool:
-    """Whether workers have contributed windows for the observer named ``name``.
-
-    Contributions received but not delivered yet count too. Always ``False``
-    in a process that does not own the channel.
-    """
+    """Whether workers contributed windows (delivered or not) for ``name``; ``False`` outside the owner."""
     router = channel._logging.router(Window)
     if isinstance(router, AggregationRouter) and name in router.aggregates:
         return True
@@ -622,11 +572,8 @@ def has_aggregate(channel: MetricsChannel, name: str) -> bool:
 def finish_aggregate(channel: MetricsChannel, name: str) -> None:
     """Logs the last windows of the aggregate ``name`` after every contribution sent so far.
 
-    Reads what handles in other processes already sent, then queues a
-    marker behind it: once a later ``channel.flush()`` returns, the
-    aggregate's last partial windows (for ``log_on_close`` observers) have
-    reached the logger. Used when an observer whose copies contribute is
-    removed.
+    Queues a marker behind what was received: once a later ``channel.flush()``
+    returns, the last partial windows have reached the logger.
     """
     channel._logging.receive(timeout=5.0)
     channel.submit_window(Window(name, {}, observer=name, finish=True))

@@ -1,20 +1,12 @@
 """Worker-side contributions: copies of a LoggerObserver running away from the channel.
 
-Step of the flow: **observer → channel**, away from the owner (source →
-observer → channel → logger). A :class:`~rl_observers.LoggerObserver` copy
-in a multiprocessing worker, a Ray actor or a process writing into a shared
-buffer does not decide when to log: it *contributes* its window (mergeable
-partials and its cumulative counters, with its schedule: a
-:class:`~rl_observers.remote.window.Window`) at least every
-``report_interval`` seconds and whenever its own schedule counter advanced
-by an interval, or, for a lockstep source, where the driver's rows fall
-(:mod:`~rl_observers.remote.lockstep`). The owner merges contributions
-(:mod:`rl_observers.remote.aggregate`). Worker processes exit without
-shutdown events, so the last windows are sent at exit.
-
-:class:`Contribution` is the observer's collaborator for this: where a copy
-runs, when it reports, and what it sends. It knows nothing of the observer:
-what it needs comes as arguments.
+Step **observer → channel**, away from the owner. A copy does not decide
+when to log: it *contributes* its :class:`~rl_observers.remote.window.Window`
+at least every ``report_interval`` seconds and per schedule interval (or
+where the driver's rows fall, :mod:`~rl_observers.remote.lockstep`), and
+once more at exit; the owner merges them
+(:mod:`~rl_observers.remote.aggregate`). :class:`Contribution` is the
+observer's collaborator for this and knows nothing of the observer.
 
 Examples:
     >>> from torchrl.record.loggers.monitoring import Every
@@ -66,22 +58,11 @@ def copy_worker(worker: int | None) -> Any:
 class Contribution:
     """The copies' side of a :class:`~rl_observers.LoggerObserver`, held by the observer.
 
-    What :mod:`rl_observers.remote` registers for every observer
-    (:func:`~rl_observers.logging.copies.register_copies`).
-
-    Where the observer was created (``home_pid``), the metric sets a copy
-    restarts from where it runs (``pristine``, pickled: :meth:`keep_pristine`),
-    which worker it is once resolved, and when it last reported. The observer
-    decides its mode once per process with :meth:`resolve` (or
-    :meth:`join_as_original`), asks :meth:`due` after each event when
-    contributing, and sends the :meth:`window` it makes (under
-    :meth:`namespace`). For a lockstep source, the original is told how its
-    copies cut their windows (:meth:`cut_where_the_driver_does`).
-
-    Both take ``at_exit``: what this process runs when it exits once it
-    contributes (the holders' last windows: worker processes exit without
-    shutdown events), run once per process however many contributions
-    give it (equal callables count once).
+    The observer picks its mode once per process (:meth:`resolve` or
+    :meth:`join_as_original`), asks :meth:`due` after each event and sends
+    the :meth:`window` it makes. Both take ``at_exit``: what this process runs
+    at exit once it contributes (worker processes exit without shutdown
+    events), once per process for equal callables.
     """
 
     __slots__ = (
@@ -114,11 +95,7 @@ class Contribution:
     def cut_where_the_driver_does(self, target: Any, schedule: Every | None) -> None:
         """Makes the copies on ``target`` report where the driver's rows fall, if it has such rows.
 
-        For a lockstep source (:mod:`~rl_observers.remote.lockstep`), given to
-        the original before its copies are made: a copy then reports only
-        where the driver's row falls, marked with the driver's counter. The
-        schedule's thresholds start from the driver's counter at zero, or
-        where the copy's source was restored to (:meth:`start_at`).
+        For a lockstep source, given to the original before its copies are made.
         """
         self.lockstep = lockstep = plan_for(target, schedule)
         self.clock = None
@@ -127,12 +104,7 @@ class Contribution:
             self.clock.due(0)
 
     def start_at(self, counter: float) -> None:
-        """The schedule's counter of a copy starts at ``counter`` (its source's restored count).
-
-        A copy lined up with a restored (or already running) source starts
-        the driver's thresholds from the driver's count there, not from zero:
-        its first row falls where the driver's next one does.
-        """
+        """The schedule's counter of a copy starts at ``counter`` (its source's restored count)."""
         clock, lockstep = self.clock, self.lockstep
         if clock is None or lockstep is None or self.worker == "main":
             return
@@ -141,11 +113,7 @@ class Contribution:
             clock.rebase(value)
 
     def keep_pristine(self, sets: Any) -> None:
-        """Keeps ``sets`` pickled, once: what a copy restarts from where it runs.
-
-        ``b""`` if they cannot travel (only a fork copies sets that cannot be
-        pickled, and its copy then keeps what the original had folded).
-        """
+        """Keeps ``sets`` pickled, once: what a copy restarts from (``b""`` if they cannot travel)."""
         if self.pristine is None:
             try:
                 self.pristine = dumps(sets)
@@ -161,12 +129,8 @@ class Contribution:
     ) -> tuple[str, tuple[Any, ...] | None]:
         """``("local" | "contribute", fresh metric sets or None)`` for the process this runs in.
 
-        Local where the channel lives, contributing anywhere else (a worker,
-        an actor, a fork), and also where the channel lives when copies
-        elsewhere feed the same namespace (``has_copies``: the original is
-        one more contributor, ``worker="main"``). A copy in another process
-        gets fresh metric sets: it counts what its own process sees, not
-        what the original had seen.
+        Contributing away from the channel, and where it lives when copies
+        elsewhere feed the same namespace (``has_copies``: ``worker="main"``).
         """
         info = source_info(source)
         moved = os.getpid() != self.home_pid
@@ -195,9 +159,9 @@ class Contribution:
         return "contribute"
 
     def due(self, schedule: Any, report_interval: float, counters: Any) -> bool:
-        """Whether to report now: at least every ``report_interval`` s, and per schedule interval.
+        """Whether to report now: every ``report_interval`` s and per schedule interval.
 
-        A copy of a lockstep source reports only where the driver's row is due.
+        A lockstep copy reports only where the driver's row is due.
         """
         clock = self.clock
         if clock is not None and self.worker != "main":
@@ -247,26 +211,20 @@ class Contribution:
         fresh: bool = True,
         base: Mapping[str, int] | None = None,
     ) -> Window:
-        """One window of a contribution, the one place it is built (the report's time and counter
-        are recorded).
+        """One window of a contribution, the one place it is built.
 
         Args:
             name (str): the observer's name (routes the window to its aggregate).
             metrics (dict): what the observer's metric sets pulled.
             counters (dict[str, float]): the contributor's cumulative counters.
-            spec (AggregateSpec): what the owner needs to know about the observer; the
-                source's workers, and whether it is cut in lockstep, are filled in here.
+            spec (AggregateSpec): the observer's; ``workers`` and ``lockstep`` are filled in here.
 
         Keyword Args:
-            final (bool, optional): the contributor's last window, which the owner's
-                account expects (:mod:`~rl_observers.remote.account`). Defaults to ``False``.
-            fresh (bool, optional): something was folded since the previous window;
-                a final window without is only the marker, without counters. Defaults to ``True``.
-            base (Mapping[str, int], optional): what lining the counters up with a
-                restored source added: counted, but not progress of this run. Defaults to ``None``.
-
-        A copy of a lockstep source marks the window with the driver's counter
-        (``cut``) and whether the driver's row is due there.
+            final (bool, optional): the contributor's last window. Defaults to ``False``.
+            fresh (bool, optional): something was folded since the previous window; a
+                final window without is only a marker. Defaults to ``True``.
+            base (Mapping[str, int], optional): what lining up with a restored source
+                added to the counters. Defaults to ``None``.
         """
         self.last_report = time.monotonic()
         schedule = spec.schedule

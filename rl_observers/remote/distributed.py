@@ -1,74 +1,15 @@
 """torch.distributed and RPC collectors, observed on the driver.
 
-``DistributedCollector`` (sync and async), ``DistributedSyncCollector`` and
-``RPCCollector`` (sync and async), whatever their launcher (``"mp"``,
-``"submitit"``, ...), and ``Collector(backend="distributed" | "submitit" |
-"rpc")``, which builds them, run their collectors in processes started by
-torchrl (on other machines with submitit), and in torchrl 0.14.1 none of
-them takes a replay buffer: every batch crosses to the driver through
-``torch.distributed`` (``isend`` / ``irecv``) or RPC, and the driver's
-iterator yields it. Their workers are torchrl's own collection loops
-(``_run_collector``, ``_distributed_init_collection_node``,
-``_rpc_init_collection_node``), which no hook slot of the driver reaches.
-
-So their observers run **on the driver**, in the process that iterates:
-an observed distributed collector's ``iterator`` wraps torchrl's and emits
-
-* ``pre_collect`` before it asks torchrl for each batch, while the frames
-  the driver received are below ``total_frames`` (torchrl's own loop
-  condition; with ``split_trajs=True`` the frames of a batch are its
-  ``("collector", "mask")`` count, else its ``numel()``; a ``postproc`` that
-  changes the number of frames can make the last ``pre_collect`` go
-  unanswered by a batch);
-* ``post_collect`` with each batch the driver yields, after torchrl's
-  ``split_trajs`` / ``postproc``, just before the caller gets it: metrics
-  are exactly those of the batches the driver received;
-* ``shutdown`` when ``shutdown()`` is called, before torchrl's.
-
-The wrapping happens when iteration starts (``for batch in collector``,
-``collector.next()``'s first call): observers attached while the driver is
-already iterating are heard from the next iteration on; removing an
-observer takes effect at the next batch.
-
-How a batch is laid out decides what can be exact (see ``docs/distributed.rst``):
-
-* **stacked by rank** (``DistributedCollector(sync=True)``,
-  ``DistributedSyncCollector``): ``batch[i]`` is worker ``i``'s rollout, in
-  lockstep with the others, so per-env running episode sums fold it as a
-  batched env with one row per worker (or per worker and env) and episodes
-  spanning batches are exact. torchrl renumbers ``("collector",
-  "traj_ids")`` across workers off by one and afresh at each batch (worker
-  ``i``'s ids are shifted by the largest id of worker ``i - 1`` in *this*
-  batch), so a carry of worker ``i > 0`` looks like a new trajectory at
-  every batch and would be dropped. Observers therefore get a shallow copy
-  of the batch whose trajectory ids are each worker's own, made unique:
-  worker ``w``'s trajectory ``k`` is ``k * num_workers + w``, the same id in
-  every batch it spans. Every other entry is the yielded batch's own tensor;
-  the batch the caller gets is untouched. (Where torchrl yields a
-  ``DistributedSyncCollector`` batch that does not carry on from the
-  previous one, its workers having collected on meanwhile, the ids do not
-  continue either and the episode in flight is dropped, never joined.)
-* **one worker's, unnamed** (``DistributedCollector(sync=False)``,
-  ``RPCCollector(sync=False)``), **concatenated in completion order**
-  (``RPCCollector(sync=True)``: ``torch.cat`` of the workers' batches, no
-  worker identity): a running sum carried from one batch to the next would
-  join one worker's episode to another's. :meth:`ObservedDistributedCollector.check_metric_sets`
-  refuses the episode statistics of
-  :class:`~rl_observers.metrics.CollectorBatchMetrics` there when a
-  ``LoggerObserver`` is attached, saying why and what to use; rewards,
-  dones, frames and episode counts (one per closing step) stay exact.
-  So does ``split_trajs=True`` on every one of these classes: torchrl pads
-  trajectories by the ids it renumbered, where two workers' trajectories can
-  share one.
-
-Per worker: where batches stack the workers by rank (and ``split_trajs``
-is off), a ``LoggerObserver`` with ``scope="per_worker"`` or ``"both"``
-also logs ``<name>/worker_<w>/<metric>`` from ``batch[w]``, through one
-view per worker (:class:`DistributedCollectorObservers`,
-:func:`~rl_observers.logging.views.worker_view`); ``"per_worker"`` logs
-no ``<name>/<metric>`` rows. Elsewhere the worker is not known and every
-scope logs the aggregate rows of the driver's collector
-(``source_info(source).worker`` is ``None``).
+Their workers run torchrl's own loops, which no hook reaches, and every
+batch crosses to the driver; so observers run **on the driver**: the
+observed ``iterator`` (wrapped when iteration starts) emits ``pre_collect``
+before it asks for each batch, ``post_collect`` with each batch it yields
+(after ``split_trajs`` / ``postproc``) and ``shutdown`` before torchrl's.
+Where batches stack the workers by rank, observers get each worker's own
+trajectory ids (:func:`own_trajectory_ids`) and ``scope="per_worker"`` /
+``"both"`` log per worker; elsewhere episode statistics are refused
+(:meth:`ObservedDistributedCollector.check_metric_sets`). See
+``docs/distributed.rst``, "torch.distributed and RPC collectors".
 
 Examples:
     >>> from rl_observers.remote.distributed import ObservedDistributedCollector
@@ -102,12 +43,9 @@ WORKER_VIEWS: dict[type, Callable[[Any, Any, int], Any]] = {}
 class DistributedCollectorObservers(ObserverList):
     """The observers of one torch.distributed / RPC collector, run on the driver.
 
-    On a collector whose batches stack the workers by rank, an observer with
-    ``scope="per_worker"`` or ``"both"`` whose class has a view in
-    :data:`WORKER_VIEWS` also gets one view per worker, made at its first batch: each batch's ``batch[w]`` goes
-    to view ``w`` (the observer itself folds the whole batch only for
-    ``"both"``), and ``shutdown`` and removal reach the views too. Resolved
-    when the call tuples are built: emitting stays a tuple walk.
+    Where batches stack the workers by rank, a ``"per_worker"`` / ``"both"``
+    observer with a view in :data:`WORKER_VIEWS` gets one view per worker,
+    fed ``batch[w]``; resolved when the call tuples are built.
     """
 
     def __init__(self, source: Any, emits: tuple[str, ...] = COLLECTOR_EVENTS, target_name: str = "collector") -> None:
@@ -220,10 +158,8 @@ def _why_not_exact(collector: Any) -> str | None:
 def own_trajectory_ids(traj_ids: torch.Tensor, workers: int) -> torch.Tensor:
     """Trajectory ids of a batch stacked by rank, as each worker numbered them, made unique.
 
-    torchrl shifts worker ``i``'s ids by the largest id of worker ``i - 1``
-    (already shifted) in the same batch; this undoes the shift and numbers
-    worker ``w``'s trajectory ``k`` as ``k * workers + w``. On the ids'
-    device, no host-device sync.
+    Undoes torchrl's shift (by worker ``i - 1``'s largest id in the batch);
+    worker ``w``'s trajectory ``k`` becomes ``k * workers + w``. No host sync.
 
     Examples:
         >>> import torch
@@ -255,11 +191,8 @@ class ObservedDistributedCollector:
     def check_metric_sets(self, sets: Sequence[Any]) -> None:
         """Refuses metric sets whose numbers this collector's batches cannot make exact.
 
-        Called when a ``LoggerObserver`` binds its sets to this collector
-        (``add_observer``): a set that follows episodes across batches
-        (``MetricSet.episode_arguments``, such as ``CollectorBatchMetrics``'
-        episode returns and lengths) is refused where one batch does not say
-        which worker's steps are which (see the module docstring).
+        A set that follows episodes across batches (``MetricSet.episode_arguments``)
+        is refused where a batch does not say which worker's steps are which.
 
         Raises:
             ValueError: naming the collector, why, and what to use instead.

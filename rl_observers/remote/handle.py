@@ -25,10 +25,7 @@ __all__ = ["MetricsHandle"]
 
 
 class _Channel(Protocol):
-    """What a handle uses of the :class:`~rl_observers.MetricsChannel` it refers to.
-
-    A protocol: the channel is local (:mod:`rl_observers.channel`) and knows no handle.
-    """
+    """What a handle uses of the :class:`~rl_observers.MetricsChannel` it refers to (which knows no handle)."""
 
     _state: Any
 
@@ -50,34 +47,24 @@ WINGS: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 class MetricsHandle:
     """A picklable, non-owning reference to a :class:`~rl_observers.MetricsChannel`.
 
-    Get one from :meth:`MetricsChannel.handle` and send it to workers:
-    multiprocessing workers (fork or spawn), Ray actors on the same machine.
-    It has the channel's :meth:`submit_metrics` signature and never blocks
-    nor raises because of the transport.
+    Get one from :meth:`MetricsChannel.handle` and send it to workers
+    (multiprocessing, fork or spawn; Ray actors). It has the channel's
+    :meth:`submit_metrics` signature, never closes the channel, and never
+    blocks nor raises because of the transport.
 
-    - In the channel's process, it submits to the channel directly and keeps
-      the channel alive (it never closes it: a channel referenced by nobody
-      but its handles is still usable, and is stopped when the last one goes).
-    - In another process, it sends through the first reachable transport
-      of its channel (:attr:`transport`), chosen at its first use there:
-      a bounded queue that coalesces per namespace while the transport is
-      full (:class:`~rl_observers.remote.transport.Outbox`). What it loses
-      (owner gone, a payload that cannot be pickled or is larger than one
-      datagram carries: about 416 KiB with Linux's defaults) is counted in
-      :attr:`dropped` and, unless the owner is gone, reported at once to the
-      owner's ``health()["remote_dropped"]``.
+    - In the channel's process it submits directly and keeps the channel alive.
+    - Elsewhere it sends through the first reachable transport
+      (:attr:`transport`, chosen at first use: the Unix socket on the same
+      machine, else Ray), from a bounded queue that coalesces per namespace
+      while the transport is full. What it loses (owner gone, a payload
+      unpicklable or over one datagram, about 416 KiB) is counted in
+      :attr:`dropped` and reported to the owner's ``health()["remote_dropped"]``.
+      With no reachable transport it warns once and counts what it drops
+      (``transport == "unreachable"``).
 
-    A handle made with ``channel.handle(transport=name)`` always sends
-    through that transport, even in the channel's own process.
-
-    The handle never closes the channel. A forked child that inherited the
-    channel itself (not a handle) may use it too: there it behaves like a
-    handle. Unix-domain sockets only reach processes on the same machine;
-    elsewhere (another node of a Ray cluster) a process connected to Ray
-    sends through Ray (``transport == "ray"``), merged per node on the way.
-    A handle that can reach its owner by no transport warns once, naming
-    the owner and the reason, and counts what it drops
-    (``transport == "unreachable"``).
+    ``channel.handle(transport=name)`` always sends through ``name``, even
+    in the channel's process. A forked child may use an inherited channel as
+    a handle.
     """
 
     __slots__ = (
@@ -134,11 +121,7 @@ class MetricsHandle:
         self._send_through().send(Payload(namespace, check_metrics(metrics, namespace, "MetricsHandle"), step))
 
     def submit_window(self, window: Window) -> None:
-        """Submits one window of an observer's copy (:class:`~rl_observers.remote.window.Window`).
-
-        Sent from another process, the window is numbered first (its ``copy``
-        and ``seq``), so that the owner knows what each copy sent.
-        """
+        """Submits one window of an observer's copy, numbered (``copy``, ``seq``) when sent from another process."""
         channel = self._channel
         if channel is not None:
             channel.submit_window(window)
@@ -152,13 +135,9 @@ class MetricsHandle:
     def flush(self, timeout: float | None = None) -> bool:
         """Pushes what the handle holds towards the channel.
 
-        In the channel's process, this is :meth:`MetricsChannel.flush`. In
-        another process, it retries what the handle holds back (its queue
-        while the owner's was full, and the count of what it dropped that
-        the owner has not heard of); it does not wait
-        for the owner to log (a worker cannot see that), so call it before a
-        worker exits. A handle a forked child inherited with its channel
-        pushes what the channel's stand-in there holds.
+        In the channel's process, this is :meth:`MetricsChannel.flush`.
+        Elsewhere it sends what the handle holds back, without waiting for
+        the owner to log; call it before a worker exits.
 
         Args:
             timeout (float, optional): the most seconds to wait. Defaults to
@@ -185,11 +164,7 @@ class MetricsHandle:
 
     @property
     def transport(self) -> str:
-        """How payloads travel: ``"local"`` in the channel's process, else the transport's name.
-
-        A handle a forked child inherited with its channel submits to the
-        channel's stand-in there, which sends through a transport: its name.
-        """
+        """How payloads travel: ``"local"`` in the channel's process, else the transport's name."""
         if self._channel is not None:
             forwarder = self._forwarder()
             return "local" if forwarder is None else forwarder.transport
@@ -205,11 +180,9 @@ class MetricsHandle:
 
     @property
     def dropped(self) -> int:
-        """Payloads this handle dropped in transit (owner gone, payload unpicklable or too large).
+        """Payloads this handle dropped in transit (owner gone, unpicklable, too large).
 
-        Always ``0`` in the channel's own process, where the channel counts its
-        drops. In a forked child that inherited the handle with its channel, what
-        the channel's stand-in there dropped (it sends for every such handle).
+        ``0`` in the channel's process, where the channel counts its drops.
         """
         forwarder = self._forwarder()
         if forwarder is not None:
@@ -218,11 +191,7 @@ class MetricsHandle:
 
     @property
     def coalesced(self) -> int:
-        """Payloads merged into the handle's queue while the owner's was full.
-
-        In a forked child that inherited the handle with its channel, those of
-        the channel's stand-in there.
-        """
+        """Payloads merged into the handle's queue while the owner's was full."""
         forwarder = self._forwarder()
         if forwarder is not None:
             return forwarder.health()["coalesced"]

@@ -1,34 +1,14 @@
 """Rows of lockstep sources: the copies cut their windows where the driver's rows fall.
 
-Step of the flow: **observer → channel**, for copies of an observer whose
-source collects in lockstep (source → observer → channel → logger). Each
-batch a ``MultiSyncCollector`` or a ``RayCollector(sync=True)`` yields joins
-rollout ``k`` of every worker. One observer on the driver with
-``Every.counter("frames", N)`` would log a row at the first batch whose
-cumulative frames reach each multiple of ``N``, holding every worker's data
-of the batches since its previous row.
-
-The copies reproduce those rows without a host copy per batch. Each copy
-knows, from the driver, how many frames each worker collects per rollout, so
-after its rollout ``k`` it knows the driver's cumulative frames at batch
-``k``: :meth:`Lockstep.driver_value`. It runs the observer's schedule on that
-value and sends a window only where a row is due, marked with that value
-(``Window.cut``, ``Window.due``). The owner's aggregate
-(:mod:`~rl_observers.remote.aggregate`) waits until every worker's window of a
-cut is in, merges them and logs the row at the cut: the same steps and the
-same data as the driver's observer, whatever the timing. A worker silent for
-``worker_timeout`` seconds does not hold rows back longer: the row is logged
-with what arrived, its ``workers_reporting`` says how many workers it holds,
-one warning names the missing ones, and their late windows go into the next
-row.
-
-Which counters can be cut this way: ``frames`` (the driver's frames are the
-sum over workers of their fixed frames per rollout) and ``batches`` (the
-driver's batch ``k`` is every worker's rollout ``k``); any counter when one
-copy feeds the aggregate (a ``RayReplayBuffer``'s actor, a single remote
-collector), whose rows are then exactly those of an in-process observer of
-the same object. Other counters (``episodes``) and ``Every.seconds`` are
-observed at the owner (:mod:`~rl_observers.remote.aggregate`).
+Step **observer → channel**, for copies on a ``MultiSyncCollector``, a
+``RayCollector(sync=True)`` or a ``RayReplayBuffer``. Each copy knows every
+worker's frames per rollout, so after its rollout ``k`` it knows the
+driver's counter (:meth:`Lockstep.driver_value`); it runs the schedule on
+that and sends a window only where a row is due (``Window.cut``). The owner
+logs the row once every worker's window of the cut is in: the rows one
+observer on the driver would log. ``frames`` and ``batches`` can be cut
+(any counter with one copy); others are observed at the owner. See
+``docs/distributed.rst``, "The driver's rows".
 
 Examples:
     >>> from rl_observers.remote.lockstep import Lockstep
@@ -96,12 +76,7 @@ def _rollout_frames(target: Any) -> tuple[int, ...] | None:
 
 
 def plan_for(target: Any, schedule: Every | None) -> Lockstep | None:
-    """The :class:`Lockstep` of an observer's copies on ``target``, or ``None`` (rows observed).
-
-    A counter schedule on a ``MultiSyncCollector`` or a ``RayCollector(sync=True)``
-    (``frames`` or ``batches``; any counter with a single worker), or on a
-    ``RayReplayBuffer`` (its one actor).
-    """
+    """The :class:`Lockstep` of an observer's copies on ``target``, or ``None`` (rows observed)."""
     if schedule is None or schedule.kind != "counter":
         return None
     key = schedule.key

@@ -1,45 +1,15 @@
 """Observers inside the worker processes of multiprocessing collectors.
 
-A ``MultiSyncCollector`` / ``MultiAsyncCollector`` runs one inner torchrl
-``Collector`` per worker process and talks to it over a control pipe. Its
-worker loop (``torchrl/collectors/_runner.py``) answers a
-``"cascade_execute"`` message between two rollouts, also while the collector
-runs free after ``start()``; ``_rl_observers_call`` turns that message into
-``fn(inner_collector, *args)``. Attaching sends one such message per worker,
-which makes the inner collector an observed collector holding the observer
-copy, so worker-side observers receive the inner collector as ``source``,
-run on that worker's batches, and coexist with the user's
-``post_collect_hook`` / ``pre_collect_hook`` (which the driver forwards to
-the same inner collector with ``"setattr"`` messages: they land in the hook
-slot, the observers stay).
-
-Dead workers: each message is sent only to workers that are alive, and
-only the workers a message reached are waited for (each checked for its own
-health, never torchrl's check that terminates every worker once one died),
-so the control pipes stay in step. Attaching to a collector with a dead
-worker raises a ``RuntimeError`` naming it, and attaches nothing anywhere;
-removing detaches from every live worker and warns once per dead worker.
-
-Shared replay buffers written by these workers: see
-:mod:`rl_observers.remote.shared_buffers`.
-
-Shutdown: while observed, the driver's collector is an instance of an
-observed class whose ``shutdown()`` runs torchrl's (the workers exit, and
-their copies send their last windows as they do) and then tells the driver's
-originals that their copies are gone (:meth:`RemoteKind.shut_down`): a
-``LoggerObserver`` logs its last aggregate windows and frees its namespace.
-A collector still running when the interpreter exits would otherwise never
-be shut down: multiprocessing's exit hook waits for its workers forever (they
-are not daemons), and the workers' last windows never reach the channel.
-So, at exit, observed collectors still running are shut down first (within
-``_EXIT_TIMEOUT`` seconds for all), before the channels close; a worker that
-had to be terminated lost what its copies had not sent, and a warning says so.
-
-The limits come from torchrl's worker loop: a control message that reaches a
-worker during a rollout makes the worker drop that rollout (torchrl does the
-same for its own messages, such as setting ``post_collect_hook``), and a
-``MultiAsyncCollector`` being iterated has workers collecting ahead, which
-such a message would stall; attaching to it then raises.
+Step **source → observer**, in each worker. torchrl's worker loop answers a
+``"cascade_execute"`` message between two rollouts; ``_rl_observers_call``
+turns it into ``fn(inner_collector, *args)``, so attaching makes each
+worker's inner collector an observed collector holding the copy. Messages
+go only to live workers, and only those are waited for, so the control
+pipes stay in step. ``shutdown()`` tells the originals their copies are
+gone; collectors still running at interpreter exit are shut down first, so
+their workers report. The limits (a rollout dropped by a message mid-rollout,
+a ``MultiAsyncCollector`` being iterated, dead workers) are in
+``docs/distributed.rst``.
 """
 
 from __future__ import annotations
@@ -114,9 +84,8 @@ def _dead_workers(collector: Any) -> dict[int, str]:
 def _receive(collector: Any, idx: int) -> Any:
     """The next message from worker ``idx``; raises :class:`_WorkerDied` if it died first.
 
-    Waits as long as the worker lives, like torchrl's own control messages,
-    but checks only *this* worker's health: torchrl's ``_recv_and_check``
-    terminates every worker once any of them is dead, survivors included.
+    Checks only this worker's health: torchrl's ``_recv_and_check`` would
+    terminate every worker once one is dead.
     """
     pipe = collector.pipes[idx]
     try:
@@ -131,11 +100,8 @@ def _receive(collector: Any, idx: int) -> Any:
 def call_workers(collector: Any, calls: Mapping[int, tuple[Any, ...]]) -> tuple[dict[int, Any], dict[int, str]]:
     """Runs ``fn(inner_collector, *args)`` in the workers of ``calls`` (``{worker: (fn, *args)}``).
 
-    Returns ``(answers, dead)``: ``answers`` maps each worker that answered to
-    its result or to the exception it raised; ``dead`` maps each worker that
-    is dead (found dead, unreachable, or died before answering) to how it
-    died. Only the workers a message reached are waited for, each once, so
-    the control pipes stay in step whatever happens; nothing is raised here.
+    Returns ``(answers, dead)``: each answering worker's result or exception,
+    and how each dead worker died. Raises nothing.
     """
     answers: dict[int, Any] = {}
     dead: dict[int, str] = {}
@@ -279,11 +245,7 @@ class _DriverObservedMultiCollector:
 
 
 def _shut_down_at_exit(collector: Any) -> None:
-    """Has ``collector`` shut down at interpreter exit if it still runs then.
-
-    Before multiprocessing's exit hook, which would wait for its workers, and
-    before the channels close (:mod:`rl_observers.lifecycle`).
-    """
+    """Has ``collector`` shut down at interpreter exit, before multiprocessing's hook and the channels."""
     global _EXIT_PID
     with _OBSERVED_LOCK:
         _OBSERVED[id(collector)] = collector
@@ -305,11 +267,7 @@ def _worker_exit_codes(collector: Any) -> dict[int, Any]:
 def _shut_down_observed_at_exit() -> None:
     """Shuts down the observed collectors still running, so that their workers report.
 
-    Without it, multiprocessing's exit hook would wait for the workers
-    forever, and what their observer copies folded since their last report
-    would never reach the channel. Each shutdown is bounded by torchrl's own
-    timeout (workers that do not stop are terminated); a worker that did not
-    exit cleanly lost its copies' last windows, which a warning reports.
+    A worker terminated for not stopping lost its copies' last windows; a warning says so.
     """
     if _EXIT_PID != os.getpid():
         return
@@ -343,20 +301,13 @@ def _shut_down_observed_at_exit() -> None:
 def _attach_in_worker(
     source: Any, payload: bytes, on_error: str, token: int, worker: int, num_workers: int, taken_when_asked_again: bool
 ) -> None:
-    """Attaches a copy in a worker, telling the worker how its driver takes rollouts.
-
-    See :class:`~rl_observers.sources.collectors.WorkerDeliveries`.
-    """
+    """Attaches a copy in a worker, telling the worker how its driver takes rollouts."""
     WORKER_DELIVERIES.taken_when_asked_again = taken_when_asked_again
     attach_here(source, payload, on_error, token, worker, num_workers)
 
 
 def _call_in_collector(self: BaseCollector, fn: Any, *args: Any) -> Any:
-    """Runs ``fn(self, *args)``: the worker-side target of ``cascade_execute``.
-
-    Installed on ``BaseCollector`` as ``_rl_observers_call``, the way
-    ``__ray_call__`` is on Ray actors; nothing calls it on a collection path.
-    """
+    """Runs ``fn(self, *args)``: ``BaseCollector._rl_observers_call``, the target of ``cascade_execute``."""
     return fn(self, *args)
 
 

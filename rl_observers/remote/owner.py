@@ -1,16 +1,10 @@
 """The channel's wing for other processes: receivers, handles, the account of copies.
 
-Step of the flow: **channel** (source → observer → channel → logger).
-A :class:`~rl_observers.MetricsChannel` is local; this module plugs into it
-(:func:`~rl_observers.channel.channel.register_wing`):
-
-- :class:`RemoteWing`, in the process that created the channel: it starts
-  the transports' receivers (on the first
-  :meth:`~rl_observers.MetricsChannel.handle`), queues what handles in other
-  processes send, and keeps the end-to-end account of observers' copies;
-- :class:`Forwarder`, the channel in a child forked from the owner's
-  process: it owns nothing and sends what is submitted to the parent's owner
-  through a transport's sender, as a :class:`~.handle.MetricsHandle` would.
+Step **channel**, plugged in with :func:`~rl_observers.channel.channel.register_wing`.
+:class:`RemoteWing`, in the owner's process, starts the receivers (at the
+first handle), queues what other processes send and keeps the account of
+copies; :class:`Forwarder` is the channel in a forked child, sending to the
+parent's owner as a handle would.
 """
 
 from __future__ import annotations
@@ -75,11 +69,7 @@ class RemoteWing(Wing):
         return self.owner.close_requested
 
     def _accept(self, payload: Any, counts: Any) -> None:
-        """Queues one payload from another process like a local submission, once checked.
-
-        ``payload`` is ``None`` in a message that only reports what its sender
-        dropped or coalesced.
-        """
+        """Queues one payload from another process like a local submission (``None``: counts only)."""
         try:
             lost, coalesced = counts
             if payload is None:
@@ -151,11 +141,7 @@ class RemoteWing(Wing):
             receiver.poll(deadline)
 
     def barrier(self, deadline: float | None) -> None:
-        """Brings in everything sent before the call, through every hop a receiver has.
-
-        A receiver with hops of its own (Ray's per-node relays) pushes them
-        through first (``barrier``); the others are polled.
-        """
+        """Brings in everything sent before the call, through every hop a receiver has."""
         for receiver in list(self._receivers.values()):
             through = getattr(receiver, "barrier", None)
             if through is not None:
@@ -191,8 +177,7 @@ class RemoteWing(Wing):
     def copies_attached(self, feeder: Any, description: str) -> None:
         """Notes that copies of ``feeder`` run elsewhere and send to this channel.
 
-        Until :meth:`copies_gone`, closing the channel warns and returns
-        ``False``: what those copies have not sent yet cannot be received.
+        Until :meth:`copies_gone`, closing the channel warns and returns ``False``.
         """
         key = id(feeder)
 
@@ -207,11 +192,7 @@ class RemoteWing(Wing):
 
 
     def copies_expected(self, feeder: Any, workers: Any) -> None:
-        """Notes the workers ``feeder``'s copies were attached in: each one is expected to report.
-
-        A copy never heard from when its observer's account is settled is
-        reported and counted lost (:meth:`~.account.Account.expect`).
-        """
+        """Notes the workers ``feeder``'s copies were attached in: each one is expected to report."""
         name = getattr(feeder, "name", None)
         if isinstance(name, str) and not self.close_requested:
             self.account.expect(name, workers)
@@ -220,11 +201,8 @@ class RemoteWing(Wing):
     def copies_gone(self, feeder: Any) -> None:
         """Notes that ``feeder``'s copies are gone (removed, or their source shut down); never waits.
 
-        Reads what the receivers already hold; if every copy's last window is
-        in, their account is settled now (:mod:`~rl_observers.remote.account`).
-        Otherwise it is settled later, once the missing windows arrived or
-        ``LAST_WINDOWS_WAIT`` seconds have passed (see :meth:`settle_gone`):
-        a copy whose last window did not come is then reported and counted lost.
+        Their account is settled now if every last window is in, else once
+        they arrive or ``LAST_WINDOWS_WAIT`` seconds passed (:meth:`settle_gone`).
         """
         with self._lock:
             entry = self._feeders.get(id(feeder))
@@ -245,10 +223,8 @@ class RemoteWing(Wing):
     def settle_gone(self, deadline: float | None = None) -> bool:
         """Settles the account of observers whose copies are gone; whether none is left unsettled.
 
-        Waits (polling the receivers) until every missing last window arrived,
-        each observer's ``LAST_WINDOWS_WAIT`` has passed since its copies were
-        gone, or ``deadline``, whichever comes first; with ``deadline=0`` it
-        only settles those whose windows are in or whose time is up.
+        Waits until the missing last windows arrive, ``LAST_WINDOWS_WAIT``
+        passes, or ``deadline`` (``0``: no wait).
         """
         while True:
             with self._lock:
@@ -273,12 +249,7 @@ class RemoteWing(Wing):
 
 
     def _copies_still_attached(self) -> bool:
-        """Warns, naming them, if producers' copies elsewhere still feed this channel.
-
-        Their copies are not lost: the channel was closed before their source
-        shut down, which is what the warning says, so the account forgets them
-        instead of counting them in ``copies_lost``.
-        """
+        """Warns, naming them, if producers' copies elsewhere still feed this channel (forgotten, not counted lost)."""
         with self._lock:
             feeders = [(ref(), description) for ref, description in self._feeders.values()]
             self._feeders = {}

@@ -1,18 +1,11 @@
 """Replay buffers shared with the worker processes of multiprocessing collectors.
 
-A buffer passed as ``replay_buffer=`` to a
-multiprocessing collector is copied into every worker (inherited by
-``fork``, pickled by ``spawn``) together with the observers it had then;
-an observer that cannot be unpickled in a ``spawn`` worker is left behind
-there with one warning, instead of killing the worker at start-up (see
-:class:`rl_observers.observer.ObserverList`).
-Observers attached to the buffer *later* are propagated to the copies of the
-buffer in the workers of every running multiprocessing collector that
-writes into it, and removals likewise, so a buffer's observers always see
-the writes made in every process; see :func:`propagate_to_shared_copies`.
-Either way each observer's ``prepare_copies`` hook runs on the driver first,
-before its copies start (see :func:`_prepare_copies`).
-
+Step **source → observer**, in every process writing into the buffer. The
+workers' copies of the buffer carry the observers it had when they started;
+later additions and removals are mirrored to them
+(:func:`propagate_to_shared_copies`), each observer's ``prepare_copies``
+running on the driver first. See ``docs/distributed.rst``, "Shared replay
+buffers".
 """
 
 from __future__ import annotations
@@ -54,12 +47,9 @@ _UNTRACKED_WORKERS = False
 
 
 def track_shared_buffer_writers() -> None:
-    """Records every multiprocessing collector built with a ``replay_buffer`` (weakly).
+    """Records every multiprocessing collector built with a ``replay_buffer`` (weakly), when its workers start.
 
-    ``MultiCollector._run_processes``, which torchrl calls once when it starts a
-    collector's workers, is wrapped to record the collector; nothing on a
-    collection path changes. Called when this module is imported; calling it
-    again is harmless.
+    Wraps ``MultiCollector._run_processes``; idempotent.
     """
     global _UNTRACKED_WORKERS
     with _WRITERS_LOCK:
@@ -90,14 +80,7 @@ def track_shared_buffer_writers() -> None:
 
 
 def _prepare_copies(observer: Any, buffer: Any) -> None:
-    """Tells the driver's ``observer`` that copies of it start in workers writing into ``buffer``.
-
-    Its optional ``prepare_copies`` hook runs on the driver before the first
-    copy can emit anything: the workers of a collector about to start, or a
-    running collector's workers about to receive a new observer. A
-    ``LoggerObserver`` fixes its mode then (one more contributor to its
-    copies' aggregate), once, never in the middle of a window.
-    """
+    """Runs ``observer.prepare_copies`` on the driver before its copies in workers writing into ``buffer`` start."""
     prepare = getattr(observer, "prepare_copies", None)
     if callable(prepare):
         prepare(buffer)
@@ -106,12 +89,8 @@ def _prepare_copies(observer: Any, buffer: Any) -> None:
 def _collectors_writing_into(buffer: Any) -> list[Any]:
     """The running multiprocessing collectors whose workers hold a copy of ``buffer``.
 
-    torchrl keeps no registry of collectors: the collectors built since
-    ``import rl_observers`` are recorded when their workers start (see
-    :func:`track_shared_buffer_writers`), so finding them costs a walk over
-    a short list. Collectors built before that are found through the
-    garbage collector's referrers (a heap scan, ~0.1 s with torch loaded),
-    and only when worker processes already existed at import.
+    Those started before ``import rl_observers`` are found by a heap scan
+    (~0.1 s), only if worker processes existed at import.
     """
     found: list[Any] = []
     if not multiprocessing.active_children():
@@ -178,15 +157,9 @@ def _detach_from_worker_buffer(collector: Any, position: int, type_name: str) ->
 def propagate_to_shared_copies(buffer: Any, action: str, observer: Any, on_error: str, position: int) -> None:
     """Mirrors one observer change of a shared ``buffer`` onto its copies in running workers.
 
-    Called by the buffer's observer list after ``add`` (``action="add"``) or
-    before ``remove`` (``action="remove"``, with the observer's ``position``).
-    Worker copies hold the observers the buffer had when the worker started,
-    in the same order, and every later change is mirrored in order, so a
-    position on the driver is the same position in every copy.
-
-    A dead worker writes nothing more into the buffer: it is skipped, with
-    one warning. A change that a live worker fails to apply raises; an
-    ``add`` is then undone in the workers that applied it.
+    Called after ``add`` or before ``remove`` (with the observer's
+    ``position``, the same in every copy). A dead worker is skipped with a
+    warning; a failed ``add`` is undone where it was applied.
 
     Raises:
         TypeError: if an observer to add cannot be pickled.
@@ -222,12 +195,7 @@ def propagate_to_shared_copies(buffer: Any, action: str, observer: Any, on_error
 
 
 class SharedBufferObservers(ReplayBufferObservers):
-    """The observers of one in-process replay buffer, mirrored to its copies when it is shared.
-
-    Every observer change of a buffer with ``shared=True`` is applied to the
-    buffer's copies in the workers of the running multiprocessing
-    collectors that write into it (:func:`propagate_to_shared_copies`).
-    """
+    """The observers of one in-process replay buffer, mirrored to its copies in workers when it is shared."""
 
     def add(self, observer: Any, on_error: str | None = None) -> Any:
         entry = super().add(observer, on_error)

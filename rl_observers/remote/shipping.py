@@ -1,59 +1,15 @@
 """Sources whose data lives in other processes: multiprocessing and Ray.
 
-Observers of these sources run next to the data, as copies: in every worker
-process of a ``MultiSyncCollector`` / ``MultiAsyncCollector``, in every remote
-collector actor of a ``RayCollector``, inside the actor of a
-``RayReplayBuffer``. Attaching ships the observer once (pickled with
-cloudpickle, checked on the driver first) and installs the copy on the
-torchrl object that makes the data, with the same observed classes and
-observer lists as an in-process source; batches never cross a process
-boundary because of an observer. Each copy keeps its own state; use
-:func:`rl_observers.sources.placement.source_info` in an observer to learn which worker
-it runs in, and a channel handle to send reduced results back.
-
-The driver keeps the original observers, in registration order, for
-``target.observers`` and ``remove_observer``; the copies are not the
-originals: ``attached`` / ``detached`` are called on the copies, where they
-run, and the originals never see events.
-
-How each kind is reached (torchrl 0.14.1):
-
-* multiprocessing collectors: a ``"cascade_execute"`` message on each
-  worker's control pipe runs a function on the worker's inner collector,
-  between two batches (see :mod:`rl_observers.remote.multiprocess`);
-* Ray collectors and replay buffers: ``actor.__ray_call__.remote(fn, ...)``
-  runs ``fn(actor_instance, ...)`` inside the actor (see
-  :mod:`rl_observers.remote.ray.observed`);
-* shared replay buffers (``shared=True``, written by the workers of a
-  multiprocessing collector) are in-process sources whose copies in the
-  workers carry the observers they had when the workers started; later
-  changes are mirrored to those copies (see
-  :mod:`rl_observers.remote.multiprocess`).
-
-Errors surface on the driver, at ``add_observer``: an invalid observer
-(``TypeError`` / ``ValueError``, before anything is sent), an unpicklable one
-(``TypeError``), a source that is shut down or has a dead worker
-(``RuntimeError``), or a failure where the copy runs, for example in its
-``attached`` method (:class:`RemoteAttachError`, with the remote traceback;
-the copies already attached elsewhere are removed again).
-
-``on_error="raise"`` is refused (``ValueError``) where an error raised by a
-copy cannot reach the caller (``RemoteKind.raise_reaches_caller``):
-in the workers of a multiprocessing collector it kills the worker, in a
-``RayCollector``'s actor it kills the actor, and the driver only learns that
-a worker failed. In a ``RayReplayBuffer``'s actor Ray hands the error to the
-caller and the actor lives on, so ``"raise"`` is kept there.
-
-When the source shuts down, its kind calls :meth:`RemoteKind.shut_down`:
-each original's ``copies_removed`` runs then (once; ``remove_observer``
-afterwards does not call it again), so an original does not wait for its
-removal or for garbage collection to finish what its copies did.
-
-``remove_observer`` always leaves the driver's record consistent: once the
-copies were asked to detach, the observer is forgotten on the driver even if
-detaching failed somewhere (a copy is dropped before its ``detached`` runs,
-and a dead worker took its copy with it); the error, if any, is raised
-afterwards.
+Step **source → observer**, away from the driver. Attaching ships the
+observer once (cloudpickle, checked on the driver first) and installs a copy
+next to the data: in each worker of a multiprocessing collector (through a
+``"cascade_execute"`` message, :mod:`~rl_observers.remote.multiprocess`), in
+each Ray actor (:mod:`~rl_observers.remote.ray.observed`). Batches never
+cross a process because of an observer. The driver keeps the originals, in
+order, for ``observers`` and ``remove_observer``; they never see events.
+Errors surface at ``add_observer`` (:class:`RemoteAttachError` for a failure
+where the copy runs); ``on_error="raise"`` is refused where a copy's error
+cannot reach the caller. See ``docs/distributed.rst``.
 
 Examples:
     >>> import rl_observers
@@ -91,10 +47,7 @@ __all__ = [
 ]
 
 def kind_of(target: Any) -> RemoteKind | None:
-    """Returns how to attach observers to ``target`` when its data is remote, else ``None``.
-
-    Read from the table (:data:`rl_observers.targets.TABLE`), once per class.
-    """
+    """How to attach observers to ``target`` when its data is remote, else ``None`` (from ``targets.TABLE``)."""
     how = observed.how_observed(type(target))
     return None if how is None else how.kind
 
@@ -129,11 +82,7 @@ _TOKENS = itertools.count()
 
 
 def ship(observer: Any, target: Any, where: str) -> bytes:
-    """Pickles ``observer`` with cloudpickle, raising a clear error if it cannot travel.
-
-    Checked on the driver, so an unpicklable observer fails at ``add_observer``
-    instead of killing a worker.
-    """
+    """Pickles ``observer`` with cloudpickle on the driver; a ``TypeError`` if it cannot travel."""
     try:
         return dumps(observer, by_value=True)
     except Exception as error:
@@ -144,15 +93,11 @@ def ship(observer: Any, target: Any, where: str) -> bytes:
 
 
 class RemoteKind:
-    """How observers reach one kind of remote source; subclasses say how to get there.
+    """How observers reach one kind of remote source.
 
-    ``add`` / ``remove`` / ``observers`` are what ``add_observer``,
-    ``remove_observer`` and ``observers`` delegate to. Subclasses implement
-    :meth:`check`, :meth:`attach_remote` and :meth:`detach_remote`. With its
-    first observer the driver-side object becomes its observed class in the
-    kind's :attr:`context` (the table's row for its class gives the mixin),
-    and a plain torchrl object again once the last one is removed
-    (:meth:`first_added`, :meth:`last_removed`).
+    ``add`` / ``remove`` / ``observers`` back the source's methods of those
+    names; subclasses implement :meth:`check`, :meth:`attach_remote` and
+    :meth:`detach_remote`.
     """
 
     target_name = "source"
@@ -225,13 +170,9 @@ class RemoteKind:
             raise error
 
     def shut_down(self, target: Any) -> None:
-        """Called on the driver once ``target`` shut down: its copies went with its processes.
+        """Called on the driver once ``target`` shut down: each original's ``copies_removed`` runs once, in order.
 
-        Each original's ``copies_removed`` runs once, in registration order,
-        so that it does at shutdown what it would do when removed (a
-        ``LoggerObserver`` logs its last aggregate windows and frees its
-        namespace). An original that raises is reported with a warning; the
-        others are still told.
+        An original that raises is reported with a warning; the others are still told.
         """
         state = _REMOTE.get(target)
         if state is None:
@@ -261,10 +202,7 @@ class RemoteKind:
     def attached(self, target: Any) -> Iterator[tuple[tuple[Any, str, int], ...]]:
         """Holds ``target``'s record; yields ``(observer, on_error, token)`` per observer, in order.
 
-        For a source that gains remote parts while observed (``RayCollector.add_collectors``):
-        while the record is held no observer is attached or removed, so the new parts can be
-        given exactly the observers the others have, under the same tokens (which is what
-        lets ``remove_observer`` reach them too).
+        For a source that gains remote parts while observed (``RayCollector.add_collectors``).
         """
         state = _REMOTE.setdefault(target, _RemoteObservers)
         with state.lock:
@@ -283,10 +221,7 @@ class RemoteKind:
         raise NotImplementedError
 
     def copy_workers(self, target: Any) -> tuple[int | None, ...]:
-        """The worker index each copy was placed with (``None``: a source that is not a worker).
-
-        Told to the original (``copies_placed``) once its copies are attached.
-        """
+        """The worker index each copy was placed with (``None``: a source that is not a worker)."""
         return ()
 
     def detach_remote(self, target: Any, token: int) -> None:
@@ -308,11 +243,7 @@ _COPIES = IdentityMap()
 
 
 class RemoteAttachError(RuntimeError):
-    """An observer could not be attached or detached where its source runs.
-
-    Carries the remote traceback as text, so that it pickles across pipes and
-    Ray whatever the original exception was.
-    """
+    """An observer could not be attached or detached where its source runs (with the remote traceback as text)."""
 
 
 def portable_error(error: BaseException, action: str) -> RemoteAttachError:
@@ -329,11 +260,10 @@ def attach_here(
     num_workers: int | None = None,
     context: str | None = None,
 ) -> None:
-    """Attaches the observer copy in ``payload`` to ``source``, in the process where it runs.
+    """Attaches the observer copy in ``payload`` to ``source``, in the worker or actor where it runs.
 
-    Runs in a worker process or an actor. ``context`` selects the observed
-    classes (``None``: the in-process ones, also used by nested remote
-    sources; ``"ray_actor"``: a replay buffer inside a Ray actor).
+    ``context`` selects the observed classes (``None``: the in-process ones;
+    ``"ray_actor"``: a replay buffer inside a Ray actor).
     """
     observer = None
     try:

@@ -1,19 +1,11 @@
 """The Unix-datagram transport: processes on the owner's machine send to its socket.
 
-Step of the flow: **channel** (source → observer → channel → logger). The
-owner binds a datagram socket in a private (0700) temporary directory
-(:class:`SocketReceiver`); a handle in another process on the same machine
-sends each pickled payload as one datagram without ever blocking
-(:class:`SocketWire`, behind the handle's
-:class:`~rl_observers.remote.transport.Outbox`). Unix-domain sockets reach only the owner's machine:
-:func:`reachable` is ``False`` where the socket file does not exist.
-
-How large a datagram can be is the kernel's call: Linux refuses one longer
-than the sender's send buffer (``SO_SNDBUF``) minus 32 bytes. The sender
-asks for a buffer of ``MAX_DATAGRAM`` bytes, reads back what the kernel
-granted (on Linux twice the request, capped at twice
-``net.core.wmem_max``: 416 KiB with the defaults) and sends payloads up to
-that, at most ``MAX_DATAGRAM`` (what the receiver reads at once).
+Step **observer → channel**, on one machine. The owner binds a datagram
+socket in a private (0700) temporary directory (:class:`SocketReceiver`); a
+handle elsewhere on the machine sends each pickled payload as one datagram,
+never blocking (:class:`SocketWire`). A datagram may be as large as the
+send buffer the kernel grants (about 416 KiB with Linux's defaults), at
+most ``MAX_DATAGRAM``.
 """
 
 from __future__ import annotations
@@ -84,9 +76,7 @@ class SocketAddress(str):
 def reachable(address: Any) -> bool:
     """Whether the owner's socket is reachable here: same machine, and its file exists here.
 
-    A file system shared between machines can show the socket file on
-    another machine, where it reaches nothing; a node in another mount
-    namespace does not see it at all.
+    A file system shared between machines can show the socket file where it reaches nothing.
     """
     if not isinstance(address, str):
         return False

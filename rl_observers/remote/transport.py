@@ -1,26 +1,13 @@
 """How payloads travel from a handle in another process to the channel's owner.
 
-Step of the flow: **channel** (source → observer → channel → logger). A
-transport has two halves:
-
-- a :class:`Wire`, whose ``send(data)`` carries one message of bytes to the
-  owner without blocking: ``SENT``, ``RETRY`` (full now) or ``GONE``
-  (lost). A handle in a worker or actor sends through an :class:`Outbox`:
-  the bounded queue that coalesces per namespace
-  (:class:`~rl_observers.channel.queue.PendingQueue`, as the owner's), pumped
-  into the wire; it pickles, and counts what it drops. (A transport may
-  instead give a whole :class:`Sender`, as Ray does: its calls are too slow
-  to make inline.)
-- a :class:`Receiver`, started by the owning
-  :class:`~rl_observers.MetricsChannel` when its first handle is made: it
-  hands every message to the channel as ``accept(payload,
-  (unreported_dropped, unreported_coalesced))`` and reports unreadable ones
-  with ``refuse()``.
-
-Transports register themselves with :func:`register_transport`; a handle
-keeps the address of every receiver of its channel and, when first used in
-another process, takes the first reachable one by priority (lowest first).
-The Unix-datagram socket (:mod:`rl_observers.remote.socket`) is one.
+Step **observer → channel**, across processes. A transport has two halves:
+a :class:`Wire`, whose ``send(data)`` carries one message of bytes without
+blocking (``SENT``, ``RETRY`` or ``GONE``), fed by a handle's
+:class:`Outbox` (or a whole :class:`Sender`, as Ray gives); and a
+:class:`Receiver` at the owner, started with the channel's first handle,
+which hands each message to the channel. Transports register with
+:func:`register_transport`; a handle takes the first reachable one by
+priority. The Unix-datagram socket (:mod:`rl_observers.remote.socket`) is one.
 """
 
 from __future__ import annotations
@@ -81,7 +68,10 @@ class Receiver(Protocol):
     name: str
 
     def start(self, accept: Accept, refuse: Callable[[], None], background: bool) -> None:
-        """Starts receiving; with ``background=False`` messages arrive only through :meth:`poll`."""
+        """Starts receiving: ``accept(payload, (dropped, coalesced))`` per message, ``refuse()`` per unreadable one.
+
+        With ``background=False`` messages arrive only through :meth:`poll`.
+        """
 
     def address(self) -> Any:
         """A picklable address senders reach this receiver with (``None`` if unusable)."""
@@ -175,13 +165,11 @@ class Wire(Protocol):
 class Outbox:
     """A handle's sender: the bounded, coalescing queue of payloads waiting for its wire.
 
-    ``send`` queues, then pumps the queue into the wire inline, oldest first
-    (no thread: a worker hands its GIL to nobody); ``RETRY`` keeps the rest
-    for the next ``send`` or :meth:`flush`. Each message is the pickled
-    ``(payload, (dropped, coalesced))``: what this sender dropped or coalesced
-    since the last message travels with it, and alone (payload ``None``)
-    when nothing else carries it, so the owner learns of a drop even when no
-    payload gets through after it.
+    ``send`` queues, then pumps into the wire inline (no thread: no GIL
+    hand-over in a worker); ``RETRY`` keeps the rest for the next ``send`` or
+    :meth:`flush`. Each message is the pickled ``(payload, (dropped,
+    coalesced))``, the counts alone (``None`` payload) when nothing else
+    carries them.
     """
 
     def __init__(self, wire: Wire, capacity: int = OUTBOX_CAPACITY) -> None:
@@ -263,11 +251,7 @@ class Outbox:
 
 
 class Unreachable:
-    """The wire of a handle that reaches its owner by no transport: all is ``GONE``.
-
-    It warns once, at the first message, naming the owner and why each
-    transport cannot reach it.
-    """
+    """The wire of a handle that reaches its owner by no transport: all is ``GONE``, with one warning saying why."""
 
     name = "unreachable"
 
@@ -304,12 +288,7 @@ def _why_not(candidates: tuple[Transport, ...], addresses: Mapping[str, Any]) ->
 def make_sender(
     addresses: Mapping[str, Any], prefer: str | None = None, owner: str = "the channel's owner"
 ) -> Sender:
-    """A sender for the first reachable address, by priority (``prefer`` if given).
-
-    When none is reachable (or ``prefer``'s is not), the sender is an
-    :class:`Unreachable` wire: it warns once, naming ``owner`` and the
-    reason, then drops and counts.
-    """
+    """A sender for the first reachable address, by priority (``prefer`` if given), else :class:`Unreachable`."""
     candidates = (transport(prefer),) if prefer is not None else transports()
     for candidate in candidates:
         address = addresses.get(candidate.name)

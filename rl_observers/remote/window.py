@@ -1,19 +1,10 @@
 """A window: what a copy of an observer sends to the owner, typed, from submit to the logger's thread.
 
-Step of the flow: **observer → channel → logger**, for copies running away
-from the channel (source → observer → channel → logger). A
-:class:`Window` is a :class:`~rl_observers.channel.payload.Payload` (its
-metrics, namespace and step) that also says who sent it and what the owner
-needs to merge it: the observer, the worker and the process it runs in, the
-copy's cumulative counters, the observer's :class:`AggregateSpec` and, once
-a :class:`~rl_observers.MetricsHandle` sent it, its number among its copy's
-windows. The same object is checked at submit, held by a sender, merged on
-the way, noted by the owner's account and handed to the owner's aggregate.
-
-Two windows of one copy that are still on the way may merge into one
-(:meth:`Window.absorb`): partials merge exactly, the newest gauges and
-counters win, and the merged window counts every window it holds
-(``windows``), so that the owner's account counts each of them.
+Step **observer → channel → logger**, for copies running away from the
+channel. A :class:`Window` is a :class:`~rl_observers.channel.payload.Payload`
+that also says who sent it (observer, worker, process, copy and number),
+the copy's cumulative counters and the observer's :class:`AggregateSpec`.
+Two windows of one copy still on the way may merge (:meth:`Window.absorb`).
 
 Examples:
     >>> from rl_observers.remote.window import Window
@@ -44,8 +35,7 @@ __all__ = ["AggregateSpec", "Window", "worker_key"]
 class AggregateSpec:
     """What the owner needs to know to merge one observer's windows: its schedule, step, scope.
 
-    Compared and hashed by value; not frozen: a copy fills in ``workers`` and
-    ``lockstep`` when it builds a window.
+    Compared and hashed by value; a copy fills in ``workers`` and ``lockstep``.
 
     Args:
         schedule (Every, optional): when rows are due; ``None`` (the default): at every window.
@@ -140,12 +130,7 @@ class Window(Payload):
         return self.last or self.finish
 
     def joins(self, newer: Window) -> bool:
-        """Whether ``newer`` may merge into this window on the way.
-
-        Both come from one copy in one process, carry the same settings
-        (``spec``, ``base``) and neither ends its run; windows cut where the
-        driver's rows fall (``cut``) never merge.
-        """
+        """Whether ``newer`` may merge into this window: same copy and settings, neither last nor cut."""
         return (
             newer.namespace == self.namespace
             and newer.observer == self.observer
@@ -164,15 +149,11 @@ class Window(Payload):
         return self.seq is not None and other.seq is not None and self.seq < other.seq
 
     def absorb(self, newer: Payload) -> Exception | None:
-        """Merges ``newer`` (received after this one) into it.
+        """Merges ``newer`` (received after this one) into it; returns a partial's merge error, if any.
 
-        Partials merge exactly. Windows can pass each other on the way, so
-        the numbers decide what is newest: the gauges, step, counters and
-        number of the newer-numbered window win, and ``windows`` counts every
-        numbered window merged (the owner's account counts only numbered
-        windows; without numbers, the later arrival wins). A window of another copy (two processes with one
-        worker index met in the owner's full queue) hands over its origin.
-        Returns the error of a partial that failed to merge.
+        Partials merge exactly; the gauges, step, counters and number of the
+        higher-numbered window win (without numbers, the later arrival), and
+        ``windows`` counts every numbered window merged.
         """
         if newer.__class__ is not Window:
             return super().absorb(newer)

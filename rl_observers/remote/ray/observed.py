@@ -1,72 +1,18 @@
 """Observers inside Ray actors: remote collectors and the replay-buffer actor.
 
-``actor.__ray_call__.remote(fn, *args)`` runs ``fn(actor_instance, *args)``
-inside any Ray actor, between two of its calls. Attaching sends one such
-call per actor with the pickled observer:
+Step **source → observer** of the flow, in an actor. Attaching sends one
+``actor.__ray_call__.remote(fn, ...)`` per actor with the pickled observer;
+each event happens in the actor, so the driver makes no extra call per
+write, sample or batch. ``stats()``, ``empty()`` and the shutdown calls stay
+one round trip each, also through the clients an observed buffer hands out.
+Files an observer writes in an actor come back with
+:func:`send_file_to_driver`. The behaviour is described in
+``docs/distributed.rst`` (Ray collectors, Ray replay buffers, shutting Ray down).
 
-* ``RayCollector``: the instance in each remote collector actor is a plain
-  torchrl collector, which becomes an observed collector exactly as in
-  process (a ``MultiSyncCollector`` inside the actor forwards the copy to its
-  own workers). The observer runs on every batch the actor collects; for an
-  asynchronous ``RayCollector``, a batch is delivered once the driver took
-  it, and the batches it prefetches and then discards when it stops are
-  counted apart (``frames_discarded``, see
-  :class:`~rl_observers.sources.collectors.WorkerDeliveries`).
-* ``RayReplayBuffer``: Ray calls the actor's public methods (``extend``,
-  ``add``, ``sample``) through functions captured when the actor class was
-  made, so overriding them on the instance's class has no effect. The
-  ``"ray_actor"`` observed classes override what those methods look up
-  through ``self`` instead: ``_add`` / ``_extend`` / ``_sample`` for
-  ``ReplayBuffer`` and ``PrioritizedReplayBuffer``, and for
-  ``TensorDictReplayBuffer`` and its prioritized variant, whose ``add`` /
-  ``extend`` reach ``_add`` / ``_extend`` through ``super()`` (not
-  interceptable), ``_set_index_in_td``, which both call once with the index
-  just written. Each remote call emits its event exactly once; the data an
-  observer receives is the data as written, after the buffer's inverse
-  transforms.
-
-The driver makes no extra call per write, sample or batch: events happen in
-the actor. Only the calls that already are one round trip and need the
-observers change, and stay one round trip: ``stats()`` (observer entries
-merged in the actor), ``empty()`` (emits ``empty`` in the actor). Before
-``RayCollector.shutdown()`` / ``RayReplayBuffer.close()`` kill the actors,
-one call per actor emits ``shutdown`` there; once the actors are gone, the
-driver's originals are told (``copies_removed``), so a ``LoggerObserver``
-logs its last aggregate windows and frees its namespace. Only then may
-torchrl's runtime lease shut Ray down, once the channels took in what the
-Ray wire holds (:func:`_shutting_down`). Ray shut down under a running
-source tells its originals that the copies went with it.
-
-**Clients.** ``rb.client()`` / ``rb.clients(n)`` hand out torchrl's
-lightweight clients, which call the actor directly (a ``RayCollector`` given
-``replay_buffer=rb`` writes through them). Their ``extend`` / ``add`` /
-``sample`` run in the actor, so the actor-side classes observe them as they
-observe the buffer's own calls. Their ``stats()`` and ``empty()`` would call
-torchrl's methods in the actor, past the observers: a client handed out by an
-observed buffer is therefore an observed client (context ``"ray_client"``)
-whose ``stats()`` and ``empty()`` make the same one call as the buffer's
-(``_stats_through`` / ``_empty_through``). It pickles as such, to any
-process, and keeps doing so once the buffer has no observer left (the answer
-is then torchrl's). A client handed out while the buffer had no observer is
-torchrl's own and stays so. Clients refuse ``add_observer`` /
-``remove_observer`` / ``observers``: observers are attached to the buffer,
-on the driver.
-
-**Files written in an actor come back to the driver.** The nodes of a Ray
-cluster share no files, so a file an observer writes in an actor (a
-profiler trace) would stay on that actor's node. An observer copy running
-in an actor this module attached it to hands such a file to
-:func:`send_file_to_driver`: its bytes wait in the actor, and the calls the
-driver already makes there when an observer is removed and before the
-actors are killed (``shutdown()`` / ``close()``) bring them back. The driver
-writes each file under the same absolute path, unless an identical file is
-already there (the actor ran on the driver's node). A file is lost only if
-its actor dies before either call; files written by the worker processes of
-a multiprocessing collector running inside an actor stay on that node.
-
-``RayCollector.add_collectors`` gives the added actors every observer the
-others have, in order, with its ``on_error``; ``remove_observer`` then
-reaches them too.
+Inside the actor, Ray calls a buffer's public methods through functions
+captured when the actor class was made, so the ``"ray_actor"`` classes
+override what those reach through ``self``: ``_add`` / ``_extend`` /
+``_sample``, or ``_set_index_in_td`` for ``TensorDictReplayBuffer``.
 """
 
 from __future__ import annotations
@@ -147,11 +93,7 @@ class _RayKind(RemoteKind):
 
 
 def _copies_gone_with_ray() -> None:
-    """Ray went down under an open channel: the Ray sources' copies went with their actors.
-
-    Their originals are told, as at a shutdown, so that the owner's account
-    reports and counts the copies whose last window never came.
-    """
+    """Ray went down under an open channel: tells the originals, as at a shutdown, that their copies went with it."""
     for target, kind in _SOURCES.items():
         kind.shut_down(target)
 
@@ -199,13 +141,7 @@ class RayCollectorKind(_RayKind):
         return tuple(range(len(target.remote_collectors)))
 
     def attach_to_new(self, target: Any, first: int, entries: tuple[tuple[Any, str, int], ...]) -> None:
-        """Gives the actors from index ``first`` on every attached observer, in order.
-
-        Runs after ``add_collectors`` appended actors, with the driver's record held. All
-        attach calls are sent at once (Ray runs one caller's calls to an actor in order) and
-        awaited together. If any fails, the new actors are killed and dropped from the
-        collector, so that no actor collects without the observers the others have.
-        """
+        """Gives the actors from index ``first`` on every attached observer, in order; kills them all if one fails."""
         actors = list(target.remote_collectors)
         new = actors[first:]
         if not entries or not new:
@@ -299,12 +235,10 @@ _DRAINED: list[int | None] = [None]  # the id of this process once the driver at
 def send_file_to_driver(path: str | Path) -> bool:
     """Sends the file at ``path`` back to the driver, if this process is a Ray actor it drains.
 
-    For observers that write files (:class:`~rl_observers.ProfilerObserver`'s
-    traces): in a Ray actor whose observers were attached from the driver
-    (a ``RayCollector``'s remote collectors, a ``RayReplayBuffer``'s actor),
-    the file's bytes are read now and kept until the driver removes an
-    observer or shuts the source down; the driver then writes them under the
-    same absolute path. Elsewhere it does nothing.
+    In a Ray actor whose observers were attached from the driver, the bytes
+    are read now and kept until the driver removes an observer or shuts the
+    source down; the driver then writes them under the same absolute path.
+    Elsewhere it does nothing.
 
     Args:
         path (str or Path): a file written in this process.
@@ -340,10 +274,7 @@ def _attach_in_actor(source: Any, *args: Any) -> None:
 
 
 def _attach_in_collector_actor(source: Any, taken_when_asked_again: bool, *args: Any) -> None:
-    """``_attach_in_actor`` in a remote collector, telling it how its driver takes rollouts.
-
-    See :class:`~rl_observers.sources.collectors.WorkerDeliveries`.
-    """
+    """``_attach_in_actor`` in a remote collector, telling it how its driver takes rollouts."""
     WORKER_DELIVERIES.taken_when_asked_again = taken_when_asked_again
     _attach_in_actor(source, *args)
 
@@ -420,29 +351,14 @@ def _buffer_empty_here(buffer: Any, empty_write_count: bool) -> None:
 
 
 def _stats_through(actor: Any) -> dict[str, Any]:
-    """The ``stats()`` of the replay buffer in ``actor``, with its observers' entries: one call.
-
-    Args:
-        actor: the Ray actor handle of a ``RayReplayBuffer`` (``rb._rb``, a
-            client's ``_actor``).
-
-    Returns:
-        dict: torchrl's entries, plus those of the observers running in the
-        actor (torchrl's entries alone when it has none).
-    """
+    """The ``stats()`` of the buffer in ``actor`` (``rb._rb``, a client's ``_actor``), observers' entries included: one call."""
     import ray
 
     return ray.get(actor.__ray_call__.remote(_buffer_stats_here))
 
 
 def _empty_through(actor: Any, empty_write_count: bool = True) -> None:
-    """Empties the replay buffer in ``actor``, then emits ``empty`` to its observers there: one call.
-
-    Args:
-        actor: the Ray actor handle of a ``RayReplayBuffer``.
-        empty_write_count (bool, optional): passed to torchrl's ``empty()``.
-            Defaults to ``True``.
-    """
+    """Empties the replay buffer in ``actor``, then emits ``empty`` to its observers there: one call."""
     import ray
 
     return ray.get(actor.__ray_call__.remote(_buffer_empty_here, empty_write_count))
@@ -459,14 +375,10 @@ def _buffer_shutdown_here(buffer: Any) -> list[tuple[str, bytes]]:
 
 
 def _emit_shutdown(actors: list[Any], fn: Any) -> None:
-    """Runs ``fn`` in every actor before they are killed, waiting for each one on its own.
+    """Runs ``fn`` in every actor before they are killed and writes the files they send back.
 
-    A dead or hung actor does not stop the others: every actor is called at
-    once, and each answer is awaited separately within one shared deadline
-    (at least ``_MIN_WAIT`` seconds each), so the survivors emit
-    ``shutdown`` and close their last windows. The actors that could not are
-    reported in one warning. ``fn`` returns the files the actor sends back
-    (:func:`send_file_to_driver`), which are written here.
+    Each answer is awaited on its own within one shared deadline, so a dead
+    or hung actor does not stop the others; those that failed get one warning.
     """
     import ray
 
@@ -499,11 +411,9 @@ _LEASE_HELD = SimpleNamespace(release=lambda: None)
 def _shutting_down(target: Any, kind: RemoteKind, shutdown_ray: bool = False) -> Any:
     """Runs torchrl's shutdown of ``target`` (the block), tells the originals, then lets Ray go.
 
-    torchrl releases the source's Ray runtime lease last, and that release calls
-    ``ray.shutdown()`` when the source's own ``ray.init`` started or connected Ray. The lease
-    is held until the originals know their copies are gone (``kind.shut_down``: last
-    aggregate rows, namespace freed); if Ray goes down then, the channels first take in what
-    the Ray wire still holds (:func:`close_ray_receivers`), so nothing is lost nor warned about.
+    torchrl's Ray runtime lease, whose release may call ``ray.shutdown()``, is
+    held until the originals know their copies are gone; the channels then
+    take in what the Ray wire holds before Ray goes.
     """
     lease = target.__dict__.get("_runtime_lease")
     if lease is not None:
@@ -605,9 +515,7 @@ _OBSERVER_API = frozenset({"add_observer", "remove_observer", "observers"})
 class _ObservedRayReplayBufferClient:
     """A client handed out by an observed ``RayReplayBuffer``: its observers see what it does.
 
-    ``extend`` / ``add`` / ``sample`` are torchrl's (their events happen in
-    the actor); ``stats()`` and ``empty()`` make the buffer's own single call
-    (see the module docstring).
+    ``stats()`` and ``empty()`` make the buffer's single call.
     """
 
     _actor: Any
@@ -657,9 +565,8 @@ _WRITE_EVENTS = {"add": "post_add", "extend": "post_extend"}
 class _ActorObservedTensorDictReplayBuffer:
     """``TensorDictReplayBuffer`` and its prioritized variant inside a Ray actor.
 
-    Their ``add`` / ``extend`` write through ``super()._add`` / ``_extend``,
-    then call ``self._set_index_in_td(data, index)`` once: that call, named
-    after the method that made it, is the event.
+    Their ``add`` / ``extend`` call ``self._set_index_in_td(data, index)``
+    once: that call, named after its caller, is the event.
     """
 
     def _set_index_in_td(self, tensordict: Any, index: Any) -> None:

@@ -45,9 +45,7 @@ RAY_GONE: list[Callable[[], None]] = []
 def close_ray_receivers() -> None:
     """Takes in what Ray holds for this process's channels, then stops their Ray transport.
 
-    For a ``ray.shutdown()`` known to come (a torchrl source's runtime lease
-    that started Ray): the relays and ingest actors hand over what they hold,
-    and the channels have nothing to warn about once Ray is gone.
+    For a ``ray.shutdown()`` known to come (a torchrl source's runtime lease).
     """
     for receiver in list(_STARTED):
         receiver.close(time.monotonic() + RELAY_FLUSH)
@@ -214,11 +212,7 @@ class RayReceiver:
             self._lock.release()
 
     def _ray_shut_down(self) -> None:
-        """Ray was shut down in this process: the transport stops, said once.
-
-        A new ingest actor would start a new local Ray instance (Ray's calls
-        connect on their own), from this channel's thread.
-        """
+        """Ray was shut down in this process: the transport stops (a new actor would start a new Ray), said once."""
         self._stop = True
         self._actor = None
         torchrl_logger.warning(
@@ -253,11 +247,7 @@ class RayReceiver:
     def barrier(self, deadline: float | None) -> None:
         """Accepts everything sent before the call that left its sender (flush's barrier).
 
-        Waits two rounds of the senders' threads (what was submitted before
-        has left their buffers unless Ray does not keep up), has every relay
-        forward what it holds and wait until the ingest has it, then accepts
-        what the ingest holds. A relay that does not answer by ``deadline``
-        costs its share, never more time.
+        A relay that does not answer by ``deadline`` costs its share, never more time.
         """
         if self._address is None or os.getpid() != self._pid:
             return
@@ -300,8 +290,7 @@ class RayReceiver:
     def close(self, deadline: float | None = None) -> None:
         """Forwards what relays hold, accepts what is left, kills the relays and the ingest.
 
-        Everything waits until ``deadline`` (a ``time.monotonic()`` value) at
-        most: a dead relay, ingest or node costs what it held, never time.
+        Waits until ``deadline`` (``time.monotonic()``) at most.
         """
         if self._address is None or os.getpid() != self._pid:
             return

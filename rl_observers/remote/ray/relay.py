@@ -51,11 +51,8 @@ RETRY_AFTER = 1.0
 class Message:
     """One payload on its way through Ray, with the counts it carries.
 
-    ``counts`` is ``(dropped, coalesced)``, what the sender (or a relay) has
-    not reported yet: it travels to the owner. ``held`` is ``(payloads,
-    merged)``: how many payloads the message holds and how many of those
-    were counted as coalesced (lost with the message, they count as dropped
-    instead, as in the owner's queue).
+    ``counts``: ``(dropped, coalesced)`` not yet reported. ``held``:
+    ``(payloads, merged)``, which count as dropped if the message is lost.
     """
 
     __slots__ = ("counts", "held", "payload")
@@ -106,13 +103,9 @@ def _relay_name(token: str, node: str) -> str:
 
 
 def premerge(messages: list[Message]) -> list[Message]:
-    """Merges consecutive windows of one worker (see :mod:`~rl_observers.remote.ray.transport`).
+    """Merges consecutive windows of one worker that :meth:`~rl_observers.remote.window.Window.joins`.
 
-    "Consecutive" is per worker: windows of other workers may come in between
-    (their relative order was never defined: they come from other processes).
-    A closing window (``last``, ``finish``) or a window with other settings
-    ends the run of windows that merge (:meth:`~rl_observers.remote.window.Window.joins`).
-    The order of everything else is kept; the messages given are not changed.
+    Everything else keeps its order; the messages given are not changed.
     """
     out: list[Message] = []
     # (namespace, observer, worker, process) -> index in out of its open run
@@ -144,10 +137,8 @@ def premerge(messages: list[Message]) -> list[Message]:
 def _cost(batch: list[Message]) -> tuple[int, int, int, int]:
     """What losing ``batch`` costs: ``(payloads, merged, dropped, coalesced)``.
 
-    ``payloads`` it holds, ``merged`` of them counted as coalesced, and the
-    ``dropped`` and ``coalesced`` counts it carries. The owner's counts stay
-    exact when a loss adds ``payloads + dropped`` to the drops and
-    ``coalesced - merged`` to the coalesced payloads.
+    A loss adds ``payloads + dropped`` to the drops and ``coalesced - merged``
+    to the coalesced payloads.
     """
     payloads = merged = dropped = coalesced = 0
     for message in batch:
@@ -161,11 +152,7 @@ def _cost(batch: list[Message]) -> tuple[int, int, int, int]:
 
 # ------------------------------------------------------------------------------- actors
 class _Ingest:
-    """The owner's mailbox: bounded, drained by the owner's thread (runs as a threaded actor).
-
-    It holds batches as the pickled bytes they came as: it never looks into a
-    payload, so it never imports the classes of partials (nor torch).
-    """
+    """The owner's mailbox: bounded, drained by the owner's thread; holds pickled bytes (never imports torch)."""
 
     def __init__(self, capacity: int = INGEST_CAPACITY) -> None:
         self._batches: deque[tuple[bytes, int]] = deque()
@@ -232,9 +219,7 @@ class _Ingest:
 class _Forwarder:
     """Bounded fire-and-forget ``push.remote`` calls to one target actor, found by ``resolve``.
 
-    Used by senders (to their relay or the ingest) and by relays (to the ingest);
-    runs on its owner's thread only. Each call's :func:`_cost` is remembered until
-    it completes: a failed call adds every payload it held to the drops.
+    Runs on its owner's thread only; a failed call adds its :func:`_cost` to the drops.
     """
 
     def __init__(self, resolve: Callable[[], Any], in_flight: int) -> None:
@@ -256,11 +241,7 @@ class _Forwarder:
         return len(self._calls)
 
     def _ray_down(self) -> bool:
-        """Whether Ray was shut down in this process; the calls in flight are then lost, counted.
-
-        No Ray call is made then: Ray's calls connect on their own, and one
-        would start a new local Ray instance from the sending thread.
-        """
+        """Whether Ray was shut down in this process (then no call is made: it would start a new Ray)."""
         ray = _ray()
         if ray is not None and ray.is_initialized():
             return False
@@ -300,11 +281,7 @@ class _Forwarder:
         self._unconfirmed.clear()
 
     def _lose(self, cost: tuple[int, int, int, int]) -> None:
-        """Counts a failed call's batch lost, with what a dead relay had not forwarded yet.
-
-        Every payload merged into a lost message counts as dropped, and no
-        longer as coalesced (the owner's counts follow, as its queue's do).
-        """
+        """Counts a failed call's batch lost, with what a dead relay had not forwarded yet."""
         payloads, merged, dropped, coalesced = cost
         for _, held in self._unconfirmed:  # a target that failed lost what it held, too
             payloads += held[0]

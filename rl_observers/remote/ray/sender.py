@@ -55,9 +55,7 @@ class RaySender:
         relay (bool, optional): send through this node's relay actor
             (per-node pre-merge); ``False`` sends straight to the ingest.
             Defaults to ``True``.
-        node (str, optional): the key of this node's relay. Defaults to this
-            node's id (benchmarks simulate nodes with other keys; the relay is
-            always pinned to the real node).
+        node (str, optional): the key of this node's relay. Defaults to this node's id.
         interval (float, optional): seconds between two rounds of the
             sending thread. Defaults to ``SENDER_INTERVAL``.
     """
@@ -270,10 +268,7 @@ class RaySender:
 
     @property
     def dropped(self) -> int:
-        """Payloads dropped here: beyond the buffer, or lost with a call that failed.
-
-        A lost message counts every payload merged into it.
-        """
+        """Payloads dropped here: beyond the buffer, or lost with a call that failed (all it had merged)."""
         return self._queue.losses()[0] + self._forwarder.dropped
 
     @property
