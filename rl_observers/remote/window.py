@@ -174,8 +174,8 @@ class Window(Payload):
         worker index met in the owner's full queue) hands over its origin.
         Returns the error of a partial that failed to merge.
         """
-        if newer.__class__ is not Window:
-            return super().absorb(newer)
+        if newer.__class__ is not Window:  # not super(): the slotted dataclass is a new class
+            return Payload.absorb(self, newer)
         if newer.older_than(self):  # passed on the way: its plain numbers are stale
             merged = dict(newer.metrics)
             error = coalesce(merged, self.metrics)
