@@ -105,27 +105,43 @@ def ray_cluster(request):
             cloudpickle.unregister_pickle_by_value(module)
 
 
+#: Fresh interpreters a module runs at once: they mostly wait, yet each has a driver and
+#: workers, and the suite must pass with one of two cores busy.
+FRESH_RUNS_AT_ONCE = 3
+
+
 @pytest.fixture(scope="module")
 def fresh_runs(request, tmp_path_factory):
-    """The fresh interpreters (:class:`tests.helpers.FreshRun`) the module's selected tests read, started side by side.
+    """The fresh interpreters (:class:`tests.helpers.FreshRun`) the module's selected tests read, a few side by side.
 
     The test module's ``fresh_run_of(item)`` gives a selected test's ``(function, *args)``
-    or ``None``; each is started once, with a new output directory as its last argument,
-    and mostly waits (on its workers, their ports, their exit). A test calls
+    or ``None``; each runs once, with a new output directory as its last argument, at most
+    :data:`FRESH_RUNS_AT_ONCE` at a time, in the order the tests read them. A test calls
     ``fresh_runs(function, *args)``: the run's directory, once it ended well.
     """
-    runs: dict[tuple[str, ...], tuple[helpers.FreshRun, str]] = {}
+    wanted: list[tuple[str, ...]] = []
     for item in request.session.items:
-        wanted = request.module.fresh_run_of(item) if getattr(item, "module", None) is request.module else None
-        if wanted is not None and wanted not in runs:
-            out = str(tmp_path_factory.mktemp("fresh"))
-            runs[wanted] = (helpers.FreshRun(*wanted, out), out)
+        run_of = request.module.fresh_run_of(item) if getattr(item, "module", None) is request.module else None
+        if run_of is not None and run_of not in wanted:
+            wanted.append(run_of)
+    runs: dict[tuple[str, ...], tuple[helpers.FreshRun, str]] = {}
 
-    def result(*wanted: str):
-        run, out = runs[wanted]
-        run.wait()
+    def start_up_to(count: int) -> None:
+        for run_of in wanted[:count]:
+            if run_of not in runs:
+                out = str(tmp_path_factory.mktemp("fresh"))
+                runs[run_of] = (helpers.FreshRun(*run_of, out), out)
+
+    def result(*run_of: str):
+        start_up_to(wanted.index(run_of) + 1)
+        run, out = runs[run_of]
+        try:
+            run.wait()
+        finally:
+            start_up_to(wanted.index(run_of) + 1 + FRESH_RUNS_AT_ONCE)
         return pathlib.Path(out)
 
+    start_up_to(FRESH_RUNS_AT_ONCE)
     yield result
     for run, _ in runs.values():
         run.stop()

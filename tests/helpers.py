@@ -356,7 +356,13 @@ class FreshRun:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
         self._stderr = tempfile.TemporaryFile(mode="w+")
         self._process = subprocess.Popen(
-            [sys.executable, "-c", code, *args], cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=self._stderr, text=True
+            [sys.executable, "-c", code, *args],
+            cwd=root,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=self._stderr,
+            text=True,
+            start_new_session=True,  # its own process group: stop() ends its workers too
         )
 
     def wait(self, timeout: float = 280) -> None:
@@ -367,12 +373,18 @@ class FreshRun:
             self._process.wait(timeout)
         except subprocess.TimeoutExpired:
             self.stop()
+            self._stderr.seek(0)
+            raise AssertionError(f"timed out after {timeout} s; its stderr ends with:\n{self._stderr.read()[-4000:]}") from None
         self._stderr.seek(0)
         assert self._process.returncode == 0, self._stderr.read()[-4000:]
 
     def stop(self) -> None:
-        """Kills the interpreter if it still runs (its workers end with their driver's pipes)."""
+        """Kills the interpreter and what it started (its process group), if it still runs."""
+        import os
+        import signal
+
         if self._process.poll() is None:
-            self._process.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._process.pid, signal.SIGKILL)
             self._process.wait()
 

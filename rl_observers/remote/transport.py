@@ -16,11 +16,13 @@ import os
 import pickle
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 from torchrl._utils import logger as torchrl_logger
 
+from rl_observers import lifecycle
 from rl_observers.channel.payload import Payload
 from rl_observers.channel.queue import PendingQueue
 
@@ -48,7 +50,12 @@ OUTBOX_CAPACITY = 64
 
 
 class Sender(Protocol):
-    """What a handle in another process sends through (an :class:`Outbox`, or Ray's sender)."""
+    """What a handle in another process sends through (an :class:`Outbox`, or Ray's sender).
+
+    ``send`` never blocks nor raises for transport reasons: it is bounded,
+    coalesces per namespace, drops and counts beyond that (warning once);
+    ``flush(timeout)`` says whether nothing is left; ``pending()`` counts what waits.
+    """
 
     name: str
     submitted: int
@@ -178,13 +185,19 @@ class Outbox:
         self.queue = PendingQueue(capacity)
         self._told = (0, 0)  # (dropped, coalesced) the owner heard of
         self._lock = threading.Lock()
-        self._warned = False
+        self._warned: set[str] = set()
+        _OUTBOXES.add(self)
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: the parent sends what it holds; its lock may have been held."""
+        self._lock = threading.Lock()
+        self.queue, self._told = PendingQueue(self.queue.capacity), (0, 0)
 
     def send(self, payload: Payload) -> None:
         with self._lock:
             error = self.queue.put(payload)
             if error is not None:
-                self._warn(f"could not merge a partial of namespace {payload.namespace!r}: {error!r}")
+                self._warn("merge", f"could not merge a partial of namespace {payload.namespace!r}: {error!r}")
             self._pump()
 
     def flush(self, timeout: float | None) -> bool:
@@ -220,8 +233,9 @@ class Outbox:
             data = pickle.dumps((payload, unreported), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as err:
             self._warn(
+                "pickle",
                 f"could not pickle a payload of namespace {payload.namespace!r}: {err!r}; it is "
-                "dropped and counted in the owner's health()['remote_dropped']"
+                "dropped and counted in this handle's dropped (and the owner's health()['remote_dropped'])",
             )
             return GONE
         status = self.wire.send(data)
@@ -229,9 +243,9 @@ class Outbox:
             self._told = counts
         return status
 
-    def _warn(self, message: str) -> None:
-        if not self._warned:
-            self._warned = True
+    def _warn(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
             torchrl_logger.warning(f"MetricsHandle {message}. Further such errors are silent.")
 
     @property
@@ -248,6 +262,18 @@ class Outbox:
 
     def pending(self) -> int:
         return self.queue.backlog()
+
+
+#: Every outbox of this process, so that a forked child empties its own.
+_OUTBOXES: weakref.WeakSet[Outbox] = weakref.WeakSet()
+
+
+def _empty_outboxes_after_fork() -> None:
+    for outbox in list(_OUTBOXES):
+        outbox.forget_after_fork()
+
+
+lifecycle.after_fork_in_child(_empty_outboxes_after_fork)
 
 
 class Unreachable:

@@ -155,8 +155,8 @@ class Window(Payload):
         higher-numbered window win (without numbers, the later arrival), and
         ``windows`` counts every numbered window merged.
         """
-        if newer.__class__ is not Window:
-            return super().absorb(newer)
+        if newer.__class__ is not Window:  # not super(): the slotted dataclass is a new class
+            return Payload.absorb(self, newer)
         if newer.older_than(self):  # passed on the way: its plain numbers are stale
             merged = dict(newer.metrics)
             error = coalesce(merged, self.metrics)

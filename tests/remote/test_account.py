@@ -20,6 +20,7 @@ from torchrl.record import CSVLogger
 
 import rl_observers.remote.owner as owner_module
 from rl_observers import Every, LoggerObserver, MetricsChannel
+from rl_observers.channel.payload import Payload
 from rl_observers.remote.window import AggregateSpec, Window
 from tests.helpers import RecordingLogger
 
@@ -196,3 +197,9 @@ def test_a_window_undeliverable_at_exit_is_still_counted():
     before = channel.health()["dropped"]
     LoggerObserver._report_live_at_exit()  # what the COPIES phase of the exit runs
     assert channel.health()["dropped"] == before + 1  # the holding one; the idle one sent nothing
+
+
+def test_a_plain_payload_merges_into_a_window_of_its_namespace():
+    window = Window("train/worker_0", {"x": 1.0}, step=3, observer="train", worker=0)
+    assert window.absorb(Payload("train/worker_0", {"x": 2.0, "y": 5.0}, 4)) is None
+    assert window.metrics == {"x": 2.0, "y": 5.0} and window.step == 4

@@ -346,3 +346,25 @@ def test_a_sender_that_dies_does_not_hurt_the_owner():
     assert logger.series("doomed/x") == [(i, float(i)) for i in range(3)]
     assert logger.series("alive/y") == [(None, 1.0), (None, 2.0)]
     assert channel.close(timeout=10)
+
+
+def test_a_forked_child_starts_with_an_empty_outbox_and_never_resends_the_parents():
+    logger = RecordingLogger()
+    channel = sync_channel(logger)  # nobody reads the socket until step(): the outbox fills
+    handle = socket_handle(channel)
+    for i in range(2000):
+        handle.submit_metrics({"r": ListPartial("r", [1.0])}, step=i, namespace=f"ns{i % 4}")
+    assert not handle.flush(timeout=0)  # the parent's outbox holds payloads
+    pid = os.fork()
+    if pid == 0:  # the child: nothing of its parent's to send, nothing lost
+        os._exit(0 if handle.flush(timeout=0) and handle.dropped == 0 else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    for _ in range(1000):
+        channel.step()
+        if handle.flush(timeout=0):
+            break
+    channel.step()
+    for namespace in ("ns0", "ns1", "ns2", "ns3"):  # each payload once: the child sent none
+        assert sum(v for _, v in logger.series(f"{namespace}/r_count")) == 500
+    assert_balanced(channel.health())
+    channel.close()
