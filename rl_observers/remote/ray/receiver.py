@@ -87,6 +87,7 @@ class RayReceiver:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._lock = threading.Lock()  # one drain at a time (thread, poll or close)
+        self._gone = threading.Lock()  # taken, never released, when Ray is gone: said once
         self.accepted = 0
         self.drains = 0
         self.restarts = 0  # ingest actors that died (what they held is lost, uncounted)
@@ -161,6 +162,10 @@ class RayReceiver:
     ) -> int:
         """Takes what the ingest holds and accepts it; returns how many messages."""
         ray = _ray()
+        if self._actor is not None and not ray.is_initialized():
+            # not behind the lock: a drain under way may wait on the dead Ray for long
+            self._ray_shut_down()
+            return 0
         if not self._lock.acquire(timeout=-1 if lock_timeout is None else max(lock_timeout, 0)):
             return 0
         try:
@@ -215,6 +220,8 @@ class RayReceiver:
         """Ray was shut down in this process: the transport stops (a new actor would start a new Ray), said once."""
         self._stop = True
         self._actor = None
+        if not self._gone.acquire(blocking=False):  # the thread and a poll may both notice
+            return
         torchrl_logger.warning(
             f"{self._owner}: Ray was shut down in this process while the "
             "channel was open; its Ray transport stopped, and whatever its ingest actor still "
