@@ -88,14 +88,21 @@ class Owner:
 def _simulated_nodes(ray):
     @ray.remote(num_cpus=0)
     class SimulatedNodes:
-        def prepare(self, address, nodes, relay):
-            """Starts the senders (and finds or creates the relays) before the clock runs."""
+        def prepare(self, address, nodes, relay, workers, per_worker):
+            """Starts the senders (and finds or creates the relays) before the clock runs.
+
+            ``per_worker``: each simulated worker its own sender, as each worker process
+            has; else one sender per node stands for its workers (and batches for them).
+            """
             from rl_observers.remote.ray.transport import RaySender
 
             self.senders = {
-                node: RaySender(address, relay=relay, node=node, capacity=1 << 16) for node in nodes
+                (node, w): RaySender(address, relay=relay, node=node, capacity=1 << 16)
+                for node in nodes
+                for w in (range(workers) if per_worker else [None])
             }
-            for node, sender in self.senders.items():
+            start = time.monotonic()
+            for (node, _), sender in self.senders.items():
                 window = Window(
                     "collector",
                     {"r": Moments("r"), "n": Count("n", 0)},
@@ -104,36 +111,41 @@ def _simulated_nodes(ray):
                     counters={},
                 )
                 sender.send(window)
-            # Each relay is a new Ray worker process importing torch: ten of them took 56-86 s to
-            # answer with a test suite running on the same two cores. Not timed.
-            return all(sender.flush(WARM_UP_SECONDS) for sender in self.senders.values())
+            flushed = all(sender.flush(WARM_UP_SECONDS) for sender in self.senders.values())
+            return flushed, time.monotonic() - start
 
         def run(self, workers, rounds, period):
             spec = AggregateSpec(Every.counter("frames", 10_000), "frames", scope="aggregate")
             stats = Moments("r").stats
-            # what each worker's names are (fixed per worker, as its handle's are)
-            names = {
-                node: [(f"collector#{node}/{w}", f"{node}/{w}") for w in range(workers)]
-                for node in self.senders
-            }
+            # each worker's names (fixed, as its handle's are) and its sender
+            workers_of = []
+            for node in dict.fromkeys(node for node, _ in self.senders):
+                for w in range(workers):
+                    sender = self.senders.get((node, w)) or self.senders[(node, None)]
+                    workers_of.append((f"collector#{node}/{w}", f"{node}/{w}", w, sender))
+            clock = time.perf_counter_ns
+            took = []
             start = time.monotonic()
             for i in range(rounds):
                 counters = {"frames": 100 * (i + 1)}
-                for node, sender in self.senders.items():
-                    for w, (namespace, worker) in enumerate(names[node]):
-                        value = float((w + i) % 7)
-                        # a partial as a worker's reducers pull it (validated once, at registration)
-                        window = Moments._trusted("r", stats, 1.0, value, 0.0, value, value)
-                        sender.send(
-                            Window(
-                                namespace,
-                                {"r": window, "n": Count("n", 1), "fps": 1000.0},
-                                observer="collector",
-                                worker=worker,
-                                counters=dict(counters),
-                                spec=spec,
-                            )
-                        )
+                for namespace, worker, w, sender in workers_of:
+                    value = float((w + i) % 7)
+                    # a partial as a worker's reducers pull it (validated once, at registration)
+                    window = Window(
+                        namespace,
+                        {
+                            "r": Moments._trusted("r", stats, 1.0, value, 0.0, value, value),
+                            "n": Count("n", 1),
+                            "fps": 1000.0,
+                        },
+                        observer="collector",
+                        worker=worker,
+                        counters=dict(counters),
+                        spec=spec,
+                    )
+                    before = clock()
+                    sender.send(window)
+                    took.append(clock() - before)
                 wait = start + (i + 1) * period - time.monotonic()
                 if wait > 0:
                     time.sleep(wait)
@@ -144,12 +156,15 @@ def _simulated_nodes(ray):
                 sum(sender.submitted for sender in self.senders.values()),
                 sum(sender.dropped for sender in self.senders.values()),
                 (sent - start, time.monotonic() - sent),
+                took,
             )
 
     return SimulatedNodes
 
 
-def _ingest_run(ray, transport, *, relay: bool, workers: int, rounds: int) -> dict[str, Any]:
+def _ingest_run(
+    ray, transport, *, relay: bool, workers: int, rounds: int, per_worker: bool = True
+) -> dict[str, Any]:
     owner = Owner()
     receiver = transport.RayReceiver(f"bench{int(relay)}{time.monotonic_ns() % 10**9}")
     receiver.start(owner)
@@ -157,7 +172,10 @@ def _ingest_run(ray, transport, *, relay: bool, workers: int, rounds: int) -> di
     ray.get([actor.__ray_ready__.remote() for actor in actors])
     address = tuple(receiver.address())
     nodes = [[f"node{j}" for j in range(NODES) if j % ACTORS == a] for a in range(ACTORS)]
-    assert all(ray.get([a.prepare.remote(address, n, relay) for a, n in zip(actors, nodes)]))
+    prepared = ray.get(
+        [a.prepare.remote(address, n, relay, workers, per_worker) for a, n in zip(actors, nodes)]
+    )
+    assert all(flushed for flushed, _ in prepared)
     expected = NODES * workers * rounds
     start = time.monotonic()
     results = ray.get([actor.run.remote(workers, rounds, PERIOD) for actor in actors])
@@ -183,6 +201,8 @@ def _ingest_run(ray, transport, *, relay: bool, workers: int, rounds: int) -> di
         "accept_us": 1e6 * owner.seconds / max(owner.messages, 1),
         "capacity": owner.effective / max(owner.seconds, 1e-9),  # contributions per owner-busy second
         "send_seconds": max(r[3][0] for r in results),
+        "warm_up_seconds": max(seconds for _, seconds in prepared),
+        "send_p99_ns": sorted(t for r in results for t in r[4])[int(0.99 * expected)],
     }
 
 
@@ -215,10 +235,10 @@ def test_aggregate_contribution_cost_does_not_grow_with_workers():
 def test_owner_ingest_with_and_without_per_node_premerge(ray_and_transport, request):
     ray, transport = ray_and_transport
     enabled = _benchmarks_enabled(request.config)
-    # per node; 1,000 workers offering 25,000/s for 4 s when enabled: more than the budget, since
-    # the relays' 0.25 s tail is inside the time. The direct run is the comparison: 1 s of it.
-    workers, rounds, direct_rounds = (100, 100, 25) if enabled else (20, 10, 10)
-    direct = _ingest_run(ray, transport, relay=False, workers=workers, rounds=direct_rounds)
+    # per node, each worker its own sender; 1,000 workers offering 25,000/s for 4 s when enabled:
+    # more than the budget, since the relays' 0.25 s tail is inside the time
+    workers, rounds = (100, 100) if enabled else (20, 10)
+    direct = _ingest_run(ray, transport, relay=False, workers=workers, rounds=rounds)
     merged = _ingest_run(ray, transport, relay=True, workers=workers, rounds=rounds)
     offered = NODES * workers / PERIOD
     for name, run in (("direct", direct), ("pre-merge", merged)):
@@ -229,7 +249,8 @@ def test_owner_ingest_with_and_without_per_node_premerge(ray_and_transport, requ
             f"{run['per_second']:.0f}/s effective; owner handled {run['messages']} messages "
             f"in {run['drains']} drains, {run['accept_us']:.1f} us each in accept "
             f"(capacity {run['capacity']:.0f} contributions/s of the owner's time); "
-            f"the simulated workers took {run['send_seconds']:.2f} s to send"
+            f"the simulated workers took {run['send_seconds']:.2f} s to send, send p99 "
+            f"{run['send_p99_ns']} ns; warm-up {run['warm_up_seconds']:.1f} s"
         )
     for run in (direct, merged):  # exact: every window counted once, the statistic of the union
         assert run["effective"] == run["expected"] and run["count"] == run["expected"]
