@@ -4,7 +4,7 @@ Replay-buffer actors spread over the cluster's nodes (``SPREAD``) each own a
 torchrl replay buffer observed by a copy of one driver-side
 :class:`~rl_observers.LoggerObserver`. Actors on the driver's machine send
 their windows over the channel's Unix socket; actors on other nodes send them
-through Ray, merged per node by a relay actor on the way. The driver's channel
+through Ray, to the channel's ingest actor. The driver's channel
 merges everything exactly and logs one aggregate series plus one series per
 worker; its health shows what was lost on the way, if anything.
 
@@ -94,7 +94,7 @@ def main(
         reward_sum = sum(ray.get([a.write.remote(batches, size, i) for i, a in enumerate(actors)]))
         assert all(ray.get([a.close.remote() for a in actors]))
     finally:
-        channel.close(timeout=60)  # logs the last windows, then stops the relays and the ingest
+        channel.close(timeout=60)  # logs the last windows, then stops the ingest
         for actor in actors:
             ray.kill(actor)
         if started_ray:

@@ -46,7 +46,7 @@ from rl_observers.sources.placement import process_token, source_info
 __all__ = ["LAST_WINDOW_TIMEOUT", "Contribution", "copy_worker"]
 
 #: Seconds a copy waits at its source's shutdown for its last window to be acknowledged by the
-#: owner's ingest (a relay or ingest actor still starting on a busy node takes seconds); within
+#: owner's ingest (an ingest actor still starting on a busy node takes seconds); within
 #: the source's own bound (30 s for the actors of a Ray source, see ``sources/ray.py``).
 LAST_WINDOW_TIMEOUT = 20.0
 

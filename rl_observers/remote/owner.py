@@ -32,7 +32,7 @@ __all__ = ["LAST_WINDOWS_WAIT", "Forwarder", "RemoteWing"]
 #: Seconds an observer's copies, once gone, have for their last windows to reach the owner before
 #: the missing ones are counted lost. A source's shutdown (or the removal) already waited for its
 #: live copies' last windows to be acknowledged, so they are on their way; on a busy node the last
-#: hops (relay, ingest) may still take a moment. :meth:`RemoteWing.copies_gone` never waits for them:
+#: hop (the ingest) may still take a moment. :meth:`RemoteWing.copies_gone` never waits for them:
 #: the account of those copies is settled by the next ``flush`` (which waits, within its own
 #: timeout, until this much time has passed since the copies were gone), by ``health()`` or by the
 #: channel's health report once it has passed, or by ``close``.

@@ -124,26 +124,6 @@ class Window(Payload):
     cut: int | None = None
     due: bool = False
 
-    @property
-    def final(self) -> bool:
-        """Whether it ends a run of windows that may merge (a copy's last one, or the finish marker)."""
-        return self.last or self.finish
-
-    def joins(self, newer: Window) -> bool:
-        """Whether ``newer`` may merge into this window: same copy and settings, neither last nor cut."""
-        return (
-            newer.namespace == self.namespace
-            and newer.observer == self.observer
-            and newer.worker == self.worker
-            and newer.process == self.process
-            and newer.copy == self.copy
-            and newer.spec == self.spec
-            and newer.base == self.base
-            and not (self.final or newer.final)
-            and self.cut is None
-            and newer.cut is None
-        )
-
     def older_than(self, other: Window) -> bool:
         """Whether this window was sent before ``other`` (both numbered)."""
         return self.seq is not None and other.seq is not None and self.seq < other.seq

@@ -235,7 +235,7 @@ def test_ray_shut_down_under_an_open_channel_starts_no_new_ray_instance(told):
         rb = ReplayBuffer(storage=LazyTensorStorage(100))
         rb.add_observer(LoggerObserver(channel, name="rb", schedule=Every.counter("write_count", 1)))
         rb.extend(torch.arange(10))
-        sender = RaySender(handle._addresses["ray"], relay=False, interval=0.01)
+        sender = RaySender(handle._addresses["ray"], interval=0.01)
         sender.send(Payload("sent", {"x": 1.0}))
         assert sender.flush(timeout=30) and sender.dropped == 0
     finally:

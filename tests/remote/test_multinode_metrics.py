@@ -201,10 +201,10 @@ def test_remove_observer_then_flush_delivers_everything(cluster, actors, tmp_pat
 
 
 @pytest.mark.real_collector
-@pytest.mark.parametrize("victim", ["relay", "ingest"])
-def test_killing_relay_or_ingest_mid_run(cluster, actors, tmp_path, victim):
+def test_killing_the_ingest_mid_run(cluster, actors, tmp_path):
     """Collection goes on; the owner's health shows the loss; flush/close return in time."""
     ray = pytest.importorskip("ray")
+    victim = "ingest"
     logger = CSVLogger(exp_name=victim, log_dir=str(tmp_path))
     channel = MetricsChannel(logger, health_interval=None)
     # the buffer is placed as worker 1 of 2 and worker 0 never writes: rows wait 0.5 s for it at most
@@ -214,17 +214,13 @@ def test_killing_relay_or_ingest_mid_run(cluster, actors, tmp_path, victim):
     ray.get(far.write.remote(2, 8, seed=5))
     running = far.write.remote(150, 8, seed=6, pause=0.01)  # ~2 s of writes
     address = channel.handle()._addresses["ray"]
-    names = {
-        "relay": f"rl_observers-relay-{address.token}-{cluster.far_node_id}",
-        "ingest": address.ingest,
-    }
     deadline = time.monotonic() + 20
     while True:
         try:
-            target = ray.get_actor(names[victim], namespace=address.namespace)
+            target = ray.get_actor(address.ingest, namespace=address.namespace)
             break
         except ValueError:
-            assert time.monotonic() < deadline, f"no {victim} actor"
+            assert time.monotonic() < deadline, "no ingest actor"
             time.sleep(0.05)
     time.sleep(0.5)
     ray.kill(target)
@@ -235,10 +231,7 @@ def test_killing_relay_or_ingest_mid_run(cluster, actors, tmp_path, victim):
     channel.flush(timeout=10)
     assert time.monotonic() - start < 12
     health = channel.health()
-    if victim == "relay":
-        assert health["remote_dropped"] > 0
-    else:
-        assert health["receiver_restarts"] >= 1
+    assert health["receiver_restarts"] >= 1
     # the row waited for worker 0 (never heard from) for worker_timeout at most, then was logged
     assert wait_for(lambda: scalars(logger, f"{victim}/items_written"), timeout=10)
     frames = scalars(logger, f"{victim}/items_written")

@@ -1,4 +1,4 @@
-"""The Ray transport: senders on any node reach the owner, merged per node on the way.
+"""The Ray transport: senders on any node reach the owner's ingest actor.
 
 Every test shares one Ray cluster per module: the two-node cluster of
 :mod:`tests.remote.multinode` where it can run (root, ``unshare``), a local one
@@ -23,14 +23,14 @@ import pytest
 from rl_observers.channel.payload import Payload
 from rl_observers.remote.aggregate import Aggregate
 from rl_observers.remote.ray import transport as ray_transport
-from rl_observers.remote.ray.relay import Message
-from rl_observers.remote.window import AggregateSpec, Window
+from rl_observers.remote.ray.ingest import Message
+from rl_observers.remote.window import Window
 from rl_observers.stats import Count, Moments
 from tests.helpers import local_ray, wait_for
 from tests.remote.multinode import Cluster, _groups_of_sessions, two_node_cluster
 
-# What a flush that must succeed may take: its first send starts a relay, a new Ray worker
-# process that imports torch (tens of seconds with the other core busy). Returns when done.
+# What a flush that must succeed may take (the ingest, a new Ray worker process, may still be
+# starting with the other core busy). Returns when done.
 FLUSH_SECONDS = 120.0
 
 
@@ -129,10 +129,9 @@ def test_registry_hooks(ray_env, receiver):
     assert pickle.loads(pickle.dumps(address)) == address
 
 
-@pytest.mark.parametrize("relay", [False, True], ids=["direct", "relay"])
-def test_round_trip_keeps_every_payload(ray_env, receiver, relay):
+def test_round_trip_keeps_every_payload(ray_env, receiver):
     recv, recorder = receiver
-    sender = ray_env.transport.RaySender(recv.address(), relay=relay)
+    sender = ray_env.transport.RaySender(recv.address())
     for i in range(20):  # windows of 20 workers (none merges with another on the way)
         window = Window(
             f"ns{i % 2}",
@@ -195,7 +194,7 @@ def test_bounded_in_flight_coalesces_then_drops_and_counts(ray_env):
     ray, transport = ray_env.ray, ray_env.transport
     token, address, stall = stalled_ingest(ray, transport)
     stalled = stall()
-    sender = transport.RaySender(address, relay=False, in_flight=2, capacity=4, interval=0.005)
+    sender = transport.RaySender(address, in_flight=2, capacity=4, interval=0.005)
 
     def send(ns):
         start = time.perf_counter()
@@ -238,7 +237,7 @@ def test_bounded_in_flight_coalesces_then_drops_and_counts(ray_env):
         sender.close(1.0)
 
 
-# -- per-node pre-merge ------------------------------------------------------------------------
+# -- many workers --------------------------------------------------------------------------------
 
 
 def contribution(worker, values, frames, held=(1, 0), **fields) -> Message:
@@ -250,52 +249,6 @@ def contribution(worker, values, frames, held=(1, 0), **fields) -> Message:
         "obs", metrics, None, observer="obs", worker=worker, counters={"frames": frames}, **fields
     )
     return Message(window, (0, 0), held)
-
-
-def described(message: Message) -> tuple:
-    """``(namespace, worker, finish)`` of a message's payload (``None``: not a window)."""
-    payload = message.payload
-    if isinstance(payload, Window):
-        return payload.namespace, payload.worker, payload.finish
-    return payload.namespace, None, None
-
-
-def test_premerge_merges_consecutive_windows_of_one_worker_only(ray_env):
-    premerge = ray_env.transport.premerge
-    messages = [
-        contribution(0, [1.0], 1),
-        contribution(1, [2.0], 1),
-        Message(Payload("plain", {"x": 1.0}, 3), (1, 0), (1, 0)),
-        contribution(0, [3.0, 4.0], 3, held=(3, 2)),  # two payloads coalesced into it
-        contribution(1, [5.0], 2, finish=True),
-        contribution(1, [6.0], 3),
-        # other settings: a new window
-        contribution(0, [7.0], 4, spec=AggregateSpec(None, None, scope="both")),
-        Message(Payload("plain", {"x": 2.0}, 4), (0, 2), (1, 0)),
-    ]
-    out = premerge(messages)
-    assert [described(m) for m in out] == [
-        ("obs", 0, False),
-        ("obs", 1, False),
-        ("plain", None, None),
-        ("obs", 1, True),
-        ("obs", 1, False),
-        ("obs", 0, False),
-        ("plain", None, None),
-    ]
-    first = out[0].payload
-    assert first.metrics["n"].n == 2 and first.counters == {"frames": 3}
-    assert (
-        first.metrics["r"].finalize()
-        == Moments.from_values(
-            "r", [1.0, 3.0, 4.0], stats=("count", "mean", "std", "min", "max")
-        ).finalize()
-    )
-    assert first.metrics["batch"] == 2.0  # gauges keep the newest
-    assert sum(m.counts[0] for m in out) == 1 and sum(m.counts[1] for m in out) == 2
-    # lost together from now on: the merged message holds every payload of both
-    assert out[0].held == (4, 2) and sum(m.held[0] for m in out) == 10
-    assert [m.payload.metrics["x"] for m in out if m.payload.namespace == "plain"] == [1.0, 2.0]
 
 
 def rows_of(messages):
@@ -314,8 +267,8 @@ def merged(rows, namespace, key):
     return total
 
 
-def test_relay_merge_is_exact_across_workers(ray_env, receiver):
-    """Senders of several workers on one node: the owner's aggregate equals the union of the data."""
+def test_merge_is_exact_across_workers(ray_env, receiver):
+    """Senders of several workers: the owner's aggregate equals the union of the data."""
     ray = ray_env.ray
     recv, recorder = receiver
     address = tuple(recv.address())
@@ -325,7 +278,7 @@ def test_relay_merge_is_exact_across_workers(ray_env, receiver):
         def run(self, address, first, count, rounds):
             from tests.remote.test_ray_transport import contribution, load_transport
 
-            sender = load_transport().RaySender(address, relay=True, node="one-node")
+            sender = load_transport().RaySender(address)
             for i in range(rounds):
                 for worker in range(first, first + count):
                     values = [float((worker * 7 + i * 3) % 11 - 5), float(i)]
@@ -356,11 +309,6 @@ def test_relay_merge_is_exact_across_workers(ray_env, receiver):
         got = merged(rows, f"obs/worker_{w}", "r").finalize()
         assert math.isclose(got["r_mean"], sum(values) / len(values), rel_tol=1e-12)
         assert got["r_count"] == len(values)
-    relay = ray.get_actor(f"rl_observers-relay-{address[0]}-one-node", namespace=address[2])
-    stats = ray.get(relay.stats.remote())
-    assert stats["received"] == 12 * rounds
-    assert stats["forwarded"] < stats["received"]  # windows of one worker merged on the node
-    assert len(recorder.messages) == stats["forwarded"]
     for a in actors:
         ray.kill(a)
 
@@ -368,23 +316,17 @@ def test_relay_merge_is_exact_across_workers(ray_env, receiver):
 # -- faults --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("victim", ["relay", "ingest"])
-def test_killing_relay_or_ingest_mid_run(ray_env, receiver, victim):
-    """Sends never wait nor raise; the sender re-finds its target; losses are counted."""
+def test_killing_the_ingest_mid_run(ray_env, receiver):
+    """Sends never wait nor raise; the sender re-finds the new ingest; the restart is counted."""
     ray, transport = ray_env.ray, ray_env.transport
     recv, recorder = receiver
     address = recv.address()
-    sender = transport.RaySender(address, relay=True, node="faulty", relay_interval=0.05)
+    sender = transport.RaySender(address)
     for _ in range(10):
         sender.send(Payload("a", {"n": Count("n", 1)}))
     assert sender.flush(FLUSH_SECONDS)
     assert recorder.wait_for(lambda m: n_of(recorder) == 10)
-    if victim == "relay":
-        ray.kill(
-            ray.get_actor(f"rl_observers-relay-{address.token}-faulty", namespace=address.namespace)
-        )
-    else:
-        ray.kill(ray.get_actor(address.ingest, namespace=address.namespace))
+    ray.kill(ray.get_actor(address.ingest, namespace=address.namespace))
     worst = 0.0
     stop = time.monotonic() + 3.0
     sent = 10
@@ -403,11 +345,7 @@ def test_killing_relay_or_ingest_mid_run(ray_env, receiver, victim):
         sent += 1
     assert sender.flush(FLUSH_SECONDS)
     assert recorder.wait_for(lambda m: n_of(recorder, "b") == 5)
-    if victim == "relay":  # the calls that failed are counted, here and at the owner
-        assert recorder.wait_for(lambda m: recorder.counts()[0] == sender.dropped)
-        assert n_of(recorder) + sender.dropped == sent
-    else:
-        assert recv.restarts >= 1  # what the dead ingest held is lost; its death is counted
+    assert recv.restarts >= 1  # what the dead ingest held is lost; its death is counted
     sender.close(1.0)
 
 
@@ -434,14 +372,6 @@ def flood(sender, namespace: str, bursts: int, size: int) -> int:
     return bursts * size
 
 
-def is_dead(ray, actor) -> bool:
-    try:
-        ray.get(actor.__ray_ready__.remote(), timeout=10)
-    except ray.exceptions.RayActorError:
-        return True
-    return False
-
-
 def assert_exact(recorder: Recorder, sender, sent: int) -> None:
     """The owner's counts are the sender's, and they account for every payload ``sent``.
 
@@ -457,58 +387,13 @@ def assert_exact(recorder: Recorder, sender, sent: int) -> None:
     )
 
 
-def holding_relay(ray, address, node: str, capacity: int = 1 << 16) -> Any:
-    """The relay of ``node``, made before its senders: it holds ``capacity`` messages until flushed."""
-    from rl_observers.remote.ray.relay import _actor_class, _Relay, _relay_name
-
-    relay = (
-        _actor_class(_Relay, num_cpus=0, max_concurrency=4)
-        .options(
-            name=_relay_name(address.token, node),
-            namespace=address.namespace,
-            lifetime="detached",  # as its senders make it; the owner's close kills it
-        )
-        .remote(address, 3600.0, capacity)
-    )
-    ray.get(relay.__ray_ready__.remote())
-    return relay
-
-
-def test_a_full_relay_counts_every_merged_payload_it_drops_in_the_owners_health(ray_env):
-    """The owner's drops are exactly the payloads submitted that never reached its logger."""
-    from rl_observers import MetricsChannel
-    from tests.helpers import RecordingLogger
-
-    logger = RecordingLogger()
-    channel = MetricsChannel(logger, health_interval=None)
-    try:
-        address = channel.handle(transport="ray").address
-        holding_relay(ray_env.ray, address, "full", capacity=1)  # keeps one message, drops the rest
-        sender = ray_env.transport.RaySender(
-            address, relay=True, node="full", capacity=1, interval=0.005
-        )
-        sent = flood(sender, "flood", bursts=10, size=20)
-        assert sender.dropped == 0 and sender.coalesced > 0  # all merged and handed to the relay
-        assert sender.flush(FLUSH_SECONDS)
-        assert not channel.flush(timeout=30)  # payloads were lost: flush says so
-        logged = sum(n for _, n in logger.series("flood/n"))
-        health = channel.health()
-        assert 0 < logged < sent
-        assert health["dropped"] + health["remote_dropped"] == sent - logged, (sent, logged, health)
-        # what got through: one entry each, the rest of its payloads coalesced into it
-        assert health["logged"] + health["remote_coalesced"] == logged
-        sender.close(1.0)
-    finally:
-        channel.close(timeout=10)
-
-
 def test_a_full_ingest_counts_every_merged_payload_it_drops(ray_env):
     transport = ray_env.transport
     recorder = Recorder()
     recv = transport.RayReceiver(uuid.uuid4().hex[:12], capacity=1)
     recv.start(recorder, background=False)  # drained only when polled: it fills up
     try:
-        sender = transport.RaySender(recv.address(), relay=False, capacity=1, interval=0.005)
+        sender = transport.RaySender(recv.address(), capacity=1, interval=0.005)
         sent = flood(sender, "a", bursts=10, size=20)
         assert sender.flush(FLUSH_SECONDS)  # every call returned (the ingest kept one batch)
         recv.poll(time.monotonic() + 10)
@@ -527,7 +412,7 @@ def test_a_call_that_fails_counts_every_payload_merged_into_its_messages(ray_env
     ray, transport = ray_env.ray, ray_env.transport
     token, address, stall = stalled_ingest(ray, transport)
     first = stall()
-    sender = transport.RaySender(address, relay=False, in_flight=1, capacity=1, interval=0.005)
+    sender = transport.RaySender(address, in_flight=1, capacity=1, interval=0.005)
     sent = send_payloads(sender, "a", 1)
     assert wait_for(lambda: sender.stats["calls"] == 1, timeout=10)  # out, and hanging
     sent += send_payloads(sender, "a", 50)  # no call free: all merge into one buffered message
@@ -551,31 +436,6 @@ def test_a_call_that_fails_counts_every_payload_merged_into_its_messages(ray_env
     finally:
         recv.close(time.monotonic() + 5)
         sender.close(1.0)
-
-
-def test_a_relay_that_dies_counts_every_merged_payload_it_held(ray_env, receiver):
-    ray, transport = ray_env.ray, ray_env.transport
-    recv, recorder = receiver
-    address = recv.address()
-    relay = holding_relay(ray, address, "dies")
-    sender = transport.RaySender(
-        address, relay=True, node="dies", capacity=1, interval=0.005, relay_interval=0.05
-    )
-    sent = flood(sender, "a", bursts=3, size=20)
-    assert wait_for(lambda: sender.stats["in_flight"] == 0, timeout=10)  # all held by the relay
-    assert sender.coalesced > 0
-    ray.kill(relay)
-    assert wait_for(lambda: is_dead(ray, relay), timeout=10)  # before the next call reaches it
-    calls = sender.stats["calls"]
-    sent += send_payloads(sender, "a", 1)  # its call finds the relay dead: what it held is lost
-    assert wait_for(lambda: sender.stats["calls"] > calls and sender.stats["in_flight"] == 0, timeout=10)
-    assert sender.dropped == 61 and sender.coalesced == 0, (sender.dropped, sender.coalesced)
-    sent += send_payloads(sender, "b", 5)  # through a new relay
-    assert sender.flush(FLUSH_SECONDS)
-    assert recorder.wait_for(lambda m: n_of(recorder, "b") == 5)
-    assert n_of(recorder) == 5
-    assert_exact(recorder, sender, sent)
-    sender.close(1.0)
 
 
 # -- the channel's side ---------------------------------------------------------------------------
@@ -608,7 +468,7 @@ def test_channel_handles_carry_both_addresses_and_pick_or_are_told(ray_env, tmp_
         assert time.monotonic() - start < 12
     token = remote._token
     names = [a["name"] for a in ray_env.ray.util.list_named_actors(all_namespaces=True)]
-    assert not [n for n in names if token in n]  # close killed the ingest and the relays
+    assert not [n for n in names if token in n]  # close killed the ingest
 
 
 # -- two nodes -----------------------------------------------------------------------------------
@@ -662,10 +522,6 @@ def test_far_node_reaches_the_owner_through_ray_and_not_through_its_socket(ray_e
             "r", [float(i) for i in range(50)], stats=("count", "mean", "std", "min", "max")
         ).finalize()
         assert got == pytest.approx(truth, rel=1e-12)
-        relay = ray.get_actor(
-            f"rl_observers-relay-{address[0]}-{cluster.far_node_id}", namespace=address[2]
-        )
-        assert relay is not None
         head = ray.get(report.options(resources=cluster.head).remote(address, path, 1))
         assert head[0] == cluster.head_node_id and head[1] and head[2]  # control: same machine
     finally:
@@ -719,23 +575,26 @@ def test_cluster_stops_cleanly_and_plain_ray_init_works_after(ray_env):
     )
 
 
-def test_premerge_keeps_the_newest_plain_numbers_of_windows_that_passed_each_other():
-    # A relay receives a copy's windows out of order (4 calls in flight, a threaded actor):
-    # the gauges of the window sent last win, the partials merge, the counters are the newest.
-    newer = contribution(0, [1.0], 5, seq=5)
-    older = contribution(0, [2.0, 3.0], 4, seq=4)
-    (merged,) = (m.payload for m in ray_transport.premerge([newer, older]))
+def test_merging_keeps_the_newest_plain_numbers_of_windows_that_passed_each_other():
+    # The ingest takes a copy's windows out of order (4 calls in flight, a threaded actor), and
+    # the owner's full queue merges them: the gauges of the window sent last win, the partials
+    # merge, the counters are the newest.
+    newer, older = contribution(0, [1.0], 5, seq=5), contribution(0, [2.0, 3.0], 4, seq=4)
+    merged = newer.payload
+    assert merged.absorb(older.payload) is None
     assert merged.metrics["batch"] == 1.0  # not 2.0, the stale window's gauge
     assert merged.metrics["r"].finalize()["r_count"] == 3
     assert merged.counters == {"frames": 5} and merged.seq == 5
-    (in_order,) = (m.payload for m in ray_transport.premerge([older, newer]))
+    newer, older = contribution(0, [1.0], 5, seq=5), contribution(0, [2.0, 3.0], 4, seq=4)
+    in_order = older.payload
+    assert in_order.absorb(newer.payload) is None
     assert in_order.metrics["batch"] == 1.0 and in_order.counters == {"frames": 5}
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_starts_its_own_sending_thread():
     """``send`` reads a flag, not the pid: a fork clears it, so the child's first send starts a thread."""
-    sender = ray_transport.RaySender(("token", "ingest", "namespace", "owner"), relay=False)
+    sender = ray_transport.RaySender(("token", "ingest", "namespace", "owner"))
     sender.send(Payload("ns", {"n": Count("n", 1)}))  # no Ray here: the thread just retries
     assert sender._running and sender._thread_pid == os.getpid()
     read, write = os.pipe()

@@ -1,10 +1,10 @@
 """Ray, both ways: observer copies into Ray actors, and their windows back to the owner.
 
 The one place that knows Ray (importing it never imports Ray). Out:
-:mod:`~rl_observers.remote.ray.observed`. Back, from any node, merged per
-node on the way (:mod:`~rl_observers.remote.ray.transport`): the workers'
-:mod:`~rl_observers.remote.ray.sender`, the per-node relay and the owner's
-ingest (:mod:`~rl_observers.remote.ray.relay`), the owner's
+:mod:`~rl_observers.remote.ray.observed`. Back, from any node
+(:mod:`~rl_observers.remote.ray.transport`): the workers'
+:mod:`~rl_observers.remote.ray.sender`, the owner's ingest actor
+(:mod:`~rl_observers.remote.ray.ingest`) and
 :mod:`~rl_observers.remote.ray.receiver`.
 """
 

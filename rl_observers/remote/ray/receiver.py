@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rl_observers.remote.ray.relay import (
+from rl_observers.remote.ray.ingest import (
     ACTOR_NAMESPACE,
     DRAIN_BATCH,
     DRAIN_WAIT,
@@ -27,14 +27,10 @@ from rl_observers.remote.ray.relay import (
     _Ingest,
     _pinned,
     _ray,
-    _relay_name,
 )
 
 # torchrl's logger (the same object as torchrl._utils.logger)
 torchrl_logger = logging.getLogger("torchrl")
-
-#: Seconds a relay is given to forward what it holds, at a flush or close.
-RELAY_FLUSH = 5.0
 
 # The receivers started in this process (closed by close_ray_receivers).
 _STARTED: weakref.WeakSet[RayReceiver] = weakref.WeakSet()
@@ -48,7 +44,7 @@ def close_ray_receivers() -> None:
     For a ``ray.shutdown()`` known to come (a torchrl source's runtime lease).
     """
     for receiver in list(_STARTED):
-        receiver.close(time.monotonic() + RELAY_FLUSH)
+        receiver.close(time.monotonic() + 5.0)
 
 
 class RayReceiver:
@@ -252,64 +248,20 @@ class RayReceiver:
         return messages
 
     def barrier(self, deadline: float | None) -> None:
-        """Accepts everything sent before the call that left its sender (flush's barrier).
-
-        A relay that does not answer by ``deadline`` costs its share, never more time.
-        """
+        """Accepts everything sent before the call that left its sender (flush's barrier)."""
         if self._address is None or os.getpid() != self._pid:
             return
         time.sleep(2 * SENDER_INTERVAL)
-        ray = _ray()
-        relays = self.relays()
-        if relays:
-            left = RELAY_FLUSH if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                refs = [relay.flush.remote(min(left, RELAY_FLUSH)) for relay in relays]
-                ray.wait(refs, num_returns=len(refs), timeout=min(left, RELAY_FLUSH) + 1.0)
-            except Exception:
-                pass
         self.poll(deadline)
 
-    def relays(self) -> list[Any]:
-        """This channel's relay actors, on every node."""
-        ray = _ray()
-        address = self._address
-        if address is None:
-            return []
-        if not ray.is_initialized():  # (a call would start a new local Ray instance)
-            return []
-        prefix = _relay_name(self.token, "")
-        found = []
-        try:
-            named = ray.util.list_named_actors(all_namespaces=True)
-        except Exception:
-            return []
-        for entry in named:
-            if entry.get("namespace") == address.namespace and entry.get("name", "").startswith(
-                prefix
-            ):
-                try:
-                    found.append(ray.get_actor(entry["name"], namespace=address.namespace))
-                except Exception:  # gone meanwhile
-                    pass
-        return found
-
     def close(self, deadline: float | None = None) -> None:
-        """Forwards what relays hold, accepts what is left, kills the relays and the ingest.
+        """Accepts what the ingest holds, then kills it.
 
         Waits until ``deadline`` (``time.monotonic()``) at most.
         """
         if self._address is None or os.getpid() != self._pid:
             return
         ray = _ray()
-        relays = self.relays()
-        if relays:  # what the relays hold goes to the ingest first
-            left = 5.0 if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                refs = [relay.flush.remote(min(left, 5.0)) for relay in relays]
-                ray.wait(refs, num_returns=len(refs), timeout=min(left, 5.0))
-            except Exception:
-                pass
         self._stop = True
         thread = self._thread
         if thread is not None:
@@ -319,11 +271,9 @@ class RayReceiver:
             if not self.drain(0.0, timeout=left, lock_timeout=left):
                 break
         actor, self._actor = self._actor, None
-        if not ray.is_initialized():
-            return
-        for victim in [*relays, *([actor] if actor is not None else [])]:
+        if actor is not None and ray.is_initialized():
             try:
-                ray.kill(victim)
+                ray.kill(actor)
             except Exception:
                 pass
 

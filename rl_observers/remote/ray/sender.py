@@ -15,29 +15,24 @@ from typing import Any
 from rl_observers import lifecycle
 from rl_observers.channel.payload import Payload
 from rl_observers.channel.queue import PendingQueue
-from rl_observers.remote.ray.relay import (
+from rl_observers.remote.ray.ingest import (
     NAME,
-    RELAY_INTERVAL,
     SENDER_INTERVAL,
     Message,
     RayAddress,
-    _actor_class,
     _Forwarder,
     _is_address,
-    _pinned,
     _ray,
-    _Relay,
-    _relay_name,
 )
 
 # torchrl's logger (the same object as torchrl._utils.logger)
 torchrl_logger = logging.getLogger("torchrl")
 
-#: Messages a sender buffers before it coalesces per namespace (room for a relay that
+#: Messages a sender buffers before it coalesces per namespace (room for an ingest that
 #: stalls a few hundred milliseconds at thousands of windows a second: a full buffer
 #: makes every send take the merging path).
 SENDER_CAPACITY = 4096
-#: Batches a sender has in flight to its relay (or the ingest) at most.
+#: Batches a sender has in flight to the ingest at most.
 SENDER_IN_FLIGHT = 4
 
 
@@ -52,10 +47,6 @@ class RaySender:
             per namespace (or drop the oldest). Defaults to ``SENDER_CAPACITY``.
         in_flight (int, optional): batches in flight at most. Defaults to
             ``SENDER_IN_FLIGHT``.
-        relay (bool, optional): send through this node's relay actor
-            (per-node pre-merge); ``False`` sends straight to the ingest.
-            Defaults to ``True``.
-        node (str, optional): the key of this node's relay. Defaults to this node's id.
         interval (float, optional): seconds between two rounds of the
             sending thread. Defaults to ``SENDER_INTERVAL``.
     """
@@ -68,10 +59,7 @@ class RaySender:
         *,
         capacity: int = SENDER_CAPACITY,
         in_flight: int = SENDER_IN_FLIGHT,
-        relay: bool = True,
-        node: str | None = None,
         interval: float = SENDER_INTERVAL,
-        relay_interval: float = RELAY_INTERVAL,
     ) -> None:
         if not _is_address(address):
             raise TypeError(f"RaySender expected a RayAddress, got {address!r}.")
@@ -82,13 +70,9 @@ class RaySender:
         # a buffer half full wakes the sending thread early: at a high rate it would otherwise
         # fill before the next round and every further send would take the merging path
         self._wake_at = max(capacity // 2, 1)
-        self._relay = relay
-        self._node = node
         self._interval = interval
-        self._relay_interval = relay_interval
         self._lock = threading.Lock()
-        self._forwarder = _Forwarder(self._find_target, in_flight)
-        self._relay_handle: Any = None
+        self._forwarder = _Forwarder(self._find_ingest, in_flight)
         self._warned = False
         self._wake = threading.Event()
         # (done, deadline, result) of each flush waiting for the sending thread
@@ -218,37 +202,11 @@ class RaySender:
                 forwarder.wait(time.monotonic() + 0.05)
             else:  # no target now: try again until the deadline
                 time.sleep(0.05)
-        if not forwarder.wait(deadline):
-            return False
-        relay = self._relay_handle if self._relay else None
-        if relay is None:
-            return forwarder.error is None
-        ray = _ray()
-        left = 5.0 if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
-            flushed = bool(ray.get(relay.flush.remote(left), timeout=left + 1.0))
-        except Exception:
-            return False
-        if flushed:
-            forwarder.confirmed_all()
-        return flushed
+        return forwarder.wait(deadline) and forwarder.error is None
 
-    def _find_target(self) -> Any:
-        ray = _ray()
+    def _find_ingest(self) -> Any:
         address = self.address
-        ingest = ray.get_actor(address.ingest, namespace=address.namespace)
-        if not self._relay:
-            return ingest
-        node_id = ray.get_runtime_context().get_node_id()
-        relay_class = _actor_class(_Relay, num_cpus=0, max_concurrency=4)
-        self._relay_handle = relay_class.options(
-            name=_relay_name(address.token, self._node or node_id),
-            namespace=address.namespace,
-            get_if_exists=True,
-            lifetime="detached",  # outlives the worker that made it; the owner kills it
-            scheduling_strategy=_pinned(node_id),
-        ).remote(address, self._relay_interval)
-        return self._relay_handle
+        return _ray().get_actor(address.ingest, namespace=address.namespace)
 
     def _warn_once(self, message: str) -> None:
         if not self._warned:

@@ -2,10 +2,7 @@
 
 A sender's ``send`` only queues (the bounded, coalescing
 :class:`~rl_observers.channel.queue.PendingQueue`); its thread pushes
-batches fire-and-forget to the relay actor of its node, which merges one
-copy's consecutive windows for an interval (:func:`~.relay.premerge`:
-totals exact, a row boundary moves by at most one interval) and forwards
-them to the owner's ingest actor; the owner's
+batches fire-and-forget to the owner's ingest actor; the owner's
 :class:`~.receiver.RayReceiver` drains it. Drops and coalescing travel with
 the next message; a lost message counts all its payloads as dropped. See
 ``docs/distributed.rst``, "Across machines".
@@ -17,15 +14,14 @@ import os
 import threading
 from typing import Any
 
-from rl_observers.remote.ray.receiver import RayReceiver
-from rl_observers.remote.ray.relay import (
+from rl_observers.remote.ray.ingest import (
     ACTOR_NAMESPACE,
     NAME,
     RayAddress,
     _is_address,
     _ray,
-    premerge,
 )
+from rl_observers.remote.ray.receiver import RayReceiver
 from rl_observers.remote.ray.sender import RaySender
 from rl_observers.remote.transport import register_transport
 
@@ -38,7 +34,6 @@ __all__ = [
     "RaySender",
     "make_receiver",
     "make_sender",
-    "premerge",
     "reachable",
 ]
 
