@@ -195,7 +195,7 @@ class FailureStreaks:
     """Which parts of an observer are in a failure streak: the one tracker of ``on_error``'s rule.
 
     :meth:`fail` raises, warns once per streak or records; a streak ends with
-    :meth:`succeeded`, or :meth:`recover` for keys that did not fail again.
+    :meth:`recover` for keys that did not fail again (or when ``failing`` drops it).
 
     Examples:
         >>> from rl_observers.observer import FailureStreaks
@@ -225,10 +225,6 @@ class FailureStreaks:
             torchrl_logger.warning(warning())
         self.failing.add(key)
         self.failed_now.add(key)
-
-    def succeeded(self, key: Any) -> None:
-        """Ends the streak of ``key``."""
-        self.failing.discard(key)
 
     def recover(self, keys: Iterable[Any]) -> None:
         """Ends the streaks of ``keys`` that did not fail since the previous call."""
