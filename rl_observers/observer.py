@@ -179,18 +179,6 @@ def _check_signature(owner: Any, attr: str, fn: Callable[..., Any], nargs: int) 
         ) from None
 
 
-class _CallablePostCollect:
-    """Adapts a plain callable ``fn(batch)`` to the ``(source, batch)`` event signature."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Callable[[Any], Any]) -> None:
-        self.fn = fn
-
-    def __call__(self, source: Any, batch: Any) -> None:
-        self.fn(batch)
-
-
 class FailureStreaks:
     """Which parts of an observer are in a failure streak: the one tracker of ``on_error``'s rule.
 
@@ -321,7 +309,7 @@ def resolve_observer(
                 "metrics=[Mean('name', fn, on='post_sample')] or Gauge('name', fn, merge='latest', "
                 "on='post_extend'); for other work, define on_<event> methods."
             )
-        methods = {"post_collect": _CallablePostCollect(observer)}
+        methods = {"post_collect": lambda source, batch: observer(batch)}  # fn(batch) as an event
     elif not methods:
         raise TypeError(
             f"{type(observer).__name__} observes {', '.join(sorted(every))}, none of which a "
