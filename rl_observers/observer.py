@@ -179,23 +179,11 @@ def _check_signature(owner: Any, attr: str, fn: Callable[..., Any], nargs: int) 
         ) from None
 
 
-class _CallablePostCollect:
-    """Adapts a plain callable ``fn(batch)`` to the ``(source, batch)`` event signature."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Callable[[Any], Any]) -> None:
-        self.fn = fn
-
-    def __call__(self, source: Any, batch: Any) -> None:
-        self.fn(batch)
-
-
 class FailureStreaks:
     """Which parts of an observer are in a failure streak: the one tracker of ``on_error``'s rule.
 
     :meth:`fail` raises, warns once per streak or records; a streak ends with
-    :meth:`succeeded`, or :meth:`recover` for keys that did not fail again.
+    :meth:`recover` for keys that did not fail again (or when ``failing`` drops it).
 
     Examples:
         >>> from rl_observers.observer import FailureStreaks
@@ -225,10 +213,6 @@ class FailureStreaks:
             torchrl_logger.warning(warning())
         self.failing.add(key)
         self.failed_now.add(key)
-
-    def succeeded(self, key: Any) -> None:
-        """Ends the streak of ``key``."""
-        self.failing.discard(key)
 
     def recover(self, keys: Iterable[Any]) -> None:
         """Ends the streaks of ``keys`` that did not fail since the previous call."""
@@ -325,7 +309,7 @@ def resolve_observer(
                 "metrics=[Mean('name', fn, on='post_sample')] or Gauge('name', fn, merge='latest', "
                 "on='post_extend'); for other work, define on_<event> methods."
             )
-        methods = {"post_collect": _CallablePostCollect(observer)}
+        methods = {"post_collect": lambda source, batch: observer(batch)}  # fn(batch) as an event
     elif not methods:
         raise TypeError(
             f"{type(observer).__name__} observes {', '.join(sorted(every))}, none of which a "

@@ -605,7 +605,7 @@ def enable_profile(
         )
     options = locals()
     config = _make_config({key: options[key] for key in CONFIG_KEYS})
-    if _is_multiprocess(self) and (not hasattr(self, "pipes") or getattr(self, "closed", True)):
+    if isinstance(self, MultiCollector) and (not hasattr(self, "pipes") or getattr(self, "closed", True)):
         raise RuntimeError(
             "MultiCollector workers are not running; call enable_profile() "
             "before close()/shutdown()."
@@ -631,10 +631,6 @@ def _detach_profiler(collector: BaseCollector) -> None:
     if observer is not None and any(o is observer for o in collector.observers):  # type: ignore[attr-defined]
         collector.remove_observer(observer)  # type: ignore[attr-defined]
     collector.__dict__.pop("_rl_profiler", None)
-
-
-def _is_multiprocess(collector: BaseCollector) -> bool:
-    return isinstance(collector, MultiCollector)
 
 
 def _wraps(fn: Any, target: Any) -> bool:

@@ -76,6 +76,18 @@ _PREFETCHING_BUFFER = How(ObservedPrefetchingReplayBuffer, PrefetchingBufferObse
 _ACTOR_BUFFER = How(ray._ActorObservedReplayBuffer, ReplayBufferObservers)
 _ACTOR_TENSORDICT_BUFFER = How(ray._ActorObservedTensorDictReplayBuffer, ReplayBufferObservers)
 
+# torchrl's in-process replay buffers, under torchrl.data.replay_buffers, and whether their
+# actor-side observation is the TensorDict one.
+_BUFFER_CLASSES = {
+    "replay_buffers:ReplayBuffer": False,
+    "replay_buffers:PrioritizedReplayBuffer": False,
+    "replay_buffers:TensorDictReplayBuffer": True,
+    "replay_buffers:TensorDictPrioritizedReplayBuffer": True,
+    "replay_buffers:RemoteTensorDictReplayBuffer": True,
+    "replay_buffers:ReplayBufferEnsemble": False,
+    "her:HERReplayBuffer": True,
+}
+
 #: ``{context: {"module:qualname" of a torchrl class: How}}``: the one answer to "how is it observed?".
 TABLE: dict[str | None, dict[str, How]] = {
     None: {
@@ -89,36 +101,17 @@ TABLE: dict[str | None, dict[str, How]] = {
         f"{_DISTRIBUTED}.generic:DistributedCollector": _DISTRIBUTED_COLLECTOR,
         f"{_DISTRIBUTED}.sync:DistributedSyncCollector": _DISTRIBUTED_COLLECTOR,
         f"{_DISTRIBUTED}.rpc:RPCCollector": _DISTRIBUTED_COLLECTOR,
-        f"{_BUFFERS}.replay_buffers:ReplayBuffer": _LOCAL_BUFFER,
-        f"{_BUFFERS}.replay_buffers:PrioritizedReplayBuffer": _LOCAL_BUFFER,
-        f"{_BUFFERS}.replay_buffers:TensorDictReplayBuffer": _LOCAL_BUFFER,
-        f"{_BUFFERS}.replay_buffers:TensorDictPrioritizedReplayBuffer": _LOCAL_BUFFER,
-        f"{_BUFFERS}.replay_buffers:RemoteTensorDictReplayBuffer": _LOCAL_BUFFER,
-        f"{_BUFFERS}.replay_buffers:ReplayBufferEnsemble": _LOCAL_BUFFER,
-        f"{_BUFFERS}.her:HERReplayBuffer": _LOCAL_BUFFER,
+        **{f"{_BUFFERS}.{name}": _LOCAL_BUFFER for name in _BUFFER_CLASSES},
         f"{_BUFFERS}.ray_buffer:RayReplayBuffer": How(
             ray._DriverObservedRayReplayBuffer, ObserverList, kind=ray.RAY_REPLAY_BUFFER
         ),
     },
     # A buffer built with prefetch=N (torchrl refuses to share one): sampling emits at hand-over.
-    PREFETCHING: {
-        f"{_BUFFERS}.replay_buffers:ReplayBuffer": _PREFETCHING_BUFFER,
-        f"{_BUFFERS}.replay_buffers:PrioritizedReplayBuffer": _PREFETCHING_BUFFER,
-        f"{_BUFFERS}.replay_buffers:TensorDictReplayBuffer": _PREFETCHING_BUFFER,
-        f"{_BUFFERS}.replay_buffers:TensorDictPrioritizedReplayBuffer": _PREFETCHING_BUFFER,
-        f"{_BUFFERS}.replay_buffers:RemoteTensorDictReplayBuffer": _PREFETCHING_BUFFER,
-        f"{_BUFFERS}.replay_buffers:ReplayBufferEnsemble": _PREFETCHING_BUFFER,
-        f"{_BUFFERS}.her:HERReplayBuffer": _PREFETCHING_BUFFER,
-    },
+    PREFETCHING: {f"{_BUFFERS}.{name}": _PREFETCHING_BUFFER for name in _BUFFER_CLASSES},
     # Inside a RayReplayBuffer's actor: writes and samples seen through private lookups.
     ray.ACTOR: {
-        f"{_BUFFERS}.replay_buffers:ReplayBuffer": _ACTOR_BUFFER,
-        f"{_BUFFERS}.replay_buffers:PrioritizedReplayBuffer": _ACTOR_BUFFER,
-        f"{_BUFFERS}.replay_buffers:TensorDictReplayBuffer": _ACTOR_TENSORDICT_BUFFER,
-        f"{_BUFFERS}.replay_buffers:TensorDictPrioritizedReplayBuffer": _ACTOR_TENSORDICT_BUFFER,
-        f"{_BUFFERS}.replay_buffers:RemoteTensorDictReplayBuffer": _ACTOR_TENSORDICT_BUFFER,
-        f"{_BUFFERS}.replay_buffers:ReplayBufferEnsemble": _ACTOR_BUFFER,
-        f"{_BUFFERS}.her:HERReplayBuffer": _ACTOR_TENSORDICT_BUFFER,
+        f"{_BUFFERS}.{name}": _ACTOR_TENSORDICT_BUFFER if tensordict else _ACTOR_BUFFER
+        for name, tensordict in _BUFFER_CLASSES.items()
     },
     # The Ray-transport client an observed RayReplayBuffer hands out (the "distributed"
     # transport's client is never observed: that transport is refused at attach).

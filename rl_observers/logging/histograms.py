@@ -7,6 +7,7 @@ loggers get the quantile scalars only. See :doc:`histograms`.
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -153,7 +154,8 @@ class HistogramDrawer:
             if histogram is None:
                 continue
             edges, counts = histogram
-            getattr(self, f"_{self.backend}")(_tag(namespace, key), edges, counts, step, value)
+            draw = self._tensorboard if self.backend == "tensorboard" else self._binned
+            draw(_tag(namespace, key), edges, counts, step, value)
             self.drawn += 1
 
     def _tensorboard(
@@ -182,20 +184,15 @@ class HistogramDrawer:
             global_step=step,
         )
 
-    def _wandb(self, tag: str, edges: list[float], counts: list[float], step: int | None, _: Any) -> None:
+    def _binned(self, tag: str, edges: list[float], counts: list[float], step: int | None, _: Any) -> None:
+        # (W&B's and Trackio's Histogram take the same arguments; only W&B limits the bins)
         import numpy as np
-        import wandb
 
-        edges, counts = coarsen(edges, counts, WANDB_MAX_BINS)
-        histogram = wandb.Histogram(np_histogram=(np.asarray(counts), np.asarray(edges)))
+        module = importlib.import_module(self.backend)  # type: ignore[arg-type]
+        if self.backend == "wandb":
+            edges, counts = coarsen(edges, counts, WANDB_MAX_BINS)
+        histogram = module.Histogram(np_histogram=(np.asarray(counts), np.asarray(edges)))
         self.logger.log_metrics({tag: histogram}, step=step)  # torchrl's own step handling
-
-    def _trackio(self, tag: str, edges: list[float], counts: list[float], step: int | None, _: Any) -> None:
-        import numpy as np
-        import trackio
-
-        histogram = trackio.Histogram(np_histogram=(np.asarray(counts), np.asarray(edges)))
-        self.logger.log_metrics({tag: histogram}, step=step)
 
 
 def _backend(logger: Any) -> str | None:
@@ -204,8 +201,6 @@ def _backend(logger: Any) -> str | None:
         ("torchrl.record.loggers.wandb", "WandbLogger", "wandb"),
         ("torchrl.record.loggers.trackio", "TrackioLogger", "trackio"),
     ):
-        import importlib
-
         try:
             kind = getattr(importlib.import_module(module), cls)
         except (ImportError, AttributeError):

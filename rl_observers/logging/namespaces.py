@@ -4,20 +4,23 @@ Claims are process-global, keyed by the channel's logger (or the
 channel), and keep neither the logger nor the observer alive.
 
 Examples:
-    >>> import tempfile
+    >>> import tempfile, weakref
     >>> from rl_observers import MetricsChannel
-    >>> from rl_observers.logging.namespaces import claim, release
+    >>> from rl_observers.logging.namespaces import Namespace
     >>> from torchrl.record import CSVLogger
     >>> channel = MetricsChannel(CSVLogger(exp_name="names", log_dir=tempfile.mkdtemp()))
     >>> class Owner: ...
     >>> first, second = Owner(), Owner()
-    >>> claim(channel, "collector", first)
-    >>> claim(channel, "collector", second)
+    >>> ours, theirs = (Namespace(weakref.ref(channel), given=True) for _ in range(2))
+    >>> ours.claim("collector", first)
+    'collector'
+    >>> theirs.claim("collector", second)
     Traceback (most recent call last):
     ...
     ValueError: LoggerObserver: the namespace 'collector' is already used on this logger by ...
-    >>> release(channel, "collector", first)
-    >>> claim(channel, "collector", second)
+    >>> ours.release("collector", first)
+    >>> theirs.claim("collector", second)
+    'collector'
     >>> channel.close()
     True
 """
@@ -28,7 +31,7 @@ import threading
 import weakref
 from typing import Any
 
-__all__ = ["Namespace", "claim", "claim_again", "release"]
+__all__ = ["Namespace"]
 
 # name -> the observer using it, per logger
 _NAMES: weakref.WeakKeyDictionary[Any, weakref.WeakValueDictionary[str, Any]] = (
@@ -48,47 +51,6 @@ def _names_on(channel: Any) -> Any:
     return logger
 
 
-def claim(channel: Any, name: str, owner: Any, *, hint: str = "") -> None:
-    """Takes ``name`` on ``channel``'s logger for ``owner``; a ``ValueError`` if another live owner holds it."""
-    with _LOCK:
-        taken = _NAMES.setdefault(_names_on(channel), weakref.WeakValueDictionary())
-        other = taken.get(name)
-        if other is not None and other is not owner:
-            raise ValueError(
-                f"LoggerObserver: the namespace {name!r}{hint} is already used on this "
-                f"logger by {other!r}; pass name= to tell them apart, e.g. "
-                f"name={name + '_2'!r}."
-            )
-        taken[name] = owner
-
-
-def release(channel: Any, name: str, owner: Any) -> None:
-    """Frees ``name`` on ``channel``'s logger if ``owner`` holds it."""
-    with _LOCK:
-        taken = _NAMES.get(_names_on(channel))
-        if taken is not None and taken.get(name) is owner:
-            del taken[name]
-
-
-def claim_again(channel: Any, name: str, owner: Any, what: str) -> None:
-    """Takes ``name`` back for ``owner`` when its source (``what``) is used after its shutdown.
-
-    If another observer took it meanwhile, the window is not logged.
-
-    Raises:
-        ValueError: another live owner holds ``name`` on that logger now.
-    """
-    try:
-        claim(channel, name, owner)
-    except ValueError:
-        raise ValueError(
-            f"LoggerObserver {name!r}: {what} is used again after shutdown(), which freed "
-            f"the namespace {name!r}, and another observer now uses it on this logger; "
-            "this window is not logged. Remove this observer, or attach one of them "
-            "with another name=."
-        ) from None
-
-
 class Namespace:
     """One observer's hold on its namespace (the channel held weakly): taken at attach, freed at removal or shutdown, taken back on reuse."""
 
@@ -99,22 +61,45 @@ class Namespace:
         self.given = given  # the user passed name=
         self.held = False
 
+    def _channel(self) -> Any:
+        return None if self.channel_ref is None else self.channel_ref()
+
     def claim(self, name: str, owner: Any) -> str:
-        """Takes ``name`` for ``owner`` and returns it; refuses a name another owner holds there."""
-        channel = None if self.channel_ref is None else self.channel_ref()
+        """Takes ``name`` on the channel's logger for ``owner`` and returns it; a ``ValueError`` if another live owner holds it."""
+        channel = self._channel()
         if channel is not None:
-            claim(channel, name, owner, hint="" if self.given else " (the default for this kind of target)")
+            with _LOCK:
+                taken = _NAMES.setdefault(_names_on(channel), weakref.WeakValueDictionary())
+                other = taken.get(name)
+                if other is not None and other is not owner:
+                    hint = "" if self.given else " (the default for this kind of target)"
+                    raise ValueError(
+                        f"LoggerObserver: the namespace {name!r}{hint} is already used on this "
+                        f"logger by {other!r}; pass name= to tell them apart, e.g. "
+                        f"name={name + '_2'!r}."
+                    )
+                taken[name] = owner
         self.held = True
         return name
 
     def claim_again(self, name: str, owner: Any, what: str) -> None:
-        """Takes ``name`` back if it was freed (see :func:`claim_again`)."""
+        """Takes ``name`` back for ``owner`` if it was freed, its source (``what``) being used after its shutdown.
+
+        Raises:
+            ValueError: another live owner took ``name`` on that logger meanwhile
+                (the window is not logged).
+        """
         if self.held or self.channel_ref is None:
             return
-        channel = self.channel_ref()
-        if channel is not None:
-            claim_again(channel, name, owner, what)
-        self.held = True
+        try:
+            self.claim(name, owner)
+        except ValueError:
+            raise ValueError(
+                f"LoggerObserver {name!r}: {what} is used again after shutdown(), which freed "
+                f"the namespace {name!r}, and another observer now uses it on this logger; "
+                "this window is not logged. Remove this observer, or attach one of them "
+                "with another name=."
+            ) from None
 
     def __getstate__(self) -> tuple[bool, bool]:
         return self.given, self.held  # a copy elsewhere has no channel here
@@ -126,6 +111,9 @@ class Namespace:
     def release(self, name: str | None, owner: Any) -> None:
         """Frees ``name`` if ``owner`` holds it."""
         self.held = False
-        channel = None if self.channel_ref is None else self.channel_ref()
+        channel = self._channel()
         if channel is not None and name is not None:
-            release(channel, name, owner)
+            with _LOCK:
+                taken = _NAMES.get(_names_on(channel))
+                if taken is not None and taken.get(name) is owner:
+                    del taken[name]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from tensordict import unravel_key
@@ -125,16 +126,12 @@ def keys_from_source(source: Any) -> dict[str, NestedKey | None] | None:
                     return key
         return named[0] if named else None
 
-    done, terminated, truncated = (done_named(n) for n in ("done", "terminated", "truncated"))
-    any_done = done or terminated or truncated
-    return {
-        "reward": None if reward is None else ("next", *reward),
-        "done": None if done is None else ("next", *done),
-        "terminated": None if terminated is None else ("next", *terminated),
-        "truncated": None if truncated is None else ("next", *truncated),
-        "episode_reward": ("next", *group, "episode_reward"),
-        "step_count": ("next", *(any_done[:-1] if any_done else group), "step_count"),
-    }
+    found = {"reward": reward, **{n: done_named(n) for n in ("done", "terminated", "truncated")}}
+    any_done = found["done"] or found["terminated"] or found["truncated"]
+    keys = {name: None if key is None else ("next", *key) for name, key in found.items()}
+    keys["episode_reward"] = ("next", *group, "episode_reward")
+    keys["step_count"] = ("next", *(any_done[:-1] if any_done else group), "step_count")
+    return keys
 
 
 def closest_key(key: NestedKey, present: Iterable[NestedKey]) -> NestedKey | None:
@@ -180,6 +177,7 @@ def absent_key(owner: str, what: str, key: NestedKey, present: Iterable[NestedKe
     )
 
 
+@dataclass(frozen=True)
 class SpecKeys:
     """The keys a collector's batches hold as far as its env's specs (and policy) tell.
 
@@ -188,12 +186,9 @@ class SpecKeys:
     policy declares its ``out_keys``).
     """
 
-    __slots__ = ("keys", "next_complete", "root_complete")
-
-    def __init__(self, keys: set[NestedKey], next_complete: bool, root_complete: bool) -> None:
-        self.keys = keys
-        self.next_complete = next_complete
-        self.root_complete = root_complete
+    keys: set[NestedKey]
+    next_complete: bool
+    root_complete: bool
 
     def proves_absent(self, key: NestedKey) -> bool:
         """Whether ``key`` is provably not in the batches."""

@@ -144,32 +144,17 @@ class Metric(MetricSet):
             with self._lock:
                 self.fold(value)
 
-    def on_post_sample(self, source: Any, batch: Any, info: Any) -> None:
+    def on_post_sample(self, source: Any, data: Any, extra: Any) -> None:
+        # (also on_post_extend and on_post_add: their payloads are pairs too)
         if self._with_source:
-            value = self.fn(batch, info, source)  # type: ignore[misc]
+            value = self.fn(data, extra, source)  # type: ignore[misc]
         else:
-            value = self.fn(batch, info) if self._full else self.fn(batch)  # type: ignore[misc]
+            value = self.fn(data, extra) if self._full else self.fn(data)  # type: ignore[misc]
         if value is not None:
             with self._lock:
                 self.fold(value)
 
-    def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
-        if self._with_source:
-            value = self.fn(data, index, source)  # type: ignore[misc]
-        else:
-            value = self.fn(data, index) if self._full else self.fn(data)  # type: ignore[misc]
-        if value is not None:
-            with self._lock:
-                self.fold(value)
-
-    def on_post_add(self, source: Any, data: Any, index: Any) -> None:
-        if self._with_source:
-            value = self.fn(data, index, source)  # type: ignore[misc]
-        else:
-            value = self.fn(data, index) if self._full else self.fn(data)  # type: ignore[misc]
-        if value is not None:
-            with self._lock:
-                self.fold(value)
+    on_post_extend = on_post_add = on_post_sample
 
     # -- what subclasses define ------------------------------------------------------------
 
@@ -185,9 +170,12 @@ class Metric(MetricSet):
         return (self.name,)
 
     def pull(self) -> dict[str, float | Partial]:
+        """The bank's partials, each merged with the host's partial of the same name (if any)."""
         with self._lock:
             out: dict[str, float | Partial] = dict(super().pull())
-            out.update(self.partials())
+            for name, partial in self.partials().items():
+                folded = out.get(name)
+                out[name] = partial if folded is None else folded.merge(partial)  # type: ignore[union-attr]
             return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -221,6 +209,15 @@ def _complex_tensor(value: torch.Tensor, owner: Metric) -> TypeError:
     )
 
 
+def _fold_tensor(reducer: Any, value: torch.Tensor, owner: Metric) -> None:
+    try:
+        reducer.fold(value)
+    except TypeError:  # the reducer refuses complex values: name the function's
+        if value.is_complex():
+            raise _complex_tensor(value, owner) from None
+        raise
+
+
 class _Reduced(Metric):
     """Values merged by a :class:`~rl_observers.stats.Scalar` rule."""
 
@@ -249,12 +246,7 @@ class _Reduced(Metric):
                 self._last_stamp = time.time()
                 self._host = Scalar(self.name, rule)
                 return
-            try:
-                self._moments.fold(value)  # type: ignore[union-attr]
-            except TypeError:  # the reducer refuses complex values: name the function's
-                if value.is_complex():
-                    raise _complex_tensor(value, self) from None
-                raise
+            _fold_tensor(self._moments, value, self)
             return
         value = _host_number(value, self)
         stamp = time.time()
@@ -408,24 +400,13 @@ class Summary(Metric):
 
     def fold(self, value: Any) -> None:
         if isinstance(value, torch.Tensor):
-            try:
-                self._moments.fold(value)
-            except TypeError:  # the reducer refuses complex values: name the function's
-                if value.is_complex():
-                    raise _complex_tensor(value, self) from None
-                raise
+            _fold_tensor(self._moments, value, self)
         else:
             self._host.append(_host_number(value, self))
 
     def partials(self) -> dict[str, Partial]:
         host, self._host = self._host, []
         return {self.name: Moments.from_values(self.name, host, stats=self.stats)}
-
-    def pull(self) -> dict[str, float | Partial]:
-        with self._lock:
-            payload = MetricSet.pull(self)
-            payload[self.name] = payload[self.name].merge(self.partials()[self.name])  # type: ignore[union-attr]
-            return payload
 
     def metric_names(self) -> tuple[str, ...]:
         return (self.name, *(f"{self.name}_{s}" for s in self.stats if s in MOMENT_STATS))
@@ -459,12 +440,6 @@ class CountTrue(Metric):
     def partials(self) -> dict[str, Partial]:
         host, self._host = self._host, 0
         return {self.name: Count(self.name, host)}
-
-    def pull(self) -> dict[str, float | Partial]:
-        with self._lock:
-            payload = MetricSet.pull(self)
-            payload[self.name] = payload[self.name].merge(self.partials()[self.name])  # type: ignore[union-attr]
-            return payload
 
 
 class Ratio(Metric):

@@ -174,17 +174,13 @@ class SampleMetrics(MetricSet):
 
     # -- writes: stamps ------------------------------------------------------------
 
-    def on_post_add(self, source: Any, data: Any, index: Any) -> None:
-        """Stamps the slot written by ``add`` (nothing to do with a round-robin writer)."""
+    def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
+        """Stamps the slots written by ``extend`` or ``add`` (nothing to do with a round-robin writer)."""
         if self._ages is not None and self._ring_of(source) is False:
             with self._lock:
                 self._stamp(source, index)
 
-    def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
-        """Stamps the slots written by ``extend`` (nothing to do with a round-robin writer)."""
-        if self._ages is not None and self._ring_of(source) is False:
-            with self._lock:
-                self._stamp(source, index)
+    on_post_add = on_post_extend
 
     def bind(self, source: Any) -> None:
         """Notes whether the source's writer may skip items or is round-robin, and whether its sampler's indices can be kept."""

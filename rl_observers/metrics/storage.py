@@ -136,11 +136,3 @@ def leading_size(data: Any) -> int:
     if isinstance(first, torch.Tensor) and first.ndim:
         return first.shape[0]
     return 1
-
-
-def info_get(info: Any, *keys: str) -> Any:
-    for key in keys:
-        value = info.get(key, None)
-        if value is not None:
-            return value
-    return None

@@ -18,7 +18,7 @@ from typing import Any
 
 from rl_observers.observer import ObserverList
 from rl_observers.signals import COLLECTOR_EVENTS
-from rl_observers.sources.observed import observers_of, torchrl_class
+from rl_observers.sources.observed import ObservedSource, observers_of, torchrl_class
 
 __all__ = ["WORKER_DELIVERIES", "CollectorObservers", "ObservedCollector", "WorkerDeliveries"]
 
@@ -243,43 +243,23 @@ class WorkerDeliveries:
 WORKER_DELIVERIES = WorkerDeliveries()
 
 
-class ObservedCollector:
+def _hook_slot(name: str) -> property:
+    """The ``name`` slot: the observers' dispatcher for torchrl's readers, else what was set."""
+
+    def get(self: Any) -> Any:
+        observers = observers_of(self)
+        if observers is not None and sys._getframe(1).f_code in _READERS:
+            return getattr(observers, name)
+        return getattr(torchrl_class(type(self)), name).fget(self)
+
+    def set(self: Any, hook: Any) -> None:
+        getattr(torchrl_class(type(self)), name).fset(self, hook)
+
+    return property(get, set)
+
+
+class ObservedCollector(ObservedSource):
     """Mixin of observed collectors (see :mod:`rl_observers.sources.observed`)."""
 
-    @property
-    def pre_collect_hook(self) -> Any:
-        observers = observers_of(self)
-        if observers is not None and sys._getframe(1).f_code in _READERS:
-            return observers.pre_collect_hook
-        return torchrl_class(type(self)).pre_collect_hook.fget(self)  # type: ignore[attr-defined]
-
-    @pre_collect_hook.setter
-    def pre_collect_hook(self, hook: Any) -> None:
-        torchrl_class(type(self)).pre_collect_hook.fset(self, hook)  # type: ignore[attr-defined]
-
-    @property
-    def post_collect_hook(self) -> Any:
-        observers = observers_of(self)
-        if observers is not None and sys._getframe(1).f_code in _READERS:
-            return observers.post_collect_hook
-        return torchrl_class(type(self)).post_collect_hook.fget(self)  # type: ignore[attr-defined]
-
-    @post_collect_hook.setter
-    def post_collect_hook(self, hook: Any) -> None:
-        torchrl_class(type(self)).post_collect_hook.fset(self, hook)  # type: ignore[attr-defined]
-
-    def shutdown(self, *args: Any, **kwargs: Any) -> Any:
-        # The collector shuts down even if an observer raises (on_error="raise"): the
-        # error is raised once torchrl's shutdown has run.
-        observers = observers_of(self)
-        try:
-            if observers is not None:
-                observers.shutdown()
-        finally:
-            result = torchrl_class(type(self)).shutdown(self, *args, **kwargs)
-        return result
-
-    def stats(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        stats = torchrl_class(type(self)).stats(self, *args, **kwargs)
-        observers = observers_of(self)
-        return stats if observers is None else observers.contribute_stats(stats)
+    pre_collect_hook = _hook_slot("pre_collect_hook")
+    post_collect_hook = _hook_slot("post_collect_hook")

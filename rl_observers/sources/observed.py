@@ -179,6 +179,26 @@ class _Observed:
         return new
 
 
+class ObservedSource:
+    """The base of the kinds' mixins: ``shutdown`` tells the observers, ``stats`` adds theirs."""
+
+    def shutdown(self, *args: Any, **kwargs: Any) -> Any:
+        # The source shuts down even if an observer raises (on_error="raise"): the error is
+        # raised once torchrl's shutdown has run.
+        observers = observers_of(self)
+        try:
+            if observers is not None:
+                observers.shutdown()
+        finally:
+            result = torchrl_class(type(self)).shutdown(self, *args, **kwargs)
+        return result
+
+    def stats(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        stats = torchrl_class(type(self)).stats(self, *args, **kwargs)
+        observers = observers_of(self)
+        return stats if observers is None else observers.contribute_stats(stats)
+
+
 def _reconstruct(reduced: Any) -> Any:
     """What ``copy.copy`` does with a ``__reduce_ex__`` result (state is not copied)."""
     func, args, state = reduced[:3]

@@ -47,17 +47,6 @@ class SourceInfo:
     remote: bool = False
 
 
-class _Placement:
-    """What the process that attached an observer copy told the source about itself."""
-
-    __slots__ = ("num_workers", "remote", "worker")
-
-    def __init__(self, worker: int | None, num_workers: int | None, remote: bool) -> None:
-        self.worker = worker
-        self.num_workers = num_workers
-        self.remote = remote
-
-
 class IdentityMap:
     """A mapping keyed by object identity that does not keep its keys alive (sources may be unhashable)."""
 
@@ -98,6 +87,7 @@ class IdentityMap:
             return value
 
 
+# What the process that attached an observer copy told the source: (worker, num_workers, remote).
 _PLACEMENTS = IdentityMap()
 # The collector worker this process is, once rl_observers has been told: (worker, num_workers).
 _PROCESS_WORKER: tuple[int, int | None] | None = None
@@ -106,7 +96,7 @@ _PROCESS_WORKER: tuple[int, int | None] | None = None
 def place(source: Any, worker: int | None, num_workers: int | None, remote: bool = True) -> None:
     """Records where ``source`` runs (called where copies are attached); a worker index also becomes this process's."""
     global _PROCESS_WORKER
-    _PLACEMENTS.set(source, _Placement(worker, num_workers, remote))
+    _PLACEMENTS.set(source, (worker, num_workers, remote))
     if worker is not None:
         _PROCESS_WORKER = (worker, num_workers)
 
@@ -186,7 +176,8 @@ def source_info(source: Any) -> SourceInfo:
     pid = os.getpid()
     placement = _PLACEMENTS.get(source)
     if placement is not None:
-        return SourceInfo(kind, placement.worker, placement.num_workers, pid, placement.remote)
+        worker, num_workers, remote = placement
+        return SourceInfo(kind, worker, num_workers, pid, remote)
     if _PROCESS_WORKER is not None:  # this process is a collector worker
         worker, num_workers = _PROCESS_WORKER
         return SourceInfo(kind, worker, num_workers, pid, True)

@@ -25,7 +25,7 @@ from torchrl.collectors import MultiCollector
 
 from rl_observers.observer import ObserverList, refused_raise
 from rl_observers.signals import REPLAY_BUFFER_EVENTS
-from rl_observers.sources.observed import observers_of, torchrl_class
+from rl_observers.sources.observed import ObservedSource, observers_of, torchrl_class
 
 __all__ = [
     "PREFETCHING",
@@ -128,7 +128,7 @@ class ReplayBufferObservers(ObserverList):
         return entry
 
 
-class ObservedReplayBuffer:
+class ObservedReplayBuffer(ObservedSource):
     """Mixin of observed replay buffers; torchrl's class is found per call (a bound call may run after the buffer became plain)."""
 
     add = _write_method("add", "post_add")
@@ -151,20 +151,6 @@ class ObservedReplayBuffer:
             if sys._getframe(1).f_code is not _SETUP_CODE:
                 emit_eagerly(self, "empty")
 
-    def shutdown(self, *args: Any, **kwargs: Any) -> None:
-        # The buffer shuts down even if an observer raises (on_error="raise").
-        observers = observers_of(self)
-        try:
-            if observers is not None:
-                observers.shutdown()
-        finally:
-            torchrl_class(type(self)).shutdown(self, *args, **kwargs)
-
-    def stats(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        stats = torchrl_class(type(self)).stats(self, *args, **kwargs)
-        observers = observers_of(self)
-        return stats if observers is None else observers.contribute_stats(stats)
-
 
 def prefetching(source: Any) -> str | None:
     """:data:`PREFETCHING` for a buffer built with ``prefetch=N``, else ``None``: the in-process rows' :attr:`~rl_observers.sources.observed.How.variant`."""
@@ -180,13 +166,8 @@ class PrefetchingBufferObservers(ReplayBufferObservers):
     drops leave nothing behind.
     """
 
-    def __init__(
-        self,
-        source: Any,
-        emits: tuple[str, ...] = REPLAY_BUFFER_EVENTS,
-        target_name: str = "replay buffer",
-    ) -> None:
-        super().__init__(source, emits, target_name)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         # Held from a sample()'s peek at the queue to the end of its event: observed
         # sample() calls take turns, so observers never run in two threads at once.
         self._handing = threading.RLock()

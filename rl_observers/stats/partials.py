@@ -82,6 +82,20 @@ class Partial:
         """Returns the partial of the union of both operands' data."""
         raise NotImplementedError
 
+    def _check_merge(self, other: Partial, *agree: str) -> None:
+        """Refuses ``other`` unless it is of this class and equals this partial on ``agree``."""
+        if not isinstance(other, type(self)) or any(
+            getattr(other, name) != getattr(self, name) for name in agree
+        ):
+            raise ValueError(
+                f"cannot merge {self!r} with {other!r}: {', '.join(agree)} must agree."
+            )
+
+    def __repr__(self) -> str:
+        slots = (cls.__dict__.get("__slots__", ()) for cls in reversed(type(self).__mro__))
+        shown = ", ".join(f"{name}={getattr(self, name)!r}" for names in slots for name in names)
+        return f"{type(self).__name__}({shown})"
+
     def finalize(self) -> dict[str, float]:
         """Returns ``{metric name: value}`` for this partial."""
         raise NotImplementedError
@@ -288,12 +302,6 @@ class Moments(Partial):
                 out[prefix + "max"] = self.max
         return out
 
-    def __repr__(self) -> str:
-        return (
-            f"Moments({self.prefix!r}, count={self.count!r}, sum={self.sum!r}, mean={self.mean!r}, "
-            f"m2={self.m2!r}, min={self.min!r}, max={self.max!r})"
-        )
-
 
 class Count(Partial):
     """A count over a window: merges by addition, finalizes to ``{name: n}``.
@@ -319,9 +327,6 @@ class Count(Partial):
     def finalize(self) -> dict[str, float]:
         """Returns ``{name: n}`` (``0`` when empty)."""
         return {self.name: self.n}
-
-    def __repr__(self) -> str:
-        return f"Count({self.name!r}, {self.n!r})"
 
     def __reduce__(self) -> tuple:
         return _count, (self.__class__, self.name, self.n)
@@ -455,15 +460,7 @@ class LatestWindow(Partial):
 
     def merge(self, other: Partial) -> LatestWindow:
         """The ``size`` latest entries of the union of both operands' entries."""
-        if (
-            not isinstance(other, LatestWindow)
-            or other.size != self.size
-            or other.names != self.names
-            or other.stats != self.stats
-        ):
-            raise ValueError(
-                f"cannot merge {self!r} with {other!r}: size, names and stats must agree."
-            )
+        self._check_merge(other, "size", "names", "stats")
         kept = dict(self.entries)
         for key, values in other.entries:
             # (the same key with other values cannot come from one stream; the max keeps
@@ -703,17 +700,7 @@ class QuantileSketch(Partial):
 
     def merge(self, other: Partial) -> QuantileSketch:
         """The sketch of the union of both operands' values: counts add, bucket by bucket."""
-        if (
-            not isinstance(other, QuantileSketch)
-            or other.name != self.name
-            or other.quantiles != self.quantiles
-            or other.accuracy != self.accuracy
-            or other.max_buckets != self.max_buckets
-        ):
-            raise ValueError(
-                f"cannot merge {self!r} with {other!r}: name, quantiles, accuracy and "
-                "max_buckets must agree."
-            )
+        self._check_merge(other, "name", "quantiles", "accuracy", "max_buckets")
         out = object.__new__(QuantileSketch)
         out.name, out.quantiles, out.accuracy = self.name, self.quantiles, self.accuracy
         out.max_buckets, out.p = self.max_buckets, self.p

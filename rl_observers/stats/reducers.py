@@ -599,7 +599,7 @@ class ReducerBank(Transient):
         >>> lengths = bank.moments("episode_length", stats=("mean", "std", "max"))
         >>> lengths.fold(torch.tensor([3, 5]))
         >>> bank.pull()
-        {'episode_length': Moments('episode_length', count=2.0, sum=8.0, mean=4.0, m2=2.0, min=3.0, max=5.0)}
+        {'episode_length': Moments(prefix='episode_length', stats=('mean', 'std', 'max'), count=2.0, sum=8.0, mean=4.0, m2=2.0, min=3.0, max=5.0)}
         >>> bank.pull()["episode_length"].finalize()  # the window was reset
         {}
     """

@@ -104,12 +104,6 @@ class Scalar(Partial):
             return {self.name: self.value / self.count}
         return {self.name: self.value}
 
-    def __repr__(self) -> str:
-        return (
-            f"Scalar({self.name!r}, {self.rule!r}, {self.value!r}, count={self.count!r}, "
-            f"stamp={self.stamp!r})"
-        )
-
 
 _EMPTY = {"sum": 0.0, "mean": 0.0, "min": math.inf, "max": -math.inf, "latest": 0.0}
 
@@ -141,9 +135,6 @@ class Fraction(Partial):
     def finalize(self) -> dict[str, float]:
         """Returns ``{name: numerator / denominator}``, ``{}`` without a denominator."""
         return {self.name: self.numerator / self.denominator} if self.denominator else {}
-
-    def __repr__(self) -> str:
-        return f"Fraction({self.name!r}, {self.numerator!r}, {self.denominator!r})"
 
 
 class PerSecond(Partial):
@@ -188,9 +179,6 @@ class PerSecond(Partial):
         seconds = self.end - self.start
         return {self.name: self.amount / seconds} if seconds > 0 else {}
 
-    def __repr__(self) -> str:
-        return f"PerSecond({self.name!r}, {self.amount!r}, start={self.start!r}, end={self.end!r})"
-
 
 class LastEvent(Partial):
     """When a window's last event happened at the source; merged by max, logs nothing.
@@ -218,9 +206,6 @@ class LastEvent(Partial):
     def finalize(self) -> dict[str, float]:
         """Returns ``{}``: a time is not a metric."""
         return {}
-
-    def __repr__(self) -> str:
-        return f"LastEvent({self.time!r})"
 
 
 def _check_edges(edges: Sequence[float], name: str) -> tuple[float, ...]:
@@ -333,15 +318,7 @@ class BinCounts(Partial):
 
     def merge(self, other: Partial) -> BinCounts:
         """Returns the counts of both operands' values."""
-        if (
-            not isinstance(other, BinCounts)
-            or other.name != self.name
-            or other.edges != self.edges
-            or other.quantiles != self.quantiles
-        ):
-            raise ValueError(
-                f"cannot merge {self!r} with {other!r}: name, edges and quantiles must agree."
-            )
+        self._check_merge(other, "name", "edges", "quantiles")
         out = object.__new__(BinCounts)
         out.name, out.edges, out.quantiles = self.name, self.edges, self.quantiles
         out.counts = tuple(a + b for a, b in zip(self.counts, other.counts))
