@@ -23,6 +23,34 @@ from tests import helpers  # noqa: E402
 helpers.preloaded_forkserver()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Orders the run for ``pytest -n`` (``--dist loadgroup``): one worker per module fixture, slow work first.
+
+    A test marked ``xdist_group`` keeps its group (the two-node cluster's modules run one
+    at a time). A module whose tests share a module-scoped fixture (``ray_cluster``,
+    ``fresh_runs``, a reference run) is one ``xdist_group``, so one worker sets it up once;
+    other tests are scheduled one by one. The units that start processes (marked ``slow`` or
+    ``real_collector``) go first, most such tests first, so the longest do not start last.
+    The order depends on the collection only: every worker computes the same one.
+    """
+    units: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        group = item.get_closest_marker("xdist_group")
+        if group is not None:
+            unit = group.args[0]
+        elif any(fixture.scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values() for fixture in defs):
+            unit = item.module.__name__
+            item.add_marker(pytest.mark.xdist_group(unit))
+        else:
+            unit = item.nodeid
+        units.setdefault(unit, []).append(item)
+
+    def processes(unit: list[pytest.Item]) -> int:
+        return sum(any(item.get_closest_marker(m) for m in ("slow", "real_collector")) for item in unit)
+
+    items[:] = [item for unit in sorted(units.values(), key=processes, reverse=True) for item in unit]
+
+
 @pytest.fixture
 def counting_env():
     from torchrl.testing.mocking_classes import CountingEnv

@@ -38,7 +38,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Cluster", "cluster_fixture", "two_node_cluster"]
+import pytest
+
+__all__ = ["ONE_CLUSTER_AT_A_TIME", "Cluster", "cluster_fixture", "two_node_cluster"]
 
 HEAD_IP = "127.0.0.1"
 # The far node gets its own loopback address, so the driver (which connects to
@@ -46,6 +48,9 @@ HEAD_IP = "127.0.0.1"
 FAR_IP = "127.0.0.2"
 # How long the cluster may take to come up before the test is skipped.
 START_TIMEOUT = 60.0
+#: The mark of a module that starts a two-node cluster: under ``pytest -n`` one such module
+#: runs at a time (two clusters side by side only compete for the cores).
+ONE_CLUSTER_AT_A_TIME = pytest.mark.xdist_group("two_node_cluster")
 
 
 @dataclass

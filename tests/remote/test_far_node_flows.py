@@ -21,9 +21,9 @@ from torchrl.record import CSVLogger
 from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel
 from tests.helpers import scalars
 from tests.remote.far_node import FLOWS, FRAMES_PER_BATCH, _far_collector
-from tests.remote.multinode import HEAD_IP, cluster_fixture
+from tests.remote.multinode import HEAD_IP, ONE_CLUSTER_AT_A_TIME, cluster_fixture
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), ONE_CLUSTER_AT_A_TIME]
 
 
 cluster = cluster_fixture()

@@ -22,9 +22,9 @@ from torchrl.record import CSVLogger
 from rl_observers import Every, LoggerObserver, MetricsChannel, WriteMetrics
 from rl_observers.remote.aggregate import finish_aggregate
 from tests.helpers import scalars, wait_for
-from tests.remote.multinode import cluster_fixture
+from tests.remote.multinode import ONE_CLUSTER_AT_A_TIME, cluster_fixture
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), ONE_CLUSTER_AT_A_TIME]
 
 NEVER = Every.counter("items_written", 10**12)
 

@@ -14,7 +14,7 @@ import pytest
 
 import rl_observers  # noqa: F401
 from rl_observers import ProfilerObserver
-from tests.remote.multinode import cluster_fixture
+from tests.remote.multinode import ONE_CLUSTER_AT_A_TIME, cluster_fixture
 from tests.test_profiler import (
     FAST,
     RECORDED_3_4,
@@ -24,6 +24,7 @@ from tests.test_profiler import (
     trace_events,
 )
 
+pytestmark = ONE_CLUSTER_AT_A_TIME
 cluster = cluster_fixture()
 
 

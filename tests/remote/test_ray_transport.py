@@ -27,7 +27,14 @@ from rl_observers.remote.ray.ingest import Message
 from rl_observers.remote.window import Window
 from rl_observers.stats import Count, Moments
 from tests.helpers import local_ray, wait_for
-from tests.remote.multinode import Cluster, _groups_of_sessions, two_node_cluster
+from tests.remote.multinode import (
+    ONE_CLUSTER_AT_A_TIME,
+    Cluster,
+    _groups_of_sessions,
+    two_node_cluster,
+)
+
+pytestmark = ONE_CLUSTER_AT_A_TIME
 
 # What a flush that must succeed may take (the ingest, a new Ray worker process, may still be
 # starting with the other core busy). Returns when done.
