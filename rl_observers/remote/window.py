@@ -125,6 +125,10 @@ class Window(Payload):
     due: bool = False
 
     @property
+    def counted_by_number(self) -> int:  # type: ignore[override]
+        return self.windows if self.seq is not None else 0
+
+    @property
     def final(self) -> bool:
         """Whether it ends a run of windows that may merge (a copy's last one, or the finish marker)."""
         return self.last or self.finish

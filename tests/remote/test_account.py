@@ -46,7 +46,7 @@ def test_a_copy_heard_to_its_end_counts_nothing_lost():
     assert channel.flush(timeout=10)
     assert channel.close(timeout=10)
     health = channel.health()
-    assert health["copies_lost"] == 0 and health["windows_lost"] == 0
+    assert health["copies_lost"] == 0 and health["dropped"] == 0
 
 
 def test_a_copy_without_its_last_window_is_reported_once_and_counted(caplog):
@@ -102,7 +102,7 @@ def test_copies_gone_does_not_wait_for_a_window_that_is_not_sent_yet(monkeypatch
     assert channel.health()["copies_lost"] == 0  # not settled: it may still come
     handle.submit_window(_window(20, last=True))
     assert channel.flush(timeout=30)  # it came: settled, nothing lost
-    assert channel.health()["copies_lost"] == channel.health()["windows_lost"] == 0
+    assert channel.health()["copies_lost"] == channel.health()["dropped"] == 0
     assert channel.close(timeout=10)
 
 
@@ -132,7 +132,7 @@ def test_the_channels_health_rows_carry_the_account(tmp_path):
     channel.step()
     scalars = logger.experiment.scalars
     assert scalars["channel/copies_lost"][-1][1] == 2
-    assert scalars["channel/windows_lost"][-1][1] == 0
+    assert scalars["channel/dropped"][-1][1] == 0
     channel.close()
 
 

@@ -7,7 +7,8 @@ copy's consecutive windows for an interval (:func:`~.relay.premerge`:
 totals exact, a row boundary moves by at most one interval) and forwards
 them to the owner's ingest actor; the owner's
 :class:`~.receiver.RayReceiver` drains it. Drops and coalescing travel with
-the next message; a lost message counts all its payloads as dropped. See
+the next message; a lost message counts its payloads as dropped (numbered
+windows by their gap, at the owner). See
 ``docs/distributed.rst``, "Across machines".
 """
 
