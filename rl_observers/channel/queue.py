@@ -80,7 +80,7 @@ class PendingQueue:
         self._dropped = 0
         self._sink_errors = 0
         self._numbered = 0  # of the dropped, payloads whose owner counts them by their numbers
-        self._told = (0, 0)  # (dropped, coalesced) passed on to the next hop (untold)
+        self._told_dropped = self._told_coalesced = 0  # passed on to the next hop (untold)
         self.closed = False
 
     # ------------------------------------------------------------------ put
@@ -145,14 +145,16 @@ class PendingQueue:
     def untold(self) -> tuple[int, int]:
         """``(dropped, coalesced)`` since the previous call, for the next hop (numbered payloads aside)."""
         with self._lock:
-            told = self._told
-            self._told = now = (self._dropped - self._numbered, self._coalesced)
-            return now[0] - told[0], now[1] - told[1]
+            dropped = self._dropped - self._numbered - self._told_dropped
+            coalesced = self._coalesced - self._told_coalesced
+            self._told_dropped += dropped
+            self._told_coalesced += coalesced
+        return dropped, coalesced
 
-    def retell(self, counts: tuple[int, int]) -> None:
+    def retell(self, dropped: int, coalesced: int) -> None:
         """Gives back what :meth:`untold` returned and did not reach the next hop."""
-        with self._lock:
-            self._told = (self._told[0] - counts[0], self._told[1] - counts[1])
+        self._told_dropped -= dropped  # only the queue's one taker tells: no lock
+        self._told_coalesced -= coalesced
 
     def close(self) -> None:
         """From now on, :meth:`put` drops (and counts) what it is given."""

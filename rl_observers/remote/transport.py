@@ -215,20 +215,22 @@ class Outbox:
     def _pump(self) -> bool:
         """Sends what waits, then any count not told yet; whether nothing is left. Holds ``_lock``."""
         queue = self.queue
+        status = None
         while (entry := queue.take()) is not None:
             status = self._ship(entry.payload, entry.payloads)
             if status == RETRY:
                 queue.untake(entry)
                 return False
             queue.done(entry, True, lost=status != SENT)
-        return self._ship(None, 0) != RETRY  # an owner that is gone never hears of them
+        # the last message sent told every count; an owner that is gone never hears of them
+        return status == SENT or self._ship(None, 0) != RETRY
 
     def _ship(self, payload: Payload | None, held: int) -> str:
-        counts = self.queue.untold()
-        if payload is None and counts == (0, 0):
+        dropped, coalesced = self.queue.untold()
+        if payload is None and not (dropped or coalesced):
             return SENT
         try:
-            status = self.wire.send(pickle.dumps((payload, (*counts, held)), protocol=pickle.HIGHEST_PROTOCOL))
+            data = pickle.dumps((payload, (dropped, coalesced, held)), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as err:
             self._warn(
                 "pickle",
@@ -236,8 +238,10 @@ class Outbox:
                 "dropped and counted in this handle's dropped (and the owner's health()['dropped'])",
             )
             status = GONE
-        if status != SENT:
-            self.queue.retell(counts)
+        else:
+            status = self.wire.send(data)
+        if status != SENT and (dropped or coalesced):
+            self.queue.retell(dropped, coalesced)
         return status
 
     def _warn(self, kind: str, message: str) -> None:
