@@ -61,15 +61,17 @@ class Owner:
         self.messages = 0
         self.effective = 0.0
         self.rows = 0
-        self.remote_dropped = 0
+        self.dropped = 0
         self.total: Any = None
 
         self.seconds = 0.0  # spent in accept
 
-    def __call__(self, window: Window, counts: tuple[int, int]) -> None:
+    def __call__(self, window: Window | None, counts: tuple[int, int, int]) -> None:
+        self.dropped += counts[0]
+        if window is None:  # the ingest's drops, told alone
+            return
         start = time.perf_counter()
         self.messages += 1
-        self.remote_dropped += counts[0]
         name = window.observer
         aggregate = self.aggregates.get(name)
         if aggregate is None:

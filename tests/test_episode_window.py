@@ -349,7 +349,7 @@ def test_a_window_larger_than_64_kib_travels_from_the_workers(tmp_path):
     batches = [batch.clone() for batch in collector]
     collector.shutdown()
     assert channel.close(timeout=60)  # nothing dropped on the way
-    assert channel.health()["remote_dropped"] == 0
+    assert channel.health()["dropped"] == 0
     episodes, _ = ended_episodes(batches, rows_are_workers=True)
     name = f"collector/episode_return_mean_last_{n}"
     final = expected(episodes, n)[f"episode_return_mean_last_{n}"]

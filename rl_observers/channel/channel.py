@@ -288,12 +288,10 @@ class MetricsChannel:
     def health(self) -> dict[str, int]:
         """Returns the channel's counters.
 
-        ``submitted``, ``logged``, ``pending``, ``coalesced``, ``dropped``,
-        ``sink_errors`` (with ``submitted == logged + pending + coalesced +
-        dropped + sink_errors``), ``remote_dropped`` / ``remote_coalesced`` (by
-        handles in other processes), ``receiver_restarts``, ``copies_lost`` and
-        ``windows_lost`` (copies that vanished without their final report, and
-        their windows that never arrived). See :ref:`channel` and :doc:`health`.
+        ``submitted == logged + pending + coalesced + dropped + sink_errors``
+        at any moment, counting what was submitted in any process and lost or
+        merged on any hop once; ``copies_lost`` with a wing for other
+        processes. The table of counters is on the :ref:`channel` page.
         """
         return self._state.health()
 

@@ -75,10 +75,7 @@ def counts_line(counts: Mapping[str, int]) -> str:
             ("coalesced", "coalesced"),
             ("dropped", "dropped"),
             ("sink_errors", "failed (sink_errors)"),
-            ("remote_dropped", "dropped in other processes"),
-            ("receiver_restarts", "receiver restarts"),
             ("copies_lost", "copies lost"),
-            ("windows_lost", "windows lost"),
         )
         if key in counts and (counts[key] or key in ("submitted", "logged", "pending", "dropped", "sink_errors"))
     ]
@@ -97,18 +94,7 @@ def health_problem(counts: Mapping[str, int], capacity: int) -> bool:
     """
     if counts.get("pending", 0) >= max(1, capacity // 2):
         return True
-    return any(
-        counts.get(key, 0)
-        for key in (
-            "dropped",
-            "coalesced",
-            "sink_errors",
-            "remote_dropped",
-            "remote_coalesced",
-            "copies_lost",
-            "windows_lost",
-        )
-    )
+    return any(counts.get(key, 0) for key in ("dropped", "coalesced", "sink_errors", "copies_lost"))
 
 
 _ROUTER_FACTORIES: dict[type, Callable[[], Router]] = {}

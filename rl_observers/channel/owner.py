@@ -157,20 +157,20 @@ class Owner:
             counts=self.health,
         )
 
-    def submit(self, payload: Payload) -> None:
-        """Queues a payload whose metrics were checked (:func:`~rl_observers.channel.payload.check_metrics`)."""
+    def submit(self, payload: Payload, held: int = 1) -> None:
+        """Queues a payload (holding ``held``) whose metrics were checked (:func:`~rl_observers.channel.payload.check_metrics`)."""
         if not payload.metrics and payload.__class__ is Payload:  # nothing to log: not counted
             return
         if self.closed:  # the queue checks again under its lock
-            self._drop_after_close()
+            self._drop_after_close(held)
             return
-        error = self.queue.put(payload)
+        error = self.queue.put(payload, held)
         self.delivery.wake()
         if error is not None:
             self.delivery.report(error, f"could not merge a partial of namespace {payload.namespace!r}")
 
-    def _drop_after_close(self) -> None:
-        self.queue.count_dropped()
+    def _drop_after_close(self, held: int) -> None:
+        self.queue.count_lost(held, 1 - held)  # those merged on the way no longer count as coalesced
         with self._lock:
             warn = not self._closed_warned and self.on_error != "ignore"
             self._closed_warned = True

@@ -163,6 +163,8 @@ class Payload:
     metrics: dict[str, Any]
     step: int | None = None
     _values: ClassVar[Callable[[Payload], tuple[Any, ...]]]
+    #: Submissions it holds that the owner counts by their numbers if lost (a numbered window's).
+    counted_by_number: ClassVar[int] = 0
 
     def __reduce__(self) -> tuple[Any, ...]:
         # a payload that leaves its process is pickled at every hop: its fields as the

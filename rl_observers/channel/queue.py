@@ -12,7 +12,8 @@ counted in payloads, under one lock, so that ``submitted == logged + pending +
 coalesced + dropped + sink_errors`` holds at any moment: an entry counts once
 in ``logged``, ``pending`` or ``sink_errors`` and the payloads merged into it
 in ``coalesced``; a dropped entry counts every payload it held in
-``dropped`` (and those merged into it leave ``coalesced``).
+``dropped`` (and those merged into it leave ``coalesced``), also when
+lost on an earlier hop (:meth:`~PendingQueue.count_lost`).
 
 Examples:
     >>> from rl_observers.channel.payload import Payload
@@ -48,10 +49,10 @@ class PendingEntry:
 
     __slots__ = ("payload", "payloads", "seq")
 
-    def __init__(self, payload: Payload, seq: int) -> None:
+    def __init__(self, payload: Payload, seq: int, payloads: int = 1) -> None:
         self.payload = payload
         self.seq = seq
-        self.payloads = 1
+        self.payloads = payloads
 
     @property
     def namespace(self) -> str:
@@ -78,74 +79,82 @@ class PendingQueue:
         self._coalesced = 0
         self._dropped = 0
         self._sink_errors = 0
-        self._remote_dropped = 0
-        self._remote_coalesced = 0
-        self._receiver_restarts = 0
+        self._numbered = 0  # of the dropped, payloads whose owner counts them by their numbers
+        self._told_dropped = self._told_coalesced = 0  # passed on to the next hop (untold)
         self.closed = False
 
     # ------------------------------------------------------------------ put
-    def put(self, payload: Payload) -> Exception | None:
+    def put(self, payload: Payload, held: int = 1) -> Exception | None:
         """Queues one payload (or coalesces or drops on overflow).
 
         Returns the error of a partial that failed to merge, if any. A payload
-        put after :meth:`close` is counted as dropped.
+        put after :meth:`close` is counted as dropped. ``held``: the payloads it holds.
         """
         error = None
         with self._lock:
             self._submitted += 1
             if self.closed:
-                self._dropped += 1
+                self._dropped += held
+                self._coalesced -= held - 1
                 return None
             pending = self._pending
             namespace = payload.namespace
             if len(pending) < self.capacity:
-                entry = PendingEntry(payload, self._submitted)
+                entry = PendingEntry(payload, self._submitted, held)
                 pending.append(entry)
                 self._newest[namespace] = entry
             else:
                 entry = self._newest.get(namespace)
                 if entry is not None:
                     error = entry.payload.absorb(payload)
-                    entry.payloads += 1
+                    entry.payloads += held
                     self._coalesced += 1
                 else:
                     oldest = pending.popleft()
                     if self._newest.get(oldest.namespace) is oldest:
                         del self._newest[oldest.namespace]
-                    # every payload merged into it is lost with it
-                    self._dropped += oldest.payloads
-                    self._coalesced -= oldest.payloads - 1
-                    entry = PendingEntry(payload, self._submitted)
+                    self._lose_locked(oldest)
+                    entry = PendingEntry(payload, self._submitted, held)
                     pending.append(entry)
                     self._newest[namespace] = entry
         return error
 
+    def _lose_locked(self, entry: PendingEntry) -> None:
+        # every payload merged into it is lost with it
+        self._dropped += entry.payloads
+        self._coalesced -= entry.payloads - 1
+        self._numbered += entry.payload.counted_by_number
+
     def lost(self) -> int:
-        """Losses counted so far: payloads dropped here or by senders, receivers restarted."""
+        """Payloads counted dropped so far."""
         with self._lock:
-            return self._dropped + self._remote_dropped + self._receiver_restarts
+            return self._dropped
 
     def losses(self) -> tuple[int, int]:
-        """Payloads ``(dropped, coalesced)`` here so far."""
+        """Payloads ``(dropped, coalesced)`` so far."""
         with self._lock:
             return self._dropped, self._coalesced
 
-    def count_dropped(self) -> None:
-        """Counts one submission dropped before it was queued (after close, unreadable)."""
+    def count_lost(self, dropped: int = 1, coalesced: int = 0) -> None:
+        """Counts submissions ``dropped`` or ``coalesced`` on the way here (submitted too)."""
         with self._lock:
-            self._submitted += 1
-            self._dropped += 1
+            self._submitted += dropped + coalesced
+            self._dropped += dropped
+            self._coalesced += coalesced
 
-    def count_remote(self, dropped: int, coalesced: int) -> None:
-        """Adds what a sender in another process dropped or coalesced before sending."""
+    def untold(self) -> tuple[int, int]:
+        """``(dropped, coalesced)`` since the previous call, for the next hop (numbered payloads aside)."""
         with self._lock:
-            self._remote_dropped += dropped
-            self._remote_coalesced += coalesced
+            dropped = self._dropped - self._numbered - self._told_dropped
+            coalesced = self._coalesced - self._told_coalesced
+            self._told_dropped += dropped
+            self._told_coalesced += coalesced
+        return dropped, coalesced
 
-    def count_restart(self) -> None:
-        """Counts a receiver that lost its mailbox and started a new one (what it held is lost)."""
-        with self._lock:
-            self._receiver_restarts += 1
+    def retell(self, dropped: int, coalesced: int) -> None:
+        """Gives back what :meth:`untold` returned and did not reach the next hop."""
+        self._told_dropped -= dropped  # only the queue's one taker tells: no lock
+        self._told_coalesced -= coalesced
 
     def close(self) -> None:
         """From now on, :meth:`put` drops (and counts) what it is given."""
@@ -188,8 +197,7 @@ class PendingQueue:
         with self._lock:
             self._in_flight = None
             if lost:
-                self._dropped += entry.payloads
-                self._coalesced -= entry.payloads - 1
+                self._lose_locked(entry)
             elif delivered:
                 self._logged += 1
             else:
@@ -217,9 +225,6 @@ class PendingQueue:
                 "coalesced": self._coalesced,
                 "dropped": self._dropped,
                 "sink_errors": self._sink_errors,
-                "remote_dropped": self._remote_dropped,
-                "remote_coalesced": self._remote_coalesced,
-                "receiver_restarts": self._receiver_restarts,
             }
 
     def has_pending(self, wanted: Callable[[Payload], bool]) -> bool:

@@ -19,7 +19,7 @@ from rl_observers.stats import LastEvent
 __all__ = ["LiveConsole"]
 
 #: Channel counters that mean something was lost (see ``MetricsChannel.health``).
-LOSS_COUNTERS: tuple[str, ...] = ("dropped", "remote_dropped", "sink_errors", "copies_lost", "windows_lost")
+LOSS_COUNTERS: tuple[str, ...] = ("dropped", "sink_errors", "copies_lost")
 
 
 class _Rate:

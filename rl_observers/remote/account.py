@@ -4,15 +4,17 @@ Step **channel**, at the owner. A copy's handle numbers its windows
 (``copy``, ``seq``; a merged window says how many it holds, ``windows``) and
 marks its last one (``last``). The owner's :class:`Account` notes each
 window it receives and, once the observer is done, settles each copy: the
-windows that never came count in ``windows_lost``; a copy whose last window
-never came, or that was expected (:meth:`Account.expect`) and never heard
-from, is reported once and counted in ``copies_lost``. See
+windows that never came, wherever they were lost, count as dropped (given to
+``count_lost``; the hops on the way leave them out); a copy whose last
+window never came, or that was expected (:meth:`Account.expect`) and never
+heard from, is reported once and counted in ``copies_lost``. See
 ``docs/distributed.rst``, "What flush guarantees".
 
 Examples:
     >>> from rl_observers.remote.account import Account
     >>> from rl_observers.remote.window import Window
-    >>> account = Account("demo")
+    >>> lost = []
+    >>> account = Account("demo", lost.append)
     >>> def window(copy, seq, counters, last=False):
     ...     return Window("train/worker_0", {}, observer="train", worker=0, counters=counters,
     ...                   copy=copy, seq=seq, last=last)
@@ -23,23 +25,23 @@ Examples:
     >>> account.waiting("train")  # window 2 has not arrived
     ['worker 0 (h/pid 1)']
     >>> account.settle("train")  # warns: window 2 never arrived
-    >>> account.counts()
-    {'copies_lost': 0, 'windows_lost': 1}
+    >>> lost, account.copies_lost
+    ([1], 0)
     >>> account.expect("train", [0, 1])  # copies attached in workers 0 and 1
     >>> account.note(window("h/pid 2", 1, {}, last=True))
     False
     >>> account.waiting("train")  # worker 1 never sent anything
     ['worker 1 (never heard from)']
     >>> account.settle("train")  # warns: worker 1's copy vanished
-    >>> account.counts()
-    {'copies_lost': 1, 'windows_lost': 1}
+    >>> lost, account.copies_lost
+    ([1], 1)
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from rl_observers.remote.window import Window, worker_key
@@ -69,10 +71,12 @@ class Account:
 
     Args:
         channel (str): the channel's name (for warnings).
+        count_lost (Callable): given the windows a settled copy numbered that never arrived.
     """
 
-    def __init__(self, channel: str) -> None:
+    def __init__(self, channel: str, count_lost: Callable[[int], None]) -> None:
         self._channel = channel
+        self._count_lost = count_lost
         self._lock = threading.Lock()
         self._copies: dict[tuple[str, Any, str], _Copy] = {}
         self._sources: dict[str, str] = {}  # observer name -> its source, in words
@@ -80,7 +84,6 @@ class Account:
         # copies attached and not heard from yet: (observer name, worker) -> where, in words
         self._expected: dict[tuple[str, Any], str] = {}
         self.copies_lost = 0
-        self.windows_lost = 0
 
     def describe(self, name: str, description: str) -> None:
         """Names the source of the observer ``name`` in warnings (``description``)."""
@@ -150,7 +153,7 @@ class Account:
     def settle(self, name: str | None = None, members: frozenset[tuple[Any, ...]] | None = None) -> None:
         """Closes the account of ``name`` (every observer's with ``None``; only ``members``, if given).
 
-        Missing windows count in ``windows_lost``; copies whose last window
+        Missing windows go to ``count_lost``; copies whose last window
         never came are reported (one warning per observer) and counted in
         ``copies_lost``. The name may then be used again.
         """
@@ -181,9 +184,10 @@ class Account:
         gaps: list[str] = []
         for (observer, _, _), copy in copies:
             missing = max(copy.sent - copy.received, 0)
-            with self._lock:
-                self.windows_lost += missing
-                if not copy.last:
+            if missing:
+                self._count_lost(missing)
+            if not copy.last:
+                with self._lock:
                     self.copies_lost += 1
             if copy.last and missing:
                 gaps.append(
@@ -199,7 +203,7 @@ class Account:
         if gaps:
             torchrl_logger.warning(
                 f"MetricsChannel {self._channel!r}: windows that copies numbered never arrived: "
-                f"{'; '.join(gaps)}. Counted in health()['windows_lost']."
+                f"{'; '.join(gaps)}. Counted in health()['dropped']."
             )
         for observer, lines in vanished.items():
             source = sources.get(observer, f"observer {observer!r}")
@@ -219,11 +223,6 @@ class Account:
             for key in [k for k in self._expected if k[0] == name]:
                 del self._expected[key]
             self._sources.pop(name, None)
-
-    def counts(self) -> dict[str, int]:
-        """``copies_lost`` and ``windows_lost`` so far."""
-        with self._lock:
-            return {"copies_lost": self.copies_lost, "windows_lost": self.windows_lost}
 
 
 def _belongs(key: tuple[Any, ...], members: frozenset[tuple[Any, ...]] | None) -> bool:

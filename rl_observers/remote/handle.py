@@ -58,7 +58,7 @@ class MetricsHandle:
       machine, else Ray), from a bounded queue that coalesces per namespace
       while the transport is full. What it loses (owner gone, a payload
       unpicklable or over one datagram, about 416 KiB) is counted in
-      :attr:`dropped` and reported to the owner's ``health()["remote_dropped"]``.
+      :attr:`dropped` and in the owner's ``health()["dropped"]``.
       With no reachable transport it warns once and counts what it drops
       (``transport == "unreachable"``).
 

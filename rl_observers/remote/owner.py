@@ -42,7 +42,7 @@ LAST_WINDOWS_WAIT = 3.0
 class RemoteWing(Wing):
     """What a channel does, where it was created, for the processes that send to it."""
 
-    losses = ("remote_dropped", "receiver_restarts", "copies_lost", "windows_lost")
+    losses = ("copies_lost",)
 
     def __init__(self, owner: Owner, channel: Any) -> None:
         self.owner = owner
@@ -52,17 +52,14 @@ class RemoteWing(Wing):
         self._lock = threading.Lock()
         self._receivers: dict[str, Receiver] = {}
         self._addresses: dict[str, Any] = {}
-        self.account = Account(owner.name)
+        self.account = Account(owner.name, self.queue.count_lost)
         # observers whose copies are gone with some last window missing: name -> (settle by, copies)
         self._unsettled: dict[str, tuple[float, frozenset[Any]]] = {}
-        self._account_seen = (0, 0)
+        self._copies_lost_seen = 0
         self._receivers_started = False
         self._receivers_lock = threading.Lock()
         OWNERS[owner.token] = channel
         WINGS[owner.token] = self
-
-    def submit(self, payload: Payload) -> None:
-        self.owner.submit(payload)
 
     @property
     def close_requested(self) -> bool:
@@ -71,33 +68,29 @@ class RemoteWing(Wing):
     def _accept(self, payload: Any, counts: Any) -> None:
         """Queues one payload from another process like a local submission (``None``: counts only)."""
         try:
-            lost, coalesced = counts
-            if payload is None:
-                if lost.__class__ is int and coalesced.__class__ is int:
-                    self.queue.count_remote(lost, coalesced)
-                    return
-                raise TypeError(counts)
-            metrics = payload.metrics
-            valid = (
-                (payload.__class__ is Window or payload.__class__ is Payload)
-                and payload.namespace.__class__ is str
-                and metrics.__class__ is dict
-                and all(key.__class__ is str for key in metrics)
-                and lost.__class__ is int
-                and coalesced.__class__ is int
-            )
+            lost, coalesced, held = counts
+            valid = lost.__class__ is int and coalesced.__class__ is int and held.__class__ is int
+            if valid and payload is not None:
+                metrics = payload.metrics
+                valid = (
+                    (payload.__class__ is Window or payload.__class__ is Payload)
+                    and payload.namespace.__class__ is str
+                    and metrics.__class__ is dict
+                    and all(key.__class__ is str for key in metrics)
+                )
         except Exception:
             valid = False
         if not valid:
-            self.queue.count_dropped()
+            self.queue.count_lost()
             return
         if lost or coalesced:
-            self.queue.count_remote(lost, coalesced)
+            self.queue.count_lost(lost, coalesced)
+        if payload is None:
+            return
         if payload.__class__ is Window and payload.seq is not None and self.account.note(payload):
             # a late window: its copy's newest counters replaced its own; its gauges are older too
             payload.metrics = {k: v for k, v in metrics.items() if is_partial(v)}
-        self.submit(payload)
-
+        self.owner.submit(payload, held)
 
     def addresses(self) -> dict[str, Any]:
         """Starts every registered transport's receiver on first use; returns their addresses."""
@@ -110,9 +103,7 @@ class RemoteWing(Wing):
                         continue
                     receiver = candidate.make_receiver(self.owner.token, self.owner.name)
                     if receiver is not None:
-                        if hasattr(receiver, "on_restart"):
-                            receiver.on_restart = self.queue.count_restart
-                        receiver.start(self._accept, self.queue.count_dropped, self.owner.background)
+                        receiver.start(self._accept, self.queue.count_lost, self.owner.background)
                         self._receivers[candidate.name] = receiver
             return {name: r.address() for name, r in self._receivers.items()}
 
@@ -162,17 +153,14 @@ class RemoteWing(Wing):
         return self.settle_gone(deadline)
 
     def clean_since_last_check(self) -> bool:
-        """Whether no copy nor window was counted lost since the previous check."""
-        counts = self.account.counts()
-        seen = (counts["copies_lost"], counts["windows_lost"])
-        clean = seen == self._account_seen
-        self._account_seen = seen
-        return clean
+        """Whether no copy was counted lost since the previous check (lost windows count in ``dropped``)."""
+        seen, self._copies_lost_seen = self._copies_lost_seen, self.account.copies_lost
+        return seen == self._copies_lost_seen
 
     def counts(self) -> dict[str, int]:
         if self._unsettled:
             self.settle_gone(0.0)  # those whose windows came in or whose time is up
-        return self.account.counts()
+        return {"copies_lost": self.account.copies_lost}
 
     def copies_attached(self, feeder: Any, description: str) -> None:
         """Notes that copies of ``feeder`` run elsewhere and send to this channel.
@@ -387,9 +375,6 @@ class Forwarder:
             "coalesced": sender.coalesced,
             "dropped": sender.dropped + extra,
             "sink_errors": 0,
-            "remote_dropped": 0,
-            "remote_coalesced": 0,
-            "receiver_restarts": 0,
         }
 
     def release(self) -> None:

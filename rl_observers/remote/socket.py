@@ -153,7 +153,7 @@ class SocketWire:
             torchrl_logger.warning(
                 f"MetricsHandle dropped a payload: {len(data)} bytes pickled, more than the "
                 f"{limit} bytes one datagram carries here ({why}). It is counted in the owner's "
-                "health()['remote_dropped']; log less per payload (a smaller window, fewer "
+                "health()['dropped']; log less per payload (a smaller window, fewer "
                 "metrics). Further such errors are silent."
             )
         return GONE

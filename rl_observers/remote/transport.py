@@ -42,7 +42,7 @@ __all__ = [
     "Wire",
 ]
 
-#: ``accept(payload, (unreported_dropped, unreported_coalesced))``.
+#: ``accept(payload, (dropped, coalesced, held))``: see :meth:`Receiver.start`.
 Accept = Callable[[Payload, tuple], None]
 SENT, RETRY, GONE = "sent", "retry", "gone"
 #: Payloads a handle in another process holds while its wire says to retry.
@@ -75,9 +75,10 @@ class Receiver(Protocol):
     name: str
 
     def start(self, accept: Accept, refuse: Callable[[], None], background: bool) -> None:
-        """Starts receiving: ``accept(payload, (dropped, coalesced))`` per message, ``refuse()`` per unreadable one.
+        """Starts receiving: ``accept(payload, counts)`` per message, ``refuse()`` per unreadable one.
 
-        With ``background=False`` messages arrive only through :meth:`poll`.
+        ``counts``: ``(dropped, coalesced, held)``: payloads dropped and merged on
+        the way since the previous message, those ``payload`` holds. With ``background=False`` messages arrive only through :meth:`poll`.
         """
 
     def address(self) -> Any:
@@ -175,15 +176,14 @@ class Outbox:
     ``send`` queues, then pumps into the wire inline (no thread: no GIL
     hand-over in a worker); ``RETRY`` keeps the rest for the next ``send`` or
     :meth:`flush`. Each message is the pickled ``(payload, (dropped,
-    coalesced))``, the counts alone (``None`` payload) when nothing else
-    carries them.
+    coalesced, held))`` (:meth:`Receiver.start`), the counts alone (``None``
+    payload) when nothing else carries them.
     """
 
     def __init__(self, wire: Wire, capacity: int = OUTBOX_CAPACITY) -> None:
         self.name = wire.name
         self.wire = wire
         self.queue = PendingQueue(capacity)
-        self._told = (0, 0)  # (dropped, coalesced) the owner heard of
         self._lock = threading.Lock()
         self._warned: set[str] = set()
         _OUTBOXES.add(self)
@@ -191,7 +191,7 @@ class Outbox:
     def forget_after_fork(self) -> None:
         """In a forked child: the parent sends what it holds; its lock may have been held."""
         self._lock = threading.Lock()
-        self.queue, self._told = PendingQueue(self.queue.capacity), (0, 0)
+        self.queue = PendingQueue(self.queue.capacity)
 
     def send(self, payload: Payload) -> None:
         with self._lock:
@@ -215,32 +215,33 @@ class Outbox:
     def _pump(self) -> bool:
         """Sends what waits, then any count not told yet; whether nothing is left. Holds ``_lock``."""
         queue = self.queue
+        status = None
         while (entry := queue.take()) is not None:
-            status = self._ship(entry.payload)
+            status = self._ship(entry.payload, entry.payloads)
             if status == RETRY:
                 queue.untake(entry)
                 return False
             queue.done(entry, True, lost=status != SENT)
-        return self._ship(None) != RETRY  # an owner that is gone never hears of them
+        # the last message sent told every count; an owner that is gone never hears of them
+        return status == SENT or self._ship(None, 0) != RETRY
 
-    def _ship(self, payload: Payload | None) -> str:
-        counts = self.queue.losses()
-        told = self._told
-        unreported = (counts[0] - told[0], counts[1] - told[1])
-        if payload is None and unreported == (0, 0):
+    def _ship(self, payload: Payload | None, held: int) -> str:
+        dropped, coalesced = self.queue.untold()
+        if payload is None and not (dropped or coalesced):
             return SENT
         try:
-            data = pickle.dumps((payload, unreported), protocol=pickle.HIGHEST_PROTOCOL)
+            data = pickle.dumps((payload, (dropped, coalesced, held)), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as err:
             self._warn(
                 "pickle",
                 f"could not pickle a payload of namespace {payload.namespace!r}: {err!r}; it is "
-                "dropped and counted in this handle's dropped (and the owner's health()['remote_dropped'])",
+                "dropped and counted in this handle's dropped (and the owner's health()['dropped'])",
             )
-            return GONE
-        status = self.wire.send(data)
-        if status == SENT:
-            self._told = counts
+            status = GONE
+        else:
+            status = self.wire.send(data)
+        if status != SENT and (dropped or coalesced):
+            self.queue.retell(dropped, coalesced)
         return status
 
     def _warn(self, kind: str, message: str) -> None:

@@ -124,6 +124,10 @@ class Window(Payload):
     cut: int | None = None
     due: bool = False
 
+    @property
+    def counted_by_number(self) -> int:  # type: ignore[override]
+        return self.windows if self.seq is not None else 0
+
     def older_than(self, other: Window) -> bool:
         """Whether this window was sent before ``other`` (both numbered)."""
         return self.seq is not None and other.seq is not None and self.seq < other.seq

@@ -43,7 +43,7 @@ class Result:
 
     @property
     def exact(self) -> bool:
-        lost = sum(self.health.get(k, 0) for k in ("dropped", "remote_dropped", "windows_lost", "copies_lost", "exit_code", "warnings"))
+        lost = sum(self.health.get(k, 0) for k in ("dropped", "copies_lost", "exit_code", "warnings"))
         return self.last == self.expected and lost == 0 and self.flushed and self.closed
 
     def __str__(self) -> str:

@@ -12,6 +12,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ import rl_observers.remote.owner as owner_module
 from rl_observers import Every, LoggerObserver, MetricsChannel
 from rl_observers.channel.payload import Payload
 from rl_observers.remote.window import AggregateSpec, Window
-from tests.helpers import RecordingLogger
+from tests.helpers import ListPartial, RecordingLogger, assert_balanced
 
 
 def _window(frames: int, last: bool = False, metrics: dict | None = None) -> Window:
@@ -46,7 +47,7 @@ def test_a_copy_heard_to_its_end_counts_nothing_lost():
     assert channel.flush(timeout=10)
     assert channel.close(timeout=10)
     health = channel.health()
-    assert health["copies_lost"] == 0 and health["windows_lost"] == 0
+    assert health["copies_lost"] == 0 and health["dropped"] == 0
 
 
 def test_a_copy_without_its_last_window_is_reported_once_and_counted(caplog):
@@ -61,6 +62,24 @@ def test_a_copy_without_its_last_window_is_reported_once_and_counted(caplog):
     vanished = [r.getMessage() for r in caplog.records if "vanished without their final report" in r.getMessage()]
     assert len(vanished) == 1
     assert "worker 0" in vanished[0] and "window 2" in vanished[0] and "'frames': 20" in vanished[0]
+
+
+def test_a_window_its_handle_drops_counts_once_in_dropped_by_its_gap(caplog):
+    """The handle leaves a numbered window's loss to the owner's account: counted once, not twice."""
+    channel = MetricsChannel(RecordingLogger(), health_interval=None)
+    handle = channel.handle(transport="socket")
+    unpicklable = ListPartial("x", [1.0])
+    unpicklable.lock = threading.Lock()
+    handle.submit_window(_window(10, metrics={"frames": 10.0}))
+    handle.submit_window(_window(20, metrics={"x": unpicklable}))  # window 2: dropped by the handle
+    handle.submit_window(_window(30, last=True))
+    assert handle.dropped == 1
+    with caplog.at_level(logging.WARNING, logger="torchrl"):
+        assert not channel.close(timeout=10)
+    health = channel.health()
+    assert health["dropped"] == 1 and health["submitted"] == 3 and health["copies_lost"] == 0
+    assert_balanced(health)
+    assert any("1 of its 3 windows" in r.getMessage() for r in caplog.records)
 
 
 class _Feeder:
@@ -102,7 +121,7 @@ def test_copies_gone_does_not_wait_for_a_window_that_is_not_sent_yet(monkeypatch
     assert channel.health()["copies_lost"] == 0  # not settled: it may still come
     handle.submit_window(_window(20, last=True))
     assert channel.flush(timeout=30)  # it came: settled, nothing lost
-    assert channel.health()["copies_lost"] == channel.health()["windows_lost"] == 0
+    assert channel.health()["copies_lost"] == channel.health()["dropped"] == 0
     assert channel.close(timeout=10)
 
 
@@ -132,7 +151,7 @@ def test_the_channels_health_rows_carry_the_account(tmp_path):
     channel.step()
     scalars = logger.experiment.scalars
     assert scalars["channel/copies_lost"][-1][1] == 2
-    assert scalars["channel/windows_lost"][-1][1] == 0
+    assert scalars["channel/dropped"][-1][1] == 0
     channel.close()
 
 

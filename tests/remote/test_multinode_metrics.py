@@ -21,7 +21,7 @@ from torchrl.record import CSVLogger
 
 from rl_observers import Every, LoggerObserver, MetricsChannel, WriteMetrics
 from rl_observers.remote.aggregate import finish_aggregate
-from tests.helpers import scalars, wait_for
+from tests.helpers import assert_balanced, scalars, wait_for
 from tests.remote.multinode import ONE_CLUSTER_AT_A_TIME, cluster_fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), ONE_CLUSTER_AT_A_TIME]
@@ -175,7 +175,7 @@ def test_far_node_windows_reach_the_drivers_csv_exactly(cluster, actors, tmp_pat
     _check(logger, "both/worker_0", head_values)
     assert scalars(logger, "both/workers")[0][1] == 2
     health = channel.health()
-    assert health["dropped"] == health["remote_dropped"] == 0
+    assert health["dropped"] == 0
 
 
 @pytest.mark.real_collector
@@ -201,7 +201,7 @@ def test_remove_observer_then_flush_delivers_everything(cluster, actors, tmp_pat
 
 
 @pytest.mark.real_collector
-def test_killing_the_ingest_mid_run(cluster, actors, tmp_path):
+def test_killing_the_ingest_mid_run(cluster, actors, tmp_path, warnings_seen):
     """Collection goes on; the owner's health shows the loss; flush/close return in time."""
     ray = pytest.importorskip("ray")
     victim = "ingest"
@@ -230,8 +230,7 @@ def test_killing_the_ingest_mid_run(cluster, actors, tmp_path):
     start = time.monotonic()
     channel.flush(timeout=10)
     assert time.monotonic() - start < 12
-    health = channel.health()
-    assert health["receiver_restarts"] >= 1
+    assert_balanced(channel.health())
     # the row waited for worker 0 (never heard from) for worker_timeout at most, then was logged
     assert wait_for(lambda: scalars(logger, f"{victim}/items_written"), timeout=10)
     frames = scalars(logger, f"{victim}/items_written")
@@ -239,6 +238,8 @@ def test_killing_the_ingest_mid_run(cluster, actors, tmp_path):
     start = time.monotonic()
     channel.close(timeout=10)
     assert time.monotonic() - start < 12
+    assert_balanced(channel.health())
+    assert [m for m in warnings_seen if "ingest actor died" in m]
 
 
 @pytest.mark.real_collector

@@ -86,10 +86,7 @@ class RayReceiver:
         self._gone = threading.Lock()  # taken, never released, when Ray is gone: said once
         self.accepted = 0
         self.drains = 0
-        self.restarts = 0  # ingest actors that died (what they held is lost, uncounted)
-        #: called once per restart (the owning channel counts it in its health)
-        self.on_restart: Callable[[], None] | None = None
-        self._held = (0, 0)  # counts waiting for the next accepted message
+        self.restarts = 0  # ingest actors that died (what they held is lost: windows by their gaps)
         self.error: BaseException | None = None
 
     def start(
@@ -116,7 +113,7 @@ class RayReceiver:
         )
         self._node = context.get_node_id()
         self._accept = accept
-        self._refuse = refuse
+        self._refuse = refuse or (lambda: accept(None, (1, 0, 0)))  # an unreadable batch counts as one dropped
         self._actor = self._create_ingest()
         _STARTED.add(self)
         if background:
@@ -187,8 +184,11 @@ class RayReceiver:
                 if not self._stop:
                     time.sleep(min(wait, 0.1))
                     self.restarts += 1
-                    if self.on_restart is not None:
-                        self.on_restart()
+                    torchrl_logger.warning(
+                        f"{self._owner}: its Ray ingest actor died ({err!r}) and a new one is started. "
+                        "What it held is lost: the windows of observers' copies among it count in "
+                        "health()['dropped'] once their copies are done, other payloads uncounted."
+                    )
                     try:
                         self._actor = self._create_ingest()
                     except Exception as again:
@@ -196,17 +196,17 @@ class RayReceiver:
                 return 0
             self.drains += 1
             messages = [message for data in batches for message in self._load(data)]
-            held_d, held_c = self._held
-            held_d += dropped
-            held_c += coalesced
             accept = self._accept
+            if dropped or coalesced:  # the ingest's drops: with the first message, or alone
+                if messages:
+                    messages[0].carrying(dropped, coalesced)
+                else:
+                    accept(None, (dropped, coalesced, 0))
             for message in messages:
-                d, c = message.counts
-                if held_d or held_c:
-                    d, c = d + held_d, c + held_c
-                    held_d = held_c = 0
-                accept(message.payload, (d, c))
-            self._held = (held_d, held_c)
+                payload, (d, c), (held, merged) = message.payload, message.counts, message.held
+                held += getattr(payload, "counted_by_number", 0)  # left out of held for the hops
+                # merged on the way and not counted yet: coalesced here
+                accept(payload, (d, c + held - 1 - merged, held))
             self.accepted += len(messages)
             return len(messages)
         finally:
@@ -239,11 +239,7 @@ class RayReceiver:
                     raise TypeError(f"not a message: {message!r}")
         except Exception as err:
             self.error = err
-            if self._refuse is not None:
-                self._refuse()
-            else:
-                held_d, held_c = self._held
-                self._held = (held_d + 1, held_c)
+            self._refuse()
             return []
         return messages
 

@@ -65,7 +65,6 @@ class RaySender:
             raise TypeError(f"RaySender expected a RayAddress, got {address!r}.")
         self.address = RayAddress(*address)
         self._queue = PendingQueue(capacity)
-        self._told = (0, 0)  # the queue's (dropped, coalesced) already sent to the owner
         self._capacity = capacity
         # a buffer half full wakes the sending thread early: at a high rate it would otherwise
         # fill before the next round and every further send would take the merging path
@@ -174,10 +173,9 @@ class RaySender:
         taken = self._queue.take_all()  # what senders append meanwhile waits for the next round
         if not taken:
             return []
-        counts, told = self._queue.losses(), self._told
-        self._told = counts
-        batch = [Message(e.payload, (0, 0), (e.payloads, e.payloads - 1)) for e in taken]
-        batch[0].counts = (counts[0] - told[0], counts[1] - told[1])
+        # lost on a later hop, an entry counts as dropped but for its numbered windows (counted by their gap)
+        batch = [Message(e.payload, (0, 0), (e.payloads - e.payload.counted_by_number, e.payloads - 1)) for e in taken]
+        batch[0].counts = self._queue.untold()
         return batch
 
     def _send_pending(self) -> None:
@@ -218,7 +216,7 @@ class RaySender:
         self._running = False
         # their locks may have been held by a thread the child lacks; the parent sends its own
         self._lock = threading.Lock()
-        self._queue, self._told = PendingQueue(self._capacity), (0, 0)
+        self._queue = PendingQueue(self._capacity)
 
     def pending(self) -> int:
         """Entries buffered here, not yet handed to a call (the ``Sender`` protocol's ``pending``)."""

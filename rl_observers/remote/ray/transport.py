@@ -4,7 +4,8 @@ A sender's ``send`` only queues (the bounded, coalescing
 :class:`~rl_observers.channel.queue.PendingQueue`); its thread pushes
 batches fire-and-forget to the owner's ingest actor; the owner's
 :class:`~.receiver.RayReceiver` drains it. Drops and coalescing travel with
-the next message; a lost message counts all its payloads as dropped. See
+the next message; a lost message counts its payloads as dropped (numbered
+windows by their gap, at the owner). See
 ``docs/distributed.rst``, "Across machines".
 """
 
