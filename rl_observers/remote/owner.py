@@ -68,7 +68,8 @@ class RemoteWing(Wing):
     def _accept(self, payload: Any, counts: Any) -> None:
         """Queues one payload from another process like a local submission (``None``: counts only)."""
         try:
-            lost, coalesced, held = counts
+            # a transport written before ``held`` sends two counts: its payload holds one
+            lost, coalesced, held = counts if len(counts) == 3 else (*counts, int(payload is not None))
             valid = lost.__class__ is int and coalesced.__class__ is int and held.__class__ is int
             if valid and payload is not None:
                 metrics = payload.metrics

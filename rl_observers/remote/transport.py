@@ -78,7 +78,9 @@ class Receiver(Protocol):
         """Starts receiving: ``accept(payload, counts)`` per message, ``refuse()`` per unreadable one.
 
         ``counts``: ``(dropped, coalesced, held)``: payloads dropped and merged on
-        the way since the previous message, those ``payload`` holds. With ``background=False`` messages arrive only through :meth:`poll`.
+        the way since the previous message, and how many ``payload`` holds (a
+        2-tuple means one). With ``background=False`` messages arrive only
+        through :meth:`poll`.
         """
 
     def address(self) -> Any:

@@ -259,6 +259,48 @@ def test_a_worker_flooding_small_queues_balances_at_the_owner_every_loss_counted
     assert channel.close(timeout=10)
 
 
+class _TwoCountReceiver:
+    """A transport's receiver written before messages carried ``held``: it tells two counts."""
+
+    def start(self, accept, refuse, background):  # noqa: ANN001, ANN201
+        self.accept = accept
+
+    def address(self):  # noqa: ANN201
+        return "two-counts"
+
+    def poll(self, deadline):  # noqa: ANN001, ANN201
+        pass
+
+    def close(self, deadline):  # noqa: ANN001, ANN201
+        pass
+
+    def release(self):  # noqa: ANN201
+        pass
+
+
+def test_a_transport_telling_two_counts_still_balances_at_the_owner(monkeypatch):
+    """``accept(payload, (dropped, coalesced))`` from a registered transport: its payload holds one."""
+    from rl_observers.remote import transport
+    from rl_observers.stats import Count
+
+    monkeypatch.setattr(transport, "_TRANSPORTS", dict(transport._TRANSPORTS))  # registered for this test only
+    receiver = _TwoCountReceiver()
+    transport.register_transport("two-counts", lambda address: None, lambda token, name: receiver, lambda a: False)
+    logger = RecordingLogger()
+    channel = sync_channel(logger)
+    channel.handle()  # starts the receivers
+    from rl_observers.channel.payload import Payload
+
+    receiver.accept(Payload("a", {"n": Count("n", 1)}), (2, 3))
+    channel.step()
+    assert channel.flush(timeout=10) is False  # two were dropped on the way
+    health = channel.health()
+    assert (health["submitted"], health["logged"], health["dropped"], health["coalesced"]) == (6, 1, 2, 3)
+    assert_balanced(health)
+    assert [m for m, _ in logger.user_calls()] == [{"a/n": 1.0}]
+    channel.close(timeout=10)
+
+
 _CHILD_SUBMITS = """
 for i in range(5):
     handle.submit_metrics({"x": float(i)}, step=i, namespace=namespace)
