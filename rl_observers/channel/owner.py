@@ -197,7 +197,8 @@ class Owner:
         return self.delivery.step()
 
     def health(self) -> dict[str, int]:
-        return {**self.queue.counts(), **self.wing.counts()}
+        wing = self.wing.counts()  # first: settling a copy counts its lost windows in the queue's
+        return {**self.queue.counts(), **wing}
 
     def handle(self, channel: Any, transport: str | None) -> Any:
         return self.wing.handle(channel, transport)

@@ -80,7 +80,8 @@ class Account:
         self._lock = threading.Lock()
         self._copies: dict[tuple[str, Any, str], _Copy] = {}
         self._sources: dict[str, str] = {}  # observer name -> its source, in words
-        self._settled: set[tuple[str, Any, str]] = set()  # copies whose account is closed
+        # copies whose account is closed: the highest window number counted then (lost or received)
+        self._settled: dict[tuple[str, Any, str], int] = {}
         # copies attached and not heard from yet: (observer name, worker) -> where, in words
         self._expected: dict[tuple[str, Any], str] = {}
         self.copies_lost = 0
@@ -98,10 +99,11 @@ class Account:
                 if not any(k[0] == name and k[1] == key[1] for k in self._copies):
                     self._expected[key] = where
 
-    def note(self, window: Window) -> bool:
+    def note(self, window: Window) -> bool | None:
         """Notes one numbered window received by the owner; whether it arrived late.
 
         A late window is given its copy's newest counters (cumulative, they never go back).
+        ``None``: its copy was settled with it counted lost, so it must not count again.
         """
         seq = window.seq
         if seq.__class__ is not int:
@@ -112,8 +114,9 @@ class Account:
             if copy is None:
                 if self._expected:  # an attached copy's first window: it is heard from
                     self._expected.pop(key[:2], None)
-                if key in self._settled:  # a window sent after its account closed (at exit)
-                    return False
+                counted = self._settled.get(key)
+                if counted is not None:  # a window that arrived after its account closed
+                    return None if seq <= counted else False
                 copy = self._copies[key] = _Copy(window.worker, str(window.copy))
             windows = window.windows
             copy.received += windows if windows.__class__ is int and windows > 0 else 1
@@ -165,8 +168,8 @@ class Account:
 
         with self._lock:
             done = [key for key in self._copies if chosen(key)]
+            self._settled.update((key, self._copies[key].sent) for key in done)
             copies = [(key, self._copies.pop(key)) for key in done]
-            self._settled.update(done)
             unheard = [key for key in self._expected if chosen(key)]
             for key in unheard:
                 del self._expected[key]
@@ -219,7 +222,7 @@ class Account:
         with self._lock:
             for key in [k for k in self._copies if k[0] == name]:
                 del self._copies[key]
-                self._settled.add(key)
+                self._settled[key] = 0  # nothing counted lost: what comes later counts as it goes
             for key in [k for k in self._expected if k[0] == name]:
                 del self._expected[key]
             self._sources.pop(name, None)

@@ -67,10 +67,11 @@ class RemoteWing(Wing):
 
     def _accept(self, payload: Any, counts: Any) -> None:
         """Queues one payload from another process like a local submission (``None``: counts only)."""
+        counted = False  # whether the counts it carries are readable
         try:
             # a transport written before ``held`` sends two counts: its payload holds one
             lost, coalesced, held = counts if len(counts) == 3 else (*counts, int(payload is not None))
-            valid = lost.__class__ is int and coalesced.__class__ is int and held.__class__ is int
+            valid = counted = lost.__class__ is int and coalesced.__class__ is int and held.__class__ is int
             if valid and payload is not None:
                 metrics = payload.metrics
                 valid = (
@@ -81,16 +82,22 @@ class RemoteWing(Wing):
                 )
         except Exception:
             valid = False
-        if not valid:
-            self.queue.count_lost()
+        if not valid:  # an unreadable payload is lost with what it held, its counts kept if readable
+            if counted and held > 0:
+                self.queue.count_lost(lost + held, coalesced + 1 - held)
+            else:
+                self.queue.count_lost()
             return
         if lost or coalesced:
             self.queue.count_lost(lost, coalesced)
         if payload is None:
             return
-        if payload.__class__ is Window and payload.seq is not None and self.account.note(payload):
-            # a late window: its copy's newest counters replaced its own; its gauges are older too
-            payload.metrics = {k: v for k, v in metrics.items() if is_partial(v)}
+        if payload.__class__ is Window and payload.seq is not None:
+            late = self.account.note(payload)
+            if late is None:  # counted lost when its copy was settled: counted once
+                return
+            if late:  # its copy's newest counters replaced its own; its gauges are older too
+                payload.metrics = {k: v for k, v in metrics.items() if is_partial(v)}
         self.owner.submit(payload, held)
 
     def addresses(self) -> dict[str, Any]:

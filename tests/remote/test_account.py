@@ -82,6 +82,26 @@ def test_a_window_its_handle_drops_counts_once_in_dropped_by_its_gap(caplog):
     assert any("1 of its 3 windows" in r.getMessage() for r in caplog.records)
 
 
+def test_a_window_arriving_after_its_copy_was_settled_counts_once():
+    """Counted lost when its copy was settled, a late window is not counted again; a newer one is."""
+    from rl_observers.remote.account import Account
+
+    lost: list[int] = []
+    account = Account("late", lost.append)
+
+    def numbered(seq: int, last: bool = False) -> Window:
+        window = _window(10 * seq, last=last)
+        window.copy, window.seq = "h/pid 1", seq
+        return window
+
+    assert account.note(numbered(1)) is False
+    assert account.note(numbered(3)) is False
+    account.settle("copies")
+    assert lost == [1]  # window 2 never arrived
+    assert account.note(numbered(2)) is None  # already counted: the owner must not submit it
+    assert account.note(numbered(4, last=True)) is False  # never counted: the owner submits it
+
+
 class _Feeder:
     """What the channel knows of an observer whose copies run elsewhere: its name."""
 

@@ -36,17 +36,19 @@ class Message:
     """One payload on its way through Ray, with the counts it carries.
 
     ``counts``: ``(dropped, coalesced)`` not yet reported. ``held``:
-    ``(payloads, merged)``, which count as dropped if the message is lost.
+    ``(payloads, merged)``: the payloads merged into it, numbered windows aside
+    (the owner counts those by their gaps), which count as dropped if the
+    message is lost, and the merges among them.
     """
 
     __slots__ = ("counts", "held", "payload")
 
     def __init__(
-        self, payload: Payload, counts: tuple[int, int] = (0, 0), held: tuple[int, int] = (1, 0)
+        self, payload: Payload, counts: tuple[int, int] = (0, 0), held: tuple[int, int] | None = None
     ) -> None:
         self.payload = payload
         self.counts = counts
-        self.held = held
+        self.held = (1 - payload.counted_by_number, 0) if held is None else held
 
     def carrying(self, dropped: int, coalesced: int) -> Message:
         """This message, carrying ``dropped`` and ``coalesced`` more unreported counts."""
@@ -82,20 +84,22 @@ def _is_address(address: Any) -> bool:
     )
 
 
-def _cost(batch: list[Message]) -> tuple[int, int, int, int]:
-    """What losing ``batch`` costs: ``(payloads, merged, dropped, coalesced)``.
+def _cost(batch: list[Message]) -> tuple[int, int, int, int, int]:
+    """What losing ``batch`` costs: ``(payloads, merged, dropped, coalesced, numbered)``.
 
     A loss adds ``payloads + dropped`` to the drops and ``coalesced - merged``
-    to the coalesced payloads.
+    to the coalesced payloads that travel on; the ``numbered`` windows among
+    them the owner counts by their gaps (the sender counts them too).
     """
-    payloads = merged = dropped = coalesced = 0
+    payloads = merged = dropped = coalesced = numbered = 0
     for message in batch:
         counts, held = message.counts, message.held
         dropped += counts[0]
         coalesced += counts[1]
         payloads += held[0]
         merged += held[1]
-    return payloads, merged, dropped, coalesced
+        numbered += message.payload.counted_by_number
+    return payloads, merged, dropped, coalesced, numbered
 
 
 # ------------------------------------------------------------------------------- actors
@@ -175,7 +179,7 @@ class _Forwarder:
         self._limit = in_flight
         self._target: Any = None
         self._failed_at = -float("inf")
-        self._calls: dict[Any, tuple[int, int, int, int]] = {}  # ref -> its batch's cost
+        self._calls: dict[Any, tuple[int, int, int, int, int]] = {}  # ref -> its batch's cost
         self.lost: tuple[int, int] = (0, 0)  # to add to the next batch's counts
         self.dropped = 0  # payloads lost with calls that failed
         self.merged_lost = 0  # of those, payloads counted as coalesced where they merged
@@ -212,10 +216,10 @@ class _Forwarder:
                 self._fail(err)
                 self._lose(cost)
 
-    def _lose(self, cost: tuple[int, int, int, int]) -> None:
+    def _lose(self, cost: tuple[int, int, int, int, int]) -> None:
         """Counts a failed call's batch lost."""
-        payloads, merged, dropped, coalesced = cost
-        self.dropped += payloads
+        payloads, merged, dropped, coalesced, numbered = cost
+        self.dropped += payloads + numbered
         self.merged_lost += merged
         d, c = self.lost
         self.lost = (d + payloads + dropped, c + coalesced - merged)
@@ -246,7 +250,7 @@ class _Forwarder:
             batch[0] = batch[0].carrying(*self.lost)
             self.lost = (0, 0)
         cost = _cost(batch)
-        payloads, merged, dropped, coalesced = cost
+        payloads, merged, dropped, coalesced, _ = cost
         try:
             data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
             # what the target adds to its counts if it has to drop the batch whole

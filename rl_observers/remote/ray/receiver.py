@@ -11,7 +11,7 @@ import pickle
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from rl_observers.remote.ray.ingest import (
@@ -91,7 +91,7 @@ class RayReceiver:
 
     def start(
         self,
-        accept: Callable[[str, dict, int | None, Mapping | None, tuple[int, int]], None],
+        accept: Callable[[Any, tuple[int, int, int]], None],
         refuse: Callable[[], None] | None = None,
         background: bool = True,
     ) -> None:
@@ -184,10 +184,12 @@ class RayReceiver:
                 if not self._stop:
                     time.sleep(min(wait, 0.1))
                     self.restarts += 1
+                    self._refuse()  # what it held besides windows is unknown: counted as one
                     torchrl_logger.warning(
                         f"{self._owner}: its Ray ingest actor died ({err!r}) and a new one is started. "
                         "What it held is lost: the windows of observers' copies among it count in "
-                        "health()['dropped'] once their copies are done, other payloads uncounted."
+                        "health()['dropped'] once their copies are done; its other payloads, whose "
+                        "number is unknown, count as one."
                     )
                     try:
                         self._actor = self._create_ingest()
@@ -234,8 +236,8 @@ class RayReceiver:
         try:
             messages = pickle.loads(data)
             for message in messages:  # the payload itself is checked where it is accepted
-                d, c = message.counts
-                if message.__class__ is not Message or d.__class__ is not int or c.__class__ is not int:
+                (d, c), (h, m) = message.counts, message.held
+                if message.__class__ is not Message or not all(n.__class__ is int for n in (d, c, h, m)):
                     raise TypeError(f"not a message: {message!r}")
         except Exception as err:
             self.error = err
