@@ -205,10 +205,9 @@ class RayReceiver:
                 else:
                     accept(None, (dropped, coalesced, 0))
             for message in messages:
-                payload, (d, c), (held, merged) = message.payload, message.counts, message.held
-                held += getattr(payload, "counted_by_number", 0)  # left out of held for the hops
-                # merged on the way and not counted yet: coalesced here
-                accept(payload, (d, c + held - 1 - merged, held))
+                payload = message.payload
+                # its numbered windows were left out of held for the hops (the owner counts them by gap)
+                accept(payload, (*message.counts, message.held[0] + getattr(payload, "counted_by_number", 0)))
             self.accepted += len(messages)
             return len(messages)
         finally:
