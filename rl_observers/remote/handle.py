@@ -14,7 +14,7 @@ import socket
 import sys
 import weakref
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from rl_observers.channel.owner import Owner
 from rl_observers.channel.payload import Payload, check_metrics
@@ -24,22 +24,8 @@ from rl_observers.remote.window import Window
 __all__ = ["MetricsHandle"]
 
 
-class _Channel(Protocol):
-    """What a handle uses of the :class:`~rl_observers.MetricsChannel` it refers to (which knows no handle)."""
-
-    _state: Any
-
-    def submit_metrics(self, metrics: Mapping[str, Any], step: int | None = None, *, namespace: str = "") -> None: ...
-
-    def submit_window(self, window: Window) -> None: ...
-
-    def flush(self, timeout: float | None = None) -> bool: ...
-
-
-
-# Channels owned by this process, by token: an unpickled handle whose token is
-# found here submits to the channel itself. A forked child forgets them.
-OWNERS: weakref.WeakValueDictionary[str, _Channel] = weakref.WeakValueDictionary()
+# Channels owned by this process, by token: a handle unpickled here submits to the channel itself.
+OWNERS: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 # Their wings (:class:`~.owner.RemoteWing`), which know the receivers' addresses.
 WINGS: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
@@ -85,7 +71,7 @@ class MetricsHandle:
         token: str,
         addresses: Mapping[str, Any],
         *,
-        channel: _Channel | None = None,
+        channel: Any = None,
         transport: str | None = None,
         owner: str | None = None,
     ) -> None:
@@ -156,8 +142,7 @@ class MetricsHandle:
         return self._sender.flush(timeout)
 
     def _forwarder(self) -> Any:
-        """The channel's stand-in (:class:`~.owner.Forwarder`), for a handle a forked child
-        inherited with its channel."""
+        """The channel's stand-in (:class:`~.owner.Forwarder`) in a forked child that inherited it."""
         channel = self._channel
         state = None if channel is None else channel._state
         return None if state is None or isinstance(state, Owner) else state

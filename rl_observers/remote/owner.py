@@ -29,13 +29,8 @@ from rl_observers.remote.window import Window
 
 __all__ = ["LAST_WINDOWS_WAIT", "Forwarder", "RemoteWing"]
 
-#: Seconds an observer's copies, once gone, have for their last windows to reach the owner before
-#: the missing ones are counted lost. A source's shutdown (or the removal) already waited for its
-#: live copies' last windows to be acknowledged, so they are on their way; on a busy node the last
-#: hop (the ingest) may still take a moment. :meth:`RemoteWing.copies_gone` never waits for them:
-#: the account of those copies is settled by the next ``flush`` (which waits, within its own
-#: timeout, until this much time has passed since the copies were gone), by ``health()`` or by the
-#: channel's health report once it has passed, or by ``close``.
+#: Seconds gone copies' last windows (already acknowledged, on their way) have to reach the owner
+#: before the missing ones are counted lost; settled by ``flush``, ``health()`` or ``close``.
 LAST_WINDOWS_WAIT = 3.0
 
 
@@ -60,10 +55,6 @@ class RemoteWing(Wing):
         self._receivers_lock = threading.Lock()
         OWNERS[owner.token] = channel
         WINGS[owner.token] = self
-
-    @property
-    def close_requested(self) -> bool:
-        return self.owner.close_requested
 
     def _accept(self, payload: Any, counts: Any) -> None:
         """Queues one payload from another process like a local submission (``None``: counts only)."""
@@ -103,7 +94,7 @@ class RemoteWing(Wing):
     def addresses(self) -> dict[str, Any]:
         """Starts every registered transport's receiver on first use; returns their addresses."""
         with self._receivers_lock:
-            if not self.close_requested:
+            if not self.owner.close_requested:
                 first = not self._receivers_started
                 self._receivers_started = True
                 for candidate in transports():
@@ -114,7 +105,6 @@ class RemoteWing(Wing):
                         receiver.start(self._accept, self.queue.count_lost, self.owner.background)
                         self._receivers[candidate.name] = receiver
             return {name: r.address() for name, r in self._receivers.items()}
-
 
     def current_addresses(self, known: Mapping[str, Any]) -> dict[str, Any]:
         """The receivers' addresses now (starting those that became available, as Ray's)."""
@@ -148,14 +138,6 @@ class RemoteWing(Wing):
             else:
                 receiver.poll(deadline)
 
-
-    def _close_receivers(self, deadline: float | None) -> None:
-        with self._receivers_lock:
-            self._receivers_started = True
-            for receiver in self._receivers.values():
-                receiver.close(deadline)
-
-
     def flush(self, deadline: float | None) -> bool:
         self.barrier(deadline)
         return self.settle_gone(deadline)
@@ -186,13 +168,11 @@ class RemoteWing(Wing):
         if isinstance(name, str):  # the name its copies' windows carry (``Window.observer``)
             self.account.describe(name, description)
 
-
     def copies_expected(self, feeder: Any, workers: Any) -> None:
         """Notes the workers ``feeder``'s copies were attached in: each one is expected to report."""
         name = getattr(feeder, "name", None)
-        if isinstance(name, str) and not self.close_requested:
+        if isinstance(name, str) and not self.owner.close_requested:
             self.account.expect(name, workers)
-
 
     def copies_gone(self, feeder: Any) -> None:
         """Notes that ``feeder``'s copies are gone (removed, or their source shut down); never waits.
@@ -205,7 +185,7 @@ class RemoteWing(Wing):
             if entry is not None and entry[0]() is feeder:
                 del self._feeders[id(feeder)]
         name = getattr(feeder, "name", None)
-        if not isinstance(name, str) or self.close_requested:
+        if not isinstance(name, str) or self.owner.close_requested:
             return
         self.poll(time.monotonic() + LAST_WINDOWS_WAIT)
         members = self.account.members(name)
@@ -214,7 +194,6 @@ class RemoteWing(Wing):
                 self._unsettled[name] = (time.monotonic() + LAST_WINDOWS_WAIT, members)
             return
         self.account.settle(name, members)
-
 
     def settle_gone(self, deadline: float | None = None) -> bool:
         """Settles the account of observers whose copies are gone; whether none is left unsettled.
@@ -243,9 +222,11 @@ class RemoteWing(Wing):
             time.sleep(0.05)
             self.poll(deadline)
 
-
-    def _copies_still_attached(self) -> bool:
-        """Warns, naming them, if producers' copies elsewhere still feed this channel (forgotten, not counted lost)."""
+    def before_close(self) -> bool:
+        # Read what other processes sent first: close callbacks see it, and a Ray shut down
+        # under running copies is noticed here (they count as lost, not as still attached).
+        self.poll(time.monotonic() + 1.0)
+        # copies still feeding this channel are forgotten, not counted lost, with a warning
         with self._lock:
             feeders = [(ref(), description) for ref, description in self._feeders.values()]
             self._feeders = {}
@@ -264,18 +245,12 @@ class RemoteWing(Wing):
         )
         return True
 
-
-    def before_close(self) -> bool:
-        # What other processes already sent is read first, so that close callbacks see it (a
-        # router may decide from it), and so that a Ray shut down under running copies is
-        # noticed here, not by the receiver's thread some time later: its copies then count
-        # as lost, not as still attached.
-        self.poll(time.monotonic() + 1.0)
-        return self._copies_still_attached()
-
     def close(self, deadline: float | None) -> None:
         self.settle_gone(deadline)
-        self._close_receivers(deadline)
+        with self._receivers_lock:
+            self._receivers_started = True
+            for receiver in self._receivers.values():
+                receiver.close(deadline)
         with self._lock:
             self._unsettled = {}
         self.account.settle()  # copies that never sent their last window are reported

@@ -112,8 +112,6 @@ class _Ingest:
         self._capacity = capacity
         self._dropped = 0  # payloads dropped here, plus what dropped batches carried
         self._coalesced = 0
-        self._received = 0
-        self._calls = 0
         self._ready = threading.Condition()
 
     def push(self, data: bytes, messages: int, dropped: int, coalesced: int) -> bool:
@@ -131,14 +129,12 @@ class _Ingest:
             bool: whether it was kept.
         """
         with self._ready:
-            self._calls += 1
             if self._held + messages > self._capacity:
                 self._dropped += dropped
                 self._coalesced += coalesced
                 return False
             self._batches.append((data, messages))
             self._held += messages
-            self._received += messages
             self._ready.notify_all()
         return True
 
@@ -158,14 +154,6 @@ class _Ingest:
             dropped, coalesced = self._dropped, self._coalesced
             self._dropped = self._coalesced = 0
         return out, dropped, coalesced
-
-    def stats(self) -> dict[str, int]:
-        with self._ready:
-            return {
-                "calls": self._calls,
-                "received": self._received,
-                "pending": self._held,
-            }
 
 
 class _Forwarder:

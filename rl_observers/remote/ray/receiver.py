@@ -5,6 +5,7 @@ See :mod:`rl_observers.remote.ray.transport` for the flow.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -84,7 +85,6 @@ class RayReceiver:
         self._stop = False
         self._lock = threading.Lock()  # one drain at a time (thread, poll or close)
         self._gone = threading.Lock()  # taken, never released, when Ray is gone: said once
-        self.accepted = 0
         self.drains = 0
         self.restarts = 0  # ingest actors that died (what they held is lost: windows by their gaps)
         self.error: BaseException | None = None
@@ -208,7 +208,6 @@ class RayReceiver:
                 payload = message.payload
                 # its numbered windows were left out of held for the hops (the owner counts them by gap)
                 accept(payload, (*message.counts, message.held[0] + getattr(payload, "counted_by_number", 0)))
-            self.accepted += len(messages)
             return len(messages)
         finally:
             self._lock.release()
@@ -258,7 +257,6 @@ class RayReceiver:
         """
         if self._address is None or os.getpid() != self._pid:
             return
-        ray = _ray()
         self._stop = True
         thread = self._thread
         if thread is not None:
@@ -267,12 +265,7 @@ class RayReceiver:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not self.drain(0.0, timeout=left, lock_timeout=left):
                 break
-        actor, self._actor = self._actor, None
-        if actor is not None and ray.is_initialized():
-            try:
-                ray.kill(actor)
-            except Exception:
-                pass
+        self.release()
 
     def release(self) -> None:
         """Stops without waiting (the channel was garbage-collected): the actors are killed."""
@@ -282,10 +275,8 @@ class RayReceiver:
         actor, self._actor = self._actor, None
         ray = _ray()
         if actor is not None and ray is not None and ray.is_initialized():
-            try:
+            with contextlib.suppress(Exception):
                 ray.kill(actor)
-            except Exception:
-                pass
 
     def forget_after_fork(self) -> None:
         """In a forked child: forgets the parent's actors (never kills them)."""

@@ -71,7 +71,9 @@ class RaySender:
         self._wake_at = max(capacity // 2, 1)
         self._interval = interval
         self._lock = threading.Lock()
-        self._forwarder = _Forwarder(self._find_ingest, in_flight)
+        self._forwarder = _Forwarder(
+            lambda: _ray().get_actor(self.address.ingest, namespace=self.address.namespace), in_flight
+        )
         self._warned = False
         self._wake = threading.Event()
         # (done, deadline, result) of each flush waiting for the sending thread
@@ -116,8 +118,7 @@ class RaySender:
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until what was sent before reached the owner's ingest (or ``timeout``)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if self._thread_pid != os.getpid():
-            self._start_thread()
+        self._start_thread()
         done = threading.Event()
         result: list[bool] = []
         with self._lock:  # a list, not one slot: a request made while the thread takes one waits its turn
@@ -169,24 +170,16 @@ class RaySender:
                     f"({forwarder.error!r}); what it cannot send is dropped and counted"
                 )
 
-    def _take(self) -> list[Message]:
-        taken = self._queue.take_all()  # what senders append meanwhile waits for the next round
-        if not taken:
-            return []
-        # lost on a later hop, an entry counts as dropped but for its numbered windows (counted by their gap)
-        batch = [Message(e.payload, (0, 0), (e.payloads - e.payload.counted_by_number, e.payloads - 1)) for e in taken]
-        batch[0].counts = self._queue.untold()
-        return batch
-
     def _send_pending(self) -> None:
-        forwarder = self._forwarder
-        if not self._queue.backlog():
+        # not ready: beyond its capacity, the queue coalesces or drops
+        if not self._queue.backlog() or not self._forwarder.ready():
             return
-        if not forwarder.ready():
-            return  # beyond its capacity, the queue coalesces or drops
-        batch = self._take()
-        if batch:
-            forwarder.send(batch)  # a failed call is counted by the forwarder
+        taken = self._queue.take_all()  # what senders append meanwhile waits for the next round
+        if taken:
+            # lost on a later hop, an entry counts as dropped but for its numbered windows (counted by their gap)
+            batch = [Message(e.payload, (0, 0), (e.payloads - e.payload.counted_by_number, e.payloads - 1)) for e in taken]
+            batch[0].counts = self._queue.untold()
+            self._forwarder.send(batch)  # a failed call is counted by the forwarder
 
     def _flush(self, deadline: float | None) -> bool:
         forwarder = self._forwarder
@@ -201,10 +194,6 @@ class RaySender:
             else:  # no target now: try again until the deadline
                 time.sleep(0.05)
         return forwarder.wait(deadline) and forwarder.error is None
-
-    def _find_ingest(self) -> Any:
-        address = self.address
-        return _ray().get_actor(address.ingest, namespace=address.namespace)
 
     def _warn_once(self, message: str) -> None:
         if not self._warned:
