@@ -27,10 +27,8 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Mapping
-from dataclasses import fields
+from dataclasses import dataclass, field, fields
 from typing import Any
-
-from torchrl.record.loggers.monitoring import Every
 
 from rl_observers.channel import MetricsChannel, register_router
 from rl_observers.channel.delivery import Row
@@ -54,12 +52,6 @@ __all__ = [
 
 #: Seconds without a contribution after which a worker no longer counts as reporting.
 STALE_AFTER = 10.0
-
-
-def _merge_window(window: dict[str, Any], partials: Mapping[str, Any]) -> None:
-    error = coalesce(window, partials)
-    if error is not None:
-        raise error
 
 
 def _plus(base: Mapping[str, float], values: Mapping[str, float]) -> dict[str, float]:
@@ -99,29 +91,17 @@ def _restored_rolling(saved: Mapping[str, Any] | None) -> dict[str, Any]:
     return out
 
 
+@dataclass(slots=True, eq=False)
 class _Worker:
-    __slots__ = (
-        "base",
-        "base_gauges",
-        "clock",
-        "counters",
-        "fresh",
-        "gauges",
-        "label",
-        "last_seen",
-        "window",
-    )
-
-    def __init__(self, schedule: Every | None, label: str) -> None:
-        self.label = label  # its rows' namespace suffix: worker_<index>
-        self.clock = ScheduleClock(schedule)
-        self.base: dict[str, float] = {}  # where a resumed run's worker started counting
-        self.base_gauges: dict[str, float] = {}  # and its cumulative gauges
-        self.counters: dict[str, float] = {}
-        self.gauges: dict[str, Any] = {}
-        self.window: dict[str, Any] = {}
-        self.fresh = False  # contributed since its last row (gauges alone count too)
-        self.last_seen = time.monotonic()
+    clock: ScheduleClock
+    label: str  # its rows' namespace suffix: worker_<index>
+    base: dict[str, float] = field(default_factory=dict)  # where a resumed run's worker started counting
+    base_gauges: dict[str, float] = field(default_factory=dict)  # and its cumulative gauges
+    counters: dict[str, float] = field(default_factory=dict)
+    gauges: dict[str, Any] = field(default_factory=dict)
+    window: dict[str, Any] = field(default_factory=dict)
+    fresh: bool = False  # contributed since its last row (gauges alone count too)
+    last_seen: float = field(default_factory=time.monotonic)
 
 
 class Aggregate:
@@ -211,11 +191,6 @@ class Aggregate:
         self._worker_base = {index: dict(saved) for index, saved in state.get("workers", {}).items()}
         self._window = {**self._window, **_restored_rolling(state.get("rolling"))}
 
-    @classmethod
-    def from_spec(cls, name: str, spec: AggregateSpec | None) -> Aggregate:
-        """The aggregate of the observer ``name`` whose windows say ``spec``."""
-        return cls(name, **({} if spec is None else {f.name: getattr(spec, f.name) for f in fields(spec)}))
-
     @property
     def per_worker(self) -> bool:
         return self.spec.scope in ("per_worker", "both")
@@ -269,7 +244,8 @@ class Aggregate:
             mine[name] = value
         rows: list[Row] = []
         if self.per_worker:
-            _merge_window(state.window, partials)
+            if (error := coalesce(state.window, partials)) is not None:
+                raise error
             state.fresh = True
             counter = counters.get(self._key) if self._key else None
             if counter is not None and state.base:
@@ -277,7 +253,8 @@ class Aggregate:
             if state.clock.due(counter):
                 rows.append(self._worker_row(state))
         if self.aggregate:
-            _merge_window(self._window, partials)
+            if (error := coalesce(self._window, partials)) is not None:
+                raise error
             self._fresh = True
             if not self.spec.lockstep:
                 if self._first_heard is None:
@@ -310,11 +287,7 @@ class Aggregate:
         of its cut is in, or ``timeout`` seconds; others are folded at once.
         """
         if window.cut is None or not self.spec.lockstep:
-            if not (window.metrics or window.counters):
-                return []
-            return self.contribute(
-                window.worker, window.metrics, window.counters or {}, process=window.process, base=window.base
-            )
+            return self._fold(window)
         # a cut is on the copy's axis; its saved state (a resumed run) went on from further
         shift = self._state_of(window.worker, window.process, window.base).base.get(self._key, 0)
         if shift:
@@ -354,18 +327,14 @@ class Aggregate:
         rows: list[Row] = []
         for staged in self._staged.values():
             while staged and (staged[0].cut is None or staged[0].cut <= cut):
-                window = staged.popleft()
-                if window.metrics or window.counters:
-                    rows.extend(
-                        self.contribute(
-                            window.worker,
-                            window.metrics,
-                            window.counters or {},
-                            process=window.process,
-                            base=window.base,
-                        )
-                    )
+                rows.extend(self._fold(staged.popleft()))
         return rows
+
+    def _fold(self, window: Window) -> list[Row]:
+        if not (window.metrics or window.counters):
+            return []
+        counters = window.counters or {}
+        return self.contribute(window.worker, window.metrics, counters, process=window.process, base=window.base)
 
     def _warn_missing(self, missing: list[Any], what: str) -> None:
         new = [w for w in missing if w not in self._missing_warned]
@@ -392,7 +361,7 @@ class Aggregate:
         """A worker's first contribution: where its counts go on from."""
         n = self._processes_per_index[worker] = self._processes_per_index.get(worker, 0) + 1
         label = f"worker_{worker}" if n == 1 else f"worker_{worker}_{n}"
-        state = self._workers[(worker, process)] = _Worker(self.spec.schedule, label)
+        state = self._workers[(worker, process)] = _Worker(ScheduleClock(self.spec.schedule), label)
         saved = self._worker_base.pop(worker, None) if n == 1 else None
         if saved is not None:  # a resumed run with its saved state: this index goes on from it
             # the copy's counters hold its source's restored counts, which the saved ones hold too
@@ -484,22 +453,21 @@ class AggregationRouter:
         self.lock = threading.Lock()  # route (the delivery thread) vs. state reads and loads
 
     def route(self, window: Window) -> list[Row]:
-        with self.lock:
-            return self._route(window)
-
-    def _route(self, window: Window) -> list[Row]:
         name = window.observer
-        aggregate = self.aggregates.get(name)
-        if aggregate is None:
-            aggregate = self.aggregates[name] = Aggregate.from_spec(name, window.spec)
-            restored = self.restored.pop(name, None)
-            if restored is not None:
-                aggregate.load_state_dict(restored)
-        rows = aggregate.receive(window)
-        if window.finish:
-            rows.extend(aggregate.finish())
-            del self.aggregates[name]
-        return rows
+        with self.lock:
+            aggregate = self.aggregates.get(name)
+            if aggregate is None:
+                spec = window.spec
+                how = {} if spec is None else {f.name: getattr(spec, f.name) for f in fields(spec)}
+                aggregate = self.aggregates[name] = Aggregate(name, **how)
+                restored = self.restored.pop(name, None)
+                if restored is not None:
+                    aggregate.load_state_dict(restored)
+            rows = aggregate.receive(window)
+            if window.finish:
+                rows.extend(aggregate.finish())
+                del self.aggregates[name]
+            return rows
 
     def tick(self) -> list[Row]:
         """The rows whose wait for a silent worker is over (called by the channel's thread)."""
