@@ -151,6 +151,11 @@ class Aggregate:
         self._held_row = False  # observed rows: a row fell due before every worker was heard from
         self._missing_warned: set[Any] = set()
 
+    @classmethod
+    def from_spec(cls, name: str, spec: AggregateSpec | None) -> Aggregate:
+        """The aggregate of the observer ``name`` whose windows say ``spec``."""
+        return cls(name, **({} if spec is None else {f.name: getattr(spec, f.name) for f in fields(spec)}))
+
     def state_dict(self) -> dict[str, Any]:
         """The counters summed over workers, each worker index's counters and the schedules' baselines.
 
@@ -457,9 +462,7 @@ class AggregationRouter:
         with self.lock:
             aggregate = self.aggregates.get(name)
             if aggregate is None:
-                spec = window.spec
-                how = {} if spec is None else {f.name: getattr(spec, f.name) for f in fields(spec)}
-                aggregate = self.aggregates[name] = Aggregate(name, **how)
+                aggregate = self.aggregates[name] = Aggregate.from_spec(name, window.spec)
                 restored = self.restored.pop(name, None)
                 if restored is not None:
                     aggregate.load_state_dict(restored)

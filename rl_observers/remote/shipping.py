@@ -27,7 +27,8 @@ import os
 import threading
 import traceback
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import cloudpickle
 from torchrl._utils import logger as torchrl_logger
@@ -55,26 +56,21 @@ def kind_of(target: Any) -> RemoteKind | None:
 # -- the driver side -------------------------------------------------------------------------------
 
 
-class _Attached:
+class _Attached(NamedTuple):
     """One observer attached to a remote source: the original, its policy, its copies' token."""
 
-    __slots__ = ("observer", "on_error", "token")
-
-    def __init__(self, observer: Any, on_error: str, token: int) -> None:
-        self.observer = observer
-        self.on_error = on_error
-        self.token = token
+    observer: Any
+    on_error: str
+    token: int
 
 
+@dataclass(slots=True, eq=False)
 class _RemoteObservers:
     """The driver's record of what is attached to one remote source."""
 
-    __slots__ = ("entries", "lock", "shut_down")
-
-    def __init__(self) -> None:
-        self.entries: tuple[_Attached, ...] = ()
-        self.lock = threading.RLock()
-        self.shut_down = False  # the originals were told that their copies are gone
+    entries: tuple[_Attached, ...] = ()
+    lock: Any = field(default_factory=threading.RLock)
+    shut_down: bool = False  # the originals were told that their copies are gone
 
 
 _REMOTE = IdentityMap()
@@ -206,7 +202,7 @@ class RemoteKind:
         """
         state = _REMOTE.setdefault(target, _RemoteObservers)
         with state.lock:
-            yield tuple((a.observer, a.on_error, a.token) for a in state.entries)
+            yield state.entries
 
     # -- what subclasses provide ----------------------------------------------------------------
 
@@ -280,7 +276,7 @@ def attach_here(
         if observer is not None and any(o is observer for o in source.observers):
             with contextlib.suppress(Exception):
                 source.remove_observer(observer)
-        raise portable_error(error, f"attaching an observer in process {_pid()}") from None
+        raise portable_error(error, f"attaching an observer in process {os.getpid()}") from None
 
 
 def detach_here(source: Any, token: int) -> None:
@@ -291,8 +287,4 @@ def detach_here(source: Any, token: int) -> None:
         if observer is not None:
             source.remove_observer(observer)
     except Exception as error:
-        raise portable_error(error, f"detaching an observer in process {_pid()}") from None
-
-
-def _pid() -> int:
-    return os.getpid()
+        raise portable_error(error, f"detaching an observer in process {os.getpid()}") from None

@@ -10,7 +10,9 @@ most ``MAX_DATAGRAM``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
 import os
 import pickle
 import select
@@ -39,24 +41,18 @@ _RECEIVE_BATCH = 4096
 _RETRY_ERRNOS = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS, errno.ENOMEM})
 
 
-_MACHINE: str | None = None
-
-
+@functools.cache
 def machine_id() -> str:
     """This machine's identity: its boot id (the same in every container and mount namespace)."""
-    global _MACHINE
-    if _MACHINE is None:
-        for path in ("/proc/sys/kernel/random/boot_id", "/etc/machine-id"):
-            try:
-                with open(path) as file:
-                    _MACHINE = file.read().strip()
-            except OSError:
-                continue
-            if _MACHINE:
-                break
-        else:
-            _MACHINE = socket.gethostname()
-    return _MACHINE
+    for path in ("/proc/sys/kernel/random/boot_id", "/etc/machine-id"):
+        try:
+            with open(path) as file:
+                found = file.read().strip()
+        except OSError:
+            continue
+        if found:
+            return found
+    return socket.gethostname()
 
 
 class SocketAddress(str):
@@ -111,10 +107,8 @@ class SocketWire:
             sock.setblocking(False)
             # the send buffer bounds one datagram: ask for room for the largest, and
             # read back what the kernel granted (it caps the request)
-            try:
+            with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, MAX_DATAGRAM)
-            except OSError:
-                pass
             try:
                 sndbuf = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
             except OSError:
@@ -195,18 +189,7 @@ class SocketReceiver:
             )
             return None
         receiver = cls(name)
-        try:
-            receiver._bind()
-        except OSError as err:
-            torchrl_logger.warning(
-                f"MetricsChannel {name!r} could not bind its socket ({err!r}); "
-                "handles used in other processes will drop their metrics."
-            )
-            return None
-        return receiver
-
-    def _bind(self) -> None:
-        """Binds a datagram socket in a new private (0700) temporary directory."""
+        # a datagram socket in a new private (0700) temporary directory
         directory = tempfile.mkdtemp(prefix="rl_observers-")
         path = os.path.join(directory, "channel.sock")
         if len(os.fsencode(path)) > 100:  # sun_path holds ~108 bytes
@@ -217,21 +200,22 @@ class SocketReceiver:
         try:
             sock.bind(path)
             sock.setblocking(False)
-            try:  # Linux ignores it for Unix datagrams; other kernels count them against it
+            with contextlib.suppress(OSError):  # Linux ignores it for Unix datagrams; others count them
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * MAX_DATAGRAM)
-            except OSError:
-                pass
-            self._wake_r, self._wake_w = socket.socketpair()
-            self._wake_w.setblocking(False)
-        except OSError:
+            receiver._wake_r, receiver._wake_w = socket.socketpair()
+            receiver._wake_w.setblocking(False)
+        except OSError as err:
             sock.close()
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(path)
-            except OSError:
-                pass
             os.rmdir(directory)
-            raise
-        self._sock, self._dir, self.path = sock, directory, path
+            torchrl_logger.warning(
+                f"MetricsChannel {name!r} could not bind its socket ({err!r}); "
+                "handles used in other processes will drop their metrics."
+            )
+            return None
+        receiver._sock, receiver._dir, receiver.path = sock, directory, path
+        return receiver
 
     def address(self) -> SocketAddress | None:
         return None if self.path is None else SocketAddress(self.path)
@@ -305,28 +289,22 @@ class SocketReceiver:
     def _wake(self) -> None:
         wake = self._wake_w
         if wake is not None:
-            try:
+            with contextlib.suppress(OSError):
                 wake.send(b"\0")
-            except OSError:
-                pass
 
     def _unlink(self) -> None:
         if os.getpid() != self._pid:
             return
         for remove, target in ((os.unlink, self.path), (os.rmdir, self._dir)):
             if target is not None:
-                try:
+                with contextlib.suppress(OSError):
                     remove(target)
-                except OSError:
-                    pass
 
     def _close_sockets(self) -> None:
         for sock in (self._sock, self._wake_r, self._wake_w):
             if sock is not None:
-                try:
+                with contextlib.suppress(OSError):
                     sock.close()
-                except OSError:
-                    pass
 
     def close(self, deadline: float | None) -> None:
         """Removes the socket file, reads what was already sent, closes the socket."""

@@ -324,14 +324,14 @@ def _write_files(batches: list[Any]) -> None:
                 )
 
 
-def _collector_shutdown_here(collector: Any) -> list[tuple[str, bytes]]:
+def _shutdown_here(source: Any) -> list[tuple[str, bytes]]:
     try:
-        observers = observers_of(collector)
+        observers = observers_of(source)
         if observers is not None:
             observers.shutdown()
-        elif kind_of(collector) is not None:
+        elif kind_of(source) is not None:
             # A multiprocessing collector in the actor: closing it makes its workers emit.
-            collector.shutdown()
+            source.shutdown()
     finally:
         files = _drain()
     return files
@@ -362,16 +362,6 @@ def _empty_through(actor: Any, empty_write_count: bool = True) -> None:
     import ray
 
     return ray.get(actor.__ray_call__.remote(_buffer_empty_here, empty_write_count))
-
-
-def _buffer_shutdown_here(buffer: Any) -> list[tuple[str, bytes]]:
-    try:
-        observers = observers_of(buffer)
-        if observers is not None:
-            observers.shutdown()
-    finally:
-        files = _drain()
-    return files
 
 
 def _emit_shutdown(actors: list[Any], fn: Any) -> None:
@@ -470,7 +460,7 @@ class _DriverObservedRayCollector:
             actors[taken_last].__ray_call__.remote(_taken_here)
             self._rl_taken_last = None
         if actors:
-            _emit_shutdown(actors, _collector_shutdown_here)
+            _emit_shutdown(actors, _shutdown_here)
         return torchrl_class(type(self)).stop_remote_collectors(self)  # type: ignore[attr-defined]
 
     def shutdown(self, timeout: float | None = None, shutdown_ray: bool = False) -> None:
@@ -503,7 +493,7 @@ class _DriverObservedRayReplayBuffer:
 
     def close(self) -> None:
         if hasattr(self, "_rb"):
-            _emit_shutdown([self._rb], _buffer_shutdown_here)
+            _emit_shutdown([self._rb], _shutdown_here)
         with _shutting_down(self, RAY_REPLAY_BUFFER):  # the actor and its copies are gone
             torchrl_class(type(self)).close(self)  # type: ignore[attr-defined]
 
