@@ -182,8 +182,9 @@ class Outbox:
     payload) when nothing else carries them.
     """
 
-    def __init__(self, wire: Wire, capacity: int = OUTBOX_CAPACITY) -> None:
-        self.name = wire.name
+    def __init__(self, wire: Wire | None, capacity: int = OUTBOX_CAPACITY) -> None:
+        if wire is not None:  # None: a subclass that ships the queue itself (Ray's sender)
+            self.name = wire.name
         self.wire = wire
         self.queue = PendingQueue(capacity)
         self._lock = threading.Lock()
@@ -303,27 +304,19 @@ class Unreachable:
         return GONE
 
 
-def _why_not(candidates: tuple[Transport, ...], addresses: Mapping[str, Any]) -> str:
-    reasons = []
-    for candidate in candidates:
-        address = addresses.get(candidate.name)
-        if address is None:
-            reasons.append(f"{candidate.name}: the owner has no {candidate.name} receiver")
-        else:
-            reasons.append(f"{candidate.name}: {address!r} is not reachable from here")
-    return "; ".join(reasons) or "no transport is registered"
-
-
 def make_sender(
     addresses: Mapping[str, Any], prefer: str | None = None, owner: str = "the channel's owner"
 ) -> Sender:
     """A sender for the first reachable address, by priority (``prefer`` if given), else :class:`Unreachable`."""
     candidates = (transport(prefer),) if prefer is not None else transports()
+    reasons = []
     for candidate in candidates:
-        address = addresses.get(candidate.name)
-        if address is None or not candidate.reachable(address):
+        name, address = candidate.name, addresses.get(candidate.name)
+        if address is None:
+            reasons.append(f"{name}: the owner has no {name} receiver")
             continue
-        sender = candidate.make_sender(address)
+        sender = candidate.make_sender(address) if candidate.reachable(address) else None
         if sender is not None:
             return sender if hasattr(sender, "flush") else Outbox(sender)
-    return Outbox(Unreachable(owner, _why_not(candidates, addresses)))
+        reasons.append(f"{name}: {address!r} is not reachable from here")
+    return Outbox(Unreachable(owner, "; ".join(reasons) or "no transport is registered"))

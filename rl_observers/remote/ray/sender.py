@@ -5,16 +5,12 @@ See :mod:`rl_observers.remote.ray.transport` for the flow.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
-import weakref
 from typing import Any
 
-from rl_observers import lifecycle
 from rl_observers.channel.payload import Payload
-from rl_observers.channel.queue import PendingQueue
 from rl_observers.remote.ray.ingest import (
     NAME,
     SENDER_INTERVAL,
@@ -24,9 +20,7 @@ from rl_observers.remote.ray.ingest import (
     _is_address,
     _ray,
 )
-
-# torchrl's logger (the same object as torchrl._utils.logger)
-torchrl_logger = logging.getLogger("torchrl")
+from rl_observers.remote.transport import Outbox
 
 #: Messages a sender buffers before it coalesces per namespace (room for an ingest that
 #: stalls a few hundred milliseconds at thousands of windows a second: a full buffer
@@ -36,8 +30,11 @@ SENDER_CAPACITY = 4096
 SENDER_IN_FLIGHT = 4
 
 
-class RaySender:
+class RaySender(Outbox):
     """Sends payloads to the owner at ``address`` through Ray; never blocks, never raises.
+
+    An :class:`~rl_observers.remote.transport.Outbox` whose queue a thread of
+    its own ships in batches, so that no Ray call runs in ``send``.
 
     Args:
         address (RayAddress): the owner's :meth:`RayReceiver.address`.
@@ -63,18 +60,16 @@ class RaySender:
     ) -> None:
         if not _is_address(address):
             raise TypeError(f"RaySender expected a RayAddress, got {address!r}.")
+        super().__init__(None, capacity)
         self.address = RayAddress(*address)
-        self._queue = PendingQueue(capacity)
         self._capacity = capacity
         # a buffer half full wakes the sending thread early: at a high rate it would otherwise
         # fill before the next round and every further send would take the merging path
         self._wake_at = max(capacity // 2, 1)
         self._interval = interval
-        self._lock = threading.Lock()
         self._forwarder = _Forwarder(
             lambda: _ray().get_actor(self.address.ingest, namespace=self.address.namespace), in_flight
         )
-        self._warned = False
         self._wake = threading.Event()
         # (done, deadline, result) of each flush waiting for the sending thread
         self._flush_requests: list[tuple[threading.Event, float | None, list[bool]]] = []
@@ -83,7 +78,6 @@ class RaySender:
         # (``os.getpid()`` is a system call, ~1 us here); a fork clears it in the child
         self._running = False
         self._closed = False
-        _SENDERS.add(self)
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("RaySender is not picklable: pickle its address and make a new one.")
@@ -93,7 +87,7 @@ class RaySender:
         """Queues one payload for the owner; returns at once."""
         if not self._running:
             self._start_thread()
-        queue = self._queue
+        queue = self.queue
         if queue.backlog() < self._capacity:
             queue.put(payload)
             if queue.backlog() == self._wake_at:
@@ -108,12 +102,7 @@ class RaySender:
                 "full (Ray does not keep up): the oldest payload was dropped"
             )
         if error is not None:
-            self._warn_once(f"namespace {payload.namespace!r}: {error}")
-
-    @property
-    def submitted(self) -> int:
-        """Payloads given to :meth:`send` in this process (buffered, merged or dropped)."""
-        return self._queue.counts()["submitted"]
+            self._warn("ray", f"namespace {payload.namespace!r}: {error}")
 
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until what was sent before reached the owner's ingest (or ``timeout``)."""
@@ -160,30 +149,31 @@ class RaySender:
                         result.append(flushed)
                         done.set()
             except Exception as err:  # never expected: keep sending, say it once
-                self._warn_once(f"failed to send through Ray: {err!r}")
+                self._warn("ray", f"failed to send through Ray: {err!r}")
                 for done, _, result in requests:
                     result.append(False)
                     done.set()
             if forwarder.error is not None:
-                self._warn_once(
+                self._warn(
+                    "ray",
                     f"cannot reach its owner {self.address.owner} through Ray "
                     f"({forwarder.error!r}); what it cannot send is dropped and counted"
                 )
 
     def _send_pending(self) -> None:
         # not ready: beyond its capacity, the queue coalesces or drops
-        if not self._queue.backlog() or not self._forwarder.ready():
+        if not self.queue.backlog() or not self._forwarder.ready():
             return
-        taken = self._queue.take_all()  # what senders append meanwhile waits for the next round
+        taken = self.queue.take_all()  # what senders append meanwhile waits for the next round
         if taken:
             # lost on a later hop, an entry counts as dropped but for its numbered windows (counted by their gap)
             batch = [Message(e.payload, (0, 0), (e.payloads - e.payload.counted_by_number, e.payloads - 1)) for e in taken]
-            batch[0].counts = self._queue.untold()
+            batch[0].counts = self.queue.untold()
             self._forwarder.send(batch)  # a failed call is counted by the forwarder
 
     def _flush(self, deadline: float | None) -> bool:
         forwarder = self._forwarder
-        while self._queue.backlog():
+        while self.queue.backlog():
             if deadline is not None and time.monotonic() > deadline:
                 return False
             forwarder.reap()
@@ -195,31 +185,20 @@ class RaySender:
                 time.sleep(0.05)
         return forwarder.wait(deadline) and forwarder.error is None
 
-    def _warn_once(self, message: str) -> None:
-        if not self._warned:
-            self._warned = True
-            torchrl_logger.warning(f"MetricsHandle {message}. Further such errors are silent.")
-
-    def _forget_thread_after_fork(self) -> None:
+    def forget_after_fork(self) -> None:
         """In a forked child: the parent's sending thread is not here (the next send starts one)."""
+        super().forget_after_fork()
         self._running = False
-        # their locks may have been held by a thread the child lacks; the parent sends its own
-        self._lock = threading.Lock()
-        self._queue = PendingQueue(self._capacity)
-
-    def pending(self) -> int:
-        """Entries buffered here, not yet handed to a call (the ``Sender`` protocol's ``pending``)."""
-        return self._queue.backlog()
 
     @property
     def dropped(self) -> int:
         """Payloads dropped here: beyond the buffer, or lost with a call that failed (all it had merged)."""
-        return self._queue.losses()[0] + self._forwarder.dropped
+        return super().dropped + self._forwarder.dropped
 
     @property
     def coalesced(self) -> int:
         """Payloads merged into a buffered one, but for those lost with it (counted as dropped)."""
-        return self._queue.losses()[1] - self._forwarder.merged_lost
+        return super().coalesced - self._forwarder.merged_lost
 
     @property
     def stats(self) -> dict[str, int]:
@@ -230,15 +209,3 @@ class RaySender:
             "in_flight": forwarder.in_flight,
             "lost": forwarder.dropped,
         }
-
-
-#: Every sender of this process, so a forked child knows to start its own sending threads.
-_SENDERS: weakref.WeakSet[RaySender] = weakref.WeakSet()
-
-
-def _forget_threads_after_fork() -> None:
-    for sender in list(_SENDERS):
-        sender._forget_thread_after_fork()
-
-
-lifecycle.after_fork_in_child(_forget_threads_after_fork)
