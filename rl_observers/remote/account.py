@@ -1,14 +1,10 @@
 """The end-to-end account: what each copy of an observer sent, and what reached the owner.
 
-Step **channel**, at the owner. A copy's handle numbers its windows
-(``copy``, ``seq``; a merged window says how many it holds, ``windows``) and
-marks its last one (``last``). The owner's :class:`Account` notes each
-window it receives and, once the observer is done, settles each copy: the
-windows that never came, wherever they were lost, count as dropped (given to
-``count_lost``; the hops on the way leave them out); a copy whose last
-window never came, or that was expected (:meth:`Account.expect`) and never
-heard from, is reported once and counted in ``copies_lost``. See
-``docs/distributed.rst``, "What flush guarantees".
+A copy's handle numbers its windows and marks its last one. Once the
+observer is done, the owner's :class:`Account` settles each copy: windows that
+never came, wherever lost, count as dropped (``count_lost``); a copy whose
+last window never came, or that was expected and never heard from, is
+reported and counted in ``copies_lost``. See ``docs/distributed.rst``.
 
 Examples:
     >>> from rl_observers.remote.account import Account

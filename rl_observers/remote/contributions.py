@@ -1,12 +1,9 @@
 """Worker-side contributions: copies of a LoggerObserver running away from the channel.
 
-Step **observer → channel**, away from the owner. A copy does not decide
-when to log: it *contributes* its :class:`~rl_observers.remote.window.Window`
-at least every ``report_interval`` seconds and per schedule interval (or
-where the driver's rows fall, :mod:`~rl_observers.remote.lockstep`), and
-once more at exit; the owner merges them
-(:mod:`~rl_observers.remote.aggregate`). :class:`Contribution` is the
-observer's collaborator for this and knows nothing of the observer.
+A copy does not decide when to log: it *contributes* its
+:class:`~rl_observers.remote.window.Window` every ``report_interval`` seconds
+and per schedule interval (or where the driver's rows fall), and once more at
+exit; the owner merges them (:mod:`~rl_observers.remote.aggregate`).
 
 Examples:
     >>> from torchrl.record.loggers.monitoring import Every
@@ -46,9 +43,9 @@ from rl_observers.sources.placement import process_token, source_info
 __all__ = ["LAST_WINDOW_TIMEOUT", "Contribution", "copy_worker"]
 
 #: Seconds a copy waits at its source's shutdown for its last window to be acknowledged by the
-#: owner's ingest (an ingest actor still starting on a busy node takes seconds); within
-#: the source's own bound (30 s for the actors of a Ray source, see ``sources/ray.py``).
+#: owner's ingest; within the source's own bound (30 s for the actors of a Ray source).
 LAST_WINDOW_TIMEOUT = 20.0
+
 
 def copy_worker(worker: int | None) -> Any:
     """The ``Window.worker`` a copy placed as ``worker`` sends under (``None``, not a worker: 0)."""
@@ -59,10 +56,8 @@ class Contribution:
     """The copies' side of a :class:`~rl_observers.LoggerObserver`, held by the observer.
 
     The observer picks its mode once per process (:meth:`resolve` or
-    :meth:`join_as_original`), asks :meth:`due` after each event and sends
-    the :meth:`window` it makes. Both take ``at_exit``: what this process runs
-    at exit once it contributes (worker processes exit without shutdown
-    events), once per process for equal callables.
+    :meth:`join_as_original`, with what to run at exit), asks :meth:`due`
+    after each event and sends the :meth:`window` it makes.
     """
 
     __slots__ = (
@@ -133,7 +128,7 @@ class Contribution:
         elsewhere feed the same namespace (``has_copies``: ``worker="main"``).
         """
         info = source_info(source)
-        moved = os.getpid() != self.home_pid
+        moved = self.moved()
         if not (moved or info.remote or has_copies):
             return "local", None
         sets = None

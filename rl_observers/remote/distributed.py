@@ -1,15 +1,10 @@
 """torch.distributed and RPC collectors, observed on the driver.
 
-Their workers run torchrl's own loops, which no hook reaches, and every
-batch crosses to the driver; so observers run **on the driver**: the
-observed ``iterator`` (wrapped when iteration starts) emits ``pre_collect``
-before it asks for each batch, ``post_collect`` with each batch it yields
-(after ``split_trajs`` / ``postproc``) and ``shutdown`` before torchrl's.
-Where batches stack the workers by rank, observers get each worker's own
-trajectory ids (:func:`own_trajectory_ids`) and ``scope="per_worker"`` /
-``"both"`` log per worker; elsewhere episode statistics are refused
-(:meth:`ObservedDistributedCollector.check_metric_sets`). See
-``docs/distributed.rst``, "torch.distributed and RPC collectors".
+Every batch crosses to the driver, so observers run there: the observed
+``iterator`` emits ``pre_collect``, ``post_collect`` and ``shutdown``. Where
+batches stack the workers by rank, observers get each worker's own
+trajectory ids (:func:`own_trajectory_ids`); elsewhere episode statistics
+are refused. See ``docs/distributed.rst``.
 
 Examples:
     >>> from rl_observers.remote.distributed import ObservedDistributedCollector

@@ -169,18 +169,18 @@ class MetricsHandle:
 
         ``0`` in the channel's process, where the channel counts its drops.
         """
-        forwarder = self._forwarder()
-        if forwarder is not None:
-            return forwarder.health()["dropped"]
-        return self._sender.dropped if self._sender is not None else 0
+        return self._count("dropped")
 
     @property
     def coalesced(self) -> int:
         """Payloads merged into the handle's queue while the owner's was full."""
+        return self._count("coalesced")
+
+    def _count(self, key: str) -> int:
         forwarder = self._forwarder()
         if forwarder is not None:
-            return forwarder.health()["coalesced"]
-        return self._sender.coalesced if self._sender is not None else 0
+            return forwarder.health()[key]
+        return 0 if self._sender is None else getattr(self._sender, key)
 
     def __reduce__(self) -> tuple[Any, ...]:
         wing = WINGS.get(self._token)

@@ -1,14 +1,10 @@
 """Rows of lockstep sources: the copies cut their windows where the driver's rows fall.
 
-Step **observer → channel**, for copies on a ``MultiSyncCollector``, a
-``RayCollector(sync=True)`` or a ``RayReplayBuffer``. Each copy knows every
-worker's frames per rollout, so after its rollout ``k`` it knows the
-driver's counter (:meth:`Lockstep.driver_value`); it runs the schedule on
-that and sends a window only where a row is due (``Window.cut``). The owner
-logs the row once every worker's window of the cut is in: the rows one
-observer on the driver would log. ``frames`` and ``batches`` can be cut
-(any counter with one copy); others are observed at the owner. See
-``docs/distributed.rst``, "The driver's rows".
+For copies on a ``MultiSyncCollector``, a ``RayCollector(sync=True)`` or a
+``RayReplayBuffer``: each copy knows every worker's frames per rollout, hence
+the driver's counter (:meth:`Lockstep.driver_value`), and sends a window only
+where a row is due (``Window.cut``); the owner logs the row once every
+worker's window of the cut is in. See ``docs/distributed.rst``.
 
 Examples:
     >>> from rl_observers.remote.lockstep import Lockstep

@@ -1,15 +1,11 @@
 """Observers inside the worker processes of multiprocessing collectors.
 
-Step **source → observer**, in each worker. torchrl's worker loop answers a
-``"cascade_execute"`` message between two rollouts; ``_rl_observers_call``
-turns it into ``fn(inner_collector, *args)``, so attaching makes each
-worker's inner collector an observed collector holding the copy. Messages
-go only to live workers, and only those are waited for, so the control
-pipes stay in step. ``shutdown()`` tells the originals their copies are
-gone; collectors still running at interpreter exit are shut down first, so
-their workers report. The limits (a rollout dropped by a message mid-rollout,
-a ``MultiAsyncCollector`` being iterated, dead workers) are in
-``docs/distributed.rst``.
+torchrl's worker loop answers a ``"cascade_execute"`` message between two
+rollouts; ``_rl_observers_call`` turns it into ``fn(inner_collector, *args)``,
+so attaching makes each worker's inner collector observed, holding the copy.
+Only live workers are messaged and waited for. Collectors still running at
+interpreter exit are shut down first, so their workers report. The limits
+are in ``docs/distributed.rst``.
 """
 
 from __future__ import annotations

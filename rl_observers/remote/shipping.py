@@ -1,15 +1,10 @@
 """Sources whose data lives in other processes: multiprocessing and Ray.
 
-Step **source → observer**, away from the driver. Attaching ships the
-observer once (cloudpickle, checked on the driver first) and installs a copy
-next to the data: in each worker of a multiprocessing collector (through a
-``"cascade_execute"`` message, :mod:`~rl_observers.remote.multiprocess`), in
-each Ray actor (:mod:`~rl_observers.remote.ray.observed`). Batches never
-cross a process because of an observer. The driver keeps the originals, in
-order, for ``observers`` and ``remove_observer``; they never see events.
-Errors surface at ``add_observer`` (:class:`RemoteAttachError` for a failure
-where the copy runs); ``on_error="raise"`` is refused where a copy's error
-cannot reach the caller. See ``docs/distributed.rst``.
+Attaching ships the observer once (cloudpickle, checked on the driver) and
+installs a copy next to the data: in each worker of a multiprocessing
+collector, in each Ray actor. The driver keeps the originals, which never see
+events. Errors surface at ``add_observer`` (:class:`RemoteAttachError` where
+the copy runs). See ``docs/distributed.rst``.
 
 Examples:
     >>> import rl_observers

@@ -38,21 +38,16 @@ class AggregateSpec:
     Compared and hashed by value; a copy fills in ``workers`` and ``lockstep``.
 
     Args:
-        schedule (Every, optional): when rows are due; ``None`` (the default): at every window.
-        step_key (str, optional): the counter used as step. Defaults to ``None``.
+        schedule (Every, optional): when rows are due; ``None``: at every window.
+        step_key (str, optional): the counter used as step.
         scope (str, optional): ``"aggregate"``, ``"per_worker"`` or ``"both"``.
-            Defaults to ``"aggregate"``.
-        log_on_close (bool, optional): whether the last partial windows are
-            logged. Defaults to ``True``.
+        log_on_close (bool, optional): whether the last partial windows are logged.
         latest (tuple of str, optional): gauges that keep the newest value
-            instead of adding up over workers. Defaults to ``()``.
-        workers (int, optional): how many copies feed the aggregate (``0``: not
-            known). Defaults to ``0``.
+            instead of adding up over workers.
+        workers (int, optional): how many copies feed the aggregate (``0``: not known).
         lockstep (bool, optional): whether the copies cut their windows where
-            the driver's rows fall (:mod:`~rl_observers.remote.lockstep`): the
-            owner then joins each cut from every worker. Defaults to ``False``.
+            the driver's rows fall (:mod:`~rl_observers.remote.lockstep`).
         timeout (float, optional): seconds a row waits for a silent worker.
-            Defaults to ``10.0``.
     """
 
     schedule: Every | None = None
@@ -88,25 +83,20 @@ class Window(Payload):
         step (int, optional): unused by the owner (rows take their step from the counters).
 
     Keyword Args:
-        observer (str): the observer's name: the aggregate the window merges into
-            (``""`` for an unnamed one).
+        observer (str): the observer's name: the aggregate the window merges into.
         worker (Any, optional): the worker it comes from (an index, or ``"main"``).
-        process (str, optional): a token of the process it was sent from (two copies
-            with one worker index stay apart).
+        process (str, optional): a token of the process it was sent from.
         counters (Mapping, optional): the copy's cumulative counters (``None``: a
             last window that only marks the end).
-        base (Mapping, optional): what the copy's source had counted before the copy did
-            (a restored worker's ``frames``): in ``counters``, but not progress of this run.
+        base (Mapping, optional): what the copy's source had counted before the
+            copy did: in ``counters``, but not progress of this run.
         spec (AggregateSpec, optional): how the owner merges the observer's windows.
         copy (str, optional): which copy sent it (set by the handle that numbers it).
         seq (int, optional): its number among its copy's windows (set by that handle).
-        windows (int, optional): how many of its copy's windows it holds. Defaults to 1.
-        last (bool, optional): the copy's last window (its source shut down, it was
-            removed, its process exits).
-        finish (bool, optional): the marker the owner queues behind an observer's
-            last windows (ends its aggregate).
-        cut (int, optional): for a copy of a lockstep source, the driver's counter
-            where this window ends (:mod:`~rl_observers.remote.lockstep`).
+        windows (int, optional): how many of its copy's windows it holds.
+        last (bool, optional): the copy's last window.
+        finish (bool, optional): the marker that ends an observer's aggregate.
+        cut (int, optional): for a lockstep copy, the driver's counter where this window ends.
         due (bool, optional): whether the driver's row is due at ``cut``.
     """
 

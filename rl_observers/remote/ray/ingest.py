@@ -12,6 +12,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from rl_observers.channel.payload import Payload
@@ -32,6 +33,7 @@ DRAIN_WAIT = 0.1
 RETRY_AFTER = 1.0
 
 
+@dataclass(slots=True)
 class Message:
     """One payload on its way through Ray, with the counts it carries.
 
@@ -41,25 +43,18 @@ class Message:
     message is lost, and the merges among them.
     """
 
-    __slots__ = ("counts", "held", "payload")
+    payload: Payload
+    counts: tuple[int, int] = (0, 0)
+    held: tuple[int, int] | None = None
 
-    def __init__(
-        self, payload: Payload, counts: tuple[int, int] = (0, 0), held: tuple[int, int] | None = None
-    ) -> None:
-        self.payload = payload
-        self.counts = counts
-        self.held = (1 - payload.counted_by_number, 0) if held is None else held
+    def __post_init__(self) -> None:
+        if self.held is None:
+            self.held = (1 - self.payload.counted_by_number, 0)
 
     def carrying(self, dropped: int, coalesced: int) -> Message:
         """This message, carrying ``dropped`` and ``coalesced`` more unreported counts."""
         self.counts = (self.counts[0] + dropped, self.counts[1] + coalesced)
         return self
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return Message, (self.payload, self.counts, self.held)
-
-    def __repr__(self) -> str:
-        return f"Message({self.payload!r}, counts={self.counts}, held={self.held})"
 
 
 class RayAddress(NamedTuple):

@@ -1,13 +1,9 @@
 """Observers inside Ray actors: remote collectors and the replay-buffer actor.
 
-Step **source → observer** of the flow, in an actor. Attaching sends one
-``actor.__ray_call__.remote(fn, ...)`` per actor with the pickled observer;
-each event happens in the actor, so the driver makes no extra call per
-write, sample or batch. ``stats()``, ``empty()`` and the shutdown calls stay
-one round trip each, also through the clients an observed buffer hands out.
-Files an observer writes in an actor come back with
-:func:`send_file_to_driver`. The behaviour is described in
-``docs/distributed.rst`` (Ray collectors, Ray replay buffers, shutting Ray down).
+Attaching sends one ``__ray_call__`` per actor with the pickled observer;
+events happen in the actor, so the driver makes no extra call per write,
+sample or batch. Files an observer writes in an actor come back with
+:func:`send_file_to_driver`. See ``docs/distributed.rst``.
 
 Inside the actor, Ray calls a buffer's public methods through functions
 captured when the actor class was made, so the ``"ray_actor"`` classes
@@ -122,20 +118,27 @@ class RayCollectorKind(_RayKind):
             )
 
     def attach_remote(self, target: Any, payload: bytes, on_error: str, token: int) -> None:
-        actors = list(target.remote_collectors)
-        n = len(actors)
-        taken_when_asked_again = not target._sync
-        refs = [
-            actor.__ray_call__.remote(_attach_in_collector_actor, taken_when_asked_again, payload, on_error, token, idx, n)
-            for idx, actor in enumerate(actors)
-        ]
         try:
-            _gather(refs, "attaching an observer to", target)
+            self._attach_from(target, 0, [(payload, on_error, token)], "attaching an observer to")
         except Exception:
             # Undo the actors that attached it; those that failed have no copy.
             with contextlib.suppress(Exception):
-                _gather([a.__ray_call__.remote(detach_here, token) for a in actors], "undoing", target)
+                refs = [a.__ray_call__.remote(detach_here, token) for a in target.remote_collectors]
+                _gather(refs, "undoing", target)
             raise
+
+    def _attach_from(self, target: Any, first: int, payloads: list[tuple[bytes, str, int]], action: str) -> None:
+        """Attaches each ``(payload, on_error, token)`` in the actors from index ``first`` on, in order."""
+        actors = list(target.remote_collectors)
+        taken_when_asked_again = not target._sync
+        refs = [
+            actor.__ray_call__.remote(
+                _attach_in_collector_actor, taken_when_asked_again, payload, on_error, token, first + i, len(actors)
+            )
+            for payload, on_error, token in payloads
+            for i, actor in enumerate(actors[first:])
+        ]
+        _gather(refs, action, target)
 
     def copy_workers(self, target: Any) -> tuple[int | None, ...]:
         return tuple(range(len(target.remote_collectors)))
@@ -146,18 +149,9 @@ class RayCollectorKind(_RayKind):
         new = actors[first:]
         if not entries or not new:
             return
-        n = len(actors)
         payloads = [(ship(observer, target, self.where), on_error, token) for observer, on_error, token in entries]
-        taken_when_asked_again = not target._sync
-        refs = [
-            actor.__ray_call__.remote(
-                _attach_in_collector_actor, taken_when_asked_again, payload, on_error, token, first + i, n
-            )
-            for payload, on_error, token in payloads
-            for i, actor in enumerate(new)
-        ]
         try:
-            _gather(refs, "attaching the observers to an added", target)
+            self._attach_from(target, first, payloads, "attaching the observers to an added")
         except Exception as error:
             import ray
 
@@ -172,7 +166,7 @@ class RayCollectorKind(_RayKind):
         for observer, _, _ in entries:
             placed = getattr(observer, "copies_placed", None)
             if callable(placed):
-                placed(target, tuple(range(first, n)))
+                placed(target, tuple(range(first, len(actors))))
 
     def detach_remote(self, target: Any, token: int) -> None:
         actors = list(target.remote_collectors)
