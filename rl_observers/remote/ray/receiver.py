@@ -261,10 +261,7 @@ class RayReceiver:
         thread = self._thread
         if thread is not None:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        while deadline is None or time.monotonic() < deadline:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self.drain(0.0, timeout=left, lock_timeout=left):
-                break
+        self.poll(deadline)
         self.release()
 
     def release(self) -> None:

@@ -57,13 +57,10 @@ def make_sender(address: Any) -> RaySender | None:
     if not reachable(address):
         return None
     key = (os.getpid(), tuple(address))
-    sender = _SENDERS.get(key)
-    if sender is None:
-        with _SENDERS_LOCK:
-            sender = _SENDERS.get(key)
-            if sender is None:
-                sender = _SENDERS[key] = RaySender(address)
-    return sender
+    with _SENDERS_LOCK:
+        if key not in _SENDERS:
+            _SENDERS[key] = RaySender(address)
+        return _SENDERS[key]
 
 
 def make_receiver(token: str, name: str = "") -> RayReceiver | None:
