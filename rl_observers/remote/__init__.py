@@ -1,22 +1,12 @@
 """Everything that crosses a process: observer copies out, their windows back, the merge.
 
-Steps **source → observer** where the data is elsewhere, and **channel →
-logger** at the owner. An observer on such a source runs as copies next to
-the data; each copy sends numbered *windows* to the channel's owner, which
-accounts for them and merges them into rows. Modules, in the order a window
-meets them:
-
-- out: :mod:`~rl_observers.remote.shipping` (common part),
-  :mod:`~rl_observers.remote.multiprocess`, :mod:`~rl_observers.remote.shared_buffers`,
-  :mod:`~rl_observers.remote.distributed`, :mod:`~rl_observers.remote.ray`;
-- back: :mod:`~rl_observers.remote.contributions` (when a copy reports),
-  :mod:`~rl_observers.remote.window`, :mod:`~rl_observers.remote.handle`
-  (:class:`MetricsHandle`), :mod:`~rl_observers.remote.transport`
-  (:mod:`~rl_observers.remote.socket`, :mod:`~rl_observers.remote.ray`),
-  :mod:`~rl_observers.remote.owner` (the channel's wing),
-  :mod:`~rl_observers.remote.account`, :mod:`~rl_observers.remote.aggregate`.
-
-Only this package imports Ray.
+An observer on a source whose data is elsewhere runs as copies next to the
+data (:mod:`~rl_observers.remote.shipping`); each copy sends numbered
+*windows* (:mod:`~rl_observers.remote.window`) through a
+:class:`MetricsHandle` and a transport (:mod:`~rl_observers.remote.transport`)
+to the channel's owner, which accounts for them
+(:mod:`~rl_observers.remote.account`) and merges them into rows
+(:mod:`~rl_observers.remote.aggregate`). Only this package imports Ray.
 """
 
 from __future__ import annotations

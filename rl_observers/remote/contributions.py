@@ -40,16 +40,7 @@ from rl_observers.remote.window import AggregateSpec, Window
 from rl_observers.schedule import ScheduleClock
 from rl_observers.sources.placement import process_token, source_info
 
-__all__ = ["LAST_WINDOW_TIMEOUT", "Contribution", "copy_worker"]
-
-#: Seconds a copy waits at its source's shutdown for its last window to be acknowledged by the
-#: owner's ingest; within the source's own bound (30 s for the actors of a Ray source).
-LAST_WINDOW_TIMEOUT = 20.0
-
-
-def copy_worker(worker: int | None) -> Any:
-    """The ``Window.worker`` a copy placed as ``worker`` sends under (``None``, not a worker: 0)."""
-    return worker if worker is not None else 0
+__all__ = ["Contribution"]
 
 
 class Contribution:
@@ -83,9 +74,14 @@ class Contribution:
         self.clock: ScheduleClock | None = None  # the schedule, on the driver's counter
         self.cut: int | None = None  # the driver's counter where a row fell due, until sent
 
-    #: Seconds a copy waits at its source's shutdown for its last window to be acknowledged.
-    last_window_timeout = LAST_WINDOW_TIMEOUT
-    worker_of = staticmethod(copy_worker)
+    #: Seconds a copy waits at its source's shutdown for its last window to be acknowledged by the
+    #: owner's ingest; within the source's own bound (30 s for the actors of a Ray source).
+    last_window_timeout = 20.0
+
+    @staticmethod
+    def worker_of(worker: int | None) -> Any:
+        """The ``Window.worker`` a copy placed as ``worker`` sends under (``None``, not a worker: 0)."""
+        return worker if worker is not None else 0
 
     def cut_where_the_driver_does(self, target: Any, schedule: Every | None) -> None:
         """Makes the copies on ``target`` report where the driver's rows fall, if it has such rows.
@@ -138,7 +134,7 @@ class Contribution:
                 metric_set.bind(source)
             self.home_pid = os.getpid()
         if moved or info.remote:
-            self.worker = copy_worker(info.worker)
+            self.worker = self.worker_of(info.worker)
         else:
             self.worker = "main"
         self.workers = info.num_workers or 0

@@ -110,18 +110,10 @@ class _Ingest:
         self._ready = threading.Condition()
 
     def push(self, data: bytes, messages: int, dropped: int, coalesced: int) -> bool:
-        """Keeps one pickled batch of ``messages``, or drops it whole.
+        """Keeps one pickled batch of ``messages``, or drops it whole; whether it was kept.
 
-        Args:
-            data (bytes): the pickled batch.
-            messages (int): how many messages it holds (the room it takes).
-            dropped (int): what dropping it adds to the drops: the payloads it
-                holds and the drops it carries.
-            coalesced (int): what dropping it adds to the coalesced payloads:
-                the count it carries less the payloads merged into its messages.
-
-        Returns:
-            bool: whether it was kept.
+        ``dropped`` and ``coalesced``: what dropping it adds to those counts
+        (see :func:`_cost`).
         """
         with self._ready:
             if self._held + messages > self._capacity:
