@@ -158,9 +158,7 @@ class Account:
         """
 
         def chosen(key: tuple[Any, ...]) -> bool:
-            if name is not None and key[0] != name:
-                return False
-            return _belongs(key, members)
+            return (name is None or key[0] == name) and _belongs(key, members)
 
         with self._lock:
             done = [key for key in self._copies if chosen(key)]
@@ -185,15 +183,14 @@ class Account:
             missing = max(copy.sent - copy.received, 0)
             if missing:
                 self._count_lost(missing)
-            if not copy.last:
-                with self._lock:
-                    self.copies_lost += 1
             if copy.last and missing:
                 gaps.append(
                     f"{sources.get(observer, repr(observer))}, worker {copy.worker} ({copy.where}): "
                     f"{missing} of its {copy.sent} windows"
                 )
-            if not copy.last:
+            elif not copy.last:
+                with self._lock:
+                    self.copies_lost += 1
                 vanished.setdefault(observer, []).append(
                     f"worker {copy.worker} ({copy.where}): its last report was window {copy.sent}"
                     f" with counters {dict(copy.counters)}"

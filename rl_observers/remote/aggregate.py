@@ -338,8 +338,8 @@ class Aggregate:
     def _fold(self, window: Window) -> list[Row]:
         if not (window.metrics or window.counters):
             return []
-        counters = window.counters or {}
-        return self.contribute(window.worker, window.metrics, counters, process=window.process, base=window.base)
+        worker, counters = window.worker, window.counters or {}
+        return self.contribute(worker, window.metrics, counters, window.process, window.base)
 
     def _warn_missing(self, missing: list[Any], what: str) -> None:
         new = [w for w in missing if w not in self._missing_warned]

@@ -268,8 +268,8 @@ def _shut_down_observed_at_exit() -> None:
             collector.shutdown(timeout=timeout, raise_on_error=False)
         except Exception as raised:  # the process is going away; report, never fail its exit
             error = raised
-        deaths = [(idx, _worker_death(collector, idx)) for idx in range(len(getattr(collector, "procs", None) or ()))]
-        lost = [f"worker {idx} ({death or 'still running'})" for idx, death in deaths if death != "exit code 0"]
+        deaths = [_worker_death(collector, i) for i in range(len(getattr(collector, "procs", None) or ()))]
+        lost = [f"worker {i} ({d or 'still running'})" for i, d in enumerate(deaths) if d != "exit code 0"]
         if lost or error is not None:
             workers = ", ".join(lost)
             why = f"{type(error).__name__}: {error}" if error is not None else workers

@@ -101,25 +101,17 @@ class RayReceiver:
         """
         ray = _ray()
         if ray is None or not ray.is_initialized():
-            raise RuntimeError(
-                "RayReceiver.start expected a process connected to Ray (ray.init())."
-            )
-        context = ray.get_runtime_context()
-        self._address = RayAddress(
-            token=self.token,
-            ingest=f"rl_observers-ingest-{self.token}",
-            namespace=ACTOR_NAMESPACE,
-            owner=self._owner,
-        )
-        self._node = context.get_node_id()
+            raise RuntimeError("RayReceiver.start expected a process connected to Ray (ray.init()).")
+        ingest = f"rl_observers-ingest-{self.token}"
+        self._address = RayAddress(self.token, ingest, ACTOR_NAMESPACE, self._owner)
+        self._node = ray.get_runtime_context().get_node_id()
         self._accept = accept
         self._refuse = refuse or (lambda: accept(None, (1, 0, 0)))  # an unreadable batch counts as one dropped
         self._actor = self._create_ingest()
         _STARTED.add(self)
         if background:
-            self._thread = threading.Thread(
-                target=self._run, name="rl_observers-ray-ingest", daemon=True
-            )
+            self._thread = threading.Thread(target=self._run, name="rl_observers-ray-ingest")
+            self._thread.daemon = True
             self._thread.start()
 
     def _create_ingest(self) -> Any:
