@@ -314,19 +314,15 @@ class Forwarder:
         return self._addresses.get(self._sender.name)
 
     def flush(self, timeout: float | None) -> bool:
+        """Sends what the sender holds; whether all went and nothing was dropped since the last call."""
         done = self._sender.flush(timeout)
-        return self._nothing_lost_since_last_check() and done
+        lost = self._sender.dropped + self._dropped_after_close
+        clean, self._lost_seen = lost == self._lost_seen, lost
+        return clean and done
 
     def send_held(self, timeout: float | None) -> bool:
         """Sends what the sender holds back (a handle's flush); whether nothing is left."""
         return self._sender.flush(timeout)
-
-    def _nothing_lost_since_last_check(self) -> bool:
-        """Whether nothing was dropped here since the previous flush/close (what they return)."""
-        lost = self._sender.dropped + self._dropped_after_close
-        clean = lost == self._lost_seen
-        self._lost_seen = lost
-        return clean
 
     def step(self) -> int:
         self._sender.flush(0)
@@ -344,9 +340,9 @@ class Forwarder:
                 torchrl_logger.warning(
                     f"MetricsChannel close callback {callback!r} raised: {err!r}."
                 )
-        done = self._sender.flush(timeout)
+        done = self.flush(timeout)
         self.closed = True
-        return self._nothing_lost_since_last_check() and done
+        return done
 
     def health(self) -> dict[str, int]:
         sender = self._sender

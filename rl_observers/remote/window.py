@@ -118,10 +118,6 @@ class Window(Payload):
     def counted_by_number(self) -> int:  # type: ignore[override]
         return self.windows if self.seq is not None else 0
 
-    def older_than(self, other: Window) -> bool:
-        """Whether this window was sent before ``other`` (both numbered)."""
-        return self.seq is not None and other.seq is not None and self.seq < other.seq
-
     def absorb(self, newer: Payload) -> Exception | None:
         """Merges ``newer`` (received after this one) into it; returns a partial's merge error, if any.
 
@@ -131,7 +127,8 @@ class Window(Payload):
         """
         if newer.__class__ is not Window:  # not super(): the slotted dataclass is a new class
             return Payload.absorb(self, newer)
-        if newer.older_than(self):  # passed on the way: its plain numbers are stale
+        if newer.seq is not None and self.seq is not None and newer.seq < self.seq:
+            # passed on the way: its plain numbers are stale
             merged = dict(newer.metrics)
             error = coalesce(merged, self.metrics)
             self.metrics = merged
