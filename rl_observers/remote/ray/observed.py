@@ -58,22 +58,19 @@ _SHUTDOWN_TIMEOUT = 30.0
 _MIN_WAIT = 1.0
 
 
-def _gather(refs: list[Any], action: str, target: Any) -> list[Any]:
+def _gather(refs: list[Any], action: str, target: Any) -> None:
     """``ray.get`` of every ref, raising the first error once all have finished."""
     import ray  # an optional dependency: imported once a Ray source exists
 
-    results: list[Any] = []
-    for ref in refs:
+    errors = []
+    for idx, ref in enumerate(refs):
         try:
-            results.append(ray.get(ref))
+            ray.get(ref)
         except Exception as error:
-            results.append(error)
-    errors = [(idx, r) for idx, r in enumerate(results) if isinstance(r, BaseException)]
+            errors.append((idx, getattr(error, "cause", None) or error))
     if errors:
-        idx, error = errors[0]
-        cause = getattr(error, "cause", None) or error
+        idx, cause = errors[0]
         raise RemoteAttachError(f"{action} {type(target).__name__} actor {idx} failed: {cause}") from None
-    return results
 
 
 # The driver-side Ray sources observed in this process, told when Ray goes down under them.
