@@ -189,10 +189,13 @@ class RayReceiver:
                         self.error = again
                 return 0
             self.drains += 1
-            accept = self._accept
-            if dropped or coalesced:  # the ingest's own drops, told alone
-                accept(None, (dropped, coalesced, 0))
             messages = [message for data in batches for message in self._load(data)]
+            accept = self._accept
+            if dropped or coalesced:  # the ingest's drops: with the first message, or alone
+                if messages:
+                    messages[0].carrying(dropped, coalesced)
+                else:
+                    accept(None, (dropped, coalesced, 0))
             for message in messages:
                 payload = message.payload
                 # its numbered windows were left out of held for the hops (the owner counts them by gap)
