@@ -249,6 +249,17 @@ def _shut_down_at_exit(collector: Any) -> None:
     lifecycle.at_exit(_shut_down_observed_at_exit, lifecycle.SOURCES)
 
 
+def _worker_exit_codes(collector: Any) -> dict[int, Any]:
+    """Each worker's exit code (``None`` while alive, ``"closed"`` when torchrl closed it)."""
+    codes: dict[int, Any] = {}
+    for idx, proc in enumerate(getattr(collector, "procs", None) or ()):
+        try:
+            codes[idx] = proc.exitcode
+        except ValueError:
+            codes[idx] = "closed"
+    return codes
+
+
 def _shut_down_observed_at_exit() -> None:
     """Shuts down the observed collectors still running, so that their workers report.
 
@@ -268,10 +279,12 @@ def _shut_down_observed_at_exit() -> None:
             collector.shutdown(timeout=timeout, raise_on_error=False)
         except Exception as raised:  # the process is going away; report, never fail its exit
             error = raised
-        deaths = [_worker_death(collector, i) for i in range(len(getattr(collector, "procs", None) or ()))]
-        lost = [f"worker {i} ({d or 'still running'})" for i, d in enumerate(deaths) if d != "exit code 0"]
+        lost = {idx: code for idx, code in _worker_exit_codes(collector).items() if code != 0}
         if lost or error is not None:
-            workers = ", ".join(lost)
+            workers = ", ".join(
+                f"worker {idx} ({'still running' if code is None else f'exit code {code}'})"
+                for idx, code in sorted(lost.items())
+            )
             why = f"{type(error).__name__}: {error}" if error is not None else workers
             torchrl_logger.warning(
                 f"rl_observers: a {type(collector).__name__} was still running at interpreter "
