@@ -1,12 +1,4 @@
-"""CollectorBatchMetrics: reward, done and episode metrics of collector batches.
-
-Step **observer** of the flow. Keys are resolved once
-(:mod:`~rl_observers.metrics.collector.plan`); each batch goes to the set's
-fold path: :class:`~rl_observers.metrics.collector.from_keys.FromKeysFold`
-(episodes read at closing steps), :class:`~rl_observers.metrics.collector.ring.RingFold`
-(running sums) or :class:`~rl_observers.metrics.collector.interleaved.InterleavedFold`
-(interleaved envs).
-"""
+"""CollectorBatchMetrics: reward, done and episode metrics of collector batches (fold paths: see the package)."""
 
 from __future__ import annotations
 
@@ -44,7 +36,7 @@ from rl_observers.metrics.keys import (
     spec_keys,
 )
 from rl_observers.sources.observed import observers_of
-from rl_observers.stats import Count, Partial, QuantileReducer
+from rl_observers.stats import Count, Partial
 
 __all__ = ["CollectorBatchMetrics"]
 
@@ -147,7 +139,6 @@ class CollectorBatchMetrics(MetricSet):
         self._delivery: Any = None  # the source's observer list, where it counts dropped rollouts
         self._discarded_pulled = 0  # frames_discarded as last pulled
         owner = type(self).__name__
-        # what a reconfiguration keeps (see _stop_missing)
         self._config = {"episode_window": episode_window, "quantiles": quantiles}
         self._episodes_stopped = False
         given = {
@@ -158,7 +149,7 @@ class CollectorBatchMetrics(MetricSet):
             "episode_reward": episode_reward_key,
             "step_count": step_count_key,
         }
-        # Keys left to the source: ("next", <name>) until bound to one (see bind).
+        # Keys left to the source: ("next", <name>) until bound to one.
         self._from_source = tuple(name for name, key in given.items() if key is FROM_SOURCE)
         for name, key in given.items():
             key = ("next", name) if key is FROM_SOURCE else key
@@ -189,33 +180,18 @@ class CollectorBatchMetrics(MetricSet):
         if episode_length:
             specs.append(("episode_length", ("mean", "min", "max")))
         self._episode = self.moments_group(specs) if specs else None
+        window = episode_window
+        if window is not None and (type(window) is bool or not isinstance(window, int) or window < 1):
+            raise ValueError(f"{owner}: episode_window must be a positive int or None, got {window!r}.")
+        for what, value in (("quantiles", quantiles), ("episode_window", window)):
+            if value is not None and not specs:
+                raise ValueError(f"{owner}: {what} needs episode_return=True or episode_length=True.")
         # Opt-in: a quantile sketch per episode quantity, folded where its moments are.
-        sketches: tuple[QuantileReducer, ...] = ()
-        if quantiles is not None:
-            if not specs:
-                raise ValueError(
-                    f"{owner}: quantiles needs episode_return=True or episode_length=True."
-                )
-            sketches = tuple(self.quantiles(prefix, q=quantiles) for prefix, _ in specs)
+        q = quantiles
+        sketches = tuple(self.quantiles(p, q=q) for p, _ in specs) if q is not None else ()
         self._plan: CollectorPlan | None = None
-        self._window: EpisodeWindow | None = None
-        if episode_window is not None:
-            if (
-                not isinstance(episode_window, int)
-                or isinstance(episode_window, bool)
-                or episode_window < 1
-            ):
-                raise ValueError(
-                    f"{owner}: episode_window must be a positive int or None, "
-                    f"got {episode_window!r}."
-                )
-            if not specs:
-                raise ValueError(
-                    f"{owner}: episode_window needs episode_return=True or episode_length=True."
-                )
-            names = tuple(prefix for prefix, _ in specs)
-            self._window = EpisodeWindow(self._bank, episode_window, names, sketches)
-        # What a batch is folded into, and the fold paths, each holding what it uses of it.
+        names = tuple(prefix for prefix, _ in specs)
+        self._window = None if window is None else EpisodeWindow(self._bank, window, names, sketches)
         reducers = BatchReducers(
             self._counters,
             reward=reward,

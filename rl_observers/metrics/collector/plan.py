@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from rl_observers.metrics.keys import NestedKey, leaf_keys, missing_key
 __all__: list[str] = []
 
 
+@dataclass(slots=True, eq=False)
 class CollectorPlan:
     """Keys of a collector batch, resolved at the first batch.
 
@@ -21,24 +23,18 @@ class CollectorPlan:
     for one. ``reads``: ``(key, argument name)`` pairs, each key read once.
     """
 
-    __slots__ = (
-        "reward",
-        "done",
-        "closing",
-        "mask",
-        "episode_reward",
-        "step_count",
-        "traj_ids",
-        "env_index",
-        "running",
-        "episode_sources",
-        "entries",
-        "reads",
-    )
-
-    def __init__(self, **fields: Any) -> None:
-        for name in self.__slots__:
-            setattr(self, name, fields[name])
+    reward: NestedKey | None
+    done: NestedKey | None
+    closing: tuple[NestedKey, ...]
+    mask: NestedKey | None
+    episode_reward: NestedKey | None
+    step_count: NestedKey | None
+    traj_ids: NestedKey | None
+    env_index: NestedKey | None
+    running: bool
+    episode_sources: tuple[tuple[int, NestedKey | None], ...]
+    entries: tuple[int, ...]
+    reads: tuple[tuple[NestedKey, str], ...]
 
 
 def per_entry(value: torch.Tensor, batch_dims: int, entries: tuple[int, ...]) -> torch.Tensor:
@@ -89,6 +85,7 @@ def entries_of(
     return entries
 
 
+@dataclass(slots=True, eq=False)
 class EpisodeCarry:
     """The episodes in flight at the end of the batches summed so far.
 
@@ -97,11 +94,8 @@ class EpisodeCarry:
     last trajectory ids, if any. Padded batches match carries by id.
     """
 
-    __slots__ = ("neg", "traj")
-
-    def __init__(self, neg: torch.Tensor | None = None, traj: torch.Tensor | None = None) -> None:
-        self.neg = neg
-        self.traj = traj
+    neg: torch.Tensor | None = None
+    traj: torch.Tensor | None = None
 
     def clear(self) -> None:
         """Drops the episodes in flight (the envs were reset)."""

@@ -25,26 +25,15 @@ from rl_observers.stats.reducers import Transient
 # Implementation of CollectorBatchMetrics: nothing public here (see docs/api.rst).
 __all__: list[str] = []
 
-# Batches folded with running episode sums are kept in a ring of up to this many batches
-# (and this many steps in all) and summed together: the cost of the running sums is paid
-# once per ring, not once per batch. A flush costs a fixed part plus a part that grows with
-# the steps staged and the episodes they close, and what is still staged is summed when the
-# window closes, on the source's thread: small batches (up to 256 steps) fill 16 slots,
-# larger ones fewer (4 of 1000 steps), so a window closes over at most ~4k staged steps
-# that closed episodes (measured: the per-window cost of 1000-step batches -20 %, the
-# per-batch cost unchanged; a 2k cap cost 7 % per batch).
+# A ring holds up to this many batches (and steps): the running sums are paid once per ring.
+# A window closes over at most ~4k staged steps (1000-step batches: -20 % per window; a
+# 2k cap cost 7 % per batch).
 _RING_BATCHES = 16
 _RING_STEPS = 2**12
-# A ring counting on the host (CPU batches) that filled up without any of its batches
-# closing an episode is replaced by one holding up to this many steps: such a flush only
-# folds the rewards and moves the carries, a fixed ~100 us plus ~5 us per 1000-step batch,
-# so spreading it wider is what pays (no-reset 1000-step batches: 64 -> 45 us per batch; a
-# window then closes over up to 16 of them, ~185 us, less than over 4 batches that closed
-# episodes). Once a staged batch closes one, the open ring is summed at _RING_STEPS steps.
+# A host ring that filled up with no episode closed is replaced by one this large: such a
+# flush only moves the carries, ~100 us fixed (no-reset 1000-step batches: 64 -> 45 us each).
 _RING_STEPS_OPEN = 2**14
-# CPU batches need no device sync to be read: the ring counts their closed episodes on the
-# host, and a flush with none (and no trajectory cut) only moves the carries. Tests turn
-# this off to check the values of the device path on the CPU.
+# CPU batches are counted on the host (no sync); tests turn this off to run the device path.
 _CPU_SHORTCUTS = True
 
 
@@ -55,68 +44,26 @@ class EpisodeRing:
     counted on the host per batch.
     """
 
-    __slots__ = (
-        "key",
-        "size",
-        "closing_size",
-        "used",
-        "reward",
-        "closing",
-        "done",
-        "done_index",
-        "mask",
-        "traj",
-        "from_keys",
-        "sums",
-        "positions",
-        "step_numbers",
-        "no_step",
-        "no_carry",
-        "_views",
-        "_timelines",
-        "host",
-        "closed",
-        "dones",
-        "plain",
-        "base",
-        "by_id",
-        "entry_count",
-        "opens",
-        "_spec",
-    )
 
     def __init__(
         self,
+        plan: CollectorPlan,
         key: tuple[Any, ...],
         rows: int,
         steps: int,
-        device: torch.device,
         *,
-        reward: bool,
-        done: int | None,
-        mask: bool,
         traj_dtype: torch.dtype | None,
-        from_keys: Sequence[int],
-        entry_count: int = 1,
         alone: bool = False,
         opened: bool = False,
     ) -> None:
         self.key = key
-        # What opened() makes a ring for the same batches from.
-        self._spec = (key, rows, steps, device), dict(
-            reward=reward,
-            done=done,
-            mask=mask,
-            traj_dtype=traj_dtype,
-            from_keys=from_keys,
-            entry_count=entry_count,
-        )
+        self._spec = (plan, key, rows, steps, traj_dtype)  # what opened() makes a ring from
+        device, mask = key[2], not key[3]
         self.host = device.type == "cpu" and _CPU_SHORTCUTS and not mask
-        # Padded batches with trajectory ids (split_trajs, trajs_per_batch): a row is a
-        # trajectory, not an env, and rows of two batches do not correspond. Each batch is
+        # Padded batches with trajectory ids: a row is a trajectory, not an env; each batch is
         # summed on its own and its carries are matched by trajectory id (and entry).
         self.by_id = mask and traj_dtype is not None
-        self.entry_count = entry_count
+        self.entry_count = math.prod(plan.entries)
         self.opens = False  # whether a full ring with no closed episode is replaced, opened
         if self.by_id or alone:  # ``alone``: the caller sums every batch on its own
             size = self.size = self.closing_size = 1
@@ -132,21 +79,20 @@ class EpisodeRing:
                     self.opens = open_size > size
         self.used = 0
         f64, shape = torch.float64, (rows, size, steps)
+        sources = plan.episode_sources
+        reward = plan.reward is not None and any(r == 0 and k is None for r, k in sources)
         self.reward = torch.zeros(shape, dtype=f64, device=device) if reward else None
         self.closing = torch.zeros(shape, dtype=torch.bool, device=device)
         # Where done is among the closing flags, when its steps are counted apart from them.
-        self.done_index = done
-        self.done = (
-            torch.zeros(shape, dtype=torch.bool, device=device)
-            if done is not None and not self.host
-            else None
-        )
+        done = plan.done is not None and plan.closing != (plan.done,)
+        self.done_index = plan.closing.index(plan.done) if done else None
+        self.done = torch.zeros(shape, dtype=torch.bool, device=device) if done and not self.host else None
         self.mask = torch.zeros(shape, dtype=torch.bool, device=device) if mask else None
         self.traj = (
             None if traj_dtype is None else torch.zeros(shape, dtype=traj_dtype, device=device)
         )
         # Per row of the sums (0: return, 1: length) read from a batch key instead.
-        self.from_keys = {row: torch.zeros(shape, dtype=f64, device=device) for row in from_keys}
+        self.from_keys = {r: torch.zeros(shape, dtype=f64, device=device) for r, k in sources if k}
         timeline = size * steps
         self.sums = torch.zeros((2, rows, timeline + 1), dtype=f64, device=device)
         if not mask:  # every step counts: the cumulative lengths are 1, 2, ...
@@ -157,15 +103,11 @@ class EpisodeRing:
         self.no_carry = torch.zeros((), dtype=f64, device=device)
         self._views: dict[tuple[Any, ...], torch.Tensor] = {}
         self._timelines: dict[int, Timeline] = {}
-        # Episodes closed in the used slots, when known on the host (CPU batches), else None;
-        # done steps among them, on the host (when done is one of several closing keys).
+        # Episodes closed and done steps in the used slots, when counted on the host.
         self.closed: int | None = self.empty_count()
         self.dones = 0
-        # How plain batches are staged (see plain_stage): None until tried, False if not.
-        self.plain: PlainStage | bool | None = None
-        # Where the first slot's batch starts on the episode window's clocks (steps, cells),
-        # when the set keeps one.
-        self.base: tuple[int, int] | None = None
+        self.plain: PlainStage | bool | None = None  # None: not tried yet; False: not plain
+        self.base: tuple[int, int] | None = None  # the episode window's clocks at slot 0
 
     def empty_count(self) -> int | None:
         return 0 if self.host else None
@@ -177,8 +119,8 @@ class EpisodeRing:
 
     def opened(self) -> EpisodeRing:
         """An empty ring for the same batches, holding up to ``_RING_STEPS_OPEN`` steps."""
-        args, kwargs = self._spec
-        return EpisodeRing(*args, **kwargs, opened=True)
+        plan, key, rows, steps, traj_dtype = self._spec
+        return EpisodeRing(plan, key, rows, steps, traj_dtype=traj_dtype, opened=True)
 
     def timeline(self, used: int) -> Timeline:
         """The views and buffers a flush of ``used`` slots works with (made once per ``used``)."""
@@ -204,46 +146,6 @@ class Timeline:
     ``copies`` lay a partly used ring out as ``[rows, used * steps]``.
     """
 
-    __slots__ = (
-        "length",
-        "copies",
-        "closing",
-        "reward",
-        "reward_copy",
-        "mask",
-        "from_keys",
-        "done",
-        "sums",
-        "cum_reward",
-        "cum_length",
-        "carry",
-        "sums_end",
-        "sums_tail",
-        "positions",
-        "positions_tail",
-        "step_numbers",
-        "start",
-        "start_indices",
-        "start_index",
-        "at_start",
-        "at_end",
-        "at_head",
-        "values",
-        "totals",
-        "reward_totals",
-        "traj_first",
-        "traj_last",
-        "traj_next_first",
-        "traj_prev_last",
-        "slot_ends_closing",
-        "traj_joined",
-        "closing_slots",
-        "reward_slots",
-        "flat_sums",
-        "row_starts",
-        "width",
-        "before_first",
-    )
 
     def __init__(self, ring: EpisodeRing, used: int) -> None:
         rows, size, steps = ring.closing.shape
@@ -286,9 +188,7 @@ class Timeline:
         self.totals = sums.new_zeros((2, rows))
         self.totals[1] = length
         self.reward_totals = self.totals[0]
-        # The used slots viewed as ``[rows, length]`` in place (no copy), and what the host path
-        # of close_episodes indexes the sums with: the sums flattened per quantity, where each
-        # row starts in them, and the width of a row.
+        # The used slots as ``[rows, length]`` views; the flat sums the host path indexes.
         self.closing_slots = ring.closing[:, :used].view(rows, length)
         self.reward_slots = None if ring.reward is None else ring.reward[:, :used].view(rows, length)
         width = ring.sums.shape[-1]
@@ -321,36 +221,6 @@ class Closed(NamedTuple):
     values: torch.Tensor | None
     #: Where episodes closed (``[rows, steps]`` booleans), or ``None``: ``values`` are dense.
     closing: torch.Tensor | None
-
-
-def new_ring(
-    plan: CollectorPlan,
-    key: tuple[Any, ...],
-    rows: int,
-    steps: int,
-    device: torch.device,
-    *,
-    masked: bool,
-    traj_dtype: torch.dtype | None,
-    alone: bool = False,
-) -> EpisodeRing:
-    """A ring for batches of ``rows`` x ``steps`` laid out as ``plan`` says (``alone``: of one)."""
-    return EpisodeRing(
-        key,
-        rows,
-        steps,
-        device,
-        reward=plan.reward is not None
-        and any(row == 0 and k is None for row, k in plan.episode_sources),
-        done=plan.closing.index(plan.done)
-        if plan.done is not None and plan.closing != (plan.done,)
-        else None,
-        mask=masked,
-        traj_dtype=traj_dtype,
-        from_keys=[row for row, k in plan.episode_sources if k is not None],
-        entry_count=math.prod(plan.entries),
-        alone=alone,
-    )
 
 
 def stage_batch(
@@ -715,16 +585,7 @@ class RingFold(Transient):
             # Reset at each batch, and no trajectory ids to say so: each batch is summed
             # alone and its carries dropped (see flush).
             alone = self.reset_each_batch and traj_dtype is None
-            ring = self.ring = new_ring(
-                plan,
-                key,
-                rows,
-                steps,
-                key[2],
-                masked=mask is not None,
-                traj_dtype=traj_dtype,
-                alone=alone,
-            )
+            ring = self.ring = EpisodeRing(plan, key, rows, steps, traj_dtype=traj_dtype, alone=alone)
             self.sources = plan.episode_sources
         reward = None
         if ring.reward is not None:
