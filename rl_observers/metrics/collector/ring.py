@@ -1,17 +1,13 @@
 """Running episode sums of ``[*B, T]`` batches: staged into a ring, summed a ring at a time.
 
-Without ``RewardSum`` / ``StepCounter`` entries, returns and lengths are
-running sums carried across batches. :class:`RingFold` copies each batch
-into an :class:`EpisodeRing`; a flush sums the staged batches as one
-timeline per env (:func:`close_episodes`) and folds what closed. Padded
-batches of split trajectories are summed one at a time, carried by
-trajectory id. No tensor value is read on the host off the CPU.
+Returns and lengths with no ``RewardSum`` / ``StepCounter`` entries are sums
+carried across batches; no tensor value is read on the host off the CPU.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -79,7 +75,7 @@ class EpisodeRing:
                     self.opens = open_size > size
         self.used = 0
         f64, shape = torch.float64, (rows, size, steps)
-        sources = plan.episode_sources
+        sources = self.sources = plan.episode_sources  # the rows close_episodes returns
         reward = plan.reward is not None and any(r == 0 and k is None for r, k in sources)
         self.reward = torch.zeros(shape, dtype=f64, device=device) if reward else None
         self.closing = torch.zeros(shape, dtype=torch.bool, device=device)
@@ -223,50 +219,6 @@ class Closed(NamedTuple):
     closing: torch.Tensor | None
 
 
-def stage_batch(
-    ring: EpisodeRing,
-    plan: CollectorPlan,
-    get: Callable[[Any], torch.Tensor],
-    closing_flags: Sequence[torch.Tensor],
-    reward: torch.Tensor | None,
-    mask: torch.Tensor | None,
-) -> torch.Tensor | int:
-    """Copies one batch into the ring's next slot; returns its count of closing steps.
-
-    ``get`` reads an entry as ``[rows, steps]``; ``closing_flags`` are masked
-    ``[rows, steps]`` booleans in ``plan.closing``'s order. The count is an
-    int on a host ring (added to ``ring.closed``), else a 0-d tensor. The
-    caller advances ``ring.used``.
-    """
-    if ring.done is not None:
-        done = closing_flags[ring.done_index]  # type: ignore[index]
-        ring.slot(ring.done, "done", done.shape).copy_(done)
-    shape = closing_flags[0].shape
-    closing = ring.slot(ring.closing, "closing", shape)
-    if len(closing_flags) == 1:
-        closing.copy_(closing_flags[0])
-    else:
-        torch.bitwise_or(closing_flags[0], closing_flags[1].reshape(shape), out=closing)
-        for value in closing_flags[2:]:
-            closing |= value.reshape(shape)
-    if ring.reward is not None:
-        if ring.mask is not None:  # padding adds nothing to a return, whatever it holds
-            reward = torch.where(mask.view(reward.shape), reward, 0)  # type: ignore[union-attr]
-        ring.slot(ring.reward, "reward", reward.shape).copy_(reward)  # type: ignore[union-attr]
-    if ring.mask is not None:
-        ring.slot(ring.mask, "mask", mask.shape).copy_(mask)  # type: ignore[union-attr]
-    if ring.traj is not None:
-        traj = get(plan.traj_ids)
-        ring.slot(ring.traj, "traj", traj.shape).copy_(traj)
-    for row, key in plan.episode_sources:
-        if key is not None:
-            value = get(key)
-            ring.slot(ring.from_keys[row], f"from_keys_{row}", value.shape).copy_(value)
-    if not ring.host:
-        return torch.count_nonzero(closing)
-    return _count_on_host(ring, closing, closing_flags)
-
-
 def _count_on_host(
     ring: EpisodeRing, closing: torch.Tensor, closing_flags: Sequence[torch.Tensor]
 ) -> int:
@@ -380,13 +332,7 @@ def plain_stage(ring: EpisodeRing, plan: CollectorPlan, batch: Any) -> PlainStag
     return stage if stage.read(batch) is not None else False
 
 
-def close_episodes(
-    ring: EpisodeRing,
-    carry: EpisodeCarry,
-    sources: Sequence[tuple[int, Any]],
-    *,
-    dense: bool = False,
-) -> Closed | None:
+def close_episodes(ring: EpisodeRing, carry: EpisodeCarry, *, dense: bool = False) -> Closed | None:
     """Sums the batches in the ring: the episodes that closed, and the new carry (updated in place).
 
     Cumulative sums of (reward, 1) along each env's timeline, prefixed with
@@ -460,7 +406,7 @@ def close_episodes(
         carry.neg = torch.sub(line.carry, line.totals)
         return Closed(line.reward, None, dones, None, None)
     if dense and closed and cut is None and not ring.from_keys:
-        return _closed_on_host(ring, line, carry, sources, dones)
+        return _closed_on_host(ring, line, carry, dones)
     for source, target in line.copies:  # the used slots as one timeline per env
         target.copy_(source)
     closing, mask = line.closing, line.mask
@@ -483,6 +429,7 @@ def close_episodes(
         last = line.cum_length[:, -1].sub(1).clamp_(min=0).to(torch.int64)
         carry.traj = traj[:, 0].gather(-1, last.unsqueeze(-1)).squeeze(-1)  # type: ignore[index]
     values = torch.sub(line.sums_tail, line.at_head, out=line.values)
+    sources = ring.sources
     for row, key in sources:
         if key is not None:
             values[row].copy_(line.from_keys[row])
@@ -496,7 +443,6 @@ def _closed_on_host(
     ring: EpisodeRing,
     line: Timeline,
     carry: EpisodeCarry,
-    sources: Sequence[tuple[int, Any]],
     dones: torch.Tensor | int | None,
 ) -> Closed:
     """:func:`close_episodes` for CPU batches: each episode is the difference of two cumulative sums at its env's closing steps."""
@@ -514,31 +460,18 @@ def _closed_on_host(
     # carry starts: the largest episode end of the row (no pass over the other steps).
     last = line.row_starts.scatter_reduce(0, rows, ends, "amax")
     carry.neg = torch.sub(flat.index_select(1, last), line.sums_end)
-    if len(sources) == 1:
-        row = sources[0][0]
+    if len(ring.sources) == 1:
+        row = ring.sources[0][0]
         values = values[row : row + 1]
     return Closed(line.reward_slots, None, dones, values, None)
 
 
 class RingFold(Transient):
-    """The fold path of ``[*B, T]`` batches with running episode sums, through a ring.
+    """The fold path of ``[*B, T]`` batches with running episode sums, through a ring (never pickled: summed first).
 
-    Holds the ring (never pickled: summed first), the episodes in flight
-    (shared with the interleaved path) and the
-    :class:`~rl_observers.metrics.collector.reducers.BatchReducers`.
     ``reset_each_batch``: the bound collector resets its envs at each batch.
     """
 
-    __slots__ = (
-        "reducers",
-        "carry",
-        "window",
-        "reward",
-        "counts",
-        "ring",
-        "sources",
-        "reset_each_batch",
-    )
     _transient = ("ring",)  # buffers, remade at the next batch (the set sums it first)
 
     def __init__(self, reducers: BatchReducers, carry: EpisodeCarry) -> None:
@@ -548,8 +481,6 @@ class RingFold(Transient):
         self.reward = reducers.reward
         self.counts = reducers.counts
         self.ring: EpisodeRing | None = None
-        # The plan's episode_sources the ring was made for (what close_episodes reads).
-        self.sources: tuple[tuple[int, Any], ...] = ()
         self.reset_each_batch = False
 
     def reset_at_each_batch(self, reset: bool) -> None:
@@ -586,21 +517,42 @@ class RingFold(Transient):
             # alone and its carries dropped (see flush).
             alone = self.reset_each_batch and traj_dtype is None
             ring = self.ring = EpisodeRing(plan, key, rows, steps, traj_dtype=traj_dtype, alone=alone)
-            self.sources = plan.episode_sources
-        reward = None
-        if ring.reward is not None:
-            reward = get(plan.reward)  # its moments are folded from the ring
-        elif plan.reward is not None:
-            self.reducers.fold_reward(read[plan.reward], mask, batch_size)
         if not ring.used and self.window is not None:
             ring.base = self.window.clocks
-        n_closed = stage_batch(ring, plan, get, closing_flags, reward, episode_mask)
+        # Into the ring's next slot: what the sums read, each as [rows, steps].
+        if ring.reward is not None:  # its moments are folded from the ring
+            reward = get(plan.reward)
+            if ring.mask is not None:  # padding adds nothing to a return, whatever it holds
+                reward = torch.where(episode_mask.view(reward.shape), reward, 0)  # type: ignore[union-attr]
+            ring.slot(ring.reward, "reward", reward.shape).copy_(reward)
+        elif plan.reward is not None:
+            self.reducers.fold_reward(read[plan.reward], mask, batch_size)
+        if ring.done is not None:
+            done = closing_flags[ring.done_index]  # type: ignore[index]
+            ring.slot(ring.done, "done", done.shape).copy_(done)
+        shape = closing_flags[0].shape
+        closing = ring.slot(ring.closing, "closing", shape)
+        if len(closing_flags) == 1:
+            closing.copy_(closing_flags[0])
+        else:
+            torch.bitwise_or(closing_flags[0], closing_flags[1].reshape(shape), out=closing)
+            for value in closing_flags[2:]:
+                closing |= value.reshape(shape)
+        if ring.mask is not None:
+            ring.slot(ring.mask, "mask", episode_mask.shape).copy_(episode_mask)  # type: ignore[union-attr]
+        if ring.traj is not None:
+            traj = get(plan.traj_ids)
+            ring.slot(ring.traj, "traj", traj.shape).copy_(traj)
+        for row, key in plan.episode_sources:
+            if key is not None:
+                value = get(key)
+                ring.slot(ring.from_keys[row], f"from_keys_{row}", value.shape).copy_(value)
         if ring.host:  # CPU, no mask: counted at once, no device to wait for
             counts = self.counts
             counts["frames"] += batch_size.numel()
-            counts["episodes"] += n_closed  # type: ignore[operator]
+            counts["episodes"] += _count_on_host(ring, closing, closing_flags)
         else:
-            self.reducers.count_frames_and_episodes(n_closed, mask, batch_size)  # type: ignore[arg-type]
+            self.reducers.count_frames_and_episodes(torch.count_nonzero(closing), mask, batch_size)
         ring.used += 1
         if ring.due():
             self._flush_due()
@@ -640,12 +592,8 @@ class RingFold(Transient):
             return
         if self.reset_each_batch and ring.traj is None and ring.used:
             self.carry.clear()  # the envs were reset: nothing goes on
-        closed = close_episodes(
-            ring,
-            self.carry,
-            self.sources,
-            dense=self.window is None,  # the episode window keeps where episodes closed
-        )
+        # (the episode window keeps where episodes closed)
+        closed = close_episodes(ring, self.carry, dense=self.window is None)
         if closed is None:
             return
         reducers = self.reducers
