@@ -245,9 +245,7 @@ class CollectorBatchMetrics(MetricSet):
             self._plan = None  # resolved again at the next batch
 
     def check_keys(self, source: Any) -> None:
-        """Refuses an explicit ``reward_key`` or ``done_key`` that the collector's env specs prove absent.
-
-        Where the specs cannot tell, the first batch checks.
+        """Refuses an explicit ``reward_key`` or ``done_key`` that the env specs prove absent (else the first batch checks).
 
         Raises:
             ValueError: naming the key, the keys present and the closest match.
@@ -264,10 +262,7 @@ class CollectorBatchMetrics(MetricSet):
             )
 
     def _stop_missing(self, source: Any, batch: Any, error: KeyError) -> None:
-        """The first batch lacks a required key: reconfigures without what needs it and warns which metrics stop.
-
-        Re-raises ``error`` for another cause, or for a subclass.
-        """
+        """The first batch lacks a required key: reconfigures without what needs it and warns which metrics stop (else re-raises)."""
         if type(self) is not CollectorBatchMetrics:
             raise error
         present = leaf_keys(batch)
@@ -446,10 +441,7 @@ class CollectorBatchMetrics(MetricSet):
         return self._delivery is not None and self._delivery.frames_discarded != self._discarded_pulled
 
     def pull(self) -> dict[str, float | Partial]:
-        """Gauges and the window's partials (``"reward"``, ``"dones"``, ``"episodes"``, ``"episode_return"``, ...).
-
-        One device-to-host transfer; resets the window, not the episodes in flight.
-        """
+        """Gauges and the window's partials, in one transfer; resets the window, not the episodes in flight."""
         with self._lock:
             out = super().pull()
             plan = self._plan
@@ -476,9 +468,8 @@ class CollectorBatchMetrics(MetricSet):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores counters and episodes in flight (the window starts empty)."""
         with self._lock:
-            carry = EpisodeCarry.from_state_dict(state_dict, type(self).__name__)
+            self._carry.load_state_dict(state_dict, type(self).__name__)
             super().load_state_dict(state_dict)
             self._ring_fold.discard()  # batches not summed yet belong to the replaced state
-            self._carry.restore(carry)
             if self._window is not None:
                 self._window.load(state_dict.get("episode_window"), type(self).__name__)

@@ -110,9 +110,8 @@ class EpisodeCarry:
             "carry_traj_ids": None if traj is None else traj.clone(),
         }
 
-    @classmethod
-    def from_state_dict(cls, state_dict: dict[str, Any], owner: str) -> EpisodeCarry:
-        """The carry :meth:`state_dict` saved in ``state_dict`` (checked; nothing is changed)."""
+    def load_state_dict(self, state_dict: dict[str, Any], owner: str) -> None:
+        """Takes the carry :meth:`state_dict` saved (in place: the fold paths hold this one), checked first."""
         carry = state_dict["carry"]
         if carry is not None and (carry.ndim != 2 or carry.shape[-1] != 2):
             raise ValueError(
@@ -120,15 +119,8 @@ class EpisodeCarry:
                 f"got {list(carry.shape)}."
             )
         traj = state_dict.get("carry_traj_ids")
-        return cls(
-            None if carry is None else carry.to(torch.float64).T.neg(),
-            None if traj is None else traj.clone(),
-        )
-
-    def restore(self, other: EpisodeCarry) -> None:
-        """Takes the episodes in flight of ``other`` (in place: the fold paths hold this one)."""
-        self.neg = other.neg
-        self.traj = other.traj
+        self.neg = None if carry is None else carry.to(torch.float64).T.neg()
+        self.traj = None if traj is None else traj.clone()
 
 
 def resolve_plan(metrics: Any, batch: Any) -> CollectorPlan:

@@ -15,7 +15,6 @@ from tensordict import TensorDict
 
 from rl_observers.metrics.collector.plan import CollectorPlan, EpisodeCarry
 from rl_observers.metrics.collector.reducers import BatchReducers
-from rl_observers.metrics.collector.split_trajs import carry_by_id
 from rl_observers.stats.reducers import Transient
 
 # Implementation of CollectorBatchMetrics: nothing public here (see docs/api.rst).
@@ -202,6 +201,31 @@ class Timeline:
             self.traj_joined = torch.empty_like(self.traj_next_first)
 
 
+def carry_by_id(ring: EpisodeRing, line: Timeline, carry: EpisodeCarry) -> None:
+    """Fills the carry column of a ring of one padded batch of split trajectories (a row is a trajectory, not an env).
+
+    Each row takes the carry of the previous batch's row whose last trajectory id starts it, else zero. No host read.
+    """
+    rows = ring.closing.shape[0]
+    previous, neg_carry = carry.traj, carry.neg
+    if (
+        previous is None
+        or neg_carry is None
+        or previous.ndim != 1
+        or neg_carry.shape != (2, previous.shape[0])
+    ):
+        line.carry.zero_()
+        return
+    device = ring.closing.device
+    first, previous = line.traj_first.to(torch.int64), previous.to(device, torch.int64)
+    entries = ring.entry_count
+    if entries > 1:  # rows are (trajectory, entry), entry fastest: the entry is part of the key
+        first = first * entries + torch.arange(rows, device=device) % entries
+        previous = previous * entries + torch.arange(previous.shape[0], device=device) % entries
+    match = (first.unsqueeze(1) == previous.unsqueeze(0)).to(torch.float64)
+    line.carry.copy_(torch.mm(neg_carry.to(device), match.T))
+
+
 class Closed(NamedTuple):
     """What :func:`close_episodes` found in a ring's batches, to fold into reducers."""
 
@@ -239,11 +263,9 @@ class PlainStage:
     dict look-ups) or ``None`` for any other batch.
     """
 
-    __slots__ = ("plan", "batch_size", "entries", "closing", "done_index", "direct_reward", "slots")
+    __slots__ = ("plan", "batch_size", "entries", "closing", "direct_reward", "slots")
 
-    def __init__(
-        self, ring: EpisodeRing, plan: CollectorPlan, batch: TensorDict, direct_reward: bool
-    ) -> None:
+    def __init__(self, ring: EpisodeRing, plan: CollectorPlan, batch: TensorDict) -> None:
         self.plan = plan
         self.batch_size = batch.batch_size
         # Closing flags first, then what is copied into the ring, then the reward folded
@@ -258,12 +280,11 @@ class PlainStage:
             if buffer is not None:
                 keys.append(key)
                 buffers.append(buffer)
-        self.direct_reward = direct_reward
-        if direct_reward:
+        self.direct_reward = ring.reward is None and plan.reward is not None
+        if self.direct_reward:
             keys.append(plan.reward)
         values = [batch.get(key) for key in keys]
         self.closing = len(plan.closing)
-        self.done_index = ring.done_index
         self.entries = tuple(
             ((key,) if isinstance(key, str) else tuple(key), value.shape, i < self.closing)
             for i, (key, value) in enumerate(zip(keys, values))
@@ -327,8 +348,7 @@ def plain_stage(ring: EpisodeRing, plan: CollectorPlan, batch: Any) -> PlainStag
         or math.prod(shape) != rows * steps
     ):
         return False
-    direct_reward = ring.reward is None and plan.reward is not None
-    stage = PlainStage(ring, plan, batch, direct_reward)
+    stage = PlainStage(ring, plan, batch)
     return stage if stage.read(batch) is not None else False
 
 
@@ -366,13 +386,9 @@ def close_episodes(ring: EpisodeRing, carry: EpisodeCarry, *, dense: bool = Fals
     elif neg_carry is None or neg_carry.shape != (2, rows):
         line.carry.zero_()
     else:
-        if neg_carry.device != device:
-            neg_carry = neg_carry.to(device)
-        previous = carry.traj
+        neg_carry, previous = neg_carry.to(device), carry.traj
         if traj is not None and previous is not None and previous.shape == (rows,):
-            if previous.device != device:
-                previous = previous.to(device)
-            continues = line.traj_first == previous
+            continues = line.traj_first == previous.to(device)
             torch.where(continues, neg_carry, ring.no_carry, out=line.carry)
         else:
             line.carry.copy_(neg_carry)
@@ -383,11 +399,8 @@ def close_episodes(ring: EpisodeRing, carry: EpisodeCarry, *, dense: bool = Fals
             if closed is None:
                 cut = line.traj_next_first != line.traj_prev_last
             else:
-                # (On the CPU, reading whether any was cut waits for no device.) A cut at a
-                # step that closes an episode is a segment start already: only the others
-                # count. Where the previous batch closed, its last id stands in for the next
-                # batch's first; if every first id then equals the previous last, nothing was
-                # cut: one where and one equal (comparing, masking and counting took four).
+                # (On the CPU: no device to wait for.) A cut where an episode closes starts a
+                # segment already; where the previous batch closed, its last id stands in.
                 joined = line.traj_next_first
                 if closed:
                     joined = torch.where(
@@ -396,9 +409,7 @@ def close_episodes(ring: EpisodeRing, carry: EpisodeCarry, *, dense: bool = Fals
                 if not torch.equal(joined, line.traj_prev_last):
                     cut = torch.gt(line.traj_next_first != line.traj_prev_last, line.slot_ends_closing)
     if closed == 0 and cut is None:
-        # CPU batches where no episode closed and every trajectory went on: nothing to
-        # fold but the rewards; each env's carry grows by its totals (its reward sum, and
-        # ``length`` steps).
+        # CPU batches, no episode closed, no trajectory cut: each carry grows by its totals.
         if line.reward is not None:
             if line.reward_copy is not None:
                 line.reward_copy[1].copy_(line.reward_copy[0])
