@@ -234,9 +234,7 @@ class CollectorBatchMetrics(MetricSet):
             self._ring_fold.reset_at_each_batch(
                 getattr(source, "reset_at_each_iter", False) is True
             )
-        if not self._from_source:
-            return
-        found = keys_from_source(source)
+        found = keys_from_source(source) if self._from_source else None
         if found is None:
             return
         with self._lock:
