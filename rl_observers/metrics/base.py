@@ -55,15 +55,12 @@ class MetricSet:
     """Base class of metric sets: what a :class:`~rl_observers.LoggerObserver` folds.
 
     A subclass defines ``on_<event>(source, ...)`` per event it folds
-    (:attr:`folded_events` is derived from them) and folds into reducers. The
-    base class gives the lock (each ``on_<event>``, :meth:`pull` and the state
-    methods run under one ``RLock``), the reducers (:meth:`moments`,
-    :meth:`count`, :meth:`moments_group`, :meth:`quantiles`, created on first
-    use), the counters of :attr:`counter_names` (:meth:`add_to_counter`), the
-    default :meth:`pull`, :meth:`stats`, state and pickling. Defaults that
-    depend on the source are resolved in :meth:`bind`. An optional
-    ``on_empty(source)`` runs after a replay buffer's ``empty()`` (taking the
-    lock itself). ``events`` is the former name of :attr:`folded_events`.
+    (:attr:`folded_events` follows) and folds into reducers created on first
+    use (:meth:`moments`, :meth:`count`, :meth:`moments_group`,
+    :meth:`quantiles`) and counters (:meth:`add_to_counter`). The base gives
+    one ``RLock`` around each fold, :meth:`pull` and the state methods, and
+    the state and pickling. An optional ``on_empty(source)`` runs after a
+    replay buffer's ``empty()``.
 
     Examples:
         >>> import torch
@@ -107,6 +104,8 @@ class MetricSet:
     #: Whether the base wraps the ``on_<event>`` methods a class defines in the lock; a class
     #: that says ``False`` (the built-in sets, which lock only when they fold) locks itself.
     _lock_folds: bool = True
+    #: Whether the counters are host ints only (never a device amount): read without the lock.
+    _host_counters: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -148,9 +147,7 @@ class MetricSet:
     def check_keys(self, source: Any) -> None:
         """Raises a ``ValueError`` when a key this set reads is provably absent from ``source``'s data.
 
-        Called once at attach time, after :meth:`bind`, where the observer is
-        attached (not on copies); where the source cannot tell, the first batch
-        checks. Defaults to nothing.
+        Called once at attach time, after :meth:`bind` (not on copies). Defaults to nothing.
         """
 
     # -- reducers, created on first use ----------------------------------------------
@@ -205,8 +202,11 @@ class MetricSet:
 
     def _counter_reader(self, name: str) -> Callable[[], int] | None:
         """A call returning counter ``name`` as :meth:`counters` would (per-event schedule checks), or ``None``."""
-        if type(self).counters is not MetricSet.counters or name not in self._counters.values:
+        values = self._counters.values
+        if type(self).counters is not MetricSet.counters or name not in values:
             return None
+        if self._host_counters:
+            return functools.partial(values.__getitem__, name)
         return functools.partial(_read_counter, self._lock, self._counters, name)
 
     def gauges(self, counters: dict[str, int]) -> dict[str, float]:
@@ -229,10 +229,7 @@ class MetricSet:
             return out
 
     def metric_names(self) -> tuple[str, ...]:
-        """The names this set submits and logs, as far as known before its first event.
-
-        A :class:`~rl_observers.LoggerObserver` refuses two sets sharing one.
-        """
+        """The names this set submits and logs, as far as known before its first event (two sets may not share one)."""
         with self._lock:
             names = list(self.gauges(dict.fromkeys(self.counter_names, 0)))
             for key, partial in self._bank.empty().items():

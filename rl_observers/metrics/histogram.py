@@ -1,5 +1,4 @@
-"""Histogram: a one-liner logging quantiles read off bin counts that merge exactly.
-"""
+"""Histogram: a one-liner logging quantiles read off bin counts that merge exactly."""
 
 from __future__ import annotations
 
@@ -11,10 +10,7 @@ from typing import Any
 import torch
 
 from rl_observers.metrics.oneliners import Metric, _complex_tensor, _host_number
-from rl_observers.stats import (
-    BinCounts,
-    Partial,
-)
+from rl_observers.stats import BinCounts, Partial
 from rl_observers.stats.scalars import quantile_name
 
 __all__ = ["Histogram"]

@@ -50,11 +50,6 @@ __all__ = [
 ]
 
 
-def source_events(source: Any) -> tuple[str, ...] | None:
-    """The events ``source`` emits (``None`` for an object of unknown kind)."""
-    return _EVENTS_OF_KIND.get(source_kind(source))  # type: ignore[arg-type]
-
-
 _EVENTS_OF_KIND = {"collector": COLLECTOR_EVENTS, "replay_buffer": REPLAY_BUFFER_EVENTS}
 
 
@@ -128,7 +123,7 @@ class Metric(MetricSet):
 
     def bind(self, source: Any) -> None:
         """Refuses a source that does not emit ``on``."""
-        emits = source_events(source)
+        emits = _EVENTS_OF_KIND.get(source_kind(source))  # type: ignore[arg-type]
         if emits is not None and self.on not in emits:
             others = [e for e in DATA_EVENTS if e in emits]
             raise ValueError(
@@ -271,12 +266,7 @@ class _Reduced(Metric):
             if isinstance(moments, Moments) and moments.count:
                 n, rule = moments.count, self.rule
                 # The folded sum itself (float64, exact for integers up to 2**53), not mean * n.
-                value = {
-                    "sum": moments.sum,
-                    "mean": moments.sum,
-                    "min": moments.min,
-                    "max": moments.max,
-                }[rule]
+                value = getattr(moments, "sum" if rule == "mean" else rule)
                 out = out.merge(Scalar(self.name, rule, value, count=n, stamp=time.time()))
             payload[self.name] = out
             return payload

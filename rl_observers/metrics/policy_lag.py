@@ -1,5 +1,4 @@
-"""PolicyLag: how many policy versions old collected or sampled data is.
-"""
+"""PolicyLag: how many policy versions old collected or sampled data is."""
 
 from __future__ import annotations
 
@@ -72,19 +71,15 @@ class PolicyLag(Summary):
         self.fn = self._lag
 
     def _versions(self, data: Any) -> torch.Tensor:
-        # TensorDict.get returns None for a missing key (it does not raise): check it here,
-        # or a missing stamp surfaces as an unrelated error (or as no lag at all).
+        # TensorDict.get returns None for a missing key: a missing stamp must not pass silently.
         if not is_tensor_collection(data):
             raise TypeError(
                 f"{self!r}: needs TensorDict data with a {self.key!r} entry, got "
                 f"{type(data).__name__}."
             )
         versions = data.get(self.key, None)
-        if versions is None:
-            raise self._missing(data)
-        return versions
-
-    def _missing(self, data: Any) -> KeyError:
+        if versions is not None:
+            return versions
         present = leaf_keys(data)
         stamped = unravel_key(("next", self.key))
         if stamped in present:
@@ -99,7 +94,7 @@ class PolicyLag(Summary):
                 "with the version of the policy that acted, or pass PolicyLag(key=...) the "
                 "key holding that version."
             )
-        return missing_key("PolicyLag", "key", self.key, present, fix=fix)
+        raise missing_key("PolicyLag", "key", self.key, present, fix=fix)
 
     def _seen(self, versions: torch.Tensor) -> None:
         if not versions.numel():
@@ -115,16 +110,11 @@ class PolicyLag(Summary):
 
     on_post_add = on_post_extend
 
-    def _current(self) -> Any:
-        current = self.current_version
-        if callable(current):
-            return int(current())
-        return int(current.policy_version)
-
     def _lag(self, batch: Any, info: Any = None) -> torch.Tensor | None:
         versions = self._versions(batch)
-        if self.current_version is not None:
-            return self._current() - versions
+        current = self.current_version
+        if current is not None:
+            return int(current() if callable(current) else current.policy_version) - versions
         if self.on == "post_collect":
             with self._lock:
                 self._seen(versions)

@@ -75,21 +75,16 @@ def stored_priorities(source: Any, info: Any) -> torch.Tensor | None:
     return read_stored(sampler, index, storage)
 
 
-def storage_shape(storage: Any) -> tuple[int, ...] | None:
-    """A storage's shape when it has more than one dimension (its index is then per dim), else ``None``."""
-    try:
-        shape = tuple(storage.shape)
-    except Exception:  # not initialized, or no storage
-        return None
-    return shape if len(shape) > 1 else None
-
-
 def read_stored(sampler: PrioritizedSampler, index: Any, storage: Any) -> torch.Tensor | None:
     """The tree's values at a sample's ``index`` into ``storage`` (see :func:`stored_priorities`)."""
     if type(index) is torch.Tensor and index.ndim == 1:
         flat = index if index.dtype is torch.int64 else index.to(torch.int64)  # the usual sample
-    else:
-        flat = flat_index(index, storage_shape(storage))
+    else:  # a multi-dim storage's index is per dim
+        try:
+            shape = tuple(storage.shape)
+        except Exception:  # not initialized, or no storage
+            shape = ()
+        flat = flat_index(index, shape if len(shape) > 1 else None)
     if flat is None or not flat.numel():
         return None
     tree = sampler._sum_tree

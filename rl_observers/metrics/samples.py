@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -28,18 +27,13 @@ from rl_observers.stats import Moments, Partial
 
 __all__ = ["SampleMetrics"]
 
-# Stamps for storages up to this many slots are allocated in one go; larger or
-# unbounded storages grow on demand (which reads the largest index on the host,
-# so it is only done for indices that live on the CPU).
+# Stamps up to this many slots are allocated at once; larger storages grow on demand (CPU only).
 _STAMPS_EAGER_LIMIT = 2**24
 _STAMPS_MIN_ALLOC = 1024
-# The stamps of up to this many samples (and this many sampled items) are kept and their
-# ages folded together.
+# Stamps of up to this many samples (and sampled items) are folded together.
 _AGE_SAMPLES = 16
 _AGE_ENTRIES = 2**16
-# Ages from a round-robin writer's cursor: the sampled slots of up to this many samples, or
-# (CPU) this many slots, are staged and their ages computed together. (Sized for a window of
-# 100 samples of 256 items, the default schedule: one fold per window.)
+# Slots sampled from a round-robin storage, staged for one fold (a default window: 100 x 256).
 _CURSOR_SAMPLES = 128
 _CURSOR_ENTRIES = 2**15
 _NO_AGES = (0, 0, 0, 0)
@@ -110,6 +104,7 @@ class SampleMetrics(MetricSet):
         "_prioritized",
     )
     _lock_folds = False  # writes take the lock only when ages are on
+    _host_counters = True
 
     def __init__(
         self,
@@ -128,22 +123,15 @@ class SampleMetrics(MetricSet):
         self._ages = self.moments("sample_age", stats=stats) if age else None
         self.priority = check_bool(priority, "priority", owner)
         self._priorities = self.moments("stored_priority", stats=stats) if priority else None
-        # (sampler, storage) of a prioritized buffer, once bound
-        self._prioritized: tuple[Any, Any] | None = None
+        self._prioritized: tuple[Any, Any] | None = None  # (sampler, storage), once bound
         # Opt-in quantiles: what folds into the moments folds into a sketch too.
-        self._age_quantiles = None
-        if quantiles is not None:
-            if self._weights is not None:
-                self._weights = _WithQuantiles(
-                    self._weights, self.quantiles("priority_weight", q=quantiles)
-                )
-            if self._priorities is not None:
-                self._priorities = _WithQuantiles(
-                    self._priorities, self.quantiles("stored_priority", q=quantiles)
-                )
-            if self._ages is not None:
-                self._age_quantiles = self.quantiles("sample_age", q=quantiles)
-                self._ages = _WithQuantiles(self._ages, self._age_quantiles)
+        for attr, name in (
+            ("_weights", "priority_weight"), ("_priorities", "stored_priority"), ("_ages", "sample_age")
+        ):
+            moments = getattr(self, attr)
+            if quantiles is not None and moments is not None:
+                setattr(self, attr, _WithQuantiles(moments, self.quantiles(name, q=quantiles)))
+        self._age_quantiles = getattr(self._ages, "sketch", None)
         self._batch_size = 0
         self._skips: bool | None = None  # whether the source's writer may skip items
         self._written = 0  # items written while observed: the stamp of the latest item
@@ -155,30 +143,41 @@ class SampleMetrics(MetricSet):
         self._sampled_written: list[int] = []
         # Round-robin writers: (writer, storage, capacity), False for others, None: undecided.
         self._ring: tuple[Any, Any, int] | bool | None = None
-        # Until folded (see on_post_sample): the sampled CPU indices, the slots they hold and
-        # where the writer's cursor moved (empty whenever pickled: pickling folds them first);
-        # other devices' samples as tensors (see _stage_on_device). The window's CPU ages:
-        # (count, sum, min, max).
+        # Staged until folded: the sampled CPU indices and where the cursor moved, other
+        # devices' slots as tensors; the window's CPU ages as (count, sum, min, max).
         self._ring_kept: list[torch.Tensor] = []
         self._ring_entries = 0  # CPU slots staged
         self._ring_runs: list[tuple[int, int]] = []  # (first staged slot, cursor)
         self._ring_keeps_index = False  # the sampler's index is kept as is (else copied)
         self._ring_slots: list[torch.Tensor] | None = None
         self._age_tally: tuple[int, int, int, int] = _NO_AGES
-        # The writer's shared cursor value last read and its lock-free cell (see _cursor_from).
         self._cursor_shared: Any = None
         self._cursor_cell: Any = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(priority_weight={self.priority_weight}, age={self.age})"
 
-    # -- writes: stamps ------------------------------------------------------------
-
     def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
         """Stamps the slots written by ``extend`` or ``add`` (nothing to do with a round-robin writer)."""
-        if self._ages is not None and self._ring_of(source) is False:
-            with self._lock:
-                self._stamp(source, index)
+        if self._ages is None or self._ring_of(source) is not False:
+            return
+        storage = storage_of(source)
+        with self._lock:
+            if self._skips is None:
+                self._skips = writer_may_skip(source)
+            slots, _ = stored_slots(index, storage, may_skip=self._skips)
+            if slots is None or not slots.numel():
+                return
+            n = slots.numel()
+            stamps = self._stamps_for(storage, slots)
+            if stamps is not None and type(index) is int and 0 <= index < stamps.numel():
+                # ``add`` on a 1-D storage: a fill, not a host-to-device copy of the slot.
+                stamps.narrow(0, index, 1).fill_(self._written + 1)
+            elif stamps is not None:
+                written = self._written
+                new = torch.arange(written + 1, written + n + 1, device=stamps.device)
+                stamps.scatter_reduce_(0, slots.to(stamps.device, non_blocking=True), new, "amax")
+            self._written += n
 
     on_post_add = on_post_extend
 
@@ -197,26 +196,6 @@ class SampleMetrics(MetricSet):
             ring = self._ring = round_robin(source) or False
         return ring
 
-    def _stamp(self, source: Any, index: Any) -> None:
-        storage = storage_of(source)
-        if self._skips is None:
-            self._skips = writer_may_skip(source)
-        slots, _ = stored_slots(index, storage, may_skip=self._skips)
-        if slots is None or not slots.numel():
-            return
-        n = slots.numel()
-        stamps = self._stamps_for(storage, slots)
-        if stamps is not None and type(index) is int and 0 <= index < stamps.numel():
-            # ``add`` on a 1-D storage: a fill, not a host-to-device copy of the slot.
-            stamps.narrow(0, index, 1).fill_(self._written + 1)
-        elif stamps is not None:
-            new = torch.arange(
-                self._written + 1, self._written + n + 1, dtype=torch.int64, device=stamps.device
-            )
-            slots = slots.to(stamps.device, non_blocking=True)
-            stamps.scatter_reduce_(0, slots, new, reduce="amax")
-        self._written += n
-
     def _stamps_for(self, storage: Any, slots: torch.Tensor) -> torch.Tensor | None:
         if self._stamps_off:
             return None
@@ -234,7 +213,7 @@ class SampleMetrics(MetricSet):
             warnings.warn(
                 f"{type(self).__name__}: cannot size per-slot stamps for a storage of capacity "
                 f"{capacity!r} without a device sync; sample_age is disabled.",
-                stacklevel=4,
+                stacklevel=3,
             )
             self._stamps_off = True
             return None
@@ -246,8 +225,6 @@ class SampleMetrics(MetricSet):
                 grown[: stamps.numel()] = stamps.to(grown.device)
             stamps = self._stamps = grown
         return stamps
-
-    # -- samples --------------------------------------------------------------------
 
     def on_post_sample(self, source: Any, batch: Any, info: Any) -> None:
         """Counts the sample and folds its weights and ages (no host-device sync)."""
@@ -290,10 +267,8 @@ class SampleMetrics(MetricSet):
                 else:
                     cursor = self._cursor_from(value)
                 if slots.is_cpu:
-                    # The index tensor is kept as the sampler handed it over when the sampler
-                    # never rewrites it (see fresh_index), else a copy: copying it into a host
-                    # block cost more than keeping it and concatenating the kept ones at the
-                    # fold. The cursor is noted only where it moved (runs of samples share it).
+                    # The index is kept (copied if the sampler may rewrite it) and concatenated
+                    # at the fold; the cursor is noted only where it moved.
                     kept, runs, start = self._ring_kept, self._ring_runs, self._ring_entries
                     if not runs or runs[-1][1] != cursor:
                         runs.append((start, cursor))
@@ -357,8 +332,7 @@ class SampleMetrics(MetricSet):
         capacity = ring[2]
         for (start, cursor), (end, _) in zip(runs, [*runs[1:], (ages.size, 0)]):
             np.subtract(cursor - 1, ages[start:end], out=ages[start:end])
-        # ``% capacity`` for a slot and a cursor inside the storage (cursor - 1 - slot lies in
-        # [-capacity, capacity - 2]): one conditional add, ~5x cheaper than an integer modulo.
+        # ``% capacity`` inside the storage: one conditional add, ~5x cheaper than a modulo.
         np.add(ages, capacity, out=ages, where=ages < 0)
         low, high = int(ages.min()), int(ages.max())
         if low < 0 or high >= capacity:  # a slot or a cursor outside the storage: the modulo
@@ -403,8 +377,6 @@ class SampleMetrics(MetricSet):
         # A stamp of 0: written before this set saw any write, no age.
         self._ages.fold(counts.unsqueeze(1) - stamp, stamp > 0)  # type: ignore[union-attr]
 
-    # -- host side ------------------------------------------------------------------
-
     def _fold_staged(self) -> None:
         self._fold_ages()
         self._fold_ring()
@@ -412,13 +384,6 @@ class SampleMetrics(MetricSet):
     def stats(self) -> dict[str, float]:
         """``sample_calls`` and ``samples_returned``, for the target's ``stats()``."""
         return self.counters()
-
-    def _counter_reader(self, name: str) -> Callable[[], int] | None:
-        if type(self).counters is not MetricSet.counters:  # a subclass computes them
-            return None
-        # Host ints only (never a device amount to wait for): read without the lock.
-        values = self._counters.values
-        return functools.partial(values.__getitem__, name) if name in values else None
 
     def gauges(self, counters: dict[str, int]) -> dict[str, float]:
         """``sample_calls``, ``samples_returned`` (cumulative) and ``batch_size`` (the last)."""

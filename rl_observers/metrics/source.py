@@ -13,22 +13,13 @@ from rl_observers.sources.placement import source_kind
 __all__ = ["SourceCounters", "StatsProvider", "missing_source_counters"]
 
 
-_COUNTER_EVENTS = {
-    "frames": ("post_collect",),
-    "batches": ("post_collect",),
-    "write_count": ("post_add", "post_extend"),
-    "writes": ("post_add", "post_extend"),
-    "items_written": ("post_add", "post_extend"),
-    "sample_calls": ("post_sample",),
-    "samples_returned": ("post_sample",),
+# Counters kept together, with the events that count them: a collector's, then a buffer's.
+_COUNTER_GROUPS = {
+    ("frames", "batches"): ("post_collect",),
+    ("write_count", "writes", "items_written"): ("post_add", "post_extend"),
+    ("sample_calls", "samples_returned"): ("post_sample",),
 }
-_COLLECTOR_COUNTERS = ("frames", "batches")
-_BUFFER_COUNTERS = ("write_count", "writes", "items_written", "sample_calls", "samples_returned")
-_COUNTER_GROUPS = (
-    ("frames", "batches"),
-    ("write_count", "writes", "items_written"),
-    ("sample_calls", "samples_returned"),
-)
+_COUNTER_EVENTS = {name: events for group, events in _COUNTER_GROUPS.items() for name in group}
 
 
 class SourceCounters(MetricSet):
@@ -62,10 +53,9 @@ class SourceCounters(MetricSet):
         )
         values = self._counters.values
         self._frames = "frames" in values
-        self._writes = "writes" in values
-        self._write_count = "write_count" in values
-        self._items = "items_written" in values
         self._samples = "sample_calls" in values
+        # (name, whether it counts items, not calls) of the write counters kept
+        self._writes = [(n, n != "writes") for n in ("writes", "items_written", "write_count") if n in values]
 
     def __repr__(self) -> str:
         return f"SourceCounters({self.counter_names!r})"
@@ -83,12 +73,8 @@ class SourceCounters(MetricSet):
     def _write(self, items: int) -> None:
         with self._lock:
             values = self._counters.values
-            if self._writes:
-                values["writes"] += 1
-            if self._items:
-                values["items_written"] += items
-            if self._write_count:
-                values["write_count"] += items
+            for name, per_item in self._writes:
+                values[name] += items if per_item else 1
 
     def on_post_add(self, source: Any, data: Any, index: Any) -> None:
         self._write(1)
@@ -109,16 +95,11 @@ def missing_source_counters(source: Any, sets: Sequence[MetricSet]) -> SourceCou
     kind = source_kind(source)
     if kind is None:
         return None
-    names = _COLLECTOR_COUNTERS if kind == "collector" else _BUFFER_COUNTERS
-    kept: set[str] = set()
-    for metric_set in sets:
-        kept.update(metric_set.counters())
-    # counted in groups that share their events: frames/batches, writes, samples
-    groups = [g for g in _COUNTER_GROUPS if set(g) & set(names)]
+    groups = list(_COUNTER_GROUPS)
+    kept = {name for metric_set in sets for name in metric_set.counters()}
+    groups = groups[:1] if kind == "collector" else groups[1:]
     missing = tuple(n for g in groups if not set(g) <= kept for n in g)
-    if not missing:
-        return None
-    return SourceCounters(missing)
+    return SourceCounters(missing) if missing else None
 
 
 # -- statistics providers for ``stats()`` ----------------------------------------------------

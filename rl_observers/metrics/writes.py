@@ -21,7 +21,6 @@ from rl_observers.metrics.storage import (
     writer_cursor,
     writer_may_skip,
 )
-from rl_observers.stats import Partial
 
 __all__ = ["WriteMetrics"]
 
@@ -29,12 +28,6 @@ __all__ = ["WriteMetrics"]
 # latest when this many are pending (or a quarter of the storage: a later write of up to
 # three quarters cannot overwrite them).
 _RANGE_FOLD_AT = 2**17
-
-
-def _written_rows(index: Any, data: Any) -> int:
-    if isinstance(index, torch.Tensor):
-        return index.shape[0] if index.ndim else 1
-    return leading_size(data)
 
 
 class WriteMetrics(MetricSet):
@@ -85,11 +78,10 @@ class WriteMetrics(MetricSet):
         self._last_write: float | None = None
         self._skips: bool | None = None  # whether the source's writer may skip items
         # Round-robin writer on a TensorStorage: (writer, storage, capacity); False: fold each
-        # write's data; None: undecided (decided after a first write folded from its data).
+        # write's data; None: undecided.
         self._ring: tuple[Any, Any, int] | bool | None = None
         self._range_start = 0  # first slot of the rows written and not folded yet
         self._range_len = 0
-        # The writer's shared cursor value last read and its lock-free cell (see _cursor_from).
         self._cursor_shared: Any = None
         self._cursor_cell: Any = None
 
@@ -163,18 +155,19 @@ class WriteMetrics(MetricSet):
                         cursor = self._cursor_from(value)
                     self._extend_range(n, cursor, capacity)
                     return
-            if ring is not False:
-                written = _written_rows(index, data)
-                unseen = self._unseen_before(written) if ring else 0
+            if ring:
+                tensor = isinstance(index, torch.Tensor)
+                written = (index.shape[0] if index.ndim else 1) if tensor else leading_size(data)
+                capacity, pending, unseen = ring[2], self._range_len, 0
+                if pending and written < capacity:  # rows the cursor moved past with no event
+                    start = (writer_cursor(ring[0]) - written) % capacity
+                    unseen = (start - self._range_start - pending) % capacity
                 lost = self._fold_range(overwritten=unseen + written)
                 if lost:
-                    why = (
-                        f"the writer's cursor moved by {unseen} rows without an observed write"
-                        if unseen
-                        else f"by a write of {written} rows into {ring[2]} slots"
-                    )
-                    self._retire_ring(lost, why)
-            slots, stored = stored_slots(index, storage_of(source), may_skip=self._may_skip(source))
+                    self._retire_ring(lost, unseen, written)
+            if self._skips is None:
+                self._skips = writer_may_skip(source)
+            slots, stored = stored_slots(index, storage_of(source), may_skip=self._skips)
             self._write(data, leading_size(data) if slots is None else slots.numel(), stored)
             if ring is None:
                 self._ring = self._ring_of(source, data)
@@ -224,16 +217,6 @@ class WriteMetrics(MetricSet):
         if 4 * self._range_len > capacity or self._range_len >= _RANGE_FOLD_AT:
             self._fold_range()
 
-    def _unseen_before(self, n: int) -> int:
-        """Rows the cursor moved past without an event, between the pending rows and a write of ``n`` (0 if it fills the storage)."""
-        ring = self._ring
-        pending = self._range_len
-        if not pending or not ring or n >= ring[2]:
-            return 0
-        capacity = ring[2]
-        start = (writer_cursor(ring[0]) - n) % capacity
-        return (start - self._range_start - pending) % capacity
-
     def _after_unobserved(self, start: int, n: int, pending: int, capacity: int) -> bool:
         """The cursor moved between two observed writes; whether the range path goes on.
 
@@ -245,11 +228,14 @@ class WriteMetrics(MetricSet):
             return True
         self._range_start, self._range_len = start, n
         self._fold_range()
-        self._retire_ring(lost, f"the writer's cursor moved by {unseen} rows without an observed write")
+        self._retire_ring(lost, unseen)
         return False
 
-    def _retire_ring(self, lost: int, why: str) -> None:
+    def _retire_ring(self, lost: int, unseen: int, written: int = 0) -> None:
         """Reports ``lost`` pending rewards gone; every later write is folded from its own data."""
+        why = f"the writer's cursor moved by {unseen} rows without an observed write"
+        if not unseen:
+            why = f"by a write of {written} rows into {self._ring[2]} slots"  # type: ignore[index]
         self._ring = False
         warnings.warn(
             f"{type(self).__name__}: the rewards of {lost} rows written to the replay buffer "
@@ -271,13 +257,7 @@ class WriteMetrics(MetricSet):
             n -= lost
             if n <= 0:
                 return lost
-        rows = ring[1]._storage
-        reward = rows.get(self.reward_key, None)
-        if reward is None:
-            raise missing_key(type(self).__name__, "reward_key", self.reward_key, leaf_keys(rows))
-        mask = rows.get(self.mask_key, None) if self.mask_key is not None else None
-        if mask is not None:
-            mask = mask.reshape(*mask.shape, *(1,) * (reward.ndim - mask.ndim))
+        reward, mask = self._reward_and_mask(ring[1]._storage)
         start = self._range_start
         first = min(n, capacity - start)
         for a, b in ((start, start + first), (0, n - first)):
@@ -285,14 +265,18 @@ class WriteMetrics(MetricSet):
                 self._reward.fold(reward[a:b], None if mask is None else mask[a:b])  # type: ignore[union-attr]
         return lost
 
+    def _reward_and_mask(self, data: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rewards of ``data`` and the valid-step mask broadcast to them (``None``: no mask)."""
+        reward = data.get(self.reward_key, None)
+        if reward is None:
+            raise missing_key(type(self).__name__, "reward_key", self.reward_key, leaf_keys(data))
+        mask = data.get(self.mask_key, None) if self.mask_key is not None else None
+        if mask is not None:
+            mask = mask.reshape(*mask.shape, *(1,) * (reward.ndim - mask.ndim))
+        return reward, mask
+
     def _fold_staged(self) -> None:
         self._fold_range()
-
-    def _may_skip(self, source: Any) -> bool:
-        skips = self._skips
-        if skips is None:
-            skips = self._skips = writer_may_skip(source)
-        return skips
 
     def _write(self, data: Any, items: int, stored: torch.Tensor | None) -> None:
         """Counts a write of ``items`` items; ``stored``: which items of ``data`` were kept."""
@@ -302,18 +286,12 @@ class WriteMetrics(MetricSet):
         self._last_write = time.monotonic()
         if self._reward is None or not items:
             return
-        owner = type(self).__name__
         if not is_tensor_collection(data):
             raise TypeError(
-                f"{owner}: reward_key={self.reward_key!r} needs TensorDict data, "
+                f"{type(self).__name__}: reward_key={self.reward_key!r} needs TensorDict data, "
                 f"got {type(data).__name__}."
             )
-        reward = data.get(self.reward_key, None)
-        if reward is None:
-            raise missing_key(owner, "reward_key", self.reward_key, leaf_keys(data))
-        mask = data.get(self.mask_key, None) if self.mask_key is not None else None
-        if mask is not None:
-            mask = mask.reshape(*mask.shape, *(1,) * (reward.ndim - mask.ndim))
+        reward, mask = self._reward_and_mask(data)
         if stored is not None and reward.ndim and reward.shape[0] == stored.numel():
             stored = stored.reshape(-1, *(1,) * (reward.ndim - 1))
             mask = stored if mask is None else mask & stored
@@ -342,7 +320,3 @@ class WriteMetrics(MetricSet):
         if self._last_write is not None:
             out["seconds_since_last_write"] = time.monotonic() - self._last_write
         return out
-
-    def pull(self) -> dict[str, float | Partial]:
-        """Gauges ``writes``, ``items_written``; partial ``"reward"`` (when configured)."""
-        return super().pull()

@@ -1,12 +1,4 @@
-"""CollectorBatchMetrics: reward, done and episode metrics of collector batches.
-
-Step **observer** of the flow. Keys are resolved once
-(:mod:`~rl_observers.metrics.collector.plan`); each batch goes to the set's
-fold path: :class:`~rl_observers.metrics.collector.from_keys.FromKeysFold`
-(episodes read at closing steps), :class:`~rl_observers.metrics.collector.ring.RingFold`
-(running sums) or :class:`~rl_observers.metrics.collector.interleaved.InterleavedFold`
-(interleaved envs).
-"""
+"""CollectorBatchMetrics: reward, done and episode metrics of collector batches (fold paths: see the package)."""
 
 from __future__ import annotations
 
@@ -44,7 +36,7 @@ from rl_observers.metrics.keys import (
     spec_keys,
 )
 from rl_observers.sources.observed import observers_of
-from rl_observers.stats import Count, Partial, QuantileReducer
+from rl_observers.stats import Count, Partial
 
 __all__ = ["CollectorBatchMetrics"]
 
@@ -147,7 +139,6 @@ class CollectorBatchMetrics(MetricSet):
         self._delivery: Any = None  # the source's observer list, where it counts dropped rollouts
         self._discarded_pulled = 0  # frames_discarded as last pulled
         owner = type(self).__name__
-        # what a reconfiguration keeps (see _stop_missing)
         self._config = {"episode_window": episode_window, "quantiles": quantiles}
         self._episodes_stopped = False
         given = {
@@ -158,7 +149,7 @@ class CollectorBatchMetrics(MetricSet):
             "episode_reward": episode_reward_key,
             "step_count": step_count_key,
         }
-        # Keys left to the source: ("next", <name>) until bound to one (see bind).
+        # Keys left to the source: ("next", <name>) until bound to one.
         self._from_source = tuple(name for name, key in given.items() if key is FROM_SOURCE)
         for name, key in given.items():
             key = ("next", name) if key is FROM_SOURCE else key
@@ -189,33 +180,18 @@ class CollectorBatchMetrics(MetricSet):
         if episode_length:
             specs.append(("episode_length", ("mean", "min", "max")))
         self._episode = self.moments_group(specs) if specs else None
+        window = episode_window
+        if window is not None and (type(window) is bool or not isinstance(window, int) or window < 1):
+            raise ValueError(f"{owner}: episode_window must be a positive int or None, got {window!r}.")
+        for what, value in (("quantiles", quantiles), ("episode_window", window)):
+            if value is not None and not specs:
+                raise ValueError(f"{owner}: {what} needs episode_return=True or episode_length=True.")
         # Opt-in: a quantile sketch per episode quantity, folded where its moments are.
-        sketches: tuple[QuantileReducer, ...] = ()
-        if quantiles is not None:
-            if not specs:
-                raise ValueError(
-                    f"{owner}: quantiles needs episode_return=True or episode_length=True."
-                )
-            sketches = tuple(self.quantiles(prefix, q=quantiles) for prefix, _ in specs)
+        q = quantiles
+        sketches = tuple(self.quantiles(p, q=q) for p, _ in specs) if q is not None else ()
         self._plan: CollectorPlan | None = None
-        self._window: EpisodeWindow | None = None
-        if episode_window is not None:
-            if (
-                not isinstance(episode_window, int)
-                or isinstance(episode_window, bool)
-                or episode_window < 1
-            ):
-                raise ValueError(
-                    f"{owner}: episode_window must be a positive int or None, "
-                    f"got {episode_window!r}."
-                )
-            if not specs:
-                raise ValueError(
-                    f"{owner}: episode_window needs episode_return=True or episode_length=True."
-                )
-            names = tuple(prefix for prefix, _ in specs)
-            self._window = EpisodeWindow(self._bank, episode_window, names, sketches)
-        # What a batch is folded into, and the fold paths, each holding what it uses of it.
+        names = tuple(prefix for prefix, _ in specs)
+        self._window = None if window is None else EpisodeWindow(self._bank, window, names, sketches)
         reducers = BatchReducers(
             self._counters,
             reward=reward,
@@ -258,9 +234,7 @@ class CollectorBatchMetrics(MetricSet):
             self._ring_fold.reset_at_each_batch(
                 getattr(source, "reset_at_each_iter", False) is True
             )
-        if not self._from_source:
-            return
-        found = keys_from_source(source)
+        found = keys_from_source(source) if self._from_source else None
         if found is None:
             return
         with self._lock:
@@ -269,9 +243,7 @@ class CollectorBatchMetrics(MetricSet):
             self._plan = None  # resolved again at the next batch
 
     def check_keys(self, source: Any) -> None:
-        """Refuses an explicit ``reward_key`` or ``done_key`` that the collector's env specs prove absent.
-
-        Where the specs cannot tell, the first batch checks.
+        """Refuses an explicit ``reward_key`` or ``done_key`` that the env specs prove absent (else the first batch checks).
 
         Raises:
             ValueError: naming the key, the keys present and the closest match.
@@ -288,10 +260,7 @@ class CollectorBatchMetrics(MetricSet):
             )
 
     def _stop_missing(self, source: Any, batch: Any, error: KeyError) -> None:
-        """The first batch lacks a required key: reconfigures without what needs it and warns which metrics stop.
-
-        Re-raises ``error`` for another cause, or for a subclass.
-        """
+        """The first batch lacks a required key: reconfigures without what needs it and warns which metrics stop (else re-raises)."""
         if type(self) is not CollectorBatchMetrics:
             raise error
         present = leaf_keys(batch)
@@ -470,10 +439,7 @@ class CollectorBatchMetrics(MetricSet):
         return self._delivery is not None and self._delivery.frames_discarded != self._discarded_pulled
 
     def pull(self) -> dict[str, float | Partial]:
-        """Gauges and the window's partials (``"reward"``, ``"dones"``, ``"episodes"``, ``"episode_return"``, ...).
-
-        One device-to-host transfer; resets the window, not the episodes in flight.
-        """
+        """Gauges and the window's partials, in one transfer; resets the window, not the episodes in flight."""
         with self._lock:
             out = super().pull()
             plan = self._plan
@@ -500,9 +466,8 @@ class CollectorBatchMetrics(MetricSet):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores counters and episodes in flight (the window starts empty)."""
         with self._lock:
-            carry = EpisodeCarry.from_state_dict(state_dict, type(self).__name__)
+            self._carry.load_state_dict(state_dict, type(self).__name__)
             super().load_state_dict(state_dict)
             self._ring_fold.discard()  # batches not summed yet belong to the replaced state
-            self._carry.restore(carry)
             if self._window is not None:
                 self._window.load(state_dict.get("episode_window"), type(self).__name__)

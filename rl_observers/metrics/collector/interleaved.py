@@ -116,7 +116,12 @@ def close_interleaved(
     rows, steps = closing.shape
     device = closing.device
     f64 = torch.float64
-    table = _interleaved_table(carry, rows, envs, device)
+    # The per-env carry as ``[2, rows, envs]``.
+    table = torch.zeros((2, rows, envs), dtype=f64, device=device)
+    neg = carry.neg
+    if neg is not None and carry.traj is None and neg.shape[-1] % rows == 0:
+        known = min(envs, neg.shape[-1] // rows)
+        table[..., :known] = neg.to(device).reshape(2, rows, -1)[..., :known].neg()
     env = env.reshape(steps).to(device=device, dtype=torch.int64)
     order = torch.argsort(env, stable=True)
     env = env[order]
@@ -154,15 +159,3 @@ def close_interleaved(
     for row, value in from_keys:
         out[row].copy_(value)
     return out
-
-
-def _interleaved_table(
-    carry: EpisodeCarry, rows: int, envs: int, device: torch.device
-) -> torch.Tensor:
-    """The per-env carry of :func:`close_interleaved` as ``[2, rows, envs]`` (a new tensor)."""
-    table = torch.zeros((2, rows, envs), dtype=torch.float64, device=device)
-    neg = carry.neg
-    if neg is not None and carry.traj is None and neg.shape[-1] % rows == 0:
-        known = min(envs, neg.shape[-1] // rows)
-        table[..., :known] = neg.to(device).reshape(2, rows, -1)[..., :known].neg()
-    return table

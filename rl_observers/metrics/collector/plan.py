@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from rl_observers.metrics.keys import NestedKey, leaf_keys, missing_key
 __all__: list[str] = []
 
 
+@dataclass(slots=True, eq=False)
 class CollectorPlan:
     """Keys of a collector batch, resolved at the first batch.
 
@@ -21,24 +23,18 @@ class CollectorPlan:
     for one. ``reads``: ``(key, argument name)`` pairs, each key read once.
     """
 
-    __slots__ = (
-        "reward",
-        "done",
-        "closing",
-        "mask",
-        "episode_reward",
-        "step_count",
-        "traj_ids",
-        "env_index",
-        "running",
-        "episode_sources",
-        "entries",
-        "reads",
-    )
-
-    def __init__(self, **fields: Any) -> None:
-        for name in self.__slots__:
-            setattr(self, name, fields[name])
+    reward: NestedKey | None
+    done: NestedKey | None
+    closing: tuple[NestedKey, ...]
+    mask: NestedKey | None
+    episode_reward: NestedKey | None
+    step_count: NestedKey | None
+    traj_ids: NestedKey | None
+    env_index: NestedKey | None
+    running: bool
+    episode_sources: tuple[tuple[int, NestedKey | None], ...]
+    entries: tuple[int, ...]
+    reads: tuple[tuple[NestedKey, str], ...]
 
 
 def per_entry(value: torch.Tensor, batch_dims: int, entries: tuple[int, ...]) -> torch.Tensor:
@@ -89,6 +85,7 @@ def entries_of(
     return entries
 
 
+@dataclass(slots=True, eq=False)
 class EpisodeCarry:
     """The episodes in flight at the end of the batches summed so far.
 
@@ -97,11 +94,8 @@ class EpisodeCarry:
     last trajectory ids, if any. Padded batches match carries by id.
     """
 
-    __slots__ = ("neg", "traj")
-
-    def __init__(self, neg: torch.Tensor | None = None, traj: torch.Tensor | None = None) -> None:
-        self.neg = neg
-        self.traj = traj
+    neg: torch.Tensor | None = None
+    traj: torch.Tensor | None = None
 
     def clear(self) -> None:
         """Drops the episodes in flight (the envs were reset)."""
@@ -116,9 +110,8 @@ class EpisodeCarry:
             "carry_traj_ids": None if traj is None else traj.clone(),
         }
 
-    @classmethod
-    def from_state_dict(cls, state_dict: dict[str, Any], owner: str) -> EpisodeCarry:
-        """The carry :meth:`state_dict` saved in ``state_dict`` (checked; nothing is changed)."""
+    def load_state_dict(self, state_dict: dict[str, Any], owner: str) -> None:
+        """Takes the carry :meth:`state_dict` saved (in place: the fold paths hold this one), checked first."""
         carry = state_dict["carry"]
         if carry is not None and (carry.ndim != 2 or carry.shape[-1] != 2):
             raise ValueError(
@@ -126,15 +119,8 @@ class EpisodeCarry:
                 f"got {list(carry.shape)}."
             )
         traj = state_dict.get("carry_traj_ids")
-        return cls(
-            None if carry is None else carry.to(torch.float64).T.neg(),
-            None if traj is None else traj.clone(),
-        )
-
-    def restore(self, other: EpisodeCarry) -> None:
-        """Takes the episodes in flight of ``other`` (in place: the fold paths hold this one)."""
-        self.neg = other.neg
-        self.traj = other.traj
+        self.neg = None if carry is None else carry.to(torch.float64).T.neg()
+        self.traj = None if traj is None else traj.clone()
 
 
 def resolve_plan(metrics: Any, batch: Any) -> CollectorPlan:

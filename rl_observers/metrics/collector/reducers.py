@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import KW_ONLY, dataclass, field
+
 import torch
 
 from rl_observers.metrics.collector.window import EpisodeWindow
@@ -17,6 +19,7 @@ from rl_observers.stats import (
 __all__: list[str] = []
 
 
+@dataclass(slots=True, eq=False)
 class BatchReducers:
     """The reducers, counters and episode window the fold paths of a collector batch fold into.
 
@@ -44,36 +47,18 @@ class BatchReducers:
         (2.0, {'episode_return_mean': 4.0})
     """
 
-    __slots__ = (
-        "counters",
-        "counts",
-        "reward",
-        "dones",
-        "episodes",
-        "episode",
-        "quantiles",
-        "window",
-    )
+    counters: ObservedCounters
+    _: KW_ONLY
+    reward: MomentsReducer | None = None
+    dones: CountReducer | None = None
+    episodes: CountReducer | None = None
+    episode: MomentsGroupReducer | None = None
+    quantiles: tuple[QuantileReducer, ...] = ()
+    window: EpisodeWindow | None = None
+    counts: dict[str, int] = field(init=False, repr=False)
 
-    def __init__(
-        self,
-        counters: ObservedCounters,
-        *,
-        reward: MomentsReducer | None = None,
-        dones: CountReducer | None = None,
-        episodes: CountReducer | None = None,
-        episode: MomentsGroupReducer | None = None,
-        quantiles: tuple[QuantileReducer, ...] = (),
-        window: EpisodeWindow | None = None,
-    ) -> None:
-        self.counters = counters
-        self.counts = counters.values
-        self.reward = reward
-        self.dones = dones
-        self.episodes = episodes
-        self.episode = episode
-        self.quantiles = quantiles
-        self.window = window
+    def __post_init__(self) -> None:
+        self.counts = self.counters.values
 
     def fold_reward(
         self, reward: torch.Tensor, mask: torch.Tensor | None, batch_size: torch.Size

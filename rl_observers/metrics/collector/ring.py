@@ -1,17 +1,13 @@
 """Running episode sums of ``[*B, T]`` batches: staged into a ring, summed a ring at a time.
 
-Without ``RewardSum`` / ``StepCounter`` entries, returns and lengths are
-running sums carried across batches. :class:`RingFold` copies each batch
-into an :class:`EpisodeRing`; a flush sums the staged batches as one
-timeline per env (:func:`close_episodes`) and folds what closed. Padded
-batches of split trajectories are summed one at a time, carried by
-trajectory id. No tensor value is read on the host off the CPU.
+Returns and lengths with no ``RewardSum`` / ``StepCounter`` entries are sums
+carried across batches; no tensor value is read on the host off the CPU.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -19,32 +15,20 @@ from tensordict import TensorDict
 
 from rl_observers.metrics.collector.plan import CollectorPlan, EpisodeCarry
 from rl_observers.metrics.collector.reducers import BatchReducers
-from rl_observers.metrics.collector.split_trajs import carry_by_id
 from rl_observers.stats.reducers import Transient
 
 # Implementation of CollectorBatchMetrics: nothing public here (see docs/api.rst).
 __all__: list[str] = []
 
-# Batches folded with running episode sums are kept in a ring of up to this many batches
-# (and this many steps in all) and summed together: the cost of the running sums is paid
-# once per ring, not once per batch. A flush costs a fixed part plus a part that grows with
-# the steps staged and the episodes they close, and what is still staged is summed when the
-# window closes, on the source's thread: small batches (up to 256 steps) fill 16 slots,
-# larger ones fewer (4 of 1000 steps), so a window closes over at most ~4k staged steps
-# that closed episodes (measured: the per-window cost of 1000-step batches -20 %, the
-# per-batch cost unchanged; a 2k cap cost 7 % per batch).
+# A ring holds up to this many batches (and steps): the running sums are paid once per ring.
+# A window closes over at most ~4k staged steps (1000-step batches: -20 % per window; a
+# 2k cap cost 7 % per batch).
 _RING_BATCHES = 16
 _RING_STEPS = 2**12
-# A ring counting on the host (CPU batches) that filled up without any of its batches
-# closing an episode is replaced by one holding up to this many steps: such a flush only
-# folds the rewards and moves the carries, a fixed ~100 us plus ~5 us per 1000-step batch,
-# so spreading it wider is what pays (no-reset 1000-step batches: 64 -> 45 us per batch; a
-# window then closes over up to 16 of them, ~185 us, less than over 4 batches that closed
-# episodes). Once a staged batch closes one, the open ring is summed at _RING_STEPS steps.
+# A host ring that filled up with no episode closed is replaced by one this large: such a
+# flush only moves the carries, ~100 us fixed (no-reset 1000-step batches: 64 -> 45 us each).
 _RING_STEPS_OPEN = 2**14
-# CPU batches need no device sync to be read: the ring counts their closed episodes on the
-# host, and a flush with none (and no trajectory cut) only moves the carries. Tests turn
-# this off to check the values of the device path on the CPU.
+# CPU batches are counted on the host (no sync); tests turn this off to run the device path.
 _CPU_SHORTCUTS = True
 
 
@@ -55,68 +39,26 @@ class EpisodeRing:
     counted on the host per batch.
     """
 
-    __slots__ = (
-        "key",
-        "size",
-        "closing_size",
-        "used",
-        "reward",
-        "closing",
-        "done",
-        "done_index",
-        "mask",
-        "traj",
-        "from_keys",
-        "sums",
-        "positions",
-        "step_numbers",
-        "no_step",
-        "no_carry",
-        "_views",
-        "_timelines",
-        "host",
-        "closed",
-        "dones",
-        "plain",
-        "base",
-        "by_id",
-        "entry_count",
-        "opens",
-        "_spec",
-    )
 
     def __init__(
         self,
+        plan: CollectorPlan,
         key: tuple[Any, ...],
         rows: int,
         steps: int,
-        device: torch.device,
         *,
-        reward: bool,
-        done: int | None,
-        mask: bool,
         traj_dtype: torch.dtype | None,
-        from_keys: Sequence[int],
-        entry_count: int = 1,
         alone: bool = False,
         opened: bool = False,
     ) -> None:
         self.key = key
-        # What opened() makes a ring for the same batches from.
-        self._spec = (key, rows, steps, device), dict(
-            reward=reward,
-            done=done,
-            mask=mask,
-            traj_dtype=traj_dtype,
-            from_keys=from_keys,
-            entry_count=entry_count,
-        )
+        self._spec = (plan, key, rows, steps, traj_dtype)  # what opened() makes a ring from
+        device, mask = key[2], not key[3]
         self.host = device.type == "cpu" and _CPU_SHORTCUTS and not mask
-        # Padded batches with trajectory ids (split_trajs, trajs_per_batch): a row is a
-        # trajectory, not an env, and rows of two batches do not correspond. Each batch is
+        # Padded batches with trajectory ids: a row is a trajectory, not an env; each batch is
         # summed on its own and its carries are matched by trajectory id (and entry).
         self.by_id = mask and traj_dtype is not None
-        self.entry_count = entry_count
+        self.entry_count = math.prod(plan.entries)
         self.opens = False  # whether a full ring with no closed episode is replaced, opened
         if self.by_id or alone:  # ``alone``: the caller sums every batch on its own
             size = self.size = self.closing_size = 1
@@ -132,21 +74,20 @@ class EpisodeRing:
                     self.opens = open_size > size
         self.used = 0
         f64, shape = torch.float64, (rows, size, steps)
+        sources = self.sources = plan.episode_sources  # the rows close_episodes returns
+        reward = plan.reward is not None and any(r == 0 and k is None for r, k in sources)
         self.reward = torch.zeros(shape, dtype=f64, device=device) if reward else None
         self.closing = torch.zeros(shape, dtype=torch.bool, device=device)
         # Where done is among the closing flags, when its steps are counted apart from them.
-        self.done_index = done
-        self.done = (
-            torch.zeros(shape, dtype=torch.bool, device=device)
-            if done is not None and not self.host
-            else None
-        )
+        done = plan.done is not None and plan.closing != (plan.done,)
+        self.done_index = plan.closing.index(plan.done) if done else None
+        self.done = torch.zeros(shape, dtype=torch.bool, device=device) if done and not self.host else None
         self.mask = torch.zeros(shape, dtype=torch.bool, device=device) if mask else None
         self.traj = (
             None if traj_dtype is None else torch.zeros(shape, dtype=traj_dtype, device=device)
         )
         # Per row of the sums (0: return, 1: length) read from a batch key instead.
-        self.from_keys = {row: torch.zeros(shape, dtype=f64, device=device) for row in from_keys}
+        self.from_keys = {r: torch.zeros(shape, dtype=f64, device=device) for r, k in sources if k}
         timeline = size * steps
         self.sums = torch.zeros((2, rows, timeline + 1), dtype=f64, device=device)
         if not mask:  # every step counts: the cumulative lengths are 1, 2, ...
@@ -157,15 +98,11 @@ class EpisodeRing:
         self.no_carry = torch.zeros((), dtype=f64, device=device)
         self._views: dict[tuple[Any, ...], torch.Tensor] = {}
         self._timelines: dict[int, Timeline] = {}
-        # Episodes closed in the used slots, when known on the host (CPU batches), else None;
-        # done steps among them, on the host (when done is one of several closing keys).
+        # Episodes closed and done steps in the used slots, when counted on the host.
         self.closed: int | None = self.empty_count()
         self.dones = 0
-        # How plain batches are staged (see plain_stage): None until tried, False if not.
-        self.plain: PlainStage | bool | None = None
-        # Where the first slot's batch starts on the episode window's clocks (steps, cells),
-        # when the set keeps one.
-        self.base: tuple[int, int] | None = None
+        self.plain: PlainStage | bool | None = None  # None: not tried yet; False: not plain
+        self.base: tuple[int, int] | None = None  # the episode window's clocks at slot 0
 
     def empty_count(self) -> int | None:
         return 0 if self.host else None
@@ -177,8 +114,8 @@ class EpisodeRing:
 
     def opened(self) -> EpisodeRing:
         """An empty ring for the same batches, holding up to ``_RING_STEPS_OPEN`` steps."""
-        args, kwargs = self._spec
-        return EpisodeRing(*args, **kwargs, opened=True)
+        plan, key, rows, steps, traj_dtype = self._spec
+        return EpisodeRing(plan, key, rows, steps, traj_dtype=traj_dtype, opened=True)
 
     def timeline(self, used: int) -> Timeline:
         """The views and buffers a flush of ``used`` slots works with (made once per ``used``)."""
@@ -204,46 +141,6 @@ class Timeline:
     ``copies`` lay a partly used ring out as ``[rows, used * steps]``.
     """
 
-    __slots__ = (
-        "length",
-        "copies",
-        "closing",
-        "reward",
-        "reward_copy",
-        "mask",
-        "from_keys",
-        "done",
-        "sums",
-        "cum_reward",
-        "cum_length",
-        "carry",
-        "sums_end",
-        "sums_tail",
-        "positions",
-        "positions_tail",
-        "step_numbers",
-        "start",
-        "start_indices",
-        "start_index",
-        "at_start",
-        "at_end",
-        "at_head",
-        "values",
-        "totals",
-        "reward_totals",
-        "traj_first",
-        "traj_last",
-        "traj_next_first",
-        "traj_prev_last",
-        "slot_ends_closing",
-        "traj_joined",
-        "closing_slots",
-        "reward_slots",
-        "flat_sums",
-        "row_starts",
-        "width",
-        "before_first",
-    )
 
     def __init__(self, ring: EpisodeRing, used: int) -> None:
         rows, size, steps = ring.closing.shape
@@ -286,9 +183,7 @@ class Timeline:
         self.totals = sums.new_zeros((2, rows))
         self.totals[1] = length
         self.reward_totals = self.totals[0]
-        # The used slots viewed as ``[rows, length]`` in place (no copy), and what the host path
-        # of close_episodes indexes the sums with: the sums flattened per quantity, where each
-        # row starts in them, and the width of a row.
+        # The used slots as ``[rows, length]`` views; the flat sums the host path indexes.
         self.closing_slots = ring.closing[:, :used].view(rows, length)
         self.reward_slots = None if ring.reward is None else ring.reward[:, :used].view(rows, length)
         width = ring.sums.shape[-1]
@@ -306,6 +201,31 @@ class Timeline:
             self.traj_joined = torch.empty_like(self.traj_next_first)
 
 
+def carry_by_id(ring: EpisodeRing, line: Timeline, carry: EpisodeCarry) -> None:
+    """Fills the carry column of a ring of one padded batch of split trajectories (a row is a trajectory, not an env).
+
+    Each row takes the carry of the previous batch's row whose last trajectory id starts it, else zero. No host read.
+    """
+    rows = ring.closing.shape[0]
+    previous, neg_carry = carry.traj, carry.neg
+    if (
+        previous is None
+        or neg_carry is None
+        or previous.ndim != 1
+        or neg_carry.shape != (2, previous.shape[0])
+    ):
+        line.carry.zero_()
+        return
+    device = ring.closing.device
+    first, previous = line.traj_first.to(torch.int64), previous.to(device, torch.int64)
+    entries = ring.entry_count
+    if entries > 1:  # rows are (trajectory, entry), entry fastest: the entry is part of the key
+        first = first * entries + torch.arange(rows, device=device) % entries
+        previous = previous * entries + torch.arange(previous.shape[0], device=device) % entries
+    match = (first.unsqueeze(1) == previous.unsqueeze(0)).to(torch.float64)
+    line.carry.copy_(torch.mm(neg_carry.to(device), match.T))
+
+
 class Closed(NamedTuple):
     """What :func:`close_episodes` found in a ring's batches, to fold into reducers."""
 
@@ -321,80 +241,6 @@ class Closed(NamedTuple):
     values: torch.Tensor | None
     #: Where episodes closed (``[rows, steps]`` booleans), or ``None``: ``values`` are dense.
     closing: torch.Tensor | None
-
-
-def new_ring(
-    plan: CollectorPlan,
-    key: tuple[Any, ...],
-    rows: int,
-    steps: int,
-    device: torch.device,
-    *,
-    masked: bool,
-    traj_dtype: torch.dtype | None,
-    alone: bool = False,
-) -> EpisodeRing:
-    """A ring for batches of ``rows`` x ``steps`` laid out as ``plan`` says (``alone``: of one)."""
-    return EpisodeRing(
-        key,
-        rows,
-        steps,
-        device,
-        reward=plan.reward is not None
-        and any(row == 0 and k is None for row, k in plan.episode_sources),
-        done=plan.closing.index(plan.done)
-        if plan.done is not None and plan.closing != (plan.done,)
-        else None,
-        mask=masked,
-        traj_dtype=traj_dtype,
-        from_keys=[row for row, k in plan.episode_sources if k is not None],
-        entry_count=math.prod(plan.entries),
-        alone=alone,
-    )
-
-
-def stage_batch(
-    ring: EpisodeRing,
-    plan: CollectorPlan,
-    get: Callable[[Any], torch.Tensor],
-    closing_flags: Sequence[torch.Tensor],
-    reward: torch.Tensor | None,
-    mask: torch.Tensor | None,
-) -> torch.Tensor | int:
-    """Copies one batch into the ring's next slot; returns its count of closing steps.
-
-    ``get`` reads an entry as ``[rows, steps]``; ``closing_flags`` are masked
-    ``[rows, steps]`` booleans in ``plan.closing``'s order. The count is an
-    int on a host ring (added to ``ring.closed``), else a 0-d tensor. The
-    caller advances ``ring.used``.
-    """
-    if ring.done is not None:
-        done = closing_flags[ring.done_index]  # type: ignore[index]
-        ring.slot(ring.done, "done", done.shape).copy_(done)
-    shape = closing_flags[0].shape
-    closing = ring.slot(ring.closing, "closing", shape)
-    if len(closing_flags) == 1:
-        closing.copy_(closing_flags[0])
-    else:
-        torch.bitwise_or(closing_flags[0], closing_flags[1].reshape(shape), out=closing)
-        for value in closing_flags[2:]:
-            closing |= value.reshape(shape)
-    if ring.reward is not None:
-        if ring.mask is not None:  # padding adds nothing to a return, whatever it holds
-            reward = torch.where(mask.view(reward.shape), reward, 0)  # type: ignore[union-attr]
-        ring.slot(ring.reward, "reward", reward.shape).copy_(reward)  # type: ignore[union-attr]
-    if ring.mask is not None:
-        ring.slot(ring.mask, "mask", mask.shape).copy_(mask)  # type: ignore[union-attr]
-    if ring.traj is not None:
-        traj = get(plan.traj_ids)
-        ring.slot(ring.traj, "traj", traj.shape).copy_(traj)
-    for row, key in plan.episode_sources:
-        if key is not None:
-            value = get(key)
-            ring.slot(ring.from_keys[row], f"from_keys_{row}", value.shape).copy_(value)
-    if not ring.host:
-        return torch.count_nonzero(closing)
-    return _count_on_host(ring, closing, closing_flags)
 
 
 def _count_on_host(
@@ -417,11 +263,9 @@ class PlainStage:
     dict look-ups) or ``None`` for any other batch.
     """
 
-    __slots__ = ("plan", "batch_size", "entries", "closing", "done_index", "direct_reward", "slots")
+    __slots__ = ("plan", "batch_size", "entries", "closing", "direct_reward", "slots")
 
-    def __init__(
-        self, ring: EpisodeRing, plan: CollectorPlan, batch: TensorDict, direct_reward: bool
-    ) -> None:
+    def __init__(self, ring: EpisodeRing, plan: CollectorPlan, batch: TensorDict) -> None:
         self.plan = plan
         self.batch_size = batch.batch_size
         # Closing flags first, then what is copied into the ring, then the reward folded
@@ -436,12 +280,11 @@ class PlainStage:
             if buffer is not None:
                 keys.append(key)
                 buffers.append(buffer)
-        self.direct_reward = direct_reward
-        if direct_reward:
+        self.direct_reward = ring.reward is None and plan.reward is not None
+        if self.direct_reward:
             keys.append(plan.reward)
         values = [batch.get(key) for key in keys]
         self.closing = len(plan.closing)
-        self.done_index = ring.done_index
         self.entries = tuple(
             ((key,) if isinstance(key, str) else tuple(key), value.shape, i < self.closing)
             for i, (key, value) in enumerate(zip(keys, values))
@@ -505,18 +348,11 @@ def plain_stage(ring: EpisodeRing, plan: CollectorPlan, batch: Any) -> PlainStag
         or math.prod(shape) != rows * steps
     ):
         return False
-    direct_reward = ring.reward is None and plan.reward is not None
-    stage = PlainStage(ring, plan, batch, direct_reward)
+    stage = PlainStage(ring, plan, batch)
     return stage if stage.read(batch) is not None else False
 
 
-def close_episodes(
-    ring: EpisodeRing,
-    carry: EpisodeCarry,
-    sources: Sequence[tuple[int, Any]],
-    *,
-    dense: bool = False,
-) -> Closed | None:
+def close_episodes(ring: EpisodeRing, carry: EpisodeCarry, *, dense: bool = False) -> Closed | None:
     """Sums the batches in the ring: the episodes that closed, and the new carry (updated in place).
 
     Cumulative sums of (reward, 1) along each env's timeline, prefixed with
@@ -550,13 +386,9 @@ def close_episodes(
     elif neg_carry is None or neg_carry.shape != (2, rows):
         line.carry.zero_()
     else:
-        if neg_carry.device != device:
-            neg_carry = neg_carry.to(device)
-        previous = carry.traj
+        neg_carry, previous = neg_carry.to(device), carry.traj
         if traj is not None and previous is not None and previous.shape == (rows,):
-            if previous.device != device:
-                previous = previous.to(device)
-            continues = line.traj_first == previous
+            continues = line.traj_first == previous.to(device)
             torch.where(continues, neg_carry, ring.no_carry, out=line.carry)
         else:
             line.carry.copy_(neg_carry)
@@ -567,11 +399,8 @@ def close_episodes(
             if closed is None:
                 cut = line.traj_next_first != line.traj_prev_last
             else:
-                # (On the CPU, reading whether any was cut waits for no device.) A cut at a
-                # step that closes an episode is a segment start already: only the others
-                # count. Where the previous batch closed, its last id stands in for the next
-                # batch's first; if every first id then equals the previous last, nothing was
-                # cut: one where and one equal (comparing, masking and counting took four).
+                # (On the CPU: no device to wait for.) A cut where an episode closes starts a
+                # segment already; where the previous batch closed, its last id stands in.
                 joined = line.traj_next_first
                 if closed:
                     joined = torch.where(
@@ -580,9 +409,7 @@ def close_episodes(
                 if not torch.equal(joined, line.traj_prev_last):
                     cut = torch.gt(line.traj_next_first != line.traj_prev_last, line.slot_ends_closing)
     if closed == 0 and cut is None:
-        # CPU batches where no episode closed and every trajectory went on: nothing to
-        # fold but the rewards; each env's carry grows by its totals (its reward sum, and
-        # ``length`` steps).
+        # CPU batches, no episode closed, no trajectory cut: each carry grows by its totals.
         if line.reward is not None:
             if line.reward_copy is not None:
                 line.reward_copy[1].copy_(line.reward_copy[0])
@@ -590,7 +417,7 @@ def close_episodes(
         carry.neg = torch.sub(line.carry, line.totals)
         return Closed(line.reward, None, dones, None, None)
     if dense and closed and cut is None and not ring.from_keys:
-        return _closed_on_host(ring, line, carry, sources, dones)
+        return _closed_on_host(ring, line, carry, dones)
     for source, target in line.copies:  # the used slots as one timeline per env
         target.copy_(source)
     closing, mask = line.closing, line.mask
@@ -613,6 +440,7 @@ def close_episodes(
         last = line.cum_length[:, -1].sub(1).clamp_(min=0).to(torch.int64)
         carry.traj = traj[:, 0].gather(-1, last.unsqueeze(-1)).squeeze(-1)  # type: ignore[index]
     values = torch.sub(line.sums_tail, line.at_head, out=line.values)
+    sources = ring.sources
     for row, key in sources:
         if key is not None:
             values[row].copy_(line.from_keys[row])
@@ -626,7 +454,6 @@ def _closed_on_host(
     ring: EpisodeRing,
     line: Timeline,
     carry: EpisodeCarry,
-    sources: Sequence[tuple[int, Any]],
     dones: torch.Tensor | int | None,
 ) -> Closed:
     """:func:`close_episodes` for CPU batches: each episode is the difference of two cumulative sums at its env's closing steps."""
@@ -644,31 +471,18 @@ def _closed_on_host(
     # carry starts: the largest episode end of the row (no pass over the other steps).
     last = line.row_starts.scatter_reduce(0, rows, ends, "amax")
     carry.neg = torch.sub(flat.index_select(1, last), line.sums_end)
-    if len(sources) == 1:
-        row = sources[0][0]
+    if len(ring.sources) == 1:
+        row = ring.sources[0][0]
         values = values[row : row + 1]
     return Closed(line.reward_slots, None, dones, values, None)
 
 
 class RingFold(Transient):
-    """The fold path of ``[*B, T]`` batches with running episode sums, through a ring.
+    """The fold path of ``[*B, T]`` batches with running episode sums, through a ring (never pickled: summed first).
 
-    Holds the ring (never pickled: summed first), the episodes in flight
-    (shared with the interleaved path) and the
-    :class:`~rl_observers.metrics.collector.reducers.BatchReducers`.
     ``reset_each_batch``: the bound collector resets its envs at each batch.
     """
 
-    __slots__ = (
-        "reducers",
-        "carry",
-        "window",
-        "reward",
-        "counts",
-        "ring",
-        "sources",
-        "reset_each_batch",
-    )
     _transient = ("ring",)  # buffers, remade at the next batch (the set sums it first)
 
     def __init__(self, reducers: BatchReducers, carry: EpisodeCarry) -> None:
@@ -678,8 +492,6 @@ class RingFold(Transient):
         self.reward = reducers.reward
         self.counts = reducers.counts
         self.ring: EpisodeRing | None = None
-        # The plan's episode_sources the ring was made for (what close_episodes reads).
-        self.sources: tuple[tuple[int, Any], ...] = ()
         self.reset_each_batch = False
 
     def reset_at_each_batch(self, reset: bool) -> None:
@@ -715,31 +527,43 @@ class RingFold(Transient):
             # Reset at each batch, and no trajectory ids to say so: each batch is summed
             # alone and its carries dropped (see flush).
             alone = self.reset_each_batch and traj_dtype is None
-            ring = self.ring = new_ring(
-                plan,
-                key,
-                rows,
-                steps,
-                key[2],
-                masked=mask is not None,
-                traj_dtype=traj_dtype,
-                alone=alone,
-            )
-            self.sources = plan.episode_sources
-        reward = None
-        if ring.reward is not None:
-            reward = get(plan.reward)  # its moments are folded from the ring
-        elif plan.reward is not None:
-            self.reducers.fold_reward(read[plan.reward], mask, batch_size)
+            ring = self.ring = EpisodeRing(plan, key, rows, steps, traj_dtype=traj_dtype, alone=alone)
         if not ring.used and self.window is not None:
             ring.base = self.window.clocks
-        n_closed = stage_batch(ring, plan, get, closing_flags, reward, episode_mask)
+        # Into the ring's next slot: what the sums read, each as [rows, steps].
+        if ring.reward is not None:  # its moments are folded from the ring
+            reward = get(plan.reward)
+            if ring.mask is not None:  # padding adds nothing to a return, whatever it holds
+                reward = torch.where(episode_mask.view(reward.shape), reward, 0)  # type: ignore[union-attr]
+            ring.slot(ring.reward, "reward", reward.shape).copy_(reward)
+        elif plan.reward is not None:
+            self.reducers.fold_reward(read[plan.reward], mask, batch_size)
+        if ring.done is not None:
+            done = closing_flags[ring.done_index]  # type: ignore[index]
+            ring.slot(ring.done, "done", done.shape).copy_(done)
+        shape = closing_flags[0].shape
+        closing = ring.slot(ring.closing, "closing", shape)
+        if len(closing_flags) == 1:
+            closing.copy_(closing_flags[0])
+        else:
+            torch.bitwise_or(closing_flags[0], closing_flags[1].reshape(shape), out=closing)
+            for value in closing_flags[2:]:
+                closing |= value.reshape(shape)
+        if ring.mask is not None:
+            ring.slot(ring.mask, "mask", episode_mask.shape).copy_(episode_mask)  # type: ignore[union-attr]
+        if ring.traj is not None:
+            traj = get(plan.traj_ids)
+            ring.slot(ring.traj, "traj", traj.shape).copy_(traj)
+        for row, key in plan.episode_sources:
+            if key is not None:
+                value = get(key)
+                ring.slot(ring.from_keys[row], f"from_keys_{row}", value.shape).copy_(value)
         if ring.host:  # CPU, no mask: counted at once, no device to wait for
             counts = self.counts
             counts["frames"] += batch_size.numel()
-            counts["episodes"] += n_closed  # type: ignore[operator]
+            counts["episodes"] += _count_on_host(ring, closing, closing_flags)
         else:
-            self.reducers.count_frames_and_episodes(n_closed, mask, batch_size)  # type: ignore[arg-type]
+            self.reducers.count_frames_and_episodes(torch.count_nonzero(closing), mask, batch_size)
         ring.used += 1
         if ring.due():
             self._flush_due()
@@ -779,12 +603,8 @@ class RingFold(Transient):
             return
         if self.reset_each_batch and ring.traj is None and ring.used:
             self.carry.clear()  # the envs were reset: nothing goes on
-        closed = close_episodes(
-            ring,
-            self.carry,
-            self.sources,
-            dense=self.window is None,  # the episode window keeps where episodes closed
-        )
+        # (the episode window keeps where episodes closed)
+        closed = close_episodes(ring, self.carry, dense=self.window is None)
         if closed is None:
             return
         reducers = self.reducers

@@ -44,11 +44,6 @@ class EpisodeWindow:
         self.clocks = (0, 0)
         self.recent = LatestWindow(size, names, stats=stats)
 
-    @property
-    def key(self) -> str:
-        """The key of the window's partial in a pull."""
-        return self.reducer.key
-
     def bind(self, source: Any) -> None:
         """Episodes are keyed by the worker they end in (``0`` outside workers)."""
         worker = source_info(source).worker
@@ -67,8 +62,9 @@ class EpisodeWindow:
 
     def pulled(self, out: dict[str, Any]) -> None:
         """Replaces the pulled window's episodes in ``out`` with the last ``size`` of all."""
-        self.recent = self.recent.merge(out[self.key])
-        out[self.key] = self.recent
+        key = self.reducer.key
+        self.recent = self.recent.merge(out[key])
+        out[key] = self.recent
 
     def state(self) -> dict[str, Any]:
         """The last episodes (with those of the open window) and the clocks."""
