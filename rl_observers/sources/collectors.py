@@ -60,7 +60,8 @@ def _learn_readers(cls: type) -> None:
             continue
         for value in vars(klass).values():
             for fn in _functions(value):
-                readers.update(c for c in _codes(fn.__code__) if any(h in c.co_names for h in _HOOKS))
+                codes = _codes(fn.__code__)
+                readers.update(c for c in codes if any(h in c.co_names for h in _HOOKS))
     _LEARNT.update(cls.__mro__)
     _READERS = frozenset(readers)
 
@@ -74,8 +75,8 @@ class CollectorObservers(ObserverList):
     :ref:`what-is-counted`). Nothing is copied.
     """
 
-    def __init__(self, source: Any, emits: tuple[str, ...] = COLLECTOR_EVENTS, target_name: str = "collector") -> None:
-        super().__init__(source, emits, target_name)
+    def __init__(self, source: Any) -> None:
+        super().__init__(source, COLLECTOR_EVENTS, "collector")
         _learn_readers(torchrl_class(type(source)))
         #: Frames of rollouts torchrl finished but never delivered (dropped, or collected again).
         self.frames_discarded = 0
@@ -83,7 +84,7 @@ class CollectorObservers(ObserverList):
         #: Whether a rollout is delivered after ``post_collect`` (see :class:`WorkerDeliveries`).
         self.defers_delivery = mode is not None
         self._handed_on_at_collect = mode == WorkerDeliveries.RETURNED
-        self._undelivered: Any = None  # the rollout collected last, until torchrl delivers or drops it
+        self._undelivered: Any = None  # collected last, until torchrl delivers or drops it
         self._handed_on = False  # handed on, but delivered only when the worker is asked again
         self._next_started = False  # delivering as torchrl starts the next rollout
 
@@ -104,7 +105,7 @@ class CollectorObservers(ObserverList):
 
     def contribute_stats(self, stats: dict[str, Any]) -> dict[str, Any]:
         if self._next_started and "batches" in stats:
-            stats["batches"] -= 1  # torchrl counts the rollout it started: observers see the one delivered
+            stats["batches"] -= 1  # torchrl counts the one it started, observers the one delivered
         return super().contribute_stats(stats)
 
     def post_collect_hook(self, batch: Any) -> None:
@@ -186,7 +187,8 @@ class WorkerDeliveries:
     @staticmethod
     def _writes_for(source: Any) -> bool:
         """Whether ``source`` is a worker's collector whose rollouts the worker writes into a buffer."""
-        return getattr(source, "replay_buffer", None) is not None and bool(getattr(source, "_ignore_rb", False))
+        buffer = getattr(source, "replay_buffer", None)
+        return buffer is not None and bool(getattr(source, "_ignore_rb", False))
 
     @staticmethod
     def _runner_queue() -> Any:
@@ -228,7 +230,8 @@ class WorkerDeliveries:
 
         @functools.wraps(put)
         def put_then_deliver(item: Any, *args: Any, **kwargs: Any) -> None:
-            rollout = isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], int)  # not "paused"
+            # a rollout, not "paused"
+            rollout = isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], int)
             if rollout and not self.taken_when_asked_again:
                 # the driver takes every worker's rollout of a round: the queue has room for each
                 self._hand_on(taken=True)

@@ -1,20 +1,18 @@
 """Observed classes: the subclass a source becomes while it has observers.
 
-Step **source** of the flow. A source without observers is an instance of
-its torchrl class and runs exactly torchrl's code; the first observer
+A source without observers runs exactly torchrl's code; the first observer
 switches its ``__class__`` to a subclass that emits events and keeps the
 :class:`~rl_observers.observer.ObserverList` as ``_rl_observers``; the last
-one's removal switches it back. This module is the whole mechanism
-(:func:`attach` / :func:`release`, :func:`switch_class` /
-:func:`switch_back` for remote kinds). The mixin of a class comes from
-one table (:mod:`rl_observers.targets`), matched by the nearest class of
-its MRO, per *context* (``None`` in process; ``"ray_actor"`` and others
-where the in-process mixin cannot work). How an observed object behaves
-under ``type``, ``copy`` and ``pickle``: :ref:`observed-objects`.
+one's removal switches it back. The mixin comes from one table
+(:mod:`rl_observers.targets`), matched by the nearest class of the MRO, per
+*context* (``None`` in process; ``"ray_actor"`` and others where the
+in-process mixin cannot work). Under ``type``, ``copy`` and ``pickle``:
+:ref:`observed-objects`.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import threading
 from collections.abc import Callable
@@ -46,7 +44,7 @@ __all__ = [
 _PREFIX = "Observed@"
 _CLASSES: dict[tuple[type, str | None], type] = {}
 _METACLASSES: dict[type, type] = {}
-_NOT_COPIED = frozenset({"__dict__", "__weakref__", "__slots__", "__module__", "__qualname__", "__doc__"})
+_NOT_COPIED = {"__dict__", "__weakref__", "__slots__", "__module__", "__qualname__", "__doc__"}
 #: Held while a source switches between observed and plain.
 ATTACH_LOCK = threading.RLock()
 
@@ -172,7 +170,7 @@ class _Observed:
     _rl_observers: ObserverList
 
     def __copy__(self) -> Any:
-        new = _reconstruct(self.__reduce_ex__(4))
+        new = copy._reconstruct(self, None, *self.__reduce_ex__(4))  # what copy.copy does
         observers = observers_of(new)
         if observers is not None:  # its own list, with the same observers, naming the copy
             new._rl_observers = observers.copy_for(new)
@@ -199,25 +197,6 @@ class ObservedSource:
         return stats if observers is None else observers.contribute_stats(stats)
 
 
-def _reconstruct(reduced: Any) -> Any:
-    """What ``copy.copy`` does with a ``__reduce_ex__`` result (state is not copied)."""
-    func, args, state = reduced[:3]
-    new = func(*args)
-    if state is not None:
-        setstate = getattr(new, "__setstate__", None)
-        if setstate is not None:
-            setstate(state)
-        else:
-            slots = None
-            if isinstance(state, tuple) and len(state) == 2:
-                state, slots = state
-            if state:
-                new.__dict__.update(state)
-            for name, value in (slots or {}).items():
-                setattr(new, name, value)
-    return new
-
-
 def _observed_metaclass(meta: type) -> type:
     """The metaclass of observed classes whose torchrl class has metaclass ``meta``: calling one builds a plain torchrl object."""
     cls = _METACLASSES.get(meta)
@@ -229,7 +208,8 @@ def _observed_metaclass(meta: type) -> type:
         def __repr__(cls: type) -> str:
             return repr(torchrl_class(cls))
 
-        cls = type(meta)(f"Observed{meta.__name__}", (meta,), {"__call__": __call__, "__repr__": __repr__})
+        methods = {"__call__": __call__, "__repr__": __repr__}
+        cls = type(meta)(f"Observed{meta.__name__}", (meta,), methods)
         _METACLASSES[meta] = cls
     return cls
 
@@ -253,7 +233,8 @@ def observed_class(base: type, context: str | None = None) -> type:
     # A generated, importable name: pickle finds the class through this module's __getattr__.
     at = "" if context is None else f"{context}@"
     qualname = f"{_PREFIX}{at}{base.__module__}:{base.__qualname__}".replace(".", "/")
-    namespace.update(__module__=__name__, __qualname__=qualname, __doc__=base.__doc__, _rl_base=base)
+    namespace.update(__module__=__name__, __qualname__=qualname, __doc__=base.__doc__)
+    namespace["_rl_base"] = base
     cls = _observed_metaclass(type(base))(base.__name__, (base,), namespace)
     _CLASSES[(base, context)] = cls
     return cls

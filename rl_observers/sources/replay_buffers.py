@@ -1,13 +1,10 @@
 """How replay buffers emit events.
 
 ``add`` / ``extend`` emit after torchrl wrote, with the index it returned,
-under the buffer's own reentrant lock (so an observer sees the buffer as
-the write left it). ``post_sample`` carries the batch and the sampler's
-info, once per batch ``sample()`` hands over, in the calling thread; a
-buffer with ``prefetch=N`` is observed by
-:class:`ObservedPrefetchingReplayBuffer`, which emits at hand-over.
-Observers run eagerly, outside any ``torch.compile`` region. See
-:ref:`events`.
+under the buffer's reentrant lock (an observer sees the buffer as the write
+left it). ``post_sample`` carries the batch and the sampler's info, once per
+batch ``sample()`` hands over (at hand-over with ``prefetch=N``). Observers
+run eagerly, outside any ``torch.compile`` region. See :ref:`events`.
 """
 
 from __future__ import annotations
@@ -101,7 +98,7 @@ def writes_held(source: Any) -> Any:
 
 def _data_argument(method: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
     """The data of a write passed by keyword (``extend(tensordicts=td)``): torchrl's first argument."""
-    params = list(inspect.signature(method).parameters)  # (self, data, ...): a function of the class
+    params = list(inspect.signature(method).parameters)  # (self, data, ...)
     return kwargs.get(params[1]) if len(params) > 1 else None
 
 
@@ -112,13 +109,8 @@ SHARED_COPIES_RUN = "in the workers of the collectors writing into it"
 class ReplayBufferObservers(ObserverList):
     """The observers of one in-process replay buffer; one shared with workers (``shared=True``) refuses ``on_error="raise"``."""
 
-    def __init__(
-        self,
-        source: Any,
-        emits: tuple[str, ...] = REPLAY_BUFFER_EVENTS,
-        target_name: str = "replay buffer",
-    ) -> None:
-        super().__init__(source, emits, target_name)
+    def __init__(self, source: Any) -> None:
+        super().__init__(source, REPLAY_BUFFER_EVENTS, "replay buffer")
 
     def add(self, observer: Any, on_error: str | None = None) -> Any:
         entry = super().add(observer, on_error)
@@ -166,8 +158,8 @@ class PrefetchingBufferObservers(ReplayBufferObservers):
     drops leave nothing behind.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, source: Any) -> None:
+        super().__init__(source)
         # Held from a sample()'s peek at the queue to the end of its event: observed
         # sample() calls take turns, so observers never run in two threads at once.
         self._handing = threading.RLock()
@@ -179,13 +171,14 @@ class PrefetchingBufferObservers(ReplayBufferObservers):
         if threading.get_ident() == self._handing_thread:
             self._made = result
 
-    def hand_over(self, sample: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def hand_over(self, sample: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
         """Runs torchrl's ``sample`` and emits ``post_sample`` for the batch it handed over."""
         source = self.source
         with self._handing:
             queue = source.__dict__.get("_prefetch_queue")
             head = queue[0] if queue else None
-            outer, self._handing_thread, self._made = self._handing_thread, threading.get_ident(), None
+            outer, self._made = self._handing_thread, None
+            self._handing_thread = threading.get_ident()
             try:
                 out = sample(source, *args, **kwargs)
                 result = self._made if head is None else head.result()

@@ -2,8 +2,7 @@
 
 Any merge of partials, in any grouping and order, equals the statistic of
 the union of the data (up to rounding); the empty partial is the identity.
-The device side lives in :mod:`rl_observers.stats.reducers`. See
-:ref:`partials`.
+See :ref:`partials`.
 
 Examples:
     >>> from rl_observers.stats import Count, Moments
@@ -55,12 +54,11 @@ def _check_stats(stats: Iterable[str], prefix: str) -> tuple[str, ...]:
 
 
 class Partial:
-    """A mergeable partial statistic: what crosses a process boundary.
+    """A mergeable partial statistic: small and picklable.
 
-    Subclasses are small and picklable. :meth:`merge` is exact, associative
-    and commutative, and returns a new object; :meth:`finalize` maps metric
-    names (relative to a namespace) to floats, an empty partial giving its
-    counts as ``0`` and no means, deviations, minima or maxima.
+    :meth:`merge` is exact, associative and commutative, and returns a new
+    object; :meth:`finalize` maps metric names to floats, an empty partial
+    giving its counts as ``0`` and no means, deviations, minima or maxima.
 
     Examples:
         >>> from rl_observers.stats import Count, Partial
@@ -69,13 +67,11 @@ class Partial:
     """
 
     __slots__ = ()
-    #: Whether the partial describes a state carried from window to window (such as the
-    #: last ``N`` episodes) rather than one window: an owner keeps it from one logged row to
-    #: the next, and later contributions merge into it.
+    #: Whether the partial is a state carried from window to window (the last ``N``
+    #: episodes): an owner keeps it from row to row and merges contributions into it.
     rolling = False
-    #: Whether the partial stands for how long a worker was silent, which only the owner
-    #: merging the workers can measure: an owner's row reports, instead, the seconds since
-    #: it last heard from the worker heard from longest ago.
+    #: Whether the partial stands for how long a worker was silent: an owner's row reports
+    #: instead the seconds since it last heard from the worker heard from longest ago.
     silence = False
 
     def merge(self, other: Partial) -> Partial:
@@ -210,8 +206,7 @@ class Moments(Partial):
             low = high = math.nan  # Python's min and max would depend on where the NaN is
         else:
             low, high = min(values), max(values)
-        prefix, stats = _check_name(prefix, "prefix"), _check_stats(stats, prefix)
-        return cls._trusted(prefix, stats, float(len(values)), total, m2, low, high)
+        return cls(prefix, stats=stats, count=len(values), sum=total, m2=m2, min=low, max=high)
 
     def merge(self, other: Partial) -> Moments:
         """Returns the moments of the union of both operands' values."""
@@ -521,13 +516,6 @@ _F32_BIAS = 127
 _F32_MANTISSA = 23
 
 
-def check_quantile(q: object, owner: str) -> float:
-    """``q`` as a float in ``(0, 1)``, else a ValueError naming the valid range and ``owner``."""
-    if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 < float(q) < 1.0:
-        raise ValueError(f"{owner}: each quantile must be a number in (0, 1), got {q!r}.")
-    return float(q)
-
-
 def sketch_resolution(accuracy: object, owner: str = "QuantileSketch") -> int:
     """The fewest mantissa bits ``p`` whose buckets (relative width ``2**-p``) stay within ``accuracy``."""
     if (
@@ -644,7 +632,10 @@ class QuantileSketch(Partial):
         owner = f"QuantileSketch({name!r})"
         if isinstance(quantiles, (str, float, int)):
             raise TypeError(f"{owner}: quantiles must be a sequence of numbers, got {quantiles!r}.")
-        self.quantiles = tuple(check_quantile(q, owner) for q in quantiles)
+        for q in quantiles:
+            if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 < float(q) < 1.0:
+                raise ValueError(f"{owner}: each quantile must be a number in (0, 1), got {q!r}.")
+        self.quantiles = tuple(map(float, quantiles))
         if not self.quantiles:
             raise ValueError(f"{owner}: quantiles must not be empty.")
         self.p = sketch_resolution(accuracy, owner)
@@ -652,8 +643,9 @@ class QuantileSketch(Partial):
         if isinstance(max_buckets, bool) or not isinstance(max_buckets, int) or max_buckets < 1:
             raise ValueError(f"{owner}: max_buckets must be a positive int, got {max_buckets!r}.")
         self.max_buckets = max_buckets
-        self.positive = _collapse({int(k): float(c) for k, c in (positive or {}).items() if c}, max_buckets)
-        self.negative = _collapse({int(k): float(c) for k, c in (negative or {}).items() if c}, max_buckets)
+        positive = {int(k): float(c) for k, c in (positive or {}).items() if c}
+        negative = {int(k): float(c) for k, c in (negative or {}).items() if c}
+        self.positive, self.negative = _collapse(positive, max_buckets), _collapse(negative, max_buckets)
         self.zero = float(zero)
         self.nonfinite = float(nonfinite)
 
@@ -671,7 +663,8 @@ class QuantileSketch(Partial):
         import numpy as np  # (numpy comes with torch; imported here to keep this module light)
 
         out = cls(name, quantiles=quantiles, accuracy=accuracy, max_buckets=max_buckets)
-        x = np.asarray(list(values) if not hasattr(values, "__array__") else values, dtype=np.float64)
+        values = values if hasattr(values, "__array__") else list(values)
+        x = np.asarray(values, dtype=np.float64)
         if not x.size:
             return out
         with np.errstate(over="ignore", invalid="ignore"):

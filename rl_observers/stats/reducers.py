@@ -157,7 +157,8 @@ def _cpu_scratch(like: torch.Tensor) -> torch.Tensor:
         buffer = _SCRATCH.buffer = torch.empty(0, dtype=_F64)
     n = like.numel()
     if buffer.numel() < n:
-        buffer = _SCRATCH.buffer = torch.empty(min(max(n, 2 * buffer.numel()), _SCRATCH_ENTRIES), dtype=_F64)
+        size = min(max(n, 2 * buffer.numel()), _SCRATCH_ENTRIES)
+        buffer = _SCRATCH.buffer = torch.empty(size, dtype=_F64)
     return buffer[:n].view(like.shape)
 
 
@@ -811,13 +812,6 @@ class QuantileReducer(Transient):
         """The empty sketch (no transfer)."""
         return self._empty
 
-    def _slot_count(self) -> int:
-        p = self._empty.p
-        if self._raw:
-            return 1 << (9 + p)
-        low, high = sketch_key_range(p)
-        return 2 * (high - low) + 2
-
     def fold(self, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Counts ``values`` (those where ``mask`` is true) in their buckets, on their device.
 
@@ -837,9 +831,9 @@ class QuantileReducer(Transient):
             values = values.detach()
         buffer = self._buffer
         if buffer is None:
-            buffer = self._buffer = torch.zeros(
-                self._slot_count(), dtype=_F64, device=values.device
-            )
+            low, high = sketch_key_range(self._empty.p)
+            size = 1 << (9 + self._empty.p) if self._raw else 2 * (high - low) + 2
+            buffer = self._buffer = torch.zeros(size, dtype=_F64, device=values.device)
         if mask is None:
             slots = self._stage_slots
             if slots is not None:
@@ -916,36 +910,24 @@ class QuantileReducer(Transient):
         host = buffer.cpu()  # the one transfer (and sync) of a window; the buffer itself on CPU
         found = host.nonzero().reshape(-1)
         counts = host[found].tolist()
-        slots = found.tolist()
         buffer.zero_()
-        p = empty.p
-        low, high = sketch_key_range(p)
+        if self._raw:  # a raw [sign | magnitude] pattern, sign-extended, to its computed slot
+            sign = 1 << (8 + empty.p)
+            found = self._slots(torch.where(found >= sign, found - 2 * sign, found))
+        low, high = sketch_key_range(empty.p)
+        width = high - low
         positive: dict[int, float] = {}
         negative: dict[int, float] = {}
         zero = nonfinite = 0.0
-        if self._raw:
-            sign_bit, magnitudes, infinite = 1 << (8 + p), (1 << (8 + p)) - 1, 255 << p
-            for slot, c in zip(slots, counts):
-                magnitude = slot & magnitudes
-                if not magnitude:
-                    zero += c
-                elif magnitude >= infinite:
-                    nonfinite += c
-                else:
-                    store = negative if slot & sign_bit else positive
-                    key = low if magnitude < low else high - 1 if magnitude >= high else magnitude
-                    store[key] = store.get(key, 0.0) + c
-        else:
-            width = high - low
-            for slot, c in zip(slots, counts):
-                if slot < width:
-                    positive[low + slot] = c
-                elif slot < 2 * width:
-                    negative[low + slot - width] = c
-                elif slot == 2 * width:
-                    zero = c
-                else:
-                    nonfinite = c
+        for slot, c in zip(found.tolist(), counts):
+            if slot < 2 * width:  # magnitudes clamped to the range share a slot
+                store = negative if slot >= width else positive
+                key = low + slot % width
+                store[key] = store.get(key, 0.0) + c
+            elif slot == 2 * width:
+                zero += c
+            else:
+                nonfinite += c
         return QuantileSketch(
             empty.name,
             quantiles=empty.quantiles,

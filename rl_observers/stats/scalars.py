@@ -93,7 +93,8 @@ class Scalar(Partial):
 
     def _with(self, value: float, count: float, stamp: float) -> Scalar:
         out = object.__new__(self.__class__)
-        out.name, out.rule, out.value, out.count, out.stamp = self.name, self.rule, value, count, stamp
+        out.name, out.rule = self.name, self.rule
+        out.value, out.count, out.stamp = value, count, stamp
         return out
 
     def finalize(self) -> dict[str, float]:
@@ -208,25 +209,6 @@ class LastEvent(Partial):
         return {}
 
 
-def _check_edges(edges: Sequence[float], name: str) -> tuple[float, ...]:
-    edges = tuple(float(e) for e in edges)
-    if len(edges) < 2 or any(b <= a for a, b in zip(edges, edges[1:])) or not all(
-        math.isfinite(e) for e in edges
-    ):
-        raise ValueError(
-            f"edges must be at least two finite, strictly increasing numbers, got {edges!r} "
-            f"(for {name!r})."
-        )
-    return edges
-
-
-def _check_quantiles(quantiles: Sequence[float], name: str) -> tuple[float, ...]:
-    quantiles = tuple(float(q) for q in quantiles)
-    if not all(0.0 <= q <= 1.0 for q in quantiles):
-        raise ValueError(f"quantiles must lie in [0, 1], got {quantiles!r} (for {name!r}).")
-    return quantiles
-
-
 def quantile_name(name: str, q: float) -> str:
     """``"<name>_p<100 q>"``: ``p50``, ``p90``, ``p99.9``."""
     return f"{name}_p{q * 100:g}"
@@ -280,8 +262,17 @@ class BinCounts(Partial):
         max: float = -math.inf,
     ) -> None:
         self.name = _check_name(name, "name")
-        self.edges = _check_edges(edges, name)
-        self.quantiles = _check_quantiles(quantiles, name)
+        self.edges = edges = tuple(map(float, edges))
+        if len(edges) < 2 or any(b <= a for a, b in zip(edges, edges[1:])) or not all(
+            map(math.isfinite, edges)
+        ):
+            raise ValueError(
+                f"edges must be at least two finite, strictly increasing numbers, got {edges!r} "
+                f"(for {name!r})."
+            )
+        self.quantiles = quantiles = tuple(map(float, quantiles))
+        if not all(0.0 <= q <= 1.0 for q in quantiles):
+            raise ValueError(f"quantiles must lie in [0, 1], got {quantiles!r} (for {name!r}).")
         self.nan = float(nan)
         self.sum, self.sum_squares = float(sum), float(sum_squares)
         self.min, self.max = float(min), float(max)
