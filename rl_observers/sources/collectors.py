@@ -69,10 +69,9 @@ def _learn_readers(cls: type) -> None:
 class CollectorObservers(ObserverList):
     """The observers of one in-process collector, and the hook dispatchers it calls.
 
-    In a multiprocessing worker, a rollout reaches ``post_collect`` only once
-    torchrl delivers it (:class:`WorkerDeliveries`); the frames of rollouts
-    torchrl drops count apart in :attr:`frames_discarded` (see
-    :ref:`what-is-counted`). Nothing is copied.
+    In a worker, a rollout reaches ``post_collect`` once torchrl delivers it
+    (:class:`WorkerDeliveries`); dropped rollouts' frames count apart in
+    :attr:`frames_discarded` (:ref:`what-is-counted`).
     """
 
     def __init__(self, source: Any) -> None:
@@ -149,15 +148,12 @@ class CollectorObservers(ObserverList):
 class WorkerDeliveries:
     """Where a multiprocessing worker hands its rollout on, in this process.
 
-    torchrl's worker loop hands on a kept rollout by a write into the shared
-    replay buffer (the loop's device-normalizing function is wrapped), a put
-    on its queue to the driver (``queue_out.put`` is wrapped; ``queue.Full``
-    means not handed on), or a return from an asynchronous ``RayCollector``'s
-    actor. A ``MultiSyncCollector``'s put is the delivery; a
-    ``MultiAsyncCollector``'s or asynchronous Ray rollout is delivered when
-    the driver asks for the next (:attr:`taken_when_asked_again`). Each is
-    wrapped once per process; elsewhere rollouts are delivered at
-    ``post_collect``.
+    By a write into the shared replay buffer (the loop's device-normalizing
+    function is wrapped), a put on the queue to the driver (``queue_out.put``
+    is wrapped; ``queue.Full`` means not handed on), or a return from an
+    asynchronous ``RayCollector``'s actor. A ``MultiSyncCollector``'s put is
+    the delivery; other rollouts are delivered when the driver asks for the
+    next (:attr:`taken_when_asked_again`). Elsewhere: at ``post_collect``.
     """
 
     def __init__(self) -> None:
@@ -172,23 +168,18 @@ class WorkerDeliveries:
     RETURNED = "returned"
 
     def watch(self, observers: CollectorObservers, source: Any) -> str | None:
-        """Watches ``observers`` if ``source`` is a worker's collector that delivers later; returns how (:attr:`HANDED_OVER`, :attr:`RETURNED`) or ``None``."""
-        if self._writes_for(source):
+        """Watches ``observers`` of a worker's collector that delivers later; returns how, or ``None``."""
+        buffer = getattr(source, "replay_buffer", None)
+        if buffer is not None and getattr(source, "_ignore_rb", False):  # it writes rollouts
             self._wrap_write()
         elif (queue := self._runner_queue()) is not None:
             self._wrap_put(queue)
-        elif self.taken_when_asked_again and getattr(source, "replay_buffer", None) is None:
+        elif self.taken_when_asked_again and buffer is None:
             return self.RETURNED
         else:
             return None
         self._watched.add(observers)
         return self.HANDED_OVER
-
-    @staticmethod
-    def _writes_for(source: Any) -> bool:
-        """Whether ``source`` is a worker's collector whose rollouts the worker writes into a buffer."""
-        buffer = getattr(source, "replay_buffer", None)
-        return buffer is not None and bool(getattr(source, "_ignore_rb", False))
 
     @staticmethod
     def _runner_queue() -> Any:

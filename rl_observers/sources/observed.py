@@ -105,12 +105,14 @@ def _answer(cls: type, context: str | None) -> How | str:
     for position, klass in enumerate(mro):
         how = rows.get(_name(klass))
         if how is not None:
-            replaced = sorted({name for k in mro[:position] for name in how.loop if name in vars(k)})
-            answer = how if not replaced else (
-                f"{cls.__qualname__} replaces {', '.join(replaced)} of torchrl's "
-                f"{klass.__qualname__}, through which the events observers receive are emitted: "
-                "attached, they would hear nothing."
-            )
+            replaced = sorted({n for k in mro[:position] for n in how.loop if n in vars(k)})
+            answer = how
+            if replaced:
+                answer = (
+                    f"{cls.__qualname__} replaces {', '.join(replaced)} of torchrl's "
+                    f"{klass.__qualname__}, through which the events observers receive are "
+                    "emitted: attached, they would hear nothing."
+                )
             break
         if klass.__module__.split(".")[0] == "torchrl":
             answer = (
@@ -273,7 +275,9 @@ def observe(source: Any, context: str | None = None) -> ObserverList:
             observers = observers_of(source)
             if observers is None:
                 base = torchrl_class(type(source))
-                context = _variant(source, base, context)
+                how = how_observed(base, context)  # a variant's row observes some instances
+                variant = None if how is None or how.variant is None else how.variant(source)
+                context = context if variant is None else variant
                 found = _find(base, context)
                 if found is None:
                     raise TypeError(refusal(base, context))
@@ -284,18 +288,13 @@ def observe(source: Any, context: str | None = None) -> ObserverList:
     return observers
 
 
-def _variant(source: Any, base: type, context: str | None) -> str | None:
-    """The context whose row observes ``source``: its row's :attr:`How.variant`, else ``context``."""
-    how = how_observed(base, context)
-    variant = None if how is None or how.variant is None else how.variant(source)
-    return context if variant is None else variant
-
-
 def release(source: Any) -> None:
     """Makes ``source`` a plain torchrl object again once nothing observes it."""
     with ATTACH_LOCK:
         observers = observers_of(source)
-        if observers is None or observers.entries or _has_source_receivers(source):
+        # receivers connected for this source (blinker indexes them by sender id)
+        heard = any(signal._by_sender.get(id(source)) for signal in _SIGNALS)
+        if observers is None or observers.entries or heard:
             return
         source.__class__ = torchrl_class(type(source))
         del source._rl_observers
@@ -346,11 +345,6 @@ def detach(source: Any, observer: Any) -> None:
 
 
 _SIGNALS = tuple(signals.signal_for(event) for event in signals.EVENT_PAYLOADS)
-
-
-def _has_source_receivers(source: Any) -> bool:
-    # blinker keeps receivers per sender id; ``_by_sender`` is its documented-by-use index.
-    return any(signal._by_sender.get(id(source)) for signal in _SIGNALS)
 
 
 def is_observable(obj: Any) -> bool:

@@ -39,13 +39,10 @@ __all__ = [
 PREFETCHING = "prefetching"
 
 
-def _code_of(function: Any) -> CodeType | None:
-    return getattr(inspect.unwrap(function), "__code__", None) if function is not None else None
-
-
 # torchrl's multiprocessing collectors set an empty buffer's storage up with a fake write and
 # an empty(): not data, so no event (told by the calling frame's code, as hook reads are).
-_SETUP_CODE = _code_of(getattr(MultiCollector, "_check_replay_buffer_init", None))
+_SETUP = inspect.unwrap(getattr(MultiCollector, "_check_replay_buffer_init", None))
+_SETUP_CODE: CodeType | None = getattr(_SETUP, "__code__", None)
 
 
 def emit_eagerly(source: Any, event: str, *payload: Any) -> None:
@@ -76,7 +73,8 @@ def _write_method(name: str, event: str) -> Callable[..., Any]:
         method = getattr(cls.__dict__.get("_rl_base", cls), name)
         if torch.compiler.is_dynamo_compiling():  # torchrl takes no lock when compiled either
             index = method(self, *args, **kwargs)
-            _emit_outside_graph(self, event, args[0] if args else _data_argument(method, kwargs), index)
+            data = args[0] if args else _data_argument(method, kwargs)
+            _emit_outside_graph(self, event, data, index)
             return index
         with self._replay_lock:  # reentrant; see the module docstring
             index = method(self, *args, **kwargs)

@@ -31,6 +31,7 @@ __all__ = [
 
 #: Statistics a :class:`Moments` partial can emit, in output order.
 MOMENT_STATS: tuple[str, ...] = ("count", "mean", "std", "var", "min", "max")
+_MOMENT_AT = {stat: i for i, stat in enumerate(MOMENT_STATS)}
 _DEFAULT_MOMENT_STATS: tuple[str, ...] = ("mean", "std", "min", "max")
 
 
@@ -126,9 +127,8 @@ class Moments(Partial):
     """Count, sum, mean, sum of squared deviations, minimum and maximum of some values.
 
     Merging adds counts and sums (integer sums exact up to ``2**53``) and
-    combines M2 with Chan et al.'s update, so merged means and deviations are
-    those of the union. The deviation is the population one (``correction=0``).
-    A NaN makes mean, deviation, min and max NaN, in any merge order.
+    combines M2 with Chan et al.'s update. The deviation is the population
+    one (``correction=0``). A NaN makes mean, deviation, min and max NaN.
 
     Args:
         prefix (str): output names are ``f"{prefix}_{stat}"`` (``stat`` when
@@ -277,25 +277,13 @@ class Moments(Partial):
 
     def finalize(self) -> dict[str, float]:
         """Returns the chosen statistics; an empty partial reports only its count."""
-        out: dict[str, float] = {}
         prefix = f"{self.prefix}_" if self.prefix else ""
         n = self.count
-        for stat in self.stats:
-            if stat == "count":
-                out[prefix + "count"] = n
-            elif not n:
-                continue
-            elif stat == "mean":
-                out[prefix + "mean"] = self.mean
-            elif stat == "var":
-                out[prefix + "var"] = max(self.m2, 0.0) / n
-            elif stat == "std":
-                out[prefix + "std"] = math.sqrt(max(self.m2, 0.0) / n)
-            elif stat == "min":
-                out[prefix + "min"] = self.min
-            else:
-                out[prefix + "max"] = self.max
-        return out
+        if not n:
+            return {prefix + "count": n} if "count" in self.stats else {}
+        var = max(self.m2, 0.0) / n
+        known = (n, self.mean, math.sqrt(var), var, self.min, self.max)  # as MOMENT_STATS
+        return {prefix + stat: known[_MOMENT_AT[stat]] for stat in self.stats}
 
 
 class Count(Partial):
@@ -384,10 +372,9 @@ class LatestWindow(Partial):
 
     Each entry is a unique order key (``(stamp, source, index)``: when it
     ended, on which worker, which env row) and one value per name. A merge
-    keeps the ``size`` greatest keys of the union, an entry seen on both sides
-    counting once, so a source may re-send its window every time. Statistics
-    are exact over the entries held. Unlike a window partial it describes a
-    state (:attr:`rolling`), kept by an owner from one row to the next.
+    keeps the ``size`` greatest keys of the union, an entry on both sides
+    counting once, so a source may re-send its window. A state
+    (:attr:`rolling`), kept by an owner from one row to the next.
 
     Args:
         size (int): how many entries to keep; names end with ``_last_<N>``.
@@ -487,20 +474,15 @@ class LatestWindow(Partial):
                 label = f"{name}_{stat}{suffix}"
                 if stat == "count":
                     out[label] = float(n)
-                elif not n:
-                    continue
-                elif stat == "mean":
+                elif stat == "mean" and n:
                     out[label] = mean
-                elif stat == "std":
+                elif stat == "std" and n:
                     out[label] = math.sqrt(_total([(v - mean) * (v - mean) for v in values]) / n)
-                elif stat == "min":
-                    out[label] = ordered[0]
-                elif stat == "max":
-                    out[label] = ordered[-1]
-                elif stat == "median":
-                    out[label] = _quantile(ordered, 0.5)
-                else:
-                    out[label] = _quantile(ordered, float(stat[1:]) / 100)
+                elif stat in ("min", "max") and n:
+                    out[label] = ordered[0] if stat == "min" else ordered[-1]
+                elif n:
+                    q = 0.5 if stat == "median" else float(stat[1:]) / 100
+                    out[label] = _quantile(ordered, q)
         return out
 
     def __repr__(self) -> str:
@@ -565,14 +547,12 @@ def _collapse(store: dict[int, float], limit: int) -> dict[int, float]:
 class QuantileSketch(Partial):
     """Quantiles within a declared relative accuracy, from bucket counts that add (DDSketch).
 
-    Values are counted in logarithmic buckets (by float32 exponent and leading
-    mantissa bits), apart for positives, negatives and zeros; merging adds the
-    counts, so a merge *is* the sketch of the union. The quantile ``q`` is the
-    lower rank-based one (``numpy.quantile(..., method="lower")``), reported
-    within ``accuracy`` of it, relatively. At most ``max_buckets`` per sign:
-    past that the smallest magnitudes collapse into the lowest bucket kept.
-    Non-finite values are counted apart (``<name>_nonfinite``). See
-    :doc:`custom` for the details.
+    Values are counted in logarithmic buckets (float32 exponent and leading
+    mantissa bits) per sign; a merge adds the counts. The quantile ``q`` is
+    ``numpy.quantile(..., method="lower")``, within ``accuracy`` relatively.
+    Past ``max_buckets`` per sign the smallest magnitudes collapse into the
+    lowest bucket kept. Non-finite values count apart (``<name>_nonfinite``).
+    See :doc:`custom`.
 
     Args:
         name (str): output names are ``<name>_p5``, ``<name>_p50``, ...
@@ -643,9 +623,10 @@ class QuantileSketch(Partial):
         if isinstance(max_buckets, bool) or not isinstance(max_buckets, int) or max_buckets < 1:
             raise ValueError(f"{owner}: max_buckets must be a positive int, got {max_buckets!r}.")
         self.max_buckets = max_buckets
-        positive = {int(k): float(c) for k, c in (positive or {}).items() if c}
-        negative = {int(k): float(c) for k, c in (negative or {}).items() if c}
-        self.positive, self.negative = _collapse(positive, max_buckets), _collapse(negative, max_buckets)
+        self.positive, self.negative = (
+            _collapse({int(k): float(c) for k, c in (side or {}).items() if c}, max_buckets)
+            for side in (positive, negative)
+        )
         self.zero = float(zero)
         self.nonfinite = float(nonfinite)
 

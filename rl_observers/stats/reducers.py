@@ -286,20 +286,15 @@ class _MomentsTable(_Reducer):
                 if slot == len(slots):
                     self._flush()
                 return
-            if x.shape[0] * n > _STAGE_ENTRIES:  # reduced at once: the stage stays for small folds
-                self._reduce(x, mask)
-                return
-            self._flush()
-            self._stage = self._stage_mask = self._stage_slots = self._mask_slots = None
-        channels = x.shape[0]
-        if channels * n > _STAGE_ENTRIES:
+        if x.shape[0] * n > _STAGE_ENTRIES:  # reduced at once: a stage stays for small folds
             self._reduce(x, mask)
             return
-        device = view.device
-        folds = _STAGE_FOLDS
-        self._stage = torch.empty((channels, folds, n), dtype=_F64, device=device)
+        self._flush()  # a new stage, for folds of this size
+        device, folds = view.device, _STAGE_FOLDS
+        self._stage = torch.empty((x.shape[0], folds, n), dtype=_F64, device=device)
         self._stage_slots = self._stage.unbind(1)
         self._stage_n = n
+        self._stage_mask = self._mask_slots = None
         if mask is not None:
             self._stage_mask = torch.empty((folds, n), dtype=_BOOL, device=device)
             self._mask_slots = self._stage_mask.unbind(0)
@@ -401,16 +396,13 @@ class MomentsReducer(_MomentsTable):
         """Folds ``values`` (those where ``mask`` is true) into the window, with no host read.
 
         Args:
-            values (torch.Tensor): any shape and real dtype.
+            values (torch.Tensor): any shape and real dtype (not complex: TypeError).
             mask (torch.Tensor, optional): boolean, broadcastable to ``values``.
                 Defaults to ``None`` (all entries count).
 
         Keyword Args:
             staged (bool, optional): stage small folds; pass ``False`` when the
                 size changes from fold to fold. Defaults to ``True``.
-
-        Raises:
-            TypeError: if ``values`` is complex.
         """
         if values.is_complex():
             raise _complex(f"MomentsReducer({self.prefixes[0]!r})", values)
@@ -459,13 +451,9 @@ class MomentsGroupReducer(_MomentsTable):
         Args:
             values (torch.Tensor): ``[K, *S]``, any real dtype.
             mask (torch.Tensor, optional): boolean, broadcastable to ``S``.
-                Defaults to ``None``.
 
         Keyword Args:
             staged (bool, optional): as for :meth:`MomentsReducer.fold`.
-
-        Raises:
-            TypeError: if ``values`` is complex.
         """
         if values.is_complex():
             raise _complex(f"MomentsGroupReducer({self.prefixes!r})", values)
@@ -549,9 +537,8 @@ class ReducerBank(Transient):
     """Holds the window state of several reducers in one ``float64`` tensor.
 
     The state lives on the device of the first tensor folded; a reducer
-    registered later widens it (one copy on the device). :meth:`pull` copies
-    it to the host in one transfer, resets the window and returns one partial
-    per key.
+    registered later widens it. :meth:`pull` copies it to the host in one
+    transfer, resets the window and returns one partial per key.
 
     Examples:
         >>> import torch
@@ -764,9 +751,8 @@ _I32 = torch.int32
 class QuantileReducer(Transient):
     """Folds tensors into a :class:`~rl_observers.stats.QuantileSketch` on their device.
 
-    Counts live in a ``float64`` buffer of its own on the first tensor's
-    device, folded with no host read (small folds staged);
-    :meth:`pull` moves it to the host in one transfer and resets it.
+    Counts live in a ``float64`` buffer on the first tensor's device, folded
+    with no host read; :meth:`pull` moves it to the host in one transfer.
 
     Args:
         name (str): the sketch's name.
@@ -816,11 +802,8 @@ class QuantileReducer(Transient):
         """Counts ``values`` (those where ``mask`` is true) in their buckets, on their device.
 
         Args:
-            values (torch.Tensor): any shape and real dtype.
+            values (torch.Tensor): any shape and real dtype (not complex: TypeError).
             mask (torch.Tensor, optional): boolean, broadcastable to ``values``.
-
-        Raises:
-            TypeError: if ``values`` is complex.
         """
         if values.is_complex():
             raise _complex(f"QuantileReducer({self._empty.name!r})", values)
@@ -910,24 +893,36 @@ class QuantileReducer(Transient):
         host = buffer.cpu()  # the one transfer (and sync) of a window; the buffer itself on CPU
         found = host.nonzero().reshape(-1)
         counts = host[found].tolist()
+        slots = found.tolist()
         buffer.zero_()
-        if self._raw:  # a raw [sign | magnitude] pattern, sign-extended, to its computed slot
-            sign = 1 << (8 + empty.p)
-            found = self._slots(torch.where(found >= sign, found - 2 * sign, found))
-        low, high = sketch_key_range(empty.p)
-        width = high - low
+        p = empty.p
+        low, high = sketch_key_range(p)
         positive: dict[int, float] = {}
         negative: dict[int, float] = {}
         zero = nonfinite = 0.0
-        for slot, c in zip(found.tolist(), counts):
-            if slot < 2 * width:  # magnitudes clamped to the range share a slot
-                store = negative if slot >= width else positive
-                key = low + slot % width
-                store[key] = store.get(key, 0.0) + c
-            elif slot == 2 * width:
-                zero += c
-            else:
-                nonfinite += c
+        if self._raw:
+            sign_bit, magnitudes, infinite = 1 << (8 + p), (1 << (8 + p)) - 1, 255 << p
+            for slot, c in zip(slots, counts):
+                magnitude = slot & magnitudes
+                if not magnitude:
+                    zero += c
+                elif magnitude >= infinite:
+                    nonfinite += c
+                else:
+                    store = negative if slot & sign_bit else positive
+                    key = low if magnitude < low else high - 1 if magnitude >= high else magnitude
+                    store[key] = store.get(key, 0.0) + c
+        else:
+            width = high - low
+            for slot, c in zip(slots, counts):
+                if slot < width:
+                    positive[low + slot] = c
+                elif slot < 2 * width:
+                    negative[low + slot - width] = c
+                elif slot == 2 * width:
+                    zero = c
+                else:
+                    nonfinite = c
         return QuantileSketch(
             empty.name,
             quantiles=empty.quantiles,

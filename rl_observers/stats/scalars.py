@@ -1,7 +1,6 @@
 """Torch-free partials of one value under a merge rule, fractions, rates and histograms.
 
-What the metric one-liners (:mod:`rl_observers.metrics.oneliners`) submit;
-any merge, in any grouping and order, equals the statistic of the union.
+What the metric one-liners (:mod:`rl_observers.metrics.oneliners`) submit.
 
 Examples:
     >>> from rl_observers.stats import Fraction, Scalar
@@ -82,14 +81,12 @@ class Scalar(Partial):
             return other._with(other.value, other.count, other.stamp)
         rule, a, b = self.rule, self.value, other.value
         count = self.count + other.count
-        if rule in ("sum", "mean"):
-            return self._with(a + b, count, max(self.stamp, other.stamp))
-        if rule == "min":  # a NaN wins, in either order (as torch.minimum)
-            return self._with(_min(a, b), count, max(self.stamp, other.stamp))
-        if rule == "max":
-            return self._with(_max(a, b), count, max(self.stamp, other.stamp))
-        newest = other if other.stamp > self.stamp else self  # ties: the left operand's
-        return self._with(newest.value, count, newest.stamp)
+        if rule == "latest":
+            newest = other if other.stamp > self.stamp else self  # ties: the left operand's
+            return self._with(newest.value, count, newest.stamp)
+        # min and max: a NaN wins, in either order (as torch.minimum)
+        value = _min(a, b) if rule == "min" else _max(a, b) if rule == "max" else a + b
+        return self._with(value, count, max(self.stamp, other.stamp))
 
     def _with(self, value: float, count: float, stamp: float) -> Scalar:
         out = object.__new__(self.__class__)
@@ -141,8 +138,7 @@ class Fraction(Partial):
 class PerSecond(Partial):
     """An amount over the wall-clock span ``[start, end]`` (``time.time()`` seconds).
 
-    Merging adds amounts and unites spans: concurrent workers add their rates,
-    consecutive windows average theirs.
+    Merging adds amounts and unites spans: concurrent workers add their rates.
 
     Examples:
         >>> from rl_observers.stats import PerSecond
@@ -182,10 +178,7 @@ class PerSecond(Partial):
 
 
 class LastEvent(Partial):
-    """When a window's last event happened at the source; merged by max, logs nothing.
-
-    Put in each window under :attr:`KEY` so a rate read off the rows is over
-    the time the data was made, not when its row arrived.
+    """When a window's last event happened at the source (under :attr:`KEY`); merged by max, logs nothing.
 
     Examples:
         >>> from rl_observers.stats import LastEvent
@@ -219,10 +212,9 @@ class BinCounts(Partial):
 
     Bins as ``torch.bucketize`` gives them: ``<= edges[0]``, ``(edges[i-1],
     edges[i]]``, ``> edges[-1]``. A quantile is interpolated inside its bin
-    (exact up to the bin's width; outer bins read as the outer edges). NaN
-    values are counted apart (``<name>_nan_count``). The exact ``sum``,
-    ``sum_squares``, ``min`` and ``max`` of the binned values merge too, for
-    histogram views; they are not logged as scalars.
+    (outer bins read as the outer edges). NaN values count apart
+    (``<name>_nan_count``). The exact ``sum``, ``sum_squares``, ``min`` and
+    ``max`` merge too, for histogram views (not logged as scalars).
 
     Args:
         name (str): outputs are ``<name>_count`` and ``<name>_p50`` etc.
@@ -263,9 +255,8 @@ class BinCounts(Partial):
     ) -> None:
         self.name = _check_name(name, "name")
         self.edges = edges = tuple(map(float, edges))
-        if len(edges) < 2 or any(b <= a for a, b in zip(edges, edges[1:])) or not all(
-            map(math.isfinite, edges)
-        ):
+        increasing = all(a < b for a, b in zip(edges, edges[1:]))
+        if len(edges) < 2 or not increasing or not all(map(math.isfinite, edges)):
             raise ValueError(
                 f"edges must be at least two finite, strictly increasing numbers, got {edges!r} "
                 f"(for {name!r})."
