@@ -60,7 +60,8 @@ def _learn_readers(cls: type) -> None:
             continue
         for value in vars(klass).values():
             for fn in _functions(value):
-                readers.update(c for c in _codes(fn.__code__) if any(h in c.co_names for h in _HOOKS))
+                codes = _codes(fn.__code__)
+                readers.update(c for c in codes if any(h in c.co_names for h in _HOOKS))
     _LEARNT.update(cls.__mro__)
     _READERS = frozenset(readers)
 
@@ -68,13 +69,14 @@ def _learn_readers(cls: type) -> None:
 class CollectorObservers(ObserverList):
     """The observers of one in-process collector, and the hook dispatchers it calls.
 
-    In a multiprocessing worker, a rollout reaches ``post_collect`` only once
-    torchrl delivers it (:class:`WorkerDeliveries`); the frames of rollouts
-    torchrl drops count apart in :attr:`frames_discarded` (see
-    :ref:`what-is-counted`). Nothing is copied.
+    In a worker, a rollout reaches ``post_collect`` once torchrl delivers it
+    (:class:`WorkerDeliveries`); dropped rollouts' frames count apart in
+    :attr:`frames_discarded` (:ref:`what-is-counted`).
     """
 
-    def __init__(self, source: Any, emits: tuple[str, ...] = COLLECTOR_EVENTS, target_name: str = "collector") -> None:
+    def __init__(
+        self, source: Any, emits: tuple[str, ...] = COLLECTOR_EVENTS, target_name: str = "collector"
+    ) -> None:
         super().__init__(source, emits, target_name)
         _learn_readers(torchrl_class(type(source)))
         #: Frames of rollouts torchrl finished but never delivered (dropped, or collected again).
@@ -83,7 +85,7 @@ class CollectorObservers(ObserverList):
         #: Whether a rollout is delivered after ``post_collect`` (see :class:`WorkerDeliveries`).
         self.defers_delivery = mode is not None
         self._handed_on_at_collect = mode == WorkerDeliveries.RETURNED
-        self._undelivered: Any = None  # the rollout collected last, until torchrl delivers or drops it
+        self._undelivered: Any = None  # collected last, until torchrl delivers or drops it
         self._handed_on = False  # handed on, but delivered only when the worker is asked again
         self._next_started = False  # delivering as torchrl starts the next rollout
 
@@ -104,7 +106,7 @@ class CollectorObservers(ObserverList):
 
     def contribute_stats(self, stats: dict[str, Any]) -> dict[str, Any]:
         if self._next_started and "batches" in stats:
-            stats["batches"] -= 1  # torchrl counts the rollout it started: observers see the one delivered
+            stats["batches"] -= 1  # torchrl counts the one it started, observers the one delivered
         return super().contribute_stats(stats)
 
     def post_collect_hook(self, batch: Any) -> None:
@@ -148,15 +150,12 @@ class CollectorObservers(ObserverList):
 class WorkerDeliveries:
     """Where a multiprocessing worker hands its rollout on, in this process.
 
-    torchrl's worker loop hands on a kept rollout by a write into the shared
-    replay buffer (the loop's device-normalizing function is wrapped), a put
-    on its queue to the driver (``queue_out.put`` is wrapped; ``queue.Full``
-    means not handed on), or a return from an asynchronous ``RayCollector``'s
-    actor. A ``MultiSyncCollector``'s put is the delivery; a
-    ``MultiAsyncCollector``'s or asynchronous Ray rollout is delivered when
-    the driver asks for the next (:attr:`taken_when_asked_again`). Each is
-    wrapped once per process; elsewhere rollouts are delivered at
-    ``post_collect``.
+    By a write into the shared replay buffer (the loop's device-normalizing
+    function is wrapped), a put on the queue to the driver (``queue_out.put``
+    is wrapped; ``queue.Full`` means not handed on), or a return from an
+    asynchronous ``RayCollector``'s actor. A ``MultiSyncCollector``'s put is
+    the delivery; other rollouts are delivered when the driver asks for the
+    next (:attr:`taken_when_asked_again`). Elsewhere: at ``post_collect``.
     """
 
     def __init__(self) -> None:
@@ -171,22 +170,18 @@ class WorkerDeliveries:
     RETURNED = "returned"
 
     def watch(self, observers: CollectorObservers, source: Any) -> str | None:
-        """Watches ``observers`` if ``source`` is a worker's collector that delivers later; returns how (:attr:`HANDED_OVER`, :attr:`RETURNED`) or ``None``."""
-        if self._writes_for(source):
+        """Watches ``observers`` of a worker's collector that delivers later; returns how, or ``None``."""
+        buffer = getattr(source, "replay_buffer", None)
+        if buffer is not None and getattr(source, "_ignore_rb", False):  # it writes rollouts
             self._wrap_write()
         elif (queue := self._runner_queue()) is not None:
             self._wrap_put(queue)
-        elif self.taken_when_asked_again and getattr(source, "replay_buffer", None) is None:
+        elif self.taken_when_asked_again and buffer is None:
             return self.RETURNED
         else:
             return None
         self._watched.add(observers)
         return self.HANDED_OVER
-
-    @staticmethod
-    def _writes_for(source: Any) -> bool:
-        """Whether ``source`` is a worker's collector whose rollouts the worker writes into a buffer."""
-        return getattr(source, "replay_buffer", None) is not None and bool(getattr(source, "_ignore_rb", False))
 
     @staticmethod
     def _runner_queue() -> Any:
@@ -228,7 +223,8 @@ class WorkerDeliveries:
 
         @functools.wraps(put)
         def put_then_deliver(item: Any, *args: Any, **kwargs: Any) -> None:
-            rollout = isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], int)  # not "paused"
+            # a rollout, not "paused"
+            rollout = isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], int)
             if rollout and not self.taken_when_asked_again:
                 # the driver takes every worker's rollout of a round: the queue has room for each
                 self._hand_on(taken=True)

@@ -1,20 +1,18 @@
 """Observed classes: the subclass a source becomes while it has observers.
 
-Step **source** of the flow. A source without observers is an instance of
-its torchrl class and runs exactly torchrl's code; the first observer
+A source without observers runs exactly torchrl's code; the first observer
 switches its ``__class__`` to a subclass that emits events and keeps the
 :class:`~rl_observers.observer.ObserverList` as ``_rl_observers``; the last
-one's removal switches it back. This module is the whole mechanism
-(:func:`attach` / :func:`release`, :func:`switch_class` /
-:func:`switch_back` for remote kinds). The mixin of a class comes from
-one table (:mod:`rl_observers.targets`), matched by the nearest class of
-its MRO, per *context* (``None`` in process; ``"ray_actor"`` and others
-where the in-process mixin cannot work). How an observed object behaves
-under ``type``, ``copy`` and ``pickle``: :ref:`observed-objects`.
+one's removal switches it back. The mixin comes from one table
+(:mod:`rl_observers.targets`), matched by the nearest class of the MRO, per
+*context* (``None`` in process; ``"ray_actor"`` and others where the
+in-process mixin cannot work). Under ``type``, ``copy`` and ``pickle``:
+:ref:`observed-objects`.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import threading
 from collections.abc import Callable
@@ -46,7 +44,7 @@ __all__ = [
 _PREFIX = "Observed@"
 _CLASSES: dict[tuple[type, str | None], type] = {}
 _METACLASSES: dict[type, type] = {}
-_NOT_COPIED = frozenset({"__dict__", "__weakref__", "__slots__", "__module__", "__qualname__", "__doc__"})
+_NOT_COPIED = {"__dict__", "__weakref__", "__slots__", "__module__", "__qualname__", "__doc__"}
 #: Held while a source switches between observed and plain.
 ATTACH_LOCK = threading.RLock()
 
@@ -107,12 +105,14 @@ def _answer(cls: type, context: str | None) -> How | str:
     for position, klass in enumerate(mro):
         how = rows.get(_name(klass))
         if how is not None:
-            replaced = sorted({name for k in mro[:position] for name in how.loop if name in vars(k)})
-            answer = how if not replaced else (
-                f"{cls.__qualname__} replaces {', '.join(replaced)} of torchrl's "
-                f"{klass.__qualname__}, through which the events observers receive are emitted: "
-                "attached, they would hear nothing."
-            )
+            replaced = sorted({n for k in mro[:position] for n in how.loop if n in vars(k)})
+            answer = how
+            if replaced:
+                answer = (
+                    f"{cls.__qualname__} replaces {', '.join(replaced)} of torchrl's "
+                    f"{klass.__qualname__}, through which the events observers receive are "
+                    "emitted: attached, they would hear nothing."
+                )
             break
         if klass.__module__.split(".")[0] == "torchrl":
             answer = (
@@ -172,7 +172,7 @@ class _Observed:
     _rl_observers: ObserverList
 
     def __copy__(self) -> Any:
-        new = _reconstruct(self.__reduce_ex__(4))
+        new = copy._reconstruct(self, None, *self.__reduce_ex__(4))  # what copy.copy does
         observers = observers_of(new)
         if observers is not None:  # its own list, with the same observers, naming the copy
             new._rl_observers = observers.copy_for(new)
@@ -199,25 +199,6 @@ class ObservedSource:
         return stats if observers is None else observers.contribute_stats(stats)
 
 
-def _reconstruct(reduced: Any) -> Any:
-    """What ``copy.copy`` does with a ``__reduce_ex__`` result (state is not copied)."""
-    func, args, state = reduced[:3]
-    new = func(*args)
-    if state is not None:
-        setstate = getattr(new, "__setstate__", None)
-        if setstate is not None:
-            setstate(state)
-        else:
-            slots = None
-            if isinstance(state, tuple) and len(state) == 2:
-                state, slots = state
-            if state:
-                new.__dict__.update(state)
-            for name, value in (slots or {}).items():
-                setattr(new, name, value)
-    return new
-
-
 def _observed_metaclass(meta: type) -> type:
     """The metaclass of observed classes whose torchrl class has metaclass ``meta``: calling one builds a plain torchrl object."""
     cls = _METACLASSES.get(meta)
@@ -229,7 +210,8 @@ def _observed_metaclass(meta: type) -> type:
         def __repr__(cls: type) -> str:
             return repr(torchrl_class(cls))
 
-        cls = type(meta)(f"Observed{meta.__name__}", (meta,), {"__call__": __call__, "__repr__": __repr__})
+        methods = {"__call__": __call__, "__repr__": __repr__}
+        cls = type(meta)(f"Observed{meta.__name__}", (meta,), methods)
         _METACLASSES[meta] = cls
     return cls
 
@@ -253,7 +235,8 @@ def observed_class(base: type, context: str | None = None) -> type:
     # A generated, importable name: pickle finds the class through this module's __getattr__.
     at = "" if context is None else f"{context}@"
     qualname = f"{_PREFIX}{at}{base.__module__}:{base.__qualname__}".replace(".", "/")
-    namespace.update(__module__=__name__, __qualname__=qualname, __doc__=base.__doc__, _rl_base=base)
+    namespace.update(__module__=__name__, __qualname__=qualname, __doc__=base.__doc__)
+    namespace["_rl_base"] = base
     cls = _observed_metaclass(type(base))(base.__name__, (base,), namespace)
     _CLASSES[(base, context)] = cls
     return cls
@@ -292,7 +275,9 @@ def observe(source: Any, context: str | None = None) -> ObserverList:
             observers = observers_of(source)
             if observers is None:
                 base = torchrl_class(type(source))
-                context = _variant(source, base, context)
+                how = how_observed(base, context)  # a variant's row observes some instances
+                variant = None if how is None or how.variant is None else how.variant(source)
+                context = context if variant is None else variant
                 found = _find(base, context)
                 if found is None:
                     raise TypeError(refusal(base, context))
@@ -303,18 +288,13 @@ def observe(source: Any, context: str | None = None) -> ObserverList:
     return observers
 
 
-def _variant(source: Any, base: type, context: str | None) -> str | None:
-    """The context whose row observes ``source``: its row's :attr:`How.variant`, else ``context``."""
-    how = how_observed(base, context)
-    variant = None if how is None or how.variant is None else how.variant(source)
-    return context if variant is None else variant
-
-
 def release(source: Any) -> None:
     """Makes ``source`` a plain torchrl object again once nothing observes it."""
     with ATTACH_LOCK:
         observers = observers_of(source)
-        if observers is None or observers.entries or _has_source_receivers(source):
+        # receivers connected for this source (blinker indexes them by sender id)
+        heard = any(signal._by_sender.get(id(source)) for signal in _SIGNALS)
+        if observers is None or observers.entries or heard:
             return
         source.__class__ = torchrl_class(type(source))
         del source._rl_observers
@@ -365,11 +345,6 @@ def detach(source: Any, observer: Any) -> None:
 
 
 _SIGNALS = tuple(signals.signal_for(event) for event in signals.EVENT_PAYLOADS)
-
-
-def _has_source_receivers(source: Any) -> bool:
-    # blinker keeps receivers per sender id; ``_by_sender`` is its documented-by-use index.
-    return any(signal._by_sender.get(id(source)) for signal in _SIGNALS)
 
 
 def is_observable(obj: Any) -> bool:

@@ -125,10 +125,6 @@ def source_kind(source: Any) -> str | None:
     return None
 
 
-def _kind(source: Any) -> str:
-    return source_kind(source) or "replay_buffer"
-
-
 def _in_ray_worker() -> bool:
     ray = sys.modules.get("ray")
     if ray is None:
@@ -157,7 +153,7 @@ def _torchrl_worker_index() -> int | None:
 def source_info(source: Any) -> SourceInfo:
     """Returns where ``source`` runs: its kind, worker index and process.
 
-    Works in the driver, in workers and in Ray actors. It looks things up:
+    Works in the driver, in workers and in Ray actors; it looks things up, so
     call it once (in ``attached`` or at the first event) and keep the result.
 
     Examples:
@@ -172,7 +168,7 @@ def source_info(source: Any) -> SourceInfo:
         ('collector', None)
         >>> collector.shutdown()
     """
-    kind = _kind(source)
+    kind = source_kind(source) or "replay_buffer"
     pid = os.getpid()
     placement = _PLACEMENTS.get(source)
     if placement is not None:

@@ -1,13 +1,10 @@
 """How replay buffers emit events.
 
 ``add`` / ``extend`` emit after torchrl wrote, with the index it returned,
-under the buffer's own reentrant lock (so an observer sees the buffer as
-the write left it). ``post_sample`` carries the batch and the sampler's
-info, once per batch ``sample()`` hands over, in the calling thread; a
-buffer with ``prefetch=N`` is observed by
-:class:`ObservedPrefetchingReplayBuffer`, which emits at hand-over.
-Observers run eagerly, outside any ``torch.compile`` region. See
-:ref:`events`.
+under the buffer's reentrant lock (an observer sees the buffer as the write
+left it). ``post_sample`` carries the batch and the sampler's info, once per
+batch ``sample()`` hands over (at hand-over with ``prefetch=N``). Observers
+run eagerly, outside any ``torch.compile`` region. See :ref:`events`.
 """
 
 from __future__ import annotations
@@ -42,13 +39,10 @@ __all__ = [
 PREFETCHING = "prefetching"
 
 
-def _code_of(function: Any) -> CodeType | None:
-    return getattr(inspect.unwrap(function), "__code__", None) if function is not None else None
-
-
 # torchrl's multiprocessing collectors set an empty buffer's storage up with a fake write and
 # an empty(): not data, so no event (told by the calling frame's code, as hook reads are).
-_SETUP_CODE = _code_of(getattr(MultiCollector, "_check_replay_buffer_init", None))
+_SETUP = inspect.unwrap(getattr(MultiCollector, "_check_replay_buffer_init", None))
+_SETUP_CODE: CodeType | None = getattr(_SETUP, "__code__", None)
 
 
 def emit_eagerly(source: Any, event: str, *payload: Any) -> None:
@@ -79,7 +73,8 @@ def _write_method(name: str, event: str) -> Callable[..., Any]:
         method = getattr(cls.__dict__.get("_rl_base", cls), name)
         if torch.compiler.is_dynamo_compiling():  # torchrl takes no lock when compiled either
             index = method(self, *args, **kwargs)
-            _emit_outside_graph(self, event, args[0] if args else _data_argument(method, kwargs), index)
+            data = args[0] if args else _data_argument(method, kwargs)
+            _emit_outside_graph(self, event, data, index)
             return index
         with self._replay_lock:  # reentrant; see the module docstring
             index = method(self, *args, **kwargs)
@@ -101,7 +96,7 @@ def writes_held(source: Any) -> Any:
 
 def _data_argument(method: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
     """The data of a write passed by keyword (``extend(tensordicts=td)``): torchrl's first argument."""
-    params = list(inspect.signature(method).parameters)  # (self, data, ...): a function of the class
+    params = list(inspect.signature(method).parameters)  # (self, data, ...)
     return kwargs.get(params[1]) if len(params) > 1 else None
 
 
@@ -179,13 +174,14 @@ class PrefetchingBufferObservers(ReplayBufferObservers):
         if threading.get_ident() == self._handing_thread:
             self._made = result
 
-    def hand_over(self, sample: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def hand_over(self, sample: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
         """Runs torchrl's ``sample`` and emits ``post_sample`` for the batch it handed over."""
         source = self.source
         with self._handing:
             queue = source.__dict__.get("_prefetch_queue")
             head = queue[0] if queue else None
-            outer, self._handing_thread, self._made = self._handing_thread, threading.get_ident(), None
+            outer, self._made = self._handing_thread, None
+            self._handing_thread = threading.get_ident()
             try:
                 out = sample(source, *args, **kwargs)
                 result = self._made if head is None else head.result()

@@ -1,8 +1,6 @@
 """Statistics that merge exactly: torch-free partials, device reducers, observed counters.
 
-:mod:`~rl_observers.stats.partials` and :mod:`~rl_observers.stats.scalars`
-hold the host-side partials, :mod:`~rl_observers.stats.reducers` the device
-reducers. This package imports no other part of :mod:`rl_observers`.
+This package imports no other part of :mod:`rl_observers`.
 """
 
 from rl_observers.stats.counters import ObservedCounters

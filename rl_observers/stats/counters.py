@@ -1,9 +1,4 @@
-"""Host-side cumulative counters that device values feed without a sync.
-
-Counters fed by tensor values (``episodes``, ``frames`` of masked batches)
-may lag by a batch or so on CUDA; :meth:`ObservedCounters.drain` makes
-them exact.
-"""
+"""Host-side cumulative counters that device values feed without a sync."""
 
 from __future__ import annotations
 
@@ -20,8 +15,8 @@ class ObservedCounters:
     """Host-side counters, some fed by device values without a sync.
 
     ``add_observed`` takes a 1-D integer tensor, one entry per counter: read
-    at once on CPU, copied without blocking and added by a later :meth:`poll`
-    on CUDA, read at :meth:`drain` elsewhere.
+    at once on CPU, added by a later :meth:`poll` on CUDA (so they may lag by
+    a batch), at :meth:`drain` elsewhere.
     """
 
     __slots__ = ("values", "_pending")

@@ -64,9 +64,6 @@ class LatestReducer(_Reducer):
     def width(self) -> int:  # type: ignore[override]
         return self.size * (_HEAD + len(self.names))
 
-    def _empties(self) -> dict[str, Partial]:
-        return {self.key: LatestWindow(self.size, self.names, stats=self.stats)}
-
     def _window(self, values: Sequence[float]) -> LatestWindow:
         size, start = self.size, self._offset
         columns = [

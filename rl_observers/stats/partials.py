@@ -2,8 +2,7 @@
 
 Any merge of partials, in any grouping and order, equals the statistic of
 the union of the data (up to rounding); the empty partial is the identity.
-The device side lives in :mod:`rl_observers.stats.reducers`. See
-:ref:`partials`.
+See :ref:`partials`.
 
 Examples:
     >>> from rl_observers.stats import Count, Moments
@@ -32,6 +31,7 @@ __all__ = [
 
 #: Statistics a :class:`Moments` partial can emit, in output order.
 MOMENT_STATS: tuple[str, ...] = ("count", "mean", "std", "var", "min", "max")
+_MOMENT_AT = {stat: i for i, stat in enumerate(MOMENT_STATS)}
 _DEFAULT_MOMENT_STATS: tuple[str, ...] = ("mean", "std", "min", "max")
 
 
@@ -55,12 +55,11 @@ def _check_stats(stats: Iterable[str], prefix: str) -> tuple[str, ...]:
 
 
 class Partial:
-    """A mergeable partial statistic: what crosses a process boundary.
+    """A mergeable partial statistic: small and picklable.
 
-    Subclasses are small and picklable. :meth:`merge` is exact, associative
-    and commutative, and returns a new object; :meth:`finalize` maps metric
-    names (relative to a namespace) to floats, an empty partial giving its
-    counts as ``0`` and no means, deviations, minima or maxima.
+    :meth:`merge` is exact, associative and commutative, and returns a new
+    object; :meth:`finalize` maps metric names to floats, an empty partial
+    giving its counts as ``0`` and no means, deviations, minima or maxima.
 
     Examples:
         >>> from rl_observers.stats import Count, Partial
@@ -69,13 +68,11 @@ class Partial:
     """
 
     __slots__ = ()
-    #: Whether the partial describes a state carried from window to window (such as the
-    #: last ``N`` episodes) rather than one window: an owner keeps it from one logged row to
-    #: the next, and later contributions merge into it.
+    #: Whether the partial is a state carried from window to window (the last ``N``
+    #: episodes): an owner keeps it from row to row and merges contributions into it.
     rolling = False
-    #: Whether the partial stands for how long a worker was silent, which only the owner
-    #: merging the workers can measure: an owner's row reports, instead, the seconds since
-    #: it last heard from the worker heard from longest ago.
+    #: Whether the partial stands for how long a worker was silent: an owner's row reports
+    #: instead the seconds since it last heard from the worker heard from longest ago.
     silence = False
 
     def merge(self, other: Partial) -> Partial:
@@ -130,9 +127,8 @@ class Moments(Partial):
     """Count, sum, mean, sum of squared deviations, minimum and maximum of some values.
 
     Merging adds counts and sums (integer sums exact up to ``2**53``) and
-    combines M2 with Chan et al.'s update, so merged means and deviations are
-    those of the union. The deviation is the population one (``correction=0``).
-    A NaN makes mean, deviation, min and max NaN, in any merge order.
+    combines M2 with Chan et al.'s update. The deviation is the population
+    one (``correction=0``). A NaN makes mean, deviation, min and max NaN.
 
     Args:
         prefix (str): output names are ``f"{prefix}_{stat}"`` (``stat`` when
@@ -210,8 +206,7 @@ class Moments(Partial):
             low = high = math.nan  # Python's min and max would depend on where the NaN is
         else:
             low, high = min(values), max(values)
-        prefix, stats = _check_name(prefix, "prefix"), _check_stats(stats, prefix)
-        return cls._trusted(prefix, stats, float(len(values)), total, m2, low, high)
+        return cls(prefix, stats=stats, count=len(values), sum=total, m2=m2, min=low, max=high)
 
     def merge(self, other: Partial) -> Moments:
         """Returns the moments of the union of both operands' values."""
@@ -282,25 +277,13 @@ class Moments(Partial):
 
     def finalize(self) -> dict[str, float]:
         """Returns the chosen statistics; an empty partial reports only its count."""
-        out: dict[str, float] = {}
         prefix = f"{self.prefix}_" if self.prefix else ""
         n = self.count
-        for stat in self.stats:
-            if stat == "count":
-                out[prefix + "count"] = n
-            elif not n:
-                continue
-            elif stat == "mean":
-                out[prefix + "mean"] = self.mean
-            elif stat == "var":
-                out[prefix + "var"] = max(self.m2, 0.0) / n
-            elif stat == "std":
-                out[prefix + "std"] = math.sqrt(max(self.m2, 0.0) / n)
-            elif stat == "min":
-                out[prefix + "min"] = self.min
-            else:
-                out[prefix + "max"] = self.max
-        return out
+        if not n:
+            return {prefix + "count": n} if "count" in self.stats else {}
+        var = max(self.m2, 0.0) / n
+        known = (n, self.mean, math.sqrt(var), var, self.min, self.max)  # as MOMENT_STATS
+        return {prefix + stat: known[_MOMENT_AT[stat]] for stat in self.stats}
 
 
 class Count(Partial):
@@ -389,10 +372,9 @@ class LatestWindow(Partial):
 
     Each entry is a unique order key (``(stamp, source, index)``: when it
     ended, on which worker, which env row) and one value per name. A merge
-    keeps the ``size`` greatest keys of the union, an entry seen on both sides
-    counting once, so a source may re-send its window every time. Statistics
-    are exact over the entries held. Unlike a window partial it describes a
-    state (:attr:`rolling`), kept by an owner from one row to the next.
+    keeps the ``size`` greatest keys of the union, an entry on both sides
+    counting once, so a source may re-send its window. A state
+    (:attr:`rolling`), kept by an owner from one row to the next.
 
     Args:
         size (int): how many entries to keep; names end with ``_last_<N>``.
@@ -492,20 +474,15 @@ class LatestWindow(Partial):
                 label = f"{name}_{stat}{suffix}"
                 if stat == "count":
                     out[label] = float(n)
-                elif not n:
-                    continue
-                elif stat == "mean":
+                elif stat == "mean" and n:
                     out[label] = mean
-                elif stat == "std":
+                elif stat == "std" and n:
                     out[label] = math.sqrt(_total([(v - mean) * (v - mean) for v in values]) / n)
-                elif stat == "min":
-                    out[label] = ordered[0]
-                elif stat == "max":
-                    out[label] = ordered[-1]
-                elif stat == "median":
-                    out[label] = _quantile(ordered, 0.5)
-                else:
-                    out[label] = _quantile(ordered, float(stat[1:]) / 100)
+                elif stat in ("min", "max") and n:
+                    out[label] = ordered[0] if stat == "min" else ordered[-1]
+                elif n:
+                    q = 0.5 if stat == "median" else float(stat[1:]) / 100
+                    out[label] = _quantile(ordered, q)
         return out
 
     def __repr__(self) -> str:
@@ -519,13 +496,6 @@ class LatestWindow(Partial):
 SKETCH_EXPONENTS: tuple[int, int] = (-64, 64)
 _F32_BIAS = 127
 _F32_MANTISSA = 23
-
-
-def check_quantile(q: object, owner: str) -> float:
-    """``q`` as a float in ``(0, 1)``, else a ValueError naming the valid range and ``owner``."""
-    if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 < float(q) < 1.0:
-        raise ValueError(f"{owner}: each quantile must be a number in (0, 1), got {q!r}.")
-    return float(q)
 
 
 def sketch_resolution(accuracy: object, owner: str = "QuantileSketch") -> int:
@@ -577,14 +547,12 @@ def _collapse(store: dict[int, float], limit: int) -> dict[int, float]:
 class QuantileSketch(Partial):
     """Quantiles within a declared relative accuracy, from bucket counts that add (DDSketch).
 
-    Values are counted in logarithmic buckets (by float32 exponent and leading
-    mantissa bits), apart for positives, negatives and zeros; merging adds the
-    counts, so a merge *is* the sketch of the union. The quantile ``q`` is the
-    lower rank-based one (``numpy.quantile(..., method="lower")``), reported
-    within ``accuracy`` of it, relatively. At most ``max_buckets`` per sign:
-    past that the smallest magnitudes collapse into the lowest bucket kept.
-    Non-finite values are counted apart (``<name>_nonfinite``). See
-    :doc:`custom` for the details.
+    Values are counted in logarithmic buckets (float32 exponent and leading
+    mantissa bits) per sign; a merge adds the counts. The quantile ``q`` is
+    ``numpy.quantile(..., method="lower")``, within ``accuracy`` relatively.
+    Past ``max_buckets`` per sign the smallest magnitudes collapse into the
+    lowest bucket kept. Non-finite values count apart (``<name>_nonfinite``).
+    See :doc:`custom`.
 
     Args:
         name (str): output names are ``<name>_p5``, ``<name>_p50``, ...
@@ -644,7 +612,10 @@ class QuantileSketch(Partial):
         owner = f"QuantileSketch({name!r})"
         if isinstance(quantiles, (str, float, int)):
             raise TypeError(f"{owner}: quantiles must be a sequence of numbers, got {quantiles!r}.")
-        self.quantiles = tuple(check_quantile(q, owner) for q in quantiles)
+        for q in quantiles:
+            if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 < float(q) < 1.0:
+                raise ValueError(f"{owner}: each quantile must be a number in (0, 1), got {q!r}.")
+        self.quantiles = tuple(map(float, quantiles))
         if not self.quantiles:
             raise ValueError(f"{owner}: quantiles must not be empty.")
         self.p = sketch_resolution(accuracy, owner)
@@ -652,8 +623,10 @@ class QuantileSketch(Partial):
         if isinstance(max_buckets, bool) or not isinstance(max_buckets, int) or max_buckets < 1:
             raise ValueError(f"{owner}: max_buckets must be a positive int, got {max_buckets!r}.")
         self.max_buckets = max_buckets
-        self.positive = _collapse({int(k): float(c) for k, c in (positive or {}).items() if c}, max_buckets)
-        self.negative = _collapse({int(k): float(c) for k, c in (negative or {}).items() if c}, max_buckets)
+        self.positive, self.negative = (
+            _collapse({int(k): float(c) for k, c in (side or {}).items() if c}, max_buckets)
+            for side in (positive, negative)
+        )
         self.zero = float(zero)
         self.nonfinite = float(nonfinite)
 
@@ -671,7 +644,8 @@ class QuantileSketch(Partial):
         import numpy as np  # (numpy comes with torch; imported here to keep this module light)
 
         out = cls(name, quantiles=quantiles, accuracy=accuracy, max_buckets=max_buckets)
-        x = np.asarray(list(values) if not hasattr(values, "__array__") else values, dtype=np.float64)
+        values = values if hasattr(values, "__array__") else list(values)
+        x = np.asarray(values, dtype=np.float64)
         if not x.size:
             return out
         with np.errstate(over="ignore", invalid="ignore"):

@@ -1,11 +1,9 @@
 """Device reducers: fold tensors into mergeable partials without waiting for the device.
 
-Step **observer** of the flow (source → observer → channel → logger). A
-:class:`ReducerBank` keeps the window state of its reducers in one
-``float64`` tensor on the data's device, folded with tensor operations only
-(no host read); :meth:`ReducerBank.pull` moves it to the host in one
-transfer as :class:`Partial` objects, which merge exactly in any order.
-See :ref:`partials`.
+A :class:`ReducerBank` keeps its reducers' window state in one ``float64``
+tensor on the data's device, folded with no host read;
+:meth:`ReducerBank.pull` moves it to the host in one transfer as
+:class:`Partial` objects. See :ref:`partials`.
 
 Examples:
     >>> import torch
@@ -62,11 +60,9 @@ _R = TypeVar("_R", bound="_Reducer")
 
 
 class Transient:
-    """Pickles its attributes (slots and ``__dict__``) but the ``_transient`` ones, which come back ``None``.
+    """Pickles its attributes but the ``_transient`` ones (rebuilt on demand), which come back ``None``.
 
-    A class declares once what it rebuilds on demand (views, scratch
-    buffers); :meth:`_flush` runs first, so that folds still staged reach
-    the pickled state.
+    :meth:`_flush` runs first, so folds still staged reach the pickled state.
     """
 
     __slots__ = ()
@@ -91,11 +87,7 @@ class Transient:
 
 
 class _Reducer(Transient):
-    """A reducer owns ``width`` consecutive slots of its bank's state tensor.
-
-    Its view of them is made at the first fold and kept (the bank zeroes the
-    state in place); views are not pickled but made again.
-    """
+    """A reducer owns ``width`` consecutive slots of its bank's state tensor, viewed from its first fold."""
 
     __slots__ = ("_bank", "_offset", "key", "_view")
     _transient: tuple[str, ...] = ("_view",)
@@ -113,10 +105,7 @@ class _Reducer(Transient):
         return (self.key,)
 
     def _partials(self, values: Sequence[float]) -> dict[str, Partial]:
-        """The partials of this reducer's slots of ``values`` (the bank's whole state)."""
-        raise NotImplementedError
-
-    def _empties(self) -> dict[str, Partial]:
+        """The partials of this reducer's slots of ``values`` (the bank's whole state; zeros: empty)."""
         raise NotImplementedError
 
     def _reset(self) -> None:
@@ -141,18 +130,15 @@ class _Reducer(Transient):
 
 _F64 = torch.float64
 _BOOL = torch.bool
-# Small folds are staged: copied into a buffer of equally sized folds and reduced
-# together, _STAGE_FOLDS at a time (or when the window closes), so a fold of a small
-# tensor costs one copy instead of a dozen operations. Folds of more than _STAGE_ENTRIES
-# values (over all quantities), whose cost is in the data, are reduced at once.
+# Small folds are staged: copied into a buffer and reduced _STAGE_FOLDS at a time (one copy
+# instead of a dozen operations); folds of more than _STAGE_ENTRIES values are reduced at once.
 _STAGE_FOLDS = 16
 _STAGE_ENTRIES = 2048
-# Masked reductions of CPU tensors skip the masking when all entries count and select the
-# entries first when few do (tests turn this off to check the device path's values).
+# Masked CPU folds skip the mask when all entries count, select them when few do (tests turn
+# this off to check the device path).
 _CPU_MASK_SHORTCUTS = True
-# Large CPU folds convert and centre their values in per-thread float64 buffers reused from
-# fold to fold: fresh temporaries of this size come from the system each time (page faults
-# that cost more than the reductions). Up to this many entries per buffer (2 MiB).
+# Large CPU folds convert into a per-thread float64 buffer (up to 2 MiB) reused from fold to
+# fold: fresh temporaries of this size page-fault, which costs more than the reductions.
 _SCRATCH_ENTRIES = 2**18
 _SCRATCH = threading.local()
 
@@ -171,16 +157,16 @@ def _cpu_scratch(like: torch.Tensor) -> torch.Tensor:
         buffer = _SCRATCH.buffer = torch.empty(0, dtype=_F64)
     n = like.numel()
     if buffer.numel() < n:
-        buffer = _SCRATCH.buffer = torch.empty(min(max(n, 2 * buffer.numel()), _SCRATCH_ENTRIES), dtype=_F64)
+        size = min(max(n, 2 * buffer.numel()), _SCRATCH_ENTRIES)
+        buffer = _SCRATCH.buffer = torch.empty(size, dtype=_F64)
     return buffer[:n].view(like.shape)
 
 
 class _MomentsTable(_Reducer):
     """Count, sum, M2, min and max of ``K`` quantities in a ``[rows, K, 5]`` table, one row per fold.
 
-    Used rows are combined on the device into the first (Chan's formulas) and,
-    at pull time, merged on the host. Rows hold sums, not means, so integer
-    sums stay exact.
+    Full tables combine on the device into the first row (Chan); rows merge
+    on the host at pull time. Rows hold sums, so integer sums stay exact.
     """
 
     __slots__ = (
@@ -211,15 +197,14 @@ class _MomentsTable(_Reducer):
         super().__init__(bank, offset, specs[0][0])
         self.prefixes = tuple(prefix for prefix, _ in specs)
         self.stats_of = tuple(_check_stats(stats, prefix) for prefix, stats in specs)
-        # Whether any statistic needs M2 (std, var); without, M2 stays 0 and is not computed.
+        # M2 is computed only for std or var
         self._spread = any(stat in ("std", "var") for stats in self.stats_of for stat in stats)
         self.rows = rows
         self._used = 0
         self._row_views: list[tuple[torch.Tensor, ...]] | None = None
         self._stage: torch.Tensor | None = None  # [K, folds, N] float64
         self._stage_mask: torch.Tensor | None = None  # [folds, N] bool, for masked folds
-        # Views of each fold's place in the stage (and its mask), made with the stage: a
-        # view taken per fold (stage[:, i]) costs more than the copy into it.
+        # each fold's place in the stage (and its mask): a view per fold costs more than the copy
         self._stage_slots: tuple[torch.Tensor, ...] | None = None
         self._mask_slots: tuple[torch.Tensor, ...] | None = None
         self._stage_n = 0  # N of the staged folds
@@ -234,16 +219,9 @@ class _MomentsTable(_Reducer):
         return self.prefixes
 
     def _made_view(self, view: torch.Tensor) -> None:
+        # each row and its columns, made once: an unmasked fold writes into the columns
         table = view.view(self.rows, len(self.prefixes), 5)
-        # Per row: the whole row and each of its columns (count, sum, M2, min, max), made once
-        # instead of at every fold: an unmasked fold writes each statistic into its column.
         self._row_views = [(row, *row.unbind(-1)) for row in table.unbind(0)]
-
-    def _empties(self) -> dict[str, Partial]:
-        return {
-            prefix: Moments._trusted(prefix, stats, 0.0, 0.0, 0.0, math.inf, -math.inf)
-            for prefix, stats in zip(self.prefixes, self.stats_of)
-        }
 
     def _reset(self) -> None:
         self._used = 0
@@ -308,20 +286,15 @@ class _MomentsTable(_Reducer):
                 if slot == len(slots):
                     self._flush()
                 return
-            if x.shape[0] * n > _STAGE_ENTRIES:  # reduced at once: the stage stays for small folds
-                self._reduce(x, mask)
-                return
-            self._flush()
-            self._stage = self._stage_mask = self._stage_slots = self._mask_slots = None
-        channels = x.shape[0]
-        if channels * n > _STAGE_ENTRIES:
+        if x.shape[0] * n > _STAGE_ENTRIES:  # reduced at once: a stage stays for small folds
             self._reduce(x, mask)
             return
-        device = view.device
-        folds = _STAGE_FOLDS
-        self._stage = torch.empty((channels, folds, n), dtype=_F64, device=device)
+        self._flush()  # a new stage, for folds of this size
+        device, folds = view.device, _STAGE_FOLDS
+        self._stage = torch.empty((x.shape[0], folds, n), dtype=_F64, device=device)
         self._stage_slots = self._stage.unbind(1)
         self._stage_n = n
+        self._stage_mask = self._mask_slots = None
         if mask is not None:
             self._stage_mask = torch.empty((folds, n), dtype=_BOOL, device=device)
             self._mask_slots = self._stage_mask.unbind(0)
@@ -417,32 +390,19 @@ class MomentsReducer(_MomentsTable):
     ) -> None:
         super().__init__(bank, offset, ((prefix, stats),), rows)
 
-    @property
-    def prefix(self) -> str:
-        """Output names are ``f"{prefix}_{stat}"``."""
-        return self.prefixes[0]
-
-    @property
-    def stats(self) -> tuple[str, ...]:
-        """The statistics the pulled :class:`Moments` emits."""
-        return self.stats_of[0]
-
     def fold(
         self, values: torch.Tensor, mask: torch.Tensor | None = None, *, staged: bool = True
     ) -> None:
         """Folds ``values`` (those where ``mask`` is true) into the window, with no host read.
 
         Args:
-            values (torch.Tensor): any shape and real dtype.
+            values (torch.Tensor): any shape and real dtype (not complex: TypeError).
             mask (torch.Tensor, optional): boolean, broadcastable to ``values``.
                 Defaults to ``None`` (all entries count).
 
         Keyword Args:
             staged (bool, optional): stage small folds; pass ``False`` when the
                 size changes from fold to fold. Defaults to ``True``.
-
-        Raises:
-            TypeError: if ``values`` is complex.
         """
         if values.is_complex():
             raise _complex(f"MomentsReducer({self.prefixes[0]!r})", values)
@@ -491,13 +451,9 @@ class MomentsGroupReducer(_MomentsTable):
         Args:
             values (torch.Tensor): ``[K, *S]``, any real dtype.
             mask (torch.Tensor, optional): boolean, broadcastable to ``S``.
-                Defaults to ``None``.
 
         Keyword Args:
             staged (bool, optional): as for :meth:`MomentsReducer.fold`.
-
-        Raises:
-            TypeError: if ``values`` is complex.
         """
         if values.is_complex():
             raise _complex(f"MomentsGroupReducer({self.prefixes!r})", values)
@@ -537,18 +493,11 @@ class CountReducer(_Reducer):
         {'episodes': 3.0}
     """
 
-    __slots__ = ("name",)
+    __slots__ = ()
     width = 1
 
-    def __init__(self, bank: ReducerBank, offset: int, name: str) -> None:
-        super().__init__(bank, offset, name)
-        self.name = name
-
-    def _empties(self) -> dict[str, Partial]:
-        return {self.name: Count(self.name)}
-
     def _partials(self, values: Sequence[float]) -> dict[str, Partial]:
-        return {self.name: Count(self.name, values[self._offset])}
+        return {self.key: Count(self.key, values[self._offset])}
 
     def add(self, amount: torch.Tensor | float, *, device: torch.device | None = None) -> None:
         """Adds ``amount`` (a number or a one-element tensor, kept on its device) to the window count.
@@ -588,9 +537,8 @@ class ReducerBank(Transient):
     """Holds the window state of several reducers in one ``float64`` tensor.
 
     The state lives on the device of the first tensor folded; a reducer
-    registered later widens it (one copy on the device). :meth:`pull` copies
-    it to the host in one transfer, resets the window and returns one partial
-    per key.
+    registered later widens it. :meth:`pull` copies it to the host in one
+    transfer, resets the window and returns one partial per key.
 
     Examples:
         >>> import torch
@@ -691,18 +639,15 @@ class ReducerBank(Transient):
 
     def empty(self) -> dict[str, Partial]:
         """Returns the empty partial of every reducer (no transfer, no reset)."""
-        out: dict[str, Partial] = {}
-        for reducer in self._reducers:
-            out.update(reducer._empties())
-        return out
+        zeros = [0.0] * self._width
+        return {k: v for reducer in self._reducers for k, v in reducer._partials(zeros).items()}
 
     def pull(self) -> dict[str, Partial]:
         """Closes the window: one device-to-host transfer, then a reset on the device."""
         state = self._state
         if state is None:
             return self.empty()
-        for reducer in self._reducers:
-            reducer._flush()
+        self._flush()
         # The one transfer (and sync) of a window. On the CPU the reducers read the state in
         # place, through a view of its float64s made once, before the reset below: no list of
         # every slot (~500 of a CollectorBatchMetrics) is built, no array made per pull
@@ -741,8 +686,7 @@ class ReducerBank(Transient):
         state = self._state
         if state is None:
             return WindowCopy(None, None, self.empty())
-        for reducer in self._reducers:
-            reducer._flush()
+        self._flush()
         if state.device.type == "cuda":
             host = torch.empty(state.shape, dtype=state.dtype, pin_memory=True)
             host.copy_(state, non_blocking=True)
@@ -807,9 +751,8 @@ _I32 = torch.int32
 class QuantileReducer(Transient):
     """Folds tensors into a :class:`~rl_observers.stats.QuantileSketch` on their device.
 
-    Counts live in a ``float64`` buffer of its own on the first tensor's
-    device, folded with no host read (small folds staged);
-    :meth:`pull` moves it to the host in one transfer and resets it.
+    Counts live in a ``float64`` buffer on the first tensor's device, folded
+    with no host read; :meth:`pull` moves it to the host in one transfer.
 
     Args:
         name (str): the sketch's name.
@@ -851,31 +794,16 @@ class QuantileReducer(Transient):
         self._stage_slots: tuple[torch.Tensor, ...] | None = None
         self._staged = 0
 
-    @property
-    def name(self) -> str:
-        """The sketch's name."""
-        return self._empty.name
-
     def empty(self) -> QuantileSketch:
         """The empty sketch (no transfer)."""
         return self._empty
-
-    def _slot_count(self) -> int:
-        p = self._empty.p
-        if self._raw:
-            return 1 << (9 + p)
-        low, high = sketch_key_range(p)
-        return 2 * (high - low) + 2
 
     def fold(self, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Counts ``values`` (those where ``mask`` is true) in their buckets, on their device.
 
         Args:
-            values (torch.Tensor): any shape and real dtype.
+            values (torch.Tensor): any shape and real dtype (not complex: TypeError).
             mask (torch.Tensor, optional): boolean, broadcastable to ``values``.
-
-        Raises:
-            TypeError: if ``values`` is complex.
         """
         if values.is_complex():
             raise _complex(f"QuantileReducer({self._empty.name!r})", values)
@@ -886,9 +814,9 @@ class QuantileReducer(Transient):
             values = values.detach()
         buffer = self._buffer
         if buffer is None:
-            buffer = self._buffer = torch.zeros(
-                self._slot_count(), dtype=_F64, device=values.device
-            )
+            low, high = sketch_key_range(self._empty.p)
+            size = 1 << (9 + self._empty.p) if self._raw else 2 * (high - low) + 2
+            buffer = self._buffer = torch.zeros(size, dtype=_F64, device=values.device)
         if mask is None:
             slots = self._stage_slots
             if slots is not None:

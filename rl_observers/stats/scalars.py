@@ -1,7 +1,6 @@
 """Torch-free partials of one value under a merge rule, fractions, rates and histograms.
 
-What the metric one-liners (:mod:`rl_observers.metrics.oneliners`) submit;
-any merge, in any grouping and order, equals the statistic of the union.
+What the metric one-liners (:mod:`rl_observers.metrics.oneliners`) submit.
 
 Examples:
     >>> from rl_observers.stats import Fraction, Scalar
@@ -82,18 +81,17 @@ class Scalar(Partial):
             return other._with(other.value, other.count, other.stamp)
         rule, a, b = self.rule, self.value, other.value
         count = self.count + other.count
-        if rule in ("sum", "mean"):
-            return self._with(a + b, count, max(self.stamp, other.stamp))
-        if rule == "min":  # a NaN wins, in either order (as torch.minimum)
-            return self._with(_min(a, b), count, max(self.stamp, other.stamp))
-        if rule == "max":
-            return self._with(_max(a, b), count, max(self.stamp, other.stamp))
-        newest = other if other.stamp > self.stamp else self  # ties: the left operand's
-        return self._with(newest.value, count, newest.stamp)
+        if rule == "latest":
+            newest = other if other.stamp > self.stamp else self  # ties: the left operand's
+            return self._with(newest.value, count, newest.stamp)
+        # min and max: a NaN wins, in either order (as torch.minimum)
+        value = _min(a, b) if rule == "min" else _max(a, b) if rule == "max" else a + b
+        return self._with(value, count, max(self.stamp, other.stamp))
 
     def _with(self, value: float, count: float, stamp: float) -> Scalar:
         out = object.__new__(self.__class__)
-        out.name, out.rule, out.value, out.count, out.stamp = self.name, self.rule, value, count, stamp
+        out.name, out.rule = self.name, self.rule
+        out.value, out.count, out.stamp = value, count, stamp
         return out
 
     def finalize(self) -> dict[str, float]:
@@ -140,8 +138,7 @@ class Fraction(Partial):
 class PerSecond(Partial):
     """An amount over the wall-clock span ``[start, end]`` (``time.time()`` seconds).
 
-    Merging adds amounts and unites spans: concurrent workers add their rates,
-    consecutive windows average theirs.
+    Merging adds amounts and unites spans: concurrent workers add their rates.
 
     Examples:
         >>> from rl_observers.stats import PerSecond
@@ -181,10 +178,7 @@ class PerSecond(Partial):
 
 
 class LastEvent(Partial):
-    """When a window's last event happened at the source; merged by max, logs nothing.
-
-    Put in each window under :attr:`KEY` so a rate read off the rows is over
-    the time the data was made, not when its row arrived.
+    """When a window's last event happened at the source (under :attr:`KEY`); merged by max, logs nothing.
 
     Examples:
         >>> from rl_observers.stats import LastEvent
@@ -208,25 +202,6 @@ class LastEvent(Partial):
         return {}
 
 
-def _check_edges(edges: Sequence[float], name: str) -> tuple[float, ...]:
-    edges = tuple(float(e) for e in edges)
-    if len(edges) < 2 or any(b <= a for a, b in zip(edges, edges[1:])) or not all(
-        math.isfinite(e) for e in edges
-    ):
-        raise ValueError(
-            f"edges must be at least two finite, strictly increasing numbers, got {edges!r} "
-            f"(for {name!r})."
-        )
-    return edges
-
-
-def _check_quantiles(quantiles: Sequence[float], name: str) -> tuple[float, ...]:
-    quantiles = tuple(float(q) for q in quantiles)
-    if not all(0.0 <= q <= 1.0 for q in quantiles):
-        raise ValueError(f"quantiles must lie in [0, 1], got {quantiles!r} (for {name!r}).")
-    return quantiles
-
-
 def quantile_name(name: str, q: float) -> str:
     """``"<name>_p<100 q>"``: ``p50``, ``p90``, ``p99.9``."""
     return f"{name}_p{q * 100:g}"
@@ -237,10 +212,9 @@ class BinCounts(Partial):
 
     Bins as ``torch.bucketize`` gives them: ``<= edges[0]``, ``(edges[i-1],
     edges[i]]``, ``> edges[-1]``. A quantile is interpolated inside its bin
-    (exact up to the bin's width; outer bins read as the outer edges). NaN
-    values are counted apart (``<name>_nan_count``). The exact ``sum``,
-    ``sum_squares``, ``min`` and ``max`` of the binned values merge too, for
-    histogram views; they are not logged as scalars.
+    (outer bins read as the outer edges). NaN values count apart
+    (``<name>_nan_count``). The exact ``sum``, ``sum_squares``, ``min`` and
+    ``max`` merge too, for histogram views (not logged as scalars).
 
     Args:
         name (str): outputs are ``<name>_count`` and ``<name>_p50`` etc.
@@ -280,8 +254,16 @@ class BinCounts(Partial):
         max: float = -math.inf,
     ) -> None:
         self.name = _check_name(name, "name")
-        self.edges = _check_edges(edges, name)
-        self.quantiles = _check_quantiles(quantiles, name)
+        self.edges = edges = tuple(map(float, edges))
+        increasing = all(a < b for a, b in zip(edges, edges[1:]))
+        if len(edges) < 2 or not increasing or not all(map(math.isfinite, edges)):
+            raise ValueError(
+                f"edges must be at least two finite, strictly increasing numbers, got {edges!r} "
+                f"(for {name!r})."
+            )
+        self.quantiles = quantiles = tuple(map(float, quantiles))
+        if not all(0.0 <= q <= 1.0 for q in quantiles):
+            raise ValueError(f"quantiles must lie in [0, 1], got {quantiles!r} (for {name!r}).")
         self.nan = float(nan)
         self.sum, self.sum_squares = float(sum), float(sum_squares)
         self.min, self.max = float(min), float(max)
