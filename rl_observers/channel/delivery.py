@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from torchrl._utils import logger as torchrl_logger
 
 from rl_observers.channel.payload import Payload, expand
-from rl_observers.channel.queue import PendingEntry, PendingQueue
+from rl_observers.channel.queue import PendingQueue
 
 __all__ = ["Delivery", "Router", "Row", "counts_line", "health_problem", "register_router"]
 
@@ -48,15 +48,10 @@ class Router(Protocol):
     def route(self, payload: Any) -> Iterable[Row]:
         """Takes one payload; returns the rows now due."""
 
-    # A router may also define ``tick() -> Iterable[Row]``: the rows that fell due with time
-    # alone (a wait that ran out), asked for at least once a second on the channel's thread.
+    # Optional: ``tick() -> Iterable[Row]``, rows due with time alone, asked for at least once a second.
 
     def finish(self) -> Iterable[Row]:
-        """The last rows, when the channel closes.
-
-        An error (here or in :meth:`route`) is handled by ``on_error`` after the
-        rows produced so far are written.
-        """
+        """The last rows, when the channel closes (an error here goes through ``on_error``)."""
 
 
 def counts_line(counts: Mapping[str, int]) -> str:
@@ -149,7 +144,7 @@ class Delivery:
         # flush/close tell whether new ones came
         self.failures = 0
         self._failures_seen = 0
-        self._lost_seen = queue.lost()
+        self._lost_seen = queue.losses()[0]
         self._routers: dict[type, Router] = {}
         self._failing = False
         # failures of the current streak: in all, and since its last warning (and when that was)
@@ -239,9 +234,9 @@ class Delivery:
                 if queue.empty():
                     break
                 continue
-            self._tick_routers()
+            self._router_rows("tick")
             self._log_health()
-        self._finish_routers()
+        self._router_rows("finish")
         self._log_health(when=self.final_health)
 
     def drain(self) -> int:
@@ -252,8 +247,11 @@ class Delivery:
             entry = queue.take()
             if entry is None:
                 return count
+            payload = entry.payload
+            router = None if payload.__class__ is Payload else self.router(payload.__class__)
             try:
-                delivered = self._deliver(entry)
+                rows = router.route(payload) if router else ((payload.namespace, payload.metrics, payload.step),)
+                delivered = self._write_rows(rows, "failed to log namespace")
             except Exception as err:
                 delivered = False
                 self.report(err, f"failed to log namespace {entry.namespace!r}")
@@ -261,20 +259,6 @@ class Delivery:
                 self._failing = False
             queue.done(entry, delivered)
             count += 1
-
-    def _deliver(self, entry: PendingEntry) -> bool:
-        """Turns one entry into logger calls (through its class's router, if any); whether all succeeded."""
-        payload = entry.payload
-        if payload.__class__ is not Payload:
-            router = self.router(payload.__class__)
-            if router is not None:
-                return self._write_rows(router.route(payload), "failed to log namespace")
-        metrics = expand(payload.namespace, payload.metrics)
-        if metrics:
-            self.write(metrics, payload.step)
-        for watch in self.watchers:
-            watch(payload.namespace, payload.metrics, metrics, payload.step)
-        return True
 
     def _write_rows(self, rows: Iterable[Row], what: str) -> bool:
         """Writes each row in its own try (one refused row loses no other); whether all went."""
@@ -291,24 +275,16 @@ class Delivery:
                 self.report(err, f"{what} {namespace!r}")
         return written
 
-    def _tick_routers(self) -> None:
-        """Writes the rows that routers with a ``tick`` have due by now."""
+    def _router_rows(self, method: str) -> None:
+        """Writes the rows of each router's ``tick`` or ``finish`` (at close); a failure stops no other."""
+        what = "failed to log the last rows of namespace" if method == "finish" else "failed to log namespace"
         for kind, router in list(self._routers.items()):
-            tick = getattr(router, "tick", None)
-            if tick is None:
-                continue
+            call = getattr(router, method, None)
             try:
-                self._write_rows(tick(), "failed to log namespace")
+                if call is not None:
+                    self._write_rows(call(), what)
             except Exception as err:
-                self.report(err, f"failed to tick the router of {kind.__name__}")
-
-    def _finish_routers(self) -> None:
-        """Writes every router's last rows (at close); a failure stops no other row nor router."""
-        for key, router in list(self._routers.items()):
-            try:
-                self._write_rows(router.finish(), "failed to log the last rows of namespace")
-            except Exception as err:
-                self.report(err, f"failed to finish the router of {key.__name__}")
+                self.report(err, f"failed to {method} the router of {kind.__name__}")
 
     def write(self, payload: dict[str, Any], step: int | None) -> None:
         """One logger call."""
@@ -331,7 +307,7 @@ class Delivery:
         self._failing = True
 
     def _warn_failure(self, err: BaseException, what: str) -> None:
-        """Warns at a streak's first failure, then once per ``REPEAT_WARNING_SECONDS`` with the counts so far."""
+        # at a streak's first failure, then once per REPEAT_WARNING_SECONDS with the counts so far
         now = time.monotonic()
         if not self._failing:
             self._streak_failures = self._unwarned_failures = 0
@@ -358,15 +334,13 @@ class Delivery:
     def clean_since_last_check(self) -> bool:
         """Whether nothing failed nor was lost since the previous call (what flush/close return)."""
         failures = self.failures
-        lost = self.queue.lost()
+        lost = self.queue.losses()[0]
         clean = failures == self._failures_seen and lost == self._lost_seen
         self._failures_seen = failures
         self._lost_seen = lost
         return clean
 
     def raise_stored_error(self) -> None:
-        if self._error is None:
-            return
         with self._error_lock:
             err, self._error = self._error, None
         if err is not None:
@@ -417,7 +391,7 @@ class Delivery:
         with self._lock:
             self._poll(None)
             count = self.drain()
-            self._tick_routers()
+            self._router_rows("tick")
             self._log_health()
         self.raise_stored_error()
         return count
@@ -425,7 +399,7 @@ class Delivery:
     def _final_delivery(self) -> None:
         with self._lock:
             self.drain()
-            self._finish_routers()
+            self._router_rows("finish")
             self._log_health(when=self.final_health)
 
     def stop(self, at_exit: bool) -> None:
@@ -455,10 +429,7 @@ class Delivery:
         if deadline is not None:
             thread.join(max(0.0, deadline - time.monotonic()))
             return not thread.is_alive()
-        return self._join_while_progressing(thread)
-
-    def _join_while_progressing(self, thread: threading.Thread) -> bool:
-        """Joins the thread while the logger makes progress; warns and returns ``False`` once a call has hung ``CLOSE_STALL_TIMEOUT`` seconds."""
+        # no deadline: wait while the logger makes progress, give up once a call hung CLOSE_STALL_TIMEOUT
         seen, since = -1, time.monotonic()
         while True:
             thread.join(0.05)

@@ -1,19 +1,12 @@
-"""The bounded queue where payloads wait, and its counters.
+"""The bounded queue where payloads wait at every hop, and its counters.
 
-Step of the flow: **channel** (source → observer → channel → logger). The
-owner queues every submission here (local, or received from a handle in
-another process) for its delivery thread; a handle in another process
-queues here what waits for its wire (:class:`~rl_observers.remote.transport.Outbox`).
 A payload is *put*; its hop *takes* entries one at a time and marks them
-*done* (or gives one back with :meth:`~PendingQueue.untake`). At most ``capacity`` entries wait: on overflow a payload coalesces
-into the newest pending entry of its namespace (:meth:`~.payload.Payload.absorb`)
-or, if that namespace has none, the oldest entry is dropped. Everything is
-counted in payloads, under one lock, so that ``submitted == logged + pending +
-coalesced + dropped + sink_errors`` holds at any moment: an entry counts once
-in ``logged``, ``pending`` or ``sink_errors`` and the payloads merged into it
-in ``coalesced``; a dropped entry counts every payload it held in
-``dropped`` (and those merged into it leave ``coalesced``), also when
-lost on an earlier hop (:meth:`~PendingQueue.count_lost`).
+*done* (or gives one back with :meth:`~PendingQueue.untake`). On overflow a
+payload coalesces into the newest pending entry of its namespace, or the
+oldest entry is dropped. Counted under one lock, so that ``submitted ==
+logged + pending + coalesced + dropped + sink_errors`` holds at any moment:
+a dropped entry counts every payload it held in ``dropped`` and those merged
+into it leave ``coalesced``.
 
 Examples:
     >>> from rl_observers.channel.payload import Payload
@@ -124,11 +117,6 @@ class PendingQueue:
         self._dropped += entry.payloads
         self._coalesced -= entry.payloads - 1
         self._numbered += entry.payload.counted_by_number
-
-    def lost(self) -> int:
-        """Payloads counted dropped so far."""
-        with self._lock:
-            return self._dropped
 
     def losses(self) -> tuple[int, int]:
         """Payloads ``(dropped, coalesced)`` so far."""

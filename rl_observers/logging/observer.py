@@ -50,11 +50,7 @@ _NO_ARGUMENT = object()  # post_collect's payload is one argument, the others' t
 
 
 def _fold_event(event: str) -> Callable[..., None]:
-    """``LoggerObserver.on_<event>``: folds the payload into the sets, then checks the schedule.
-
-    The in-interval check is inlined and the payload passed on as it came:
-    this runs at every event, where each Python call costs ~0.5 us.
-    """
+    """``LoggerObserver.on_<event>``: folds, then checks the schedule (inlined: each Python call costs ~0.5 us here)."""
     which = wiring.DATA_EVENTS.index(event)
     where = f"on_{event}"
 
@@ -149,8 +145,7 @@ class LoggerObserver(Observer):
         [(2, 2.0)]
     """
 
-    #: Every LoggerObserver of this process: a forked child resolves their mode again, and at
-    #: exit the contributing ones send their last window.
+    #: Every LoggerObserver of this process (fork and exit hooks).
     _live: ClassVar[weakref.WeakSet[LoggerObserver]] = weakref.WeakSet()
     _last_event = float("-inf")  # time.time() of the last event: the window's LastEvent (rates off rows)
 
@@ -269,27 +264,22 @@ class LoggerObserver(Observer):
     # -- fold ---------------------------------------------------------------------------------
 
     def _first_event(self, source: Any) -> dict[str, float] | None:
-        """Fixes this process's mode; returns the counters to line up with the source's after the fold."""
-        self._resolve_mode(source)
-        return self._counters() if self._take_alignment(source) else None
+        """Fixes this process's mode; the counters to line up with the source's after the fold, if any.
 
-    def _take_alignment(self, source: Any) -> bool:
-        """Whether this first event lines the counters up with the source's (a local observer, or a copy that owns the axis)."""
+        A local observer lines up, and so does a copy that owns its source's axis.
+        """
+        self._resolve_mode(source)
         align = self._align_pending and (self._mode == "local" or owns_axis(source))
-        self._align_pending = False
-        self._axis_base = {}
-        return align
+        self._align_pending, self._axis_base = False, {}
+        return self._counters() if align else None
 
     def _align(self, source: Any, before: Mapping[str, float]) -> None:
-        """Moves counters below the source's own up to it (:mod:`~rl_observers.logging.resume`'s rule).
+        """Moves counters below the source's own up to it, given ``before`` the event (:mod:`~.resume`).
 
-        ``before``: the counters before the triggering event. Run under a replay
-        buffer's own lock, so a concurrent write is never counted twice.
+        Under a replay buffer's own lock, so a concurrent write is never counted twice.
         """
         with writes_held(source):
             axis = source_axis(source)
-            if axis is None:
-                return
             key = wiring.counter_key(self.schedule)
             with self._lock:
                 counters = self._counters()
@@ -408,11 +398,7 @@ class LoggerObserver(Observer):
         self._sink.submit_metrics(payload, None if step is None else int(step), namespace=self.name or "")
 
     def _contribute(self, final: bool = False) -> None:
-        """Sends this contributor's window to the channel's owner to merge; called holding the lock.
-
-        ``final``: the last window the owner's account expects (only the marker
-        when nothing is new).
-        """
+        """Sends this contributor's window to the owner (holding the lock); ``final``: the last one, maybe empty."""
         counters = self._counters()
         fresh = self._fresh  # after the counters: what was folded meanwhile goes with this window
         metrics = self._pull() if fresh or not final else {}  # a final one with nothing new: the marker
@@ -462,10 +448,8 @@ class LoggerObserver(Observer):
     def prepare_copies(self, target: Any) -> None:
         """Called on the original before copies start where ``target``'s data is.
 
-        The original becomes one more contributor (worker ``"main"``) to the
-        aggregate at the channel's owner; for a remote source, the sets, namespace
-        and step counter the copies share are resolved, and the channel expects
-        them until :meth:`copies_removed`.
+        The original becomes one more contributor (worker ``"main"``); for a remote
+        source, the sets, namespace and step the copies share are resolved here.
 
         Raises:
             ValueError: ``step=`` is a collector or a callable, which copies cannot read.
@@ -528,20 +512,14 @@ class LoggerObserver(Observer):
         return self._mode
 
     def _report_at_exit(self) -> None:
-        """A contributor's last window as its process exits (worker processes get no shutdown event).
-
-        Sent whatever ``log_on_close`` says (the owner applies it). An original
-        whose local channel is closed skips it when it holds nothing new.
-        """
+        """A contributor's last window as its process exits (worker processes get no shutdown event)."""
         if self._mode_at_end() != "contribute":
             return
         if not self._fresh:
             channel = self._channel()
             if channel is not None and channel.closed and self._sink.transport == "local":
                 return  # a channel of this process, closed: it would only drop the end marker
-        try:
-            # always: the owner needs the final counters to log the rows they made due;
-            # its aggregate drops a trailing partial window itself unless log_on_close
+        try:  # whatever log_on_close says: the owner needs the final counters
             self._close_window(final=True)
             self._sink.flush(timeout=2.0)
         except Exception:  # the process is going away; never fail its exit
@@ -578,20 +556,14 @@ class LoggerObserver(Observer):
 
     def stats(self) -> dict[str, float]:
         """Entries contributed to the target's ``stats()`` (e.g. ``sample_calls``)."""
-        out: dict[str, float] = {}
-        for metric_set in self._sets or ():
-            out.update(metric_set.stats())
-        return out
+        return {key: value for metric_set in self._sets or () for key, value in metric_set.stats().items()}
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to go on where this one stopped.
 
-        A :class:`~torchrl.checkpoint.Checkpoint` component: ``Checkpoint(..., observers=observer)``.
-        The format, and the rule for counters (the source's own axis), are
-        :mod:`~rl_observers.logging.resume`'s; the counters line up with the
-        source's at the first event after attaching or loading. For a source
-        whose copies run elsewhere, the state is the aggregate kept by the
-        channel's owner (:mod:`~rl_observers.remote.aggregate`).
+        A :class:`~torchrl.checkpoint.Checkpoint` component: ``Checkpoint(..., observers=observer)``;
+        the rules are :mod:`~rl_observers.logging.resume`'s. With copies elsewhere,
+        the state is the aggregate kept by the channel's owner.
 
         Examples:
             >>> import torch
@@ -682,7 +654,6 @@ class LoggerObserver(Observer):
         return None if schedule is None else [schedule.kind, float(schedule.interval), schedule.key]
 
     def __repr__(self) -> str:
-        # Before attaching, show what was passed: never ``schedule=None`` ("every event").
         fields = [] if self.name is None else [f"name={self.name!r}"]
         fields.append("schedule='auto'" if self._auto_schedule else f"schedule={self.schedule!r}")
         if self._sets is not None:
