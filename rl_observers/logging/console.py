@@ -13,7 +13,6 @@ from typing import Any, TextIO
 from torchrl._utils import logger as torchrl_logger
 
 from rl_observers.channel import MetricsChannel
-from rl_observers.logging.histograms import add_watcher
 from rl_observers.stats import LastEvent
 
 __all__ = ["LiveConsole"]
@@ -39,12 +38,6 @@ class _Rate:
     @property
     def rate(self) -> float:
         return (self.total - self.first) / (self.at - self.since) if self.at > self.since else math.nan
-
-
-def _rate(rates: dict[str, _Rate]) -> float:
-    """The sources' rates added up (NaN before any has one)."""
-    known = [r.rate for r in rates.values() if r.rate == r.rate]
-    return sum(known) if known else math.nan
 
 
 class LiveConsole:
@@ -132,7 +125,7 @@ class LiveConsole:
             self._exit.callback(self._bar.close)
             # torchrl's log lines (its own handler: it does not propagate) go above the bar, not into it
             self._exit.enter_context(logging_redirect_tqdm([torchrl_logger]))
-        add_watcher(channel, self)
+        channel._logging.add_watcher(self)
         channel._logging.add_close_callback(self._channel_closing)
 
     # -- the channel's watcher -------------------------------------------------------
@@ -175,7 +168,9 @@ class LiveConsole:
         """The line as it would be drawn now."""
         with self._lock:
             parts = []
-            fps, samples = _rate(self._frames), _rate(self._samples)
+            # the sources' rates added up (NaN before any has one)
+            known = [[r.rate for r in rates.values() if r.rate == r.rate] for rates in (self._frames, self._samples)]
+            fps, samples = (sum(k) if k else math.nan for k in known)
             if self._frames:
                 parts.append(f"frames {sum(r.total for r in self._frames.values()):,.0f}")
                 if fps == fps:

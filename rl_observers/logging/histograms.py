@@ -16,7 +16,7 @@ from rl_observers.channel import MetricsChannel
 from rl_observers.stats import BinCounts, QuantileSketch
 from rl_observers.stats.partials import SKETCH_EXPONENTS
 
-__all__ = ["HistogramDrawer", "add_watcher", "draw_histograms", "histogram_of"]
+__all__ = ["HistogramDrawer", "draw_histograms", "histogram_of"]
 
 #: The most bins drawn in W&B (its own limit).
 WANDB_MAX_BINS = 512
@@ -36,14 +36,10 @@ def histogram_of(partial: Any) -> tuple[list[float], list[float]] | None:
         >>> histogram_of(42.0) is None
         True
     """
-    if isinstance(partial, BinCounts):
-        return _bin_counts(partial)
     if isinstance(partial, QuantileSketch):
         return _sketch(partial)
-    return None
-
-
-def _bin_counts(partial: BinCounts) -> tuple[list[float], list[float]] | None:
+    if not isinstance(partial, BinCounts):
+        return None
     edges, counts = list(partial.edges), list(partial.counts)
     if len(edges) == 1:
         low_width = high_width = 1.0
@@ -108,11 +104,6 @@ def coarsen(edges: list[float], counts: list[float], most: int) -> tuple[list[fl
     return new_edges, new_counts
 
 
-def _tag(namespace: str, key: str) -> str:
-    name = key[: -len("_quantiles")] if key.endswith("_quantiles") else key
-    return f"{namespace}/{name}" if namespace else name
-
-
 class HistogramDrawer:
     """Draws the distribution partials of each delivered row with the logger's pre-binned call.
 
@@ -134,7 +125,18 @@ class HistogramDrawer:
     def __init__(self, logger: Any, *, names: Iterable[str] | None = None) -> None:
         self.logger = logger
         self.names = None if names is None else frozenset(names)
-        self.backend = _backend(logger)
+        self.backend = None
+        for module, cls, backend in (
+            ("torchrl.record.loggers.tensorboard", "TensorboardLogger", "tensorboard"),
+            ("torchrl.record.loggers.wandb", "WandbLogger", "wandb"),
+            ("torchrl.record.loggers.trackio", "TrackioLogger", "trackio"),
+        ):
+            try:
+                if isinstance(logger, getattr(importlib.import_module(module), cls)):
+                    self.backend = backend
+                    break
+            except (ImportError, AttributeError):
+                continue
         self.channel: MetricsChannel | None = None
         self.drawn = 0
 
@@ -154,8 +156,9 @@ class HistogramDrawer:
             if histogram is None:
                 continue
             edges, counts = histogram
+            name = key.removesuffix("_quantiles")
             draw = self._tensorboard if self.backend == "tensorboard" else self._binned
-            draw(_tag(namespace, key), edges, counts, step, value)
+            draw(f"{namespace}/{name}" if namespace else name, edges, counts, step, value)
             self.drawn += 1
 
     def _tensorboard(
@@ -195,26 +198,6 @@ class HistogramDrawer:
         self.logger.log_metrics({tag: histogram}, step=step)  # torchrl's own step handling
 
 
-def _backend(logger: Any) -> str | None:
-    for module, cls, backend in (
-        ("torchrl.record.loggers.tensorboard", "TensorboardLogger", "tensorboard"),
-        ("torchrl.record.loggers.wandb", "WandbLogger", "wandb"),
-        ("torchrl.record.loggers.trackio", "TrackioLogger", "trackio"),
-    ):
-        try:
-            kind = getattr(importlib.import_module(module), cls)
-        except (ImportError, AttributeError):
-            continue
-        if isinstance(logger, kind):
-            return backend
-    return None
-
-
-def add_watcher(channel: MetricsChannel, watch: Any) -> None:
-    """Calls ``watch(namespace, metrics, payload, step)`` on the delivering thread after each row ``channel`` logs."""
-    channel._logging.add_watcher(watch)
-
-
 def draw_histograms(target: Any, *, names: Iterable[str] | None = None) -> HistogramDrawer:
     """Opts in: the distributions logged through ``target`` are also drawn as histograms.
 
@@ -248,5 +231,5 @@ def draw_histograms(target: Any, *, names: Iterable[str] | None = None) -> Histo
     drawer = HistogramDrawer(channel.logger, names=names)
     if drawer.backend is not None:
         drawer.channel = channel  # a logger's shared channel stays open with the opt-in
-        add_watcher(channel, drawer)
+        channel._logging.add_watcher(drawer)
     return drawer
