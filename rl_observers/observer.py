@@ -410,17 +410,13 @@ class ObserverList:
             try:
                 receiver(source, **kwargs)
             except Exception as error:
-                entry = self._receivers.get(_receiver_key(receiver))
-                if entry is None:
-                    own = getattr(receiver, "on_error", None)
-                    entry = _ReceiverEntry(receiver, {}, own if own in ON_ERROR_POLICIES else "warn")
-                    self._receivers[_receiver_key(receiver)] = entry
-                entry.failed(error, event)
+                own = getattr(receiver, "on_error", None)
+                new = _ReceiverEntry(receiver, {}, own if own in ON_ERROR_POLICIES else "warn")
+                self._receivers.setdefault(_receiver_key(receiver), new).failed(error, event)
             else:
-                if self._receivers:
-                    entry = self._receivers.get(_receiver_key(receiver))
-                    if entry is not None:
-                        entry.failing.discard(event)
+                entry = self._receivers.get(_receiver_key(receiver)) if self._receivers else None
+                if entry is not None:
+                    entry.failing.discard(event)
 
     def contribute_stats(self, stats: dict[str, Any]) -> dict[str, Any]:
         """Adds the entries observers contribute to the source's ``stats()``."""

@@ -7,6 +7,7 @@ of taking the ``post_collect_hook`` slot. See :doc:`migration`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -94,18 +95,11 @@ def _recorded(fn: Callable[..., Any], observer: Any, event: str) -> Callable[...
 class ProfilerObserver(Observer):
     """Profiles whole collector rollouts with :mod:`torch.profiler`, next to any other observers.
 
-    What torchrl's ``enable_profile()`` does, with the same
-    :class:`~torchrl.collectors.ProfileConfig`, but without taking the
-    ``post_collect_hook`` slot. It runs where collection runs: a copy in a
-    worker or Ray actor builds its own profiler, and only the workers in
-    ``workers`` profile (a collector that is nobody's worker is worker ``0``).
-    Rollouts ``warmup_rollouts .. num_rollouts - 1`` after the start are
-    recorded, one ``ProfilerStep#k`` each, covering the rollout, its hooks and
-    every observer's work on it; shutdown or detaching stops it early, writing
-    what was recorded. One profile runs per process: a second profiler warns
-    and does not profile. With ``warmup_rollouts=0`` and no start condition
-    the first recorded step misses the start of rollout 0. See
-    :doc:`migration` for where traces land and how large they are.
+    torchrl's ``enable_profile()`` without taking the ``post_collect_hook`` slot.
+    It runs where collection runs (a collector that is nobody's worker is worker
+    ``0``); each recorded rollout is one ``ProfilerStep#k`` covering every
+    observer's work on it. One profile runs per process: a second one warns and
+    does not profile. See :doc:`migration`.
 
     Args:
         config (ProfileConfig, optional): a ready-made configuration; give
@@ -120,11 +114,10 @@ class ProfilerObserver(Observer):
             filled in. Defaults to ``"./collector_profile_{worker_idx}.json"``.
         activities (list[str], optional): ``"cpu"`` and/or ``"cuda"``.
             Defaults to ``["cpu", "cuda"]``.
-        record_shapes (bool, optional): Defaults to ``True``.
-        profile_memory (bool, optional): Defaults to ``False``.
+        record_shapes, profile_memory, with_flops (bool, optional): Defaults
+            to ``True``, ``False``, ``False``.
         with_stack (bool, optional): record Python stacks (traces about 8x
             larger). Defaults to ``False``, unlike torchrl.
-        with_flops (bool, optional): Defaults to ``False``.
         on_trace_ready (Callable, optional): called with the profiler instead
             of writing ``save_path``. Defaults to ``None``.
         record_observers (bool, optional): time each other observer in a
@@ -135,8 +128,7 @@ class ProfilerObserver(Observer):
         start_after_batches (int, optional): likewise, in batches. Defaults
             to ``0``.
         start_when (Callable, optional): ``start_when(source) -> bool``,
-            checked before each rollout and after each batch; picklable for
-            workers and actors. Defaults to ``None``.
+            checked before each rollout and after each batch. Defaults to ``None``.
 
     Raises:
         TypeError: if ``config`` is not a :class:`ProfileConfig`, or comes
@@ -274,9 +266,7 @@ class ProfilerObserver(Observer):
     def trace_paths(self) -> dict[int, Path]:
         """``{worker_idx: path}`` of the traces written since the observer was attached, as far as this process knows.
 
-        A ``RayCollector``'s traces appear once the driver wrote them back (when
-        the observer is removed or the collector shuts down). Empty with
-        ``on_trace_ready``.
+        A ``RayCollector``'s appear once the driver wrote them back (at removal or shutdown).
         """
         if self._trace_path is not None:
             return {self._worker_idx or 0: self._trace_path}
@@ -284,15 +274,10 @@ class ProfilerObserver(Observer):
             return {}
         paths = {}
         for idx in self._workers_attached:
-            if not self.config.should_profile_worker(idx):
-                continue
             path = self.config.get_save_path(idx)
-            try:
-                written = path.stat().st_mtime >= self._attached_at
-            except OSError:
-                continue
-            if written:
-                paths[idx] = path
+            with contextlib.suppress(OSError):  # not written
+                if self.config.should_profile_worker(idx) and path.stat().st_mtime >= self._attached_at:
+                    paths[idx] = path
         return paths
 
     def attached(self, source: Any) -> None:
@@ -303,15 +288,12 @@ class ProfilerObserver(Observer):
         self._workers_attached = tuple(range(count)) if isinstance(count, int) and count > 0 else (0,)
         self._attached_at = time.time() - 1.0  # (file times have coarse resolution on some systems)
 
-    def prepare_copies(self, target: Any) -> None:
-        """On the driver, before copies start in ``target``'s workers: as :meth:`attached`."""
-        self.attached(target)
+    prepare_copies = attached  # on the driver, before copies start in the target's workers
 
     def start(self) -> None:
         """Starts this copy's profiler at the next event, whatever ``start_after_*`` and ``start_when`` say.
 
-        For an in-process collector (copies in workers and actors are not
-        reached: use ``start_when``); does nothing once the profiler ran.
+        In-process only (copies in workers are not reached: use ``start_when``).
         """
         self._start_requested = True
 
@@ -355,8 +337,7 @@ class ProfilerObserver(Observer):
     def on_shutdown(self, source: Any) -> None:
         self.stop()
 
-    def detached(self, source: Any) -> None:
-        self.stop()
+    detached = on_shutdown
 
     # -- the profiler ------------------------------------------------------------------------
 
@@ -457,9 +438,7 @@ class ProfilerObserver(Observer):
         profiler.export_chrome_trace(str(path))
         self._trace_path = path
         torchrl_logger.info(f"Profiler [worker {self._worker_idx}]: trace saved to {path}")
-        # In a Ray actor, the driver writes it under the same path when it removes the
-        # observer or shuts the collector down (the nodes of a cluster share no files).
-        try:
+        try:  # from a Ray actor: the driver writes it under the same path (nodes share no files)
             send_file_to_driver(path)
         except OSError as error:
             torchrl_logger.warning(

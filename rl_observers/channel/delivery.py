@@ -1,11 +1,9 @@
 """The owner's delivery: the one place where pending payloads become logger calls.
 
-Step **channel → logger** of the flow. :class:`Delivery` takes entries from
-the :class:`~.queue.PendingQueue` in its daemon thread (or the caller's),
-finalizes partials and calls ``logger.log_metrics``, with the ``on_error``
-policy and the channel's health. A payload of a class a :class:`Router` was
-registered for goes to that router instead, which returns the rows to
-write: that is how :mod:`rl_observers.remote.aggregate` plugs in.
+:class:`Delivery` takes entries from the queue in its daemon thread (or the
+caller's), with the ``on_error`` policy and the channel's health. A payload of
+a class a :class:`Router` was registered for goes to that router, which
+returns the rows to write.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ from typing import Any, Protocol
 from torchrl._utils import logger as torchrl_logger
 
 from rl_observers.channel.payload import Payload, expand
-from rl_observers.channel.queue import PendingQueue
 
 __all__ = ["Delivery", "Router", "Row", "counts_line", "health_problem", "register_router"]
 
@@ -26,23 +23,17 @@ __all__ = ["Delivery", "Router", "Row", "counts_line", "health_problem", "regist
 Row = tuple[str, dict[str, Any], "int | None"]
 # The most seconds close() without a timeout waits for a logger call that does not return.
 CLOSE_STALL_TIMEOUT = 30.0
-# Seconds the thread gathers entries before delivering them, once entries come closer than
-# that. Each wake-up of the thread takes the GIL from the source thread, and waking it is a
-# syscall in the source's submit: under steady traffic one wake-up per burst, not per entry.
+# Seconds the thread gathers entries once they come closer than that: each wake-up takes the
+# GIL from the source thread, so under steady traffic it wakes once per burst, not per entry.
 GATHER_SECONDS = 0.05
-#: The least seconds between two warnings of a sink that keeps failing (``on_error="warn"``):
-#: the first failure of a streak warns at once, then at most one warning per this many
-#: seconds while the failures go on, each with the counts since the previous one.
+#: The least seconds between two warnings of a sink that keeps failing (the first warns at once).
 REPEAT_WARNING_SECONDS = 60.0
 
 
 class Router(Protocol):
-    """Owner-side handling of the payloads of one class (a subclass of :class:`~.payload.Payload`).
+    """Owner-side handling of the payloads of one class, on the channel's thread.
 
-    Both methods run on the channel's thread, one call at a time. Each row
-    returned is written in its own logger call: a refused row goes through
-    ``on_error`` and does not stop the next; the entry counts once in
-    ``sink_errors``.
+    Each row returned is its own logger call: a refused row does not stop the next.
     """
 
     def route(self, payload: Any) -> Iterable[Row]:
@@ -101,43 +92,24 @@ def register_router(kind: type[Payload], factory: Callable[[], Router]) -> None:
 
 
 class Delivery:
-    """Writes a queue's entries to a logger, with the channel's error policy and health.
+    """Writes the owner's queue's entries to its logger, with the channel's error policy and health.
 
     Args:
-        logger (Any): the sink (``log_metrics`` or ``log_scalar``).
-        queue (PendingQueue): where entries come from.
-
-    Keyword Args:
-        on_error, name, background, health_interval, log_health: as for
-            :class:`~rl_observers.MetricsChannel`.
-        poll (Callable): ``poll(deadline)`` hands over what other processes sent.
-        counts (Callable, optional): the health counters to log. Defaults to
-            the queue's.
+        owner (Owner): its ``logger``, ``queue``, ``on_error``, ``name``,
+            ``background``, ``poll_remote(deadline)`` and ``health()``.
+        health_interval, log_health: as for :class:`~rl_observers.MetricsChannel`.
     """
 
     watchers: tuple[Callable[[str, Any, dict[str, Any], int | None], None], ...] = ()
 
-    def __init__(
-        self,
-        logger: Any,
-        queue: PendingQueue,
-        *,
-        on_error: str,
-        name: str,
-        background: bool,
-        health_interval: float | None,
-        poll: Callable[[float | None], None],
-        log_health: bool = False,
-        counts: Callable[[], dict[str, int]] | None = None,
-    ) -> None:
+    def __init__(self, owner: Any, health_interval: float | None, log_health: bool) -> None:
+        self.logger = logger = owner.logger
         log_metrics = getattr(logger, "log_metrics", None)
-        self.logger = logger
         self._log_metrics = log_metrics if callable(log_metrics) else None
         self._log_scalar = getattr(logger, "log_scalar", None)
-        self.queue = queue
-        self.on_error = on_error
-        self.name = name
-        self._poll = poll
+        self.queue = queue = owner.queue
+        self.on_error, self.name = owner.on_error, owner.name
+        self._poll = owner.poll_remote
         self._health_interval = health_interval
         self._log_health_always = log_health
         # failures reported (sink, partials, routers, health) and losses counted by the queue:
@@ -153,7 +125,7 @@ class Delivery:
         self._warned_at = 0.0
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
-        self._counts = queue.counts if counts is None else counts
+        self._counts = owner.health
         self._health_time = time.monotonic()
         self._health_counts = self._counts()
         self._health_step = 0
@@ -167,8 +139,8 @@ class Delivery:
         # a backlog this long wakes a gathering thread (below health_problem's half capacity)
         self._backlog = max(1, queue.capacity // 4)
         self.thread: threading.Thread | None = None
-        if background:
-            self.thread = threading.Thread(target=self._run, name=f"MetricsChannel[{name}]", daemon=True)
+        if owner.background:
+            self.thread = threading.Thread(target=self._run, name=f"MetricsChannel[{self.name}]", daemon=True)
             self.thread.start()
 
     # ---------------------------------------------------------------- routers
@@ -188,23 +160,16 @@ class Delivery:
         if (self._asleep or self.queue.backlog() >= self._backlog) and not self._wake.is_set():
             self._wake.set()
 
-    def _bind_logger_to_thread(self) -> None:
-        """Resumes an MLflow logger's run in this thread (MLflow keeps its active run per thread)."""
-        experiment = getattr(self.logger, "experiment", None)
-        if not type(experiment).__module__.startswith("mlflow"):
-            return
-        run_id = getattr(getattr(experiment, "info", None), "run_id", None)
-        if run_id is None:
-            return
-        import mlflow
-
-        active = mlflow.active_run()
-        if active is None or active.info.run_id != run_id:
-            mlflow.start_run(run_id=run_id)
-
     def _run(self) -> None:
-        try:
-            self._bind_logger_to_thread()
+        try:  # MLflow keeps its active run per thread: resume the logger's run in this one
+            experiment = getattr(self.logger, "experiment", None)
+            run_id = getattr(getattr(experiment, "info", None), "run_id", None)
+            if type(experiment).__module__.startswith("mlflow") and run_id is not None:
+                import mlflow
+
+                active = mlflow.active_run()
+                if active is None or active.info.run_id != run_id:
+                    mlflow.start_run(run_id=run_id)
         except Exception as err:
             self.report(err, "could not bind its logger to the channel's thread")
         timeout = 1.0

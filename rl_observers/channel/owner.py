@@ -128,17 +128,7 @@ class Owner:
         self._close_callbacks: list[Callable[[], Any]] = []
         self._lock = threading.Lock()
         self.wing = make_wing(self)
-        self.delivery = Delivery(
-            logger,
-            self.queue,
-            on_error=on_error,
-            name=name,
-            background=background,
-            health_interval=health_interval,
-            poll=self.poll_remote,
-            log_health=bool(log_health),
-            counts=self.health,
-        )
+        self.delivery = Delivery(self, health_interval, bool(log_health))
 
     def submit(self, payload: Payload, held: int = 1) -> None:
         """Queues a payload (holding ``held``) whose metrics were checked (:func:`~rl_observers.channel.payload.check_metrics`)."""

@@ -43,10 +43,8 @@ class _Rate:
 class LiveConsole:
     """One console line: frames, frames per second, episode return, samples per second, workers, losses.
 
-    Opt-in; reads the rows ``channel`` delivers (merged across workers) and
-    redraws at most once per ``interval`` on the channel's thread, and at
-    :meth:`close`. In a terminal it is a ``tqdm`` bar; otherwise a plain line
-    at most once per ``plain_interval``. See :doc:`console`.
+    Reads the rows ``channel`` delivers, on the channel's thread: a ``tqdm`` bar in
+    a terminal, else a plain line at most once per ``plain_interval``. See :doc:`console`.
 
     Args:
         channel (MetricsChannel or Logger): the channel, or a logger whose
@@ -204,8 +202,7 @@ class LiveConsole:
             self.file.flush()
 
     def _channel_closing(self) -> None:
-        # The channel's close callbacks run before its last delivery: the last rows the
-        # observers' callbacks (registered before this one) submitted are waited for first.
+        # close callbacks run before the last delivery: wait for the observers' last rows first
         if not self._closed:
             self.channel.flush(timeout=10.0)
         self.close()

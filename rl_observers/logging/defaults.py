@@ -33,8 +33,6 @@ DEFAULT_SCHEDULES: dict[str, tuple[Every, ...]] = {
     "replay_buffer": (Every.counter("sample_calls", 100), Every.counter("items_written", 1_000)),
 }
 _FALLBACK_SCHEDULE = Every.seconds(10.0)
-#: The default namespace per kind of target, whatever torchrl class it is.
-DEFAULT_NAMES = {"collector": "collector", "replay_buffer": "replay_buffer"}
 _EMITS = {"collector": COLLECTOR_EVENTS, "replay_buffer": REPLAY_BUFFER_EVENTS}
 _FITTING_SETS = {
     "collector": "CollectorBatchMetrics() (or a MetricSet with on_post_collect)",
@@ -46,7 +44,7 @@ _FITTING_SETS = {
 
 
 def target_kind(target: Any) -> str:
-    """``"collector"`` or ``"replay_buffer"``: the kind of torchrl object ``target`` is."""
+    """``"collector"`` or ``"replay_buffer"``: the kind of torchrl object ``target`` is, and its default namespace."""
     return "collector" if isinstance(target, BaseCollector) else "replay_buffer"
 
 

@@ -1,8 +1,7 @@
-"""Distributions drawn in the logger's histogram view, from the exactly merged partials.
+"""Distributions drawn in the logger's histogram view, from the merged partials, on the channel's thread.
 
-Runs on the channel's thread at delivery: each row's merged bucket counts
-go to the backend's pre-binned call (TensorBoard, W&B, Trackio); other
-loggers get the quantile scalars only. See :doc:`histograms`.
+TensorBoard, W&B and Trackio get their pre-binned call; other loggers the
+quantile scalars only. See :doc:`histograms`.
 """
 
 from __future__ import annotations
@@ -106,9 +105,6 @@ def coarsen(edges: list[float], counts: list[float], most: int) -> tuple[list[fl
 
 class HistogramDrawer:
     """Draws the distribution partials of each delivered row with the logger's pre-binned call.
-
-    Made by :func:`draw_histograms`; draws on the channel's thread, before the
-    row's scalars are logged.
 
     Args:
         logger: the channel's sink.

@@ -1,8 +1,6 @@
 """LoggerObserver: metric sets folded at the source, submitted on a schedule into a channel.
 
-Step **observer → channel** of the flow, read as fold → schedule → submit,
-then the original's side of its copies and the checkpoint. What it shares
-with its copies is its :class:`~rl_observers.remote.contributions.Contribution`.
+Read as fold → schedule → submit, then the original's side of its copies and the checkpoint.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from rl_observers.channel import MetricsChannel
 from rl_observers.logging import wiring
 from rl_observers.logging.arguments import check_arguments
 from rl_observers.logging.copies import new_copies
-from rl_observers.logging.defaults import DEFAULT_NAMES, as_metric_sets, as_sink, target_kind
+from rl_observers.logging.defaults import as_metric_sets, as_sink, target_kind
 from rl_observers.logging.failures import metric_set_warning
 from rl_observers.logging.namespaces import Namespace
 from rl_observers.logging.resume import (
@@ -95,13 +93,10 @@ def _fold_event(event: str) -> Callable[..., None]:
 class LoggerObserver(Observer):
     """Folds what a source sees into metrics and logs them on a schedule.
 
-    The metric sets fold each batch, write or sample into mergeable partials
-    next to the data, with no host-device sync; when the schedule is due the
-    window reaches the host in one transfer and goes to a
-    :class:`~rl_observers.MetricsChannel`, which logs from its own thread.
-    Rows are ``<name>/<metric>``, each namespace on its own step. Each metric
-    set fails alone (``on_error``, once per failure streak). The long form is
-    in the docs (concepts).
+    The metric sets fold each event into mergeable partials next to the data;
+    when the schedule is due the window reaches the host in one transfer and goes
+    to a :class:`~rl_observers.MetricsChannel` as ``<name>/<metric>`` rows, each
+    namespace on its own step. Each metric set fails alone (``on_error``).
 
     Args:
         logger (Logger | MetricsChannel | MetricsHandle): where the metrics go
@@ -124,9 +119,8 @@ class LoggerObserver(Observer):
         on_error (str, optional): ``"warn"``, ``"raise"`` or ``"ignore"``. Defaults to ``"warn"``.
         report_interval (float, optional): seconds between a copy's reports. Defaults to ``0.5``.
         worker_timeout (float, optional): seconds an aggregate row waits for a
-            worker that has not reported (its copy's process is slow, stuck or
-            dead) before it is logged without it; a warning names the worker.
-            Defaults to ``10.0``.
+            worker that has not reported before it is logged without it (and a
+            warning names the worker). Defaults to ``10.0``.
 
     Examples:
         >>> import tempfile
@@ -236,10 +230,15 @@ class LoggerObserver(Observer):
             self.schedule, self._clock, self._auto_schedule = schedule, ScheduleClock(schedule), False
         self._contribution.keep_pristine(self._sets)  # what a copy restarts from where it runs
         self._wire()
+        self._prime_clock()
+        self.name = self._namespace.claim(target_kind(source) if self.name is None else self.name, self)
+
+    def _prime_clock(self) -> None:
+        """Primes a counter schedule at the counters' value now."""
         key = wiring.counter_key(self.schedule)
-        if key is not None:
-            self._clock.due(self._counters()[key])  # primes the schedule at the counters' value now
-        self.name = self._namespace.claim(DEFAULT_NAMES[target_kind(source)] if self.name is None else self.name, self)
+        value = None if key is None else self._counters().get(key)
+        if value is not None:
+            self._clock.due(value)
 
     def _wire(self) -> None:
         """Resolves the per-event work once: each event's folds, and how to read the schedule's counter."""
@@ -428,16 +427,10 @@ class LoggerObserver(Observer):
                 "into copies of its metric sets, and these cannot be pickled; use scope='aggregate', "
                 "or metric sets (and one-liner functions) that pickle."
             ) from error
+        same = ("schedule", "log_on_start", "log_on_close", "on_error", "report_interval")
+        options = {key: getattr(self, key) for key in same}
         view = LoggerObserver(
-            self._sink,
-            schedule=self.schedule,
-            metrics=tuple(sets),
-            name=f"{self.name}/worker_{worker}",
-            step=self.step_key,
-            log_on_start=self.log_on_start,
-            log_on_close=self.log_on_close,
-            on_error=self.on_error,
-            report_interval=self.report_interval,
+            self._sink, metrics=tuple(sets), name=f"{self.name}/worker_{worker}", step=self.step_key, **options
         )
         view.attached(source)
         view._align_pending = False  # its counters are the worker's, not the source's
@@ -626,10 +619,7 @@ class LoggerObserver(Observer):
                 self._clock.load_state_dict(state_dict["clock"])
             else:  # another schedule: its thresholds start from the restored counters
                 self._clock = ScheduleClock(self.schedule)
-                key = wiring.counter_key(self.schedule)
-                value = None if key is None else self._counters().get(key)
-                if value is not None:
-                    self._clock.due(value)
+                self._prime_clock()
             saved_step = state_dict.get("last_step")
             last = self._last_step
             if saved_step is not None and (last is None or saved_step > last):

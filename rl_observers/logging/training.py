@@ -28,15 +28,12 @@ TRAINING_RULES: tuple[str, ...] = ("mean", "sum", "min", "max", "latest", "summa
 class TrainingMetrics:
     """Records values from the training loop and logs them once per window, without a sync.
 
-    ``record(step, loss=loss, lr=lr)`` folds a tensor on its device (no host
-    read) and a number on the host. When ``step`` reaches the next multiple of
-    ``every`` the window is copied to the host in one non-blocking transfer
-    and submitted once it has landed. Rules per name (``reduce=``):
-    ``"mean"`` (default), ``"sum"``, ``"min"``, ``"max"``, ``"summary"``
-    (``<name>_mean``, ``_std``, ``_min``, ``_max``) and ``"latest"`` (host
-    numbers only). Under ``torch.distributed`` with ``merge_ranks=True`` every
-    rank records on the same steps and calls :meth:`close`, and rank 0 logs
-    the ranks' exact merge; see :doc:`training`.
+    A tensor is folded on its device, a number on the host; when ``step`` reaches
+    the next multiple of ``every`` the window is copied to the host in one
+    non-blocking transfer. Rules per name: ``"mean"`` (default), ``"sum"``,
+    ``"min"``, ``"max"``, ``"summary"`` (``_mean``, ``_std``, ``_min``, ``_max``)
+    and ``"latest"`` (host numbers only). Under ``torch.distributed`` with
+    ``merge_ranks=True`` rank 0 logs the ranks' exact merge; see :doc:`training`.
 
     Args:
         channel (MetricsChannel, MetricsHandle, Logger or None): where rows
