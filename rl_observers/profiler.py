@@ -60,25 +60,22 @@ def _make_config(values: dict[str, Any]) -> ProfileConfig:
     return ProfileConfig(**{k: defaults[k] if v is None and k in defaults else v for k, v in values.items()})
 
 
-class _RolloutSchedule:
+def _rollout_schedule(config: ProfileConfig) -> Callable[[int], ProfilerAction]:
     """``torch.profiler`` schedule: skip, one warm-up step, then record until ``num_rollouts``.
 
     Unlike ``schedule(warmup=0)`` it does not warn, and it warms up during the
     last skipped rollout so the first recorded one does not pay for it.
     """
+    skip, last = config.warmup_rollouts, config.num_rollouts - 1
 
-    __slots__ = ("last", "skip")
-
-    def __init__(self, config: ProfileConfig) -> None:
-        self.skip = config.warmup_rollouts
-        self.last = config.num_rollouts - 1
-
-    def __call__(self, step: int) -> ProfilerAction:
-        if step < self.skip - 1 or step > self.last:
+    def action(step: int) -> ProfilerAction:
+        if step < skip - 1 or step > last:
             return ProfilerAction.NONE
-        if step < self.skip:
+        if step < skip:
             return ProfilerAction.WARMUP
-        return ProfilerAction.RECORD if step < self.last else ProfilerAction.RECORD_AND_SAVE
+        return ProfilerAction.RECORD if step < last else ProfilerAction.RECORD_AND_SAVE
+
+    return action
 
 
 def _recorded(fn: Callable[..., Any], observer: Any, event: str) -> Callable[..., Any]:
@@ -365,7 +362,7 @@ class ProfilerObserver(Observer):
             try:
                 profiler = torch.profiler.profile(
                     activities=activities,
-                    schedule=_RolloutSchedule(self.config),
+                    schedule=_rollout_schedule(self.config),
                     on_trace_ready=self.config.on_trace_ready or self._export,
                     record_shapes=self.config.record_shapes,
                     profile_memory=self.config.profile_memory,

@@ -67,13 +67,7 @@ empty: Signal = _namespace.signal("empty", doc="After ``empty()`` on a replay bu
 #: Events a collector emits, in the order of one collection cycle.
 COLLECTOR_EVENTS: tuple[str, ...] = ("pre_collect", "post_collect", "shutdown")
 #: Events a replay buffer emits.
-REPLAY_BUFFER_EVENTS: tuple[str, ...] = (
-    "post_add",
-    "post_extend",
-    "post_sample",
-    "empty",
-    "shutdown",
-)
+REPLAY_BUFFER_EVENTS: tuple[str, ...] = ("post_add", "post_extend", "post_sample", "empty", "shutdown")
 
 #: The payload names of each event, after the source.
 EVENT_PAYLOADS: dict[str, tuple[str, ...]] = {
@@ -96,7 +90,5 @@ def signal_for(event: str) -> Signal:
         'post_sample'
     """
     if event not in EVENT_PAYLOADS:
-        raise ValueError(
-            f"event must be one of {sorted(EVENT_PAYLOADS)}, got {event!r}."
-        )
+        raise ValueError(f"event must be one of {sorted(EVENT_PAYLOADS)}, got {event!r}.")
     return _namespace[event]

@@ -164,9 +164,9 @@ class MetricsChannel:
         After :meth:`close` it is dropped and counted; an empty mapping is ignored.
 
         Args:
-            metrics (Mapping[str, float | int | partial]): names (relative to
-                ``namespace``) to real numbers, one-element tensors or arrays, or
-                mergeable partials. Copied; do not mutate the partials afterwards.
+            metrics (Mapping[str, float | int | partial]): names to real numbers,
+                one-element tensors or arrays, or mergeable partials (not to be
+                mutated afterwards).
             step (int, optional): the namespace's step. Defaults to ``None``.
 
         Keyword Args:
@@ -174,8 +174,7 @@ class MetricsChannel:
                 of coalescing. Defaults to ``""``.
 
         Raises:
-            TypeError: if a name is not a ``str``, a value is not one of the
-                above, or ``namespace`` is not a ``str``.
+            TypeError: if a name or ``namespace`` is not a ``str``, or a value is not one of the above.
         """
         self._state.submit(Payload(namespace, check_metrics(metrics, namespace, "MetricsChannel"), step))
 

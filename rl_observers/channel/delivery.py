@@ -201,8 +201,7 @@ class Delivery:
                 continue
             self._router_rows("tick")
             self._log_health()
-        self._router_rows("finish")
-        self._log_health(when=self.final_health)
+        self._final_delivery()
 
     def drain(self) -> int:
         """Delivers pending entries until none is left; returns how many."""
@@ -298,12 +297,9 @@ class Delivery:
 
     def clean_since_last_check(self) -> bool:
         """Whether nothing failed nor was lost since the previous call (what flush/close return)."""
-        failures = self.failures
-        lost = self.queue.losses()[0]
-        clean = failures == self._failures_seen and lost == self._lost_seen
-        self._failures_seen = failures
-        self._lost_seen = lost
-        return clean
+        seen = self._failures_seen, self._lost_seen
+        self._failures_seen, self._lost_seen = self.failures, self.queue.losses()[0]
+        return seen == (self._failures_seen, self._lost_seen)
 
     def raise_stored_error(self) -> None:
         with self._error_lock:

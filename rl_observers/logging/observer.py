@@ -411,10 +411,8 @@ class LoggerObserver(Observer):
     def worker_view(self, source: Any, worker: int) -> LoggerObserver:
         """A ``LoggerObserver`` of worker ``worker``'s share of ``source``'s batches, attached to it.
 
-        For ``DistributedCollector(sync=True)`` / ``DistributedSyncCollector``
-        with ``scope="per_worker"`` or ``"both"``: logs
-        ``<name>/worker_<worker>/<metric>`` from fresh copies of the metric sets,
-        same schedule and options, counters from zero; not in ``state_dict()``.
+        For the synchronous torch.distributed collectors' ``scope="per_worker"``:
+        fresh copies of the metric sets, counters from zero; not in ``state_dict()``.
 
         Raises:
             TypeError: the metric sets cannot be copied (pickled).
