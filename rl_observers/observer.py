@@ -66,25 +66,13 @@ OPTIONAL_HOOKS: tuple[str, ...] = (
 class Observer:
     """Optional base class for observers: documents the protocol, gives no-op lifecycle callbacks.
 
-    Any object with ``on_<event>`` methods is an observer. Event methods take
-    the source first, then the payload:
-
-    ==============================================  ===============================
-    method                                          called
-    ==============================================  ===============================
-    ``on_pre_collect(self, source)``                before each collector rollout
-    ``on_post_collect(self, source, batch)``        after each collected batch
-    ``on_shutdown(self, source)``                   once, when the source shuts down
-    ``on_post_add(self, source, data, index)``      after ``replay_buffer.add``
-    ``on_post_extend(self, source, data, index)``   after ``replay_buffer.extend``
-    ``on_post_sample(self, source, batch, info)``   after each sampled batch
-    ``on_empty(self, source)``                      after ``replay_buffer.empty()``
-    ==============================================  ===============================
-
-    Only the methods a class defines are called; defining none of a target's
-    events fails at attach time. An ``observed_events`` tuple narrows them.
-    Observers must be picklable to reach workers and Ray actors; see
-    :ref:`events` and :ref:`observed-objects`.
+    Any object with ``on_<event>`` methods is an observer: ``on_pre_collect(source)``,
+    ``on_post_collect(source, batch)``, ``on_shutdown(source)``, ``on_post_add(source,
+    data, index)``, ``on_post_extend(source, data, index)``, ``on_post_sample(source,
+    batch, info)``, ``on_empty(source)`` (the table is in :ref:`events`). Only the
+    methods a class defines are called (an ``observed_events`` tuple narrows them);
+    defining none of a target's events fails at attach time. Observers must be
+    picklable to reach workers and Ray actors (:ref:`observed-objects`).
 
     Examples:
         >>> import torch

@@ -1,25 +1,10 @@
 """The events sources emit, as blinker signals.
 
-Observers attached with ``add_observer`` are called inline; each event's
-:class:`blinker.Signal` is sent after them, only when it has receivers.
-Receivers get the source as ``sender`` and the payload as keywords:
-
-========================  =====================================
-signal                    keyword arguments
-========================  =====================================
-``pre_collect``           none
-``post_collect``          ``batch``
-``shutdown``              none
-``post_add``              ``data``, ``index``
-``post_extend``           ``data``, ``index``
-``post_sample``           ``batch``, ``info``
-``empty``                 none
-========================  =====================================
-
-A receiver connected for one source (``sender=rb``) makes that source emit;
-one connected for all hears every source that emits. A receiver that
-raises is handled like an observer: by its ``on_error`` attribute, else
-``"warn"``.
+Each event's :class:`blinker.Signal` is sent after the observers, only when it
+has receivers, with the source as ``sender`` and the payload as keywords
+(:data:`EVENT_PAYLOADS`). A receiver connected for one source makes that source
+emit; a receiver that raises is handled like an observer (its ``on_error``
+attribute, else ``"warn"``). See the concepts page, "Signals".
 
 Examples:
     >>> import torch

@@ -116,8 +116,6 @@ use_table(TABLE)  # the one registration: every torchrl class -> how it is obser
 _INSTALLED = False
 
 
-# -- the methods installed on torchrl's classes ----------------------------------------------------
-
 
 def add_observer(self: Any, observer: Any, *, on_error: str | None = None) -> ObserverHandle:
     """Attaches ``observer`` to this collector or replay buffer.

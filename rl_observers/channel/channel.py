@@ -207,10 +207,7 @@ class MetricsChannel:
         return self._said(self._state.flush(timeout), "flush")
 
     def step(self) -> int:
-        """Delivers every pending entry in the calling thread (``background=False`` only).
-
-        Returns:
-            The number of entries processed.
+        """Delivers every pending entry in the calling thread (``background=False`` only); returns how many.
 
         Raises:
             RuntimeError: if the channel has a background thread.

@@ -143,7 +143,6 @@ class Delivery:
             self.thread = threading.Thread(target=self._run, name=f"MetricsChannel[{self.name}]", daemon=True)
             self.thread.start()
 
-    # ---------------------------------------------------------------- routers
     def add_router(self, kind: type[Payload], router: Router) -> None:
         self._routers[kind] = router
 
@@ -154,7 +153,6 @@ class Delivery:
             router = self._routers.setdefault(kind, _ROUTER_FACTORIES[kind]())
         return router
 
-    # -------------------------------------------------------------- delivery
     def wake(self) -> None:
         """Called after each put: wakes the thread only if it sleeps or the backlog grows."""
         if (self._asleep or self.queue.backlog() >= self._backlog) and not self._wake.is_set():
@@ -258,7 +256,6 @@ class Delivery:
             for name, value in payload.items():
                 self._log_scalar(name, value, step)
 
-    # ----------------------------------------------------------- error policy
     def report(self, err: BaseException, what: str) -> None:
         """Applies the ``on_error`` policy to a failure of the sink or of a partial."""
         self.failures += 1
@@ -307,7 +304,6 @@ class Delivery:
         if err is not None:
             raise err
 
-    # ----------------------------------------------------------------- health
     def _log_health(self, when: str = "due") -> None:
         """Logs the health counters: ``"due"`` (changed, interval elapsed), ``"changed"``, ``"always"``."""
         if self._health_interval is None:
@@ -329,7 +325,6 @@ class Delivery:
         except Exception as err:
             self.report(err, "failed to log its health")
 
-    # ------------------------------------------------------- flush/step/close
     def flush(self, deadline: float | None) -> bool:
         self._poll(deadline)
         if self.thread is None:

@@ -76,7 +76,6 @@ class PendingQueue:
         self._told_dropped = self._told_coalesced = 0  # passed on to the next hop (untold)
         self.closed = False
 
-    # ------------------------------------------------------------------ put
     def put(self, payload: Payload, held: int = 1) -> Exception | None:
         """Queues one payload (or coalesces or drops on overflow).
 
@@ -149,7 +148,6 @@ class PendingQueue:
         with self._lock:
             self.closed = True
 
-    # ---------------------------------------------------------------- take
     def take(self) -> PendingEntry | None:
         """Removes the oldest entry and marks it in flight; ``None`` when empty."""
         with self._lock:
@@ -193,7 +191,6 @@ class PendingQueue:
             if self._waiters:
                 self._progress.notify_all()
 
-    # --------------------------------------------------------------- views
     def backlog(self) -> int:
         """How many entries wait (read without the lock: a hint, not a count)."""
         return len(self._pending)
@@ -222,7 +219,6 @@ class PendingQueue:
                 wanted(entry.payload) for entry in (*self._pending, self._in_flight) if entry is not None
             )
 
-    # --------------------------------------------------------------- flush
     def _through_locked(self, target: int) -> bool:
         pending = self._pending
         in_flight = self._in_flight

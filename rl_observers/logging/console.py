@@ -126,8 +126,6 @@ class LiveConsole:
         channel._logging.add_watcher(self)
         channel._logging.add_close_callback(self._channel_closing)
 
-    # -- the channel's watcher -------------------------------------------------------
-
     def __call__(self, namespace: str, metrics: Any, payload: dict[str, Any], step: int | None) -> None:
         """Reads one delivered row; redraws when ``interval`` has passed (on the channel's thread)."""
         try:
@@ -159,8 +157,6 @@ class LiveConsole:
             workers = get(prefix + "workers")
             if isinstance(workers, (int, float)):
                 self._workers[namespace] = (float(get(prefix + "workers_reporting", workers)), float(workers))
-
-    # -- drawing ---------------------------------------------------------------------
 
     def line(self) -> str:
         """The line as it would be drawn now."""

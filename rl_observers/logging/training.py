@@ -115,8 +115,6 @@ class TrainingMetrics:
         if isinstance(channel, MetricsChannel):  # held weakly; a handle's channel closes elsewhere
             channel._logging.add_close_callback(self.close)
 
-    # -- the hot path ------------------------------------------------------------------
-
     def record(self, step: int, /, **values: Any) -> None:
         """Folds ``values`` (name -> tensor or real number) at ``step`` (rising); closes the window when due."""
         with self._lock:
@@ -137,8 +135,6 @@ class TrainingMetrics:
             self._last_step = step
             if step >= self._due:
                 self._close_window(step)
-
-    # -- windows -------------------------------------------------------------------------
 
     def flush(self) -> None:
         """Closes the current window and submits every window copied, waiting for copies in flight.
@@ -165,8 +161,6 @@ class TrainingMetrics:
 
     def __repr__(self) -> str:
         return f"TrainingMetrics(namespace={self.namespace!r}, every={self.every})"
-
-    # -- internals -------------------------------------------------------------------
 
     def _rule(self, name: str) -> str:
         return self.rules.get(name, "mean")
