@@ -315,8 +315,6 @@ class ObserverList:
         self._call_transform: CallTransform | None = None
         self._receivers: dict[Any, _Entry] = {}  # the error state of the receivers that raised
 
-    # -- registration ---------------------------------------------------------------------------
-
     def add(self, observer: Any, on_error: str | None = None) -> _Entry:
         entry = resolve_observer(observer, self.emits, self.target_name, on_error)
         with self._lock:
@@ -373,8 +371,6 @@ class ObserverList:
             new._shut_down = self._shut_down
         new._rebuild()
         return new
-
-    # -- emitting -------------------------------------------------------------------------------
 
     def emit(self, event: str, *payload: Any) -> None:
         """Calls the observers of ``event`` in order, then the signal's receivers."""
@@ -442,8 +438,6 @@ class ObserverList:
                 first_error = first_error or raised
         if first_error is not None:
             raise first_error
-
-    # -- pickling: observers travel with their source (see the class docstring) -----------------
 
     def __getstate__(self) -> dict[str, Any]:
         attached = [(e.observer, e.on_error) for e in self.entries]

@@ -247,8 +247,6 @@ class ProfilerObserver(Observer):
         self._batches_seen = 0
         self._start_requested = False
 
-    # -- what users read ---------------------------------------------------------------------
-
     @property
     def active(self) -> bool:
         """Whether this copy's profiler is running (recording or about to)."""
@@ -299,8 +297,6 @@ class ProfilerObserver(Observer):
         with self._lock:
             self._finish()
 
-    # -- events ------------------------------------------------------------------------------
-
     def on_pre_collect(self, source: Any) -> None:
         if self._state == _IDLE and self._may_start(source):
             self._start(source)
@@ -335,8 +331,6 @@ class ProfilerObserver(Observer):
         self.stop()
 
     detached = on_shutdown
-
-    # -- the profiler ------------------------------------------------------------------------
 
     def _start(self, source: Any) -> None:
         with self._lock:
@@ -457,14 +451,11 @@ class ProfilerObserver(Observer):
                 out.append((fn, entry))
         return out + boundary
 
-    # -- pickling: a copy starts from scratch in its new process -------------------------------
-
     def __getstate__(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _PICKLED}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        for name in _PICKLED:
-            setattr(self, name, state[name])
+        self.__dict__.update(state)
         self._reset()
 
     def __repr__(self) -> str:
@@ -483,8 +474,6 @@ class ProfilerObserver(Observer):
 # What a copy of a ProfilerObserver takes to its new process; the rest starts from scratch there.
 _PICKLED = ("config", "record_observers", "start_after_frames", "start_after_batches", "start_when")
 
-
-# -- enable_profile / disable_profile on torchrl's collectors ----------------------------------------
 
 _ORIGINALS: dict[str, Any] = {}
 _INSTALL_LOCK = threading.Lock()

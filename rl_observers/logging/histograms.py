@@ -164,12 +164,8 @@ class HistogramDrawer:
             fields = partial.min, partial.max, partial.sum, partial.sum_squares  # the data's
         else:  # a sketch keeps only its buckets: their bounds and midpoints
             mids = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
-            fields = (
-                edges[0],
-                edges[-1],
-                sum(c * m for c, m in zip(counts, mids)),
-                sum(c * m * m for c, m in zip(counts, mids)),
-            )
+            total = sum(c * m for c, m in zip(counts, mids))
+            fields = edges[0], edges[-1], total, sum(c * m * m for c, m in zip(counts, mids))
         low, high, total, squares = fields
         self.logger.experiment.add_histogram_raw(
             tag,

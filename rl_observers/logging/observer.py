@@ -186,8 +186,6 @@ class LoggerObserver(Observer):
         self._copies_elsewhere = False  # copies feed this namespace: this instance contributes too
         self._live.add(self)
 
-    # -- wiring, resolved once when attached ------------------------------------------------
-
     @property
     def observed_events(self) -> tuple[str, ...]:
         """The events this observer is wired to (those its metric sets fold, and shutdown)."""
@@ -260,8 +258,6 @@ class LoggerObserver(Observer):
     def _counters(self) -> dict[str, float]:
         return wiring.merged_counters(self._sets or ())
 
-    # -- fold ---------------------------------------------------------------------------------
-
     def _first_event(self, source: Any) -> dict[str, float] | None:
         """Fixes this process's mode; the counters to line up with the source's after the fold, if any.
 
@@ -319,8 +315,6 @@ class LoggerObserver(Observer):
     on_post_extend = _fold_event("post_extend")
     on_post_sample = _fold_event("post_sample")
 
-    # -- schedule -------------------------------------------------------------------------------
-
     def _after(self) -> None:
         """Emits, contributes or advances the schedule after an event (see :func:`_fold_event`)."""
         with self._lock:
@@ -359,8 +353,6 @@ class LoggerObserver(Observer):
             self._sink.flush(timeout=self._contribution.last_window_timeout)
         elif self.log_on_close:
             self._close_window()
-
-    # -- submit ---------------------------------------------------------------------------------
 
     def _pull(self) -> dict[str, Any]:
         # Before pulling: an event folded meanwhile (from another thread) marks the next window.
@@ -406,8 +398,6 @@ class LoggerObserver(Observer):
         )
         self._sink.submit_window(window)
 
-    # -- per-worker views, where a source stacks its workers' batches by rank --------------------
-
     def worker_view(self, source: Any, worker: int) -> LoggerObserver:
         """A ``LoggerObserver`` of worker ``worker``'s share of ``source``'s batches, attached to it.
 
@@ -433,8 +423,6 @@ class LoggerObserver(Observer):
         view.attached(source)
         view._align_pending = False  # its counters are the worker's, not the source's
         return view
-
-    # -- copies elsewhere: the original's side ------------------------------------------------
 
     def prepare_copies(self, target: Any) -> None:
         """Called on the original before copies start where ``target``'s data is.
@@ -542,8 +530,6 @@ class LoggerObserver(Observer):
         self._lock, self._mode = threading.Lock(), None  # a copy: its mode is resolved where it runs
         self._wire()
         self._live.add(self)
-
-    # -- pull interop and checkpoints ----------------------------------------------------------
 
     def stats(self) -> dict[str, float]:
         """Entries contributed to the target's ``stats()`` (e.g. ``sample_calls``)."""
