@@ -212,7 +212,7 @@ class Delivery:
             payload = entry.payload
             router = None if payload.__class__ is Payload else self.router(payload.__class__)
             try:
-                rows = router.route(payload) if router else ((payload.namespace, payload.metrics, payload.step),)
+                rows = router.route(payload) if router is not None else ((payload.namespace, payload.metrics, payload.step),)
                 delivered = self._write_rows(rows, "failed to log namespace")
             except Exception as err:
                 delivered = False
