@@ -4,12 +4,6 @@
 ``observers`` and ``attach_logger`` to every torchrl collector and replay
 buffer, and makes ``collector.enable_profile()`` attach a
 :class:`ProfilerObserver`.
-
-The flow of one number: a source (collector or replay buffer, in any
-process) emits events → its observers fold them next to the data
-(:mod:`~rl_observers.metrics`, :mod:`~rl_observers.stats`) → a
-:class:`LoggerObserver` submits due windows to a :class:`MetricsChannel` →
-the channel's thread calls the torchrl logger.
 """
 
 from __future__ import annotations

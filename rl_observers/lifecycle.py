@@ -33,11 +33,10 @@ def after_fork_in_child(hook: Callable[[], None]) -> None:
 
 
 def at_exit(hook: Callable[[], None], phase: int) -> None:
-    """Runs ``hook()`` once when this process exits, after the hooks of earlier phases.
+    """Runs ``hook()`` once when this process exits, after the hooks of earlier phases; what it raises is ignored.
 
     Each new hook moves the run after every exit handler registered before
-    (such as multiprocessing's, which would wait for workers never shut
-    down). A hook added twice runs once; what it raises is ignored.
+    (such as multiprocessing's, which would wait for workers never shut down).
     """
     global _FINALIZER_PID
     if all(known != hook for _, known in _EXIT_HOOKS):

@@ -51,10 +51,7 @@ def check_on_error(on_error: Any) -> str:
 _SIGNALS = {event: signals.signal_for(event) for event in signals.EVENT_PAYLOADS}
 # Attributes named ``on_*`` that are not events.
 _NOT_EVENTS = frozenset({"on_error"})
-#: The optional names an observer may define besides its ``on_<event>`` methods, and who reads them:
-#: ``attached`` / ``detached`` (the source, where the observer runs), ``stats`` (the source's
-#: ``stats()``), ``prepare_copies`` / ``copies_removed`` (remote sources, on the original),
-#: ``observed_events`` (narrows the events) and ``on_error`` (the default policy).
+#: The optional names an observer may define besides its ``on_<event>`` methods.
 OPTIONAL_HOOKS: tuple[str, ...] = (
     "attached",
     "copies_removed",
@@ -69,25 +66,13 @@ OPTIONAL_HOOKS: tuple[str, ...] = (
 class Observer:
     """Optional base class for observers: documents the protocol, gives no-op lifecycle callbacks.
 
-    Any object with ``on_<event>`` methods is an observer. Event methods take
-    the source first, then the payload:
-
-    ==============================================  ===============================
-    method                                          called
-    ==============================================  ===============================
-    ``on_pre_collect(self, source)``                before each collector rollout
-    ``on_post_collect(self, source, batch)``        after each collected batch
-    ``on_shutdown(self, source)``                   once, when the source shuts down
-    ``on_post_add(self, source, data, index)``      after ``replay_buffer.add``
-    ``on_post_extend(self, source, data, index)``   after ``replay_buffer.extend``
-    ``on_post_sample(self, source, batch, info)``   after each sampled batch
-    ``on_empty(self, source)``                      after ``replay_buffer.empty()``
-    ==============================================  ===============================
-
-    Only the methods a class defines are called; defining none of a target's
-    events fails at attach time. An ``observed_events`` tuple narrows them.
-    Observers must be picklable to reach workers and Ray actors; see
-    :ref:`events` and :ref:`observed-objects`.
+    Any object with ``on_<event>`` methods is an observer: ``on_pre_collect(source)``,
+    ``on_post_collect(source, batch)``, ``on_shutdown(source)``, ``on_post_add(source,
+    data, index)``, ``on_post_extend(source, data, index)``, ``on_post_sample(source,
+    batch, info)``, ``on_empty(source)`` (the table is in :ref:`events`). Only the
+    methods a class defines are called (an ``observed_events`` tuple narrows them);
+    defining none of a target's events fails at attach time. Observers must be
+    picklable to reach workers and Ray actors (:ref:`observed-objects`).
 
     Examples:
         >>> import torch
@@ -114,11 +99,7 @@ class Observer:
         """Called once when the observer is removed from ``source``."""
 
     def prepare_copies(self, target: Any) -> None:
-        """Called on the original, in the driver, before copies are shipped where ``target`` runs.
-
-        The chance to fix what all copies must share; ``attached``/``detached``
-        are called on the copies.
-        """
+        """Called on the original, in the driver, before copies are shipped where ``target`` runs."""
 
     def copies_removed(self, target: Any) -> None:
         """Called once on the original when its copies are gone (all detached, or ``target`` shut down)."""
@@ -182,9 +163,6 @@ def _check_signature(owner: Any, attr: str, fn: Callable[..., Any], nargs: int) 
 class FailureStreaks:
     """Which parts of an observer are in a failure streak: the one tracker of ``on_error``'s rule.
 
-    :meth:`fail` raises, warns once per streak or records; a streak ends with
-    :meth:`recover` for keys that did not fail again (or when ``failing`` drops it).
-
     Examples:
         >>> from rl_observers.observer import FailureStreaks
         >>> streaks = FailureStreaks()
@@ -224,11 +202,7 @@ class FailureStreaks:
 
 
 class _Entry(FailureStreaks):
-    """One attached observer: its resolved event calls and its error state.
-
-    A streak lasts while any event of the observer is failing, so one broken
-    event is not warned about again when another succeeds.
-    """
+    """One attached observer: its resolved event calls and its error state (one streak for all its events)."""
 
     __slots__ = ("calls", "observer", "on_error", "stats")
 
@@ -327,28 +301,19 @@ CallTransform = Callable[[str, Calls], Iterable[tuple[Callable[..., Any], _Entry
 class ObserverList:
     """The ordered observers of one source (``source._rl_observers``) and the emitters it calls.
 
-    Emitting walks a tuple rebuilt at each registration, so an event in flight
-    finishes over its snapshot. Pickled for a new process, each observer is
-    pickled apart: one that fails to unpickle there is left behind as a
-    stand-in, with one warning (:class:`ObserverLeftBehind`).
+    Emitting walks a tuple rebuilt at each registration. Pickled for a new process,
+    each observer is pickled apart: one that fails to unpickle there is left behind
+    (:class:`ObserverLeftBehind`).
     """
 
     def __init__(self, source: Any, emits: tuple[str, ...], target_name: str) -> None:
-        self.source = source
-        #: The events this source emits.
-        self.emits = emits
-        self.target_name = target_name
+        self.source, self.emits, self.target_name = source, emits, target_name
         self.entries: tuple[_Entry, ...] = ()
-        self._calls: dict[str, tuple[tuple[Callable[..., Any], _Entry], ...]] = {
-            event: () for event in emits
-        }
+        self._calls: dict[str, Calls] = dict.fromkeys(emits, ())
         self._lock = threading.RLock()
         self._shut_down = False
         self._call_transform: CallTransform | None = None
-        # The error state of the blinker receivers that raised, by receiver.
-        self._receivers: dict[Any, _Entry] = {}
-
-    # -- registration ---------------------------------------------------------------------------
+        self._receivers: dict[Any, _Entry] = {}  # the error state of the receivers that raised
 
     def add(self, observer: Any, on_error: str | None = None) -> _Entry:
         entry = resolve_observer(observer, self.emits, self.target_name, on_error)
@@ -373,11 +338,7 @@ class ObserverList:
         return removed
 
     def set_call_transform(self, transform: CallTransform | None) -> CallTransform | None:
-        """Installs ``transform(event, calls) -> calls`` (``None`` removes it); returns the previous one.
-
-        Applied when the call tuples are built, now and at later registrations,
-        so it costs nothing per event. Not pickled.
-        """
+        """Installs ``transform(event, calls) -> calls``, applied at registration (``None`` removes it); returns the previous one."""
         with self._lock:
             previous, self._call_transform = self._call_transform, transform
             self._rebuild()
@@ -403,19 +364,13 @@ class ObserverList:
         return tuple(e.observer for e in self.entries)
 
     def copy_for(self, source: Any) -> ObserverList:
-        """A new list for ``source`` (a shallow copy of this list's source) with the same observers.
-
-        Error streaks start afresh, the call transform is not copied, and each
-        list's registrations leave the other alone.
-        """
+        """A new list for ``source`` (a shallow copy of this list's source) with the same observers, streaks afresh."""
         new = type(self)(source, self.emits, self.target_name)
         with self._lock:
             new.entries = tuple(_Entry(e.observer, e.calls, e.on_error) for e in self.entries)
             new._shut_down = self._shut_down
         new._rebuild()
         return new
-
-    # -- emitting -------------------------------------------------------------------------------
 
     def emit(self, event: str, *payload: Any) -> None:
         """Calls the observers of ``event`` in order, then the signal's receivers."""
@@ -439,21 +394,13 @@ class ObserverList:
             try:
                 receiver(source, **kwargs)
             except Exception as error:
-                self._receiver_entry(receiver).failed(error, event)
+                own = getattr(receiver, "on_error", None)
+                new = _ReceiverEntry(receiver, {}, own if own in ON_ERROR_POLICIES else "warn")
+                self._receivers.setdefault(_receiver_key(receiver), new).failed(error, event)
             else:
-                if self._receivers:
-                    entry = self._receivers.get(_receiver_key(receiver))
-                    if entry is not None:
-                        entry.failing.discard(event)
-
-    def _receiver_entry(self, receiver: Any) -> _Entry:
-        key = _receiver_key(receiver)
-        entry = self._receivers.get(key)
-        if entry is None:
-            own = getattr(receiver, "on_error", None)
-            entry = _ReceiverEntry(receiver, {}, own if own in ON_ERROR_POLICIES else "warn")
-            self._receivers[key] = entry
-        return entry
+                entry = self._receivers.get(_receiver_key(receiver)) if self._receivers else None
+                if entry is not None:
+                    entry.failing.discard(event)
 
     def contribute_stats(self, stats: dict[str, Any]) -> dict[str, Any]:
         """Adds the entries observers contribute to the source's ``stats()``."""
@@ -491,8 +438,6 @@ class ObserverList:
                 first_error = first_error or raised
         if first_error is not None:
             raise first_error
-
-    # -- pickling: observers travel with their source (see the class docstring) -----------------
 
     def __getstate__(self) -> dict[str, Any]:
         attached = [(e.observer, e.on_error) for e in self.entries]
@@ -537,10 +482,6 @@ class ObserverList:
 _APART = threading.local()
 
 
-class _PickledInline(Exception):
-    """An observer list met itself while pickling its observers apart."""
-
-
 def _pickle_apart(observers: ObserverList, attached: list[tuple[Any, str]]) -> list[tuple[bytes, str, str]] | None:
     """Each ``(observer, on_error)`` pickled on its own, or ``None`` to pickle them inline.
 
@@ -548,7 +489,7 @@ def _pickle_apart(observers: ObserverList, attached: list[tuple[Any, str]]) -> l
     """
     busy: set[int] = _APART.__dict__.setdefault("busy", set())
     if id(observers) in busy:
-        raise _PickledInline
+        raise ValueError("an observer reaches its own list: pickled inline")
     busy.add(id(observers))
     try:
         return [(dumps(observer, spawn=True), on_error, _describe(observer)) for observer, on_error in attached]
@@ -561,12 +502,8 @@ def _pickle_apart(observers: ObserverList, attached: list[tuple[Any, str]]) -> l
 def dumps(obj: Any, *, by_value: bool = False, spawn: bool = False) -> bytes:
     """``obj`` pickled to travel to another process: the one pickling helper of the package.
 
-    By reference first (with ``spawn=True``, as a ``spawn`` worker receives
-    its arguments), then by value with cloudpickle (lambdas, functions of
-    ``__main__``); ``by_value=True`` goes to cloudpickle at once (Ray actors).
-
-    Raises:
-        Exception: what cloudpickle raised when ``obj`` cannot be pickled at all.
+    By reference first (``spawn=True``: as a ``spawn`` worker receives its
+    arguments), then by value with cloudpickle; ``by_value=True``: cloudpickle at once.
 
     Examples:
         >>> import pickle

@@ -1,17 +1,13 @@
-"""ProfilerObserver: ``torch.profiler`` over chosen rollouts, stacked with any observers.
+"""ProfilerObserver: ``torch.profiler`` over chosen rollouts, as one observer among others.
 
-torchrl's ``enable_profile()`` takes the single ``post_collect_hook`` slot;
-:class:`ProfilerObserver` drives the same profiler as one observer among
-others, and :func:`install_profiling` (run by ``import rl_observers``)
-makes ``enable_profile()`` / ``disable_profile()`` attach and detach one.
-Profiler step ``k`` ends when every observer is done with batch ``k``
-(the observer moves its ``post_collect`` behind the others'), so each
-rollout stays whole in one step and the trace is written right after the
-last profiled batch. See :doc:`migration`.
+:func:`install_profiling` (run by ``import rl_observers``) makes torchrl's
+``enable_profile()`` / ``disable_profile()`` attach and detach one instead
+of taking the ``post_collect_hook`` slot. See :doc:`migration`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -38,8 +34,7 @@ _IDLE, _RUNNING, _DONE = "idle", "running", "done"
 _PROCESS_SLOT: list[tuple[int, Any] | None] = [None]
 _PROCESS_SLOT_LOCK = threading.Lock()
 _UNSET: Any = object()
-#: The profiling options of ``enable_profile`` and :class:`ProfilerObserver`, with torchrl's
-#: defaults (``None`` means "torchrl's default list"): the one table both read their keywords from.
+#: The profiling options of ``enable_profile`` and :class:`ProfilerObserver`, with torchrl's defaults.
 CONFIG_DEFAULTS: dict[str, Any] = {
     "workers": None,
     "num_rollouts": 3,
@@ -55,61 +50,38 @@ CONFIG_DEFAULTS: dict[str, Any] = {
 
 
 CONFIG_KEYS: tuple[str, ...] = tuple(CONFIG_DEFAULTS)
-#: :class:`ProfilerObserver`'s defaults: torchrl's, but without Python stacks. Measured on
-#: CartPole, 2 recorded rollouts of 250 frames (CPU): with torchrl's defaults (shapes and
-#: stacks) the trace is 153 MB, more than a browser's trace viewer opens comfortably; with
-#: shapes and no stacks 18 MB; with torch.profiler's own defaults (neither) 12 MB.
-#: ``with_stack=True`` brings the stacks back.
+#: :class:`ProfilerObserver`'s defaults: torchrl's without Python stacks (traces ~8x smaller).
 OBSERVER_DEFAULTS: dict[str, Any] = {**CONFIG_DEFAULTS, "with_stack": False}
 
 
 def _make_config(values: dict[str, Any]) -> ProfileConfig:
     """Builds a :class:`ProfileConfig` exactly as ``BaseCollector.enable_profile`` does."""
-    values = dict(values)
-    if values["workers"] is None:
-        values["workers"] = [0]
-    if values["activities"] is None:
-        values["activities"] = ["cpu", "cuda"]
-    return ProfileConfig(**values)
+    defaults = {"workers": [0], "activities": ["cpu", "cuda"]}
+    return ProfileConfig(**{k: defaults[k] if v is None and k in defaults else v for k, v in values.items()})
 
 
-def _worker_index(source: Any) -> int | None:
-    """The index of ``source`` among its collector's workers, ``None`` for nobody's worker."""
-    worker = source_info(source).worker
-    if worker is not None:
-        return worker
-    idx = getattr(source, "worker_idx", None)
-    return idx if isinstance(idx, int) else None
-
-
-class _RolloutSchedule:
+def _rollout_schedule(config: ProfileConfig) -> Callable[[int], ProfilerAction]:
     """``torch.profiler`` schedule: skip, one warm-up step, then record until ``num_rollouts``.
 
     Unlike ``schedule(warmup=0)`` it does not warn, and it warms up during the
     last skipped rollout so the first recorded one does not pay for it.
     """
+    skip, last = config.warmup_rollouts, config.num_rollouts - 1
 
-    __slots__ = ("last", "skip")
-
-    def __init__(self, config: ProfileConfig) -> None:
-        self.skip = config.warmup_rollouts
-        self.last = config.num_rollouts - 1
-
-    def __call__(self, step: int) -> ProfilerAction:
-        if step < self.skip - 1 or step > self.last:
+    def action(step: int) -> ProfilerAction:
+        if step < skip - 1 or step > last:
             return ProfilerAction.NONE
-        if step < self.skip:
+        if step < skip:
             return ProfilerAction.WARMUP
-        return ProfilerAction.RECORD if step < self.last else ProfilerAction.RECORD_AND_SAVE
+        return ProfilerAction.RECORD if step < last else ProfilerAction.RECORD_AND_SAVE
+
+    return action
 
 
-def _range_name(observer: Any, event: str) -> str:
+def _recorded(fn: Callable[..., Any], observer: Any, event: str) -> Callable[..., Any]:
     # an observer object is named after its class, a plain function after itself
-    name = getattr(observer, "__name__", None) or type(observer).__name__
-    return f"rl_observers/{name}.on_{event}"
+    name = f"rl_observers/{getattr(observer, '__name__', None) or type(observer).__name__}.on_{event}"
 
-
-def _recorded(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     def call(source: Any, *payload: Any) -> Any:
         with record_function(name):
             return fn(source, *payload)
@@ -120,18 +92,11 @@ def _recorded(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 class ProfilerObserver(Observer):
     """Profiles whole collector rollouts with :mod:`torch.profiler`, next to any other observers.
 
-    What torchrl's ``enable_profile()`` does, with the same
-    :class:`~torchrl.collectors.ProfileConfig`, but without taking the
-    ``post_collect_hook`` slot. It runs where collection runs: a copy in a
-    worker or Ray actor builds its own profiler, and only the workers in
-    ``workers`` profile (a collector that is nobody's worker is worker ``0``).
-    Rollouts ``warmup_rollouts .. num_rollouts - 1`` after the start are
-    recorded, one ``ProfilerStep#k`` each, covering the rollout, its hooks and
-    every observer's work on it; shutdown or detaching stops it early, writing
-    what was recorded. One profile runs per process: a second profiler warns
-    and does not profile. With ``warmup_rollouts=0`` and no start condition
-    the first recorded step misses the start of rollout 0. See
-    :doc:`migration` for where traces land and how large they are.
+    torchrl's ``enable_profile()`` without taking the ``post_collect_hook`` slot.
+    It runs where collection runs (a collector that is nobody's worker is worker
+    ``0``); each recorded rollout is one ``ProfilerStep#k`` covering every
+    observer's work on it. One profile runs per process: a second one warns and
+    does not profile. See :doc:`migration`.
 
     Args:
         config (ProfileConfig, optional): a ready-made configuration; give
@@ -146,11 +111,10 @@ class ProfilerObserver(Observer):
             filled in. Defaults to ``"./collector_profile_{worker_idx}.json"``.
         activities (list[str], optional): ``"cpu"`` and/or ``"cuda"``.
             Defaults to ``["cpu", "cuda"]``.
-        record_shapes (bool, optional): Defaults to ``True``.
-        profile_memory (bool, optional): Defaults to ``False``.
+        record_shapes, profile_memory, with_flops (bool, optional): Defaults
+            to ``True``, ``False``, ``False``.
         with_stack (bool, optional): record Python stacks (traces about 8x
             larger). Defaults to ``False``, unlike torchrl.
-        with_flops (bool, optional): Defaults to ``False``.
         on_trace_ready (Callable, optional): called with the profiler instead
             of writing ``save_path``. Defaults to ``None``.
         record_observers (bool, optional): time each other observer in a
@@ -161,8 +125,7 @@ class ProfilerObserver(Observer):
         start_after_batches (int, optional): likewise, in batches. Defaults
             to ``0``.
         start_when (Callable, optional): ``start_when(source) -> bool``,
-            checked before each rollout and after each batch; picklable for
-            workers and actors. Defaults to ``None``.
+            checked before each rollout and after each batch. Defaults to ``None``.
 
     Raises:
         TypeError: if ``config`` is not a :class:`ProfileConfig`, or comes
@@ -284,8 +247,6 @@ class ProfilerObserver(Observer):
         self._batches_seen = 0
         self._start_requested = False
 
-    # -- what users read ---------------------------------------------------------------------
-
     @property
     def active(self) -> bool:
         """Whether this copy's profiler is running (recording or about to)."""
@@ -300,9 +261,7 @@ class ProfilerObserver(Observer):
     def trace_paths(self) -> dict[int, Path]:
         """``{worker_idx: path}`` of the traces written since the observer was attached, as far as this process knows.
 
-        A ``RayCollector``'s traces appear once the driver wrote them back (when
-        the observer is removed or the collector shuts down). Empty with
-        ``on_trace_ready``.
+        A ``RayCollector``'s appear once the driver wrote them back (at removal or shutdown).
         """
         if self._trace_path is not None:
             return {self._worker_idx or 0: self._trace_path}
@@ -310,15 +269,10 @@ class ProfilerObserver(Observer):
             return {}
         paths = {}
         for idx in self._workers_attached:
-            if not self.config.should_profile_worker(idx):
-                continue
             path = self.config.get_save_path(idx)
-            try:
-                written = path.stat().st_mtime >= self._attached_at
-            except OSError:
-                continue
-            if written:
-                paths[idx] = path
+            with contextlib.suppress(OSError):  # not written
+                if self.config.should_profile_worker(idx) and path.stat().st_mtime >= self._attached_at:
+                    paths[idx] = path
         return paths
 
     def attached(self, source: Any) -> None:
@@ -329,15 +283,12 @@ class ProfilerObserver(Observer):
         self._workers_attached = tuple(range(count)) if isinstance(count, int) and count > 0 else (0,)
         self._attached_at = time.time() - 1.0  # (file times have coarse resolution on some systems)
 
-    def prepare_copies(self, target: Any) -> None:
-        """On the driver, before copies start in ``target``'s workers: as :meth:`attached`."""
-        self.attached(target)
+    prepare_copies = attached  # on the driver, before copies start in the target's workers
 
     def start(self) -> None:
         """Starts this copy's profiler at the next event, whatever ``start_after_*`` and ``start_when`` say.
 
-        For an in-process collector (copies in workers and actors are not
-        reached: use ``start_when``); does nothing once the profiler ran.
+        In-process only (copies in workers are not reached: use ``start_when``).
         """
         self._start_requested = True
 
@@ -345,8 +296,6 @@ class ProfilerObserver(Observer):
         """Stops this copy's profiler now, writing what it recorded; idempotent."""
         with self._lock:
             self._finish()
-
-    # -- events ------------------------------------------------------------------------------
 
     def on_pre_collect(self, source: Any) -> None:
         if self._state == _IDLE and self._may_start(source):
@@ -381,17 +330,17 @@ class ProfilerObserver(Observer):
     def on_shutdown(self, source: Any) -> None:
         self.stop()
 
-    def detached(self, source: Any) -> None:
-        self.stop()
-
-    # -- the profiler ------------------------------------------------------------------------
+    detached = on_shutdown
 
     def _start(self, source: Any) -> None:
         with self._lock:
             if self._state != _IDLE:
                 return
             self._state = _DONE  # unless everything below succeeds
-            idx = _worker_index(source)
+            idx = source_info(source).worker
+            if idx is None:  # else the collector's own worker_idx, if any
+                idx = getattr(source, "worker_idx", None)
+                idx = idx if isinstance(idx, int) else None
             if idx is not None and not self.config.should_profile_worker(idx):
                 return
             self._worker_idx = 0 if idx is None else idx
@@ -407,7 +356,7 @@ class ProfilerObserver(Observer):
             try:
                 profiler = torch.profiler.profile(
                     activities=activities,
-                    schedule=_RolloutSchedule(self.config),
+                    schedule=_rollout_schedule(self.config),
                     on_trace_ready=self.config.on_trace_ready or self._export,
                     record_shapes=self.config.record_shapes,
                     profile_memory=self.config.profile_memory,
@@ -421,7 +370,19 @@ class ProfilerObserver(Observer):
             self._profiler = profiler
             self._steps = 0
             self._state = _RUNNING
-            self._install_transform(source)
+            # this observer's step boundary moves last among the source's observers
+            observers = observers_of(source)
+            if getattr(observers, "set_call_transform", None) is None:
+                return
+            if observers.call_transform is not None:
+                torchrl_logger.warning(
+                    f"ProfilerObserver: {type(source).__name__} already has a call transform "
+                    f"({observers.call_transform!r}); profiler steps end at the profiler's "
+                    "registration position and observers are not recorded."
+                )
+                return
+            observers.set_call_transform(self._transform)
+            self._observers = observers
 
     def _finish(self) -> None:
         """Stops the profiler (writing its trace if it recorded) and restores the call tuples."""
@@ -434,7 +395,9 @@ class ProfilerObserver(Observer):
                 profiler.stop()
         finally:
             self._release_process()
-            self._uninstall_transform()
+            observers, self._observers = self._observers, None
+            if observers is not None and observers.call_transform == self._transform:
+                observers.set_call_transform(None)
 
     def _claim_process(self) -> bool:
         """Takes this process's profiler slot; warns and returns False if another profiler has it."""
@@ -466,9 +429,7 @@ class ProfilerObserver(Observer):
         profiler.export_chrome_trace(str(path))
         self._trace_path = path
         torchrl_logger.info(f"Profiler [worker {self._worker_idx}]: trace saved to {path}")
-        # In a Ray actor, the driver writes it under the same path when it removes the
-        # observer or shuts the collector down (the nodes of a cluster share no files).
-        try:
+        try:  # from a Ray actor: the driver writes it under the same path (nodes share no files)
             send_file_to_driver(path)
         except OSError as error:
             torchrl_logger.warning(
@@ -476,51 +437,25 @@ class ProfilerObserver(Observer):
                 "the trace stays on this node."
             )
 
-    # -- the observer-list seam --------------------------------------------------------------
-
-    def _install_transform(self, source: Any) -> None:
-        observers = observers_of(source)
-        set_transform = getattr(observers, "set_call_transform", None)
-        if set_transform is None:
-            return
-        if observers.call_transform is not None:
-            torchrl_logger.warning(
-                f"ProfilerObserver: {type(source).__name__} already has a call transform "
-                f"({observers.call_transform!r}); profiler steps end at the profiler's "
-                "registration position and observers are not recorded."
-            )
-            return
-        set_transform(self._transform)
-        self._observers = observers
-
-    def _uninstall_transform(self) -> None:
-        observers, self._observers = self._observers, None
-        if observers is not None and observers.call_transform == self._transform:
-            observers.set_call_transform(None)
-
     def _transform(
         self, event: str, calls: tuple[tuple[Callable[..., Any], Any], ...]
     ) -> Iterable[tuple[Callable[..., Any], Any]]:
         """Moves this observer's step boundary last and, if asked, times the other observers."""
-        out = []
-        boundary = []
+        out, boundary = [], []
         for fn, entry in calls:
             if entry.observer is self:
                 (boundary if event == "post_collect" else out).append((fn, entry))
             elif self.record_observers:
-                out.append((_recorded(fn, _range_name(entry.observer, event)), entry))
+                out.append((_recorded(fn, entry.observer, event), entry))
             else:
                 out.append((fn, entry))
         return out + boundary
-
-    # -- pickling: a copy starts from scratch in its new process -------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _PICKLED}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        for name in _PICKLED:
-            setattr(self, name, state[name])
+        self.__dict__.update(state)
         self._reset()
 
     def __repr__(self) -> str:
@@ -539,8 +474,6 @@ class ProfilerObserver(Observer):
 # What a copy of a ProfilerObserver takes to its new process; the rest starts from scratch there.
 _PICKLED = ("config", "record_observers", "start_after_frames", "start_after_batches", "start_when")
 
-
-# -- enable_profile / disable_profile on torchrl's collectors ----------------------------------------
 
 _ORIGINALS: dict[str, Any] = {}
 _INSTALL_LOCK = threading.Lock()
@@ -562,11 +495,9 @@ def enable_profile(
 ) -> None:
     """Enables profiling of collector rollouts by attaching a :class:`ProfilerObserver`.
 
-    torchrl's ``BaseCollector.enable_profile`` signature, errors and
-    ``profile_config``, but the profiler is an observer: it never evicts a
-    user hook or another observer. Calling it again replaces the profiler.
-    The arguments are :class:`ProfilerObserver`'s, except that ``with_stack``
-    defaults to ``True`` as in torchrl.
+    torchrl's signature, errors and ``profile_config``, but it never evicts a user
+    hook or another observer; calling it again replaces the profiler. The arguments
+    are :class:`ProfilerObserver`'s, ``with_stack`` defaulting to ``True`` as in torchrl.
 
     Raises:
         RuntimeError: if iteration over the collector has started, or the
@@ -642,21 +573,16 @@ def _wraps(fn: Any, target: Any) -> bool:
     return False
 
 
-def _subclasses(cls: type) -> list[type]:
-    found, todo = [], [cls]
-    while todo:
-        for sub in todo.pop().__subclasses__():
-            if sub not in found:
-                found.append(sub)
-                todo.append(sub)
-    return found
+def _subclasses(cls: type) -> Iterable[type]:
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
 
 
 def install_profiling() -> None:
     """Makes every torchrl collector's ``enable_profile()`` / ``disable_profile()`` use observers; idempotent.
 
-    Only these two methods are replaced, also in the copies torchrl makes of
-    them in its collector classes (keeping their RPC wrapper).
+    Also replaces the copies torchrl makes of them in its collector classes, keeping their RPC wrapper.
     """
     with _INSTALL_LOCK:
         if _ORIGINALS:

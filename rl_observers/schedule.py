@@ -1,9 +1,4 @@
-"""When a schedule is due: torchrl's ``Every``, evaluated where events arrive.
-
-Step **observer** of the flow. The clock follows ``LoggerMonitor``'s
-private due logic: a counter schedule fires once per crossed threshold and
-re-baselines when the counter goes down; a seconds schedule fires once
-the interval has passed since the last emission.
+"""When torchrl's ``Every`` is due, with ``LoggerMonitor``'s logic: once per crossed threshold, re-baselined when the counter goes down.
 
 Examples:
     >>> from rl_observers.schedule import ScheduleClock

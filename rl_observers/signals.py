@@ -1,25 +1,10 @@
 """The events sources emit, as blinker signals.
 
-Observers attached with ``add_observer`` are called inline; each event's
-:class:`blinker.Signal` is sent after them, only when it has receivers.
-Receivers get the source as ``sender`` and the payload as keywords:
-
-========================  =====================================
-signal                    keyword arguments
-========================  =====================================
-``pre_collect``           none
-``post_collect``          ``batch``
-``shutdown``              none
-``post_add``              ``data``, ``index``
-``post_extend``           ``data``, ``index``
-``post_sample``           ``batch``, ``info``
-``empty``                 none
-========================  =====================================
-
-A receiver connected for one source (``sender=rb``) makes that source emit;
-one connected for all hears every source that emits. A receiver that
-raises is handled like an observer: by its ``on_error`` attribute, else
-``"warn"``.
+Each event's :class:`blinker.Signal` is sent after the observers, only when it
+has receivers, with the source as ``sender`` and the payload as keywords
+(:data:`EVENT_PAYLOADS`). A receiver connected for one source makes that source
+emit; a receiver that raises is handled like an observer (its ``on_error``
+attribute, else ``"warn"``). See the concepts page, "Signals".
 
 Examples:
     >>> import torch
@@ -67,13 +52,7 @@ empty: Signal = _namespace.signal("empty", doc="After ``empty()`` on a replay bu
 #: Events a collector emits, in the order of one collection cycle.
 COLLECTOR_EVENTS: tuple[str, ...] = ("pre_collect", "post_collect", "shutdown")
 #: Events a replay buffer emits.
-REPLAY_BUFFER_EVENTS: tuple[str, ...] = (
-    "post_add",
-    "post_extend",
-    "post_sample",
-    "empty",
-    "shutdown",
-)
+REPLAY_BUFFER_EVENTS: tuple[str, ...] = ("post_add", "post_extend", "post_sample", "empty", "shutdown")
 
 #: The payload names of each event, after the source.
 EVENT_PAYLOADS: dict[str, tuple[str, ...]] = {
@@ -96,7 +75,5 @@ def signal_for(event: str) -> Signal:
         'post_sample'
     """
     if event not in EVENT_PAYLOADS:
-        raise ValueError(
-            f"event must be one of {sorted(EVENT_PAYLOADS)}, got {event!r}."
-        )
+        raise ValueError(f"event must be one of {sorted(EVENT_PAYLOADS)}, got {event!r}.")
     return _namespace[event]

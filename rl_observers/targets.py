@@ -1,13 +1,9 @@
 """What each torchrl class becomes when an observer is attached: the one table, installed.
 
-Step **source** of the flow (source → observer → channel → logger). A row
-reads "a ``<class>`` is observed by ``<mixin>``, keeps its observers in
-``<observer list>`` and, for a remote kind, runs them as copies
-``<kind.where>``", per context (``None``: where the user holds the object;
-``"prefetching"``, ``"ray_actor"``, ``"ray_client"``). A class matches by
-the nearest class of its MRO named here; a class not named, or a subclass
-replacing a method of its row's ``loop``, is refused at ``add_observer``.
-See :ref:`distributed-per-class`.
+A row reads "a ``<class>`` is observed by ``<mixin>`` with ``<observer list>``",
+per context. A class matches by the nearest class of its MRO named here; a
+class not named, or a subclass replacing a method of its row's ``loop``, is
+refused at ``add_observer``. See :ref:`distributed-per-class`.
 
 Examples:
     >>> import rl_observers
@@ -61,11 +57,8 @@ _COLLECTORS = "torchrl.collectors"
 _DISTRIBUTED = "torchrl.collectors.distributed"
 _BUFFERS = "torchrl.data.replay_buffers"
 
-# The methods whose hook-slot reads emit an in-process collector's events (see
-# rl_observers.sources.collectors): a subclass replacing one would be mute.
+# The methods that emit a collector's events: a subclass replacing one would be mute.
 _COLLECTION_LOOP = ("__iter__", "iterator", "rollout")
-# A distributed collector's observed ``iterator`` wraps whatever ``iterator`` the class has,
-# as long as iterating goes through it.
 _DRIVER_LOOP = ("__iter__",)
 
 _LOCAL_COLLECTOR = How(ObservedCollector, CollectorObservers, loop=_COLLECTION_LOOP)
@@ -76,8 +69,7 @@ _PREFETCHING_BUFFER = How(ObservedPrefetchingReplayBuffer, PrefetchingBufferObse
 _ACTOR_BUFFER = How(ray._ActorObservedReplayBuffer, ReplayBufferObservers)
 _ACTOR_TENSORDICT_BUFFER = How(ray._ActorObservedTensorDictReplayBuffer, ReplayBufferObservers)
 
-# torchrl's in-process replay buffers, under torchrl.data.replay_buffers, and whether their
-# actor-side observation is the TensorDict one.
+# torchrl's in-process replay buffers, and whether their actor-side observation is the TensorDict one.
 _BUFFER_CLASSES = {
     "replay_buffers:ReplayBuffer": False,
     "replay_buffers:PrioritizedReplayBuffer": False,
@@ -113,8 +105,7 @@ TABLE: dict[str | None, dict[str, How]] = {
         f"{_BUFFERS}.{name}": _ACTOR_TENSORDICT_BUFFER if tensordict else _ACTOR_BUFFER
         for name, tensordict in _BUFFER_CLASSES.items()
     },
-    # The Ray-transport client an observed RayReplayBuffer hands out (the "distributed"
-    # transport's client is never observed: that transport is refused at attach).
+    # The Ray-transport client an observed RayReplayBuffer hands out.
     ray.CLIENT: {
         f"{_BUFFERS}.ray_buffer:_RayReplayBufferClient": How(ray._ObservedRayReplayBufferClient, ObserverList),
     },
@@ -124,8 +115,6 @@ use_table(TABLE)  # the one registration: every torchrl class -> how it is obser
 
 _INSTALLED = False
 
-
-# -- the methods installed on torchrl's classes ----------------------------------------------------
 
 
 def add_observer(self: Any, observer: Any, *, on_error: str | None = None) -> ObserverHandle:

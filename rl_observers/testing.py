@@ -16,9 +16,12 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from typing import Any
+
+from rl_observers.signals import EVENT_PAYLOADS
 
 __all__ = ["EventRecorder"]
 
@@ -55,7 +58,7 @@ class EventRecorder:
         self.pid: int | None = None
         self._lock = threading.Lock()
 
-    def _record(self, event: str, *payload: Any) -> None:
+    def _record(self, event: str, source: Any, *payload: Any) -> None:
         size = _size(payload[0]) if payload else None
         with self._lock:
             self.events.append(event)
@@ -67,27 +70,6 @@ class EventRecorder:
     def count(self, event: str) -> int:
         """Returns how many ``event`` events were recorded."""
         return self.events.count(event)
-
-    def on_pre_collect(self, source: Any) -> None:
-        self._record("pre_collect")
-
-    def on_post_collect(self, source: Any, batch: Any) -> None:
-        self._record("post_collect", batch)
-
-    def on_shutdown(self, source: Any) -> None:
-        self._record("shutdown")
-
-    def on_post_add(self, source: Any, data: Any, index: Any) -> None:
-        self._record("post_add", data, index)
-
-    def on_post_extend(self, source: Any, data: Any, index: Any) -> None:
-        self._record("post_extend", data, index)
-
-    def on_post_sample(self, source: Any, batch: Any, info: Any) -> None:
-        self._record("post_sample", batch, info)
-
-    def on_empty(self, source: Any) -> None:
-        self._record("empty")
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -101,3 +83,6 @@ class EventRecorder:
     def __repr__(self) -> str:
         return f"EventRecorder(events={len(self.events)})"
 
+
+for _event in EVENT_PAYLOADS:  # on_<event>(source, *payload) records every event
+    setattr(EventRecorder, f"on_{_event}", functools.partialmethod(EventRecorder._record, _event))

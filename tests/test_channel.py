@@ -176,6 +176,38 @@ def test_a_window_travels_typed_to_the_router_of_its_class():
     channel.close()
 
 
+def test_a_router_that_is_empty_by_len_still_routes_its_class(tmp_path):
+    logger = CSVLogger(exp_name="sized", log_dir=str(tmp_path))
+    channel = sync_channel(logger, name="sized")
+
+    class Buffered:
+        """Holds each window until the next one: ``len()`` says how many it holds."""
+
+        def __init__(self):
+            self.held = []
+
+        def __len__(self):
+            return len(self.held)
+
+        def route(self, window):
+            rows = [("routed", held.metrics, held.step) for held in self.held]
+            self.held = [window]
+            return rows
+
+        def finish(self):
+            rows = [("routed", held.metrics, held.step) for held in self.held]
+            self.held = []
+            return rows
+
+    channel._logging.add_router(Window, Buffered())
+    for step, value in ((1, 1.0), (2, 2.0), (3, 3.0)):
+        channel.submit_window(Window("w", {"v": value}, step=step, observer="sized"))
+        channel.step()
+    channel.close()
+    assert read_csv(tmp_path / "sized" / "scalars" / "routed" / "v.csv") == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    assert not (tmp_path / "sized" / "scalars" / "w").exists()  # nothing bypassed the router
+
+
 def test_a_row_the_logger_refuses_loses_no_other_row_of_the_entry(tmp_path, warnings_seen):
     logger = CSVLogger(exp_name="rows", log_dir=str(tmp_path))
     channel = sync_channel(logger, name="rows")

@@ -105,6 +105,20 @@ def test_a_partial_window_is_logged_at_close_and_empty_windows_are_not(tmp_path)
         train.record(17, loss=1.0)
 
 
+def test_latest_logs_the_window_s_last_host_number_nan_included(tmp_path):
+    logger = CSVLogger(exp_name="latest", log_dir=str(tmp_path))
+    channel = MetricsChannel(logger, background=False)
+    train = TrainingMetrics(channel, every=2, reduce={"lr": "latest"})
+    records = [(1, 0.5), (2, math.nan), (3, math.nan), (4, 0.25), (5, 0.125)]
+    for step, lr in records:
+        train.record(step, lr=lr)
+    channel.close()
+    truth = [(step, window[-1]["lr"]) for step, window in _windows([(s, {"lr": v}) for s, v in records], 2)]
+    rows = scalars(logger, "train/lr")
+    assert [s for s, _ in rows] == [s for s, _ in truth] == [2, 4, 5]
+    assert [str(v) for _, v in rows] == [str(v) for _, v in truth] == ["nan", "0.25", "0.125"]
+
+
 def test_misuse_is_refused_with_what_to_do(tmp_path):
     channel = MetricsChannel(CSVLogger(exp_name="bad", log_dir=str(tmp_path)), background=False)
     with pytest.raises(ValueError, match="must be one of"):

@@ -1,9 +1,4 @@
-"""The local channel's parts: payloads, the bounded queue, the delivery thread.
-
-Step **channel → logger** of the flow. Local to one process; knows nothing
-of RL, workers or copies. A payload maps names to numbers or to mergeable
-partials (``merge(other)``, ``finalize() -> dict[str, float]``).
-"""
+"""The local channel: payloads, the bounded queue, the delivery thread; knows nothing of RL, workers or copies."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """MetricsChannel: the bounded, never-blocking way from observers to a logger.
 
-Step **channel** of the flow (source → observer → channel → logger). This
-module holds the public face and the registry of live channels; the work is
-the :class:`~.owner.Owner`'s, and what the channel does for other processes
-is the wing :mod:`rl_observers.remote` registers (:func:`register_wing`).
+The public face and the registry of live channels; the work is the
+:class:`~.owner.Owner`'s, and other processes are the registered wing's.
 """
 
 from __future__ import annotations
@@ -40,30 +38,24 @@ _WING: list[Callable[[Owner, Any], Wing]] = []
 
 
 def register_wing(make_wing: Callable[[Owner, Any], Wing]) -> None:
-    """Has every channel created from now on do ``make_wing(owner, channel)``'s work for other processes.
-
-    A later registration replaces the earlier one.
-    """
+    """Has every channel created from now on do ``make_wing(owner, channel)``'s work for other processes."""
     _WING[:] = [make_wing]
 
 
 class MetricsChannel:
     """A bounded, never-blocking channel from metric producers to a torchrl logger.
 
-    :meth:`submit_metrics` only queues and returns; the channel's daemon thread
-    makes the blocking ``logger.log_metrics`` calls, one per entry, and
-    finalizes partials there. Metrics are logged as ``"<namespace>/<name>"``,
-    each namespace with its own step. At most ``capacity`` entries wait; on
-    overflow a payload merges into the newest pending entry of its namespace,
-    or the oldest entry is dropped, both counted in :meth:`health`. The channel
-    never shuts the logger down. See :ref:`channel` for the full contract.
+    :meth:`submit_metrics` only queues; the channel's daemon thread makes the
+    blocking ``logger.log_metrics`` calls, as ``"<namespace>/<name>"``. On
+    overflow a payload merges into the newest pending entry of its namespace, or
+    the oldest entry is dropped, both counted in :meth:`health`. The channel
+    never shuts the logger down. See :ref:`channel`.
 
     Args:
         logger (Logger): any torchrl
-            :class:`~torchrl.record.loggers.common.Logger`, a logger service or
-            its ``client()``, or any object with ``log_metrics(metrics,
-            step=None)`` or ``log_scalar(name, value, step)``. A logger already
-            shut down (``is_alive`` is ``False``) raises ``ValueError``.
+            :class:`~torchrl.record.loggers.common.Logger` or logger service, or
+            any object with ``log_metrics(metrics, step=None)`` or
+            ``log_scalar(name, value, step)``; not one already shut down.
 
     Keyword Args:
         capacity (int, optional): the most entries pending, at least 1.
@@ -142,10 +134,7 @@ class MetricsChannel:
 
     @classmethod
     def for_logger(cls, logger: Any, **kwargs: Any) -> MetricsChannel:
-        """Returns the channel shared by everything that logs to ``logger``.
-
-        The first call creates it with ``kwargs``; later calls return it (their
-        ``kwargs`` ignored) until it is closed or no longer referenced.
+        """Returns the channel shared by everything that logs to ``logger`` (created with the first call's ``kwargs``).
 
         Examples:
             >>> import tempfile
@@ -172,13 +161,12 @@ class MetricsChannel:
     def submit_metrics(self, metrics: Mapping[str, Any], step: int | None = None, *, namespace: str = "") -> None:
         """Queues one payload for logging and returns at once, never calling the logger.
 
-        After :meth:`close` the payload is dropped, counted and warned about once.
-        An empty mapping is ignored.
+        After :meth:`close` it is dropped and counted; an empty mapping is ignored.
 
         Args:
-            metrics (Mapping[str, float | int | partial]): names (relative to
-                ``namespace``) to real numbers, one-element tensors or arrays, or
-                mergeable partials. Copied; do not mutate the partials afterwards.
+            metrics (Mapping[str, float | int | partial]): names to real numbers,
+                one-element tensors or arrays, or mergeable partials (not to be
+                mutated afterwards).
             step (int, optional): the namespace's step. Defaults to ``None``.
 
         Keyword Args:
@@ -186,16 +174,12 @@ class MetricsChannel:
                 of coalescing. Defaults to ``""``.
 
         Raises:
-            TypeError: if a name is not a ``str``, a value is not one of the
-                above, or ``namespace`` is not a ``str``.
+            TypeError: if a name or ``namespace`` is not a ``str``, or a value is not one of the above.
         """
         self._state.submit(Payload(namespace, check_metrics(metrics, namespace, "MetricsChannel"), step))
 
     def submit_window(self, window: Payload) -> None:
-        """Queues one window of an observer's copy; never blocks.
-
-        The router registered for the window's class merges each observer's
-        windows into its rows.
+        """Queues one window of an observer's copy for its class's router; never blocks.
 
         Raises:
             TypeError: if the window's metrics are not loggable values.
@@ -204,12 +188,9 @@ class MetricsChannel:
         self._state.submit(window)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Waits until everything submitted before this call was processed.
+        """Waits until everything submitted anywhere before this call was delivered, failed or dropped.
 
-        A barrier through every hop, payloads sent by handles in other processes
-        included (:doc:`distributed`). Processed means delivered, failed or
-        dropped. With ``background=False`` delivery runs in the calling thread and
-        ``timeout`` does not bound the logger calls.
+        With ``background=False`` delivery runs in the calling thread, unbounded by ``timeout``.
 
         Args:
             timeout (float, optional): the most seconds to wait. Defaults to
@@ -226,10 +207,7 @@ class MetricsChannel:
         return self._said(self._state.flush(timeout), "flush")
 
     def step(self) -> int:
-        """Delivers every pending entry in the calling thread (``background=False`` only).
-
-        Returns:
-            The number of entries processed.
+        """Delivers every pending entry in the calling thread (``background=False`` only); returns how many.
 
         Raises:
             RuntimeError: if the channel has a background thread.
@@ -245,9 +223,8 @@ class MetricsChannel:
     def close(self, timeout: float | None = None) -> bool:
         """Runs the close callbacks, flushes, logs health once more and stops; idempotent.
 
-        The logger is left running. Later submissions are dropped and counted.
-        Without a ``timeout`` it waits while the logger makes progress, and gives
-        up with a warning once one logger call has not returned for 30 seconds.
+        The logger is left running; later submissions are dropped and counted. Without
+        a ``timeout`` it gives up once one logger call has not returned for 30 seconds.
 
         Args:
             timeout (float, optional): the most seconds to wait. Defaults to
@@ -286,21 +263,17 @@ class MetricsChannel:
         return result
 
     def health(self) -> dict[str, int]:
-        """Returns the channel's counters.
+        """Returns the channel's counters (the table is on the :ref:`channel` page).
 
-        ``submitted == logged + pending + coalesced + dropped + sink_errors``
-        at any moment, counting what was submitted in any process and lost or
-        merged on any hop once; ``copies_lost`` with a wing for other
-        processes. The table of counters is on the :ref:`channel` page.
+        ``submitted == logged + pending + coalesced + dropped + sink_errors`` at any moment.
         """
         return self._state.health()
 
     def handle(self, *, transport: str | None = None) -> Any:
         """Returns a picklable, non-owning :class:`~rl_observers.MetricsHandle` for workers and actors.
 
-        The first call starts the receivers (a Unix socket; Ray's ingest once Ray
-        is initialized). In this process the handle submits directly; elsewhere it
-        sends through the first reachable transport, never blocking.
+        The first call starts the receivers. In this process the handle submits
+        directly; elsewhere it sends through the first reachable transport.
 
         Keyword Args:
             transport (str, optional): a registered transport to use even in this

@@ -1,11 +1,9 @@
 """The owner's delivery: the one place where pending payloads become logger calls.
 
-Step **channel → logger** of the flow. :class:`Delivery` takes entries from
-the :class:`~.queue.PendingQueue` in its daemon thread (or the caller's),
-finalizes partials and calls ``logger.log_metrics``, with the ``on_error``
-policy and the channel's health. A payload of a class a :class:`Router` was
-registered for goes to that router instead, which returns the rows to
-write: that is how :mod:`rl_observers.remote.aggregate` plugs in.
+:class:`Delivery` takes entries from the queue in its daemon thread (or the
+caller's), with the ``on_error`` policy and the channel's health. A payload of
+a class a :class:`Router` was registered for goes to that router, which
+returns the rows to write.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ from typing import Any, Protocol
 from torchrl._utils import logger as torchrl_logger
 
 from rl_observers.channel.payload import Payload, expand
-from rl_observers.channel.queue import PendingEntry, PendingQueue
 
 __all__ = ["Delivery", "Router", "Row", "counts_line", "health_problem", "register_router"]
 
@@ -26,37 +23,26 @@ __all__ = ["Delivery", "Router", "Row", "counts_line", "health_problem", "regist
 Row = tuple[str, dict[str, Any], "int | None"]
 # The most seconds close() without a timeout waits for a logger call that does not return.
 CLOSE_STALL_TIMEOUT = 30.0
-# Seconds the thread gathers entries before delivering them, once entries come closer than
-# that. Each wake-up of the thread takes the GIL from the source thread, and waking it is a
-# syscall in the source's submit: under steady traffic one wake-up per burst, not per entry.
+# Seconds the thread gathers entries once they come closer than that: each wake-up takes the
+# GIL from the source thread, so under steady traffic it wakes once per burst, not per entry.
 GATHER_SECONDS = 0.05
-#: The least seconds between two warnings of a sink that keeps failing (``on_error="warn"``):
-#: the first failure of a streak warns at once, then at most one warning per this many
-#: seconds while the failures go on, each with the counts since the previous one.
+#: The least seconds between two warnings of a sink that keeps failing (the first warns at once).
 REPEAT_WARNING_SECONDS = 60.0
 
 
 class Router(Protocol):
-    """Owner-side handling of the payloads of one class (a subclass of :class:`~.payload.Payload`).
+    """Owner-side handling of the payloads of one class, on the channel's thread.
 
-    Both methods run on the channel's thread, one call at a time. Each row
-    returned is written in its own logger call: a refused row goes through
-    ``on_error`` and does not stop the next; the entry counts once in
-    ``sink_errors``.
+    Each row returned is its own logger call: a refused row does not stop the next.
     """
 
     def route(self, payload: Any) -> Iterable[Row]:
         """Takes one payload; returns the rows now due."""
 
-    # A router may also define ``tick() -> Iterable[Row]``: the rows that fell due with time
-    # alone (a wait that ran out), asked for at least once a second on the channel's thread.
+    # Optional: ``tick() -> Iterable[Row]``, rows due with time alone, asked for at least once a second.
 
     def finish(self) -> Iterable[Row]:
-        """The last rows, when the channel closes.
-
-        An error (here or in :meth:`route`) is handled by ``on_error`` after the
-        rows produced so far are written.
-        """
+        """The last rows, when the channel closes (an error here goes through ``on_error``)."""
 
 
 def counts_line(counts: Mapping[str, int]) -> str:
@@ -106,50 +92,31 @@ def register_router(kind: type[Payload], factory: Callable[[], Router]) -> None:
 
 
 class Delivery:
-    """Writes a queue's entries to a logger, with the channel's error policy and health.
+    """Writes the owner's queue's entries to its logger, with the channel's error policy and health.
 
     Args:
-        logger (Any): the sink (``log_metrics`` or ``log_scalar``).
-        queue (PendingQueue): where entries come from.
-
-    Keyword Args:
-        on_error, name, background, health_interval, log_health: as for
-            :class:`~rl_observers.MetricsChannel`.
-        poll (Callable): ``poll(deadline)`` hands over what other processes sent.
-        counts (Callable, optional): the health counters to log. Defaults to
-            the queue's.
+        owner (Owner): its ``logger``, ``queue``, ``on_error``, ``name``,
+            ``background``, ``poll_remote(deadline)`` and ``health()``.
+        health_interval, log_health: as for :class:`~rl_observers.MetricsChannel`.
     """
 
     watchers: tuple[Callable[[str, Any, dict[str, Any], int | None], None], ...] = ()
 
-    def __init__(
-        self,
-        logger: Any,
-        queue: PendingQueue,
-        *,
-        on_error: str,
-        name: str,
-        background: bool,
-        health_interval: float | None,
-        poll: Callable[[float | None], None],
-        log_health: bool = False,
-        counts: Callable[[], dict[str, int]] | None = None,
-    ) -> None:
+    def __init__(self, owner: Any, health_interval: float | None, log_health: bool) -> None:
+        self.logger = logger = owner.logger
         log_metrics = getattr(logger, "log_metrics", None)
-        self.logger = logger
         self._log_metrics = log_metrics if callable(log_metrics) else None
         self._log_scalar = getattr(logger, "log_scalar", None)
-        self.queue = queue
-        self.on_error = on_error
-        self.name = name
-        self._poll = poll
+        self.queue = queue = owner.queue
+        self.on_error, self.name = owner.on_error, owner.name
+        self._poll = owner.poll_remote
         self._health_interval = health_interval
         self._log_health_always = log_health
         # failures reported (sink, partials, routers, health) and losses counted by the queue:
         # flush/close tell whether new ones came
         self.failures = 0
         self._failures_seen = 0
-        self._lost_seen = queue.lost()
+        self._lost_seen = queue.losses()[0]
         self._routers: dict[type, Router] = {}
         self._failing = False
         # failures of the current streak: in all, and since its last warning (and when that was)
@@ -158,7 +125,7 @@ class Delivery:
         self._warned_at = 0.0
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
-        self._counts = queue.counts if counts is None else counts
+        self._counts = owner.health
         self._health_time = time.monotonic()
         self._health_counts = self._counts()
         self._health_step = 0
@@ -172,11 +139,10 @@ class Delivery:
         # a backlog this long wakes a gathering thread (below health_problem's half capacity)
         self._backlog = max(1, queue.capacity // 4)
         self.thread: threading.Thread | None = None
-        if background:
-            self.thread = threading.Thread(target=self._run, name=f"MetricsChannel[{name}]", daemon=True)
+        if owner.background:
+            self.thread = threading.Thread(target=self._run, name=f"MetricsChannel[{self.name}]", daemon=True)
             self.thread.start()
 
-    # ---------------------------------------------------------------- routers
     def add_router(self, kind: type[Payload], router: Router) -> None:
         self._routers[kind] = router
 
@@ -187,29 +153,21 @@ class Delivery:
             router = self._routers.setdefault(kind, _ROUTER_FACTORIES[kind]())
         return router
 
-    # -------------------------------------------------------------- delivery
     def wake(self) -> None:
         """Called after each put: wakes the thread only if it sleeps or the backlog grows."""
         if (self._asleep or self.queue.backlog() >= self._backlog) and not self._wake.is_set():
             self._wake.set()
 
-    def _bind_logger_to_thread(self) -> None:
-        """Resumes an MLflow logger's run in this thread (MLflow keeps its active run per thread)."""
-        experiment = getattr(self.logger, "experiment", None)
-        if not type(experiment).__module__.startswith("mlflow"):
-            return
-        run_id = getattr(getattr(experiment, "info", None), "run_id", None)
-        if run_id is None:
-            return
-        import mlflow
-
-        active = mlflow.active_run()
-        if active is None or active.info.run_id != run_id:
-            mlflow.start_run(run_id=run_id)
-
     def _run(self) -> None:
-        try:
-            self._bind_logger_to_thread()
+        try:  # MLflow keeps its active run per thread: resume the logger's run in this one
+            experiment = getattr(self.logger, "experiment", None)
+            run_id = getattr(getattr(experiment, "info", None), "run_id", None)
+            if type(experiment).__module__.startswith("mlflow") and run_id is not None:
+                import mlflow
+
+                active = mlflow.active_run()
+                if active is None or active.info.run_id != run_id:
+                    mlflow.start_run(run_id=run_id)
         except Exception as err:
             self.report(err, "could not bind its logger to the channel's thread")
         timeout = 1.0
@@ -239,10 +197,9 @@ class Delivery:
                 if queue.empty():
                     break
                 continue
-            self._tick_routers()
+            self._router_rows("tick")
             self._log_health()
-        self._finish_routers()
-        self._log_health(when=self.final_health)
+        self._final_delivery()
 
     def drain(self) -> int:
         """Delivers pending entries until none is left; returns how many."""
@@ -252,8 +209,11 @@ class Delivery:
             entry = queue.take()
             if entry is None:
                 return count
+            payload = entry.payload
+            router = None if payload.__class__ is Payload else self.router(payload.__class__)
             try:
-                delivered = self._deliver(entry)
+                rows = router.route(payload) if router is not None else ((payload.namespace, payload.metrics, payload.step),)
+                delivered = self._write_rows(rows, "failed to log namespace")
             except Exception as err:
                 delivered = False
                 self.report(err, f"failed to log namespace {entry.namespace!r}")
@@ -261,20 +221,6 @@ class Delivery:
                 self._failing = False
             queue.done(entry, delivered)
             count += 1
-
-    def _deliver(self, entry: PendingEntry) -> bool:
-        """Turns one entry into logger calls (through its class's router, if any); whether all succeeded."""
-        payload = entry.payload
-        if payload.__class__ is not Payload:
-            router = self.router(payload.__class__)
-            if router is not None:
-                return self._write_rows(router.route(payload), "failed to log namespace")
-        metrics = expand(payload.namespace, payload.metrics)
-        if metrics:
-            self.write(metrics, payload.step)
-        for watch in self.watchers:
-            watch(payload.namespace, payload.metrics, metrics, payload.step)
-        return True
 
     def _write_rows(self, rows: Iterable[Row], what: str) -> bool:
         """Writes each row in its own try (one refused row loses no other); whether all went."""
@@ -291,24 +237,16 @@ class Delivery:
                 self.report(err, f"{what} {namespace!r}")
         return written
 
-    def _tick_routers(self) -> None:
-        """Writes the rows that routers with a ``tick`` have due by now."""
+    def _router_rows(self, method: str) -> None:
+        """Writes the rows of each router's ``tick`` or ``finish`` (at close); a failure stops no other."""
+        what = "failed to log the last rows of namespace" if method == "finish" else "failed to log namespace"
         for kind, router in list(self._routers.items()):
-            tick = getattr(router, "tick", None)
-            if tick is None:
-                continue
+            call = getattr(router, method, None)
             try:
-                self._write_rows(tick(), "failed to log namespace")
+                if call is not None:
+                    self._write_rows(call(), what)
             except Exception as err:
-                self.report(err, f"failed to tick the router of {kind.__name__}")
-
-    def _finish_routers(self) -> None:
-        """Writes every router's last rows (at close); a failure stops no other row nor router."""
-        for key, router in list(self._routers.items()):
-            try:
-                self._write_rows(router.finish(), "failed to log the last rows of namespace")
-            except Exception as err:
-                self.report(err, f"failed to finish the router of {key.__name__}")
+                self.report(err, f"failed to {method} the router of {kind.__name__}")
 
     def write(self, payload: dict[str, Any], step: int | None) -> None:
         """One logger call."""
@@ -318,7 +256,6 @@ class Delivery:
             for name, value in payload.items():
                 self._log_scalar(name, value, step)
 
-    # ----------------------------------------------------------- error policy
     def report(self, err: BaseException, what: str) -> None:
         """Applies the ``on_error`` policy to a failure of the sink or of a partial."""
         self.failures += 1
@@ -331,7 +268,7 @@ class Delivery:
         self._failing = True
 
     def _warn_failure(self, err: BaseException, what: str) -> None:
-        """Warns at a streak's first failure, then once per ``REPEAT_WARNING_SECONDS`` with the counts so far."""
+        # at a streak's first failure, then once per REPEAT_WARNING_SECONDS with the counts so far
         now = time.monotonic()
         if not self._failing:
             self._streak_failures = self._unwarned_failures = 0
@@ -357,22 +294,16 @@ class Delivery:
 
     def clean_since_last_check(self) -> bool:
         """Whether nothing failed nor was lost since the previous call (what flush/close return)."""
-        failures = self.failures
-        lost = self.queue.lost()
-        clean = failures == self._failures_seen and lost == self._lost_seen
-        self._failures_seen = failures
-        self._lost_seen = lost
-        return clean
+        seen = self._failures_seen, self._lost_seen
+        self._failures_seen, self._lost_seen = self.failures, self.queue.losses()[0]
+        return seen == (self._failures_seen, self._lost_seen)
 
     def raise_stored_error(self) -> None:
-        if self._error is None:
-            return
         with self._error_lock:
             err, self._error = self._error, None
         if err is not None:
             raise err
 
-    # ----------------------------------------------------------------- health
     def _log_health(self, when: str = "due") -> None:
         """Logs the health counters: ``"due"`` (changed, interval elapsed), ``"changed"``, ``"always"``."""
         if self._health_interval is None:
@@ -394,7 +325,6 @@ class Delivery:
         except Exception as err:
             self.report(err, "failed to log its health")
 
-    # ------------------------------------------------------- flush/step/close
     def flush(self, deadline: float | None) -> bool:
         self._poll(deadline)
         if self.thread is None:
@@ -417,7 +347,7 @@ class Delivery:
         with self._lock:
             self._poll(None)
             count = self.drain()
-            self._tick_routers()
+            self._router_rows("tick")
             self._log_health()
         self.raise_stored_error()
         return count
@@ -425,7 +355,7 @@ class Delivery:
     def _final_delivery(self) -> None:
         with self._lock:
             self.drain()
-            self._finish_routers()
+            self._router_rows("finish")
             self._log_health(when=self.final_health)
 
     def stop(self, at_exit: bool) -> None:
@@ -455,10 +385,7 @@ class Delivery:
         if deadline is not None:
             thread.join(max(0.0, deadline - time.monotonic()))
             return not thread.is_alive()
-        return self._join_while_progressing(thread)
-
-    def _join_while_progressing(self, thread: threading.Thread) -> bool:
-        """Joins the thread while the logger makes progress; warns and returns ``False`` once a call has hung ``CLOSE_STALL_TIMEOUT`` seconds."""
+        # no deadline: wait while the logger makes progress, give up once a call hung CLOSE_STALL_TIMEOUT
         seen, since = -1, time.monotonic()
         while True:
             thread.join(0.05)

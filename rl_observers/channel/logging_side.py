@@ -1,6 +1,4 @@
-"""What the logging package uses of a channel beyond its public contract: ``channel._logging``.
-
-Step **channel** of the flow. Internal API, not for users.
+"""What the logging package uses of a channel beyond its public contract: ``channel._logging`` (internal).
 
 Examples:
     >>> import tempfile
@@ -29,10 +27,9 @@ __all__ = ["LoggingSide"]
 
 
 class LoggingSide:
-    """The private interface of one channel for :mod:`rl_observers.logging`, in this process.
+    """The private interface of one channel for :mod:`rl_observers.logging`, over its state in this process.
 
-    Made anew at each access over the channel's state (an owner, or a forked
-    child's stand-in where most calls do nothing).
+    Most calls do nothing in a forked child's stand-in.
     """
 
     __slots__ = ("_state",)
@@ -41,11 +38,7 @@ class LoggingSide:
         self._state = state
 
     def add_router(self, kind: type[Payload], router: Router) -> None:
-        """Hands the payloads of class ``kind`` to ``router`` instead of the logger (owner only).
-
-        ``router.route(payload)`` returns the rows ``(namespace, metrics, step)``
-        due now, ``router.finish()`` the last ones at close.
-        """
+        """Hands the payloads of class ``kind`` to ``router`` instead of the logger (owner only)."""
         state = self._state
         if isinstance(state, Owner):
             state.delivery.add_router(kind, router)
@@ -53,8 +46,7 @@ class LoggingSide:
     def add_watcher(self, watch: Callable[..., Any]) -> None:
         """Calls ``watch(namespace, metrics, logged, step)`` on the channel's thread after each row is logged.
 
-        ``metrics`` holds the row's partials, ``logged`` its logged names and
-        values; what it raises counts as a sink error.
+        What it raises counts as a sink error.
 
         Raises:
             ValueError: in a process that does not own the channel.
@@ -84,19 +76,11 @@ class LoggingSide:
             state.poll_remote(None if timeout is None else time.monotonic() + timeout)
 
     def add_close_callback(self, callback: Callable[[], Any]) -> None:
-        """Registers ``callback()`` to run once at close, before the final flush (held weakly if a bound method).
-
-        For producers' last windows. Runs in the closing thread, in registration
-        order; errors go through ``on_error``.
-        """
+        """Registers ``callback()`` to run once at close, before the final flush (held weakly if a bound method)."""
         self._state.add_close_callback(callback)
 
     def copies_attached(self, feeder: Any, description: str) -> None:
-        """Notes that copies of ``feeder`` (held weakly) send here from other processes.
-
-        Until :meth:`copies_gone`, ``close`` warns naming ``description`` and
-        returns ``False``.
-        """
+        """Notes that copies of ``feeder`` send here from other processes: until :meth:`copies_gone`, ``close`` warns."""
         note = getattr(getattr(self._state, "wing", None), "copies_attached", None)
         if note is not None:
             note(feeder, description)

@@ -36,12 +36,7 @@ def check_alive(logger: Any) -> None:
 
 
 class Wing:
-    """What a channel does for other processes: nothing, unless a plug-in registers its own.
-
-    :mod:`rl_observers.remote` subclasses it and registers it with
-    :func:`~.channel.register_wing`; the methods here are the behaviour of a
-    channel fed only by its own process.
-    """
+    """What a channel does for other processes: nothing, unless a plug-in (:mod:`rl_observers.remote`) registers its own."""
 
     #: The ``health()`` counters it adds that count something lost.
     losses: tuple[str, ...] = ()
@@ -80,18 +75,6 @@ class Wing:
     def in_forked_child(self, owner: Owner) -> Any:
         """The channel's state in a child forked from the owner's process (``None``: none)."""
         return None
-
-
-class _StrongRef:
-    """A strong reference with the call interface of a weak one."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def __call__(self) -> Any:
-        return self.obj
 
 
 class Owner:
@@ -145,31 +128,18 @@ class Owner:
         self._close_callbacks: list[Callable[[], Any]] = []
         self._lock = threading.Lock()
         self.wing = make_wing(self)
-        self.delivery = Delivery(
-            logger,
-            self.queue,
-            on_error=on_error,
-            name=name,
-            background=background,
-            health_interval=health_interval,
-            poll=self.poll_remote,
-            log_health=bool(log_health),
-            counts=self.health,
-        )
+        self.delivery = Delivery(self, health_interval, bool(log_health))
 
     def submit(self, payload: Payload, held: int = 1) -> None:
         """Queues a payload (holding ``held``) whose metrics were checked (:func:`~rl_observers.channel.payload.check_metrics`)."""
         if not payload.metrics and payload.__class__ is Payload:  # nothing to log: not counted
             return
-        if self.closed:  # the queue checks again under its lock
-            self._drop_after_close(held)
+        if not self.closed:  # (the queue checks again under its lock)
+            error = self.queue.put(payload, held)
+            self.delivery.wake()
+            if error is not None:
+                self.delivery.report(error, f"could not merge a partial of namespace {payload.namespace!r}")
             return
-        error = self.queue.put(payload, held)
-        self.delivery.wake()
-        if error is not None:
-            self.delivery.report(error, f"could not merge a partial of namespace {payload.namespace!r}")
-
-    def _drop_after_close(self, held: int) -> None:
         self.queue.count_lost(held, 1 - held)  # those merged on the way no longer count as coalesced
         with self._lock:
             warn = not self._closed_warned and self.on_error != "ignore"
@@ -204,10 +174,8 @@ class Owner:
         return self.wing.handle(channel, transport)
 
     def add_close_callback(self, callback: Callable[[], Any]) -> None:
-        if getattr(callback, "__self__", None) is not None and hasattr(callback, "__func__"):
-            ref: Callable[[], Any] = weakref.WeakMethod(callback)  # type: ignore[arg-type]
-        else:
-            ref = _StrongRef(callback)
+        bound = getattr(callback, "__self__", None) is not None and hasattr(callback, "__func__")
+        ref = weakref.WeakMethod(callback) if bound else (lambda: callback)  # type: ignore[arg-type]
         with self._lock:
             # Forget the callbacks of objects already gone: observers attached and
             # removed over and over do not make the list grow.

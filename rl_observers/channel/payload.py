@@ -1,16 +1,10 @@
 """What a payload is, and the one rule that merges two payloads.
 
-Step of the flow: **channel** (source → observer → channel → logger). A
-:class:`Payload` is one submission: its namespace, its step and its metrics,
-a flat mapping from metric names to numbers ("gauges") or to mergeable
-partial statistics, objects with ``merge(other) -> partial`` (exact and
-associative) and ``finalize() -> dict[str, float]``. The one object travels
-from ``submit_metrics`` to the logger's thread (a subclass may say more about
-where it comes from: :class:`rl_observers.remote.window.Window`). This module
-checks metrics when they are submitted (:func:`check_metrics`), merges two
-payloads of one namespace (:func:`coalesce`, the only dict-level merge rule
-of the package) and turns metrics into logger names and values when they are
-delivered (:func:`expand`).
+A :class:`Payload` maps metric names to numbers ("gauges") or to mergeable
+partials (``merge(other) -> partial``, exact and associative, and
+``finalize() -> dict[str, float]``). Metrics are checked when submitted
+(:func:`check_metrics`), merged by :func:`coalesce` and turned into logger
+names and values by :func:`expand`.
 
 Examples:
     >>> from rl_observers.channel.payload import coalesce, expand
@@ -59,19 +53,6 @@ def loggable(value: Any) -> bool:
     return isinstance(size, int) and size == 1 and getattr(value, "dtype", None) is not None
 
 
-def _value_error(key: str, value: Any, who: str) -> TypeError:
-    if isinstance(value, Mapping):
-        hint = f" Flatten nested metrics into names such as '{key}/<name>'."
-    elif callable(getattr(value, "numel", None)) or hasattr(value, "shape"):
-        hint = " Reduce it to one number first (or submit a mergeable partial)."
-    else:
-        hint = ""
-    return TypeError(
-        f"{who}.submit_metrics expected metric values that are real numbers, one-element "
-        f"tensors or mergeable partials, got {value!r} ({type(value).__name__}) for {key!r}.{hint}"
-    )
-
-
 def check_metrics(metrics: Any, namespace: Any, who: str) -> dict[str, Any]:
     """Validates a payload cheaply and returns a private copy of it.
 
@@ -93,7 +74,16 @@ def check_metrics(metrics: Any, namespace: Any, who: str) -> dict[str, Any]:
                 f"({type(key).__name__}) in {metrics!r}."
             )
         if value.__class__ not in _LOGGABLE_CLASSES and not loggable(value):
-            raise _value_error(key, value, who)
+            if isinstance(value, Mapping):
+                hint = f" Flatten nested metrics into names such as '{key}/<name>'."
+            elif callable(getattr(value, "numel", None)) or hasattr(value, "shape"):
+                hint = " Reduce it to one number first (or submit a mergeable partial)."
+            else:
+                hint = ""
+            raise TypeError(
+                f"{who}.submit_metrics expected metric values that are real numbers, one-element "
+                f"tensors or mergeable partials, got {value!r} ({type(value).__name__}) for {key!r}.{hint}"
+            )
     if namespace.__class__ is not str and not isinstance(namespace, str):
         raise TypeError(f"{who}.submit_metrics expected a str namespace, got {namespace!r}.")
     return copy
@@ -144,11 +134,7 @@ def payload_class(cls: type[P]) -> type[P]:
 
 @payload_class
 class Payload:
-    """One submission: ``metrics`` for ``namespace`` at ``step``.
-
-    What the channel's queue holds, and what its delivery writes (or hands
-    to the router registered for the payload's class, see
-    :func:`~rl_observers.channel.delivery.register_router`).
+    """One submission: ``metrics`` for ``namespace`` at ``step`` (a subclass goes to its registered router).
 
     Examples:
         >>> from rl_observers.channel.payload import Payload

@@ -1,19 +1,12 @@
-"""The bounded queue where payloads wait, and its counters.
+"""The bounded queue where payloads wait at every hop, and its counters.
 
-Step of the flow: **channel** (source → observer → channel → logger). The
-owner queues every submission here (local, or received from a handle in
-another process) for its delivery thread; a handle in another process
-queues here what waits for its wire (:class:`~rl_observers.remote.transport.Outbox`).
 A payload is *put*; its hop *takes* entries one at a time and marks them
-*done* (or gives one back with :meth:`~PendingQueue.untake`). At most ``capacity`` entries wait: on overflow a payload coalesces
-into the newest pending entry of its namespace (:meth:`~.payload.Payload.absorb`)
-or, if that namespace has none, the oldest entry is dropped. Everything is
-counted in payloads, under one lock, so that ``submitted == logged + pending +
-coalesced + dropped + sink_errors`` holds at any moment: an entry counts once
-in ``logged``, ``pending`` or ``sink_errors`` and the payloads merged into it
-in ``coalesced``; a dropped entry counts every payload it held in
-``dropped`` (and those merged into it leave ``coalesced``), also when
-lost on an earlier hop (:meth:`~PendingQueue.count_lost`).
+*done* (or gives one back with :meth:`~PendingQueue.untake`). On overflow a
+payload coalesces into the newest pending entry of its namespace, or the
+oldest entry is dropped. Counted under one lock, so that ``submitted ==
+logged + pending + coalesced + dropped + sink_errors`` holds at any moment:
+a dropped entry counts every payload it held in ``dropped`` and those merged
+into it leave ``coalesced``.
 
 Examples:
     >>> from rl_observers.channel.payload import Payload
@@ -83,7 +76,6 @@ class PendingQueue:
         self._told_dropped = self._told_coalesced = 0  # passed on to the next hop (untold)
         self.closed = False
 
-    # ------------------------------------------------------------------ put
     def put(self, payload: Payload, held: int = 1) -> Exception | None:
         """Queues one payload (or coalesces or drops on overflow).
 
@@ -125,11 +117,6 @@ class PendingQueue:
         self._coalesced -= entry.payloads - 1
         self._numbered += entry.payload.counted_by_number
 
-    def lost(self) -> int:
-        """Payloads counted dropped so far."""
-        with self._lock:
-            return self._dropped
-
     def losses(self) -> tuple[int, int]:
         """Payloads ``(dropped, coalesced)`` so far."""
         with self._lock:
@@ -161,7 +148,6 @@ class PendingQueue:
         with self._lock:
             self.closed = True
 
-    # ---------------------------------------------------------------- take
     def take(self) -> PendingEntry | None:
         """Removes the oldest entry and marks it in flight; ``None`` when empty."""
         with self._lock:
@@ -205,7 +191,6 @@ class PendingQueue:
             if self._waiters:
                 self._progress.notify_all()
 
-    # --------------------------------------------------------------- views
     def backlog(self) -> int:
         """How many entries wait (read without the lock: a hint, not a count)."""
         return len(self._pending)
@@ -234,7 +219,6 @@ class PendingQueue:
                 wanted(entry.payload) for entry in (*self._pending, self._in_flight) if entry is not None
             )
 
-    # --------------------------------------------------------------- flush
     def _through_locked(self, target: int) -> bool:
         pending = self._pending
         in_flight = self._in_flight

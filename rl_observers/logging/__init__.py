@@ -1,10 +1,4 @@
-"""Logging: when observers submit their metrics, and how workers' windows merge at the owner.
-
-Step **observer → channel → logger** of the flow: :class:`LoggerObserver`
-folds, schedules and submits; :mod:`~rl_observers.logging.defaults` says
-what it gets when not told; copies in other processes plug in through
-:mod:`~rl_observers.logging.copies`.
-"""
+"""Logging: :class:`LoggerObserver` folds, schedules and submits; :mod:`~.defaults` says what it gets when not told."""
 
 from __future__ import annotations
 

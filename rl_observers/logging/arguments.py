@@ -41,15 +41,7 @@ def _frames_of(collector: BaseCollector) -> Callable[[], Any]:
 def check_arguments(
     schedule: Any, scope: Any, on_error: Any, name: Any, step: Any
 ) -> tuple[Every | None, bool, str | None, Callable[[], Any] | None]:
-    """``(schedule, auto, step_key, step_fn)`` from the arguments, or an error saying what to pass.
-
-    ``step`` becomes a counter name or a function returning the step.
-
-    Raises:
-        TypeError: ``schedule`` is not an ``Every``, ``"auto"`` or ``None``;
-            ``step`` is neither a counter name, a collector nor a callable.
-        ValueError: a NaN interval, an unknown ``scope`` or ``on_error``, an empty ``name``.
-    """
+    """``(schedule, auto, step_key, step_fn)`` from the arguments, or an error saying what to pass."""
     auto = isinstance(schedule, str) and schedule == "auto"
     if auto:
         schedule = None

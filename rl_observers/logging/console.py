@@ -13,7 +13,6 @@ from typing import Any, TextIO
 from torchrl._utils import logger as torchrl_logger
 
 from rl_observers.channel import MetricsChannel
-from rl_observers.logging.histograms import add_watcher
 from rl_observers.stats import LastEvent
 
 __all__ = ["LiveConsole"]
@@ -41,19 +40,11 @@ class _Rate:
         return (self.total - self.first) / (self.at - self.since) if self.at > self.since else math.nan
 
 
-def _rate(rates: dict[str, _Rate]) -> float:
-    """The sources' rates added up (NaN before any has one)."""
-    known = [r.rate for r in rates.values() if r.rate == r.rate]
-    return sum(known) if known else math.nan
-
-
 class LiveConsole:
     """One console line: frames, frames per second, episode return, samples per second, workers, losses.
 
-    Opt-in; reads the rows ``channel`` delivers (merged across workers) and
-    redraws at most once per ``interval`` on the channel's thread, and at
-    :meth:`close`. In a terminal it is a ``tqdm`` bar; otherwise a plain line
-    at most once per ``plain_interval``. See :doc:`console`.
+    Reads the rows ``channel`` delivers, on the channel's thread: a ``tqdm`` bar in
+    a terminal, else a plain line at most once per ``plain_interval``. See :doc:`console`.
 
     Args:
         channel (MetricsChannel or Logger): the channel, or a logger whose
@@ -132,10 +123,8 @@ class LiveConsole:
             self._exit.callback(self._bar.close)
             # torchrl's log lines (its own handler: it does not propagate) go above the bar, not into it
             self._exit.enter_context(logging_redirect_tqdm([torchrl_logger]))
-        add_watcher(channel, self)
+        channel._logging.add_watcher(self)
         channel._logging.add_close_callback(self._channel_closing)
-
-    # -- the channel's watcher -------------------------------------------------------
 
     def __call__(self, namespace: str, metrics: Any, payload: dict[str, Any], step: int | None) -> None:
         """Reads one delivered row; redraws when ``interval`` has passed (on the channel's thread)."""
@@ -169,13 +158,13 @@ class LiveConsole:
             if isinstance(workers, (int, float)):
                 self._workers[namespace] = (float(get(prefix + "workers_reporting", workers)), float(workers))
 
-    # -- drawing ---------------------------------------------------------------------
-
     def line(self) -> str:
         """The line as it would be drawn now."""
         with self._lock:
             parts = []
-            fps, samples = _rate(self._frames), _rate(self._samples)
+            # the sources' rates added up (NaN before any has one)
+            known = [[r.rate for r in rates.values() if r.rate == r.rate] for rates in (self._frames, self._samples)]
+            fps, samples = (sum(k) if k else math.nan for k in known)
             if self._frames:
                 parts.append(f"frames {sum(r.total for r in self._frames.values()):,.0f}")
                 if fps == fps:
@@ -209,8 +198,7 @@ class LiveConsole:
             self.file.flush()
 
     def _channel_closing(self) -> None:
-        # The channel's close callbacks run before its last delivery: the last rows the
-        # observers' callbacks (registered before this one) submitted are waited for first.
+        # close callbacks run before the last delivery: wait for the observers' last rows first
         if not self._closed:
             self.channel.flush(timeout=10.0)
         self.close()

@@ -1,9 +1,4 @@
-"""Where an observer's copies plug in, for sources whose data lives in other processes.
-
-:mod:`rl_observers.remote` registers the collaborator each observer holds
-(:func:`register_copies`); without it an observer is local wherever it
-runs (:class:`LocalOnly`).
-"""
+"""Where an observer's copies plug in (:func:`register_copies`); without a plug-in it is local everywhere."""
 
 from __future__ import annotations
 

@@ -33,8 +33,6 @@ DEFAULT_SCHEDULES: dict[str, tuple[Every, ...]] = {
     "replay_buffer": (Every.counter("sample_calls", 100), Every.counter("items_written", 1_000)),
 }
 _FALLBACK_SCHEDULE = Every.seconds(10.0)
-#: The default namespace per kind of target, whatever torchrl class it is.
-DEFAULT_NAMES = {"collector": "collector", "replay_buffer": "replay_buffer"}
 _EMITS = {"collector": COLLECTOR_EVENTS, "replay_buffer": REPLAY_BUFFER_EVENTS}
 _FITTING_SETS = {
     "collector": "CollectorBatchMetrics() (or a MetricSet with on_post_collect)",
@@ -46,16 +44,12 @@ _FITTING_SETS = {
 
 
 def target_kind(target: Any) -> str:
-    """``"collector"`` or ``"replay_buffer"``: the kind of torchrl object ``target`` is."""
+    """``"collector"`` or ``"replay_buffer"``: the kind of torchrl object ``target`` is, and its default namespace."""
     return "collector" if isinstance(target, BaseCollector) else "replay_buffer"
 
 
 def default_schedule(target: Any, metrics: Sequence[MetricSet] | None = None) -> Every:
-    """The schedule of a :class:`LoggerObserver` created with ``schedule="auto"`` (the default).
-
-    Every 1,000 frames on a collector; every 100 ``sample()`` calls on a
-    replay buffer, or 1,000 items written when no set counts samples; every
-    10 seconds when the sets count none of these (:data:`DEFAULT_SCHEDULES`).
+    """The schedule of a :class:`LoggerObserver` created with ``schedule="auto"`` (:data:`DEFAULT_SCHEDULES`).
 
     Args:
         target: a torchrl collector or replay buffer.
@@ -101,16 +95,6 @@ def default_metrics(target: Any) -> tuple[MetricSet, ...]:
     return sets
 
 
-def _metric_names(metric_set: MetricSet) -> set[str]:
-    """The names ``metric_set`` puts in its payload, as far as they are known before any data."""
-    return {*metric_set.metric_names(), *metric_set.counter_names, *metric_set.latest_gauges}
-
-
-def _describe_set(metric_set: MetricSet) -> str:
-    """A one-liner by its repr (it names the metric), a metric set by its class."""
-    return repr(metric_set) if isinstance(metric_set, Metric) else type(metric_set).__name__
-
-
 def check_metric_names(sets: Sequence[MetricSet]) -> None:
     """Refuses metric sets of one observer that would log under the same name (a ``ValueError`` naming both).
 
@@ -124,17 +108,20 @@ def check_metric_names(sets: Sequence[MetricSet]) -> None:
         LoggerObserver: metric sets CollectorBatchMetrics (#1) and CollectorBatchMetrics (#2)
     """
     seen: dict[str, int] = {}
+    # a one-liner by its repr (it names the metric), a metric set by its class
+    shown_as = [repr(m) if isinstance(m, Metric) else type(m).__name__ for m in sets]
     for index, metric_set in enumerate(sets):
         clash: dict[int, list[str]] = {}
-        for name in _metric_names(metric_set):
+        # the names it logs, as far as they are known before any data
+        for name in {*metric_set.metric_names(), *metric_set.counter_names, *metric_set.latest_gauges}:
             other = seen.setdefault(name, index)
             if other != index:
                 clash.setdefault(other, []).append(name)
         for other, names in clash.items():
             shown = ", ".join(repr(n) for n in sorted(names))
             raise ValueError(
-                f"LoggerObserver: metric sets {_describe_set(sets[other])} (#{other + 1}) and "
-                f"{_describe_set(metric_set)} (#{index + 1}) both log {shown}; one would "
+                f"LoggerObserver: metric sets {shown_as[other]} (#{other + 1}) and "
+                f"{shown_as[index]} (#{index + 1}) both log {shown}; one would "
                 "overwrite the other in every row. Keep one of them, or log the other "
                 "from a second LoggerObserver with its own name=."
             )

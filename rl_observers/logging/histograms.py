@@ -1,8 +1,7 @@
-"""Distributions drawn in the logger's histogram view, from the exactly merged partials.
+"""Distributions drawn in the logger's histogram view, from the merged partials, on the channel's thread.
 
-Runs on the channel's thread at delivery: each row's merged bucket counts
-go to the backend's pre-binned call (TensorBoard, W&B, Trackio); other
-loggers get the quantile scalars only. See :doc:`histograms`.
+TensorBoard, W&B and Trackio get their pre-binned call; other loggers the
+quantile scalars only. See :doc:`histograms`.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from rl_observers.channel import MetricsChannel
 from rl_observers.stats import BinCounts, QuantileSketch
 from rl_observers.stats.partials import SKETCH_EXPONENTS
 
-__all__ = ["HistogramDrawer", "add_watcher", "draw_histograms", "histogram_of"]
+__all__ = ["HistogramDrawer", "draw_histograms", "histogram_of"]
 
 #: The most bins drawn in W&B (its own limit).
 WANDB_MAX_BINS = 512
@@ -36,14 +35,10 @@ def histogram_of(partial: Any) -> tuple[list[float], list[float]] | None:
         >>> histogram_of(42.0) is None
         True
     """
-    if isinstance(partial, BinCounts):
-        return _bin_counts(partial)
     if isinstance(partial, QuantileSketch):
         return _sketch(partial)
-    return None
-
-
-def _bin_counts(partial: BinCounts) -> tuple[list[float], list[float]] | None:
+    if not isinstance(partial, BinCounts):
+        return None
     edges, counts = list(partial.edges), list(partial.counts)
     if len(edges) == 1:
         low_width = high_width = 1.0
@@ -108,16 +103,8 @@ def coarsen(edges: list[float], counts: list[float], most: int) -> tuple[list[fl
     return new_edges, new_counts
 
 
-def _tag(namespace: str, key: str) -> str:
-    name = key[: -len("_quantiles")] if key.endswith("_quantiles") else key
-    return f"{namespace}/{name}" if namespace else name
-
-
 class HistogramDrawer:
     """Draws the distribution partials of each delivered row with the logger's pre-binned call.
-
-    Made by :func:`draw_histograms`; draws on the channel's thread, before the
-    row's scalars are logged.
 
     Args:
         logger: the channel's sink.
@@ -134,7 +121,18 @@ class HistogramDrawer:
     def __init__(self, logger: Any, *, names: Iterable[str] | None = None) -> None:
         self.logger = logger
         self.names = None if names is None else frozenset(names)
-        self.backend = _backend(logger)
+        self.backend = None
+        for module, cls, backend in (
+            ("torchrl.record.loggers.tensorboard", "TensorboardLogger", "tensorboard"),
+            ("torchrl.record.loggers.wandb", "WandbLogger", "wandb"),
+            ("torchrl.record.loggers.trackio", "TrackioLogger", "trackio"),
+        ):
+            try:
+                if isinstance(logger, getattr(importlib.import_module(module), cls)):
+                    self.backend = backend
+                    break
+            except (ImportError, AttributeError):
+                continue
         self.channel: MetricsChannel | None = None
         self.drawn = 0
 
@@ -154,8 +152,9 @@ class HistogramDrawer:
             if histogram is None:
                 continue
             edges, counts = histogram
+            name = key.removesuffix("_quantiles")
             draw = self._tensorboard if self.backend == "tensorboard" else self._binned
-            draw(_tag(namespace, key), edges, counts, step, value)
+            draw(f"{namespace}/{name}" if namespace else name, edges, counts, step, value)
             self.drawn += 1
 
     def _tensorboard(
@@ -165,12 +164,8 @@ class HistogramDrawer:
             fields = partial.min, partial.max, partial.sum, partial.sum_squares  # the data's
         else:  # a sketch keeps only its buckets: their bounds and midpoints
             mids = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
-            fields = (
-                edges[0],
-                edges[-1],
-                sum(c * m for c, m in zip(counts, mids)),
-                sum(c * m * m for c, m in zip(counts, mids)),
-            )
+            total = sum(c * m for c, m in zip(counts, mids))
+            fields = edges[0], edges[-1], total, sum(c * m * m for c, m in zip(counts, mids))
         low, high, total, squares = fields
         self.logger.experiment.add_histogram_raw(
             tag,
@@ -193,26 +188,6 @@ class HistogramDrawer:
             edges, counts = coarsen(edges, counts, WANDB_MAX_BINS)
         histogram = module.Histogram(np_histogram=(np.asarray(counts), np.asarray(edges)))
         self.logger.log_metrics({tag: histogram}, step=step)  # torchrl's own step handling
-
-
-def _backend(logger: Any) -> str | None:
-    for module, cls, backend in (
-        ("torchrl.record.loggers.tensorboard", "TensorboardLogger", "tensorboard"),
-        ("torchrl.record.loggers.wandb", "WandbLogger", "wandb"),
-        ("torchrl.record.loggers.trackio", "TrackioLogger", "trackio"),
-    ):
-        try:
-            kind = getattr(importlib.import_module(module), cls)
-        except (ImportError, AttributeError):
-            continue
-        if isinstance(logger, kind):
-            return backend
-    return None
-
-
-def add_watcher(channel: MetricsChannel, watch: Any) -> None:
-    """Calls ``watch(namespace, metrics, payload, step)`` on the delivering thread after each row ``channel`` logs."""
-    channel._logging.add_watcher(watch)
 
 
 def draw_histograms(target: Any, *, names: Iterable[str] | None = None) -> HistogramDrawer:
@@ -248,5 +223,5 @@ def draw_histograms(target: Any, *, names: Iterable[str] | None = None) -> Histo
     drawer = HistogramDrawer(channel.logger, names=names)
     if drawer.backend is not None:
         drawer.channel = channel  # a logger's shared channel stays open with the opt-in
-        add_watcher(channel, drawer)
+        channel._logging.add_watcher(drawer)
     return drawer

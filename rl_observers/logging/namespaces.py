@@ -83,12 +83,7 @@ class Namespace:
         return name
 
     def claim_again(self, name: str, owner: Any, what: str) -> None:
-        """Takes ``name`` back for ``owner`` if it was freed, its source (``what``) being used after its shutdown.
-
-        Raises:
-            ValueError: another live owner took ``name`` on that logger meanwhile
-                (the window is not logged).
-        """
+        """Takes ``name`` back for ``owner`` if it was freed, its source (``what``) being used after its shutdown."""
         if self.held or self.channel_ref is None:
             return
         try:

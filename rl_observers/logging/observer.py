@@ -1,8 +1,6 @@
 """LoggerObserver: metric sets folded at the source, submitted on a schedule into a channel.
 
-Step **observer → channel** of the flow, read as fold → schedule → submit,
-then the original's side of its copies and the checkpoint. What it shares
-with its copies is its :class:`~rl_observers.remote.contributions.Contribution`.
+Read as fold → schedule → submit, then the original's side of its copies and the checkpoint.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from rl_observers.channel import MetricsChannel
 from rl_observers.logging import wiring
 from rl_observers.logging.arguments import check_arguments
 from rl_observers.logging.copies import new_copies
-from rl_observers.logging.defaults import DEFAULT_NAMES, as_metric_sets, as_sink, target_kind
+from rl_observers.logging.defaults import as_metric_sets, as_sink, target_kind
 from rl_observers.logging.failures import metric_set_warning
 from rl_observers.logging.namespaces import Namespace
 from rl_observers.logging.resume import (
@@ -50,11 +48,7 @@ _NO_ARGUMENT = object()  # post_collect's payload is one argument, the others' t
 
 
 def _fold_event(event: str) -> Callable[..., None]:
-    """``LoggerObserver.on_<event>``: folds the payload into the sets, then checks the schedule.
-
-    The in-interval check is inlined and the payload passed on as it came:
-    this runs at every event, where each Python call costs ~0.5 us.
-    """
+    """``LoggerObserver.on_<event>``: folds, then checks the schedule (inlined: each Python call costs ~0.5 us here)."""
     which = wiring.DATA_EVENTS.index(event)
     where = f"on_{event}"
 
@@ -99,13 +93,10 @@ def _fold_event(event: str) -> Callable[..., None]:
 class LoggerObserver(Observer):
     """Folds what a source sees into metrics and logs them on a schedule.
 
-    The metric sets fold each batch, write or sample into mergeable partials
-    next to the data, with no host-device sync; when the schedule is due the
-    window reaches the host in one transfer and goes to a
-    :class:`~rl_observers.MetricsChannel`, which logs from its own thread.
-    Rows are ``<name>/<metric>``, each namespace on its own step. Each metric
-    set fails alone (``on_error``, once per failure streak). The long form is
-    in the docs (concepts).
+    The metric sets fold each event into mergeable partials next to the data;
+    when the schedule is due the window reaches the host in one transfer and goes
+    to a :class:`~rl_observers.MetricsChannel` as ``<name>/<metric>`` rows, each
+    namespace on its own step. Each metric set fails alone (``on_error``).
 
     Args:
         logger (Logger | MetricsChannel | MetricsHandle): where the metrics go
@@ -128,9 +119,8 @@ class LoggerObserver(Observer):
         on_error (str, optional): ``"warn"``, ``"raise"`` or ``"ignore"``. Defaults to ``"warn"``.
         report_interval (float, optional): seconds between a copy's reports. Defaults to ``0.5``.
         worker_timeout (float, optional): seconds an aggregate row waits for a
-            worker that has not reported (its copy's process is slow, stuck or
-            dead) before it is logged without it; a warning names the worker.
-            Defaults to ``10.0``.
+            worker that has not reported before it is logged without it (and a
+            warning names the worker). Defaults to ``10.0``.
 
     Examples:
         >>> import tempfile
@@ -149,8 +139,7 @@ class LoggerObserver(Observer):
         [(2, 2.0)]
     """
 
-    #: Every LoggerObserver of this process: a forked child resolves their mode again, and at
-    #: exit the contributing ones send their last window.
+    #: Every LoggerObserver of this process (fork and exit hooks).
     _live: ClassVar[weakref.WeakSet[LoggerObserver]] = weakref.WeakSet()
     _last_event = float("-inf")  # time.time() of the last event: the window's LastEvent (rates off rows)
 
@@ -197,8 +186,6 @@ class LoggerObserver(Observer):
         self._copies_elsewhere = False  # copies feed this namespace: this instance contributes too
         self._live.add(self)
 
-    # -- wiring, resolved once when attached ------------------------------------------------
-
     @property
     def observed_events(self) -> tuple[str, ...]:
         """The events this observer is wired to (those its metric sets fold, and shutdown)."""
@@ -241,10 +228,15 @@ class LoggerObserver(Observer):
             self.schedule, self._clock, self._auto_schedule = schedule, ScheduleClock(schedule), False
         self._contribution.keep_pristine(self._sets)  # what a copy restarts from where it runs
         self._wire()
+        self._prime_clock()
+        self.name = self._namespace.claim(target_kind(source) if self.name is None else self.name, self)
+
+    def _prime_clock(self) -> None:
+        """Primes a counter schedule at the counters' value now."""
         key = wiring.counter_key(self.schedule)
-        if key is not None:
-            self._clock.due(self._counters()[key])  # primes the schedule at the counters' value now
-        self.name = self._namespace.claim(DEFAULT_NAMES[target_kind(source)] if self.name is None else self.name, self)
+        value = None if key is None else self._counters().get(key)
+        if value is not None:
+            self._clock.due(value)
 
     def _wire(self) -> None:
         """Resolves the per-event work once: each event's folds, and how to read the schedule's counter."""
@@ -266,30 +258,23 @@ class LoggerObserver(Observer):
     def _counters(self) -> dict[str, float]:
         return wiring.merged_counters(self._sets or ())
 
-    # -- fold ---------------------------------------------------------------------------------
-
     def _first_event(self, source: Any) -> dict[str, float] | None:
-        """Fixes this process's mode; returns the counters to line up with the source's after the fold."""
-        self._resolve_mode(source)
-        return self._counters() if self._take_alignment(source) else None
+        """Fixes this process's mode; the counters to line up with the source's after the fold, if any.
 
-    def _take_alignment(self, source: Any) -> bool:
-        """Whether this first event lines the counters up with the source's (a local observer, or a copy that owns the axis)."""
+        A local observer lines up, and so does a copy that owns its source's axis.
+        """
+        self._resolve_mode(source)
         align = self._align_pending and (self._mode == "local" or owns_axis(source))
-        self._align_pending = False
-        self._axis_base = {}
-        return align
+        self._align_pending, self._axis_base = False, {}
+        return self._counters() if align else None
 
     def _align(self, source: Any, before: Mapping[str, float]) -> None:
-        """Moves counters below the source's own up to it (:mod:`~rl_observers.logging.resume`'s rule).
+        """Moves counters below the source's own up to it, given ``before`` the event (:mod:`~.resume`).
 
-        ``before``: the counters before the triggering event. Run under a replay
-        buffer's own lock, so a concurrent write is never counted twice.
+        Under a replay buffer's own lock, so a concurrent write is never counted twice.
         """
         with writes_held(source):
             axis = source_axis(source)
-            if axis is None:
-                return
             key = wiring.counter_key(self.schedule)
             with self._lock:
                 counters = self._counters()
@@ -330,8 +315,6 @@ class LoggerObserver(Observer):
     on_post_extend = _fold_event("post_extend")
     on_post_sample = _fold_event("post_sample")
 
-    # -- schedule -------------------------------------------------------------------------------
-
     def _after(self) -> None:
         """Emits, contributes or advances the schedule after an event (see :func:`_fold_event`)."""
         with self._lock:
@@ -371,8 +354,6 @@ class LoggerObserver(Observer):
         elif self.log_on_close:
             self._close_window()
 
-    # -- submit ---------------------------------------------------------------------------------
-
     def _pull(self) -> dict[str, Any]:
         # Before pulling: an event folded meanwhile (from another thread) marks the next window.
         self._fresh = False
@@ -408,11 +389,7 @@ class LoggerObserver(Observer):
         self._sink.submit_metrics(payload, None if step is None else int(step), namespace=self.name or "")
 
     def _contribute(self, final: bool = False) -> None:
-        """Sends this contributor's window to the channel's owner to merge; called holding the lock.
-
-        ``final``: the last window the owner's account expects (only the marker
-        when nothing is new).
-        """
+        """Sends this contributor's window to the owner (holding the lock); ``final``: the last one, maybe empty."""
         counters = self._counters()
         fresh = self._fresh  # after the counters: what was folded meanwhile goes with this window
         metrics = self._pull() if fresh or not final else {}  # a final one with nothing new: the marker
@@ -421,15 +398,11 @@ class LoggerObserver(Observer):
         )
         self._sink.submit_window(window)
 
-    # -- per-worker views, where a source stacks its workers' batches by rank --------------------
-
     def worker_view(self, source: Any, worker: int) -> LoggerObserver:
         """A ``LoggerObserver`` of worker ``worker``'s share of ``source``'s batches, attached to it.
 
-        For ``DistributedCollector(sync=True)`` / ``DistributedSyncCollector``
-        with ``scope="per_worker"`` or ``"both"``: logs
-        ``<name>/worker_<worker>/<metric>`` from fresh copies of the metric sets,
-        same schedule and options, counters from zero; not in ``state_dict()``.
+        For the synchronous torch.distributed collectors' ``scope="per_worker"``:
+        fresh copies of the metric sets, counters from zero; not in ``state_dict()``.
 
         Raises:
             TypeError: the metric sets cannot be copied (pickled).
@@ -442,30 +415,20 @@ class LoggerObserver(Observer):
                 "into copies of its metric sets, and these cannot be pickled; use scope='aggregate', "
                 "or metric sets (and one-liner functions) that pickle."
             ) from error
+        same = ("schedule", "log_on_start", "log_on_close", "on_error", "report_interval")
+        options = {key: getattr(self, key) for key in same}
         view = LoggerObserver(
-            self._sink,
-            schedule=self.schedule,
-            metrics=tuple(sets),
-            name=f"{self.name}/worker_{worker}",
-            step=self.step_key,
-            log_on_start=self.log_on_start,
-            log_on_close=self.log_on_close,
-            on_error=self.on_error,
-            report_interval=self.report_interval,
+            self._sink, metrics=tuple(sets), name=f"{self.name}/worker_{worker}", step=self.step_key, **options
         )
         view.attached(source)
         view._align_pending = False  # its counters are the worker's, not the source's
         return view
 
-    # -- copies elsewhere: the original's side ------------------------------------------------
-
     def prepare_copies(self, target: Any) -> None:
         """Called on the original before copies start where ``target``'s data is.
 
-        The original becomes one more contributor (worker ``"main"``) to the
-        aggregate at the channel's owner; for a remote source, the sets, namespace
-        and step counter the copies share are resolved, and the channel expects
-        them until :meth:`copies_removed`.
+        The original becomes one more contributor (worker ``"main"``); for a remote
+        source, the sets, namespace and step the copies share are resolved here.
 
         Raises:
             ValueError: ``step=`` is a collector or a callable, which copies cannot read.
@@ -528,20 +491,14 @@ class LoggerObserver(Observer):
         return self._mode
 
     def _report_at_exit(self) -> None:
-        """A contributor's last window as its process exits (worker processes get no shutdown event).
-
-        Sent whatever ``log_on_close`` says (the owner applies it). An original
-        whose local channel is closed skips it when it holds nothing new.
-        """
+        """A contributor's last window as its process exits (worker processes get no shutdown event)."""
         if self._mode_at_end() != "contribute":
             return
         if not self._fresh:
             channel = self._channel()
             if channel is not None and channel.closed and self._sink.transport == "local":
                 return  # a channel of this process, closed: it would only drop the end marker
-        try:
-            # always: the owner needs the final counters to log the rows they made due;
-            # its aggregate drops a trailing partial window itself unless log_on_close
+        try:  # whatever log_on_close says: the owner needs the final counters
             self._close_window(final=True)
             self._sink.flush(timeout=2.0)
         except Exception:  # the process is going away; never fail its exit
@@ -574,24 +531,16 @@ class LoggerObserver(Observer):
         self._wire()
         self._live.add(self)
 
-    # -- pull interop and checkpoints ----------------------------------------------------------
-
     def stats(self) -> dict[str, float]:
         """Entries contributed to the target's ``stats()`` (e.g. ``sample_calls``)."""
-        out: dict[str, float] = {}
-        for metric_set in self._sets or ():
-            out.update(metric_set.stats())
-        return out
+        return {key: value for metric_set in self._sets or () for key, value in metric_set.stats().items()}
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to go on where this one stopped.
 
-        A :class:`~torchrl.checkpoint.Checkpoint` component: ``Checkpoint(..., observers=observer)``.
-        The format, and the rule for counters (the source's own axis), are
-        :mod:`~rl_observers.logging.resume`'s; the counters line up with the
-        source's at the first event after attaching or loading. For a source
-        whose copies run elsewhere, the state is the aggregate kept by the
-        channel's owner (:mod:`~rl_observers.remote.aggregate`).
+        A :class:`~torchrl.checkpoint.Checkpoint` component: ``Checkpoint(..., observers=observer)``;
+        the rules are :mod:`~rl_observers.logging.resume`'s. With copies elsewhere,
+        the state is the aggregate kept by the channel's owner.
 
         Examples:
             >>> import torch
@@ -654,10 +603,7 @@ class LoggerObserver(Observer):
                 self._clock.load_state_dict(state_dict["clock"])
             else:  # another schedule: its thresholds start from the restored counters
                 self._clock = ScheduleClock(self.schedule)
-                key = wiring.counter_key(self.schedule)
-                value = None if key is None else self._counters().get(key)
-                if value is not None:
-                    self._clock.due(value)
+                self._prime_clock()
             saved_step = state_dict.get("last_step")
             last = self._last_step
             if saved_step is not None and (last is None or saved_step > last):
@@ -682,7 +628,6 @@ class LoggerObserver(Observer):
         return None if schedule is None else [schedule.kind, float(schedule.interval), schedule.key]
 
     def __repr__(self) -> str:
-        # Before attaching, show what was passed: never ``schedule=None`` ("every event").
         fields = [] if self.name is None else [f"name={self.name!r}"]
         fields.append("schedule='auto'" if self._auto_schedule else f"schedule={self.schedule!r}")
         if self._sets is not None:

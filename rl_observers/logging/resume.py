@@ -1,11 +1,8 @@
 """Resuming: steps on the source's own counter axis, and what an observer's saved state must fit.
 
-An observer counts on the cumulative counter torchrl keeps and restores
-for the source (a collector's ``frames``, a buffer's ``write_count``). At
-the first event after attaching or loading, one that counted fewer moves
-up to the source's count (and its schedule with it); one that counted
-more keeps its own. Copies whose source counts for them alone
-(:func:`owns_axis`) line up the same way. See :ref:`resume`.
+At the first event after attaching or loading, an observer that counted fewer
+than torchrl's counter for the source moves up to it; one that counted more
+keeps its own. See :ref:`resume`.
 
 Examples:
     >>> import torch
@@ -53,12 +50,7 @@ def source_axis(source: Any) -> dict[str, int]:
 
 
 def owns_axis(source: Any) -> bool:
-    """Whether a copy contributing from ``source`` lines up with its counters: its source counts for it alone.
-
-    True for a multiprocessing worker's inner collector, a remote Ray
-    collector, a Ray replay buffer's actor; the copy then reports the
-    restored part of its count (``Window.base``). False for a shared buffer.
-    """
+    """Whether a copy contributing from ``source`` lines up with its counters (its source counts for it alone, not a shared buffer)."""
     info = source_info(source)
     return info.remote and (info.kind == "collector" or info.worker is None)
 

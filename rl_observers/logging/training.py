@@ -8,9 +8,7 @@ are, reach the host once per window, and go to the same
 from __future__ import annotations
 
 import collections
-import math
 import threading
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,15 +28,12 @@ TRAINING_RULES: tuple[str, ...] = ("mean", "sum", "min", "max", "latest", "summa
 class TrainingMetrics:
     """Records values from the training loop and logs them once per window, without a sync.
 
-    ``record(step, loss=loss, lr=lr)`` folds a tensor on its device (no host
-    read) and a number on the host. When ``step`` reaches the next multiple of
-    ``every`` the window is copied to the host in one non-blocking transfer
-    and submitted once it has landed. Rules per name (``reduce=``):
-    ``"mean"`` (default), ``"sum"``, ``"min"``, ``"max"``, ``"summary"``
-    (``<name>_mean``, ``_std``, ``_min``, ``_max``) and ``"latest"`` (host
-    numbers only). Under ``torch.distributed`` with ``merge_ranks=True`` every
-    rank records on the same steps and calls :meth:`close`, and rank 0 logs
-    the ranks' exact merge; see :doc:`training`.
+    A tensor is folded on its device, a number on the host; when ``step`` reaches
+    the next multiple of ``every`` the window is copied to the host in one
+    non-blocking transfer. Rules per name: ``"mean"`` (default), ``"sum"``,
+    ``"min"``, ``"max"``, ``"summary"`` (``_mean``, ``_std``, ``_min``, ``_max``)
+    and ``"latest"`` (host numbers only). Under ``torch.distributed`` with
+    ``merge_ranks=True`` rank 0 logs the ranks' exact merge; see :doc:`training`.
 
     Args:
         channel (MetricsChannel, MetricsHandle, Logger or None): where rows
@@ -92,7 +87,9 @@ class TrainingMetrics:
                     f"TrainingMetrics: the rule of {name!r} must be one of {TRAINING_RULES}, got {rule!r}."
                 )
         self.every = every
-        self.rank, self.world = _rank_and_world()
+        distributed = torch.distributed
+        initialized = distributed.is_available() and distributed.is_initialized()
+        self.rank, self.world = (distributed.get_rank(), distributed.get_world_size()) if initialized else (0, 1)
         self.merge_ranks = bool(merge_ranks) and self.world > 1
         if self.world > 1 and not self.merge_ranks:
             namespace = f"{namespace}/rank_{self.rank}" if namespace else f"rank_{self.rank}"
@@ -109,17 +106,14 @@ class TrainingMetrics:
         self._bank = ReducerBank()
         self._folds: dict[str, Any] = {}  # name -> the fold of its device reducer
         self._host: dict[str, Any] = {}  # name -> the add of its host accumulator
-        self._accumulators: dict[str, _HostLatest | _HostValues] = {}
+        self._accumulators: dict[str, _HostValues] = {}
         self._slots: list[_DeviceSlots] = []
         self._due = every
         self._last_step: int | None = None
         self._pending: collections.deque[tuple[int, Any, dict[str, Partial]]] = collections.deque()
         self._closed = False
-        if isinstance(channel, MetricsChannel):  # (a handle's channel is closed elsewhere: close() this)
-            ref = weakref.ref(self)
-            channel._logging.add_close_callback(lambda: _close_if_alive(ref))
-
-    # -- the hot path ------------------------------------------------------------------
+        if isinstance(channel, MetricsChannel):  # held weakly; a handle's channel closes elsewhere
+            channel._logging.add_close_callback(self.close)
 
     def record(self, step: int, /, **values: Any) -> None:
         """Folds ``values`` (name -> tensor or real number) at ``step`` (rising); closes the window when due."""
@@ -130,20 +124,17 @@ class TrainingMetrics:
                 raise RuntimeError(f"{self!r} is closed; record before close().")
             for name, value in values.items():
                 if isinstance(value, torch.Tensor):
-                    fold = self._folds.get(name)
-                    if fold is None:
-                        fold = self._device_fold(name)
+                    fold = self._folds.get(name) or self._device_fold(name)
                     fold(value)
                 else:
                     add = self._host.get(name)
                     if add is None:
-                        add = self._host_acc(name)
+                        acc = self._accumulators[name] = _HostValues(name, self._rule(name))
+                        add = self._host[name] = acc.add
                     add(value)
             self._last_step = step
             if step >= self._due:
                 self._close_window(step)
-
-    # -- windows -------------------------------------------------------------------------
 
     def flush(self) -> None:
         """Closes the current window and submits every window copied, waiting for copies in flight.
@@ -151,7 +142,7 @@ class TrainingMetrics:
         A collective under merged ranks: call it on every rank.
         """
         with self._lock:
-            if self._last_step is not None and (self._host or self._has_device_folds()):
+            if self._last_step is not None and (self._host or (self._folds and self._bank.device is not None)):
                 self._close_window(self._last_step)
             self._deliver(wait=True)
 
@@ -171,8 +162,6 @@ class TrainingMetrics:
     def __repr__(self) -> str:
         return f"TrainingMetrics(namespace={self.namespace!r}, every={self.every})"
 
-    # -- internals -------------------------------------------------------------------
-
     def _rule(self, name: str) -> str:
         return self.rules.get(name, "mean")
 
@@ -190,35 +179,13 @@ class TrainingMetrics:
         fold = self._folds[name] = slots.fold
         return fold
 
-    def _host_acc(self, name: str) -> Any:
-        rule = self._rule(name)
-        acc = _HostLatest(name) if rule == "latest" else _HostValues(name, rule)
-        self._accumulators[name] = acc
-        add = self._host[name] = acc.add
-        return add
-
-    def _has_device_folds(self) -> bool:
-        return bool(self._folds) and self._bank.device is not None
-
     def _close_window(self, step: int) -> None:
         for slots in self._slots:
             slots.reduce()
-        copy = self._bank.copy_out()
-        host = self._host_partials()
-        self._pending.append((step, copy, host))
+        host = {name: acc.take() for name, acc in self._accumulators.items()}
+        self._pending.append((step, self._bank.copy_out(), {k: v for k, v in host.items() if v is not None}))
         self._due = (step // self.every + 1) * self.every
-        if self.merge_ranks:  # the collective waits for this window's copy
-            self._deliver(wait=True)
-        else:
-            self._deliver(wait=False)
-
-    def _host_partials(self) -> dict[str, Partial]:
-        out: dict[str, Partial] = {}
-        for name, acc in self._accumulators.items():
-            partial = acc.take()
-            if partial is not None:
-                out[name] = partial
-        return out
+        self._deliver(wait=self.merge_ranks)  # the collective waits for this window's copy
 
     def _payload(self, copy: Any, host: dict[str, Partial]) -> dict[str, Partial]:
         payload: dict[str, Any] = {}
@@ -241,10 +208,14 @@ class TrainingMetrics:
                 return
             pending.popleft()
             payload = self._payload(copy, host)
-            if self.merge_ranks:
-                payload = _gather_at_rank_0(payload, self.rank, self.world)
+            if self.merge_ranks:  # every rank's payload merged exactly at rank 0; a collective
+                gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
+                torch.distributed.gather_object(payload, gathered, dst=0)
                 if self.rank != 0:
                     continue
+                payload = {}
+                for part in gathered:  # type: ignore[union-attr]
+                    coalesce(payload, part)
             if payload:
                 self.channel.submit_metrics(payload, step=step, namespace=self.namespace)
 
@@ -286,23 +257,6 @@ class _DeviceSlots:
             self.reducer.fold(self.buffer[:used], staged=used == self.size)  # type: ignore[index]
 
 
-class _HostLatest:
-    """The last host number of a name in the window."""
-
-    __slots__ = ("name", "value")
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.value = math.nan
-
-    def add(self, value: Any) -> None:
-        self.value = float(value)
-
-    def take(self) -> Partial | None:
-        value, self.value = self.value, math.nan
-        return None if value != value else Scalar(self.name, "latest", value, stamp=0.0)
-
-
 class _HostValues:
     """Host numbers of a name in the window (kept: a handful per window), reduced at its close."""
 
@@ -320,33 +274,11 @@ class _HostValues:
         values, self.values = self.values, []
         if not values:
             return None
+        if self.rule == "latest":
+            return Scalar(self.name, "latest", values[-1], stamp=0.0)
         if self.rule == "summary":
             return Moments.from_values(self.name, values, stats=("mean", "std", "min", "max"))
         moments = Moments.from_values(self.name, values, stats=("count", "mean", "min", "max"))
         value = moments.sum if self.rule in ("mean", "sum") else getattr(moments, self.rule)
         return Scalar(self.name, self.rule, value, count=moments.count)
 
-
-def _close_if_alive(ref: Any) -> None:
-    recorder = ref()
-    if recorder is not None:
-        recorder.close()
-
-
-def _rank_and_world() -> tuple[int, int]:
-    distributed = torch.distributed
-    if distributed.is_available() and distributed.is_initialized():
-        return distributed.get_rank(), distributed.get_world_size()
-    return 0, 1
-
-
-def _gather_at_rank_0(payload: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
-    """Every rank's payload merged exactly at rank 0 (``{}`` elsewhere); a collective."""
-    gathered: list[Any] | None = [None] * world if rank == 0 else None
-    torch.distributed.gather_object(payload, gathered, dst=0)
-    if rank != 0:
-        return {}
-    merged: dict[str, Any] = {}
-    for part in gathered:  # type: ignore[union-attr]
-        coalesce(merged, part)
-    return merged

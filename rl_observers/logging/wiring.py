@@ -46,16 +46,10 @@ def bind_sets(
     source: Any, sets: tuple[MetricSet, ...] | None, schedule: Every | None, step_key: str | None,
     *, auto: bool = True,
 ) -> tuple[tuple[MetricSet, ...], Every | None, str | None]:
-    """``(sets, schedule, step_key)`` resolved for ``source``, the sets bound to it.
-
-    ``sets=None``: the defaults, plus the source's own counters no set keeps;
-    ``auto``: the default schedule; ``step_key=None``: the schedule's counter,
-    else the sets' first.
+    """``(sets, schedule, step_key)`` resolved for ``source``, the sets bound to it (``None``: the defaults).
 
     Raises:
-        ValueError: a key the source proves absent, a set folding no event of
-            the source or refused by it, or a schedule or ``step=`` naming a
-            counter no set counts.
+        ValueError: a set the source refuses, or a schedule or ``step=`` naming a counter no set counts.
     """
     if sets is None:
         sets = default_metrics(source)
