@@ -17,6 +17,7 @@ os.environ.setdefault("RL_WARNINGS", "0")
 
 import rl_observers  # noqa: E402,F401  (installs add_observer on torchrl's classes)
 from tests import helpers  # noqa: E402
+from tests.remote import multinode  # noqa: E402
 
 # torchrl starts its workers with the global start method (spawn when unset). Tests
 # about a start method set it themselves (tests.helpers.start_method).
@@ -49,6 +50,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return sum(any(item.get_closest_marker(m) for m in ("slow", "real_collector")) for item in unit)
 
     items[:] = [item for unit in sorted(units.values(), key=processes, reverse=True) for item in unit]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """Stops the shared two-node cluster (:func:`tests.remote.multinode.shared_cluster`) after its group's last test."""
+    try:
+        return (yield)
+    finally:
+        if nextitem is None or not multinode.in_cluster_group(nextitem):
+            multinode.stop_shared_cluster()
 
 
 @pytest.fixture

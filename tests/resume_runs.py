@@ -1,32 +1,36 @@
 """One observed run, whole or in two parts with a torchrl ``Checkpoint`` between them.
 
 Run as a script by ``tests/test_checkpoint_resume.py``, each part in a new
-process, as a resumed training script would be::
+process, as a resumed training script would be; one process runs a part of
+every kind of source asked for, one after the other::
 
-    python -m tests.resume_runs --phase first --checkpoint ckpt --out first.json
+    python -m tests.resume_runs --phase first --checkpoint ckpt --out first.json \\
+        collector multisync
     python -m tests.resume_runs --phase second --checkpoint ckpt --out second.json \\
-        --variants directory,archive,without
+        collector:directory,archive,without multisync:directory,without
 
-The first part saves the checkpoint twice, as a directory (``ckpt``) and as
-an archive (``ckpt.zip``), and records what was logged until then
-(``"first"``); then it goes on to the end, uninterrupted: what it logged in
-all is the reference (``"whole"``; a save does not change a run). The second
-part resumes once per variant, each with everything rebuilt (a new logger,
-channel, source and observers): ``directory``, ``archive`` (from the
-archive), ``without`` (the directory, all but the observers' state).
+The first part saves a source's checkpoint twice, as a directory
+(``ckpt/<source>``) and as an archive (``ckpt/<source>.zip``), and records
+what was logged until then (``"first"``); then it goes on to the end,
+uninterrupted: what it logged in all is the reference (``"whole"``; a save
+does not change a run). The second part resumes once per variant, each with
+everything rebuilt (a new logger, channel, source and observers):
+``directory``, ``archive`` (from the archive), ``without`` (the directory,
+all but the observers' state).
 
-Each part writes ``{run: {name: [[step, value], ...]}}`` to ``--out``, what
-each run's ``CSVLogger`` logged. The environment is a ``CountingEnv`` driven
-by a constant policy: its episodes end at batch boundaries, so a rebuilt
-collector (whose environments start afresh, as torchrl's do) sees what the
-whole run sees. ``--source raybuffer`` starts Ray in the process
-(``ray.init(num_cpus=2)``) and shuts it down at the end.
+Each part writes ``{source: {run: {name: [[step, value], ...]}}}`` to
+``--out``, what each run's ``CSVLogger`` logged. The environment is a
+``CountingEnv`` driven by a constant policy: its episodes end at batch
+boundaries, so a rebuilt collector (whose environments start afresh, as
+torchrl's do) sees what the whole run sees. The source ``raybuffer`` starts
+Ray in the process (``ray.init(num_cpus=2)``), shut down at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from functools import partial
 
@@ -184,23 +188,32 @@ def second(source: str, path: str, variants: list[str]) -> dict[str, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--phase", choices=("first", "second"), required=True)
-    parser.add_argument("--source", choices=("collector", "multisync", "raybuffer"), default="collector")
-    parser.add_argument("--checkpoint", required=True)
-    parser.add_argument("--variants", default="directory", help="comma-separated: directory, archive, without")
+    parser.add_argument("--checkpoint", required=True, help="a directory: one checkpoint per source in it")
     parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "sources", nargs="+", help="collector, multisync or raybuffer; in the second phase, with :variants"
+    )
     args = parser.parse_args()
-    torch.manual_seed(0)
-    if args.source == "raybuffer":
-        import ray
-
-        ray.init(num_cpus=2, include_dashboard=False)
+    sources = dict(
+        (source, variants.split(",") if variants else ["directory"])
+        for source, _, variants in (item.partition(":") for item in args.sources)
+    )
+    assert set(sources) <= {"collector", "multisync", "raybuffer"}, sources
+    os.makedirs(args.checkpoint, exist_ok=True)
+    out = {}
     try:
-        if args.phase == "first":
-            out = first(args.source, args.checkpoint)
-        else:
-            out = second(args.source, args.checkpoint, args.variants.split(","))
+        for source, variants in sources.items():
+            if source == "raybuffer":
+                import ray
+
+                ray.init(num_cpus=2, include_dashboard=False)
+            torch.manual_seed(0)  # each source as if it ran alone
+            path = f"{args.checkpoint}/{source}"
+            out[source] = first(source, path) if args.phase == "first" else second(source, path, variants)
     finally:
-        if args.source == "raybuffer":
+        if "raybuffer" in sources:
+            import ray
+
             ray.shutdown()
     with open(args.out, "w") as file:
         json.dump(out, file)

@@ -3,11 +3,11 @@
 The first part and the resumes run in separate processes
 (``tests/resume_runs.py``), as a resumed training script does: run, save,
 rebuild everything, load, continue; the series logged by the two parts
-together equal those of one uninterrupted run. Two processes per kind of
-source: the first part goes on to the end after saving (a save changes
-nothing: that is the uninterrupted run), and the resumes of one source
-(directory, archive, without the observers' state) share one interpreter,
-each with everything rebuilt. The kinds of source run side by side.
+together equal those of one uninterrupted run. Two processes in all: the
+first part of every kind of source, each going on to the end after saving
+(a save changes nothing: that is the uninterrupted run), then its resumes
+(directory, archive, without the observers' state), each with everything
+rebuilt.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -43,12 +42,12 @@ from tests.helpers import scalars
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(where: Path, phase: str, *args: str, source: str = "collector") -> dict[str, dict[str, list[list[float]]]]:
-    out = where / f"{source}_{phase}.json"
+def run(where: Path, phase: str, *sources: str) -> dict[str, dict[str, dict[str, list[list[float]]]]]:
+    out = where / f"{phase}.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
-    command = [sys.executable, "-W", "ignore", "-m", "tests.resume_runs", "--phase", phase, "--source", source]
-    command += ["--checkpoint", str(where / f"{source}_checkpoint"), "--out", str(out), *args]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    command = [sys.executable, "-W", "ignore", "-m", "tests.resume_runs", "--phase", phase]
+    command += ["--checkpoint", str(where / "checkpoints"), "--out", str(out), *sources]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -57,7 +56,7 @@ def joined(first: dict, second: dict) -> dict:
     return {name: first.get(name, []) + second.get(name, []) for name in {*first, *second}}
 
 
-# The first test's set-up runs every part (each a process of up to 300 s), two at a time.
+# The first test's set-up runs both parts (each a process of up to 400 s).
 pytestmark = pytest.mark.timeout(900)
 
 #: Per fixture: the kind of source and the resumes of its second part.
@@ -70,25 +69,23 @@ PARTS = {
 
 @pytest.fixture(scope="module")
 def parts(request, tmp_path_factory):
-    """Both parts of each kind of source the selected tests read, the kinds side by side.
+    """Both parts of each kind of source the selected tests read: one process per part.
 
-    Each kind's parts run one after the other, each in its own process, as before; the
-    kinds do not share anything, and their processes mostly wait (on Ray, on workers).
+    A part runs the kinds one after the other, each as if alone (seeded afresh); a process
+    per kind would only add the start of an interpreter each.
     """
-    wanted = {
-        name for item in request.session.items if getattr(item, "module", None) is request.module for name in item.fixturenames
-    } & set(PARTS)
-    if importlib.util.find_spec("ray") is None:
-        wanted.discard("ray_buffer")  # its fixture skips
-    where = {name: tmp_path_factory.mktemp(PARTS[name][0]) for name in wanted}
-
-    def both(name):
-        source, variants = PARTS[name]
-        first = run(where[name], "first", source=source)
-        return {**first, **run(where[name], "second", "--variants", variants, source=source)}
-
-    with ThreadPoolExecutor(2) as pool:  # two at a time: the suite must pass with one core busy
-        return dict(zip(wanted, pool.map(both, wanted)))
+    wanted = [
+        name for name in PARTS
+        if any(name in item.fixturenames for item in request.session.items if getattr(item, "module", None) is request.module)
+    ]
+    if importlib.util.find_spec("ray") is None and "ray_buffer" in wanted:
+        wanted.remove("ray_buffer")  # its fixture skips
+    if not wanted:
+        return {}
+    where = tmp_path_factory.mktemp("resume")
+    first = run(where, "first", *(PARTS[name][0] for name in wanted))
+    second = run(where, "second", *(":".join(PARTS[name]) for name in wanted))
+    return {name: {**first[PARTS[name][0]], **second[PARTS[name][0]]} for name in wanted}
 
 
 @pytest.fixture(scope="module")

@@ -26,12 +26,15 @@ from rl_observers import CollectorBatchMetrics, LoggerObserver, MetricsChannel
 from rl_observers.remote.aggregate import Aggregate
 from rl_observers.remote.window import AggregateSpec, Window
 from rl_observers.stats import Count
-from tests.helpers import local_ray, start_method
+from tests import remote_rows_truth
+from tests.helpers import start_method
 from tests.remote_rows_truth import assert_rows_equal, driver_rows, logged_rows
 
 pytestmark = pytest.mark.timeout(240)
 
 FRAMES, PER_BATCH, EVERY = 6000, 500, 1000
+#: One Ray for the module's Ray tests (tests/conftest.py's ``ray_cluster``): the truth travels by value.
+RAY_BY_VALUE = (remote_rows_truth,)
 
 
 def _cartpole() -> GymEnv:
@@ -149,6 +152,32 @@ def test_multisync_writing_a_buffer_logs_the_rows_of_what_its_workers_wrote():
     )
 
 
+@pytest.mark.real_collector
+def test_an_observer_attached_mid_run_logs_the_driver_s_next_rows(tmp_path):
+    """Attached after 80 frames (4 batches of 20), every 40: the driver's next rows are 120, 160, 200."""
+    from torchrl.testing.mocking_classes import CountingEnv
+
+    def counting():
+        return CountingEnv(max_steps=4)
+
+    with start_method("fork"):
+        collector = MultiSyncCollector(
+            [counting, counting], RandomPolicy(counting().action_spec), frames_per_batch=20, total_frames=200
+        )
+        batches = iter(collector)
+        before = [next(batches) for _ in range(4)]
+        logger = CSVLogger(exp_name="attached", log_dir=str(tmp_path))
+        channel = MetricsChannel(logger)
+        collector.add_observer(
+            LoggerObserver(channel, schedule=Every.counter("frames", 40), metrics=CollectorBatchMetrics())
+        )
+        after = [batch.numel() for batch in batches]
+        collector.shutdown()
+    assert channel.close(timeout=30)
+    assert sum(b.numel() for b in before) == 80 and sum(after) == 120
+    assert logger.experiment.scalars["collector/frames"] == [(120, 120.0), (160, 160.0), (200, 200.0)]
+
+
 def _ray_sync_run() -> tuple[dict, dict]:
     from torchrl.collectors import Collector
     from torchrl.collectors.distributed import RayCollector
@@ -175,18 +204,56 @@ def _ray_sync_run() -> tuple[dict, dict]:
 
 @pytest.mark.real_collector
 @pytest.mark.slow
-def test_ray_sync_collector_aggregate_rows_are_the_driver_s_rows_in_every_run(monkeypatch):
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    import tests.remote_rows_truth as truth_module
-
-    with local_ray(truth_module):
-        first, truth = _ray_sync_run()
-        second, truth_again = _ray_sync_run()
+def test_ray_sync_collector_aggregate_rows_are_the_driver_s_rows_in_every_run(ray_cluster):
+    first, truth = _ray_sync_run()
+    second, truth_again = _ray_sync_run()
     assert_rows_equal(first, truth)
     assert_rows_equal(second, truth_again)
     for series in first:  # two runs log the same steps, whatever the actors' timing
         assert [s for s, _ in first[series]] == [s for s, _ in second[series]], series
     assert [s for s, _ in first["frames"]] == [1000, 2000, 3000, 4000, 5000, 6000]
+
+
+@pytest.mark.slow
+def test_a_ray_replay_buffer_logs_the_rows_of_the_same_buffer_in_process(ray_cluster):
+    from functools import partial
+
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    series = ("sample_calls", "samples_returned", "items_written", "writes")
+
+    def drive(rb, tmp: str) -> dict[str, list]:
+        logger = CSVLogger(exp_name="rb", log_dir=tmp)
+        channel = MetricsChannel(logger)
+        rb.add_observer(
+            LoggerObserver(channel, schedule=Every.counter("sample_calls", 10), name="rb")
+        )
+        for i in range(30):
+            rb.extend(torch.arange(8) + 8 * i)
+            rb.sample(4)
+        close = getattr(rb, "close", None)
+        if close is not None:
+            close()
+        assert channel.flush(timeout=30)
+        assert channel.close(timeout=30)
+        return {
+            name: [(int(s), float(v)) for s, v in logger.experiment.scalars.get(f"rb/{name}", [])]
+            for name in series
+        }
+
+    here = drive(ReplayBuffer(storage=LazyTensorStorage(1000)), tempfile.mkdtemp())
+    assert [s for s, _ in here["sample_calls"]] == [10, 20, 30]
+    from torchrl.data import RayReplayBuffer
+
+    there = drive(
+        RayReplayBuffer(
+            storage=partial(LazyTensorStorage, 1000),
+            batch_size=4,
+            remote_config={"num_cpus": 0},
+        ),
+        tempfile.mkdtemp(),
+    )
+    assert there == here
 
 
 # -- the owner's side, window by window -------------------------------------------------------------
@@ -247,73 +314,3 @@ def test_the_last_windows_make_the_last_row_at_close():
     agg.receive(_window(1, 750, 8, due=False, last=True))
     ((_, metrics, step),) = agg.finish()
     assert step == 1500 and metrics["n"].n == 12.0
-
-
-@pytest.mark.slow
-def test_a_ray_replay_buffer_logs_the_rows_of_the_same_buffer_in_process(monkeypatch):
-    from functools import partial
-
-    from torchrl.data import LazyTensorStorage, ReplayBuffer
-
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    series = ("sample_calls", "samples_returned", "items_written", "writes")
-
-    def drive(rb, tmp: str) -> dict[str, list]:
-        logger = CSVLogger(exp_name="rb", log_dir=tmp)
-        channel = MetricsChannel(logger)
-        rb.add_observer(
-            LoggerObserver(channel, schedule=Every.counter("sample_calls", 10), name="rb")
-        )
-        for i in range(30):
-            rb.extend(torch.arange(8) + 8 * i)
-            rb.sample(4)
-        close = getattr(rb, "close", None)
-        if close is not None:
-            close()
-        assert channel.flush(timeout=30)
-        assert channel.close(timeout=30)
-        return {
-            name: [(int(s), float(v)) for s, v in logger.experiment.scalars.get(f"rb/{name}", [])]
-            for name in series
-        }
-
-    here = drive(ReplayBuffer(storage=LazyTensorStorage(1000)), tempfile.mkdtemp())
-    assert [s for s, _ in here["sample_calls"]] == [10, 20, 30]
-    with local_ray():
-        from torchrl.data import RayReplayBuffer
-
-        there = drive(
-            RayReplayBuffer(
-                storage=partial(LazyTensorStorage, 1000),
-                batch_size=4,
-                remote_config={"num_cpus": 0},
-            ),
-            tempfile.mkdtemp(),
-        )
-    assert there == here
-
-
-@pytest.mark.real_collector
-def test_an_observer_attached_mid_run_logs_the_driver_s_next_rows(tmp_path):
-    """Attached after 80 frames (4 batches of 20), every 40: the driver's next rows are 120, 160, 200."""
-    from torchrl.testing.mocking_classes import CountingEnv
-
-    def counting():
-        return CountingEnv(max_steps=4)
-
-    with start_method("fork"):
-        collector = MultiSyncCollector(
-            [counting, counting], RandomPolicy(counting().action_spec), frames_per_batch=20, total_frames=200
-        )
-        batches = iter(collector)
-        before = [next(batches) for _ in range(4)]
-        logger = CSVLogger(exp_name="attached", log_dir=str(tmp_path))
-        channel = MetricsChannel(logger)
-        collector.add_observer(
-            LoggerObserver(channel, schedule=Every.counter("frames", 40), metrics=CollectorBatchMetrics())
-        )
-        after = [batch.numel() for batch in batches]
-        collector.shutdown()
-    assert channel.close(timeout=30)
-    assert sum(b.numel() for b in before) == 80 and sum(after) == 120
-    assert logger.experiment.scalars["collector/frames"] == [(120, 120.0), (160, 160.0), (200, 200.0)]

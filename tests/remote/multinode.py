@@ -40,7 +40,9 @@ from typing import Any
 
 import pytest
 
-__all__ = ["ONE_CLUSTER_AT_A_TIME", "Cluster", "cluster_fixture", "two_node_cluster"]
+__all__ = [
+    "ONE_CLUSTER_AT_A_TIME", "Cluster", "cluster_fixture", "in_cluster_group", "shared_cluster", "stop_shared_cluster", "two_node_cluster",
+]
 
 HEAD_IP = "127.0.0.1"
 # The far node gets its own loopback address, so the driver (which connects to
@@ -343,8 +345,44 @@ def two_node_cluster(num_cpus: int = 1) -> Iterator[Cluster]:
         stop()
 
 
-def cluster_fixture(scope: str = "module", num_cpus: int = 1) -> Callable[..., Any]:
-    """A pytest fixture (``scope`` defaults to the module) yielding a running :class:`Cluster`.
+#: The cluster :func:`shared_cluster` started, with what stops it; ``None`` while none runs.
+_shared: tuple[contextlib.ExitStack, Cluster] | None = None
+
+
+def shared_cluster() -> Cluster:
+    """The two-node cluster (one CPU a node) that the modules of :data:`ONE_CLUSTER_AT_A_TIME` share.
+
+    Started on first use, or again once a test stopped it; it runs on while the next test is
+    of the group: ``tests/conftest.py`` calls :func:`stop_shared_cluster` after a test whose
+    next one is not (one start serves every module of the group, which run one after another).
+    Skips the calling test as :func:`two_node_cluster` does.
+    """
+    global _shared
+    if _shared is not None and not os.path.exists(_shared[1].temp_dir):  # a test stopped it
+        stop_shared_cluster()
+    if _shared is None:
+        stack = contextlib.ExitStack()
+        cluster = stack.enter_context(two_node_cluster())
+        _shared = (stack, cluster)
+    return _shared[1]
+
+
+def in_cluster_group(item: pytest.Item) -> bool:
+    """Whether the test ``item`` is of the group :data:`ONE_CLUSTER_AT_A_TIME` (it may use :func:`shared_cluster`)."""
+    group = item.get_closest_marker("xdist_group")
+    return group is not None and group.args[:1] == ONE_CLUSTER_AT_A_TIME.args
+
+
+def stop_shared_cluster() -> None:
+    """Stops the cluster :func:`shared_cluster` started, if it runs; disconnects the driver."""
+    global _shared
+    if _shared is not None:
+        stack, _shared = _shared[0], None
+        stack.close()
+
+
+def cluster_fixture(scope: str = "module") -> Callable[..., Any]:
+    """A pytest fixture (``scope`` defaults to the module) yielding the running :func:`shared_cluster`.
 
     Examples:
         >>> cluster = cluster_fixture()  # at the top of a test module
@@ -352,8 +390,7 @@ def cluster_fixture(scope: str = "module", num_cpus: int = 1) -> Callable[..., A
     import pytest
 
     @pytest.fixture(scope=scope)
-    def cluster() -> Iterator[Cluster]:
-        with two_node_cluster(num_cpus=num_cpus) as running:
-            yield running
+    def cluster() -> Cluster:
+        return shared_cluster()
 
     return cluster

@@ -8,15 +8,17 @@ a batch does not say which worker's steps are which (``split_trajs=True`` here;
 ``RPCCollector`` and the async modes in ``test_torch_distributed.py``), episode
 statistics are refused at ``add_observer``, and what stays allowed is exact.
 
-Each scenario runs in a fresh interpreter (torch.distributed and RPC keep
-process-wide state), all side by side, with real torchrl workers (``launcher="mp"``, gloo over
-loopback, a free TCP port) and a real ``CSVLogger``.
+The scenarios of a route run one after the other in a fresh interpreter (torch.distributed
+keeps process-wide state; a collector's shutdown destroys its process group), the routes
+side by side, with real torchrl workers (``launcher="mp"``, gloo over loopback, a free TCP
+port) and a real ``CSVLogger``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -140,9 +142,9 @@ def breaks(batches) -> int:
     return count
 
 
-def logged_rows(out: Path, names, namespace: str = NAME) -> list[tuple[int, dict[str, float]]]:
-    """``(step, {metric: value})`` per logged row, from the CSV files of ``namespace``."""
-    directory = out / "dist" / "scalars" / namespace
+def logged_rows(out: Path, names, namespace: str = NAME, exp: str = "dist") -> list[tuple[int, dict[str, float]]]:
+    """``(step, {metric: value})`` per logged row, from the CSV files of ``namespace`` in experiment ``exp``."""
+    directory = out / exp / "scalars" / namespace
     rows: dict[int, dict[str, float]] = {}
     for name in names:
         path = directory / f"{name}.csv"
@@ -155,37 +157,60 @@ THIS = "tests.remote.test_distributed_exact"
 
 
 def fresh_run_of(item):
-    """The scenario a selected test reads (``tests/conftest.py``'s ``fresh_runs``): all start side by side."""
+    """The interpreter a selected test reads (``tests/conftest.py``'s ``fresh_runs``): one per route, side by side."""
     params = getattr(item, "callspec", None)
     params = params.params if params else {}
-    if item.originalname == "test_stacked_by_rank_rows_equal_the_driver_s_batches":
-        return (f"{THIS}:stacked_scenario", params["route"], params["policy"], params["scope"])
+    if item.originalname in (
+        "test_stacked_by_rank_rows_equal_the_driver_s_batches",
+        "test_episode_statistics_are_refused_where_a_batch_does_not_name_its_workers",
+    ):
+        return (f"{THIS}:scenarios", params["route"])
     if item.originalname == "test_per_worker_scope_logs_only_each_worker_s_rows":
-        return (f"{THIS}:stacked_scenario", "DistributedCollector(sync=True)", "random", "per_worker")
-    if item.originalname == "test_episode_statistics_are_refused_where_a_batch_does_not_name_its_workers":
-        return (f"{THIS}:refused_scenario", params["route"], params["split_trajs"])
+        return (f"{THIS}:scenarios", PER_WORKER_RUN[0])
     return None
 
 
-def _run(fresh_runs, scenario: str, *args: str) -> tuple[Path, dict]:
-    """The scenario's output directory, once it ended well, and what it saw."""
-    out = fresh_runs(f"{THIS}:{scenario}", *args)
+def _directory(*scenario: str) -> str:
+    return re.sub(r"[^\w-]", "_", "-".join(scenario))
+
+
+def scenarios(route: str, out: str) -> None:
+    """The route's scenarios (:data:`SCENARIOS`), one after the other, each into its own directory.
+
+    One interpreter serves them all: a collector's ``shutdown`` destroys its process group.
+    """
+    for name, *args in SCENARIOS[route]:
+        where = Path(out, _directory(name, *args))
+        where.mkdir()
+        globals()[name](*args, str(where))
+
+
+def _run(fresh_runs, scenario: str, route: str, *args: str) -> tuple[Path, dict]:
+    """The scenario's output directory, once its route's interpreter ended well, and what it saw."""
+    out = fresh_runs(f"{THIS}:scenarios", route) / _directory(scenario, route, *args)
     return out, json.loads((out / "seen.json").read_text())
 
 
 def stacked_scenario(route: str, policy: str, scope: str, out: str) -> None:
-    """One observer on the driver of a stacked-by-rank collector; the truth from its batches."""
+    """One observer on the driver of a stacked-by-rank collector; the truth from its batches.
+
+    With ``scope="both"``, a second observer, ``scope="per_worker"``, logs into its own
+    logger (experiment ``per_worker``): one run of the collector serves both.
+    """
     collector = _build(route, policy)
-    logger = CSVLogger(exp_name="dist", log_dir=out)
-    channel = MetricsChannel(logger, health_interval=None)
+    channels = []
     try:
-        collector.add_observer(
-            LoggerObserver(channel, schedule=Every.counter("frames", EVERY), metrics=CollectorBatchMetrics(), scope=scope)
-        )
+        for exp, its_scope in [("dist", scope)] + ([("per_worker", "per_worker")] if scope == "both" else []):
+            channels.append(MetricsChannel(CSVLogger(exp_name=exp, log_dir=out), health_interval=None))
+            collector.add_observer(
+                LoggerObserver(
+                    channels[-1], schedule=Every.counter("frames", EVERY), metrics=CollectorBatchMetrics(), scope=its_scope
+                )
+            )
         batches = [batch.clone() for batch in collector]
     finally:
         collector.shutdown()
-    flushed = channel.close(timeout=30)
+    flushed = all([channel.close(timeout=30) for channel in channels])
     seen = {
         "flushed": flushed,
         "shapes": [list(batch.shape) for batch in batches],
@@ -201,6 +226,14 @@ def stacked_scenario(route: str, policy: str, scope: str, out: str) -> None:
 
 
 STACKED = ["DistributedCollector(sync=True)", "DistributedSyncCollector"]
+#: The stacked run whose second observer has ``scope="per_worker"``.
+PER_WORKER_RUN = ("DistributedCollector(sync=True)", "random", "both")
+#: Per route, the scenarios its interpreter runs: ``(function, *args)``.
+SCENARIOS = {
+    route: [("stacked_scenario", route, "count", "aggregate"), ("stacked_scenario", route, "random", "both")]
+    for route in STACKED
+}
+SCENARIOS["DistributedSyncCollector"].append(("refused_scenario", "DistributedSyncCollector", "split"))
 
 
 def assert_rows_equal(logged, truth):
@@ -252,11 +285,12 @@ def test_stacked_by_rank_rows_equal_the_driver_s_batches(route, policy, scope, f
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_per_worker_scope_logs_only_each_worker_s_rows(fresh_runs):
-    tmp_path, seen = _run(fresh_runs, "stacked_scenario", "DistributedCollector(sync=True)", "random", "per_worker")
+    tmp_path, seen = _run(fresh_runs, "stacked_scenario", *PER_WORKER_RUN)
     assert seen["flushed"]
-    assert logged_rows(tmp_path, ROW_METRICS) == []
+    assert logged_rows(tmp_path, ROW_METRICS, exp="per_worker") == []
     for w, worker_truth in enumerate(seen["worker_truth"]):
-        assert_rows_equal(logged_rows(tmp_path, ROW_METRICS, f"{NAME}/worker_{w}"), worker_truth)
+        assert [step for step, _ in worker_truth] == [200, 400]
+        assert_rows_equal(logged_rows(tmp_path, ROW_METRICS, f"{NAME}/worker_{w}", exp="per_worker"), worker_truth)
 
 
 def test_own_trajectory_ids_undo_torchrl_s_renumbering():

@@ -31,7 +31,7 @@ from tests.remote.multinode import (
     ONE_CLUSTER_AT_A_TIME,
     Cluster,
     _groups_of_sessions,
-    two_node_cluster,
+    shared_cluster,
 )
 
 pytestmark = ONE_CLUSTER_AT_A_TIME
@@ -58,11 +58,12 @@ def ray_env() -> Iterator[RayEnv]:
     """The two-node cluster where it can run, else a local Ray."""
     ray = pytest.importorskip("ray")
     try:
-        with two_node_cluster() as cluster:
-            yield RayEnv(ray, cluster)
-            return
+        cluster = shared_cluster()
     except pytest.skip.Exception as skipped:
         reason = str(skipped)
+    else:
+        yield RayEnv(ray, cluster)
+        return
     with local_ray() as ray:
         env = RayEnv(ray, None)
         env.skip_reason = reason
