@@ -189,26 +189,28 @@ class SocketReceiver:
             )
             return None
         receiver = cls(name)
-        # a datagram socket in a new private (0700) temporary directory
-        directory = tempfile.mkdtemp(prefix="rl_observers-")
-        path = os.path.join(directory, "channel.sock")
-        if len(os.fsencode(path)) > 100:  # sun_path holds ~108 bytes
-            os.rmdir(directory)
-            directory = tempfile.mkdtemp(prefix="rlo-", dir="/tmp")
+        try:  # a datagram socket in a new private (0700) temporary directory
+            directory = tempfile.mkdtemp(prefix="rl_observers-")
             path = os.path.join(directory, "channel.sock")
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        try:
-            sock.bind(path)
-            sock.setblocking(False)
-            with contextlib.suppress(OSError):  # Linux ignores it for Unix datagrams; others count them
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * MAX_DATAGRAM)
-            receiver._wake_r, receiver._wake_w = socket.socketpair()
-            receiver._wake_w.setblocking(False)
-        except OSError as err:
-            sock.close()
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            os.rmdir(directory)
+            if len(os.fsencode(path)) > 100:  # sun_path holds ~108 bytes
+                os.rmdir(directory)
+                directory = tempfile.mkdtemp(prefix="rlo-", dir="/tmp")
+                path = os.path.join(directory, "channel.sock")
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            try:
+                sock.bind(path)
+                sock.setblocking(False)
+                with contextlib.suppress(OSError):  # Linux ignores it for Unix datagrams; others count them
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * MAX_DATAGRAM)
+                receiver._wake_r, receiver._wake_w = socket.socketpair()
+                receiver._wake_w.setblocking(False)
+            except OSError:
+                sock.close()
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                os.rmdir(directory)
+                raise
+        except OSError as err:  # no temporary directory, no socket, no room: handles elsewhere drop
             torchrl_logger.warning(
                 f"MetricsChannel {name!r} could not bind its socket ({err!r}); "
                 "handles used in other processes will drop their metrics."

@@ -451,3 +451,22 @@ def test_a_forked_child_starts_with_an_empty_outbox_and_never_resends_the_parent
         assert sum(v for _, v in logger.series(f"{namespace}/r_count")) == 500
     assert_balanced(channel.health())
     channel.close()
+
+
+
+def test_an_unusable_temporary_directory_leaves_the_channel_without_a_socket(monkeypatch, tmp_path, warnings_seen):
+    import tempfile
+
+    from rl_observers.remote.socket import SocketReceiver
+
+    # a temporary directory under a file: no socket can be made, and that is a warning, not an error
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "file" / "tmp"))
+    assert SocketReceiver.create("token", "run") is None
+    assert any("could not bind its socket" in m for m in warnings_seen)
+    logger = RecordingLogger()
+    channel = sync_channel(logger)
+    channel.handle()  # starts the receivers: the socket's is left out
+    channel.submit_metrics({"a": 1.0}, step=0, namespace="w")
+    assert channel.close() is True
+    assert logger.calls == [({"w/a": 1.0}, 0)]
