@@ -56,6 +56,9 @@ class Message:
         self.counts = (self.counts[0] + dropped, self.counts[1] + coalesced)
         return self
 
+    def __reduce__(self) -> tuple[Any, ...]:  # positional: smaller and faster than a slotted state
+        return Message, (self.payload, self.counts, self.held)
+
 
 class RayAddress(NamedTuple):
     """What a sender needs to reach an owner through Ray (plain, picklable data)."""
