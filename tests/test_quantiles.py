@@ -120,6 +120,7 @@ def test_invalid_quantiles_and_accuracies_are_refused_with_the_valid_range():
     with pytest.raises(ValueError, match="cannot merge"):
         QuantileSketch("a", accuracy=0.01).merge(QuantileSketch("a", accuracy=0.02))
     assert sketch_resolution(0.01) == 6  # 64 buckets per power of two
+    assert QuantileSketch("a", quantiles=(q for q in (0.5, 0.9))).quantiles == (0.5, 0.9)
 
 
 def test_collapsing_keeps_the_highest_buckets_and_stays_exact_to_merge():

@@ -612,7 +612,7 @@ class QuantileSketch(Partial):
         owner = f"QuantileSketch({name!r})"
         if isinstance(quantiles, (str, float, int)):
             raise TypeError(f"{owner}: quantiles must be a sequence of numbers, got {quantiles!r}.")
-        for q in quantiles:
+        for q in (quantiles := tuple(quantiles)):  # (an iterator is read once)
             if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 < float(q) < 1.0:
                 raise ValueError(f"{owner}: each quantile must be a number in (0, 1), got {q!r}.")
         self.quantiles = tuple(map(float, quantiles))
