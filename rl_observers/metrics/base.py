@@ -60,7 +60,7 @@ class MetricSet:
     :meth:`quantiles`) and counters (:meth:`add_to_counter`). The base gives
     one ``RLock`` around each fold, :meth:`pull` and the state methods, and
     the state and pickling. An optional ``on_empty(source)`` runs after a
-    replay buffer's ``empty()``.
+    replay buffer's ``empty()``, outside the lock (take ``self._lock`` there).
 
     Examples:
         >>> import torch
