@@ -208,6 +208,34 @@ def test_a_router_that_is_empty_by_len_still_routes_its_class(tmp_path):
     assert not (tmp_path / "sized" / "scalars" / "w").exists()  # nothing bypassed the router
 
 
+def test_a_router_factory_that_raises_counts_its_entry_as_a_sink_error(tmp_path, warnings_seen):
+    from rl_observers.channel.delivery import _ROUTER_FACTORIES, register_router
+    from rl_observers.channel.payload import Payload, payload_class
+
+    @payload_class
+    class Unroutable(Payload):
+        pass
+
+    def broken_factory():
+        raise RuntimeError("no router today")
+
+    register_router(Unroutable, broken_factory)
+    try:
+        logger = CSVLogger(exp_name="factory", log_dir=str(tmp_path))
+        channel = sync_channel(logger, name="factory", on_error="warn")
+        channel.submit_window(Unroutable("u", {"v": 1.0}))
+        channel.submit_metrics({"v": 2.0}, step=1, namespace="plain")
+        assert channel.step() == 2  # the failing entry is done with; delivery goes on
+        health = channel.health()
+        assert_balanced(health)
+        assert (health["sink_errors"], health["logged"], health["pending"]) == (1, 1, 0)
+        assert any("no router today" in m for m in warnings_seen), warnings_seen
+        assert read_csv(tmp_path / "factory" / "scalars" / "plain" / "v.csv") == [(1, 2.0)]
+        assert not channel.close()  # something failed since the last check
+    finally:
+        del _ROUTER_FACTORIES[Unroutable]
+
+
 def test_a_row_the_logger_refuses_loses_no_other_row_of_the_entry(tmp_path, warnings_seen):
     logger = CSVLogger(exp_name="rows", log_dir=str(tmp_path))
     channel = sync_channel(logger, name="rows")

@@ -210,8 +210,8 @@ class Delivery:
             if entry is None:
                 return count
             payload = entry.payload
-            router = None if payload.__class__ is Payload else self.router(payload.__class__)
-            try:
+            try:  # a router's factory may raise too
+                router = None if payload.__class__ is Payload else self.router(payload.__class__)
                 rows = router.route(payload) if router is not None else ((payload.namespace, payload.metrics, payload.step),)
                 delivered = self._write_rows(rows, "failed to log namespace")
             except Exception as err:
