@@ -77,6 +77,9 @@ SLOW_LOG_SECONDS = 0.2
 TYPICAL_FAST_BUDGET = 0.97
 TYPICAL_SLOW_BUDGET = 0.95
 WORST_CASE_BUDGET = 0.90
+# make test's floor for it: on a quiet host it measures 0.90-0.93, so a floor equal to the
+# budget failed correct code under load (0.8999 in a CI run); 0.80 as for the no-reset case.
+WORST_CASE_FLOOR = 0.80
 # DESIGN.md's micro-budget, windows once a second (what a user sets on a loop that runs
 # thousands of times a second): the no-reset CountingEnv([100]) collector >= 0.95 of bare.
 MICRO_SCHEDULE = Every.seconds(1)
@@ -332,7 +335,7 @@ def test_cartpole_slow_logger(benchmark, tmp_path):
 @pytest.mark.parametrize(
     ("env_name", "budget", "floor"),
     [
-        ("counting_100", WORST_CASE_BUDGET, WORST_CASE_BUDGET),
+        ("counting_100", WORST_CASE_BUDGET, WORST_CASE_FLOOR),
         ("counting_100_no_resets", NO_RESETS_BUDGET, NO_RESETS_FLOOR),
     ],
 )
@@ -366,6 +369,7 @@ def test_counting_env_fast_logger(benchmark, tmp_path, env_name, budget, floor):
 
 
 def test_counting_env_slow_logger(benchmark, tmp_path):
+    required = WORST_CASE_FLOOR if benchmark.disabled else WORST_CASE_BUDGET
     with ExitStack() as stack:
         batches = {
             kind: _batches(stack, counting_env, kind, SlowCSVLogger(kind, log_dir=str(tmp_path)))
@@ -378,12 +382,12 @@ def test_counting_env_slow_logger(benchmark, tmp_path):
                 calls=20,
                 blocks=_blocks(benchmark, 21, 11),
             ),
-            WORST_CASE_BUDGET,
+            required,
         )
         # The hook sleeps 200 ms per batch: a few blocks are enough to see it.
         hook_bare = _hook_measured_apart(batches, timings, ratios, calls=2, blocks=3)
         _report(benchmark, "counting_100_slow", timings, ratios)
-        assert ratios["observer"] >= WORST_CASE_BUDGET, ratios
+        assert ratios["observer"] >= required, ratios
         assert_hook_is_blocked(ratios, hook_bare)
         benchmark(lambda: next(batches["observer"]))
 
