@@ -36,12 +36,13 @@ demo: $(VENV)/.demo
 # Run one at a time, the suite leaves a core idle while processes, Ray and torch.distributed
 # start and stop: TEST_WORKERS pytest workers run it side by side (tests/conftest.py groups
 # and orders it). Two keep both cores of a two-core machine busy; more only compete for them.
-# The benchmark floors are timing ratios: they run alone, after it.
+# The benchmark floors are timing ratios: they run alone, after it. The run ends with its ten
+# slowest tests, where a change that slows the suite shows first.
 TEST_WORKERS ?= 2
 
 test: $(VENV)/.test
 	$(PY) -m ruff check .
-	$(PY) -m pytest tests rl_observers -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+	$(PY) -m pytest tests rl_observers -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=10
 	$(PY) -m pytest benchmarks -q --benchmark-disable -p no:randomly
 
 bench: $(VENV)/.test
