@@ -2,7 +2,8 @@
 
 One definition each: the waits (:func:`wait_for`), the balance identity of a
 channel's health (:func:`assert_balanced`), real torchrl collectors
-(:func:`make_collector`, :func:`make_multi`), a synchronous
+(:func:`make_collector`, :func:`make_multi`) and replay buffers
+(:func:`replay_buffer`), a synchronous
 ``MetricsChannel`` (:func:`sync_channel`), a recording sink
 (:class:`RecordingLogger`) and a local Ray cluster (:func:`local_ray`).
 """
@@ -70,6 +71,43 @@ def assert_balanced(health: dict[str, int]) -> None:
 def small_env(max_steps: int = 6) -> CountingEnv:
     """A ``CountingEnv`` whose episodes end every ``max_steps + 1`` steps; picklable by name, for workers."""
     return CountingEnv(max_steps=max_steps)
+
+
+def replay_buffer(kind: str, capacity: int = 64, **kwargs: Any) -> Any:
+    """A real torchrl replay buffer of ``kind`` on a ``LazyTensorStorage(capacity)``; ``kwargs`` go to its constructor.
+
+    ``kind``: ``plain`` (``ReplayBuffer``), ``tensordict`` (``TensorDictReplayBuffer``),
+    ``prioritized`` (``TensorDictPrioritizedReplayBuffer``), ``prioritized_plain``
+    (``PrioritizedReplayBuffer``), or a ``TensorDictReplayBuffer`` with one more part:
+    ``without_replacement``, ``slice`` (trajectories under ``"traj"``), ``round_robin``
+    (``TensorDictRoundRobinWriter``), ``max_value`` (ranked by ``"rank"``),
+    ``prioritized_max_value``. Priorities: alpha 0.7, beta 0.5.
+    """
+    from torchrl import data
+
+    priorities = {"alpha": 0.7, "beta": 0.5}
+    parts: dict[str, Callable[[], tuple[type, dict[str, Any]]]] = {
+        "plain": lambda: (data.ReplayBuffer, {}),
+        "tensordict": lambda: (data.TensorDictReplayBuffer, {}),
+        "prioritized": lambda: (data.TensorDictPrioritizedReplayBuffer, priorities),
+        "prioritized_plain": lambda: (data.PrioritizedReplayBuffer, priorities),
+        "without_replacement": lambda: (data.TensorDictReplayBuffer, {"sampler": data.SamplerWithoutReplacement()}),
+        "slice": lambda: (
+            data.TensorDictReplayBuffer,
+            {"sampler": data.SliceSampler(slice_len=4, traj_key="traj")},
+        ),
+        "round_robin": lambda: (data.TensorDictReplayBuffer, {"writer": data.TensorDictRoundRobinWriter()}),
+        "max_value": lambda: (data.TensorDictReplayBuffer, {"writer": data.TensorDictMaxValueWriter(rank_key="rank")}),
+        "prioritized_max_value": lambda: (
+            data.TensorDictReplayBuffer,
+            {
+                "sampler": data.PrioritizedSampler(capacity, **priorities),
+                "writer": data.TensorDictMaxValueWriter(rank_key="rank"),
+            },
+        ),
+    }
+    cls, own = parts[kind]()
+    return cls(**{"storage": data.LazyTensorStorage(capacity), **own, **kwargs})
 
 
 def make_collector(

@@ -17,7 +17,6 @@ import pytest
 import torch
 from tensordict import TensorDict
 from torchrl.collectors import Collector
-from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl.envs.utils import RandomPolicy
 from torchrl.record import CSVLogger
 from torchrl.testing.mocking_classes import CountingEnv
@@ -31,6 +30,7 @@ from rl_observers import (
     SampleMetrics,
     WriteMetrics,
 )
+from tests.helpers import replay_buffer
 
 FAQ = Path(__file__).resolve().parents[1] / "docs" / "faq.rst"
 
@@ -45,10 +45,6 @@ class Mistake(NamedTuple):
 def _collector() -> Collector:
     env = CountingEnv(max_steps=5)
     return Collector(env, RandomPolicy(env.action_spec), frames_per_batch=10, total_frames=20)
-
-
-def _buffer() -> ReplayBuffer:
-    return ReplayBuffer(storage=LazyTensorStorage(100))
 
 
 def _on_collector(logger: Any, **kwargs: Any) -> None:
@@ -70,7 +66,7 @@ def _two_collectors(logger: Any) -> None:
 
 
 def _missing_reward_key(logger: Any) -> None:
-    rb = _buffer()
+    rb = replay_buffer("plain", 100)
     rb.add_observer(LoggerObserver(logger, metrics=WriteMetrics(reward_key="reward")), on_error="raise")
     rb.extend(TensorDict(obs=torch.zeros(4), batch_size=[4]))
 
@@ -78,7 +74,7 @@ def _missing_reward_key(logger: Any) -> None:
 MISTAKES: tuple[Mistake, ...] = (
     Mistake(
         "Collector metrics on a replay buffer",
-        lambda logger: _buffer().add_observer(LoggerObserver(logger, metrics=CollectorBatchMetrics())),
+        lambda logger: replay_buffer("plain", 100).add_observer(LoggerObserver(logger, metrics=CollectorBatchMetrics())),
         TypeError,
         (
             'LoggerObserver: CollectorBatchMetrics folds post_collect, which a ReplayBuffer '
@@ -127,7 +123,7 @@ MISTAKES: tuple[Mistake, ...] = (
     ),
     Mistake(
         "Two metric sets logging the same names",
-        lambda logger: _buffer().add_observer(LoggerObserver(logger, metrics=[WriteMetrics(), WriteMetrics()])),
+        lambda logger: replay_buffer("plain", 100).add_observer(LoggerObserver(logger, metrics=[WriteMetrics(), WriteMetrics()])),
         ValueError,
         (
             'LoggerObserver: metric sets WriteMetrics (#1) and WriteMetrics (#2) both log '
@@ -149,7 +145,7 @@ MISTAKES: tuple[Mistake, ...] = (
     ),
     Mistake(
         "A schedule over a counter the metric sets do not count",
-        lambda logger: _buffer().add_observer(LoggerObserver(logger, schedule=Every.counter("frames", 1000))),
+        lambda logger: replay_buffer("plain", 100).add_observer(LoggerObserver(logger, schedule=Every.counter("frames", 1000))),
         ValueError,
         (
             "LoggerObserver: Every.counter(key, n) names the counter 'frames', which none of "

@@ -149,7 +149,7 @@ def _td(n: int = 4) -> TensorDict:
     return TensorDict({"obs": torch.arange(float(n)), ("next", "done"): torch.zeros(n, 1, dtype=torch.bool)}, [n])
 
 
-def _buffer(cls, **kwargs):
+def _events_of_class(cls, **kwargs):
     def build():
         data = _td() if issubclass(cls, TensorDictReplayBuffer) else torch.arange(4.0)
         return _buffer_events(cls(storage=LazyTensorStorage(16), batch_size=2, **kwargs), data)
@@ -194,14 +194,14 @@ HEARD_HERE = {
     AsyncBatchedCollector: (_async_batched, ["post_collect"] * 2),  # torchrl reads no pre_collect_hook there
     AsyncCollector: (_multiprocess(AsyncCollector, 1), ["post_collect"]),
     MultiAsyncCollector: (_multiprocess(MultiAsyncCollector, 2), ["post_collect"]),
-    ReplayBuffer: (_buffer(ReplayBuffer), _WRITES_AND_SAMPLES),
-    PrioritizedReplayBuffer: (_buffer(PrioritizedReplayBuffer, alpha=0.7, beta=0.5), _WRITES_AND_SAMPLES),
-    TensorDictReplayBuffer: (_buffer(TensorDictReplayBuffer), _WRITES_AND_SAMPLES),
+    ReplayBuffer: (_events_of_class(ReplayBuffer), _WRITES_AND_SAMPLES),
+    PrioritizedReplayBuffer: (_events_of_class(PrioritizedReplayBuffer, alpha=0.7, beta=0.5), _WRITES_AND_SAMPLES),
+    TensorDictReplayBuffer: (_events_of_class(TensorDictReplayBuffer), _WRITES_AND_SAMPLES),
     TensorDictPrioritizedReplayBuffer: (
-        _buffer(TensorDictPrioritizedReplayBuffer, alpha=0.7, beta=0.5),
+        _events_of_class(TensorDictPrioritizedReplayBuffer, alpha=0.7, beta=0.5),
         _WRITES_AND_SAMPLES,
     ),
-    RemoteTensorDictReplayBuffer: (_buffer(RemoteTensorDictReplayBuffer), _WRITES_AND_SAMPLES),
+    RemoteTensorDictReplayBuffer: (_events_of_class(RemoteTensorDictReplayBuffer), _WRITES_AND_SAMPLES),
     HERReplayBuffer: (_her, _WRITES_AND_SAMPLES),
     ReplayBufferEnsemble: (_ensemble, ["post_sample"]),
 }

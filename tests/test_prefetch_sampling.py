@@ -19,10 +19,8 @@ import torch
 from tensordict import TensorDict
 from torchrl.data import (
     LazyTensorStorage,
-    PrioritizedReplayBuffer,
     ReplayBuffer,
     SamplerWithoutReplacement,
-    TensorDictPrioritizedReplayBuffer,
     TensorDictReplayBuffer,
 )
 from torchrl.record import CSVLogger
@@ -33,35 +31,24 @@ from rl_observers.sources.replay_buffers import (
     ObservedPrefetchingReplayBuffer,
     ObservedReplayBuffer,
 )
-from tests.helpers import scalars
+from tests.helpers import replay_buffer, scalars
 
 CAPACITY = 10_000  # never wraps here: the item written k-th (from 0) sits in slot k
 BATCH = 16
 PREFETCH = 3
 WINDOW = 5  # samples per logged row
-KINDS = ("replay_buffer", "tensordict", "prioritized", "tensordict_prioritized")
-
-
-def _buffer(kind: str, **kwargs):
-    storage = LazyTensorStorage(CAPACITY)
-    if kind == "replay_buffer":
-        return ReplayBuffer(storage=storage, batch_size=BATCH, **kwargs)
-    if kind == "tensordict":
-        return TensorDictReplayBuffer(storage=storage, batch_size=BATCH, **kwargs)
-    if kind == "prioritized":
-        return PrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=storage, batch_size=BATCH, **kwargs)
-    return TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=storage, batch_size=BATCH, **kwargs)
+KINDS = ("plain", "tensordict", "prioritized_plain", "prioritized")  # tests.helpers.replay_buffer's
 
 
 def _items(kind: str, start: int, n: int):
     """Items ``start .. start + n - 1``: each carries the number of its write, ``id``."""
     ids = torch.arange(start, start + n)
-    return ids if kind in ("replay_buffer", "prioritized") else TensorDict({"id": ids}, [n])
+    return ids if kind in ("plain", "prioritized_plain") else TensorDict({"id": ids}, [n])
 
 
 def _sample(rb, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One ``sample()``: the ids it returned, their slots, and their importance weights."""
-    if kind in ("replay_buffer", "prioritized"):
+    if kind in ("plain", "prioritized_plain"):
         batch, info = rb.sample(return_info=True)
         return batch, info["index"], info.get("priority_weight")
     batch = rb.sample()  # torchrl puts the info into the batch
@@ -74,10 +61,10 @@ def _rows(logger, name: str) -> list[tuple[int, float]]:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_sample_counts_and_statistics_follow_the_batches_sample_returned(tmp_path, kind):
-    rb = _buffer(kind, prefetch=PREFETCH)
+    rb = replay_buffer(kind, CAPACITY, batch_size=BATCH, prefetch=PREFETCH)
     written = 200
     rb.extend(_items(kind, 0, written))
-    if kind in ("prioritized", "tensordict_prioritized"):
+    if kind.startswith("prioritized"):
         rb.update_priority(torch.arange(written), torch.linspace(0.1, 3.0, written))
     logger = CSVLogger(exp_name="prefetch", log_dir=str(tmp_path))
     channel = MetricsChannel(logger, health_interval=None)
@@ -129,7 +116,7 @@ def test_sample_counts_and_statistics_follow_the_batches_sample_returned(tmp_pat
     for name, rows in expected.items():
         assert _rows(logger, name) == [(s, pytest.approx(v)) for s, v in rows], name
     for name, rows in weights_expected.items():
-        if kind in ("prioritized", "tensordict_prioritized"):
+        if kind.startswith("prioritized"):
             assert _rows(logger, name) == [(s, pytest.approx(v, rel=1e-5)) for s, v in rows], name
         else:
             assert not rows and _rows(logger, name) == [], name
@@ -140,9 +127,9 @@ def _counted(rb) -> tuple[int, int]:
     return stats["sample_calls"], stats["samples_returned"]
 
 
-@pytest.mark.parametrize("kind", ("replay_buffer", "tensordict"))
+@pytest.mark.parametrize("kind", ("plain", "tensordict"))
 def test_batches_the_prefetch_queue_drops_are_never_counted(kind):
-    rb = _buffer(kind, prefetch=PREFETCH)
+    rb = replay_buffer(kind, CAPACITY, batch_size=BATCH, prefetch=PREFETCH)
     rb.extend(_items(kind, 0, 100))
     metrics = SampleMetrics()
     rb.add_observer(metrics)
@@ -152,7 +139,7 @@ def test_batches_the_prefetch_queue_drops_are_never_counted(kind):
     assert _counted(rb) == (4, 4 * BATCH)
     # load_state_dict drops the queue for the one saved with the state: the dropped batches
     # are never counted, the restored ones are when sample() hands them over
-    other = _buffer(kind, prefetch=PREFETCH)
+    other = replay_buffer(kind, CAPACITY, batch_size=BATCH, prefetch=PREFETCH)
     other.extend(_items(kind, 1000, 100))
     other.sample()  # its queue now holds PREFETCH batches of ids 1000..1099
     rb.load_state_dict(other.state_dict())

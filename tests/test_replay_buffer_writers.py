@@ -9,45 +9,19 @@ import torch
 from tensordict import TensorDict
 from torchrl.data import (
     LazyTensorStorage,
-    PrioritizedSampler,
     ReplayBuffer,
     RoundRobinWriter,
-    TensorDictMaxValueWriter,
-    TensorDictPrioritizedReplayBuffer,
-    TensorDictReplayBuffer,
-    TensorDictRoundRobinWriter,
 )
 from torchrl.record import CSVLogger
 
 import rl_observers  # noqa: F401  (adds add_observer)
 from rl_observers import Every, LoggerObserver, MetricsChannel, SampleMetrics, WriteMetrics
-
-
-def _buffer(kind: str, capacity: int):
-    if kind == "round_robin":
-        return TensorDictReplayBuffer(
-            storage=LazyTensorStorage(capacity), writer=TensorDictRoundRobinWriter()
-        )
-    if kind == "max_value":
-        return TensorDictReplayBuffer(
-            storage=LazyTensorStorage(capacity), writer=TensorDictMaxValueWriter(rank_key="r")
-        )
-    if kind == "prioritized_max_value":
-        return TensorDictReplayBuffer(
-            storage=LazyTensorStorage(capacity),
-            sampler=PrioritizedSampler(capacity, alpha=0.7, beta=0.5),
-            writer=TensorDictMaxValueWriter(rank_key="r"),
-        )
-    if kind == "prioritized":
-        return TensorDictPrioritizedReplayBuffer(
-            alpha=0.7, beta=0.5, storage=LazyTensorStorage(capacity)
-        )
-    raise AssertionError(kind)
+from tests.helpers import replay_buffer
 
 
 def _items(values: list[float]) -> TensorDict:
-    r = torch.tensor(values)
-    return TensorDict({"r": r, "next": {"reward": r.unsqueeze(-1)}}, batch_size=[len(values)])
+    rank = torch.tensor(values)
+    return TensorDict({"rank": rank, "next": {"reward": rank.unsqueeze(-1)}}, batch_size=[len(values)])
 
 
 @pytest.mark.parametrize(
@@ -56,10 +30,10 @@ def _items(values: list[float]) -> TensorDict:
 def test_writes_and_ages_count_only_stored_items(kind, tmp_path):
     if kind.startswith("prioritized"):
         try:
-            _buffer(kind, 4)
+            replay_buffer(kind, 4)
         except RuntimeError:
             pytest.skip("prioritized replay buffers need torchrl's C++ extension")
-    rb = _buffer(kind, 4)
+    rb = replay_buffer(kind, 4)
     writes, samples = WriteMetrics(reward_key=("next", "reward")), SampleMetrics()
     logger = CSVLogger(exp_name="writers", log_dir=str(tmp_path))
     channel = MetricsChannel(logger)
@@ -125,7 +99,7 @@ def test_round_robin_writer_of_a_plain_buffer_stores_every_item():
 
 
 def test_a_write_that_stores_nothing_counts_a_call_and_no_item():
-    rb = _buffer("max_value", 2)
+    rb = replay_buffer("max_value", 2)
     writes, samples = WriteMetrics(reward_key=("next", "reward")), SampleMetrics()
     for data in (_items([5.0, 6.0]), _items([1.0, 2.0])):  # the second is worse: all skipped
         index = rb.extend(data)

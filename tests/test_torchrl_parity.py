@@ -26,18 +26,8 @@ from torchrl.collectors import Collector, MultiSyncCollector
 from torchrl.data import (
     LazyTensorStorage,
     ListStorage,
-    PrioritizedReplayBuffer,
     ReplayBuffer,
-    TensorDictPrioritizedReplayBuffer,
     TensorDictReplayBuffer,
-)
-from torchrl.data.replay_buffers import (
-    RandomSampler,
-    RoundRobinWriter,
-    SamplerWithoutReplacement,
-    SliceSampler,
-    TensorDictMaxValueWriter,
-    TensorDictRoundRobinWriter,
 )
 from torchrl.envs.utils import RandomPolicy
 from torchrl.record.loggers.csv import CSVLogger
@@ -49,7 +39,7 @@ from torchrl.testing.mocking_classes import (
 
 from rl_observers import LoggerObserver
 from rl_observers.testing import EventRecorder
-from tests.helpers import start_method
+from tests.helpers import replay_buffer, start_method
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -304,29 +294,12 @@ def _data(n=40, start=0):
     )
 
 
-def _buffer(kind):
-    storage = LazyTensorStorage(64)
-    if kind == "random":
-        return ReplayBuffer(storage=storage, sampler=RandomSampler(), writer=RoundRobinWriter(), batch_size=8)
-    if kind == "without_replacement":
-        return TensorDictReplayBuffer(storage=storage, sampler=SamplerWithoutReplacement(), batch_size=8)
-    if kind == "prioritized":
-        return TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=storage, batch_size=8)
-    if kind == "prioritized_plain":
-        return PrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=ListStorage(64), batch_size=8)
-    if kind == "slice":
-        return TensorDictReplayBuffer(
-            storage=storage, sampler=SliceSampler(slice_len=4, traj_key="traj"), batch_size=8
-        )
-    if kind == "td_round_robin":
-        return TensorDictReplayBuffer(storage=storage, writer=TensorDictRoundRobinWriter(), batch_size=8)
-    if kind == "max_value":
-        return TensorDictReplayBuffer(
-            storage=LazyTensorStorage(16), writer=TensorDictMaxValueWriter(rank_key="rank"), batch_size=8
-        )
+def _parity_buffer(kind):
+    if kind == "prioritized_plain":  # a ListStorage of tensors
+        return replay_buffer(kind, storage=ListStorage(64), batch_size=8)
     if kind == "prefetch":
-        return TensorDictReplayBuffer(storage=storage, batch_size=8, prefetch=2)
-    raise ValueError(kind)
+        return replay_buffer("tensordict", batch_size=8, prefetch=2)
+    return replay_buffer(kind, 16 if kind == "max_value" else 64, batch_size=8)
 
 
 def _contents(rb):
@@ -344,11 +317,11 @@ def _sample_all(rb, n=4):
 
 def _buffer_scenario(kind):
     def scenario(observe, tmp):
-        rb = observe(_buffer(kind))
+        rb = observe(_parity_buffer(kind))
         rb.set_rng(torch.Generator().manual_seed(7))
-        plain = kind == "prioritized_plain"  # a ListStorage of tensors
-        index = rb.extend(list(torch.arange(40).unbind(0)) if plain else _data())
-        added = rb.add(torch.tensor(100) if plain else _data(1, start=100)[0])
+        listed = kind == "prioritized_plain"  # a ListStorage of tensors
+        index = rb.extend(list(torch.arange(40).unbind(0)) if listed else _data())
+        added = rb.add(torch.tensor(100) if listed else _data(1, start=100)[0])
         out = {"extend_index": index, "add_index": added}
         if kind in ("prioritized", "prioritized_plain"):
             idx = torch.arange(0, 20)
@@ -365,19 +338,19 @@ def _buffer_scenario(kind):
         # checkpoints (torchrl's TensorDictMaxValueWriter has none): state_dict and dumps/loads round trips
         checkpoints = kind != "max_value"
         if checkpoints:
-            fresh = _buffer(kind)
+            fresh = _parity_buffer(kind)
             fresh.load_state_dict(rb.state_dict())
             out["state_len"] = len(fresh)
             out["state_storage"] = _contents(fresh)
-        if checkpoints and not plain:
+        if checkpoints and not listed:
             rb.dumps(tmp / "dump")
-            loaded = observe(_buffer(kind))
+            loaded = observe(_parity_buffer(kind))
             loaded.loads(tmp / "dump")
             out["loaded"] = loaded[:]
             out["loaded_write_count"] = loaded.write_count
         rb.empty()
         out["len_after_empty"] = len(rb)
-        rb.extend(list(torch.arange(8).unbind(0)) if plain else _data(8, start=200))
+        rb.extend(list(torch.arange(8).unbind(0)) if listed else _data(8, start=200))
         out["after_empty"] = _contents(rb)
         return out
 
@@ -388,12 +361,12 @@ def _buffer_scenario(kind):
 @pytest.mark.parametrize(
     "kind",
     [
-        "random",
+        "plain",
         "without_replacement",
         "prioritized",
         "prioritized_plain",
         "slice",
-        "td_round_robin",
+        "round_robin",
         "max_value",
         "prefetch",
     ],

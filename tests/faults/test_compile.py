@@ -49,7 +49,7 @@ class WhereItRuns:
         self.sampled.append(float(batch.sum()))  # a host sync: a graph break if it were traced
 
 
-def _buffer() -> ReplayBuffer:
+def _compilable_filled_buffer() -> ReplayBuffer:
     rb = ReplayBuffer(storage=LazyTensorStorage(100, compilable=True), batch_size=8, compilable=True)
     rb.extend(torch.arange(100.0))
     return rb
@@ -60,7 +60,7 @@ def _run(observe: bool):
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    rb = _buffer()
+    rb = _compilable_filled_buffer()
     logger = RecordingLogger()
     channel = MetricsChannel(logger, background=False, health_interval=None)
     where = WhereItRuns()
@@ -98,7 +98,7 @@ def test_observers_add_no_graph_and_run_outside_the_compiled_region():
 
 def _fullgraph_error(observe: bool) -> BaseException | None:
     torch._dynamo.reset()
-    rb = _buffer()
+    rb = _compilable_filled_buffer()
     if observe:
         rb.add_observer(WhereItRuns())
 
