@@ -801,7 +801,7 @@ def test_files_sent_back_are_written_on_the_driver(tmp_path):
     here.write_bytes(b"same")
     mtime = here.stat().st_mtime_ns
     far = tmp_path / "far" / "away" / "t_0.json"
-    ray_source._write_files([[(str(here), b"same"), (str(far), b"{}")], None])
+    ray_source._write_files([(str(here), b"same"), (str(far), b"{}")])
     assert here.stat().st_mtime_ns == mtime  # already there: left alone
     assert far.read_bytes() == b"{}" and [p.name for p in far.parent.iterdir()] == ["t_0.json"]
 

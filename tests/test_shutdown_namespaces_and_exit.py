@@ -239,7 +239,9 @@ def test_a_worker_that_did_not_stop_at_exit_is_reported(monkeypatch, caplog):
             self.procs[0].exitcode, self.procs[1].exitcode = 0, -15  # worker 1 was terminated
 
     collector = StuckCollector()
-    monkeypatch.setattr(multiprocess, "_OBSERVED", {id(collector): collector})
+    observed = multiprocess.IdentityMap()
+    observed.set(collector, True)
+    monkeypatch.setattr(multiprocess, "_OBSERVED", observed)
     monkeypatch.setattr(multiprocess, "_EXIT_PID", os.getpid())
     with caplog.at_level(logging.WARNING):
         multiprocess._shut_down_observed_at_exit()

@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from rl_observers.remote.window import Window, worker_key
@@ -47,19 +48,17 @@ __all__ = ["Account"]
 torchrl_logger = logging.getLogger("torchrl")
 
 
+@dataclass(slots=True, eq=False)
 class _Copy:
     """What the owner knows of one copy of one observer."""
 
-    __slots__ = ("counters", "counters_seq", "last", "received", "sent", "where", "worker")
-
-    def __init__(self, worker: Any, where: str) -> None:
-        self.worker = worker
-        self.where = where
-        self.sent = 0  # the highest window number seen
-        self.received = 0  # windows received (a merged one counts every window it holds)
-        self.last = False
-        self.counters: Mapping[str, Any] = {}
-        self.counters_seq = 0  # the number of the window the newest counters came with
+    worker: Any
+    where: str
+    sent: int = 0  # the highest window number seen
+    received: int = 0  # windows received (a merged one counts every window it holds)
+    last: bool = False
+    counters: Mapping[str, Any] = field(default_factory=dict)
+    counters_seq: int = 0  # the number of the window the newest counters came with
 
 
 class Account:
@@ -78,8 +77,8 @@ class Account:
         self._sources: dict[str, str] = {}  # observer name -> its source, in words
         # copies whose account is closed: the highest window number counted then (lost or received)
         self._settled: dict[tuple[str, Any, str], int] = {}
-        # copies attached and not heard from yet: (observer name, worker) -> where, in words
-        self._expected: dict[tuple[str, Any], str] = {}
+        # copies attached and not heard from yet: (observer name, worker)
+        self._expected: set[tuple[str, Any]] = set()
         self.copies_lost = 0
 
     def describe(self, name: str, description: str) -> None:
@@ -87,13 +86,13 @@ class Account:
         with self._lock:
             self._sources[name] = description
 
-    def expect(self, name: str, workers: Any, where: str = "never heard from") -> None:
+    def expect(self, name: str, workers: Any) -> None:
         """Notes that copies of ``name`` were attached in ``workers``; one never heard from is counted lost."""
         with self._lock:
             for worker in workers:
                 key = (name, worker_key(worker))
                 if not any(k[0] == name and k[1] == key[1] for k in self._copies):
-                    self._expected[key] = where
+                    self._expected.add(key)
 
     def note(self, window: Window) -> bool | None:
         """Notes one numbered window received by the owner; whether it arrived late.
@@ -109,15 +108,14 @@ class Account:
             copy = self._copies.get(key)
             if copy is None:
                 if self._expected:  # an attached copy's first window: it is heard from
-                    self._expected.pop(key[:2], None)
+                    self._expected.discard(key[:2])
                 counted = self._settled.get(key)
                 if counted is not None:  # a window that arrived after its account closed
                     return None if seq <= counted else False
                 copy = self._copies[key] = _Copy(window.worker, str(window.copy))
             windows = window.windows
             copy.received += windows if windows.__class__ is int and windows > 0 else 1
-            if window.last:
-                copy.last = True
+            copy.last = copy.last or bool(window.last)
             copy.sent = max(copy.sent, seq)
             counters = window.counters
             if counters is None:  # a last window that only marks the end
@@ -132,9 +130,7 @@ class Account:
     def members(self, name: str) -> frozenset[tuple[Any, ...]]:
         """The copies of the observer ``name`` known now: those heard from and those expected."""
         with self._lock:
-            return frozenset(
-                [key for key in self._copies if key[0] == name] + [key for key in self._expected if key[0] == name]
-            )
+            return frozenset(key for key in (*self._copies, *self._expected) if key[0] == name)
 
     def waiting(self, name: str, members: frozenset[tuple[Any, ...]] | None = None) -> list[str]:
         """The copies of ``name`` (only ``members``, if given) with a window still missing."""
@@ -144,8 +140,8 @@ class Account:
                 for key, c in self._copies.items()
                 if key[0] == name and _belongs(key, members) and (not c.last or c.received < c.sent)
             ] + [
-                f"worker {key[1]} ({where})"
-                for key, where in self._expected.items()
+                f"worker {key[1]} (never heard from)"
+                for key in self._expected
                 if key[0] == name and _belongs(key, members)
             ]
 
@@ -165,8 +161,7 @@ class Account:
             self._settled.update((key, self._copies[key].sent) for key in done)
             copies = [(key, self._copies.pop(key)) for key in done]
             unheard = [key for key in self._expected if chosen(key)]
-            for key in unheard:
-                del self._expected[key]
+            self._expected.difference_update(unheard)
             self.copies_lost += len(unheard)
             sources = dict(self._sources)
             if name is None:
@@ -216,8 +211,7 @@ class Account:
             for key in [k for k in self._copies if k[0] == name]:
                 del self._copies[key]
                 self._settled[key] = 0  # nothing counted lost: what comes later counts as it goes
-            for key in [k for k in self._expected if k[0] == name]:
-                del self._expected[key]
+            self._expected = {k for k in self._expected if k[0] != name}
             self._sources.pop(name, None)
 
 

@@ -95,8 +95,9 @@ def _restored_rolling(saved: Mapping[str, Any] | None) -> dict[str, Any]:
 class _Worker:
     clock: ScheduleClock
     label: str  # its rows' namespace suffix: worker_<index>
-    base: dict[str, float] = field(default_factory=dict)  # where a resumed run's worker started counting
-    base_gauges: dict[str, float] = field(default_factory=dict)  # and its cumulative gauges
+    # where a resumed run's worker started counting, and its cumulative gauges
+    base: dict[str, float] = field(default_factory=dict)
+    base_gauges: dict[str, float] = field(default_factory=dict)
     counters: dict[str, float] = field(default_factory=dict)
     gauges: dict[str, Any] = field(default_factory=dict)
     window: dict[str, Any] = field(default_factory=dict)
@@ -120,25 +121,21 @@ class Aggregate:
         self.name = name
         self.spec = AggregateSpec(**how)
         schedule = self.spec.schedule
-        if self.spec.step_key is None and schedule is not None and schedule.kind == "counter":
-            self.spec.step_key = schedule.key
         self.clock = ScheduleClock(schedule)
-        key = schedule.key if schedule is not None and schedule.kind == "counter" else None
+        self._key = key = schedule.key if schedule and schedule.kind == "counter" else None
+        self.spec.step_key = self.spec.step_key or key
         if key is not None:
             self.clock.due(0)  # counters start at zero
-        self._key = key
         self._workers: dict[tuple[Any, str | None], _Worker] = {}
         # the same workers, the one seen longest ago first: stale ones are counted from the front
         self._seen: OrderedDict[tuple[Any, str | None], _Worker] = OrderedDict()
-        # gauges summed over workers (the newest value for ``latest`` ones), kept up to date
-        # by each contribution like the counters: a row costs O(its metrics), not O(workers)
+        # gauges (the newest value for ``latest`` ones) and counters summed over workers, kept up
+        # to date by each contribution: a row costs O(its metrics), not O(workers)
         self._gauges: dict[str, Any] = {}
+        self._totals: dict[str, float] = {}
         self._processes_per_index: dict[Any, int] = {}
         self._window: dict[str, Any] = {}
         self._fresh = False
-        # counters summed over workers, kept up to date by each contribution: a
-        # contribution costs O(its own counters), not O(workers)
-        self._totals: dict[str, float] = {}
         # what a resumed run starts from, per worker index (see load_state_dict)
         self._worker_base: dict[Any, dict[str, Any]] = {}
         self._gauge_base: dict[str, float] = {}
@@ -147,14 +144,15 @@ class Aggregate:
         self._staged: dict[Any, deque[Window]] = {}
         self._cuts_due: dict[int, float] = {}
         self._released = -1  # the last cut logged: a late window's cut goes into the next row
-        self._first_heard: float | None = None  # observed rows: when the first worker was heard from
-        self._held_row = False  # observed rows: a row fell due before every worker was heard from
+        # observed rows: when the first worker was heard from; whether a row fell due before all were
+        self._first_heard: float | None = None
+        self._held_row = False
         self._missing_warned: set[Any] = set()
 
     @classmethod
     def from_spec(cls, name: str, spec: AggregateSpec | None) -> Aggregate:
         """The aggregate of the observer ``name`` whose windows say ``spec``."""
-        return cls(name, **({} if spec is None else {f.name: getattr(spec, f.name) for f in fields(spec)}))
+        return cls(name, **{f.name: getattr(spec, f.name) for f in fields(spec)} if spec else {})
 
     def state_dict(self) -> dict[str, Any]:
         """The counters summed over workers, each worker index's counters and the schedules' baselines.
@@ -294,9 +292,7 @@ class Aggregate:
         if window.cut is None or not self.spec.lockstep:
             return self._fold(window)
         # a cut is on the copy's axis; its saved state (a resumed run) went on from further
-        shift = self._state_of(window.worker, window.process, window.base).base.get(self._key, 0)
-        if shift:
-            window.cut += shift
+        window.cut += self._state_of(window.worker, window.process, window.base).base.get(self._key, 0)
         self._staged.setdefault(worker_key(window.worker), deque()).append(window)
         if window.due and window.cut > self._released:
             self._cuts_due.setdefault(window.cut, time.monotonic())
@@ -321,10 +317,9 @@ class Aggregate:
             self._released = cut
             if self.aggregate:
                 rows.append(self._aggregate_row(step=None if ended_short else cut, reporting=len(holding)))
-        if not self._held_row or not self._everyone_heard(now):
-            return rows
-        self._held_row = False  # an observed row held for a silent worker: its wait is over
-        rows.append(self._aggregate_row())
+        if self._held_row and self._everyone_heard(now):
+            self._held_row = False  # an observed row held for a silent worker: its wait is over
+            rows.append(self._aggregate_row())
         return rows
 
     def _fold_staged(self, cut: float) -> list[Row]:
@@ -354,19 +349,15 @@ class Aggregate:
             )
 
     def _state_of(self, worker: Any, process: str | None, base: Mapping[str, float] | None) -> _Worker:
-        """The worker's state, joined at its first window."""
-        who = (worker, process)
-        state = self._workers.get(who)
-        if state is None:
-            state = self._join(worker, process, base or {})
-            self._seen[who] = state
-        return state
-
-    def _join(self, worker: Any, process: str | None, base: Mapping[str, float]) -> _Worker:
-        """A worker's first contribution: where its counts go on from."""
+        """The worker's state; at its first window, where its counts go on from."""
+        state = self._workers.get((worker, process))
+        if state is not None:
+            return state
+        base = base or {}
         n = self._processes_per_index[worker] = self._processes_per_index.get(worker, 0) + 1
         label = f"worker_{worker}" if n == 1 else f"worker_{worker}_{n}"
-        state = self._workers[(worker, process)] = _Worker(ScheduleClock(self.spec.schedule), label)
+        state = _Worker(ScheduleClock(self.spec.schedule), label)
+        self._workers[(worker, process)] = self._seen[(worker, process)] = state
         saved = self._worker_base.pop(worker, None) if n == 1 else None
         if saved is not None:  # a resumed run with its saved state: this index goes on from it
             # the copy's counters hold its source's restored counts, which the saved ones hold too
@@ -410,12 +401,15 @@ class Aggregate:
         value = counters.get(key) if key else None
         return None if value is None else int(value)
 
+    def _with_base(self, gauges: Mapping[str, Any], base: Mapping[str, float]) -> dict[str, Any]:
+        """``gauges``, the cumulative ones counted on from where a resumed run started."""
+        latest = self.spec.latest
+        return {k: v + base[k] if k in base and k not in latest else v for k, v in gauges.items()}
+
     def _worker_row(self, state: _Worker) -> Row:
-        metrics = {**state.gauges, **state.window}
-        for key, value in state.base_gauges.items():
-            if key in state.gauges and key not in self.spec.latest:
-                metrics[key] = state.gauges[key] + value
-        state.window = _rolling(state.window)  # (a copy re-sends its whole rolling state: merging it again is exact)
+        metrics = {**self._with_base(state.gauges, state.base_gauges), **state.window}
+        # a copy re-sends its whole rolling state: merging it again is exact
+        state.window = _rolling(state.window)
         state.fresh = False
         state.clock.fired()
         counters = state.counters
@@ -425,10 +419,7 @@ class Aggregate:
 
     def _aggregate_row(self, step: int | None = None, reporting: int | None = None) -> Row:
         """The aggregate's row; ``step`` and ``reporting`` (workers it holds) where the cut says them."""
-        gauges = dict(self._gauges)
-        for key, value in self._gauge_base.items():
-            if key in gauges and key not in self.spec.latest:
-                gauges[key] += value
+        gauges = self._with_base(self._gauges, self._gauge_base)
         stale_before = time.monotonic() - STALE_AFTER
         stale = 0
         for state in self._seen.values():  # the one seen longest ago first

@@ -28,6 +28,7 @@ import os
 import pickle
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from torchrl.record.loggers.monitoring import Every
@@ -43,6 +44,7 @@ from rl_observers.sources.placement import process_token, source_info
 __all__ = ["Contribution"]
 
 
+@dataclass(slots=True, eq=False, repr=False)
 class Contribution:
     """The copies' side of a :class:`~rl_observers.LoggerObserver`, held by the observer.
 
@@ -51,28 +53,15 @@ class Contribution:
     after each event and sends the :meth:`window` it makes.
     """
 
-    __slots__ = (
-        "clock",
-        "cut",
-        "home_pid",
-        "last_report",
-        "last_report_counter",
-        "lockstep",
-        "pristine",
-        "worker",
-        "workers",
-    )
-
-    def __init__(self) -> None:
-        self.home_pid = os.getpid()
-        self.pristine: bytes | None = None
-        self.worker: Any = None
-        self.workers = 0  # the source's workers, where the copy runs (0: not known)
-        self.last_report = 0.0
-        self.last_report_counter = 0.0
-        self.lockstep: Lockstep | None = None
-        self.clock: ScheduleClock | None = None  # the schedule, on the driver's counter
-        self.cut: int | None = None  # the driver's counter where a row fell due, until sent
+    home_pid: int = field(default_factory=os.getpid)
+    pristine: bytes | None = None
+    worker: Any = None
+    workers: int = 0  # the source's workers, where the copy runs (0: not known)
+    last_report: float = 0.0
+    last_report_counter: float = 0.0
+    lockstep: Lockstep | None = None
+    clock: ScheduleClock | None = None  # the schedule, on the driver's counter
+    cut: int | None = None  # the driver's counter where a row fell due, until sent
 
     #: Seconds a copy waits at its source's shutdown for its last window to be acknowledged by the
     #: owner's ingest; within the source's own bound (30 s for the actors of a Ray source).
@@ -133,14 +122,11 @@ class Contribution:
             for metric_set in sets:
                 metric_set.bind(source)
             self.home_pid = os.getpid()
+        self.workers = info.num_workers or 0
+        mode = self.join_as_original(at_exit)  # as worker "main", unless this is a copy
         if moved or info.remote:
             self.worker = self.worker_of(info.worker)
-        else:
-            self.worker = "main"
-        self.workers = info.num_workers or 0
-        self.last_report = time.monotonic()
-        lifecycle.at_exit(at_exit, lifecycle.COPIES)
-        return "contribute", sets
+        return mode, sets
 
     def join_as_original(self, at_exit: Callable[[], None]) -> str:
         """The mode of the original once it has copies elsewhere: contributing, as worker ``"main"``."""
@@ -162,9 +148,7 @@ class Contribution:
                     self.cut = value
                     return True
                 return False
-        if schedule is None:
-            return True
-        if time.monotonic() - self.last_report >= report_interval:
+        if schedule is None or time.monotonic() - self.last_report >= report_interval:
             return True
         if schedule.kind == "counter":
             return counters().get(schedule.key, 0) - self.last_report_counter >= schedule.interval
@@ -204,18 +188,10 @@ class Contribution:
     ) -> Window:
         """One window of a contribution, the one place it is built.
 
-        Args:
-            name (str): the observer's name (routes the window to its aggregate).
-            metrics (dict): what the observer's metric sets pulled.
-            counters (dict[str, float]): the contributor's cumulative counters.
-            spec (AggregateSpec): the observer's; ``workers`` and ``lockstep`` are filled in here.
-
-        Keyword Args:
-            final (bool, optional): the contributor's last window. Defaults to ``False``.
-            fresh (bool, optional): something was folded since the previous window; a
-                final window without is only a marker. Defaults to ``True``.
-            base (Mapping[str, int], optional): what lining up with a restored source
-                added to the counters. Defaults to ``None``.
+        ``spec`` is the observer's (``workers`` and ``lockstep`` are filled in
+        here); ``final``: the last window, only a marker if not ``fresh``
+        (nothing folded since the previous one); ``base``: what lining up with
+        a restored source added to the cumulative ``counters``.
         """
         self.last_report = time.monotonic()
         schedule = spec.schedule
@@ -228,7 +204,7 @@ class Contribution:
         cut, due = None, False
         if lockstep is not None and not marker:
             cut, due = self.cut, self.cut is not None
-            if cut is None:  # not where a row is due: the last window, where the driver's count ends
+            if cut is None:  # the last window, where the driver's count ends
                 cut = lockstep.driver_value(self.worker, counters)
         self.cut = None
         return Window(

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from rl_observers.observer import ObserverList
-from rl_observers.signals import COLLECTOR_EVENTS
 from rl_observers.sources.collectors import ObservedCollector
 from rl_observers.sources.observed import observers_of, torchrl_class
 
@@ -43,8 +42,8 @@ class DistributedCollectorObservers(ObserverList):
     fed ``batch[w]``; resolved when the call tuples are built.
     """
 
-    def __init__(self, source: Any, emits: tuple[str, ...] = COLLECTOR_EVENTS, target_name: str = "collector") -> None:
-        super().__init__(source, emits, target_name)
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
         self._views: dict[int, tuple[Any, ...]] = {}  # id(observer) -> its views, by worker
 
     def _rebuild(self) -> None:
@@ -56,23 +55,19 @@ class DistributedCollectorObservers(ObserverList):
         for event, wrap in (("post_collect", self._fold_by_worker), ("shutdown", self._shutdown_views)):
             if event in calls:
                 calls[event] = tuple(
-                    (wrap(fn, e.observer, workers) if _wants_workers(e.observer) else fn, e)
+                    (wrap(fn, e.observer, workers) if _view_of(e.observer) else fn, e)
                     for fn, e in calls[event]
                 )
         self._calls = calls
 
-    def _views_of(self, observer: Any, source: Any, workers: int) -> tuple[Any, ...]:
-        views = self._views.get(id(observer))
-        if views is None:
-            view = _view_of(observer)
-            views = self._views[id(observer)] = tuple(view(observer, source, w) for w in range(workers))
-        return views
-
     def _fold_by_worker(self, fn: Any, observer: Any, workers: int) -> Any:
         both = observer.scope == "both"
+        view = _view_of(observer)
 
         def post_collect(source: Any, batch: Any) -> None:
-            views = self._views_of(observer, source, workers)
+            views = self._views.get(id(observer))
+            if views is None:
+                views = self._views[id(observer)] = tuple(view(observer, source, w) for w in range(workers))
             if both:
                 fn(source, batch)
             for worker, view in enumerate(views):
@@ -99,11 +94,10 @@ class DistributedCollectorObservers(ObserverList):
 
 
 def _view_of(observer: Any) -> Callable[[Any, Any, int], Any] | None:
+    """How ``observer`` gets one view per worker, if its scope asks for them (:data:`WORKER_VIEWS`)."""
+    if getattr(observer, "scope", None) not in ("per_worker", "both"):
+        return None
     return next((view for cls, view in WORKER_VIEWS.items() if isinstance(observer, cls)), None)
-
-
-def _wants_workers(observer: Any) -> bool:
-    return getattr(observer, "scope", None) in ("per_worker", "both") and _view_of(observer) is not None
 
 
 def _frames(collector: Any, batch: Any) -> int:

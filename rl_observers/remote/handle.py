@@ -9,6 +9,7 @@ when it is first used.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -186,10 +187,7 @@ class MetricsHandle:
         wing = WINGS.get(self._token)
         if wing is not None:  # in the owner's process: receivers started since (Ray) count too
             self._addresses = wing.current_addresses(self._addresses)
-        return (
-            _rebuild_handle,
-            (self._token, self._addresses, self._forced, self._owner),
-        )
+        return _rebuild_handle, (self._token, self._addresses, self._forced, self._owner)
 
     def __repr__(self) -> str:
         transport = self.transport
@@ -202,18 +200,12 @@ def _copy_identity() -> str:
     """Who sends from this process, in words: ``host/pid``, and the Ray node where there is one."""
     where = f"{socket.gethostname()}/pid {os.getpid()}"
     ray = sys.modules.get("ray")
-    try:
+    with contextlib.suppress(Exception):  # a Ray that cannot say: the host and pid name the copy
         if ray is not None and ray.is_initialized():
             where += f"/node {ray.get_runtime_context().get_node_id()[:12]}"
-    except Exception:  # a Ray that cannot say: the host and pid name the copy
-        pass
     return where
 
 
-def _rebuild_handle(
-    token: str,
-    addresses: Mapping[str, Any],
-    transport: str | None = None,
-    owner: str | None = None,
-) -> MetricsHandle:
-    return MetricsHandle(token, addresses, channel=OWNERS.get(token), transport=transport, owner=owner)
+def _rebuild_handle(token: str, addresses: Mapping[str, Any], transport: Any, owner: Any) -> MetricsHandle:
+    channel = OWNERS.get(token)
+    return MetricsHandle(token, addresses, channel=channel, transport=transport, owner=owner)

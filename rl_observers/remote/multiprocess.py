@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,7 +27,6 @@ from rl_observers.remote.shipping import (
     detach_here,
 )
 from rl_observers.signals import COLLECTOR_EVENTS
-from rl_observers.sources.collectors import WORKER_DELIVERIES
 from rl_observers.sources.observed import torchrl_class
 from rl_observers.sources.placement import IdentityMap
 
@@ -44,9 +41,9 @@ DRIVER = "multiprocess_driver"
 _EXIT_TIMEOUT = 10.0
 # The least seconds each of them gets, even past that deadline.
 _EXIT_MIN_WAIT = 1.0
-# Observed collectors of this process, by id (weakly): those still running are shut down at exit.
-_OBSERVED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-_OBSERVED_LOCK = threading.Lock()
+# Observed collectors of this process (weakly), with whether they still have observers: those
+# still running are shut down at exit.
+_OBSERVED = IdentityMap()
 # The process that observed them (a fork inherits the exit hook, not the workers).
 _EXIT_PID: int | None = None
 # The dead workers already reported, per collector: a dead worker is reported once.
@@ -62,19 +59,11 @@ def _worker_death(collector: Any, idx: int) -> str | None:
     procs = getattr(collector, "procs", None) or ()
     if idx >= len(procs):
         return None
-    proc = procs[idx]
     try:
-        if proc.is_alive():
-            return None
-        return f"exit code {proc.exitcode}"
+        code = procs[idx].exitcode
     except ValueError:  # torchrl closes the process objects of workers it terminated
         return "closed"
-
-
-def _dead_workers(collector: Any) -> dict[int, str]:
-    """The dead workers of ``collector``, by index, with how they died."""
-    dead = {idx: _worker_death(collector, idx) for idx in range(len(collector.pipes))}
-    return {idx: death for idx, death in dead.items() if death is not None}
+    return None if code is None else f"exit code {code}"
 
 
 def _receive(collector: Any, idx: int) -> Any:
@@ -159,6 +148,7 @@ class MultiprocessCollectorKind(RemoteKind):
     target_name = "collector"
     emits = COLLECTOR_EVENTS
     where = "in its worker processes"
+    stopped = "that is shut down: its worker processes are gone"
     context = DRIVER
     # An observer raising in a worker kills it: torchrl then reports only "worker <i> failed".
     raise_reaches_caller = False
@@ -167,11 +157,7 @@ class MultiprocessCollectorKind(RemoteKind):
         return hasattr(target, "pipes") and not getattr(target, "closed", True)
 
     def check(self, target: Any, action: str) -> None:
-        if not self.is_running(target):
-            raise RuntimeError(
-                f"cannot {action} a {type(target).__name__} that is shut down: "
-                "its worker processes are gone."
-            )
+        super().check(target, action)
         if getattr(target, "running", False) and not getattr(target, "_running_free", False):
             raise RuntimeError(
                 f"cannot {action} a {type(target).__name__} while it is being iterated: its "
@@ -182,14 +168,14 @@ class MultiprocessCollectorKind(RemoteKind):
 
     def attach_remote(self, target: Any, payload: bytes, on_error: str, token: int) -> None:
         n = target.num_workers
-        dead = _dead_workers(target)
+        dead = {i: d for i in range(n) if (d := _worker_death(target, i)) is not None}
         if dead:  # nothing is sent: an observer is attached to every worker or to none
             raise RuntimeError(
                 f"cannot attach an observer to a {type(target).__name__}: {_describe_dead(dead)}; "
                 "nothing was attached."
             )
-        taken_when_asked_again = isinstance(target, MultiAsyncCollector)
-        calls = {idx: (_attach_in_worker, payload, on_error, token, idx, n, taken_when_asked_again) for idx in range(n)}
+        taken = isinstance(target, MultiAsyncCollector)  # when the driver asks again
+        calls = {i: (attach_here, payload, on_error, token, i, n, None, taken) for i in range(n)}
         answers, dead = call_workers(target, calls)
         attached = [idx for idx, result in answers.items() if not isinstance(result, BaseException)]
         if len(attached) == n:
@@ -215,14 +201,16 @@ class MultiprocessCollectorKind(RemoteKind):
         raise_first_error(target, answers, "detaching an observer from")
 
     def first_added(self, target: Any) -> None:
+        """Has ``target`` shut down at interpreter exit, before multiprocessing's hook and the channels."""
+        global _EXIT_PID
         super().first_added(target)
-        _shut_down_at_exit(target)
+        _OBSERVED.set(target, True)
+        _EXIT_PID = os.getpid()
+        lifecycle.at_exit(_shut_down_observed_at_exit, lifecycle.SOURCES)
 
     def last_removed(self, target: Any) -> None:
         super().last_removed(target)
-        with _OBSERVED_LOCK:
-            if _OBSERVED.get(id(target)) is target:
-                del _OBSERVED[id(target)]
+        _OBSERVED.set(target, False)
 
 
 MULTIPROCESS_COLLECTOR = MultiprocessCollectorKind()
@@ -240,26 +228,6 @@ class _DriverObservedMultiCollector:
             MULTIPROCESS_COLLECTOR.shut_down(self)
 
 
-def _shut_down_at_exit(collector: Any) -> None:
-    """Has ``collector`` shut down at interpreter exit, before multiprocessing's hook and the channels."""
-    global _EXIT_PID
-    with _OBSERVED_LOCK:
-        _OBSERVED[id(collector)] = collector
-        _EXIT_PID = os.getpid()
-    lifecycle.at_exit(_shut_down_observed_at_exit, lifecycle.SOURCES)
-
-
-def _worker_exit_codes(collector: Any) -> dict[int, Any]:
-    """Each worker's exit code (``None`` while alive, ``"closed"`` when torchrl closed it)."""
-    codes: dict[int, Any] = {}
-    for idx, proc in enumerate(getattr(collector, "procs", None) or ()):
-        try:
-            codes[idx] = proc.exitcode
-        except ValueError:
-            codes[idx] = "closed"
-    return codes
-
-
 def _shut_down_observed_at_exit() -> None:
     """Shuts down the observed collectors still running, so that their workers report.
 
@@ -268,10 +236,8 @@ def _shut_down_observed_at_exit() -> None:
     if _EXIT_PID != os.getpid():
         return
     deadline = time.monotonic() + _EXIT_TIMEOUT
-    with _OBSERVED_LOCK:
-        collectors = list(_OBSERVED.values())
-    for collector in collectors:
-        if not MULTIPROCESS_COLLECTOR.is_running(collector):
+    for collector, observed in _OBSERVED.items():
+        if not observed or not MULTIPROCESS_COLLECTOR.is_running(collector):
             continue
         timeout = max(_EXIT_MIN_WAIT, deadline - time.monotonic())
         error = None
@@ -279,27 +245,17 @@ def _shut_down_observed_at_exit() -> None:
             collector.shutdown(timeout=timeout, raise_on_error=False)
         except Exception as raised:  # the process is going away; report, never fail its exit
             error = raised
-        lost = {idx: code for idx, code in _worker_exit_codes(collector).items() if code != 0}
+        workers = range(len(getattr(collector, "procs", None) or ()))
+        states = (_worker_death(collector, i) or "still running" for i in workers)
+        lost = [f"worker {i} ({state})" for i, state in enumerate(states) if state != "exit code 0"]
         if lost or error is not None:
-            workers = ", ".join(
-                f"worker {idx} ({'still running' if code is None else f'exit code {code}'})"
-                for idx, code in sorted(lost.items())
-            )
-            why = f"{type(error).__name__}: {error}" if error is not None else workers
+            why = f"{type(error).__name__}: {error}" if error is not None else ", ".join(lost)
             torchrl_logger.warning(
                 f"rl_observers: a {type(collector).__name__} was still running at interpreter "
                 f"exit; shutting it down so that its workers report their last windows failed "
                 f"({why}): what their observers folded since their last report is lost. Call "
                 "collector.shutdown() before the program ends."
             )
-
-
-def _attach_in_worker(
-    source: Any, payload: bytes, on_error: str, token: int, worker: int, num_workers: int, taken_when_asked_again: bool
-) -> None:
-    """Attaches a copy in a worker, telling the worker how its driver takes rollouts."""
-    WORKER_DELIVERIES.taken_when_asked_again = taken_when_asked_again
-    attach_here(source, payload, on_error, token, worker, num_workers)
 
 
 def _call_in_collector(self: BaseCollector, fn: Any, *args: Any) -> Any:

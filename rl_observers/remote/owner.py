@@ -13,7 +13,6 @@ import os
 import socket
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,6 +25,7 @@ from rl_observers.remote.handle import OWNERS, WINGS, MetricsHandle
 from rl_observers.remote.transport import Receiver, make_sender, transports
 from rl_observers.remote.transport import transport as find_transport
 from rl_observers.remote.window import Window
+from rl_observers.sources.placement import IdentityMap
 
 __all__ = ["LAST_WINDOWS_WAIT", "Forwarder", "RemoteWing"]
 
@@ -42,8 +42,9 @@ class RemoteWing(Wing):
     def __init__(self, owner: Owner, channel: Any) -> None:
         self.owner = owner
         self.queue = owner.queue
-        # producers whose copies elsewhere (workers, actors) still feed this channel, by id
-        self._feeders: dict[int, tuple[weakref.ref[Any], str]] = {}
+        # producers (weakly) whose copies elsewhere (workers, actors) still feed this channel: their
+        # description, None once their copies are gone
+        self._feeders = IdentityMap()
         self._lock = threading.Lock()
         self._receivers: dict[str, Receiver] = {}
         self._addresses: dict[str, Any] = {}
@@ -73,7 +74,7 @@ class RemoteWing(Wing):
                 )
         except Exception:
             valid = False
-        if not valid:  # an unreadable payload is lost with what it held, its counts kept if readable
+        if not valid:  # lost with what it held, its counts kept if readable
             if counted and held > 0:
                 self.queue.count_lost(lost + held, coalesced + 1 - held)
             else:
@@ -132,11 +133,7 @@ class RemoteWing(Wing):
     def barrier(self, deadline: float | None) -> None:
         """Brings in everything sent before the call, through every hop a receiver has."""
         for receiver in list(self._receivers.values()):
-            through = getattr(receiver, "barrier", None)
-            if through is not None:
-                through(deadline)
-            else:
-                receiver.poll(deadline)
+            (getattr(receiver, "barrier", None) or receiver.poll)(deadline)
 
     def flush(self, deadline: float | None) -> bool:
         self.barrier(deadline)
@@ -157,13 +154,7 @@ class RemoteWing(Wing):
 
         Until :meth:`copies_gone`, closing the channel warns and returns ``False``.
         """
-        key = id(feeder)
-
-        def forget(_: Any, key: int = key) -> None:
-            self._feeders.pop(key, None)
-
-        with self._lock:
-            self._feeders[key] = (weakref.ref(feeder, forget), description)
+        self._feeders.set(feeder, description)
         name = getattr(feeder, "name", None)
         if isinstance(name, str):  # the name its copies' windows carry (``Window.observer``)
             self.account.describe(name, description)
@@ -180,10 +171,7 @@ class RemoteWing(Wing):
         Their account is settled now if every last window is in, else once
         they arrive or ``LAST_WINDOWS_WAIT`` seconds passed (:meth:`settle_gone`).
         """
-        with self._lock:
-            entry = self._feeders.get(id(feeder))
-            if entry is not None and entry[0]() is feeder:
-                del self._feeders[id(feeder)]
+        self._feeders.set(feeder, None)
         name = getattr(feeder, "name", None)
         if not isinstance(name, str) or self.owner.close_requested:
             return
@@ -202,20 +190,16 @@ class RemoteWing(Wing):
         passes, or ``deadline`` (``0``: no wait).
         """
         while True:
+            now = time.monotonic()
             with self._lock:
                 unsettled = dict(self._unsettled)
-            if not unsettled:
-                return True
-            now = time.monotonic()
             for name, (until, members) in unsettled.items():
                 if now >= until or not self.account.waiting(name, members):
                     with self._lock:
                         if self._unsettled.get(name, (None, None))[1] is members:
                             del self._unsettled[name]
                     self.account.settle(name, members)
-            with self._lock:
-                left = [until for until, _ in self._unsettled.values()]
-            if not left:
+            if not self._unsettled:
                 return True
             if deadline is not None and now >= deadline:
                 return False
@@ -227,13 +211,11 @@ class RemoteWing(Wing):
         # under running copies is noticed here (they count as lost, not as still attached).
         self.poll(time.monotonic() + 1.0)
         # copies still feeding this channel are forgotten, not counted lost, with a warning
-        with self._lock:
-            feeders = [(ref(), description) for ref, description in self._feeders.values()]
-            self._feeders = {}
-        live = [description for feeder, description in feeders if feeder is not None]
-        for feeder, _ in feeders:
+        feeders, self._feeders = self._feeders.items(), IdentityMap()
+        live = [description for _, description in feeders if description is not None]
+        for feeder, description in feeders:
             name = getattr(feeder, "name", None)
-            if isinstance(name, str):
+            if description is not None and isinstance(name, str):
                 self.account.forget(name)
         if not live:
             return False
@@ -279,10 +261,7 @@ class Forwarder:
         self.logger = owner.logger
         self.name = owner.name
         self.capacity = owner.capacity
-        self.on_error = owner.on_error
-        self.background = owner.background
         self.closed = owner.closed
-        self.queue = None
         self._addresses = {} if owner.closed else dict(addresses)
         self._sender = make_sender(self._addresses, owner=f"MetricsChannel {owner.name!r} (pid {owner.pid})")
         self._dropped_after_close = 0

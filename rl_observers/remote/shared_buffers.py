@@ -16,6 +16,7 @@ import gc
 import multiprocessing
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import cloudpickle
@@ -28,7 +29,7 @@ from rl_observers.remote.multiprocess import (
     raise_first_error,
     warn_dead_once,
 )
-from rl_observers.remote.shipping import portable_error, ship
+from rl_observers.remote.shipping import call_hook, portable_error, ship
 from rl_observers.sources.observed import observers_of
 from rl_observers.sources.replay_buffers import SHARED_COPIES_RUN, ReplayBufferObservers
 
@@ -72,18 +73,11 @@ def track_shared_buffer_writers() -> None:
                     _WRITERS[:] = [ref for ref in _WRITERS if ref() is not None]
                     _WRITERS.append(weakref.ref(self))
             for entry in observers.entries if observers is not None else ():
-                _prepare_copies(entry.observer, buffer)  # before any worker starts with a copy
+                call_hook(entry.observer, "prepare_copies", buffer)  # before any worker has a copy
             return original(self, *args, **kwargs)
 
         _run_processes._rl_observers_tracked = True  # type: ignore[attr-defined]
         MultiCollector._run_processes = _run_processes  # type: ignore[method-assign]
-
-
-def _prepare_copies(observer: Any, buffer: Any) -> None:
-    """Runs ``observer.prepare_copies`` on the driver before its copies in workers writing into ``buffer`` start."""
-    prepare = getattr(observer, "prepare_copies", None)
-    if callable(prepare):
-        prepare(buffer)
 
 
 def _collectors_writing_into(buffer: Any) -> list[Any]:
@@ -124,19 +118,25 @@ def _referring_collectors(buffer: Any) -> list[Any]:
     return owners
 
 
-def _attach_to_worker_buffer(collector: Any, payload: bytes, on_error: str) -> None:
+@contextlib.contextmanager
+def _applying(action: str) -> Iterator[None]:
+    """A mirrored change, applied in a worker: not mirrored again; its error goes back as text."""
+    _LOCAL.applying = True
     try:
-        _LOCAL.applying = True
-        try:
-            collector.replay_buffer.add_observer(cloudpickle.loads(payload), on_error=on_error)
-        finally:
-            _LOCAL.applying = False
+        yield
     except Exception as error:
-        raise portable_error(error, "attaching an observer to a worker's replay buffer") from None
+        raise portable_error(error, f"{action} a worker's replay buffer") from None
+    finally:
+        _LOCAL.applying = False
+
+
+def _attach_to_worker_buffer(collector: Any, payload: bytes, on_error: str) -> None:
+    with _applying("attaching an observer to"):
+        collector.replay_buffer.add_observer(cloudpickle.loads(payload), on_error=on_error)
 
 
 def _detach_from_worker_buffer(collector: Any, position: int, type_name: str) -> None:
-    try:
+    with _applying("detaching an observer from"):
         observers = collector.replay_buffer.observers
         found = observers[position] if position < len(observers) else None
         # One left behind when the worker started (it could not be unpickled there) keeps its place.
@@ -145,13 +145,7 @@ def _detach_from_worker_buffer(collector: Any, position: int, type_name: str) ->
                 f"the worker's copy of the replay buffer has observers {observers!r}, "
                 f"expected a {type_name} at position {position}"
             )
-        _LOCAL.applying = True
-        try:
-            collector.replay_buffer.remove_observer(observers[position])
-        finally:
-            _LOCAL.applying = False
-    except Exception as error:
-        raise portable_error(error, "detaching an observer from a worker's replay buffer") from None
+        collector.replay_buffer.remove_observer(observers[position])
 
 
 def propagate_to_shared_copies(buffer: Any, action: str, observer: Any, on_error: str, position: int) -> None:
@@ -171,7 +165,7 @@ def propagate_to_shared_copies(buffer: Any, action: str, observer: Any, on_error
     if not collectors:
         return
     if action == "add":
-        _prepare_copies(observer, buffer)
+        call_hook(observer, "prepare_copies", buffer)
         payload = ship(observer, buffer, "in every process that writes into it")
         call: tuple[Any, ...] = (_attach_to_worker_buffer, payload, on_error)
     else:

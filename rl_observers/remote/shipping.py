@@ -30,12 +30,14 @@ from torchrl._utils import logger as torchrl_logger
 
 from rl_observers.observer import dumps, refused_raise, resolve_observer
 from rl_observers.sources import observed
+from rl_observers.sources.collectors import WORKER_DELIVERIES
 from rl_observers.sources.placement import IdentityMap, place
 
 __all__ = [
     "RemoteAttachError",
     "RemoteKind",
     "attach_here",
+    "call_hook",
     "detach_here",
     "kind_of",
     "portable_error",
@@ -72,6 +74,14 @@ _REMOTE = IdentityMap()
 _TOKENS = itertools.count()
 
 
+def call_hook(observer: Any, hook: str, *args: Any) -> bool:
+    """Calls ``observer.<hook>(*args)`` if it has one (``prepare_copies``, ...); whether it did."""
+    fn = getattr(observer, hook, None)
+    if callable(fn):
+        fn(*args)
+    return callable(fn)
+
+
 def ship(observer: Any, target: Any, where: str) -> bytes:
     """Pickles ``observer`` with cloudpickle on the driver; a ``TypeError`` if it cannot travel."""
     try:
@@ -100,6 +110,8 @@ class RemoteKind:
     where = "in other processes"
     #: Whether an observer raising where it runs reaches the caller (else ``on_error="raise"`` is refused).
     raise_reaches_caller = True
+    #: What a source whose copies are gone is, for the error refusing to attach or remove.
+    stopped = "that is shut down"
 
     def add(self, target: Any, observer: Any, on_error: str | None) -> None:
         state = _REMOTE.setdefault(target, _RemoteObservers)
@@ -112,37 +124,30 @@ class RemoteKind:
             entry = resolve_observer(observer, self.emits, self.target_name, on_error)
             if entry.on_error == "raise" and not self.raise_reaches_caller:
                 raise ValueError(refused_raise(observer, type(target).__name__, self.where))
-            prepare = getattr(observer, "prepare_copies", None)
-            if callable(prepare):
-                prepare(target)
+            prepared = call_hook(observer, "prepare_copies", target)
             attached = _Attached(observer, entry.on_error, next(_TOKENS))
             try:
                 payload = ship(observer, target, self.where)
                 self.check(target, "attach an observer to")
                 self.attach_remote(target, payload, attached.on_error, attached.token)
             except BaseException:
-                removed = getattr(observer, "copies_removed", None)
-                if callable(prepare) and callable(removed):
-                    removed(target)  # undoes prepare_copies (e.g. frees the logger namespace)
+                if prepared:  # undoes prepare_copies (e.g. frees the logger namespace)
+                    call_hook(observer, "copies_removed", target)
                 raise
             state.entries = (*state.entries, attached)
             if len(state.entries) == 1:
                 self.first_added(target)
-            placed = getattr(observer, "copies_placed", None)
-            if callable(placed):  # the workers whose copies the observer's owner should hear from
-                placed(target, self.copy_workers(target))
+            # the workers whose copies the observer's owner should hear from
+            call_hook(observer, "copies_placed", target, self.copy_workers(target))
 
     def remove(self, target: Any, observer: Any) -> None:
         state = _REMOTE.get(target)
-        found = None if state is None else next(
-            (a for a in state.entries if a.observer is observer), None
-        )
+        found = next((a for a in state.entries if a.observer is observer), None) if state else None
         if found is None:
             raise ValueError(f"{observer!r} is not attached to this {type(target).__name__}.")
         error = None
         with state.lock:
-            running = self.is_running(target)
-            if running:
+            if self.is_running(target):
                 self.check(target, "remove an observer from")  # raises before anything is sent
                 try:
                     self.detach_remote(target, found.token)
@@ -154,9 +159,8 @@ class RemoteKind:
             if not state.entries:
                 self.last_removed(target)
             told = state.shut_down
-        removed = getattr(observer, "copies_removed", None)
-        if callable(removed) and not told:  # once per observer: it was told at shutdown
-            removed(target)
+        if not told:  # once per observer: it was told at shutdown
+            call_hook(observer, "copies_removed", target)
         if error is not None:
             raise error
 
@@ -174,11 +178,8 @@ class RemoteKind:
             state.shut_down = True
             entries = state.entries
         for attached in entries:
-            removed = getattr(attached.observer, "copies_removed", None)
-            if not callable(removed):
-                continue
             try:
-                removed(target)
+                call_hook(attached.observer, "copies_removed", target)
             except Exception as error:  # the source is shut down already; report, go on
                 torchrl_logger.warning(
                     f"rl_observers: {attached.observer!r} raised in copies_removed after its "
@@ -207,6 +208,8 @@ class RemoteKind:
 
     def check(self, target: Any, action: str) -> None:
         """Raises if observers cannot be attached or removed now."""
+        if not self.is_running(target):
+            raise RuntimeError(f"cannot {action} a {type(target).__name__} {self.stopped}.")
 
     def attach_remote(self, target: Any, payload: bytes, on_error: str, token: int) -> None:
         raise NotImplementedError
@@ -250,13 +253,17 @@ def attach_here(
     worker: int | None = None,
     num_workers: int | None = None,
     context: str | None = None,
+    taken_when_asked_again: bool | None = None,
 ) -> None:
     """Attaches the observer copy in ``payload`` to ``source``, in the worker or actor where it runs.
 
     ``context`` selects the observed classes (``None``: the in-process ones;
-    ``"ray_actor"``: a replay buffer inside a Ray actor).
+    ``"ray_actor"``: a replay buffer inside a Ray actor). In a collector's
+    worker, ``taken_when_asked_again`` says how its driver takes rollouts.
     """
     observer = None
+    if taken_when_asked_again is not None:
+        WORKER_DELIVERIES.taken_when_asked_again = taken_when_asked_again
     try:
         observer = cloudpickle.loads(payload)
         place(source, worker, num_workers)
@@ -264,8 +271,7 @@ def attach_here(
             source.add_observer(observer, on_error=on_error)
         else:
             observed.attach(source, observer, on_error, context)
-        copies = _COPIES.setdefault(source, dict)
-        copies[token] = observer
+        _COPIES.setdefault(source, dict)[token] = observer
     except Exception as error:
         # ``attached`` raises after the observer was added: leave no copy behind.
         if observer is not None and any(o is observer for o in source.observers):
@@ -277,8 +283,7 @@ def attach_here(
 def detach_here(source: Any, token: int) -> None:
     """Detaches the observer copy of ``token`` from ``source``, where it runs."""
     try:
-        copies = _COPIES.get(source) or {}
-        observer = copies.pop(token, None)
+        observer = (_COPIES.get(source) or {}).pop(token, None)
         if observer is not None:
             source.remove_observer(observer)
     except Exception as error:

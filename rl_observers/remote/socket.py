@@ -90,8 +90,8 @@ class SocketWire:
     """
 
     name = "socket"
-    # this process's socket: (pid, socket, largest datagram it sends, its send buffer)
-    _sockets: tuple[int, socket.socket, int, int] | None = None
+    # this process's socket, the largest datagram it sends, its send buffer (forgotten by a fork)
+    _sockets: tuple[socket.socket, int, int] | None = None
 
     def __init__(self, path: str | None) -> None:
         self.path = path
@@ -100,9 +100,7 @@ class SocketWire:
     @classmethod
     def _socket(cls) -> tuple[socket.socket, int, int]:
         """This process's socket, the largest datagram it sends and its send buffer."""
-        pid = os.getpid()
-        entry = cls._sockets
-        if entry is None or entry[0] != pid:
+        if cls._sockets is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             sock.setblocking(False)
             # the send buffer bounds one datagram: ask for room for the largest, and
@@ -114,8 +112,8 @@ class SocketWire:
             except OSError:
                 sndbuf = MAX_DATAGRAM
             limit = max(0, min(MAX_DATAGRAM, sndbuf - _SNDBUF_OVERHEAD))
-            cls._sockets = entry = (pid, sock, limit, sndbuf)
-        return entry[1], entry[2], entry[3]
+            cls._sockets = (sock, limit, sndbuf)
+        return cls._sockets
 
     @classmethod
     def max_payload(cls) -> int:
@@ -135,15 +133,14 @@ class SocketWire:
                 return RETRY
             if err.errno != errno.EMSGSIZE:
                 return GONE  # the owner is gone (ENOENT, ECONNREFUSED) or worse
-        if limit < MAX_DATAGRAM:
+        if not self._warned:
+            self._warned = True
             why = (
                 f"this process's socket send buffer is {sndbuf} bytes, as much as the kernel "
                 "grants (on Linux, raise net.core.wmem_max for more)"
+                if limit < MAX_DATAGRAM
+                else "the most the channel's socket reads at once"
             )
-        else:
-            why = "the most the channel's socket reads at once"
-        if not self._warned:
-            self._warned = True
             torchrl_logger.warning(
                 f"MetricsHandle dropped a payload: {len(data)} bytes pickled, more than the "
                 f"{limit} bytes one datagram carries here ({why}). It is counted in the owner's "
@@ -196,19 +193,19 @@ class SocketReceiver:
                 os.rmdir(directory)
                 directory = tempfile.mkdtemp(prefix="rlo-", dir="/tmp")
                 path = os.path.join(directory, "channel.sock")
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            receiver._dir, receiver.path = directory, path
+            receiver._sock = sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             try:
                 sock.bind(path)
                 sock.setblocking(False)
-                with contextlib.suppress(OSError):  # Linux ignores it for Unix datagrams; others count them
+                # Linux ignores it for Unix datagrams; others count them
+                with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * MAX_DATAGRAM)
                 receiver._wake_r, receiver._wake_w = socket.socketpair()
                 receiver._wake_w.setblocking(False)
             except OSError:
-                sock.close()
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-                os.rmdir(directory)
+                receiver._close_sockets()
+                receiver._unlink()
                 raise
         except OSError as err:  # no temporary directory, no socket, no room: handles elsewhere drop
             torchrl_logger.warning(
@@ -216,7 +213,6 @@ class SocketReceiver:
                 "handles used in other processes will drop their metrics."
             )
             return None
-        receiver._sock, receiver._dir, receiver.path = sock, directory, path
         return receiver
 
     def address(self) -> SocketAddress | None:
@@ -338,11 +334,7 @@ class SocketReceiver:
         self._close_sockets()
 
 
-def _forget_socket_after_fork() -> None:
-    SocketWire._sockets = None
-
-
-lifecycle.after_fork_in_child(_forget_socket_after_fork)
+lifecycle.after_fork_in_child(lambda: setattr(SocketWire, "_sockets", None))
 
 register_transport(
     "socket",

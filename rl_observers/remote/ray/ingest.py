@@ -6,6 +6,7 @@ bounded fire-and-forget :class:`_Forwarder` that senders push through.
 
 from __future__ import annotations
 
+import functools
 import pickle
 import sys
 import threading
@@ -75,11 +76,7 @@ def _ray() -> Any:
 
 
 def _is_address(address: Any) -> bool:
-    return (
-        isinstance(address, tuple)
-        and len(address) == 4
-        and all(isinstance(a, str) for a in address)
-    )
+    return isinstance(address, tuple) and len(address) == 4 and all(isinstance(a, str) for a in address)
 
 
 def _cost(batch: list[Message]) -> tuple[int, int, int, int, int]:
@@ -254,17 +251,7 @@ class _Forwarder:
         return True
 
 
-def _pinned(node_id: str) -> Any:
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
-
-
-_ACTOR_CLASSES: dict[str, Any] = {}
-
-
-def _actor_class(cls: type, **options: Any) -> Any:
-    remote = _ACTOR_CLASSES.get(cls.__name__)
-    if remote is None:
-        remote = _ACTOR_CLASSES[cls.__name__] = _ray().remote(**options)(cls)
-    return remote
+@functools.cache
+def ingest_class() -> Any:
+    """:class:`_Ingest` as a Ray actor class, made once."""
+    return _ray().remote(num_cpus=0, max_concurrency=8)(_Ingest)

@@ -29,12 +29,12 @@ from rl_observers.remote.shipping import (
     RemoteAttachError,
     RemoteKind,
     attach_here,
+    call_hook,
     detach_here,
     kind_of,
     ship,
 )
 from rl_observers.signals import COLLECTOR_EVENTS, REPLAY_BUFFER_EVENTS
-from rl_observers.sources.collectors import WORKER_DELIVERIES
 from rl_observers.sources.observed import (
     how_observed,
     observers_of,
@@ -78,11 +78,49 @@ _SOURCES = IdentityMap()
 
 
 class _RayKind(RemoteKind):
-    """A Ray source: its copies live in Ray actors, and go with Ray."""
+    """A Ray source: its copies live in Ray actors, and go with Ray.
+
+    Subclasses give ``actors(target)``, those holding the copies, and
+    ``placed(target, index, actors)``: what ``attach_here`` gets after the
+    payload in the actor ``index`` of ``actors``.
+    """
+
+    context = DRIVER
 
     def first_added(self, target: Any) -> None:
         _SOURCES.set(target, self)
         super().first_added(target)
+
+    def attach_remote(self, target: Any, payload: bytes, on_error: str, token: int) -> None:
+        try:
+            self._attach_from(target, 0, [(payload, on_error, token)], "attaching an observer to")
+        except Exception:
+            # Undo the actors that attached it; those that failed have no copy.
+            with contextlib.suppress(Exception):
+                refs = [a.__ray_call__.remote(detach_here, token) for a in self.actors(target)]
+                _gather(refs, "undoing", target)
+            raise
+
+    def _attach_from(self, target: Any, first: int, payloads: list[tuple], action: str) -> None:
+        """Attaches each ``(payload, on_error, token)`` in the actors from index ``first`` on, in order."""
+        actors = self.actors(target)
+        refs = [
+            actor.__ray_call__.remote(_attach_in_actor, *entry, *self.placed(target, i, len(actors)))
+            for entry in payloads
+            for i, actor in enumerate(actors[first:], first)
+        ]
+        _gather(refs, action, target)
+
+    def detach_remote(self, target: Any, token: int) -> None:
+        import ray
+
+        refs = [a.__ray_call__.remote(_detach_and_drain, token) for a in self.actors(target)]
+        try:
+            _gather(refs, "detaching an observer from", target)
+        finally:
+            for ref in refs:
+                with contextlib.suppress(Exception):  # a failed call is raised by _gather
+                    _write_files(ray.get(ref))
 
 
 def _copies_gone_with_ray() -> None:
@@ -100,42 +138,18 @@ class RayCollectorKind(_RayKind):
     target_name = "collector"
     emits = COLLECTOR_EVENTS
     where = "in its remote collector actors"
-    context = DRIVER
+    stopped = "without remote collectors (is it shut down?)"
     # An observer raising in a collector actor kills the actor: the driver gets ActorDiedError.
     raise_reaches_caller = False
 
     def is_running(self, target: Any) -> bool:
         return bool(getattr(target, "_remote_collectors", None))
 
-    def check(self, target: Any, action: str) -> None:
-        if not self.is_running(target):
-            raise RuntimeError(
-                f"cannot {action} a {type(target).__name__} without remote collectors "
-                "(is it shut down?)."
-            )
+    def actors(self, target: Any) -> list[Any]:
+        return list(target.remote_collectors)
 
-    def attach_remote(self, target: Any, payload: bytes, on_error: str, token: int) -> None:
-        try:
-            self._attach_from(target, 0, [(payload, on_error, token)], "attaching an observer to")
-        except Exception:
-            # Undo the actors that attached it; those that failed have no copy.
-            with contextlib.suppress(Exception):
-                refs = [a.__ray_call__.remote(detach_here, token) for a in target.remote_collectors]
-                _gather(refs, "undoing", target)
-            raise
-
-    def _attach_from(self, target: Any, first: int, payloads: list[tuple[bytes, str, int]], action: str) -> None:
-        """Attaches each ``(payload, on_error, token)`` in the actors from index ``first`` on, in order."""
-        actors = list(target.remote_collectors)
-        taken_when_asked_again = not target._sync
-        refs = [
-            actor.__ray_call__.remote(
-                _attach_in_collector_actor, taken_when_asked_again, payload, on_error, token, first + i, len(actors)
-            )
-            for payload, on_error, token in payloads
-            for i, actor in enumerate(actors[first:])
-        ]
-        _gather(refs, action, target)
+    def placed(self, target: Any, index: int, actors: int) -> tuple[Any, ...]:
+        return index, actors, None, not target._sync  # async: taken when the driver asks again
 
     def copy_workers(self, target: Any) -> tuple[int | None, ...]:
         return tuple(range(len(target.remote_collectors)))
@@ -161,17 +175,7 @@ class RayCollectorKind(_RayKind):
                 f"{error} The {len(new)} collectors being added were stopped and not added."
             ) from None
         for observer, _, _ in entries:
-            placed = getattr(observer, "copies_placed", None)
-            if callable(placed):
-                placed(target, tuple(range(first, len(actors))))
-
-    def detach_remote(self, target: Any, token: int) -> None:
-        actors = list(target.remote_collectors)
-        refs = [a.__ray_call__.remote(_detach_and_drain, token) for a in actors]
-        try:
-            _gather(refs, "detaching an observer from", target)
-        finally:
-            _write_files([_get_or_none(ref) for ref in refs])
+            call_hook(observer, "copies_placed", target, tuple(range(first, len(actors))))
 
 
 class RayReplayBufferKind(_RayKind):
@@ -180,33 +184,27 @@ class RayReplayBufferKind(_RayKind):
     target_name = "replay buffer"
     emits = REPLAY_BUFFER_EVENTS
     where = "inside its Ray actor"
-    context = DRIVER
+    stopped = "that is closed"
 
     def is_running(self, target: Any) -> bool:
         return hasattr(target, "_rb")
 
+    def actors(self, target: Any) -> list[Any]:
+        return [target._rb]
+
+    def placed(self, target: Any, index: int, actors: int) -> tuple[Any, ...]:
+        return None, None, ACTOR  # no worker: the observed classes of a buffer in an actor
+
     def check(self, target: Any, action: str) -> None:
-        if not self.is_running(target):
-            raise RuntimeError(f"cannot {action} a {type(target).__name__} that is closed.")
+        super().check(target, action)
         if target.transport_kind != "ray":
             raise NotImplementedError(
                 f"cannot {action} a {type(target).__name__} with "
                 f"transport={target.transport_kind!r}: only the 'ray' transport is observed."
             )
 
-    def attach_remote(self, target: Any, payload: bytes, on_error: str, token: int) -> None:
-        ref = target._rb.__ray_call__.remote(_attach_in_actor, payload, on_error, token, None, None, ACTOR)
-        _gather([ref], "attaching an observer to", target)
-
     def copy_workers(self, target: Any) -> tuple[int | None, ...]:
         return (None,)
-
-    def detach_remote(self, target: Any, token: int) -> None:
-        ref = target._rb.__ray_call__.remote(_detach_and_drain, token)
-        try:
-            _gather([ref], "detaching an observer from", target)
-        finally:
-            _write_files([_get_or_none(ref)])
 
 
 RAY_COLLECTOR = RayCollectorKind()
@@ -220,7 +218,8 @@ RAY_REPLAY_BUFFER = RayReplayBufferKind()
 # observers the driver attached through this module, which drains them (see the module docstring).
 _OUTBOX: list[tuple[str, bytes]] = []
 _OUTBOX_LOCK = threading.Lock()
-_DRAINED: list[int | None] = [None]  # the id of this process once the driver attached observers here
+# The id of this process once the driver attached observers here.
+_DRAINED: list[int | None] = [None]
 
 
 def send_file_to_driver(path: str | Path) -> bool:
@@ -264,12 +263,6 @@ def _attach_in_actor(source: Any, *args: Any) -> None:
     attach_here(source, *args)
 
 
-def _attach_in_collector_actor(source: Any, taken_when_asked_again: bool, *args: Any) -> None:
-    """``_attach_in_actor`` in a remote collector, telling it how its driver takes rollouts."""
-    WORKER_DELIVERIES.taken_when_asked_again = taken_when_asked_again
-    _attach_in_actor(source, *args)
-
-
 def _taken_here(collector: Any) -> None:
     """The driver took this actor's last rollout and stopped iterating: it is delivered."""
     observers = observers_of(collector)
@@ -285,34 +278,23 @@ def _detach_and_drain(source: Any, token: int) -> list[tuple[str, bytes]]:
     return files
 
 
-def _get_or_none(ref: Any) -> Any:
-    """``ray.get(ref)``, or ``None`` if the call failed (its error is reported elsewhere)."""
-    import ray
-
-    try:
-        return ray.get(ref)
-    except Exception:
-        return None
-
-
-def _write_files(batches: list[Any]) -> None:
-    """Writes the files sent back by actors on the driver, under their paths (see the module docstring)."""
-    for files in batches:
-        for path, data in files or ():
-            try:
-                target = Path(path)
-                if target.is_file() and target.stat().st_size == len(data) and target.read_bytes() == data:
-                    continue  # the actor ran on this node: the file is already here
-                target.parent.mkdir(parents=True, exist_ok=True)
-                partial = target.with_name(f".{target.name}.{os.getpid()}.part")
-                partial.write_bytes(data)
-                partial.replace(target)
-                torchrl_logger.info(f"rl_observers: {path} written on the driver, from a Ray actor")
-            except Exception as error:
-                torchrl_logger.warning(
-                    f"rl_observers: could not write {path}, sent back by a Ray actor "
-                    f"({type(error).__name__}: {error})."
-                )
+def _write_files(files: list[tuple[str, bytes]]) -> None:
+    """Writes the files an actor sent back on the driver, under their paths (see the module docstring)."""
+    for path, data in files:
+        try:
+            target = Path(path)
+            if target.is_file() and target.stat().st_size == len(data) and target.read_bytes() == data:
+                continue  # the actor ran on this node: the file is already here
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_name(f".{target.name}.{os.getpid()}.part")
+            partial.write_bytes(data)
+            partial.replace(target)
+            torchrl_logger.info(f"rl_observers: {path} written on the driver, from a Ray actor")
+        except Exception as error:
+            torchrl_logger.warning(
+                f"rl_observers: could not write {path}, sent back by a Ray actor "
+                f"({type(error).__name__}: {error})."
+            )
 
 
 def _shutdown_here(source: Any) -> list[tuple[str, bytes]]:
@@ -341,36 +323,22 @@ def _buffer_empty_here(buffer: Any, empty_write_count: bool) -> None:
         observers.emit("empty")
 
 
-def _stats_through(actor: Any) -> dict[str, Any]:
-    """The ``stats()`` of the buffer in ``actor`` (``rb._rb``, a client's ``_actor``), observers' entries included: one call."""
-    import ray
-
-    return ray.get(actor.__ray_call__.remote(_buffer_stats_here))
-
-
-def _empty_through(actor: Any, empty_write_count: bool = True) -> None:
-    """Empties the replay buffer in ``actor``, then emits ``empty`` to its observers there: one call."""
-    import ray
-
-    return ray.get(actor.__ray_call__.remote(_buffer_empty_here, empty_write_count))
-
-
-def _emit_shutdown(actors: list[Any], fn: Any) -> None:
-    """Runs ``fn`` in every actor before they are killed and writes the files they send back.
+def _emit_shutdown(actors: list[Any]) -> None:
+    """Runs ``_shutdown_here`` in every actor before they are killed; writes the files they send back.
 
     Each answer is awaited on its own within one shared deadline, so a dead
     or hung actor does not stop the others; those that failed get one warning.
     """
     import ray
 
-    if not ray.is_initialized():  # the actors went with Ray (and a call would start a new Ray)
+    if not actors or not ray.is_initialized():  # gone with Ray (a call would start a new Ray)
         return
-    refs = [actor.__ray_call__.remote(fn) for actor in actors]
+    refs = [actor.__ray_call__.remote(_shutdown_here) for actor in actors]
     deadline = time.monotonic() + _SHUTDOWN_TIMEOUT
     failed = []
     for idx, ref in enumerate(refs):
         try:
-            _write_files([ray.get(ref, timeout=max(deadline - time.monotonic(), _MIN_WAIT))])
+            _write_files(ray.get(ref, timeout=max(deadline - time.monotonic(), _MIN_WAIT)))
         except Exception as error:  # the actors are being killed anyway
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
             failed.append(f"actor {idx} ({type(error).__name__}: {first_line})")
@@ -407,7 +375,8 @@ def _shutting_down(target: Any, kind: RemoteKind, shutdown_ray: bool = False) ->
         try:
             kind.shut_down(target)
         finally:
-            leases = type(lease)  # torchrl's _RayRuntimeLease: its last release stops the Ray it started
+            # torchrl's _RayRuntimeLease: its last release stops the Ray it started
+            leases = type(lease)
             last = getattr(lease, "_released", True) is False and getattr(leases, "_leases", 0) == 1
             if shutdown_ray or (last and getattr(leases, "_owns_runtime", False)):
                 close_ray_receivers()
@@ -450,8 +419,7 @@ class _DriverObservedRayCollector:
             # sent before the shutdown calls: Ray runs one caller's calls to an actor in order
             actors[taken_last].__ray_call__.remote(_taken_here)
             self._rl_taken_last = None
-        if actors:
-            _emit_shutdown(actors, _shutdown_here)
+        _emit_shutdown(actors)
         return torchrl_class(type(self)).stop_remote_collectors(self)  # type: ignore[attr-defined]
 
     def shutdown(self, timeout: float | None = None, shutdown_ray: bool = False) -> None:
@@ -464,16 +432,25 @@ class _DriverObservedRayCollector:
             await torchrl_class(type(self)).async_shutdown(self, shutdown_ray=False)  # type: ignore[attr-defined]
 
 
-class _DriverObservedRayReplayBuffer:
-    """Driver-side ``RayReplayBuffer`` with observers: one round trip for what touches them."""
+class _OneCallToTheActor:
+    """``stats()`` (observers' entries included) and ``empty()`` (then ``empty`` emitted), one call each."""
 
-    _rb: Any
+    _actor_attribute = "_rb"  # where the buffer's actor is: ``rb._rb``, a client's ``_actor``
 
     def stats(self) -> dict[str, Any]:
-        return _stats_through(self._rb)
+        import ray
+
+        return ray.get(getattr(self, self._actor_attribute).__ray_call__.remote(_buffer_stats_here))
 
     def empty(self, empty_write_count: bool = True) -> None:
-        return _empty_through(self._rb, empty_write_count)
+        import ray
+
+        actor = getattr(self, self._actor_attribute)
+        return ray.get(actor.__ray_call__.remote(_buffer_empty_here, empty_write_count))
+
+
+class _DriverObservedRayReplayBuffer(_OneCallToTheActor):
+    """Driver-side ``RayReplayBuffer`` with observers: one round trip for what touches them."""
 
     def client(self) -> Any:
         # torchrl's clients() calls self.client() once per client: both hand out observed ones.
@@ -484,7 +461,7 @@ class _DriverObservedRayReplayBuffer:
 
     def close(self) -> None:
         if hasattr(self, "_rb"):
-            _emit_shutdown([self._rb], _shutdown_here)
+            _emit_shutdown([self._rb])
         with _shutting_down(self, RAY_REPLAY_BUFFER):  # the actor and its copies are gone
             torchrl_class(type(self)).close(self)  # type: ignore[attr-defined]
 
@@ -493,19 +470,10 @@ class _DriverObservedRayReplayBuffer:
 _OBSERVER_API = frozenset({"add_observer", "remove_observer", "observers"})
 
 
-class _ObservedRayReplayBufferClient:
-    """A client handed out by an observed ``RayReplayBuffer``: its observers see what it does.
+class _ObservedRayReplayBufferClient(_OneCallToTheActor):
+    """A client handed out by an observed ``RayReplayBuffer``: its observers see what it does."""
 
-    ``stats()`` and ``empty()`` make the buffer's single call.
-    """
-
-    _actor: Any
-
-    def stats(self) -> dict[str, Any]:
-        return _stats_through(self._actor)
-
-    def empty(self, empty_write_count: bool = True) -> None:
-        return _empty_through(self._actor, empty_write_count)
+    _actor_attribute = "_actor"
 
     def __getattr__(self, name: str) -> Any:
         if name in _OBSERVER_API:
@@ -521,7 +489,16 @@ class _ObservedRayReplayBufferClient:
 # -- the actor-side observed classes ---------------------------------------------------------------
 
 
-class _ActorObservedReplayBuffer:
+class _ActorObservedSampling:
+    """What every replay buffer inside a Ray actor emits: ``post_sample``."""
+
+    def _sample(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        result = torchrl_class(type(self))._sample(self, *args, **kwargs)  # type: ignore[attr-defined]
+        emit_eagerly(self, "post_sample", result[0], result[1])
+        return result
+
+
+class _ActorObservedReplayBuffer(_ActorObservedSampling):
     """``ReplayBuffer`` / ``PrioritizedReplayBuffer`` inside a Ray actor."""
 
     def _add(self, data: Any) -> Any:
@@ -534,16 +511,11 @@ class _ActorObservedReplayBuffer:
         emit_eagerly(self, "post_extend", data, index)
         return index
 
-    def _sample(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        result = torchrl_class(type(self))._sample(self, *args, **kwargs)  # type: ignore[attr-defined]
-        emit_eagerly(self, "post_sample", result[0], result[1])
-        return result
-
 
 _WRITE_EVENTS = {"add": "post_add", "extend": "post_extend"}
 
 
-class _ActorObservedTensorDictReplayBuffer:
+class _ActorObservedTensorDictReplayBuffer(_ActorObservedSampling):
     """``TensorDictReplayBuffer`` and its prioritized variant inside a Ray actor.
 
     Their ``add`` / ``extend`` call ``self._set_index_in_td(data, index)``
@@ -555,8 +527,3 @@ class _ActorObservedTensorDictReplayBuffer:
         event = _WRITE_EVENTS.get(sys._getframe(1).f_code.co_name)
         if event is not None:
             emit_eagerly(self, event, tensordict, index)
-
-    def _sample(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        result = torchrl_class(type(self))._sample(self, *args, **kwargs)  # type: ignore[attr-defined]
-        emit_eagerly(self, "post_sample", result[0], result[1])
-        return result

@@ -24,10 +24,8 @@ from rl_observers.remote.ray.ingest import (
     SENDER_INTERVAL,
     Message,
     RayAddress,
-    _actor_class,
-    _Ingest,
-    _pinned,
     _ray,
+    ingest_class,
 )
 
 # torchrl's logger (the same object as torchrl._utils.logger)
@@ -57,25 +55,16 @@ class RayReceiver:
     Keyword Args:
         capacity (int, optional): messages the ingest holds before it drops.
             Defaults to ``INGEST_CAPACITY``.
-        owner (str, optional): the owner, in words, for senders' warnings.
-            Defaults to the channel's name, this process and host.
-        name (str, optional): the channel's name. Defaults to ``""``.
+        name (str, optional): the channel's name, for warnings. Defaults to ``""``.
     """
 
     name = NAME
 
-    def __init__(
-        self,
-        token: str,
-        *,
-        capacity: int = INGEST_CAPACITY,
-        owner: str | None = None,
-        name: str = "",
-    ) -> None:
+    def __init__(self, token: str, *, capacity: int = INGEST_CAPACITY, name: str = "") -> None:
         self.token = token
         self._capacity = capacity
         channel = f"MetricsChannel {name!r} " if name else ""
-        self._owner = owner or f"{channel}(pid {os.getpid()} on {os.uname().nodename})"
+        self._owner = f"{channel}(pid {os.getpid()} on {os.uname().nodename})"
         self._pid = os.getpid()
         self._actor: Any = None
         self._address: RayAddress | None = None
@@ -106,22 +95,23 @@ class RayReceiver:
         self._address = RayAddress(self.token, ingest, ACTOR_NAMESPACE, self._owner)
         self._node = ray.get_runtime_context().get_node_id()
         self._accept = accept
-        self._refuse = refuse or (lambda: accept(None, (1, 0, 0)))  # an unreadable batch counts as one dropped
+        # an unreadable batch counts as one dropped
+        self._refuse = refuse or (lambda: accept(None, (1, 0, 0)))
         self._actor = self._create_ingest()
         _STARTED.add(self)
         if background:
-            self._thread = threading.Thread(target=self._run, name="rl_observers-ray-ingest")
-            self._thread.daemon = True
+            self._thread = threading.Thread(target=self._run, name="rl_observers-ray-ingest", daemon=True)
             self._thread.start()
 
     def _create_ingest(self) -> Any:
-        ingest_class = _actor_class(_Ingest, num_cpus=0, max_concurrency=8)
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         address = self._address
-        return ingest_class.options(
+        return ingest_class().options(
             name=address.ingest,
             namespace=address.namespace,
             get_if_exists=True,
-            scheduling_strategy=_pinned(self._node),
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=self._node, soft=False),
         ).remote(self._capacity)
 
     def address(self) -> RayAddress:
@@ -139,19 +129,17 @@ class RayReceiver:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return
-            if not self.drain(0.0, timeout=left, lock_timeout=left):
+            if not self.drain(0.0, timeout=left):
                 return
 
-    def drain(
-        self, wait: float = 0.0, timeout: float | None = None, lock_timeout: float | None = None
-    ) -> int:
-        """Takes what the ingest holds and accepts it; returns how many messages."""
+    def drain(self, wait: float, timeout: float | None = None) -> int:
+        """Takes what the ingest holds and accepts it, within ``timeout``; returns how many messages."""
         ray = _ray()
         if self._actor is not None and not ray.is_initialized():
             # not behind the lock: a drain under way may wait on the dead Ray for long
             self._ray_shut_down()
             return 0
-        if not self._lock.acquire(timeout=-1 if lock_timeout is None else max(lock_timeout, 0)):
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
             return 0
         try:
             actor = self._actor

@@ -5,7 +5,6 @@ See :mod:`rl_observers.remote.ray.transport` for the flow.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Any
@@ -73,7 +72,6 @@ class RaySender(Outbox):
         self._wake = threading.Event()
         # (done, deadline, result) of each flush waiting for the sending thread
         self._flush_requests: list[tuple[threading.Event, float | None, list[bool]]] = []
-        self._thread_pid: int | None = None
         # whether this process runs the sending thread: ``send`` reads a flag, not the pid
         # (``os.getpid()`` is a system call, ~1 us here); a fork clears it in the child
         self._running = False
@@ -126,9 +124,8 @@ class RaySender(Outbox):
     # -- the sending thread -----------------------------------------------------------------------
     def _start_thread(self) -> None:
         with self._lock:
-            if self._thread_pid == os.getpid():
+            if self._running:
                 return
-            self._thread_pid = os.getpid()
             self._running = True
             threading.Thread(target=self._run, name="rl_observers-ray-sender", daemon=True).start()
 
@@ -139,20 +136,18 @@ class RaySender(Outbox):
             self._wake.clear()
             with self._lock:
                 requests, self._flush_requests = self._flush_requests, []
+            flushed = False
             try:
                 forwarder.reap()
                 self._send_pending()
                 if requests:
                     deadlines = [r[1] for r in requests]
                     flushed = self._flush(None if None in deadlines else max(deadlines))
-                    for done, _, result in requests:
-                        result.append(flushed)
-                        done.set()
             except Exception as err:  # never expected: keep sending, say it once
                 self._warn("ray", f"failed to send through Ray: {err!r}")
-                for done, _, result in requests:
-                    result.append(False)
-                    done.set()
+            for done, _, result in requests:
+                result.append(flushed)
+                done.set()
             if forwarder.error is not None:
                 self._warn(
                     "ray",
@@ -203,9 +198,5 @@ class RaySender(Outbox):
     @property
     def stats(self) -> dict[str, int]:
         """Batches sent and in flight, and what the transport itself lost."""
-        forwarder = self._forwarder
-        return {
-            "calls": forwarder.sent_calls,
-            "in_flight": forwarder.in_flight,
-            "lost": forwarder.dropped,
-        }
+        f = self._forwarder
+        return {"calls": f.sent_calls, "in_flight": f.in_flight, "lost": f.dropped}
