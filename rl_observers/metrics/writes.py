@@ -33,11 +33,9 @@ _RANGE_FOLD_AT = 2**17
 class WriteMetrics(MetricSet):
     """What is written to a replay buffer: calls, items, rewards.
 
-    Folds ``post_add`` and ``post_extend``. Items count like torchrl's
-    ``write_count``; items the writer did not store are not counted and their
-    rewards are left out. With a round-robin writer the rewards are folded
-    from the storage once per window, with no copy per write. Details:
-    :ref:`metric-names`.
+    Items count like torchrl's ``write_count`` (items the writer did not
+    store count nowhere); a round-robin writer's rewards are folded from the
+    storage once per window. Details: :ref:`metric-names`.
 
     Keyword Args:
         reward_key (NestedKey, optional): reward entry of the written data,
@@ -297,11 +295,8 @@ class WriteMetrics(MetricSet):
             mask = stored if mask is None else mask & stored
         self._reward.fold(reward, mask)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores what :meth:`state_dict` returned (the window starts empty)."""
-        with self._lock:
-            super().load_state_dict(state_dict)
-            self._range_len = 0
+    def _clear_window(self) -> None:
+        self._range_len = 0
 
     def counters(self) -> dict[str, float]:
         """``write_count``, ``writes``, ``items_written`` (cumulative)."""

@@ -40,19 +40,18 @@ from rl_observers.stats import Count, Partial
 
 __all__ = ["CollectorBatchMetrics"]
 
+# The keys a source may decide, each the argument ``<name>_key``.
+_KEYS = ("reward", "done", "terminated", "truncated", "episode_reward", "step_count")
+
 
 class CollectorBatchMetrics(MetricSet):
     """Reward, done and episode metrics of collector batches.
 
-    Folds ``post_collect`` batches of shape ``[T]`` or ``[*B, T]`` (time last),
-    padded ones (steps where ``mask_key`` is false count nowhere) and the
-    interleaved ``[N]`` batches of ``AsyncBatchedCollector``. An episode closes
-    where ``done``, ``terminated`` or ``truncated`` is set; its return and
-    length come from ``episode_reward_key`` / ``step_count_key`` when present,
-    else from running sums carried across batches, so an episode spanning
+    Batches are ``[T]`` or ``[*B, T]`` (time last), padded, or
+    ``AsyncBatchedCollector``'s interleaved ``[N]``. An episode spanning
     batches counts once, with its full return, in the window where it ends.
     Keys left to their default follow the bound collector's env specs.
-    Metric names, layouts and key checks: :ref:`metric-names` and the FAQ.
+    Layouts and key checks: :ref:`metric-names` and the FAQ.
 
     Keyword Args:
         reward_key (NestedKey, optional): per-step reward; ``None``: no reward
@@ -141,14 +140,8 @@ class CollectorBatchMetrics(MetricSet):
         owner = type(self).__name__
         self._config = {"episode_window": episode_window, "quantiles": quantiles}
         self._episodes_stopped = False
-        given = {
-            "reward": reward_key,
-            "done": done_key,
-            "terminated": terminated_key,
-            "truncated": truncated_key,
-            "episode_reward": episode_reward_key,
-            "step_count": step_count_key,
-        }
+        given = dict(zip(_KEYS, (reward_key, done_key, terminated_key, truncated_key)))
+        given.update(episode_reward=episode_reward_key, step_count=step_count_key)
         # Keys left to the source: ("next", <name>) until bound to one.
         self._from_source = tuple(name for name, key in given.items() if key is FROM_SOURCE)
         for name, key in given.items():
@@ -264,8 +257,9 @@ class CollectorBatchMetrics(MetricSet):
         if type(self) is not CollectorBatchMetrics:
             raise error
         present = leaf_keys(batch)
-        names = ("reward", "done", "terminated", "truncated", "episode_reward", "step_count")
-        kwargs: dict[str, Any] = {f"{n}_key": getattr(self, f"{n}_key") for n in names}
+        names = (*(f"{n}_key" for n in _KEYS), "mask_key", "traj_ids_key", "env_index_key")
+        kwargs = {n: getattr(self, n) for n in (*names, "episode_return", "episode_length")}
+        kwargs.update(self._config)
         missing = [
             (f"{n}_key", kwargs[f"{n}_key"])
             for n in ("reward", "done")
@@ -275,10 +269,6 @@ class CollectorBatchMetrics(MetricSet):
             raise error
         for what, _ in missing:
             kwargs[what] = None
-        kwargs.update(
-            mask_key=self.mask_key, traj_ids_key=self.traj_ids_key, env_index_key=self.env_index_key,
-            episode_return=self.episode_return, episode_length=self.episode_length, **self._config,
-        )
         if kwargs["reward_key"] is None and kwargs["episode_reward_key"] not in present:
             kwargs["episode_return"] = False  # it was to be summed from the rewards
         closing = [kwargs[f"{n}_key"] for n in ("done", "terminated", "truncated")]
