@@ -38,6 +38,7 @@ _CURSOR_SAMPLES = 128
 _CURSOR_ENTRIES = 2**15
 _NO_AGES = (0, 0, 0, 0)
 _AGE_STATS = ("mean", "min", "max")
+_SKETCHED = {"_weights": "priority_weight", "_priorities": "stored_priority", "_ages": "sample_age"}
 
 
 class _WithQuantiles:
@@ -120,9 +121,7 @@ class SampleMetrics(MetricSet):
         self._priorities = self.moments("stored_priority", stats=stats) if priority else None
         self._prioritized: tuple[Any, Any] | None = None  # (sampler, storage), once bound
         # Opt-in quantiles: what folds into the moments folds into a sketch too.
-        for attr, name in (
-            ("_weights", "priority_weight"), ("_priorities", "stored_priority"), ("_ages", "sample_age")
-        ):
+        for attr, name in _SKETCHED.items():
             moments = getattr(self, attr)
             if quantiles is not None and moments is not None:
                 setattr(self, attr, _WithQuantiles(moments, self.quantiles(name, q=quantiles)))
@@ -171,8 +170,7 @@ class SampleMetrics(MetricSet):
         """Notes whether the source's writer may skip items or is round-robin, and whether its sampler's indices can be kept."""
         self._skips = writer_may_skip(source)
         self._ring_keeps_index = fresh_index(source)
-        self._ring = None
-        self._ring_of(source)
+        self._ring = round_robin(source) or False
         sampler = prioritized_sampler(source) if self._priorities is not None else None
         self._prioritized = None if sampler is None else (sampler, storage_of(source))
 

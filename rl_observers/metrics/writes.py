@@ -99,20 +99,14 @@ class WriteMetrics(MetricSet):
         Raises:
             ValueError: naming the key, the keys present and the closest match.
         """
-        if self.reward_key is None:
+        key, storage, owner = self.reward_key, storage_of(source), type(self).__name__
+        try:  # a storage that cannot be read here (remote, lazy): the first write checks
+            item = storage.get(0) if key and storage is not None and len(storage) else None
+        except Exception:
             return
-        storage = storage_of(source)
-        try:
-            if storage is None or not len(storage):
-                return
-            item = storage.get(0)
-        except Exception:  # a storage that cannot be read here (remote, lazy): the first write
-            return
-        if not is_tensor_collection(item):
-            return
-        present = leaf_keys(item)
-        if self.reward_key not in present:
-            raise absent_key(type(self).__name__, "reward_key", self.reward_key, present, "the buffer's storage")
+        present = leaf_keys(item) if is_tensor_collection(item) else (key,)
+        if key not in present:
+            raise absent_key(owner, "reward_key", key, present, "the buffer's storage")
 
     def on_post_add(self, source: Any, data: Any, index: Any) -> None:
         """Counts the item, unless the writer skipped it (``index`` is ``None`` or ``-1``)."""
