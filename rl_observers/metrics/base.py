@@ -46,6 +46,10 @@ class _FoldedEventsAlias:
         return (cls if obj is None else obj).folded_events
 
 
+def _cloned(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
 def _read_counter(lock: Any, counters: ObservedCounters, name: str) -> int:
     with lock:
         return counters.poll()[name]
@@ -54,13 +58,11 @@ def _read_counter(lock: Any, counters: ObservedCounters, name: str) -> int:
 class MetricSet:
     """Base class of metric sets: what a :class:`~rl_observers.LoggerObserver` folds.
 
-    A subclass defines ``on_<event>(source, ...)`` per event it folds
-    (:attr:`folded_events` follows) and folds into reducers created on first
-    use (:meth:`moments`, :meth:`count`, :meth:`moments_group`,
-    :meth:`quantiles`) and counters (:meth:`add_to_counter`). The base gives
-    one ``RLock`` around each fold, :meth:`pull` and the state methods, and
-    the state and pickling. An optional ``on_empty(source)`` runs after a
-    replay buffer's ``empty()``, outside the lock (take ``self._lock`` there).
+    A subclass defines ``on_<event>(source, ...)`` per event it folds and
+    folds into reducers (:meth:`moments`, :meth:`count`, :meth:`quantiles`)
+    and counters (:meth:`add_to_counter`); the base holds the lock, the state
+    and pickling. An optional ``on_empty(source)`` runs after a replay
+    buffer's ``empty()``, outside the lock (take ``self._lock`` there).
 
     Examples:
         >>> import torch
@@ -101,6 +103,9 @@ class MetricSet:
     episode_arguments: str | None = None
     #: Attributes rebuilt on demand (scratch buffers), not pickled.
     _transient: tuple[str, ...] = ()
+    #: Attributes ``state_dict`` holds besides the counters, each under its name without the
+    #: leading underscore (a tensor is cloned both ways).
+    _saved: tuple[str, ...] = ()
     #: Whether the base wraps the ``on_<event>`` methods a class defines in the lock; a class
     #: that says ``False`` (the built-in sets, which lock only when they fold) locks itself.
     _lock_folds: bool = True
@@ -156,24 +161,20 @@ class MetricSet:
         self, prefix: str, *, stats: Sequence[str] = ("mean", "std", "min", "max")
     ) -> MomentsReducer:
         """The :class:`~rl_observers.stats.MomentsReducer` pulled as ``prefix``, created on first use with ``stats``."""
-        reducer = self._reducers.get(prefix)
-        if reducer is None:
-            reducer = self._reducers[prefix] = self._bank.moments(prefix, stats=stats)
-        return reducer
+        return self._reducer(prefix, self._bank.moments, prefix, stats=stats)
 
     def moments_group(self, specs: Sequence[tuple[str, Sequence[str]]]) -> MomentsGroupReducer:
         """A :class:`~rl_observers.stats.MomentsGroupReducer` keyed by its first prefix, created on first use."""
-        key = specs[0][0]
-        reducer = self._reducers.get(key)
-        if reducer is None:
-            reducer = self._reducers[key] = self._bank.moments_group(specs)
-        return reducer
+        return self._reducer(specs[0][0], self._bank.moments_group, specs)
 
     def count(self, name: str) -> CountReducer:
         """The :class:`~rl_observers.stats.CountReducer` pulled as ``name``, created on first use."""
-        reducer = self._reducers.get(name)
+        return self._reducer(name, self._bank.count, name)
+
+    def _reducer(self, key: str, make: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        reducer = self._reducers.get(key)
         if reducer is None:
-            reducer = self._reducers[name] = self._bank.count(name)
+            reducer = self._reducers[key] = make(*args, **kwargs)
         return reducer
 
     def quantiles(
@@ -249,23 +250,32 @@ class MetricSet:
         return {}
 
     def state_dict(self) -> dict[str, Any]:
-        """Cumulative counters (subclasses add what they keep in flight)."""
+        """Cumulative counters and what a subclass keeps across windows (``_saved``)."""
         with self._lock:
             self._fold_staged()
-            return {"counters": dict(self._counters.drain())}
+            state: dict[str, Any] = {"counters": dict(self._counters.drain())}
+            state.update((attr[1:], _cloned(getattr(self, attr))) for attr in self._saved)
+            return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores what :meth:`state_dict` returned; the window starts empty."""
         with self._lock:
             self._counters.load(state_dict.get("counters", {}))
+            for attr in self._saved:
+                if attr[1:] in state_dict:
+                    setattr(self, attr, _cloned(state_dict[attr[1:]]))
             self._bank.reset()
             for sketch in self._sketches.values():
                 sketch.reset()
+            self._clear_window()
 
     # -- internals -------------------------------------------------------------------
 
     def _fold_staged(self) -> None:
         """Folds what a subclass keeps staged (batches not summed yet) into its reducers."""
+
+    def _clear_window(self) -> None:
+        """Drops what a subclass keeps of the open window outside its reducers (at a load)."""
 
     def __getstate__(self) -> dict[str, Any]:
         with self._lock:

@@ -74,9 +74,7 @@ class WorkerHealth(MetricSet):
 
     def __init__(self) -> None:
         super().__init__()
-        self._frames = 0
-        self._batches = 0
-        self._start = time.time()
+        self._clear_window()
 
     def bind(self, source: Any) -> None:
         """The first window starts when the set is attached (in the process that runs it)."""
@@ -105,18 +103,10 @@ class WorkerHealth(MetricSet):
             return out
 
     def metric_names(self) -> tuple[str, ...]:
-        return (
-            *super().metric_names(),
-            "frames_per_second",
-            "batches_per_second",
-            "resident_memory_mb",
-            "cuda_memory_allocated_mb",
-            "cuda_memory_reserved_mb",
-            STALENESS,
-        )
+        rates = ("frames_per_second", "batches_per_second")
+        memory = ("resident_memory_mb", "cuda_memory_allocated_mb", "cuda_memory_reserved_mb")
+        return (*super().metric_names(), *rates, *memory, STALENESS)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        with self._lock:
-            super().load_state_dict(state_dict)
-            self._frames = self._batches = 0
-            self._start = time.time()
+    def _clear_window(self) -> None:
+        self._frames = self._batches = 0
+        self._start = time.time()

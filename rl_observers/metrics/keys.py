@@ -1,7 +1,4 @@
-"""Batch keys: configuration checks, missing-key errors and the keys a source's env specs give.
-
-Replay-buffer storage, writer and index helpers are in :mod:`rl_observers.metrics.storage`.
-"""
+"""Batch keys: configuration checks, missing-key errors and the keys a source's env specs give."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""Metric one-liners: one more number is one line in ``LoggerObserver(metrics=[...])``.
+"""Metric one-liners: a name, a function of an event's payload and a merge rule (see :doc:`custom`).
 
-Step **observer** of the flow. Each one-liner is a
-:class:`~rl_observers.MetricSet` made of a name, a function of an event's
-payload run where the data is, and a declared merge rule: :class:`Mean`,
-:class:`Sum`, :class:`Min`, :class:`Max`, :class:`Gauge`, :class:`Summary`,
-:class:`CountTrue`, :class:`Ratio`, :class:`Rate` (and
-:class:`~rl_observers.Histogram`, :class:`~rl_observers.Quantiles`). The
-function returns a tensor (folded on its device, no sync), a real number,
-or ``None``; one that reads a tensor on the host (``.item()``)
-synchronises the device at every event. See :doc:`custom` for the
-signatures ``fn`` may have.
+The function returns a tensor (folded on its device, no sync), a real
+number, or ``None``; one that calls ``.item()`` synchronises the device at every event.
 """
 
 from __future__ import annotations
@@ -54,10 +46,7 @@ _EVENTS_OF_KIND = {"collector": COLLECTOR_EVENTS, "replay_buffer": REPLAY_BUFFER
 
 
 def _arity(fn: Callable[..., Any], event: str, owner: str) -> int:
-    """How many payload arguments ``fn`` takes for ``event``: ``len(payload) + 1`` when it asks for the source too.
-
-    A parameter with a default is never given the source.
-    """
+    """How many payload arguments ``fn`` takes (``len(payload) + 1``: the source too, never to a default)."""
     payload = EVENT_PAYLOADS[event]
     try:
         signature = inspect.signature(fn)
@@ -165,18 +154,19 @@ class Metric(MetricSet):
         return (self.name,)
 
     def pull(self) -> dict[str, float | Partial]:
-        """The bank's partials, each merged with the host's partial of the same name (if any)."""
         with self._lock:
-            out: dict[str, float | Partial] = dict(super().pull())
-            for name, partial in self.partials().items():
-                folded = out.get(name)
-                out[name] = partial if folded is None else folded.merge(partial)  # type: ignore[union-attr]
+            out = MetricSet.pull(self)
+            self._close(out)
             return out
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        with self._lock:
-            super().load_state_dict(state_dict)
-            self.partials()  # the window starts empty
+    def _close(self, out: dict[str, Any]) -> None:
+        """Merges :meth:`partials` into the bank's window ``out``, by name."""
+        for name, partial in self.partials().items():
+            folded = out.get(name)
+            out[name] = partial if folded is None else folded.merge(partial)
+
+    def _clear_window(self) -> None:
+        self.partials()
 
 
 def _host_number(value: Any, owner: Metric) -> float:
@@ -258,18 +248,14 @@ class _Reduced(Metric):
             self._last = None
         return {name: out}
 
-    def pull(self) -> dict[str, float | Partial]:
-        with self._lock:
-            payload = MetricSet.pull(self)  # gauges and the device moments, one transfer
-            moments = payload.pop(self.name, None)
-            out = self.partials()[self.name]
-            if isinstance(moments, Moments) and moments.count:
-                n, rule = moments.count, self.rule
-                # The folded sum itself (float64, exact for integers up to 2**53), not mean * n.
-                value = getattr(moments, "sum" if rule == "mean" else rule)
-                out = out.merge(Scalar(self.name, rule, value, count=n, stamp=time.time()))
-            payload[self.name] = out
-            return payload
+    def _close(self, out: dict[str, Any]) -> None:
+        moments = out.pop(self.name, None)
+        host = self.partials()[self.name]
+        if isinstance(moments, Moments) and moments.count:
+            # The folded sum itself (float64, exact for integers up to 2**53), not mean * n.
+            value = getattr(moments, "sum" if self.rule == "mean" else self.rule)
+            host = host.merge(Scalar(self.name, self.rule, value, count=moments.count, stamp=time.time()))
+        out[self.name] = host
 
 
 class Mean(_Reduced):
@@ -477,14 +463,9 @@ class Ratio(Metric):
         self._host = [0.0, 0.0]
         return {self.name: Fraction(self.name, num, den)}
 
-    def pull(self) -> dict[str, float | Partial]:
-        with self._lock:
-            payload = MetricSet.pull(self)
-            num = payload.pop(f"{self.name}/numerator")
-            den = payload.pop(f"{self.name}/denominator")
-            host = self.partials()[self.name]
-            payload[self.name] = host.merge(Fraction(self.name, num.n, den.n))  # type: ignore[union-attr]
-            return payload
+    def _close(self, out: dict[str, Any]) -> None:
+        num, den = out.pop(f"{self.name}/numerator"), out.pop(f"{self.name}/denominator")
+        out[self.name] = self.partials()[self.name].merge(Fraction(self.name, num.n, den.n))
 
     def metric_names(self) -> tuple[str, ...]:
         return (self.name, f"{self.name}/numerator", f"{self.name}/denominator")
@@ -535,10 +516,7 @@ class Rate(Metric):
         self._host, self._start = 0.0, now
         return {self.name: out}
 
-    def pull(self) -> dict[str, float | Partial]:
-        with self._lock:
-            payload = MetricSet.pull(self)
-            amount = payload.pop(self.name)
-            out = self.partials()[self.name]
-            payload[self.name] = PerSecond(self.name, out.amount + amount.n, out.start, out.end)  # type: ignore[union-attr]
-            return payload
+    def _close(self, out: dict[str, Any]) -> None:
+        host = self.partials()[self.name]
+        amount = host.amount + out.pop(self.name).n  # type: ignore[attr-defined]
+        out[self.name] = PerSecond(self.name, amount, host.start, host.end)  # type: ignore[attr-defined]

@@ -61,15 +61,6 @@ class PolicyLag(Summary):
         if current_version is None and on == "post_sample":
             self.folded_events = ("post_add", "post_extend", "post_sample")
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["fn"] = None  # a bound method of self: rebuilt on unpickling
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self.fn = self._lag
-
     def _versions(self, data: Any) -> torch.Tensor:
         # TensorDict.get returns None for a missing key: a missing stamp must not pass silently.
         if not is_tensor_collection(data):

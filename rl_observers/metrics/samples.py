@@ -38,6 +38,7 @@ _CURSOR_SAMPLES = 128
 _CURSOR_ENTRIES = 2**15
 _NO_AGES = (0, 0, 0, 0)
 _AGE_STATS = ("mean", "min", "max")
+_SKETCHED = {"_weights": "priority_weight", "_priorities": "stored_priority", "_ages": "sample_age"}
 
 
 class _WithQuantiles:
@@ -57,15 +58,10 @@ class _WithQuantiles:
 class SampleMetrics(MetricSet):
     """What a replay buffer's samples look like: calls, sizes, weights, stored priorities, age.
 
-    Folds ``post_sample`` events, and writes to stamp slots where the age
-    needs it. Weights come from ``info["priority_weight"]`` (or
-    ``info["_weight"]``); stored priorities are read from a prioritized
-    sampler's sum tree at ``info["index"]`` (``(p + eps) ** alpha``, see
-    :mod:`rl_observers.metrics.priorities`); the age of an item is the number
-    of items written after it. With a round-robin writer on a 1-D storage,
-    ages come from the writer's cursor with no per-write cost; otherwise from
-    per-slot stamps. Metric names: :ref:`metric-names`; ages: the FAQ's
-    "Why is ``sample_age_*`` missing?".
+    Folds ``post_sample`` (and writes, to stamp slots where ages need it).
+    An item's age is the number of items written after it; a round-robin
+    writer's cursor gives it at no per-write cost. Metric names:
+    :ref:`metric-names`; ages: the FAQ's "Why is ``sample_age_*`` missing?".
 
     Keyword Args:
         priority_weight (bool, optional): emit ``priority_weight_*``.
@@ -97,12 +93,12 @@ class SampleMetrics(MetricSet):
     """
 
     counter_names = ("sample_calls", "samples_returned")
-    #: Gauges that are not cumulative counters: merged across workers by keeping the newest.
     latest_gauges: tuple[str, ...] = ("batch_size",)
     _transient = (
         "_sampled", "_ring", "_ring_slots", "_cursor_shared", "_cursor_cell",
         "_prioritized",
     )
+    _saved = ("_batch_size", "_written", "_stamps", "_stamps_fixed")  # the stamps age items
     _lock_folds = False  # writes take the lock only when ages are on
     _host_counters = True
 
@@ -125,9 +121,7 @@ class SampleMetrics(MetricSet):
         self._priorities = self.moments("stored_priority", stats=stats) if priority else None
         self._prioritized: tuple[Any, Any] | None = None  # (sampler, storage), once bound
         # Opt-in quantiles: what folds into the moments folds into a sketch too.
-        for attr, name in (
-            ("_weights", "priority_weight"), ("_priorities", "stored_priority"), ("_ages", "sample_age")
-        ):
+        for attr, name in _SKETCHED.items():
             moments = getattr(self, attr)
             if quantiles is not None and moments is not None:
                 setattr(self, attr, _WithQuantiles(moments, self.quantiles(name, q=quantiles)))
@@ -138,19 +132,10 @@ class SampleMetrics(MetricSet):
         self._stamps: torch.Tensor | None = None  # per dim-0 slot; 0 = never seen written
         self._stamps_fixed = False  # sized to the storage's capacity
         self._stamps_off = False
-        # Stamps of the last samples and the item count at each (see _stage_ages).
-        self._sampled: torch.Tensor | None = None
-        self._sampled_written: list[int] = []
         # Round-robin writers: (writer, storage, capacity), False for others, None: undecided.
         self._ring: tuple[Any, Any, int] | bool | None = None
-        # Staged until folded: the sampled CPU indices and where the cursor moved, other
-        # devices' slots as tensors; the window's CPU ages as (count, sum, min, max).
-        self._ring_kept: list[torch.Tensor] = []
-        self._ring_entries = 0  # CPU slots staged
-        self._ring_runs: list[tuple[int, int]] = []  # (first staged slot, cursor)
         self._ring_keeps_index = False  # the sampler's index is kept as is (else copied)
-        self._ring_slots: list[torch.Tensor] | None = None
-        self._age_tally: tuple[int, int, int, int] = _NO_AGES
+        self._clear_window()
         self._cursor_shared: Any = None
         self._cursor_cell: Any = None
 
@@ -185,8 +170,7 @@ class SampleMetrics(MetricSet):
         """Notes whether the source's writer may skip items or is round-robin, and whether its sampler's indices can be kept."""
         self._skips = writer_may_skip(source)
         self._ring_keeps_index = fresh_index(source)
-        self._ring = None
-        self._ring_of(source)
+        self._ring = round_robin(source) or False
         sampler = prioritized_sampler(source) if self._priorities is not None else None
         self._prioritized = None if sampler is None else (sampler, storage_of(source))
 
@@ -404,27 +388,12 @@ class SampleMetrics(MetricSet):
                 out["sample_age"] = ages.merge(out["sample_age"])
             return out
 
-    def state_dict(self) -> dict[str, Any]:
-        """Counters, the running item count and the per-slot stamps."""
-        with self._lock:
-            state = super().state_dict()
-            state.update(
-                batch_size=self._batch_size,
-                written=self._written,
-                stamps=None if self._stamps is None else self._stamps.clone(),
-                stamps_fixed=self._stamps_fixed,
-            )
-            return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores what :meth:`state_dict` returned (the window starts empty)."""
-        with self._lock:
-            super().load_state_dict(state_dict)
-            self._batch_size = int(state_dict.get("batch_size", 0))
-            self._written = int(state_dict["written"])
-            stamps = state_dict.get("stamps")
-            self._stamps = None if stamps is None else stamps.clone()
-            self._stamps_fixed = bool(state_dict.get("stamps_fixed", False))
-            self._sampled, self._sampled_written = None, []
-            self._ring_slots, self._ring_kept, self._ring_entries, self._ring_runs = None, [], 0, []
-            self._age_tally = _NO_AGES
+    def _clear_window(self) -> None:
+        # Stamps of the last samples and the item count at each (see _stage_ages).
+        self._sampled: torch.Tensor | None = None
+        self._sampled_written: list[int] = []
+        # Staged until folded: the sampled CPU indices (kept), their count (entries) and where
+        # the cursor moved (runs: first staged slot, cursor), other devices' slots as tensors;
+        # the window's CPU ages as (count, sum, min, max).
+        self._ring_slots, self._ring_kept, self._ring_entries, self._ring_runs = None, [], 0, []
+        self._age_tally = _NO_AGES

@@ -95,9 +95,8 @@ def missing_source_counters(source: Any, sets: Sequence[MetricSet]) -> SourceCou
     kind = source_kind(source)
     if kind is None:
         return None
-    groups = list(_COUNTER_GROUPS)
     kept = {name for metric_set in sets for name in metric_set.counters()}
-    groups = groups[:1] if kind == "collector" else groups[1:]
+    groups = list(_COUNTER_GROUPS)[:1] if kind == "collector" else list(_COUNTER_GROUPS)[1:]
     missing = tuple(n for g in groups if not set(g) <= kept for n in g)
     return SourceCounters(missing) if missing else None
 

@@ -33,11 +33,9 @@ _RANGE_FOLD_AT = 2**17
 class WriteMetrics(MetricSet):
     """What is written to a replay buffer: calls, items, rewards.
 
-    Folds ``post_add`` and ``post_extend``. Items count like torchrl's
-    ``write_count``; items the writer did not store are not counted and their
-    rewards are left out. With a round-robin writer the rewards are folded
-    from the storage once per window, with no copy per write. Details:
-    :ref:`metric-names`.
+    Items count like torchrl's ``write_count`` (items the writer did not
+    store count nowhere); a round-robin writer's rewards are folded from the
+    storage once per window. Details: :ref:`metric-names`.
 
     Keyword Args:
         reward_key (NestedKey, optional): reward entry of the written data,
@@ -101,20 +99,14 @@ class WriteMetrics(MetricSet):
         Raises:
             ValueError: naming the key, the keys present and the closest match.
         """
-        if self.reward_key is None:
+        key, storage, owner = self.reward_key, storage_of(source), type(self).__name__
+        try:  # a storage that cannot be read here (remote, lazy): the first write checks
+            item = storage.get(0) if key and storage is not None and len(storage) else None
+        except Exception:
             return
-        storage = storage_of(source)
-        try:
-            if storage is None or not len(storage):
-                return
-            item = storage.get(0)
-        except Exception:  # a storage that cannot be read here (remote, lazy): the first write
-            return
-        if not is_tensor_collection(item):
-            return
-        present = leaf_keys(item)
-        if self.reward_key not in present:
-            raise absent_key(type(self).__name__, "reward_key", self.reward_key, present, "the buffer's storage")
+        present = leaf_keys(item) if is_tensor_collection(item) else (key,)
+        if key not in present:
+            raise absent_key(owner, "reward_key", key, present, "the buffer's storage")
 
     def on_post_add(self, source: Any, data: Any, index: Any) -> None:
         """Counts the item, unless the writer skipped it (``index`` is ``None`` or ``-1``)."""
@@ -297,11 +289,8 @@ class WriteMetrics(MetricSet):
             mask = stored if mask is None else mask & stored
         self._reward.fold(reward, mask)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores what :meth:`state_dict` returned (the window starts empty)."""
-        with self._lock:
-            super().load_state_dict(state_dict)
-            self._range_len = 0
+    def _clear_window(self) -> None:
+        self._range_len = 0
 
     def counters(self) -> dict[str, float]:
         """``write_count``, ``writes``, ``items_written`` (cumulative)."""

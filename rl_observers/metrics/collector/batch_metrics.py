@@ -40,19 +40,18 @@ from rl_observers.stats import Count, Partial
 
 __all__ = ["CollectorBatchMetrics"]
 
+# The keys a source may decide, each the argument ``<name>_key``.
+_KEYS = ("reward", "done", "terminated", "truncated", "episode_reward", "step_count")
+
 
 class CollectorBatchMetrics(MetricSet):
     """Reward, done and episode metrics of collector batches.
 
-    Folds ``post_collect`` batches of shape ``[T]`` or ``[*B, T]`` (time last),
-    padded ones (steps where ``mask_key`` is false count nowhere) and the
-    interleaved ``[N]`` batches of ``AsyncBatchedCollector``. An episode closes
-    where ``done``, ``terminated`` or ``truncated`` is set; its return and
-    length come from ``episode_reward_key`` / ``step_count_key`` when present,
-    else from running sums carried across batches, so an episode spanning
+    Batches are ``[T]`` or ``[*B, T]`` (time last), padded, or
+    ``AsyncBatchedCollector``'s interleaved ``[N]``. An episode spanning
     batches counts once, with its full return, in the window where it ends.
     Keys left to their default follow the bound collector's env specs.
-    Metric names, layouts and key checks: :ref:`metric-names` and the FAQ.
+    Layouts and key checks: :ref:`metric-names` and the FAQ.
 
     Keyword Args:
         reward_key (NestedKey, optional): per-step reward; ``None``: no reward
@@ -141,14 +140,9 @@ class CollectorBatchMetrics(MetricSet):
         owner = type(self).__name__
         self._config = {"episode_window": episode_window, "quantiles": quantiles}
         self._episodes_stopped = False
-        given = {
-            "reward": reward_key,
-            "done": done_key,
-            "terminated": terminated_key,
-            "truncated": truncated_key,
-            "episode_reward": episode_reward_key,
-            "step_count": step_count_key,
-        }
+        given = dict(zip(_KEYS, (reward_key, done_key, terminated_key, truncated_key)))
+        given.update(episode_reward=episode_reward_key, step_count=step_count_key)
+        given.update(mask=mask_key, traj_ids=traj_ids_key, env_index=env_index_key)
         # Keys left to the source: ("next", <name>) until bound to one.
         self._from_source = tuple(name for name, key in given.items() if key is FROM_SOURCE)
         for name, key in given.items():
@@ -156,9 +150,6 @@ class CollectorBatchMetrics(MetricSet):
             setattr(self, f"{name}_key", check_key(key, f"{name}_key", owner))
         self.episode_return = check_bool(episode_return, "episode_return", owner)
         self.episode_length = check_bool(episode_length, "episode_length", owner)
-        self.mask_key = check_key(mask_key, "mask_key", owner)
-        self.traj_ids_key = check_key(traj_ids_key, "traj_ids_key", owner)
-        self.env_index_key = check_key(env_index_key, "env_index_key", owner)
         closing = (self.done_key, self.terminated_key, self.truncated_key)
         if (episode_return or episode_length) and all(k is None for k in closing):
             raise ValueError(
@@ -180,10 +171,10 @@ class CollectorBatchMetrics(MetricSet):
         if episode_length:
             specs.append(("episode_length", ("mean", "min", "max")))
         self._episode = self.moments_group(specs) if specs else None
-        window = episode_window
-        if window is not None and (type(window) is bool or not isinstance(window, int) or window < 1):
-            raise ValueError(f"{owner}: episode_window must be a positive int or None, got {window!r}.")
-        for what, value in (("quantiles", quantiles), ("episode_window", window)):
+        size = episode_window
+        if size is not None and (type(size) is bool or not isinstance(size, int) or size < 1):
+            raise ValueError(f"{owner}: episode_window must be a positive int or None, got {size!r}.")
+        for what, value in (("quantiles", quantiles), ("episode_window", size)):
             if value is not None and not specs:
                 raise ValueError(f"{owner}: {what} needs episode_return=True or episode_length=True.")
         # Opt-in: a quantile sketch per episode quantity, folded where its moments are.
@@ -191,7 +182,7 @@ class CollectorBatchMetrics(MetricSet):
         sketches = tuple(self.quantiles(p, q=q) for p, _ in specs) if q is not None else ()
         self._plan: CollectorPlan | None = None
         names = tuple(prefix for prefix, _ in specs)
-        self._window = None if window is None else EpisodeWindow(self._bank, window, names, sketches)
+        self._window = None if size is None else EpisodeWindow(self._bank, size, names, sketches)
         reducers = BatchReducers(
             self._counters,
             reward=reward,
@@ -225,7 +216,8 @@ class CollectorBatchMetrics(MetricSet):
         """Takes the keys left to the source from its env's specs (a collector in this process); before the first batch."""
         if self._window is not None:
             self._window.bind(source)
-        observers = observers_of(source)  # a worker's rollouts delivered at its hand-over: drops counted apart
+        # A worker's rollouts delivered at its hand-over: drops counted apart.
+        observers = observers_of(source)
         self._delivery = observers if getattr(observers, "defers_delivery", False) else None
         envs = getattr(source, "_num_envs", None)  # AsyncBatchedCollector: one env per index
         with self._lock:
@@ -251,34 +243,26 @@ class CollectorBatchMetrics(MetricSet):
         known = spec_keys(source)
         if known is None:
             return
+        where = "the env's specs and the policy's out_keys"
         for name in ("reward", "done"):
             key = getattr(self, f"{name}_key")
-            if name in self._from_source or key is None or not known.proves_absent(key):
-                continue
-            raise absent_key(
-                type(self).__name__, f"{name}_key", key, known.keys, "the env's specs and the policy's out_keys"
-            )
+            if name not in self._from_source and key is not None and known.proves_absent(key):
+                raise absent_key(type(self).__name__, f"{name}_key", key, known.keys, where)
 
     def _stop_missing(self, source: Any, batch: Any, error: KeyError) -> None:
         """The first batch lacks a required key: reconfigures without what needs it and warns which metrics stop (else re-raises)."""
         if type(self) is not CollectorBatchMetrics:
             raise error
         present = leaf_keys(batch)
-        names = ("reward", "done", "terminated", "truncated", "episode_reward", "step_count")
-        kwargs: dict[str, Any] = {f"{n}_key": getattr(self, f"{n}_key") for n in names}
-        missing = [
-            (f"{n}_key", kwargs[f"{n}_key"])
-            for n in ("reward", "done")
-            if kwargs[f"{n}_key"] is not None and kwargs[f"{n}_key"] not in present
-        ]
+        names = (*(f"{n}_key" for n in _KEYS), "mask_key", "traj_ids_key", "env_index_key")
+        kwargs = {n: getattr(self, n) for n in (*names, "episode_return", "episode_length")}
+        kwargs.update(self._config)
+        asked = {w: kwargs[w] for w in ("reward_key", "done_key") if kwargs[w] is not None}
+        missing = [(what, key) for what, key in asked.items() if key not in present]
         if not missing:
             raise error
         for what, _ in missing:
             kwargs[what] = None
-        kwargs.update(
-            mask_key=self.mask_key, traj_ids_key=self.traj_ids_key, env_index_key=self.env_index_key,
-            episode_return=self.episode_return, episode_length=self.episode_length, **self._config,
-        )
         if kwargs["reward_key"] is None and kwargs["episode_reward_key"] not in present:
             kwargs["episode_return"] = False  # it was to be summed from the rewards
         closing = [kwargs[f"{n}_key"] for n in ("done", "terminated", "truncated")]
@@ -304,11 +288,9 @@ class CollectorBatchMetrics(MetricSet):
         self._episodes_stopped = self._episodes is None
         if self._window is not None:
             self._window.bind(source)
-        internal = {"reward", "episode_return", "episode_length", "episode_window"}
-        stopped = [
-            n for n in before
-            if n not in self.metric_names() and n not in internal and not n.endswith("_quantiles")
-        ]
+        internal = ("reward", "episode_return", "episode_length", "episode_window")
+        kept = {*self.metric_names(), *internal}
+        stopped = [n for n in before if n not in kept and not n.endswith("_quantiles")]
         going_on = ["frames", "batches"] + ([] if self._episodes_stopped else ["episodes"])
         shown = ", ".join(repr(k) for k in sorted(present, key=str))
         told = "; ".join(
@@ -436,7 +418,8 @@ class CollectorBatchMetrics(MetricSet):
 
     def changed_since_pull(self) -> bool:
         """Whether rollouts were dropped since the last pull (at shutdown: no event follows)."""
-        return self._delivery is not None and self._delivery.frames_discarded != self._discarded_pulled
+        delivery = self._delivery
+        return delivery is not None and delivery.frames_discarded != self._discarded_pulled
 
     def pull(self) -> dict[str, float | Partial]:
         """Gauges and the window's partials, in one transfer; resets the window, not the episodes in flight."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from rl_observers.metrics.collector.ring import RingFold
 __all__: list[str] = []
 
 
+@dataclass(slots=True, eq=False)
 class InterleavedFold:
     """The fold path of interleaved batches: each folded on its own, carried per env index.
 
@@ -22,16 +24,11 @@ class InterleavedFold:
     from CPU batches; ``None`` until known). ``owner`` names the set in errors.
     """
 
-    __slots__ = ("reducers", "carry", "ring_fold", "owner", "envs")
-
-    def __init__(
-        self, reducers: BatchReducers, carry: EpisodeCarry, ring_fold: RingFold, owner: str
-    ) -> None:
-        self.reducers = reducers
-        self.carry = carry
-        self.ring_fold = ring_fold
-        self.owner = owner
-        self.envs: int | None = None
+    reducers: BatchReducers
+    carry: EpisodeCarry
+    ring_fold: RingFold
+    owner: str
+    envs: int | None = None
 
     def bind_envs(self, envs: int) -> None:
         """The source has ``envs`` envs (``AsyncBatchedCollector``): indices are below it."""

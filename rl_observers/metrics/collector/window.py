@@ -77,8 +77,7 @@ class EpisodeWindow:
         }
 
     def load(self, state: dict[str, Any] | None, owner: str) -> None:
-        reducer = self.reducer
-        recent = LatestWindow(reducer.size, reducer.names, stats=reducer.stats)
+        reducer, entries = self.reducer, []
         if state is not None:
             if state["size"] != reducer.size or tuple(state["names"]) != reducer.names:
                 raise ValueError(
@@ -87,6 +86,5 @@ class EpisodeWindow:
                     f"{reducer.names!r} over {reducer.size}."
                 )
             entries = [(tuple(key), values) for key, values in state["entries"]]
-            recent = LatestWindow(reducer.size, reducer.names, stats=reducer.stats, entries=entries)
             self.clocks = tuple(state["clocks"])  # type: ignore[assignment]
-        self.recent = recent
+        self.recent = LatestWindow(reducer.size, reducer.names, stats=reducer.stats, entries=entries)
