@@ -13,6 +13,7 @@ in-process mixin cannot work). Under ``type``, ``copy`` and ``pickle``:
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import threading
 from collections.abc import Callable
@@ -43,7 +44,6 @@ __all__ = [
 
 _PREFIX = "Observed@"
 _CLASSES: dict[tuple[type, str | None], type] = {}
-_METACLASSES: dict[type, type] = {}
 _NOT_COPIED = {"__dict__", "__weakref__", "__slots__", "__module__", "__qualname__", "__doc__"}
 #: Held while a source switches between observed and plain.
 ATTACH_LOCK = threading.RLock()
@@ -199,21 +199,19 @@ class ObservedSource:
         return stats if observers is None else observers.contribute_stats(stats)
 
 
+@functools.cache
 def _observed_metaclass(meta: type) -> type:
     """The metaclass of observed classes whose torchrl class has metaclass ``meta``: calling one builds a plain torchrl object."""
-    cls = _METACLASSES.get(meta)
-    if cls is None:
 
-        def __call__(cls: type, *args: Any, **kwargs: Any) -> Any:
-            return torchrl_class(cls)(*args, **kwargs)
+    def __call__(cls: type, *args: Any, **kwargs: Any) -> Any:
+        return torchrl_class(cls)(*args, **kwargs)
 
-        def __repr__(cls: type) -> str:
-            return repr(torchrl_class(cls))
+    def __repr__(cls: type) -> str:
+        return repr(torchrl_class(cls))
 
-        methods = {"__call__": __call__, "__repr__": __repr__}
-        cls = type(meta)(f"Observed{meta.__name__}", (meta,), methods)
-        _METACLASSES[meta] = cls
-    return cls
+    return type(meta)(
+        f"Observed{meta.__name__}", (meta,), {"__call__": __call__, "__repr__": __repr__}
+    )
 
 
 def observed_class(base: type, context: str | None = None) -> type:

@@ -107,13 +107,8 @@ SHARED_COPIES_RUN = "in the workers of the collectors writing into it"
 class ReplayBufferObservers(ObserverList):
     """The observers of one in-process replay buffer; one shared with workers (``shared=True``) refuses ``on_error="raise"``."""
 
-    def __init__(
-        self,
-        source: Any,
-        emits: tuple[str, ...] = REPLAY_BUFFER_EVENTS,
-        target_name: str = "replay buffer",
-    ) -> None:
-        super().__init__(source, emits, target_name)
+    def __init__(self, source: Any) -> None:
+        super().__init__(source, REPLAY_BUFFER_EVENTS, "replay buffer")
 
     def add(self, observer: Any, on_error: str | None = None) -> Any:
         entry = super().add(observer, on_error)
@@ -161,8 +156,8 @@ class PrefetchingBufferObservers(ReplayBufferObservers):
     drops leave nothing behind.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, source: Any) -> None:
+        super().__init__(source)
         # Held from a sample()'s peek at the queue to the end of its event: observed
         # sample() calls take turns, so observers never run in two threads at once.
         self._handing = threading.RLock()
@@ -214,8 +209,4 @@ class ObservedPrefetchingReplayBuffer(ObservedReplayBuffer):
         return observers.hand_over(sample, args, kwargs)
 
 
-@torch.compiler.disable
-def _hand_over_outside_graph(
-    observers: PrefetchingBufferObservers, sample: Callable[..., Any], args: Any, kwargs: Any
-) -> Any:
-    return observers.hand_over(sample, args, kwargs)
+_hand_over_outside_graph = torch.compiler.disable(PrefetchingBufferObservers.hand_over)

@@ -52,7 +52,7 @@ class LatestReducer(_Reducer):
         key: str,
         size: int,
         names: Sequence[str],
-        stats: Sequence[Sequence[str]],
+        stats: Sequence[Sequence[str]] | None,
     ) -> None:
         super().__init__(bank, offset, key)
         empty = LatestWindow(size, names, stats=stats)  # validates
@@ -151,5 +151,4 @@ def latest_reducer(
     stats: Sequence[Sequence[str]] | None = None,
 ) -> LatestReducer:
     """Registers a :class:`LatestReducer` in ``bank``, pulled as ``key``."""
-    stats = (("mean",),) * len(tuple(names)) if stats is None else stats
     return bank._register(LatestReducer(bank, bank._width, key, size, names, stats))

@@ -525,10 +525,9 @@ def sketch_key_range(p: int) -> tuple[int, int]:
 
 def sketch_bucket_value(key: int, p: int) -> float:
     """The point reported for the magnitude bucket ``key``: ``2 L U / (L + U)``, as far (relatively) from either bound."""
-    shift = _F32_MANTISSA - p
     exponent, mantissa = divmod(key, 1 << p)
     low = math.ldexp(1.0 + mantissa * 2.0**-p, exponent - _F32_BIAS)
-    high = math.ldexp(1.0 + (mantissa + 1) * 2.0**-p, exponent - _F32_BIAS) if shift else low
+    high = math.ldexp(1.0 + (mantissa + 1) * 2.0**-p, exponent - _F32_BIAS)
     return 2.0 * low * high / (low + high)
 
 

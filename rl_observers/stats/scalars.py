@@ -267,9 +267,7 @@ class BinCounts(Partial):
         self.nan = float(nan)
         self.sum, self.sum_squares = float(sum), float(sum_squares)
         self.min, self.max = float(min), float(max)
-        if counts is None:
-            counts = (0.0,) * (len(self.edges) + 1)
-        self.counts = tuple(float(c) for c in counts)
+        self.counts = tuple(map(float, (0.0,) * (len(edges) + 1) if counts is None else counts))
         if len(self.counts) != len(self.edges) + 1:
             raise ValueError(
                 f"counts must have len(edges) + 1 = {len(self.edges) + 1} entries, "
