@@ -96,7 +96,7 @@ class Delivery:
 
     Args:
         owner (Owner): its ``logger``, ``queue``, ``on_error``, ``name``,
-            ``background``, ``poll_remote(deadline)`` and ``health()``.
+            ``background``, ``wing.poll(deadline)`` and ``health()``.
         health_interval, log_health: as for :class:`~rl_observers.MetricsChannel`.
     """
 
@@ -109,7 +109,7 @@ class Delivery:
         self._log_scalar = getattr(logger, "log_scalar", None)
         self.queue = queue = owner.queue
         self.on_error, self.name = owner.on_error, owner.name
-        self._poll = owner.poll_remote
+        self._poll = owner.wing.poll
         self._health_interval = health_interval
         self._log_health_always = log_health
         # failures reported (sink, partials, routers, health) and losses counted by the queue:

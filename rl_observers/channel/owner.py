@@ -90,8 +90,8 @@ class Owner:
         name: str,
         background: bool,
         health_interval: float | None,
-        log_health: bool = False,
-        make_wing: Callable[[Owner], Wing] = lambda owner: Wing(),  # called before delivery starts
+        log_health: bool,
+        make_wing: Callable[[Owner], Wing],  # called before delivery starts
     ) -> None:
         if isinstance(logger, type):
             raise TypeError(
@@ -155,9 +155,6 @@ class Owner:
         """The ``health()`` counters that count something lost (a ``False`` flush warns of them)."""
         return ("dropped", "sink_errors", *self.wing.losses)
 
-    def poll_remote(self, deadline: float | None) -> None:
-        self.wing.poll(deadline)
-
     def flush(self, timeout: float | None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         settled = self.wing.flush(deadline)
@@ -183,18 +180,6 @@ class Owner:
             live.append(ref)
             self._close_callbacks = live
 
-    def _run_close_callbacks(self) -> None:
-        with self._lock:
-            callbacks, self._close_callbacks = self._close_callbacks, []
-        for ref in callbacks:
-            callback = ref()
-            if callback is None:
-                continue
-            try:
-                callback()
-            except Exception as err:
-                self.delivery.report(err, f"close callback {callback!r} raised")
-
     def close(self, timeout: float | None = None, *, at_exit: bool = False) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
@@ -204,7 +189,14 @@ class Owner:
         if first:
             # what other processes already sent is read first, so that close callbacks see it
             orphaned = self.wing.before_close()
-            self._run_close_callbacks()
+            with self._lock:
+                callbacks, self._close_callbacks = self._close_callbacks, []
+            for callback in (ref() for ref in callbacks):
+                try:
+                    if callback is not None:  # its object is gone
+                        callback()
+                except Exception as err:
+                    self.delivery.report(err, f"close callback {callback!r} raised")
             self.wing.close(deadline)
             self.closed = True
             self.queue.close()
