@@ -49,8 +49,6 @@ def check_on_error(on_error: Any) -> str:
     return on_error
 
 _SIGNALS = {event: signals.signal_for(event) for event in signals.EVENT_PAYLOADS}
-# Attributes named ``on_*`` that are not events.
-_NOT_EVENTS = frozenset({"on_error"})
 #: The optional names an observer may define besides its ``on_<event>`` methods.
 OPTIONAL_HOOKS: tuple[str, ...] = (
     "attached",
@@ -105,29 +103,12 @@ class Observer:
         """Called once on the original when its copies are gone (all detached, or ``target`` shut down)."""
 
 
-def _check_optional_hooks(observer: Any) -> None:
-    """Refuses a public name that looks like a misspelled optional hook (``attach`` for ``attached``)."""
-    for attr in dir(observer):
-        if attr.startswith("_") or attr in OPTIONAL_HOOKS or (attr.startswith("on_") and attr[3:] in signals.EVENT_PAYLOADS):
-            continue
-        close = difflib.get_close_matches(attr, OPTIONAL_HOOKS, n=1, cutoff=0.84)
-        if close:
-            raise ValueError(
-                f"{type(observer).__name__}.{attr} looks like a misspelled {close[0]!r}, which "
-                f"rl_observers would then never call; the optional hooks are "
-                f"{', '.join(OPTIONAL_HOOKS)}. Did you mean {close[0]!r}? (Rename it if it is "
-                "meant to be something else.)"
-            )
-
-
 def _event_methods(observer: Any) -> dict[str, Callable[..., Any]]:
     """Returns every bound event method of ``observer``, checking names and signatures."""
     known = signals.EVENT_PAYLOADS
     methods: dict[str, Callable[..., Any]] = {}
     for attr in dir(type(observer)):
-        if not attr.startswith("on_") or attr in _NOT_EVENTS:
-            continue
-        method = getattr(observer, attr, None)
+        method = getattr(observer, attr, None) if attr.startswith("on_") and attr != "on_error" else None
         if not callable(method):
             continue
         event = attr[3:]
@@ -251,8 +232,17 @@ def resolve_observer(
         on_error = own if isinstance(own, str) else "warn"
     check_on_error(on_error)
     every = _event_methods(observer)
-    if every:  # a plain callable has no hooks to misspell
-        _check_optional_hooks(observer)
+    for attr in dir(observer) if every else ():  # a name like a misspelled hook (a callable has none)
+        if attr.startswith("_") or attr in OPTIONAL_HOOKS or (attr.startswith("on_") and attr[3:] in signals.EVENT_PAYLOADS):
+            continue
+        close = difflib.get_close_matches(attr, OPTIONAL_HOOKS, n=1, cutoff=0.84)
+        if close:
+            raise ValueError(
+                f"{type(observer).__name__}.{attr} looks like a misspelled {close[0]!r}, which "
+                f"rl_observers would then never call; the optional hooks are "
+                f"{', '.join(OPTIONAL_HOOKS)}. Did you mean {close[0]!r}? (Rename it if it is "
+                "meant to be something else.)"
+            )
     wanted = getattr(observer, "observed_events", None)
     if wanted is not None:  # an observer may narrow the events it defines methods for
         unknown = set(wanted) - set(every)
@@ -346,7 +336,6 @@ class ObserverList:
 
     @property
     def call_transform(self) -> CallTransform | None:
-        """The installed call transform, or ``None``."""
         return self._call_transform
 
     def _rebuild(self) -> None:
@@ -499,6 +488,16 @@ def _pickle_apart(observers: ObserverList, attached: list[tuple[Any, str]]) -> l
         busy.discard(id(observers))
 
 
+def _describe(observer: Any) -> str:
+    """``repr(observer)`` and its class, to name an observer where it could not be unpickled."""
+    cls = type(observer)
+    try:
+        text = repr(observer)
+    except Exception:
+        text = f"<{cls.__qualname__}>"
+    return f"{text} ({cls.__module__}.{cls.__qualname__})"
+
+
 def dumps(obj: Any, *, by_value: bool = False, spawn: bool = False) -> bytes:
     """``obj`` pickled to travel to another process: the one pickling helper of the package.
 
@@ -522,16 +521,6 @@ def dumps(obj: Any, *, by_value: bool = False, spawn: bool = False) -> bytes:
         pickler.dispatch_table = ChainMap(ForkingPickler._extra_reducers, pickler.dispatch_table)
     pickler.dump(obj)
     return buffer.getvalue()
-
-
-def _describe(observer: Any) -> str:
-    """``repr(observer)`` and its class, to name an observer where it could not be unpickled."""
-    cls = type(observer)
-    try:
-        text = repr(observer)
-    except Exception:
-        text = f"<{cls.__qualname__}>"
-    return f"{text} ({cls.__module__}.{cls.__qualname__})"
 
 
 class ObserverLeftBehind:
