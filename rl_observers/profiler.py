@@ -8,6 +8,7 @@ of taking the ``post_collect_hook`` slot. See :doc:`migration`.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import threading
 import time
@@ -34,21 +35,13 @@ _IDLE, _RUNNING, _DONE = "idle", "running", "done"
 _PROCESS_SLOT: list[tuple[int, Any] | None] = [None]
 _PROCESS_SLOT_LOCK = threading.Lock()
 _UNSET: Any = object()
-#: The profiling options of ``enable_profile`` and :class:`ProfilerObserver`, with torchrl's defaults.
+#: The profiling options of ``enable_profile`` and :class:`ProfilerObserver`, with torchrl's defaults
+#: (read from torchrl's ``enable_profile``, before :func:`install_profiling` replaces it).
 CONFIG_DEFAULTS: dict[str, Any] = {
-    "workers": None,
-    "num_rollouts": 3,
-    "warmup_rollouts": 1,
-    "save_path": None,
-    "activities": None,
-    "record_shapes": True,
-    "profile_memory": False,
-    "with_stack": True,
-    "with_flops": False,
-    "on_trace_ready": None,
+    name: parameter.default
+    for name, parameter in inspect.signature(BaseCollector.enable_profile).parameters.items()
+    if parameter.kind is parameter.KEYWORD_ONLY and not name.startswith("_")
 }
-
-
 CONFIG_KEYS: tuple[str, ...] = tuple(CONFIG_DEFAULTS)
 #: :class:`ProfilerObserver`'s defaults: torchrl's without Python stacks (traces ~8x smaller).
 OBSERVER_DEFAULTS: dict[str, Any] = {**CONFIG_DEFAULTS, "with_stack": False}
@@ -460,11 +453,7 @@ class ProfilerObserver(Observer):
 
     def __repr__(self) -> str:
         c = self.config
-        start = "".join(
-            f"{name}={getattr(self, name)!r}, "
-            for name in ("start_after_frames", "start_after_batches", "start_when")
-            if getattr(self, name)
-        )
+        start = "".join(f"{name}={getattr(self, name)!r}, " for name in _PICKLED[2:] if getattr(self, name))
         return (
             f"{type(self).__name__}(workers={c.workers!r}, num_rollouts={c.num_rollouts}, "
             f"warmup_rollouts={c.warmup_rollouts}, save_path={c.save_path!r}, {start}state={self._state!r})"
