@@ -49,6 +49,7 @@ def check_on_error(on_error: Any) -> str:
     return on_error
 
 _SIGNALS = {event: signals.signal_for(event) for event in signals.EVENT_PAYLOADS}
+_EVENT_METHODS = {f"on_{event}" for event in signals.EVENT_PAYLOADS}
 #: The optional names an observer may define besides its ``on_<event>`` methods.
 OPTIONAL_HOOKS: tuple[str, ...] = (
     "attached",
@@ -103,12 +104,27 @@ class Observer:
         """Called once on the original when its copies are gone (all detached, or ``target`` shut down)."""
 
 
+def _check_optional_hooks(observer: Any) -> None:
+    """Refuses a public name that looks like a misspelled optional hook (``attach`` for ``attached``)."""
+    for attr in sorted(set(dir(observer)) - set(OPTIONAL_HOOKS) - _EVENT_METHODS):
+        close = not attr.startswith("_") and difflib.get_close_matches(attr, OPTIONAL_HOOKS, 1, 0.84)
+        if close:
+            raise ValueError(
+                f"{type(observer).__name__}.{attr} looks like a misspelled {close[0]!r}, which "
+                f"rl_observers would then never call; the optional hooks are "
+                f"{', '.join(OPTIONAL_HOOKS)}. Did you mean {close[0]!r}? (Rename it if it is "
+                "meant to be something else.)"
+            )
+
+
 def _event_methods(observer: Any) -> dict[str, Callable[..., Any]]:
     """Returns every bound event method of ``observer``, checking names and signatures."""
     known = signals.EVENT_PAYLOADS
     methods: dict[str, Callable[..., Any]] = {}
     for attr in dir(type(observer)):
-        method = getattr(observer, attr, None) if attr.startswith("on_") and attr != "on_error" else None
+        if not attr.startswith("on_") or attr == "on_error":
+            continue
+        method = getattr(observer, attr, None)
         if not callable(method):
             continue
         event = attr[3:]
@@ -132,9 +148,7 @@ def _check_signature(owner: Any, attr: str, fn: Callable[..., Any], nargs: int) 
     try:
         signature.bind(*range(nargs))
     except TypeError:
-        names = ", ".join(
-            ["source", *signals.EVENT_PAYLOADS.get(attr[3:], ("batch",))][:nargs]
-        )
+        names = ", ".join(["source", *signals.EVENT_PAYLOADS.get(attr[3:], ("batch",))][:nargs])
         raise TypeError(
             f"{type(owner).__name__}.{attr} must accept ({names}), "
             f"got a method with signature {signature}."
@@ -232,17 +246,8 @@ def resolve_observer(
         on_error = own if isinstance(own, str) else "warn"
     check_on_error(on_error)
     every = _event_methods(observer)
-    for attr in dir(observer) if every else ():  # a name like a misspelled hook (a callable has none)
-        if attr.startswith("_") or attr in OPTIONAL_HOOKS or (attr.startswith("on_") and attr[3:] in signals.EVENT_PAYLOADS):
-            continue
-        close = difflib.get_close_matches(attr, OPTIONAL_HOOKS, n=1, cutoff=0.84)
-        if close:
-            raise ValueError(
-                f"{type(observer).__name__}.{attr} looks like a misspelled {close[0]!r}, which "
-                f"rl_observers would then never call; the optional hooks are "
-                f"{', '.join(OPTIONAL_HOOKS)}. Did you mean {close[0]!r}? (Rename it if it is "
-                "meant to be something else.)"
-            )
+    if every:  # a plain callable has no hooks to misspell
+        _check_optional_hooks(observer)
     wanted = getattr(observer, "observed_events", None)
     if wanted is not None:  # an observer may narrow the events it defines methods for
         unknown = set(wanted) - set(every)

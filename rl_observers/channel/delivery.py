@@ -1,10 +1,4 @@
-"""The owner's delivery: the one place where pending payloads become logger calls.
-
-:class:`Delivery` takes entries from the queue in its daemon thread (or the
-caller's), with the ``on_error`` policy and the channel's health. A payload of
-a class a :class:`Router` was registered for goes to that router, which
-returns the rows to write.
-"""
+"""The owner's delivery: the one place where pending payloads become logger calls (or a :class:`Router`'s rows)."""
 
 from __future__ import annotations
 
@@ -52,20 +46,13 @@ def counts_line(counts: Mapping[str, int]) -> str:
         >>> counts_line({"submitted": 5, "logged": 2, "pending": 0, "dropped": 1, "sink_errors": 2})
         'submitted 5, logged 2, pending 0, dropped 1, failed (sink_errors) 2'
     """
-    parts = [
-        f"{label} {counts[key]}"
-        for key, label in (
-            ("submitted", "submitted"),
-            ("logged", "logged"),
-            ("pending", "pending"),
-            ("coalesced", "coalesced"),
-            ("dropped", "dropped"),
-            ("sink_errors", "failed (sink_errors)"),
-            ("copies_lost", "copies lost"),
-        )
-        if key in counts and (counts[key] or key in ("submitted", "logged", "pending", "dropped", "sink_errors"))
-    ]
-    return ", ".join(parts)
+    labels = {"sink_errors": "failed (sink_errors)", "copies_lost": "copies lost"}
+    keys = ("submitted", "logged", "pending", "coalesced", "dropped", "sink_errors", "copies_lost")
+    return ", ".join(
+        f"{labels.get(key, key)} {counts[key]}"
+        for key in keys  # coalesced and copies_lost only when some
+        if counts.get(key) or (key in counts and key not in ("coalesced", "copies_lost"))
+    )
 
 
 def health_problem(counts: Mapping[str, int], capacity: int) -> bool:
@@ -356,7 +343,7 @@ class Delivery:
         with self._lock:
             self.drain()
             self._router_rows("finish")
-            self._log_health(when=self.final_health)
+            self._log_health(self.final_health)
 
     def stop(self, at_exit: bool) -> None:
         """Asks the thread to deliver what is left and stop (or delivers it here)."""

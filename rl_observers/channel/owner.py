@@ -1,9 +1,7 @@
-"""What a channel owns in its own process, and where the cross-process wing plugs in.
+"""What a channel owns in its own process, and where the cross-process :class:`Wing` plugs in.
 
-Step **channel** of the flow. The :class:`Owner` holds the queue, the
-delivery thread, the close callbacks and one :class:`Wing`. Threads
-reference the owner, never the public channel, so an unreferenced channel
-is collected and its finalizer stops them.
+Threads reference the :class:`Owner`, never the public channel, so an
+unreferenced channel is collected and its finalizer stops them.
 """
 
 from __future__ import annotations
@@ -140,7 +138,8 @@ class Owner:
             if error is not None:
                 self.delivery.report(error, f"could not merge a partial of namespace {payload.namespace!r}")
             return
-        self.queue.count_lost(held, 1 - held)  # those merged on the way no longer count as coalesced
+        # those merged on the way no longer count as coalesced
+        self.queue.count_lost(held, 1 - held)
         with self._lock:
             warn = not self._closed_warned and self.on_error != "ignore"
             self._closed_warned = True

@@ -17,9 +17,6 @@ from rl_observers.stats import LastEvent
 
 __all__ = ["LiveConsole"]
 
-#: Channel counters that mean something was lost (see ``MetricsChannel.health``).
-LOSS_COUNTERS: tuple[str, ...] = ("dropped", "sink_errors", "copies_lost")
-
 
 class _Rate:
     """A cumulative counter and its rate since the first row that carried it, over the rows' source times (:class:`~rl_observers.stats.LastEvent`)."""
@@ -37,7 +34,8 @@ class _Rate:
 
     @property
     def rate(self) -> float:
-        return (self.total - self.first) / (self.at - self.since) if self.at > self.since else math.nan
+        elapsed = self.at - self.since
+        return (self.total - self.first) / elapsed if elapsed > 0 else math.nan
 
 
 class LiveConsole:
@@ -105,7 +103,7 @@ class LiveConsole:
         self._bar: Any = None
         self._closed = False
         self._warned = False
-        self._exit = contextlib.ExitStack()  # what close() ends: the bar, the redirection of log lines
+        self._exit = contextlib.ExitStack()  # close() ends the bar and the log lines' redirection
         if mode == "bar":
             from tqdm import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm
@@ -150,8 +148,9 @@ class LiveConsole:
                 value = get(prefix + name)
                 if isinstance(value, (int, float)):
                     rates.setdefault(namespace, _Rate()).update(float(value), at)
-            rolling = [key for key in payload if key.startswith(prefix + "episode_return_mean_last_")]
-            value = get(rolling[0]) if rolling else get(prefix + "episode_return_mean")
+            rolling = prefix + "episode_return_mean_last_"
+            value = next((v for k, v in payload.items() if k.startswith(rolling)), None)
+            value = get(prefix + "episode_return_mean") if value is None else value
             if isinstance(value, (int, float)):
                 self._returns[namespace] = float(value)
             workers = get(prefix + "workers")
@@ -163,14 +162,15 @@ class LiveConsole:
         with self._lock:
             parts = []
             # the sources' rates added up (NaN before any has one)
-            known = [[r.rate for r in rates.values() if r.rate == r.rate] for rates in (self._frames, self._samples)]
-            fps, samples = (sum(k) if k else math.nan for k in known)
+            rates = ([r.rate for r in s.values() if r.rate == r.rate] for s in (self._frames, self._samples))
+            fps, samples = (sum(known) if known else math.nan for known in rates)
             if self._frames:
                 parts.append(f"frames {sum(r.total for r in self._frames.values()):,.0f}")
                 if fps == fps:
                     parts.append(f"{fps:,.0f} fps")
             for namespace, value in self._returns.items():
-                parts.append(f"return {value:.2f}" if len(self._returns) == 1 else f"{namespace} return {value:.2f}")
+                name = "" if len(self._returns) == 1 else f"{namespace} "
+                parts.append(f"{name}return {value:.2f}")
             if samples == samples:
                 parts.append(f"{samples:,.0f} samples/s")
             if self._workers:
@@ -178,7 +178,7 @@ class LiveConsole:
                 total = sum(w for _, w in self._workers.values())
                 parts.append(f"workers {reporting:.0f}/{total:.0f}")
         health = self.channel.health()
-        lost = sum(health.get(name, 0) for name in LOSS_COUNTERS)
+        lost = sum(health.get(name, 0) for name in ("dropped", "sink_errors", "copies_lost"))
         if lost:
             parts.append(f"lost {lost:,}")
         return " | ".join(parts)

@@ -134,7 +134,6 @@ class HistogramDrawer:
             except (ImportError, AttributeError):
                 continue
         self.channel: MetricsChannel | None = None
-        self.drawn = 0
 
     def __call__(self, namespace: str, metrics: Mapping[str, Any], payload: Any, step: int | None) -> None:
         """The channel's watcher: draws the row's distributions."""
@@ -155,7 +154,6 @@ class HistogramDrawer:
             name = key.removesuffix("_quantiles")
             draw = self._tensorboard if self.backend == "tensorboard" else self._binned
             draw(f"{namespace}/{name}" if namespace else name, edges, counts, step, value)
-            self.drawn += 1
 
     def _tensorboard(
         self, tag: str, edges: list[float], counts: list[float], step: int | None, partial: Any

@@ -1,9 +1,4 @@
-"""TrainingMetrics: values of the training loop (losses, gradient norms, learning rates) in one line.
-
-The training loop is a source of its own: its values are folded where they
-are, reach the host once per window, and go to the same
-:class:`~rl_observers.MetricsChannel` as the same mergeable partials.
-"""
+"""TrainingMetrics: values of the training loop (losses, gradient norms, learning rates) in one line."""
 
 from __future__ import annotations
 
@@ -114,7 +109,7 @@ class TrainingMetrics:
         self._lock = threading.Lock()
         self._bank = ReducerBank()
         self._folds: dict[str, Any] = {}  # name -> the fold of its device reducer
-        self._host: dict[str, list[float]] = {}  # name -> its host numbers in the window (a handful)
+        self._host: dict[str, list[float]] = {}  # name -> its host numbers in the window
         self._slots: list[_DeviceSlots] = []
         self._due = every
         self._last_step: int | None = None
