@@ -73,7 +73,8 @@ def _rollout_schedule(config: ProfileConfig) -> Callable[[int], ProfilerAction]:
 
 def _recorded(fn: Callable[..., Any], observer: Any, event: str) -> Callable[..., Any]:
     # an observer object is named after its class, a plain function after itself
-    name = f"rl_observers/{getattr(observer, '__name__', None) or type(observer).__name__}.on_{event}"
+    owner = getattr(observer, "__name__", None) or type(observer).__name__
+    name = f"rl_observers/{owner}.on_{event}"
 
     def call(source: Any, *payload: Any) -> Any:
         with record_function(name):
@@ -213,7 +214,8 @@ class ProfilerObserver(Observer):
                 "ProfilerObserver takes either a ProfileConfig or configuration keywords, "
                 f"not both; got a config and {', '.join(sorted(given))}."
             )
-        for name, value in (("start_after_frames", start_after_frames), ("start_after_batches", start_after_batches)):
+        for name in ("start_after_frames", "start_after_batches"):
+            value = options[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"ProfilerObserver: {name} must be a non-negative int, got {value!r}.")
         if start_when is not None and not callable(start_when):

@@ -226,7 +226,8 @@ class Delivery:
 
     def _router_rows(self, method: str) -> None:
         """Writes the rows of each router's ``tick`` or ``finish`` (at close); a failure stops no other."""
-        what = "failed to log the last rows of namespace" if method == "finish" else "failed to log namespace"
+        last = "the last rows of " if method == "finish" else ""
+        what = f"failed to log {last}namespace"
         for kind, router in list(self._routers.items()):
             call = getattr(router, method, None)
             try:

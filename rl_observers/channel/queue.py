@@ -204,9 +204,7 @@ class PendingQueue:
     def has_pending(self, wanted: Callable[[Payload], bool]) -> bool:
         """Whether the payload of a pending or in-flight entry is ``wanted``."""
         with self._lock:
-            return any(
-                wanted(entry.payload) for entry in (*self._pending, self._in_flight) if entry is not None
-            )
+            return any(wanted(e.payload) for e in (*self._pending, self._in_flight) if e is not None)
 
     def _through_locked(self, target: int) -> bool:
         pending, in_flight = self._pending, self._in_flight

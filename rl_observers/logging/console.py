@@ -84,7 +84,8 @@ class LiveConsole:
     ) -> None:
         if mode not in ("auto", "bar", "plain"):
             raise ValueError(f"LiveConsole: mode must be one of 'auto', 'bar' or 'plain', got {mode!r}.")
-        channel = channel if isinstance(channel, MetricsChannel) else MetricsChannel.for_logger(channel)
+        if not isinstance(channel, MetricsChannel):
+            channel = MetricsChannel.for_logger(channel)
         self.channel = channel
         self.file = sys.stdout if file is None else file
         if mode == "auto":
@@ -155,7 +156,8 @@ class LiveConsole:
                 self._returns[namespace] = float(value)
             workers = get(prefix + "workers")
             if isinstance(workers, (int, float)):
-                self._workers[namespace] = (float(get(prefix + "workers_reporting", workers)), float(workers))
+                reporting = float(get(prefix + "workers_reporting", workers))
+                self._workers[namespace] = (reporting, float(workers))
 
     def line(self) -> str:
         """The line as it would be drawn now."""

@@ -113,7 +113,8 @@ def check_metric_names(sets: Sequence[MetricSet]) -> None:
     for index, metric_set in enumerate(sets):
         clash: dict[int, list[str]] = {}
         # the names it logs, as far as they are known before any data
-        for name in {*metric_set.metric_names(), *metric_set.counter_names, *metric_set.latest_gauges}:
+        names = {*metric_set.metric_names(), *metric_set.counter_names, *metric_set.latest_gauges}
+        for name in names:
             other = seen.setdefault(name, index)
             if other != index:
                 clash.setdefault(other, []).append(name)

@@ -40,18 +40,14 @@ def histogram_of(partial: Any) -> tuple[list[float], list[float]] | None:
     if not isinstance(partial, BinCounts):
         return None
     edges, counts = list(partial.edges), list(partial.counts)
-    if len(edges) == 1:
-        low_width = high_width = 1.0
-    else:
-        low_width, high_width = edges[1] - edges[0], edges[-1] - edges[-2]
-    inner = counts[1:-1]
+    inner = counts[1:-1]  # (a BinCounts has at least two edges)
     if counts[0]:
-        edges.insert(0, edges[0] - low_width)
+        edges.insert(0, edges[0] - (edges[1] - edges[0]))
         inner.insert(0, counts[0])
     if counts[-1]:
-        edges.append(edges[-1] + high_width)
+        edges.append(edges[-1] + (edges[-1] - edges[-2]))
         inner.append(counts[-1])
-    if len(edges) < 2 or not any(inner):
+    if not any(inner):
         return None
     return edges, inner
 

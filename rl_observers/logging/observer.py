@@ -382,7 +382,7 @@ class LoggerObserver(Observer):
             step = self._step_fn()
         else:
             step = counters.get(self.step_key) if self.step_key else None
-            if step is not None:  # a counter step (a count, >= 0): never below the namespace's last one
+            if step is not None:  # a count (>= 0): never below the namespace's last step
                 step = self._last_step = max(int(step), self._last_step or 0)
         payload = self._pull()
         self._clock.fired()
@@ -534,7 +534,10 @@ class LoggerObserver(Observer):
 
     def stats(self) -> dict[str, float]:
         """Entries contributed to the target's ``stats()`` (e.g. ``sample_calls``)."""
-        return {key: value for metric_set in self._sets or () for key, value in metric_set.stats().items()}
+        stats: dict[str, float] = {}
+        for metric_set in self._sets or ():
+            stats.update(metric_set.stats())
+        return stats
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to go on where this one stopped.

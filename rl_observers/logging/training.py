@@ -18,7 +18,8 @@ __all__ = ["TRAINING_RULES", "TrainingMetrics"]
 
 #: How :class:`TrainingMetrics` reduces a name over a window (and across ranks).
 TRAINING_RULES: tuple[str, ...] = ("mean", "sum", "min", "max", "latest", "summary")
-_SUMMARY, _MOMENTS = ("mean", "std", "min", "max"), ("count", "mean", "min", "max")
+# The moments each rule folds: a summary's are logged as they are, the others' give one number.
+_MOMENTS, _STATS = ("count", "mean", "min", "max"), {"summary": ("mean", "std", "min", "max")}
 
 
 def _reduced(name: str, rule: str, moments: Moments) -> Partial:
@@ -175,7 +176,7 @@ class TrainingMetrics:
                 "(keeping the last tensor would need a transfer of its own); pass a float, or "
                 "use 'mean' or 'max'."
             )
-        slots = _DeviceSlots(self._bank.moments(name, stats=_SUMMARY if rule == "summary" else _MOMENTS))
+        slots = _DeviceSlots(self._bank.moments(name, stats=_STATS.get(rule, _MOMENTS)))
         self._slots.append(slots)
         fold = self._folds[name] = slots.fold
         return fold
@@ -189,7 +190,7 @@ class TrainingMetrics:
             if rule == "latest" and values:
                 host[name] = Scalar(name, "latest", values[-1], stamp=0.0)
             elif values:
-                moments = Moments.from_values(name, values, stats=_SUMMARY if rule == "summary" else _MOMENTS)
+                moments = Moments.from_values(name, values, stats=_STATS.get(rule, _MOMENTS))
                 host[name] = _reduced(name, rule, moments)
             values.clear()
         self._pending.append((step, self._bank.copy_out(), host))
