@@ -263,10 +263,10 @@ class ProfilerObserver(Observer):
         if self.config.on_trace_ready is not None or self._attached_at is None:
             return {}
         paths = {}
-        for idx in self._workers_attached:
+        for idx in filter(self.config.should_profile_worker, self._workers_attached):
             path = self.config.get_save_path(idx)
             with contextlib.suppress(OSError):  # not written
-                if self.config.should_profile_worker(idx) and path.stat().st_mtime >= self._attached_at:
+                if path.stat().st_mtime >= self._attached_at:
                     paths[idx] = path
         return paths
 
@@ -275,7 +275,7 @@ class ProfilerObserver(Observer):
         count = getattr(source, "num_workers", None)  # multiprocessing collectors
         if not isinstance(count, int):
             count = getattr(source, "num_collectors", None)  # RayCollector
-        self._workers_attached = tuple(range(count)) if isinstance(count, int) and count > 0 else (0,)
+        self._workers_attached = tuple(range(count if isinstance(count, int) and count > 0 else 1))
         self._attached_at = time.time() - 1.0  # (file times have coarse resolution on some systems)
 
     prepare_copies = attached  # on the driver, before copies start in the target's workers

@@ -82,8 +82,7 @@ class Delivery:
     """Writes the owner's queue's entries to its logger, with the channel's error policy and health.
 
     Args:
-        owner (Owner): its ``logger``, ``queue``, ``on_error``, ``name``,
-            ``background``, ``wing.poll(deadline)`` and ``health()``.
+        owner (Owner): the channel's state here: its logger, queue, policy, wing and health.
         health_interval, log_health: as for :class:`~rl_observers.MetricsChannel`.
     """
 
@@ -99,8 +98,7 @@ class Delivery:
         self._poll = owner.wing.poll
         self._health_interval = health_interval
         self._log_health_always = log_health
-        # failures reported (sink, partials, routers, health) and losses counted by the queue:
-        # flush/close tell whether new ones came
+        # failures (sink, partials, routers, health) and the queue's losses: new ones since flush/close?
         self.failures = 0
         self._failures_seen = 0
         self._lost_seen = queue.losses()[0]
@@ -127,7 +125,8 @@ class Delivery:
         self._backlog = max(1, queue.capacity // 4)
         self.thread: threading.Thread | None = None
         if owner.background:
-            self.thread = threading.Thread(target=self._run, name=f"MetricsChannel[{self.name}]", daemon=True)
+            name = f"MetricsChannel[{self.name}]"
+            self.thread = threading.Thread(target=self._run, name=name, daemon=True)
             self.thread.start()
 
     def add_router(self, kind: type[Payload], router: Router) -> None:
@@ -352,14 +351,12 @@ class Delivery:
             self.final_health = "changed"
         self._stopping = True
         self._wake.set()
-        if self.thread is None:
-            if not at_exit:
-                self._final_delivery()
-            else:  # never hang the interpreter's exit on a blocking logger
-                self.thread = threading.Thread(
-                    target=self._final_delivery, name=f"MetricsChannel[{self.name}].exit", daemon=True
-                )
-                self.thread.start()
+        if self.thread is None and not at_exit:
+            self._final_delivery()
+        elif self.thread is None:  # never hang the interpreter's exit on a blocking logger
+            name = f"MetricsChannel[{self.name}].exit"
+            self.thread = threading.Thread(target=self._final_delivery, name=name, daemon=True)
+            self.thread.start()
 
     def release(self) -> None:
         """Lets the thread stop once it has drained (no lock: runs in a finalizer)."""

@@ -97,9 +97,7 @@ class Owner:
                 f"create the logger first, e.g. {logger.__name__}(exp_name=..., log_dir=...), "
                 "and pass that."
             )
-        if not callable(getattr(logger, "log_metrics", None)) and not callable(
-            getattr(logger, "log_scalar", None)
-        ):
+        if not any(callable(getattr(logger, name, None)) for name in ("log_metrics", "log_scalar")):
             raise TypeError(
                 "MetricsChannel expected a torchrl Logger or an object with "
                 f"log_metrics(metrics, step=None) or log_scalar(name, value, step), got {logger!r}."
@@ -173,8 +171,7 @@ class Owner:
         bound = getattr(callback, "__self__", None) is not None and hasattr(callback, "__func__")
         ref = weakref.WeakMethod(callback) if bound else (lambda: callback)  # type: ignore[arg-type]
         with self._lock:
-            # Forget the callbacks of objects already gone: observers attached and
-            # removed over and over do not make the list grow.
+            # forget those of objects gone: attaching and removing over and over does not grow it
             live = [r for r in self._close_callbacks if r() is not None]
             live.append(ref)
             self._close_callbacks = live

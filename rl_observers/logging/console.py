@@ -193,7 +193,7 @@ class LiveConsole:
         self._last_line = line
         if self._bar is not None:
             self._bar.n = sum(r.total for r in self._frames.values())
-            self._bar.set_postfix_str(line.split(" | ", 1)[1] if " | " in line else "", refresh=False)
+            self._bar.set_postfix_str(line.partition(" | ")[2], refresh=False)  # (frames: the bar)
             self._bar.refresh()
         else:
             self.file.write(line + "\n")

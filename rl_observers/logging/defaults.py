@@ -145,9 +145,7 @@ def as_sink(logger_or_channel: Any) -> tuple[Any, MetricsChannel | None]:
         )
     if isinstance(logger_or_channel, MetricsChannel):
         channel = logger_or_channel
-    elif callable(getattr(logger_or_channel, "log_metrics", None)) or callable(
-        getattr(logger_or_channel, "log_scalar", None)
-    ):
+    elif any(callable(getattr(logger_or_channel, m, None)) for m in ("log_metrics", "log_scalar")):
         channel = MetricsChannel.for_logger(logger_or_channel)
     else:
         raise TypeError(

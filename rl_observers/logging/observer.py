@@ -418,9 +418,8 @@ class LoggerObserver(Observer):
             ) from error
         same = ("schedule", "log_on_start", "log_on_close", "on_error", "report_interval")
         options = {key: getattr(self, key) for key in same}
-        view = LoggerObserver(
-            self._sink, metrics=tuple(sets), name=f"{self.name}/worker_{worker}", step=self.step_key, **options
-        )
+        name = f"{self.name}/worker_{worker}"
+        view = LoggerObserver(self._sink, metrics=sets, name=name, step=self.step_key, **options)
         view.attached(source)
         view._align_pending = False  # its counters are the worker's, not the source's
         return view
@@ -459,7 +458,8 @@ class LoggerObserver(Observer):
         """Called once its copies are attached in ``workers``: each must report, or counts lost."""
         channel = self._channel()
         if channel is not None:
-            channel._logging.copies_expected(self, [self._contribution.worker_of(w) for w in workers])
+            expected = [self._contribution.worker_of(w) for w in workers]
+            channel._logging.copies_expected(self, expected)
 
     def copies_removed(self, target: Any) -> None:
         """Called once its copies are gone: logs the aggregate's last windows (once) and frees the namespace."""
