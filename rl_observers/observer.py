@@ -497,16 +497,6 @@ def _pickle_apart(observers: ObserverList, attached: list[tuple[Any, str]]) -> l
         busy.discard(id(observers))
 
 
-def _describe(observer: Any) -> str:
-    """``repr(observer)`` and its class, to name an observer where it could not be unpickled."""
-    cls = type(observer)
-    try:
-        text = repr(observer)
-    except Exception:
-        text = f"<{cls.__qualname__}>"
-    return f"{text} ({cls.__module__}.{cls.__qualname__})"
-
-
 def dumps(obj: Any, *, by_value: bool = False, spawn: bool = False) -> bytes:
     """``obj`` pickled to travel to another process: the one pickling helper of the package.
 
@@ -530,6 +520,16 @@ def dumps(obj: Any, *, by_value: bool = False, spawn: bool = False) -> bytes:
         pickler.dispatch_table = ChainMap(ForkingPickler._extra_reducers, pickler.dispatch_table)
     pickler.dump(obj)
     return buffer.getvalue()
+
+
+def _describe(observer: Any) -> str:
+    """``repr(observer)`` and its class, to name an observer where it could not be unpickled."""
+    cls = type(observer)
+    try:
+        text = repr(observer)
+    except Exception:
+        text = f"<{cls.__qualname__}>"
+    return f"{text} ({cls.__module__}.{cls.__qualname__})"
 
 
 class ObserverLeftBehind:

@@ -189,7 +189,7 @@ class Owner:
                 callbacks, self._close_callbacks = self._close_callbacks, []
             for callback in (ref() for ref in callbacks):
                 try:
-                    if callback is not None:  # its object is gone
+                    if callback is not None:  # (None: its object is gone)
                         callback()
                 except Exception as err:
                     self.delivery.report(err, f"close callback {callback!r} raised")

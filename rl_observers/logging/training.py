@@ -131,10 +131,10 @@ class TrainingMetrics:
                     fold = self._folds.get(name) or self._device_fold(name)
                     fold(value)
                 else:
-                    values_of = self._host.get(name)
-                    if values_of is None:
-                        values_of = self._host[name] = []
-                    values_of.append(float(value))
+                    numbers = self._host.get(name)
+                    if numbers is None:
+                        numbers = self._host[name] = []
+                    numbers.append(float(value))
             self._last_step = step
             if step >= self._due:
                 self._close_window(step)
