@@ -49,8 +49,7 @@ def check_on_error(on_error: Any) -> str:
     return on_error
 
 _SIGNALS = {event: signals.signal_for(event) for event in signals.EVENT_PAYLOADS}
-# Attributes named ``on_*`` that are not events.
-_NOT_EVENTS = frozenset({"on_error"})
+_EVENT_METHODS = {f"on_{event}" for event in signals.EVENT_PAYLOADS}
 #: The optional names an observer may define besides its ``on_<event>`` methods.
 OPTIONAL_HOOKS: tuple[str, ...] = (
     "attached",
@@ -107,9 +106,8 @@ class Observer:
 
 def _check_optional_hooks(observer: Any) -> None:
     """Refuses a public name that looks like a misspelled optional hook (``attach`` for ``attached``)."""
-    for attr in dir(observer):
-        if attr.startswith("_") or attr in OPTIONAL_HOOKS or (attr.startswith("on_") and attr[3:] in signals.EVENT_PAYLOADS):
-            continue
+    public = {attr for attr in dir(observer) if not attr.startswith("_")}
+    for attr in sorted(public - set(OPTIONAL_HOOKS) - _EVENT_METHODS):
         close = difflib.get_close_matches(attr, OPTIONAL_HOOKS, n=1, cutoff=0.84)
         if close:
             raise ValueError(
@@ -125,18 +123,19 @@ def _event_methods(observer: Any) -> dict[str, Callable[..., Any]]:
     known = signals.EVENT_PAYLOADS
     methods: dict[str, Callable[..., Any]] = {}
     for attr in dir(type(observer)):
-        if not attr.startswith("on_") or attr in _NOT_EVENTS:
+        if not attr.startswith("on_") or attr == "on_error":
             continue
         method = getattr(observer, attr, None)
         if not callable(method):
             continue
         event = attr[3:]
         if event not in known:
-            close = difflib.get_close_matches(attr, [f"on_{e}" for e in sorted(known)] + ["on_error"], n=1)
+            names = sorted(_EVENT_METHODS)
+            close = difflib.get_close_matches(attr, [*names, "on_error"], n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise ValueError(
                 f"{type(observer).__name__}.{attr} is not an event method: events are "
-                f"{', '.join('on_' + e for e in sorted(known))}.{hint}"
+                f"{', '.join(names)}.{hint}"
             )
         _check_signature(observer, attr, method, 1 + len(known[event]))
         methods[event] = method
@@ -151,9 +150,7 @@ def _check_signature(owner: Any, attr: str, fn: Callable[..., Any], nargs: int) 
     try:
         signature.bind(*range(nargs))
     except TypeError:
-        names = ", ".join(
-            ["source", *signals.EVENT_PAYLOADS.get(attr[3:], ("batch",))][:nargs]
-        )
+        names = ", ".join(["source", *signals.EVENT_PAYLOADS.get(attr[3:], ("batch",))][:nargs])
         raise TypeError(
             f"{type(owner).__name__}.{attr} must accept ({names}), "
             f"got a method with signature {signature}."
@@ -181,13 +178,11 @@ class FailureStreaks:
         self.failing: set[Any] = set()
         self.failed_now: set[Any] = set()
 
-    def fail(
-        self, key: Any, error: Exception, policy: str, warning: Callable[[], str], *, per_key: bool = True
-    ) -> None:
-        """``key`` raised ``error``: raises, warns (once per streak) or records it; ``per_key=False`` makes one streak of all keys."""
+    def fail(self, key: Any, error: Exception, policy: str, warning: Callable[[], str]) -> None:
+        """``key`` raised ``error``: raises, warns (once per streak of ``key``) or records it."""
         if policy == "raise":
             raise error
-        if policy == "warn" and (key not in self.failing if per_key else not self.failing):
+        if policy == "warn" and key not in self.failing:
             torchrl_logger.warning(warning())
         self.failing.add(key)
         self.failed_now.add(key)
@@ -226,7 +221,9 @@ class _Entry(FailureStreaks):
                 f"reported once until {call} succeeds again."
             )
 
-        self.fail(event, error, self.on_error, warning, per_key=False)
+        # one streak for all its events: warned about when the first of them fails
+        policy = "ignore" if self.failing and self.on_error == "warn" else self.on_error
+        self.fail(event, error, policy, warning)
 
 
 class _ReceiverEntry(_Entry):
@@ -239,7 +236,9 @@ class _ReceiverEntry(_Entry):
 def _receiver_key(receiver: Any) -> Any:
     # blinker hands out a new bound method each time; key it by its object and function
     owner = getattr(receiver, "__self__", None)
-    return (id(owner), receiver.__func__) if owner is not None and hasattr(receiver, "__func__") else id(receiver)
+    if owner is not None and hasattr(receiver, "__func__"):
+        return id(owner), receiver.__func__
+    return id(receiver)
 
 
 def resolve_observer(
@@ -346,7 +345,6 @@ class ObserverList:
 
     @property
     def call_transform(self) -> CallTransform | None:
-        """The installed call transform, or ``None``."""
         return self._call_transform
 
     def _rebuild(self) -> None:
@@ -492,7 +490,7 @@ def _pickle_apart(observers: ObserverList, attached: list[tuple[Any, str]]) -> l
         raise ValueError("an observer reaches its own list: pickled inline")
     busy.add(id(observers))
     try:
-        return [(dumps(observer, spawn=True), on_error, _describe(observer)) for observer, on_error in attached]
+        return [(dumps(o, spawn=True), on_error, _describe(o)) for o, on_error in attached]
     except Exception:
         return None
     finally:

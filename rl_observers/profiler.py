@@ -8,6 +8,7 @@ of taking the ``post_collect_hook`` slot. See :doc:`migration`.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import threading
 import time
@@ -34,21 +35,13 @@ _IDLE, _RUNNING, _DONE = "idle", "running", "done"
 _PROCESS_SLOT: list[tuple[int, Any] | None] = [None]
 _PROCESS_SLOT_LOCK = threading.Lock()
 _UNSET: Any = object()
-#: The profiling options of ``enable_profile`` and :class:`ProfilerObserver`, with torchrl's defaults.
+#: The profiling options of ``enable_profile`` and :class:`ProfilerObserver`, with torchrl's defaults
+#: (read from torchrl's ``enable_profile``, before :func:`install_profiling` replaces it).
 CONFIG_DEFAULTS: dict[str, Any] = {
-    "workers": None,
-    "num_rollouts": 3,
-    "warmup_rollouts": 1,
-    "save_path": None,
-    "activities": None,
-    "record_shapes": True,
-    "profile_memory": False,
-    "with_stack": True,
-    "with_flops": False,
-    "on_trace_ready": None,
+    name: parameter.default
+    for name, parameter in inspect.signature(BaseCollector.enable_profile).parameters.items()
+    if parameter.kind is parameter.KEYWORD_ONLY and not name.startswith("_")
 }
-
-
 CONFIG_KEYS: tuple[str, ...] = tuple(CONFIG_DEFAULTS)
 #: :class:`ProfilerObserver`'s defaults: torchrl's without Python stacks (traces ~8x smaller).
 OBSERVER_DEFAULTS: dict[str, Any] = {**CONFIG_DEFAULTS, "with_stack": False}
@@ -80,7 +73,8 @@ def _rollout_schedule(config: ProfileConfig) -> Callable[[int], ProfilerAction]:
 
 def _recorded(fn: Callable[..., Any], observer: Any, event: str) -> Callable[..., Any]:
     # an observer object is named after its class, a plain function after itself
-    name = f"rl_observers/{getattr(observer, '__name__', None) or type(observer).__name__}.on_{event}"
+    owner = getattr(observer, "__name__", None) or type(observer).__name__
+    name = f"rl_observers/{owner}.on_{event}"
 
     def call(source: Any, *payload: Any) -> Any:
         with record_function(name):
@@ -220,7 +214,8 @@ class ProfilerObserver(Observer):
                 "ProfilerObserver takes either a ProfileConfig or configuration keywords, "
                 f"not both; got a config and {', '.join(sorted(given))}."
             )
-        for name, value in (("start_after_frames", start_after_frames), ("start_after_batches", start_after_batches)):
+        for name in ("start_after_frames", "start_after_batches"):
+            value = options[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"ProfilerObserver: {name} must be a non-negative int, got {value!r}.")
         if start_when is not None and not callable(start_when):
@@ -268,10 +263,10 @@ class ProfilerObserver(Observer):
         if self.config.on_trace_ready is not None or self._attached_at is None:
             return {}
         paths = {}
-        for idx in self._workers_attached:
+        for idx in filter(self.config.should_profile_worker, self._workers_attached):
             path = self.config.get_save_path(idx)
             with contextlib.suppress(OSError):  # not written
-                if self.config.should_profile_worker(idx) and path.stat().st_mtime >= self._attached_at:
+                if path.stat().st_mtime >= self._attached_at:
                     paths[idx] = path
         return paths
 
@@ -280,7 +275,7 @@ class ProfilerObserver(Observer):
         count = getattr(source, "num_workers", None)  # multiprocessing collectors
         if not isinstance(count, int):
             count = getattr(source, "num_collectors", None)  # RayCollector
-        self._workers_attached = tuple(range(count)) if isinstance(count, int) and count > 0 else (0,)
+        self._workers_attached = tuple(range(count if isinstance(count, int) and count > 0 else 1))
         self._attached_at = time.time() - 1.0  # (file times have coarse resolution on some systems)
 
     prepare_copies = attached  # on the driver, before copies start in the target's workers
@@ -460,11 +455,7 @@ class ProfilerObserver(Observer):
 
     def __repr__(self) -> str:
         c = self.config
-        start = "".join(
-            f"{name}={getattr(self, name)!r}, "
-            for name in ("start_after_frames", "start_after_batches", "start_when")
-            if getattr(self, name)
-        )
+        start = "".join(f"{name}={getattr(self, name)!r}, " for name in _PICKLED[2:] if getattr(self, name))
         return (
             f"{type(self).__name__}(workers={c.workers!r}, num_rollouts={c.num_rollouts}, "
             f"warmup_rollouts={c.warmup_rollouts}, save_path={c.save_path!r}, {start}state={self._state!r})"

@@ -113,9 +113,6 @@ TABLE: dict[str | None, dict[str, How]] = {
 
 use_table(TABLE)  # the one registration: every torchrl class -> how it is observed
 
-_INSTALLED = False
-
-
 
 def add_observer(self: Any, observer: Any, *, on_error: str | None = None) -> ObserverHandle:
     """Attaches ``observer`` to this collector or replay buffer.
@@ -215,10 +212,7 @@ def _on_receiver_disconnected(signal: Any, *, receiver: Any, sender: Any) -> Non
 
 def install() -> None:
     """Adds ``add_observer``, ``remove_observer`` and ``observers`` to torchrl's sources; idempotent."""
-    global _INSTALLED
-    with ATTACH_LOCK:
-        if _INSTALLED:
-            return
+    with ATTACH_LOCK:  # (blinker connects a receiver once, however often it is asked)
         for cls in (BaseCollector, ReplayBuffer):
             cls.add_observer = add_observer  # type: ignore[attr-defined]
             cls.remove_observer = remove_observer  # type: ignore[attr-defined]
@@ -226,4 +220,3 @@ def install() -> None:
         for signal in map(signals.signal_for, signals.EVENT_PAYLOADS):
             signal.receiver_connected.connect(_on_receiver_connected, weak=False)
             signal.receiver_disconnected.connect(_on_receiver_disconnected, weak=False)
-        _INSTALLED = True

@@ -1,10 +1,4 @@
-"""The owner's delivery: the one place where pending payloads become logger calls.
-
-:class:`Delivery` takes entries from the queue in its daemon thread (or the
-caller's), with the ``on_error`` policy and the channel's health. A payload of
-a class a :class:`Router` was registered for goes to that router, which
-returns the rows to write.
-"""
+"""The owner's delivery: the one place where pending payloads become logger calls (or a :class:`Router`'s rows)."""
 
 from __future__ import annotations
 
@@ -52,20 +46,13 @@ def counts_line(counts: Mapping[str, int]) -> str:
         >>> counts_line({"submitted": 5, "logged": 2, "pending": 0, "dropped": 1, "sink_errors": 2})
         'submitted 5, logged 2, pending 0, dropped 1, failed (sink_errors) 2'
     """
-    parts = [
-        f"{label} {counts[key]}"
-        for key, label in (
-            ("submitted", "submitted"),
-            ("logged", "logged"),
-            ("pending", "pending"),
-            ("coalesced", "coalesced"),
-            ("dropped", "dropped"),
-            ("sink_errors", "failed (sink_errors)"),
-            ("copies_lost", "copies lost"),
-        )
-        if key in counts and (counts[key] or key in ("submitted", "logged", "pending", "dropped", "sink_errors"))
-    ]
-    return ", ".join(parts)
+    labels = {"sink_errors": "failed (sink_errors)", "copies_lost": "copies lost"}
+    keys = ("submitted", "logged", "pending", "coalesced", "dropped", "sink_errors", "copies_lost")
+    return ", ".join(
+        f"{labels.get(key, key)} {counts[key]}"
+        for key in keys  # coalesced and copies_lost only when some
+        if counts.get(key) or (key in counts and key not in ("coalesced", "copies_lost"))
+    )
 
 
 def health_problem(counts: Mapping[str, int], capacity: int) -> bool:
@@ -95,8 +82,7 @@ class Delivery:
     """Writes the owner's queue's entries to its logger, with the channel's error policy and health.
 
     Args:
-        owner (Owner): its ``logger``, ``queue``, ``on_error``, ``name``,
-            ``background``, ``poll_remote(deadline)`` and ``health()``.
+        owner (Owner): the channel's state here: its logger, queue, policy, wing and health.
         health_interval, log_health: as for :class:`~rl_observers.MetricsChannel`.
     """
 
@@ -109,11 +95,10 @@ class Delivery:
         self._log_scalar = getattr(logger, "log_scalar", None)
         self.queue = queue = owner.queue
         self.on_error, self.name = owner.on_error, owner.name
-        self._poll = owner.poll_remote
+        self._poll = owner.wing.poll
         self._health_interval = health_interval
         self._log_health_always = log_health
-        # failures reported (sink, partials, routers, health) and losses counted by the queue:
-        # flush/close tell whether new ones came
+        # failures (sink, partials, routers, health) and the queue's losses: new ones since flush/close?
         self.failures = 0
         self._failures_seen = 0
         self._lost_seen = queue.losses()[0]
@@ -140,7 +125,8 @@ class Delivery:
         self._backlog = max(1, queue.capacity // 4)
         self.thread: threading.Thread | None = None
         if owner.background:
-            self.thread = threading.Thread(target=self._run, name=f"MetricsChannel[{self.name}]", daemon=True)
+            name = f"MetricsChannel[{self.name}]"
+            self.thread = threading.Thread(target=self._run, name=name, daemon=True)
             self.thread.start()
 
     def add_router(self, kind: type[Payload], router: Router) -> None:
@@ -239,7 +225,8 @@ class Delivery:
 
     def _router_rows(self, method: str) -> None:
         """Writes the rows of each router's ``tick`` or ``finish`` (at close); a failure stops no other."""
-        what = "failed to log the last rows of namespace" if method == "finish" else "failed to log namespace"
+        last = "the last rows of " if method == "finish" else ""
+        what = f"failed to log {last}namespace"
         for kind, router in list(self._routers.items()):
             call = getattr(router, method, None)
             try:
@@ -356,7 +343,7 @@ class Delivery:
         with self._lock:
             self.drain()
             self._router_rows("finish")
-            self._log_health(when=self.final_health)
+            self._log_health(self.final_health)
 
     def stop(self, at_exit: bool) -> None:
         """Asks the thread to deliver what is left and stop (or delivers it here)."""
@@ -364,14 +351,12 @@ class Delivery:
             self.final_health = "changed"
         self._stopping = True
         self._wake.set()
-        if self.thread is None:
-            if not at_exit:
-                self._final_delivery()
-            else:  # never hang the interpreter's exit on a blocking logger
-                self.thread = threading.Thread(
-                    target=self._final_delivery, name=f"MetricsChannel[{self.name}].exit", daemon=True
-                )
-                self.thread.start()
+        if self.thread is None and not at_exit:
+            self._final_delivery()
+        elif self.thread is None:  # never hang the interpreter's exit on a blocking logger
+            name = f"MetricsChannel[{self.name}].exit"
+            self.thread = threading.Thread(target=self._final_delivery, name=name, daemon=True)
+            self.thread.start()
 
     def release(self) -> None:
         """Lets the thread stop once it has drained (no lock: runs in a finalizer)."""

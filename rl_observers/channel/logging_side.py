@@ -73,26 +73,25 @@ class LoggingSide:
         """Queues what handles in other processes sent so far, waiting at most ``timeout`` for a busy receiver."""
         state = self._state
         if isinstance(state, Owner):
-            state.poll_remote(None if timeout is None else time.monotonic() + timeout)
+            state.wing.poll(None if timeout is None else time.monotonic() + timeout)
 
     def add_close_callback(self, callback: Callable[[], Any]) -> None:
         """Registers ``callback()`` to run once at close, before the final flush (held weakly if a bound method)."""
         self._state.add_close_callback(callback)
 
+    def _tell_wing(self, what: str, *args: Any) -> None:
+        note = getattr(getattr(self._state, "wing", None), what, None)
+        if note is not None:  # a wing that does not track copies, or a forked child's stand-in
+            note(*args)
+
     def copies_attached(self, feeder: Any, description: str) -> None:
         """Notes that copies of ``feeder`` send here from other processes: until :meth:`copies_gone`, ``close`` warns."""
-        note = getattr(getattr(self._state, "wing", None), "copies_attached", None)
-        if note is not None:
-            note(feeder, description)
+        self._tell_wing("copies_attached", feeder, description)
 
     def copies_expected(self, feeder: Any, workers: Any) -> None:
         """Notes the workers ``feeder``'s copies were attached in; one never heard from counts in ``copies_lost``."""
-        note = getattr(getattr(self._state, "wing", None), "copies_expected", None)
-        if note is not None:
-            note(feeder, workers)
+        self._tell_wing("copies_expected", feeder, workers)
 
     def copies_gone(self, feeder: Any) -> None:
         """Notes that ``feeder``'s copies are gone (removed, or their source shut down)."""
-        note = getattr(getattr(self._state, "wing", None), "copies_gone", None)
-        if note is not None:
-            note(feeder)
+        self._tell_wing("copies_gone", feeder)

@@ -1,9 +1,7 @@
-"""What a channel owns in its own process, and where the cross-process wing plugs in.
+"""What a channel owns in its own process, and where the cross-process :class:`Wing` plugs in.
 
-Step **channel** of the flow. The :class:`Owner` holds the queue, the
-delivery thread, the close callbacks and one :class:`Wing`. Threads
-reference the owner, never the public channel, so an unreferenced channel
-is collected and its finalizer stops them.
+Threads reference the :class:`Owner`, never the public channel, so an
+unreferenced channel is collected and its finalizer stops them.
 """
 
 from __future__ import annotations
@@ -90,8 +88,8 @@ class Owner:
         name: str,
         background: bool,
         health_interval: float | None,
-        log_health: bool = False,
-        make_wing: Callable[[Owner], Wing] = lambda owner: Wing(),  # called before delivery starts
+        log_health: bool,
+        make_wing: Callable[[Owner], Wing],  # called before delivery starts
     ) -> None:
         if isinstance(logger, type):
             raise TypeError(
@@ -99,9 +97,7 @@ class Owner:
                 f"create the logger first, e.g. {logger.__name__}(exp_name=..., log_dir=...), "
                 "and pass that."
             )
-        if not callable(getattr(logger, "log_metrics", None)) and not callable(
-            getattr(logger, "log_scalar", None)
-        ):
+        if not any(callable(getattr(logger, name, None)) for name in ("log_metrics", "log_scalar")):
             raise TypeError(
                 "MetricsChannel expected a torchrl Logger or an object with "
                 f"log_metrics(metrics, step=None) or log_scalar(name, value, step), got {logger!r}."
@@ -140,7 +136,8 @@ class Owner:
             if error is not None:
                 self.delivery.report(error, f"could not merge a partial of namespace {payload.namespace!r}")
             return
-        self.queue.count_lost(held, 1 - held)  # those merged on the way no longer count as coalesced
+        # those merged on the way no longer count as coalesced
+        self.queue.count_lost(held, 1 - held)
         with self._lock:
             warn = not self._closed_warned and self.on_error != "ignore"
             self._closed_warned = True
@@ -154,9 +151,6 @@ class Owner:
     def loss_keys(self) -> tuple[str, ...]:
         """The ``health()`` counters that count something lost (a ``False`` flush warns of them)."""
         return ("dropped", "sink_errors", *self.wing.losses)
-
-    def poll_remote(self, deadline: float | None) -> None:
-        self.wing.poll(deadline)
 
     def flush(self, timeout: float | None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -177,23 +171,10 @@ class Owner:
         bound = getattr(callback, "__self__", None) is not None and hasattr(callback, "__func__")
         ref = weakref.WeakMethod(callback) if bound else (lambda: callback)  # type: ignore[arg-type]
         with self._lock:
-            # Forget the callbacks of objects already gone: observers attached and
-            # removed over and over do not make the list grow.
+            # forget those of objects gone: attaching and removing over and over does not grow it
             live = [r for r in self._close_callbacks if r() is not None]
             live.append(ref)
             self._close_callbacks = live
-
-    def _run_close_callbacks(self) -> None:
-        with self._lock:
-            callbacks, self._close_callbacks = self._close_callbacks, []
-        for ref in callbacks:
-            callback = ref()
-            if callback is None:
-                continue
-            try:
-                callback()
-            except Exception as err:
-                self.delivery.report(err, f"close callback {callback!r} raised")
 
     def close(self, timeout: float | None = None, *, at_exit: bool = False) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -204,7 +185,14 @@ class Owner:
         if first:
             # what other processes already sent is read first, so that close callbacks see it
             orphaned = self.wing.before_close()
-            self._run_close_callbacks()
+            with self._lock:
+                callbacks, self._close_callbacks = self._close_callbacks, []
+            for callback in (ref() for ref in callbacks):
+                try:
+                    if callback is not None:  # (None: its object is gone)
+                        callback()
+                except Exception as err:
+                    self.delivery.report(err, f"close callback {callback!r} raised")
             self.wing.close(deadline)
             self.closed = True
             self.queue.close()

@@ -28,24 +28,23 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from rl_observers.channel.payload import Payload
 
 __all__ = ["PendingEntry", "PendingQueue"]
 
 
+@dataclass(slots=True, eq=False)
 class PendingEntry:
     """One pending :class:`~.payload.Payload`; ``seq`` is its first submission number.
 
     ``payloads`` is how many submissions it holds (1 + those coalesced into it).
     """
 
-    __slots__ = ("payload", "payloads", "seq")
-
-    def __init__(self, payload: Payload, seq: int, payloads: int = 1) -> None:
-        self.payload = payload
-        self.seq = seq
-        self.payloads = payloads
+    payload: Payload
+    seq: int
+    payloads: int = 1
 
     @property
     def namespace(self) -> str:
@@ -67,11 +66,7 @@ class PendingQueue:
         self._newest: dict[str, PendingEntry] = {}
         self._in_flight: PendingEntry | None = None
         self._waiters = 0
-        self._submitted = 0
-        self._logged = 0
-        self._coalesced = 0
-        self._dropped = 0
-        self._sink_errors = 0
+        self._submitted = self._logged = self._coalesced = self._dropped = self._sink_errors = 0
         self._numbered = 0  # of the dropped, payloads whose owner counts them by their numbers
         self._told_dropped = self._told_coalesced = 0  # passed on to the next hop (untold)
         self.closed = False
@@ -82,7 +77,6 @@ class PendingQueue:
         Returns the error of a partial that failed to merge, if any. A payload
         put after :meth:`close` is counted as dropped. ``held``: the payloads it holds.
         """
-        error = None
         with self._lock:
             self._submitted += 1
             if self.closed:
@@ -91,25 +85,20 @@ class PendingQueue:
                 return None
             pending = self._pending
             namespace = payload.namespace
-            if len(pending) < self.capacity:
-                entry = PendingEntry(payload, self._submitted, held)
-                pending.append(entry)
-                self._newest[namespace] = entry
-            else:
+            if len(pending) >= self.capacity:
                 entry = self._newest.get(namespace)
                 if entry is not None:
                     error = entry.payload.absorb(payload)
                     entry.payloads += held
                     self._coalesced += 1
-                else:
-                    oldest = pending.popleft()
-                    if self._newest.get(oldest.namespace) is oldest:
-                        del self._newest[oldest.namespace]
-                    self._lose_locked(oldest)
-                    entry = PendingEntry(payload, self._submitted, held)
-                    pending.append(entry)
-                    self._newest[namespace] = entry
-        return error
+                    return error
+                oldest = pending.popleft()
+                if self._newest.get(oldest.namespace) is oldest:
+                    del self._newest[oldest.namespace]
+                self._lose_locked(oldest)
+            entry = self._newest[namespace] = PendingEntry(payload, self._submitted, held)
+            pending.append(entry)
+        return None
 
     def _lose_locked(self, entry: PendingEntry) -> None:
         # every payload merged into it is lost with it
@@ -215,16 +204,11 @@ class PendingQueue:
     def has_pending(self, wanted: Callable[[Payload], bool]) -> bool:
         """Whether the payload of a pending or in-flight entry is ``wanted``."""
         with self._lock:
-            return any(
-                wanted(entry.payload) for entry in (*self._pending, self._in_flight) if entry is not None
-            )
+            return any(wanted(e.payload) for e in (*self._pending, self._in_flight) if e is not None)
 
     def _through_locked(self, target: int) -> bool:
-        pending = self._pending
-        in_flight = self._in_flight
-        return (not pending or pending[0].seq > target) and (
-            in_flight is None or in_flight.seq > target
-        )
+        pending, in_flight = self._pending, self._in_flight
+        return (not pending or pending[0].seq > target) and (in_flight is None or in_flight.seq > target)
 
     def wait_processed(self, deadline: float | None) -> bool:
         """Waits until every submission counted so far was delivered, failed or dropped.

@@ -17,9 +17,6 @@ from rl_observers.stats import LastEvent
 
 __all__ = ["LiveConsole"]
 
-#: Channel counters that mean something was lost (see ``MetricsChannel.health``).
-LOSS_COUNTERS: tuple[str, ...] = ("dropped", "sink_errors", "copies_lost")
-
 
 class _Rate:
     """A cumulative counter and its rate since the first row that carried it, over the rows' source times (:class:`~rl_observers.stats.LastEvent`)."""
@@ -37,7 +34,8 @@ class _Rate:
 
     @property
     def rate(self) -> float:
-        return (self.total - self.first) / (self.at - self.since) if self.at > self.since else math.nan
+        elapsed = self.at - self.since
+        return (self.total - self.first) / elapsed if elapsed > 0 else math.nan
 
 
 class LiveConsole:
@@ -86,7 +84,8 @@ class LiveConsole:
     ) -> None:
         if mode not in ("auto", "bar", "plain"):
             raise ValueError(f"LiveConsole: mode must be one of 'auto', 'bar' or 'plain', got {mode!r}.")
-        channel = channel if isinstance(channel, MetricsChannel) else MetricsChannel.for_logger(channel)
+        if not isinstance(channel, MetricsChannel):
+            channel = MetricsChannel.for_logger(channel)
         self.channel = channel
         self.file = sys.stdout if file is None else file
         if mode == "auto":
@@ -105,7 +104,7 @@ class LiveConsole:
         self._bar: Any = None
         self._closed = False
         self._warned = False
-        self._exit = contextlib.ExitStack()  # what close() ends: the bar, the redirection of log lines
+        self._exit = contextlib.ExitStack()  # close() ends the bar and the log lines' redirection
         if mode == "bar":
             from tqdm import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm
@@ -150,27 +149,30 @@ class LiveConsole:
                 value = get(prefix + name)
                 if isinstance(value, (int, float)):
                     rates.setdefault(namespace, _Rate()).update(float(value), at)
-            rolling = [key for key in payload if key.startswith(prefix + "episode_return_mean_last_")]
-            value = get(rolling[0]) if rolling else get(prefix + "episode_return_mean")
+            rolling = prefix + "episode_return_mean_last_"
+            value = next((v for k, v in payload.items() if k.startswith(rolling)), None)
+            value = get(prefix + "episode_return_mean") if value is None else value
             if isinstance(value, (int, float)):
                 self._returns[namespace] = float(value)
             workers = get(prefix + "workers")
             if isinstance(workers, (int, float)):
-                self._workers[namespace] = (float(get(prefix + "workers_reporting", workers)), float(workers))
+                reporting = float(get(prefix + "workers_reporting", workers))
+                self._workers[namespace] = (reporting, float(workers))
 
     def line(self) -> str:
         """The line as it would be drawn now."""
         with self._lock:
             parts = []
             # the sources' rates added up (NaN before any has one)
-            known = [[r.rate for r in rates.values() if r.rate == r.rate] for rates in (self._frames, self._samples)]
-            fps, samples = (sum(k) if k else math.nan for k in known)
+            rates = ([r.rate for r in s.values() if r.rate == r.rate] for s in (self._frames, self._samples))
+            fps, samples = (sum(known) if known else math.nan for known in rates)
             if self._frames:
                 parts.append(f"frames {sum(r.total for r in self._frames.values()):,.0f}")
                 if fps == fps:
                     parts.append(f"{fps:,.0f} fps")
             for namespace, value in self._returns.items():
-                parts.append(f"return {value:.2f}" if len(self._returns) == 1 else f"{namespace} return {value:.2f}")
+                name = "" if len(self._returns) == 1 else f"{namespace} "
+                parts.append(f"{name}return {value:.2f}")
             if samples == samples:
                 parts.append(f"{samples:,.0f} samples/s")
             if self._workers:
@@ -178,7 +180,7 @@ class LiveConsole:
                 total = sum(w for _, w in self._workers.values())
                 parts.append(f"workers {reporting:.0f}/{total:.0f}")
         health = self.channel.health()
-        lost = sum(health.get(name, 0) for name in LOSS_COUNTERS)
+        lost = sum(health.get(name, 0) for name in ("dropped", "sink_errors", "copies_lost"))
         if lost:
             parts.append(f"lost {lost:,}")
         return " | ".join(parts)
@@ -191,7 +193,7 @@ class LiveConsole:
         self._last_line = line
         if self._bar is not None:
             self._bar.n = sum(r.total for r in self._frames.values())
-            self._bar.set_postfix_str(line.split(" | ", 1)[1] if " | " in line else "", refresh=False)
+            self._bar.set_postfix_str(line.partition(" | ")[2], refresh=False)  # (frames: the bar)
             self._bar.refresh()
         else:
             self.file.write(line + "\n")

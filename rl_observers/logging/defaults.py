@@ -113,7 +113,8 @@ def check_metric_names(sets: Sequence[MetricSet]) -> None:
     for index, metric_set in enumerate(sets):
         clash: dict[int, list[str]] = {}
         # the names it logs, as far as they are known before any data
-        for name in {*metric_set.metric_names(), *metric_set.counter_names, *metric_set.latest_gauges}:
+        names = {*metric_set.metric_names(), *metric_set.counter_names, *metric_set.latest_gauges}
+        for name in names:
             other = seen.setdefault(name, index)
             if other != index:
                 clash.setdefault(other, []).append(name)
@@ -144,9 +145,7 @@ def as_sink(logger_or_channel: Any) -> tuple[Any, MetricsChannel | None]:
         )
     if isinstance(logger_or_channel, MetricsChannel):
         channel = logger_or_channel
-    elif callable(getattr(logger_or_channel, "log_metrics", None)) or callable(
-        getattr(logger_or_channel, "log_scalar", None)
-    ):
+    elif any(callable(getattr(logger_or_channel, m, None)) for m in ("log_metrics", "log_scalar")):
         channel = MetricsChannel.for_logger(logger_or_channel)
     else:
         raise TypeError(

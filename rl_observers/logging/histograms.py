@@ -19,6 +19,12 @@ __all__ = ["HistogramDrawer", "draw_histograms", "histogram_of"]
 
 #: The most bins drawn in W&B (its own limit).
 WANDB_MAX_BINS = 512
+# The torchrl logger class of each backend that has a histogram view.
+_BACKENDS = {
+    "tensorboard": "torchrl.record.loggers.tensorboard:TensorboardLogger",
+    "wandb": "torchrl.record.loggers.wandb:WandbLogger",
+    "trackio": "torchrl.record.loggers.trackio:TrackioLogger",
+}
 
 
 def histogram_of(partial: Any) -> tuple[list[float], list[float]] | None:
@@ -40,18 +46,14 @@ def histogram_of(partial: Any) -> tuple[list[float], list[float]] | None:
     if not isinstance(partial, BinCounts):
         return None
     edges, counts = list(partial.edges), list(partial.counts)
-    if len(edges) == 1:
-        low_width = high_width = 1.0
-    else:
-        low_width, high_width = edges[1] - edges[0], edges[-1] - edges[-2]
-    inner = counts[1:-1]
+    inner = counts[1:-1]  # (a BinCounts has at least two edges)
     if counts[0]:
-        edges.insert(0, edges[0] - low_width)
+        edges.insert(0, edges[0] - (edges[1] - edges[0]))
         inner.insert(0, counts[0])
     if counts[-1]:
-        edges.append(edges[-1] + high_width)
+        edges.append(edges[-1] + (edges[-1] - edges[-2]))
         inner.append(counts[-1])
-    if len(edges) < 2 or not any(inner):
+    if not any(inner):
         return None
     return edges, inner
 
@@ -99,8 +101,7 @@ def coarsen(edges: list[float], counts: list[float], most: int) -> tuple[list[fl
     new_edges = edges[::step]
     if new_edges[-1] != edges[-1]:
         new_edges.append(edges[-1])
-    new_counts = [sum(counts[i : i + step]) for i in range(0, len(counts), step)]
-    return new_edges, new_counts
+    return new_edges, [sum(counts[i : i + step]) for i in range(0, len(counts), step)]
 
 
 class HistogramDrawer:
@@ -121,20 +122,9 @@ class HistogramDrawer:
     def __init__(self, logger: Any, *, names: Iterable[str] | None = None) -> None:
         self.logger = logger
         self.names = None if names is None else frozenset(names)
-        self.backend = None
-        for module, cls, backend in (
-            ("torchrl.record.loggers.tensorboard", "TensorboardLogger", "tensorboard"),
-            ("torchrl.record.loggers.wandb", "WandbLogger", "wandb"),
-            ("torchrl.record.loggers.trackio", "TrackioLogger", "trackio"),
-        ):
-            try:
-                if isinstance(logger, getattr(importlib.import_module(module), cls)):
-                    self.backend = backend
-                    break
-            except (ImportError, AttributeError):
-                continue
+        classes = {f"{c.__module__}:{c.__name__}" for c in type(logger).__mro__}  # (no imports)
+        self.backend = next((name for name, cls in _BACKENDS.items() if cls in classes), None)
         self.channel: MetricsChannel | None = None
-        self.drawn = 0
 
     def __call__(self, namespace: str, metrics: Mapping[str, Any], payload: Any, step: int | None) -> None:
         """The channel's watcher: draws the row's distributions."""
@@ -145,17 +135,12 @@ class HistogramDrawer:
         if self.backend is None:
             return
         names = self.names
+        draw = self._tensorboard if self.backend == "tensorboard" else self._binned
         for key, value in metrics.items():
-            if names is not None and key not in names:
-                continue
-            histogram = histogram_of(value)
-            if histogram is None:
-                continue
-            edges, counts = histogram
-            name = key.removesuffix("_quantiles")
-            draw = self._tensorboard if self.backend == "tensorboard" else self._binned
-            draw(f"{namespace}/{name}" if namespace else name, edges, counts, step, value)
-            self.drawn += 1
+            histogram = histogram_of(value) if names is None or key in names else None
+            if histogram is not None:
+                name = key.removesuffix("_quantiles")
+                draw(f"{namespace}/{name}" if namespace else name, *histogram, step, value)
 
     def _tensorboard(
         self, tag: str, edges: list[float], counts: list[float], step: int | None, partial: Any

@@ -141,7 +141,8 @@ class LoggerObserver(Observer):
 
     #: Every LoggerObserver of this process (fork and exit hooks).
     _live: ClassVar[weakref.WeakSet[LoggerObserver]] = weakref.WeakSet()
-    _last_event = float("-inf")  # time.time() of the last event: the window's LastEvent (rates off rows)
+    #: time.time() of the last event: the window's LastEvent (rates off rows).
+    _last_event = float("-inf")
 
     def __init__(
         self,
@@ -165,18 +166,19 @@ class LoggerObserver(Observer):
         self._channel_ref = weakref.ref(channel) if channel is not None else None
         self._sets = as_metric_sets(metrics)
         self.schedule, self.name, self.scope, self.on_error = schedule, name, scope, on_error
-        self.log_on_start, self.log_on_close, self.report_interval = log_on_start, log_on_close, report_interval
+        self.log_on_start, self.log_on_close = log_on_start, log_on_close
+        self.report_interval = report_interval
         if not (isinstance(worker_timeout, (int, float)) and worker_timeout > 0):
             raise ValueError(f"LoggerObserver: worker_timeout must be a number of seconds > 0, got {worker_timeout!r}.")
         self.worker_timeout = float(worker_timeout)
-        self._namespace = Namespace(self._channel_ref, given=name is not None)  # held while attached
+        self._namespace = Namespace(self._channel_ref, given=name is not None)  # held when attached
         self._policy = on_error  # the policy in force once attached (add_observer may override it)
         self._streaks = FailureStreaks()  # metric sets (by position) in a failure streak
         self._clock, self._lock = ScheduleClock(schedule), threading.Lock()
         self._wire()  # the per-event folds (none before attaching) and the schedule's reader
         self._source: weakref.ref[Any] | None = None
         self._fresh = self._emitted = False  # data folded since the last emission; emitted once
-        self._contribution = new_copies()  # the copies' side: where it runs, when it reports, what it sends
+        self._contribution = new_copies()  # where a copy runs, when it reports, what it sends
         self._mode: str | None = None  # "local" or "contribute": fixed once per process
         self._align_pending = False  # line the counters up with the source's at the next event
         self._axis_base: dict[str, int] = {}  # what lining up added (a copy tells its aggregate)
@@ -225,11 +227,12 @@ class LoggerObserver(Observer):
             source, self._sets, self.schedule, self.step_key, auto=self._auto_schedule
         )
         if self._auto_schedule:
-            self.schedule, self._clock, self._auto_schedule = schedule, ScheduleClock(schedule), False
+            self.schedule, self._auto_schedule = schedule, False
+            self._clock = ScheduleClock(schedule)
         self._contribution.keep_pristine(self._sets)  # what a copy restarts from where it runs
         self._wire()
         self._prime_clock()
-        self.name = self._namespace.claim(target_kind(source) if self.name is None else self.name, self)
+        self.name = self._namespace.claim(self.name or target_kind(source), self)
 
     def _prime_clock(self) -> None:
         """Primes a counter schedule at the counters' value now."""
@@ -291,7 +294,8 @@ class LoggerObserver(Observer):
                         clock = self._clock
                         if clock.last_counter is None or prior > clock.last_counter:
                             clock.rebase(prior)
-                        self._contribution.start_at(prior)  # a lockstep copy's driver-axis thresholds
+                        # a lockstep copy's thresholds on the driver's axis
+                        self._contribution.start_at(prior)
 
     def _set_failed(self, index: int, error: Exception, where: str) -> None:
         """One metric set raised: the policy applies to it alone; the other sets go on."""
@@ -378,11 +382,8 @@ class LoggerObserver(Observer):
             step = self._step_fn()
         else:
             step = counters.get(self.step_key) if self.step_key else None
-            if step is not None:  # a counter step: never below the namespace's last one
-                step = int(step)
-                if self._last_step is not None and step < self._last_step:
-                    step = self._last_step
-                self._last_step = step
+            if step is not None:  # a count (>= 0): never below the namespace's last step
+                step = self._last_step = max(int(step), self._last_step or 0)
         payload = self._pull()
         self._clock.fired()
         self._emitted = True
@@ -392,7 +393,7 @@ class LoggerObserver(Observer):
         """Sends this contributor's window to the owner (holding the lock); ``final``: the last one, maybe empty."""
         counters = self._counters()
         fresh = self._fresh  # after the counters: what was folded meanwhile goes with this window
-        metrics = self._pull() if fresh or not final else {}  # a final one with nothing new: the marker
+        metrics = self._pull() if fresh or not final else {}  # final, nothing new: the end marker
         window = self._contribution.window_of(
             self, metrics, counters, final=final, fresh=fresh, base=self._axis_base
         )
@@ -417,9 +418,8 @@ class LoggerObserver(Observer):
             ) from error
         same = ("schedule", "log_on_start", "log_on_close", "on_error", "report_interval")
         options = {key: getattr(self, key) for key in same}
-        view = LoggerObserver(
-            self._sink, metrics=tuple(sets), name=f"{self.name}/worker_{worker}", step=self.step_key, **options
-        )
+        name = f"{self.name}/worker_{worker}"
+        view = LoggerObserver(self._sink, metrics=sets, name=name, step=self.step_key, **options)
         view.attached(source)
         view._align_pending = False  # its counters are the worker's, not the source's
         return view
@@ -449,7 +449,7 @@ class LoggerObserver(Observer):
         self._has_copies = True
         self._mode = self._contribution.join_as_original(self._report_live_at_exit)
         channel = self._channel()
-        if channel is not None:  # closing the channel before the copies are gone loses their windows
+        if channel is not None:  # a channel closed before the copies are gone loses their windows
             what = f"LoggerObserver {self.name!r} on a {type(target).__name__}"
             channel._logging.copies_attached(self, what)
         self._load_pending_state()
@@ -458,7 +458,8 @@ class LoggerObserver(Observer):
         """Called once its copies are attached in ``workers``: each must report, or counts lost."""
         channel = self._channel()
         if channel is not None:
-            channel._logging.copies_expected(self, [self._contribution.worker_of(w) for w in workers])
+            expected = [self._contribution.worker_of(w) for w in workers]
+            channel._logging.copies_expected(self, expected)
 
     def copies_removed(self, target: Any) -> None:
         """Called once its copies are gone: logs the aggregate's last windows (once) and frees the namespace."""
@@ -527,13 +528,16 @@ class LoggerObserver(Observer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock, self._mode = threading.Lock(), None  # a copy: its mode is resolved where it runs
+        self._lock, self._mode = threading.Lock(), None  # a copy's mode is resolved where it runs
         self._wire()
         self._live.add(self)
 
     def stats(self) -> dict[str, float]:
         """Entries contributed to the target's ``stats()`` (e.g. ``sample_calls``)."""
-        return {key: value for metric_set in self._sets or () for key, value in metric_set.stats().items()}
+        stats: dict[str, float] = {}
+        for metric_set in self._sets or ():
+            stats.update(metric_set.stats())
+        return stats
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to go on where this one stopped.
@@ -605,10 +609,9 @@ class LoggerObserver(Observer):
                 self._clock = ScheduleClock(self.schedule)
                 self._prime_clock()
             saved_step = state_dict.get("last_step")
-            last = self._last_step
-            if saved_step is not None and (last is None or saved_step > last):
-                self._last_step = int(saved_step)
-            self._emitted = self._emitted or saved_step is not None
+            if saved_step is not None:
+                self._last_step = max(int(saved_step), self._last_step or 0)
+                self._emitted = True
             if not has_copies:  # resolved (and lined up) again at the next event
                 self._align_pending = True
                 self._mode = None

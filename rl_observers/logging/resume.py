@@ -84,12 +84,8 @@ def misfit(saved: Mapping[str, Any], here: Mapping[str, Any]) -> str | None:
     if version != STATE_VERSION:
         return f"it was saved in format {version!r}, this version reads format {STATE_VERSION}"
     differences = []
-    for key, what in (
-        ("name", "namespace"),
-        ("kind", "kind of source"),
-        ("scope", "scope"),
-        ("metric_sets", "metric sets"),
-    ):
+    for key in ("name", "kind", "scope", "metric_sets"):
+        what = {"name": "namespace", "kind": "kind of source"}.get(key, key.replace("_", " "))
         theirs, ours = saved.get(key), here[key]
         if key == "metric_sets":
             theirs = list(theirs or ())

@@ -1,9 +1,4 @@
-"""TrainingMetrics: values of the training loop (losses, gradient norms, learning rates) in one line.
-
-The training loop is a source of its own: its values are folded where they
-are, reach the host once per window, and go to the same
-:class:`~rl_observers.MetricsChannel` as the same mergeable partials.
-"""
+"""TrainingMetrics: values of the training loop (losses, gradient norms, learning rates) in one line."""
 
 from __future__ import annotations
 
@@ -23,6 +18,16 @@ __all__ = ["TRAINING_RULES", "TrainingMetrics"]
 
 #: How :class:`TrainingMetrics` reduces a name over a window (and across ranks).
 TRAINING_RULES: tuple[str, ...] = ("mean", "sum", "min", "max", "latest", "summary")
+# The moments each rule folds: a summary's are logged as they are, the others' give one number.
+_MOMENTS, _STATS = ("count", "mean", "min", "max"), {"summary": ("mean", "std", "min", "max")}
+
+
+def _reduced(name: str, rule: str, moments: Moments) -> Partial:
+    """A window's moments as ``rule`` logs them: the summary's moments, else one exact scalar."""
+    if rule == "summary":
+        return moments
+    value = moments.sum if rule in ("mean", "sum") else getattr(moments, rule)
+    return Scalar(name, rule, value, count=moments.count)
 
 
 class TrainingMetrics:
@@ -105,8 +110,7 @@ class TrainingMetrics:
         self._lock = threading.Lock()
         self._bank = ReducerBank()
         self._folds: dict[str, Any] = {}  # name -> the fold of its device reducer
-        self._host: dict[str, Any] = {}  # name -> the add of its host accumulator
-        self._accumulators: dict[str, _HostValues] = {}
+        self._host: dict[str, list[float]] = {}  # name -> its host numbers in the window
         self._slots: list[_DeviceSlots] = []
         self._due = every
         self._last_step: int | None = None
@@ -127,11 +131,10 @@ class TrainingMetrics:
                     fold = self._folds.get(name) or self._device_fold(name)
                     fold(value)
                 else:
-                    add = self._host.get(name)
-                    if add is None:
-                        acc = self._accumulators[name] = _HostValues(name, self._rule(name))
-                        add = self._host[name] = acc.add
-                    add(value)
+                    numbers = self._host.get(name)
+                    if numbers is None:
+                        numbers = self._host[name] = []
+                    numbers.append(float(value))
             self._last_step = step
             if step >= self._due:
                 self._close_window(step)
@@ -173,8 +176,7 @@ class TrainingMetrics:
                 "(keeping the last tensor would need a transfer of its own); pass a float, or "
                 "use 'mean' or 'max'."
             )
-        stats = ("mean", "std", "min", "max") if rule == "summary" else ("count", "mean", "min", "max")
-        slots = _DeviceSlots(self._bank.moments(name, stats=stats))
+        slots = _DeviceSlots(self._bank.moments(name, stats=_STATS.get(rule, _MOMENTS)))
         self._slots.append(slots)
         fold = self._folds[name] = slots.fold
         return fold
@@ -182,21 +184,24 @@ class TrainingMetrics:
     def _close_window(self, step: int) -> None:
         for slots in self._slots:
             slots.reduce()
-        host = {name: acc.take() for name, acc in self._accumulators.items()}
-        self._pending.append((step, self._bank.copy_out(), {k: v for k, v in host.items() if v is not None}))
+        host: dict[str, Partial] = {}
+        for name, values in self._host.items():
+            rule = self._rule(name)
+            if rule == "latest" and values:
+                host[name] = Scalar(name, "latest", values[-1], stamp=0.0)
+            elif values:
+                moments = Moments.from_values(name, values, stats=_STATS.get(rule, _MOMENTS))
+                host[name] = _reduced(name, rule, moments)
+            values.clear()
+        self._pending.append((step, self._bank.copy_out(), host))
         self._due = (step // self.every + 1) * self.every
         self._deliver(wait=self.merge_ranks)  # the collective waits for this window's copy
 
     def _payload(self, copy: Any, host: dict[str, Partial]) -> dict[str, Partial]:
         payload: dict[str, Any] = {}
         for name, partial in copy.partials().items():
-            rule = self._rule(name)
-            if not partial.count:
-                continue
-            if rule != "summary":
-                value = partial.sum if rule in ("mean", "sum") else getattr(partial, rule)
-                partial = Scalar(name, rule, value, count=partial.count)
-            payload[name] = partial
+            if partial.count:
+                payload[name] = _reduced(name, self._rule(name), partial)
         coalesce(payload, host)
         return payload
 
@@ -240,12 +245,10 @@ class _DeviceSlots:
             value = value.detach()
         used = self.used
         if used == len(self.views):
+            self.reduce()
             if self.buffer is None or self.buffer.device != value.device:
-                self.reduce()
                 self.buffer = torch.empty(self.size, dtype=torch.float64, device=value.device)
                 self.views = self.buffer.unbind(0)
-            else:
-                self.reduce()
             used = 0
         self.views[used].copy_(value.reshape(()))
         self.used = used + 1
@@ -255,30 +258,4 @@ class _DeviceSlots:
         if used:
             self.used = 0
             self.reducer.fold(self.buffer[:used], staged=used == self.size)  # type: ignore[index]
-
-
-class _HostValues:
-    """Host numbers of a name in the window (kept: a handful per window), reduced at its close."""
-
-    __slots__ = ("name", "rule", "values")
-
-    def __init__(self, name: str, rule: str) -> None:
-        self.name = name
-        self.rule = rule
-        self.values: list[float] = []
-
-    def add(self, value: Any) -> None:
-        self.values.append(float(value))
-
-    def take(self) -> Partial | None:
-        values, self.values = self.values, []
-        if not values:
-            return None
-        if self.rule == "latest":
-            return Scalar(self.name, "latest", values[-1], stamp=0.0)
-        if self.rule == "summary":
-            return Moments.from_values(self.name, values, stats=("mean", "std", "min", "max"))
-        moments = Moments.from_values(self.name, values, stats=("count", "mean", "min", "max"))
-        value = moments.sum if self.rule in ("mean", "sum") else getattr(moments, self.rule)
-        return Scalar(self.name, self.rule, value, count=moments.count)
 
