@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from rl_observers.observer import ObserverList
+from rl_observers.signals import COLLECTOR_EVENTS
 from rl_observers.sources.collectors import ObservedCollector
 from rl_observers.sources.observed import observers_of, torchrl_class
 
@@ -42,8 +43,8 @@ class DistributedCollectorObservers(ObserverList):
     fed ``batch[w]``; resolved when the call tuples are built.
     """
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, source: Any, emits: tuple[str, ...] = COLLECTOR_EVENTS, target_name: str = "collector") -> None:
+        super().__init__(source, emits, target_name)
         self._views: dict[int, tuple[Any, ...]] = {}  # id(observer) -> its views, by worker
 
     def _rebuild(self) -> None:
@@ -70,8 +71,8 @@ class DistributedCollectorObservers(ObserverList):
                 views = self._views[id(observer)] = tuple(view(observer, source, w) for w in range(workers))
             if both:
                 fn(source, batch)
-            for worker, view in enumerate(views):
-                view.on_post_collect(source, batch[worker])
+            for worker, its_view in enumerate(views):
+                its_view.on_post_collect(source, batch[worker])
 
         return post_collect
 

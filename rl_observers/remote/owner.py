@@ -154,7 +154,8 @@ class RemoteWing(Wing):
 
         Until :meth:`copies_gone`, closing the channel warns and returns ``False``.
         """
-        self._feeders.set(feeder, description)
+        with self._lock:  # not into a map that before_close has just taken
+            self._feeders.set(feeder, description)
         name = getattr(feeder, "name", None)
         if isinstance(name, str):  # the name its copies' windows carry (``Window.observer``)
             self.account.describe(name, description)
@@ -211,7 +212,8 @@ class RemoteWing(Wing):
         # under running copies is noticed here (they count as lost, not as still attached).
         self.poll(time.monotonic() + 1.0)
         # copies still feeding this channel are forgotten, not counted lost, with a warning
-        feeders, self._feeders = self._feeders.items(), IdentityMap()
+        with self._lock:
+            feeders, self._feeders = self._feeders.items(), IdentityMap()
         live = [description for _, description in feeders if description is not None]
         for feeder, description in feeders:
             name = getattr(feeder, "name", None)

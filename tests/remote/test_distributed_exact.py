@@ -33,7 +33,8 @@ from torchrl.record import CSVLogger
 from torchrl.testing.mocking_classes import CountingEnv, CountingEnvCountPolicy
 
 from rl_observers import CollectorBatchMetrics, Every, LoggerObserver, MetricsChannel
-from rl_observers.remote.distributed import own_trajectory_ids
+from rl_observers.remote.distributed import DistributedCollectorObservers, own_trajectory_ids
+from rl_observers.signals import COLLECTOR_EVENTS
 from tests.helpers import free_port, read_csv
 
 FRAMES_PER_BATCH = 100  # 50 steps per worker: 8-step episodes span batches
@@ -291,6 +292,12 @@ def test_per_worker_scope_logs_only_each_worker_s_rows(fresh_runs):
     for w, worker_truth in enumerate(seen["worker_truth"]):
         assert [step for step, _ in worker_truth] == [200, 400]
         assert_rows_equal(logged_rows(tmp_path, ROW_METRICS, f"{NAME}/worker_{w}", exp="per_worker"), worker_truth)
+
+
+def test_the_observer_list_of_a_distributed_collector_is_made_from_the_collector_alone():
+    # ``observe`` makes a source's observer list from the source alone
+    observers = DistributedCollectorObservers(None)
+    assert observers.emits == COLLECTOR_EVENTS and observers.target_name == "collector"
 
 
 def test_own_trajectory_ids_undo_torchrl_s_renumbering():
