@@ -273,21 +273,16 @@ class CollectorBatchMetrics(MetricSet):
             kwargs.update(episode_window=None, quantiles=None)
         before = self.metric_names()
         replacement = CollectorBatchMetrics(**kwargs)
-        # the replacement's counters go on from this set's (frames, batches, episodes)
-        envs = self._interleaved_fold.envs
-        # (the schedule reads this set's counters object: it keeps it, with the values the
-        # replacement's fold paths count into)
+        # The schedule reads this set's counters object: it keeps it, going on from its values
+        # in the dict the replacement's fold paths count into; bound again to the source.
         values = replacement._counters.values
         values.update(self._counters.poll())
         self._counters.values = values
         lock, counters = self._lock, self._counters
         self.__dict__.update(replacement.__dict__)
         self._lock, self._counters = lock, counters
-        if envs is not None:
-            self._interleaved_fold.bind_envs(envs)
         self._episodes_stopped = self._episodes is None
-        if self._window is not None:
-            self._window.bind(source)
+        self.bind(source)
         internal = ("reward", "episode_return", "episode_length", "episode_window")
         kept = {*self.metric_names(), *internal}
         stopped = [n for n in before if n not in kept and not n.endswith("_quantiles")]

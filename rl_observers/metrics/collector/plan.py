@@ -27,8 +27,6 @@ class CollectorPlan:
     done: NestedKey | None
     closing: tuple[NestedKey, ...]
     mask: NestedKey | None
-    episode_reward: NestedKey | None
-    step_count: NestedKey | None
     traj_ids: NestedKey | None
     env_index: NestedKey | None
     running: bool
@@ -183,8 +181,8 @@ def resolve_plan(metrics: Any, batch: Any) -> CollectorPlan:
         (done, "done_key"),
         (terminated, "terminated_key"),
         (truncated, "truncated_key"),
-        (episode_reward if metrics.episode_return else None, "episode_reward_key"),
-        (step_count if metrics.episode_length else None, "step_count_key"),
+        (episode_reward, "episode_reward_key"),
+        (step_count, "step_count_key"),
         (traj_ids if running else None, "traj_ids_key"),  # read by the ring only
         (env_index, "env_index_key"),
     ):
@@ -195,8 +193,6 @@ def resolve_plan(metrics: Any, batch: Any) -> CollectorPlan:
         done=done,
         closing=closing,
         mask=mask,
-        episode_reward=episode_reward,
-        step_count=step_count,
         traj_ids=traj_ids,
         env_index=env_index,
         running=running,
