@@ -183,7 +183,7 @@ class CollectorBatchMetrics(MetricSet):
         self._plan: CollectorPlan | None = None
         names = tuple(prefix for prefix, _ in specs)
         self._window = None if size is None else EpisodeWindow(self._bank, size, names, sketches)
-        reducers = BatchReducers(
+        reducers = self._batch_reducers = BatchReducers(
             self._counters,
             reward=reward,
             dones=dones,
@@ -192,7 +192,6 @@ class CollectorBatchMetrics(MetricSet):
             quantiles=sketches,
             window=self._window,
         )
-        self._batch_reducers = reducers
         self._carry = EpisodeCarry()  # the episodes in flight, of the ring or interleaved path
         self._ring_fold = RingFold(reducers, self._carry)
         self._interleaved_fold = InterleavedFold(reducers, self._carry, self._ring_fold, owner)

@@ -161,11 +161,9 @@ def resolve_plan(metrics: Any, batch: Any) -> CollectorPlan:
     entries = entries_of(batch, per_step, closing, owner)
     # Per quantity of the episode group: its row of the running sums (0: return,
     # 1: length) and the batch key it is read from at closing steps, if any.
-    episode_sources = []
-    if metrics.episode_return:
-        episode_sources.append((0, episode_reward))
+    sources = ((0, episode_reward),) if metrics.episode_return else ()
     if metrics.episode_length:
-        episode_sources.append((1, step_count))
+        sources += ((1, step_count),)
     traj_ids = optional(metrics.traj_ids_key)
     mask = optional(metrics.mask_key)
     # Steps of several envs interleaved in one time dimension (AsyncBatchedCollector):
@@ -188,15 +186,7 @@ def resolve_plan(metrics: Any, batch: Any) -> CollectorPlan:
     ):
         if key is not None:
             reads.setdefault(key, what)
+    reads_once = tuple(reads.items())
     return CollectorPlan(
-        reward=reward,
-        done=done,
-        closing=closing,
-        mask=mask,
-        traj_ids=traj_ids,
-        env_index=env_index,
-        running=running,
-        episode_sources=tuple(episode_sources),
-        entries=entries,
-        reads=tuple(reads.items()),
+        reward, done, closing, mask, traj_ids, env_index, running, sources, entries, reads_once
     )
