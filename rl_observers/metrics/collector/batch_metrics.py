@@ -234,11 +234,7 @@ class CollectorBatchMetrics(MetricSet):
             self._plan = None  # resolved again at the next batch
 
     def check_keys(self, source: Any) -> None:
-        """Refuses an explicit ``reward_key`` or ``done_key`` that the env specs prove absent (else the first batch checks).
-
-        Raises:
-            ValueError: naming the key, the keys present and the closest match.
-        """
+        """Raises a ``ValueError`` for an explicit ``reward_key`` or ``done_key`` the env specs prove absent."""
         known = spec_keys(source)
         if known is None:
             return
