@@ -171,6 +171,8 @@ class CollectorBatchMetrics(MetricSet):
         if episode_length:
             specs.append(("episode_length", ("mean", "min", "max")))
         self._episode = self.moments_group(specs) if specs else None
+        if specs:
+            self.episode_arguments = "episode_return=False, episode_length=False"
         size = episode_window
         if size is not None and (type(size) is bool or not isinstance(size, int) or size < 1):
             raise ValueError(f"{owner}: episode_window must be a positive int or None, got {size!r}.")
@@ -196,12 +198,6 @@ class CollectorBatchMetrics(MetricSet):
         self._ring_fold = RingFold(reducers, self._carry)
         self._interleaved_fold = InterleavedFold(reducers, self._carry, self._ring_fold, owner)
         self._from_keys_fold = FromKeysFold(reducers)
-
-    @property
-    def episode_arguments(self) -> str | None:  # type: ignore[override]
-        if self.episode_return or self.episode_length:
-            return "episode_return=False, episode_length=False"
-        return None
 
     def __repr__(self) -> str:
         return (
