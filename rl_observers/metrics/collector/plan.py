@@ -150,13 +150,12 @@ def resolve_plan(metrics: Any, batch: Any) -> CollectorPlan:
         raise missing_key(owner, "terminated_key/truncated_key", key, present)
     episode_reward = optional(metrics.episode_reward_key) if metrics.episode_return else None
     step_count = optional(metrics.step_count_key) if metrics.episode_length else None
-    running = (metrics.episode_return and episode_reward is None) or (
-        metrics.episode_length and step_count is None
-    )
-    if metrics.episode_return and episode_reward is None and reward is None:
+    sums_rewards = metrics.episode_return and episode_reward is None
+    running = sums_rewards or (metrics.episode_length and step_count is None)
+    if sums_rewards and reward is None:
         raise missing_key(owner, "episode_reward_key", metrics.episode_reward_key, present)
     per_step = [(episode_reward, "episode_reward_key"), (step_count, "step_count_key")]
-    if metrics.episode_return and episode_reward is None:
+    if sums_rewards:
         per_step.append((reward, "reward_key"))
     entries = entries_of(batch, per_step, closing, owner)
     # Per quantity of the episode group: its row of the running sums (0: return,
