@@ -20,10 +20,6 @@ __all__ = ["WorkerHealth"]
 #: worker's own rows: it measures nothing of its own silence).
 STALENESS = "seconds_since_last_heard"
 _MB = 1024.0 * 1024.0
-try:
-    _PAGE = os.sysconf("SC_PAGE_SIZE")
-except (AttributeError, ValueError, OSError):  # not a POSIX system
-    _PAGE = 4096
 
 
 class _Silence(Scalar):
@@ -42,7 +38,7 @@ def resident_memory_mb() -> float:
     """
     try:
         with open("/proc/self/statm", "rb") as statm:
-            return int(statm.read().split()[1]) * _PAGE / _MB
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / _MB
     except (OSError, IndexError, ValueError):
         return float("nan")
 

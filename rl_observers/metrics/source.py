@@ -130,11 +130,9 @@ class StatsProvider:
     """
 
     def __init__(self, providers: Any = None, **named: Callable[..., Any]) -> None:
-        table: dict[str | None, Callable[..., Any]] = {}
-        if callable(providers):
-            table[None] = providers
-        elif providers is not None:
-            table.update(dict(providers))
+        table: dict[str | None, Callable[..., Any]] = (
+            {None: providers} if callable(providers) else dict(providers or {})
+        )
         table.update(named)
         if not table:
             raise ValueError("StatsProvider needs at least one provider ({name: fn} or fn).")
@@ -174,11 +172,9 @@ class StatsProvider:
 
 def _takes_source(fn: Callable[..., Any]) -> bool:
     try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return False
-    try:
-        signature.bind()
-    except TypeError:
+        inspect.signature(fn).bind()
+    except TypeError:  # a required argument: the source
         return True
+    except ValueError:  # no signature to read: called with no argument
+        return False
     return False

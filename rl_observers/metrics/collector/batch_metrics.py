@@ -171,6 +171,8 @@ class CollectorBatchMetrics(MetricSet):
         if episode_length:
             specs.append(("episode_length", ("mean", "min", "max")))
         self._episode = self.moments_group(specs) if specs else None
+        if specs:
+            self.episode_arguments = "episode_return=False, episode_length=False"
         size = episode_window
         if size is not None and (type(size) is bool or not isinstance(size, int) or size < 1):
             raise ValueError(f"{owner}: episode_window must be a positive int or None, got {size!r}.")
@@ -183,7 +185,7 @@ class CollectorBatchMetrics(MetricSet):
         self._plan: CollectorPlan | None = None
         names = tuple(prefix for prefix, _ in specs)
         self._window = None if size is None else EpisodeWindow(self._bank, size, names, sketches)
-        reducers = BatchReducers(
+        reducers = self._batch_reducers = BatchReducers(
             self._counters,
             reward=reward,
             dones=dones,
@@ -192,17 +194,10 @@ class CollectorBatchMetrics(MetricSet):
             quantiles=sketches,
             window=self._window,
         )
-        self._batch_reducers = reducers
         self._carry = EpisodeCarry()  # the episodes in flight, of the ring or interleaved path
         self._ring_fold = RingFold(reducers, self._carry)
         self._interleaved_fold = InterleavedFold(reducers, self._carry, self._ring_fold, owner)
         self._from_keys_fold = FromKeysFold(reducers)
-
-    @property
-    def episode_arguments(self) -> str | None:  # type: ignore[override]
-        if self.episode_return or self.episode_length:
-            return "episode_return=False, episode_length=False"
-        return None
 
     def __repr__(self) -> str:
         return (
@@ -235,11 +230,7 @@ class CollectorBatchMetrics(MetricSet):
             self._plan = None  # resolved again at the next batch
 
     def check_keys(self, source: Any) -> None:
-        """Refuses an explicit ``reward_key`` or ``done_key`` that the env specs prove absent (else the first batch checks).
-
-        Raises:
-            ValueError: naming the key, the keys present and the closest match.
-        """
+        """Raises a ``ValueError`` for an explicit ``reward_key`` or ``done_key`` the env specs prove absent."""
         known = spec_keys(source)
         if known is None:
             return
@@ -273,21 +264,16 @@ class CollectorBatchMetrics(MetricSet):
             kwargs.update(episode_window=None, quantiles=None)
         before = self.metric_names()
         replacement = CollectorBatchMetrics(**kwargs)
-        # the replacement's counters go on from this set's (frames, batches, episodes)
-        envs = self._interleaved_fold.envs
-        # (the schedule reads this set's counters object: it keeps it, with the values the
-        # replacement's fold paths count into)
+        # The schedule reads this set's counters object: it keeps it, going on from its values
+        # in the dict the replacement's fold paths count into; bound again to the source.
         values = replacement._counters.values
         values.update(self._counters.poll())
         self._counters.values = values
         lock, counters = self._lock, self._counters
         self.__dict__.update(replacement.__dict__)
         self._lock, self._counters = lock, counters
-        if envs is not None:
-            self._interleaved_fold.bind_envs(envs)
         self._episodes_stopped = self._episodes is None
-        if self._window is not None:
-            self._window.bind(source)
+        self.bind(source)
         internal = ("reward", "episode_return", "episode_length", "episode_window")
         kept = {*self.metric_names(), *internal}
         stopped = [n for n in before if n not in kept and not n.endswith("_quantiles")]

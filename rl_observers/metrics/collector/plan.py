@@ -27,8 +27,6 @@ class CollectorPlan:
     done: NestedKey | None
     closing: tuple[NestedKey, ...]
     mask: NestedKey | None
-    episode_reward: NestedKey | None
-    step_count: NestedKey | None
     traj_ids: NestedKey | None
     env_index: NestedKey | None
     running: bool
@@ -152,22 +150,19 @@ def resolve_plan(metrics: Any, batch: Any) -> CollectorPlan:
         raise missing_key(owner, "terminated_key/truncated_key", key, present)
     episode_reward = optional(metrics.episode_reward_key) if metrics.episode_return else None
     step_count = optional(metrics.step_count_key) if metrics.episode_length else None
-    running = (metrics.episode_return and episode_reward is None) or (
-        metrics.episode_length and step_count is None
-    )
-    if metrics.episode_return and episode_reward is None and reward is None:
+    sums_rewards = metrics.episode_return and episode_reward is None
+    running = sums_rewards or (metrics.episode_length and step_count is None)
+    if sums_rewards and reward is None:
         raise missing_key(owner, "episode_reward_key", metrics.episode_reward_key, present)
     per_step = [(episode_reward, "episode_reward_key"), (step_count, "step_count_key")]
-    if metrics.episode_return and episode_reward is None:
+    if sums_rewards:
         per_step.append((reward, "reward_key"))
     entries = entries_of(batch, per_step, closing, owner)
     # Per quantity of the episode group: its row of the running sums (0: return,
     # 1: length) and the batch key it is read from at closing steps, if any.
-    episode_sources = []
-    if metrics.episode_return:
-        episode_sources.append((0, episode_reward))
+    sources = ((0, episode_reward),) if metrics.episode_return else ()
     if metrics.episode_length:
-        episode_sources.append((1, step_count))
+        sources += ((1, step_count),)
     traj_ids = optional(metrics.traj_ids_key)
     mask = optional(metrics.mask_key)
     # Steps of several envs interleaved in one time dimension (AsyncBatchedCollector):
@@ -183,24 +178,14 @@ def resolve_plan(metrics: Any, batch: Any) -> CollectorPlan:
         (done, "done_key"),
         (terminated, "terminated_key"),
         (truncated, "truncated_key"),
-        (episode_reward if metrics.episode_return else None, "episode_reward_key"),
-        (step_count if metrics.episode_length else None, "step_count_key"),
+        (episode_reward, "episode_reward_key"),
+        (step_count, "step_count_key"),
         (traj_ids if running else None, "traj_ids_key"),  # read by the ring only
         (env_index, "env_index_key"),
     ):
         if key is not None:
             reads.setdefault(key, what)
+    reads_once = tuple(reads.items())
     return CollectorPlan(
-        reward=reward,
-        done=done,
-        closing=closing,
-        mask=mask,
-        episode_reward=episode_reward,
-        step_count=step_count,
-        traj_ids=traj_ids,
-        env_index=env_index,
-        running=running,
-        episode_sources=tuple(episode_sources),
-        entries=entries,
-        reads=tuple(reads.items()),
+        reward, done, closing, mask, traj_ids, env_index, running, sources, entries, reads_once
     )
