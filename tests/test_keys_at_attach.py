@@ -95,6 +95,10 @@ def test_a_replay_buffer_checks_its_storage_once_it_holds_data(logger):
     with pytest.raises(ValueError, match=r"reward_key='reward' .* closest: \('next', 'reward'\)"):
         rb.add_observer(LoggerObserver(logger, metrics=[WriteMetrics(reward_key="reward")]))
     assert rb.observers == ()
+    # an empty-string key is a key like any other: refused here, not at the first write
+    with pytest.raises(ValueError, match=r"reward_key='' is not in the data"):
+        rb.add_observer(LoggerObserver(logger, metrics=[WriteMetrics(reward_key="")]))
+    assert rb.observers == ()
     # an empty storage cannot tell yet: attached, the first write checks the key
     empty = TensorDictReplayBuffer(storage=LazyTensorStorage(100))
     empty.add_observer(LoggerObserver(logger, metrics=[WriteMetrics(reward_key=("next", "reward"))], name="empty"))

@@ -101,7 +101,7 @@ class WriteMetrics(MetricSet):
         """
         key, storage, owner = self.reward_key, storage_of(source), type(self).__name__
         try:  # a storage that cannot be read here (remote, lazy): the first write checks
-            item = storage.get(0) if key and storage is not None and len(storage) else None
+            item = storage.get(0) if key is not None and storage is not None and len(storage) else None
         except Exception:
             return
         present = leaf_keys(item) if is_tensor_collection(item) else (key,)
