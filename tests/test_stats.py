@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import math
 import pickle
@@ -296,6 +297,47 @@ def test_bank_pickles_with_its_window():
     assert bank.pull()["r"].finalize()["r_mean"] == 1.5
 
 
+# A bank with a MomentsReducer("r", rows=2), a MomentsGroupReducer of "x" (rows=2) and a
+# CountReducer("c"), nothing folded, as the previous release pickled it (protocol 4).
+_BANK_PICKLED_BEFORE = base64.b64decode(
+    "gASV9AEAAAAAAACMG3JsX29ic2VydmVycy5zdGF0cy5yZWR1Y2Vyc5SMC1JlZHVjZXJCYW5rlJOUKYGU"
+    "fZQojAlfcmVkdWNlcnOUXZQoaACMDk1vbWVudHNSZWR1Y2VylJOUKYGUfZQojAhwcmVmaXhlc5SMAXKU"
+    "hZSMCHN0YXRzX29mlCiMBG1lYW6UjANzdGSUjANtaW6UjANtYXiUdJSFlIwEcm93c5RLAowFX3VzZWSU"
+    "SwCMCl9yb3dfdmlld3OUTowGX3N0YWdllE6MC19zdGFnZV9tYXNrlE6MDF9zdGFnZV9zbG90c5ROjAtf"
+    "bWFza19zbG90c5ROjAhfc3RhZ2VfbpRLAIwHX3N0YWdlZJRLAIwHX3NwcmVhZJSIjAVfYmFua5RoA4wH"
+    "X29mZnNldJRLAIwDa2V5lGgMjAVfdmlld5ROdWJoAIwTTW9tZW50c0dyb3VwUmVkdWNlcpSTlCmBlH2U"
+    "KGgLjAF4lIWUaA5oD4WUhZRoFUsCaBZLAGgXTmgYTmgZTmgaTmgbTmgcSwBoHUsAaB6JaB9oA2ggSwpo"
+    "IWgnaCJOdWJoAIwMQ291bnRSZWR1Y2VylJOUKYGUfZQoaB9oA2ggSxRoIYwBY5RoIk51YmWMBl93aWR0"
+    "aJRLFYwGX3N0YXRllE6MCl9ob3N0X3ZpZXeUTnViLg=="
+)
+
+
+def test_a_bank_pickled_by_the_previous_release_loads_folds_and_grows():
+    bank = pickle.loads(_BANK_PICKLED_BEFORE)
+    assert bank.keys == ("r", "x", "c")
+    r, x, c = bank._reducers
+    r.fold(torch.tensor([1.0, 3.0]))
+    x.fold(torch.tensor([[2.0, 4.0]]))
+    c.add(2)
+    bank.count("new").add(1)  # registering checks the keys of the loaded reducers
+    pulled = {key: partial.finalize() for key, partial in bank.pull().items()}
+    assert pulled == {
+        "r": {"r_mean": 2.0, "r_std": 1.0, "r_min": 1.0, "r_max": 3.0},
+        "x": {"x_mean": 3.0},
+        "c": {"c": 2.0},
+        "new": {"new": 1.0},
+    }
+
+
+def test_count_add_allocates_at_a_first_number_on_the_device_asked():
+    bank = ReducerBank()
+    bank.count("n").add(2, device=torch.device("meta"))
+    assert bank.device == torch.device("meta")
+    bank = ReducerBank()
+    bank.count("n").add(2)
+    assert bank.device == torch.device("cpu")
+
+
 def test_fold_never_reads_a_value_on_the_host():
     # Meta tensors carry no data: any .item(), bool(), .tolist(), nonzero or
     # boolean-mask indexing raises. Folding must work; pulling must not.
@@ -342,6 +384,11 @@ def test_validation_errors():
         bank.count("m")
     with pytest.raises(ValueError, match="rows must be an int >= 2"):
         ReducerBank().moments("x", rows=1)
+    # the name is checked first, as the bank always did
+    with pytest.raises(TypeError, match="prefix must be a str"):
+        ReducerBank().moments(3, rows=1)
+    with pytest.raises(TypeError, match="prefix must be a str"):
+        ReducerBank().moments_group([(3, ("mean",))], rows=1)
 
 
 def test_min_max_of_infinite_values():

@@ -74,8 +74,10 @@ class CollectorObservers(ObserverList):
     :attr:`frames_discarded` (:ref:`what-is-counted`).
     """
 
-    def __init__(self, source: Any) -> None:
-        super().__init__(source, COLLECTOR_EVENTS, "collector")
+    def __init__(
+        self, source: Any, emits: tuple[str, ...] = COLLECTOR_EVENTS, target_name: str = "collector"
+    ) -> None:
+        super().__init__(source, emits, target_name)
         _learn_readers(torchrl_class(type(source)))
         #: Frames of rollouts torchrl finished but never delivered (dropped, or collected again).
         self.frames_discarded = 0

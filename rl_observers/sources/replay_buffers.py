@@ -107,8 +107,13 @@ SHARED_COPIES_RUN = "in the workers of the collectors writing into it"
 class ReplayBufferObservers(ObserverList):
     """The observers of one in-process replay buffer; one shared with workers (``shared=True``) refuses ``on_error="raise"``."""
 
-    def __init__(self, source: Any) -> None:
-        super().__init__(source, REPLAY_BUFFER_EVENTS, "replay buffer")
+    def __init__(
+        self,
+        source: Any,
+        emits: tuple[str, ...] = REPLAY_BUFFER_EVENTS,
+        target_name: str = "replay buffer",
+    ) -> None:
+        super().__init__(source, emits, target_name)
 
     def add(self, observer: Any, on_error: str | None = None) -> Any:
         entry = super().add(observer, on_error)
@@ -156,8 +161,8 @@ class PrefetchingBufferObservers(ReplayBufferObservers):
     drops leave nothing behind.
     """
 
-    def __init__(self, source: Any) -> None:
-        super().__init__(source)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         # Held from a sample()'s peek at the queue to the end of its event: observed
         # sample() calls take turns, so observers never run in two threads at once.
         self._handing = threading.RLock()

@@ -89,7 +89,7 @@ class Transient:
 class _Reducer(Transient):
     """A reducer owns ``width`` consecutive slots of its bank's state tensor, viewed from its first fold."""
 
-    __slots__ = ("_bank", "_offset", "key", "keys", "_view")
+    __slots__ = ("_bank", "_offset", "key", "_view")
     _transient: tuple[str, ...] = ("_view",)
     width = 0
 
@@ -97,8 +97,12 @@ class _Reducer(Transient):
         self._bank = bank
         self._offset = offset
         self.key = key
-        self.keys = (key,)  # of the partials this reducer is pulled as
         self._view: torch.Tensor | None = None
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The keys of the partials this reducer is pulled as."""
+        return (self.key,)
 
     def _partials(self, values: Sequence[float]) -> dict[str, Partial]:
         """The partials of this reducer's slots of ``values`` (the bank's whole state; zeros: empty)."""
@@ -199,11 +203,10 @@ class MomentsReducer(_Reducer):
         specs: Sequence[tuple[str, Sequence[str]]],
         rows: int,
     ) -> None:
+        self.prefixes = tuple(_check_name(prefix, "prefix") for prefix, _ in specs)
         if not isinstance(rows, int) or isinstance(rows, bool) or rows < 2:
             raise ValueError(f"rows must be an int >= 2, got {rows!r} (for {specs[0][0]!r}).")
-        self.prefixes = tuple(_check_name(prefix, "prefix") for prefix, _ in specs)
         super().__init__(bank, offset, self.prefixes[0])
-        self.keys = self.prefixes
         self.stats_of = tuple(_check_stats(stats, prefix) for prefix, stats in specs)
         # M2 is computed only for std or var
         self._spread = any(stat in ("std", "var") for stats in self.stats_of for stat in stats)
@@ -221,6 +224,10 @@ class MomentsReducer(_Reducer):
     @property
     def width(self) -> int:  # type: ignore[override]
         return 5 * self.rows * len(self.prefixes)  # rows of K x (count, sum, m2, min, max)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return self.prefixes
 
     def _made_view(self, view: torch.Tensor) -> None:
         # each row and its columns, made once: an unmasked fold writes into the columns
@@ -474,10 +481,12 @@ class CountReducer(_Reducer):
     def _partials(self, values: Sequence[float]) -> dict[str, Partial]:
         return {self.key: Count(self.key, values[self._offset])}
 
-    def add(self, amount: torch.Tensor | float) -> None:
+    def add(self, amount: torch.Tensor | float, *, device: torch.device | None = None) -> None:
         """Adds ``amount`` (a number or a one-element tensor, kept on its device) to the window count.
 
-        A number first folded allocates the bank's state on the CPU.
+        Keyword Args:
+            device (torch.device, optional): where to allocate the bank's state
+                at a first fold of a number. Defaults to the bank's device, or CPU.
         """
         view = self._view
         if isinstance(amount, torch.Tensor):
@@ -492,7 +501,7 @@ class CountReducer(_Reducer):
             view.add_(amount)
         else:
             if view is None:
-                view = self._state(self._bank.device or torch.device("cpu"))
+                view = self._state(device or self._bank.device or torch.device("cpu"))
             view.add_(amount)
 
     def fold_true(self, flags: torch.Tensor, mask: torch.Tensor | None = None) -> None:
@@ -769,7 +778,7 @@ class QuantileReducer(Transient):
     def fold(self, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Counts ``values`` (where ``mask`` is true) in their buckets, on their device.
 
-        Arguments as for :meth:`MomentsReducer.fold`.
+        ``values`` and ``mask`` as for :meth:`MomentsReducer.fold`.
         """
         if values.is_complex():
             raise _complex(f"QuantileReducer({self._empty.name!r})", values)
