@@ -345,6 +345,7 @@ class ObserverList:
 
     @property
     def call_transform(self) -> CallTransform | None:
+        """The installed call transform, or ``None``."""
         return self._call_transform
 
     def _rebuild(self) -> None:

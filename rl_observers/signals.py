@@ -50,9 +50,9 @@ post_sample: Signal = _namespace.signal("post_sample", doc="After a replay buffe
 empty: Signal = _namespace.signal("empty", doc="After ``empty()`` on a replay buffer.")
 
 #: Events a collector emits, in the order of one collection cycle.
-COLLECTOR_EVENTS = ("pre_collect", "post_collect", "shutdown")
+COLLECTOR_EVENTS: tuple[str, ...] = ("pre_collect", "post_collect", "shutdown")
 #: Events a replay buffer emits.
-REPLAY_BUFFER_EVENTS = ("post_add", "post_extend", "post_sample", "empty", "shutdown")
+REPLAY_BUFFER_EVENTS: tuple[str, ...] = ("post_add", "post_extend", "post_sample", "empty", "shutdown")
 
 #: The payload names of each event, after the source.
 EVENT_PAYLOADS: dict[str, tuple[str, ...]] = {

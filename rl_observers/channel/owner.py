@@ -1,6 +1,6 @@
 """What a channel owns in its own process, and where the cross-process :class:`Wing` plugs in.
 
-Threads reference the :class:`Owner`, never the public channel, so an
+Step **channel** of the flow. Threads reference the :class:`Owner`, never the public channel, so an
 unreferenced channel is collected and its finalizer stops them.
 """
 

@@ -30,7 +30,12 @@ SCOPES: tuple[str, ...] = ("aggregate", "per_worker", "both")
 def _frames_of(collector: BaseCollector) -> Callable[[], Any]:
     """``collector.stats()["frames"]``, holding the collector weakly."""
     ref = weakref.ref(collector)
-    return lambda: getattr(ref(), "stats", dict)().get("frames")  # None once it is collected
+
+    def frames() -> Any:
+        target = ref()
+        return None if target is None else target.stats().get("frames")
+
+    return frames
 
 
 def check_arguments(

@@ -19,7 +19,8 @@ __all__ = ["TRAINING_RULES", "TrainingMetrics"]
 #: How :class:`TrainingMetrics` reduces a name over a window (and across ranks).
 TRAINING_RULES: tuple[str, ...] = ("mean", "sum", "min", "max", "latest", "summary")
 # The moments each rule folds: a summary's are logged as they are, the others' give one number.
-_MOMENTS, _STATS = ("count", "mean", "min", "max"), {"summary": ("mean", "std", "min", "max")}
+_MOMENTS = ("count", "mean", "min", "max")
+_STATS = {"summary": ("mean", "std", "min", "max")}
 
 
 def _reduced(name: str, rule: str, moments: Moments) -> Partial:
