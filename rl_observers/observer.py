@@ -328,12 +328,10 @@ class ObserverList:
 
     def remove(self, observer: Any) -> _Entry | None:
         with self._lock:
-            kept = tuple(e for e in self.entries if e.observer is not observer)
-            if len(kept) == len(self.entries):
-                return None
-            (removed,) = (e for e in self.entries if e.observer is observer)
-            self.entries = kept
-            self._rebuild()
+            removed = next((e for e in self.entries if e.observer is observer), None)
+            if removed is not None:
+                self.entries = tuple(e for e in self.entries if e is not removed)
+                self._rebuild()
         return removed
 
     def set_call_transform(self, transform: CallTransform | None) -> CallTransform | None:

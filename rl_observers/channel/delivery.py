@@ -103,11 +103,7 @@ class Delivery:
         self._failures_seen = 0
         self._lost_seen = queue.losses()[0]
         self._routers: dict[type, Router] = {}
-        self._failing = False
-        # failures of the current streak: in all, and since its last warning (and when that was)
-        self._streak_failures = 0
-        self._unwarned_failures = 0
-        self._warned_at = 0.0
+        self._failing = False  # in a streak of failures (counted by _warn_failure)
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
         self._counts = owner.health
@@ -257,19 +253,16 @@ class Delivery:
     def _warn_failure(self, err: BaseException, what: str) -> None:
         # at a streak's first failure, then once per REPEAT_WARNING_SECONDS with the counts so far
         now = time.monotonic()
-        if not self._failing:
-            self._streak_failures = self._unwarned_failures = 0
-        self._streak_failures += 1
-        self._unwarned_failures += 1
-        if self._streak_failures == 1:
-            self._warned_at = now
-            self._unwarned_failures = 0
+        if not self._failing:  # the streak's first failure
+            self._streak_failures, self._unwarned_failures, self._warned_at = 1, 0, now
             torchrl_logger.warning(
                 f"MetricsChannel {self.name!r} {what}: {err!r}. While failures go on "
                 f"this is repeated at most once every {REPEAT_WARNING_SECONDS:g} seconds, with "
                 "the counts; see channel.health()."
             )
             return
+        self._streak_failures += 1
+        self._unwarned_failures += 1
         if now - self._warned_at < REPEAT_WARNING_SECONDS:
             return
         since, self._unwarned_failures, self._warned_at = self._unwarned_failures, 0, now

@@ -111,15 +111,12 @@ def check_metric_names(sets: Sequence[MetricSet]) -> None:
     # a one-liner by its repr (it names the metric), a metric set by its class
     shown_as = [repr(m) if isinstance(m, Metric) else type(m).__name__ for m in sets]
     for index, metric_set in enumerate(sets):
-        clash: dict[int, list[str]] = {}
         # the names it logs, as far as they are known before any data
         names = {*metric_set.metric_names(), *metric_set.counter_names, *metric_set.latest_gauges}
-        for name in names:
-            other = seen.setdefault(name, index)
-            if other != index:
-                clash.setdefault(other, []).append(name)
-        for other, names in clash.items():
-            shown = ", ".join(repr(n) for n in sorted(names))
+        clash = sorted(name for name in names if seen.setdefault(name, index) != index)
+        if clash:  # named with the first set it clashes with
+            other = seen[clash[0]]
+            shown = ", ".join(repr(n) for n in clash if seen[n] == other)
             raise ValueError(
                 f"LoggerObserver: metric sets {shown_as[other]} (#{other + 1}) and "
                 f"{shown_as[index]} (#{index + 1}) both log {shown}; one would "
@@ -160,16 +157,14 @@ def as_metric_sets(metrics: Any) -> tuple[MetricSet, ...] | None:
     if metrics is None:
         return None
     given = (metrics,) if isinstance(metrics, (MetricSet, type)) else metrics
-    if isinstance(given, Iterable) and not isinstance(given, (str, bytes, Mapping)):
-        sets = tuple(given)
-        for item in sets:
-            if isinstance(item, type) and issubclass(item, MetricSet):
-                raise TypeError(
-                    f"LoggerObserver: metrics= got the class {item.__name__}, not a metric set; "
-                    f"instantiate it: metrics={item.__name__}()."
-                )
-    else:
-        sets = ()
+    iterable = isinstance(given, Iterable) and not isinstance(given, (str, bytes, Mapping))
+    sets = tuple(given) if iterable else ()
+    for item in sets:
+        if isinstance(item, type) and issubclass(item, MetricSet):
+            raise TypeError(
+                f"LoggerObserver: metrics= got the class {item.__name__}, not a metric set; "
+                f"instantiate it: metrics={item.__name__}()."
+            )
     if not sets or not all(isinstance(m, MetricSet) for m in sets):
         raise TypeError(
             "metrics must be a MetricSet (CollectorBatchMetrics, SampleMetrics, WriteMetrics, ...) "

@@ -534,10 +534,7 @@ class LoggerObserver(Observer):
 
     def stats(self) -> dict[str, float]:
         """Entries contributed to the target's ``stats()`` (e.g. ``sample_calls``)."""
-        stats: dict[str, float] = {}
-        for metric_set in self._sets or ():
-            stats.update(metric_set.stats())
-        return stats
+        return {key: value for m in self.metrics for key, value in m.stats().items()}
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to go on where this one stopped.
