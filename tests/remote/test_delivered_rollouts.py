@@ -77,8 +77,12 @@ def test_a_started_collector_counts_what_its_workers_wrote_and_the_dropped_rollo
 
 
 @pytest.mark.real_collector
-def test_an_iterated_collector_writing_a_buffer_drops_nothing(tmp_path):
-    """Iterated, every rollout is written: frames_discarded stays 0 and frames is the write count."""
+@pytest.mark.parametrize("metrics", [{}, {"reward_key": "nope"}], ids=["all_keys", "a_missing_reward_key"])
+def test_an_iterated_collector_writing_a_buffer_drops_nothing(tmp_path, metrics):
+    """Iterated, every rollout is written: frames_discarded stays 0 and frames is the write count.
+
+    Also once the set stopped what needs a key the first batch lacks (it is rebuilt then).
+    """
     rb = ReplayBuffer(storage=LazyMemmapStorage(10_000))
     logger = CSVLogger(exp_name="iterated", log_dir=str(tmp_path))
     channel = MetricsChannel(logger)
@@ -91,7 +95,7 @@ def test_an_iterated_collector_writing_a_buffer_drops_nothing(tmp_path):
             replay_buffer=rb,
         )
         collector.add_observer(
-            LoggerObserver(channel, schedule=Every.counter("frames", 1000), metrics=CollectorBatchMetrics())
+            LoggerObserver(channel, schedule=Every.counter("frames", 1000), metrics=CollectorBatchMetrics(**metrics))
         )
         for _ in collector:
             pass
