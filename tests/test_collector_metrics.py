@@ -794,6 +794,7 @@ def test_missing_key_at_the_first_batch_stops_only_the_metrics_needing_it(warnin
     (message,) = [m for m in warnings_seen if "done_key=('next', 'done')" in m]
     assert "dones" in message and "episode_length_mean" in message and "frames, batches and" in message
     assert set(metrics.pull()) == {"frames", "batches", "reward"}
+    assert metrics.episode_arguments is None  # it follows no episode any more
 
 
 @pytest.mark.parametrize(

@@ -171,8 +171,8 @@ class CollectorBatchMetrics(MetricSet):
         if episode_length:
             specs.append(("episode_length", ("mean", "min", "max")))
         self._episode = self.moments_group(specs) if specs else None
-        if specs:
-            self.episode_arguments = "episode_return=False, episode_length=False"
+        # per instance: a set reconfigured at its first batch (_stop_missing) may stop its episodes
+        self.episode_arguments = "episode_return=False, episode_length=False" if specs else None
         size = episode_window
         if size is not None and (type(size) is bool or not isinstance(size, int) or size < 1):
             raise ValueError(f"{owner}: episode_window must be a positive int or None, got {size!r}.")
