@@ -147,7 +147,7 @@ class MetricSet:
     # -- what a source decides -------------------------------------------------------
 
     def bind(self, source: Any) -> None:
-        """Resolves what depends on ``source``, once, before its first event (also on copies in workers). Defaults to nothing."""
+        """Resolves what depends on ``source`` before its first event (also on copies in workers, and again when a set rebuilds itself). Defaults to nothing."""
 
     def check_keys(self, source: Any) -> None:
         """Raises a ``ValueError`` when a key this set reads is provably absent from ``source``'s data.
