@@ -262,7 +262,7 @@ def test_ray_shut_down_by_the_user_under_running_copies_warns_and_counts_them_lo
         collector = _async_ray_collector(100 * PER_RAY_BATCH)
         try:
             logger = CSVLogger(exp_name="ray", log_dir=str(tmp_path))
-            channel = MetricsChannel(logger)
+            channel = MetricsChannel(logger, name="user_shutdown")
             observer = LoggerObserver(channel, schedule=Every.counter("frames", PER_RAY_BATCH), metrics=CollectorBatchMetrics())
             collector.add_observer(observer)
             for received, _ in enumerate(collector, 1):
@@ -270,7 +270,8 @@ def test_ray_shut_down_by_the_user_under_running_copies_warns_and_counts_them_lo
                     break
             ray.shutdown()
             assert not channel.close(timeout=60)  # at once: the channel notices Ray is gone itself
-            said = [m for m in told if "Ray was shut down in this process while" in m]
+            # this channel's own warning: another test's channel in this process may say it too
+            said = [m for m in told if "'user_shutdown'" in m and "Ray was shut down in this process while" in m]
             assert len(said) == 1 and "collector.shutdown()" in said[0], told
             assert channel.health()["copies_lost"] == 2
             assert any("2 copies of LoggerObserver 'collector' on a RayCollector vanished" in m for m in told), told

@@ -416,6 +416,26 @@ def test_a_full_ingest_counts_every_merged_payload_it_drops(ray_env):
         recv.close(time.monotonic() + 5)
 
 
+def test_a_drain_whose_get_times_out_hands_its_reply_to_the_next_drain(ray_env):
+    """The ingest hands its messages out as the drain call runs: a get that times out (a flush's
+    deadline; the thread's bounded wait) must not leave them behind."""
+    transport = ray_env.transport
+    recorder = Recorder()
+    recv = transport.RayReceiver(uuid.uuid4().hex[:12])
+    recv.start(recorder, background=False)
+    try:
+        sender = transport.RaySender(recv.address(), interval=0.005)
+        sent = flood(sender, "a", bursts=3, size=5)
+        assert sender.flush(FLUSH_SECONDS)
+        assert recv.drain(1.0, timeout=0.0) == 0  # the call is on its way: nothing back yet
+        time.sleep(1.0)  # the ingest hands its messages to that call meanwhile
+        recv.poll(time.monotonic() + 10)
+        assert n_of(recorder) == sent and recorder.counts()[0] == 0
+        sender.close(1.0)
+    finally:
+        recv.close(time.monotonic() + 5)
+
+
 def test_a_call_that_fails_counts_every_payload_merged_into_its_messages(ray_env):
     ray, transport = ray_env.ray, ray_env.transport
     token, address, stall = stalled_ingest(ray, transport)

@@ -67,6 +67,7 @@ class RayReceiver:
         self._owner = f"{channel}(pid {os.getpid()} on {os.uname().nodename})"
         self._pid = os.getpid()
         self._actor: Any = None
+        self._in_flight: Any = None  # a drain whose reply a timed-out get left: taken next time
         self._address: RayAddress | None = None
         self._accept: Callable[..., None] | None = None
         self._refuse: Callable[[], None] | None = None
@@ -121,7 +122,8 @@ class RayReceiver:
 
     def _run(self) -> None:
         while not self._stop:
-            self.drain(DRAIN_WAIT)
+            # bounded: a get under a ray.shutdown() may hang for a minute, unnoticed meanwhile
+            self.drain(DRAIN_WAIT, timeout=DRAIN_WAIT + 1.0)
 
     def poll(self, deadline: float | None) -> None:
         """Accepts what the ingest holds now (flush, step), until ``deadline`` at most."""
@@ -148,16 +150,18 @@ class RayReceiver:
             if not ray.is_initialized():
                 self._ray_shut_down()
                 return 0
+            reply, self._in_flight = self._in_flight, None
+            if reply is None:
+                reply = actor.drain.remote(DRAIN_BATCH, wait)
             try:
-                batches, dropped, coalesced = ray.get(
-                    actor.drain.remote(DRAIN_BATCH, wait), timeout=timeout
-                )
+                batches, dropped, coalesced = ray.get(reply, timeout=timeout)
             # the ingest died: start a new one, senders find it by name (SystemExit: Ray's
             # get when ray.shutdown() runs meanwhile)
             except (Exception, SystemExit) as err:
-                self.error = err
                 if isinstance(err, ray.exceptions.GetTimeoutError):
+                    self._in_flight = reply  # what the ingest handed out is not lost
                     return 0
+                self.error = err
                 if not ray.is_initialized():  # ray.shutdown() meanwhile
                     self._ray_shut_down()
                     return 0
@@ -195,7 +199,7 @@ class RayReceiver:
     def _ray_shut_down(self) -> None:
         """Ray was shut down in this process: the transport stops (a new actor would start a new Ray), said once."""
         self._stop = True
-        self._actor = None
+        self._actor = self._in_flight = None
         if not self._gone.acquire(blocking=False):  # the thread and a poll may both notice
             return
         torchrl_logger.warning(
@@ -249,7 +253,7 @@ class RayReceiver:
         if os.getpid() != self._pid:
             return
         self._stop = True
-        actor, self._actor = self._actor, None
+        actor, self._actor, self._in_flight = self._actor, None, None
         ray = _ray()
         if actor is not None and ray is not None and ray.is_initialized():
             with contextlib.suppress(Exception):
@@ -258,5 +262,5 @@ class RayReceiver:
     def forget_after_fork(self) -> None:
         """In a forked child: forgets the parent's actors (never kills them)."""
         self._stop = True
-        self._actor = None
+        self._actor = self._in_flight = None
         self._address = None
