@@ -297,8 +297,8 @@ def _data(n=40, start=0):
 def _parity_buffer(kind):
     if kind == "prioritized_plain":  # a ListStorage of tensors
         return replay_buffer(kind, storage=ListStorage(64), batch_size=8)
-    if kind == "prefetch":
-        return replay_buffer("tensordict", batch_size=8, prefetch=2)
+    if kind == "prefetch":  # one prefetch thread: two would draw from one generator in either order
+        return replay_buffer("tensordict", batch_size=8, prefetch=1)
     return replay_buffer(kind, 16 if kind == "max_value" else 64, batch_size=8)
 
 
