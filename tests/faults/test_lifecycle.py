@@ -240,7 +240,7 @@ def test_ray_shut_down_under_an_open_channel_starts_no_new_ray_instance(told):
         assert sender.flush(timeout=30) and sender.dropped == 0
     finally:
         ray.shutdown()
-    said = lambda: [m for m in told if "Ray was shut down in this process while" in m]  # noqa: E731
+    said = lambda: [m for m in told if "'open'" in m and "Ray was shut down in this process while" in m]  # noqa: E731
     # ends as soon as it is said; a loaded machine may take seconds (a get the shutdown left
     # hanging once held the warning back for a minute)
     assert wait_for(said, 20)
