@@ -44,6 +44,19 @@ class MissingKeyError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+def public_error_name(error: BaseException) -> str:
+    """The name a message shows for ``error``: the builtin it stands for when its class is private.
+
+    Examples:
+        >>> public_error_name(MissingKeyError("reward"))
+        'KeyError'
+    """
+    cls = type(error)
+    if isinstance(error, MissingKeyError) or cls.__name__.startswith("_"):
+        cls = next(c for c in cls.__mro__ if c.__module__ == "builtins")
+    return cls.__name__
+
+
 def missing_key(
     owner: str, what: str, key: NestedKey, present: Iterable[NestedKey], *, fix: str | None = None
 ) -> KeyError:
