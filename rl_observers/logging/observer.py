@@ -19,9 +19,8 @@ from torchrl.record.loggers.monitoring import Every
 from rl_observers import lifecycle
 from rl_observers.channel import MetricsChannel
 from rl_observers.logging import wiring
-from rl_observers.logging.arguments import check_arguments
 from rl_observers.logging.copies import new_copies
-from rl_observers.logging.defaults import as_metric_sets, as_sink, target_kind
+from rl_observers.logging.defaults import as_metric_sets, as_sink, check_arguments, target_kind
 from rl_observers.logging.namespaces import Namespace
 from rl_observers.logging.resume import (
     AXIS_COUNTERS,

@@ -83,8 +83,7 @@ class _FromSource:
     def __repr__(self) -> str:
         return "FROM_SOURCE"
 
-    def __reduce__(self) -> str:
-        return "FROM_SOURCE"
+    __reduce__ = __repr__  # pickled by name: the one instance
 
 
 #: Default of a key taken from the source's env specs when the set is bound to a collector.
