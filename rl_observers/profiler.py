@@ -97,20 +97,11 @@ class ProfilerObserver(Observer):
             either it or the keywords that build one.
 
     Keyword Args:
-        workers (list[int], optional): workers to profile. Defaults to ``[0]``.
-        num_rollouts (int, optional): rollouts profiled, warm-up included.
-            Defaults to ``3``.
-        warmup_rollouts (int, optional): rollouts skipped first. Defaults to ``1``.
-        save_path (str or Path, optional): the Chrome trace, ``{worker_idx}``
-            filled in. Defaults to ``"./collector_profile_{worker_idx}.json"``.
-        activities (list[str], optional): ``"cpu"`` and/or ``"cuda"``.
-            Defaults to ``["cpu", "cuda"]``.
-        record_shapes, profile_memory, with_flops (bool, optional): Defaults
-            to ``True``, ``False``, ``False``.
+        workers, num_rollouts, warmup_rollouts, save_path, activities: as in
+            torchrl's ``enable_profile()``, with its defaults.
+        record_shapes, profile_memory, with_flops, on_trace_ready: likewise.
         with_stack (bool, optional): record Python stacks (traces about 8x
             larger). Defaults to ``False``, unlike torchrl.
-        on_trace_ready (Callable, optional): called with the profiler instead
-            of writing ``save_path``. Defaults to ``None``.
         record_observers (bool, optional): time each other observer in a
             range ``rl_observers/<ObserverClass>.on_<event>``. Defaults to
             ``False``.

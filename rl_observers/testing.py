@@ -72,9 +72,7 @@ class EventRecorder:
         return self.events.count(event)
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["_lock"]
-        return state
+        return {name: value for name, value in self.__dict__.items() if name != "_lock"}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

@@ -60,8 +60,7 @@ def histogram_of(partial: Any) -> tuple[list[float], list[float]] | None:
 
 def _key_bounds(key: int, p: int) -> tuple[float, float]:
     exponent, mantissa = divmod(key, 1 << p)
-    low = math.ldexp(1.0 + mantissa * 2.0**-p, exponent - 127)
-    high = math.ldexp(1.0 + (mantissa + 1) * 2.0**-p, exponent - 127)
+    low, high = (math.ldexp(1.0 + m * 2.0**-p, exponent - 127) for m in (mantissa, mantissa + 1))
     return low, high
 
 
@@ -146,12 +145,11 @@ class HistogramDrawer:
         self, tag: str, edges: list[float], counts: list[float], step: int | None, partial: Any
     ) -> None:
         if getattr(partial, "min", math.inf) <= getattr(partial, "max", -math.inf):
-            fields = partial.min, partial.max, partial.sum, partial.sum_squares  # the data's
+            low, high, total, squares = partial.min, partial.max, partial.sum, partial.sum_squares
         else:  # a sketch keeps only its buckets: their bounds and midpoints
             mids = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
-            total = sum(c * m for c, m in zip(counts, mids))
-            fields = edges[0], edges[-1], total, sum(c * m * m for c, m in zip(counts, mids))
-        low, high, total, squares = fields
+            low, high, total = edges[0], edges[-1], sum(c * m for c, m in zip(counts, mids))
+            squares = sum(c * m * m for c, m in zip(counts, mids))
         self.logger.experiment.add_histogram_raw(
             tag,
             min=low,

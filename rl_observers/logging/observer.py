@@ -5,7 +5,6 @@ Read as fold → schedule → submit, then the original's side of its copies and
 
 from __future__ import annotations
 
-import functools
 import pickle
 import threading
 import weakref
@@ -20,10 +19,8 @@ from torchrl.record.loggers.monitoring import Every
 from rl_observers import lifecycle
 from rl_observers.channel import MetricsChannel
 from rl_observers.logging import wiring
-from rl_observers.logging.arguments import check_arguments
 from rl_observers.logging.copies import new_copies
-from rl_observers.logging.defaults import as_metric_sets, as_sink, target_kind
-from rl_observers.logging.failures import metric_set_warning
+from rl_observers.logging.defaults import as_metric_sets, as_sink, check_arguments, target_kind
 from rl_observers.logging.namespaces import Namespace
 from rl_observers.logging.resume import (
     AXIS_COUNTERS,
@@ -35,6 +32,7 @@ from rl_observers.logging.resume import (
     source_axis,
 )
 from rl_observers.metrics import MetricSet
+from rl_observers.metrics.keys import public_error_name
 from rl_observers.observer import FailureStreaks, Observer, dumps
 from rl_observers.schedule import ScheduleClock
 from rl_observers.sources import observers_of
@@ -300,7 +298,16 @@ class LoggerObserver(Observer):
     def _set_failed(self, index: int, error: Exception, where: str) -> None:
         """One metric set raised: the policy applies to it alone; the other sets go on."""
         metric_set = (self._sets or ())[index]
-        warning = functools.partial(metric_set_warning, self.name, metric_set, where, error)
+
+        def warning() -> str:
+            return (
+                f"rl_observers: LoggerObserver {self.name!r}: metric set {metric_set!r} raised in "
+                f"{where} ({public_error_name(error)}: {error}). Its metrics are skipped (no rows) "
+                "until it succeeds again (reported once per failure streak); the observer's other "
+                "metric sets keep logging. Fix the set's configuration, or attach with "
+                'on_error="raise" to stop at the error.'
+            )
+
         self._streaks.fail(index, error, self._policy, warning)
 
     def on_empty(self, source: Any) -> None:

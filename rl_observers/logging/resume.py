@@ -70,12 +70,7 @@ def shift_counters(sets: Sequence[MetricSet], names: Sequence[str], amount: int)
 
 def describe(name: str | None, kind: str, scope: str, sets: Sequence[MetricSet]) -> dict[str, Any]:
     """What a saved state must match to be loaded: namespace, kind of source, scope, metric sets."""
-    return {
-        "name": name,
-        "kind": kind,
-        "scope": scope,
-        "metric_sets": [type(m).__qualname__ for m in sets],
-    }
+    return dict(name=name, kind=kind, scope=scope, metric_sets=[type(m).__qualname__ for m in sets])
 
 
 def misfit(saved: Mapping[str, Any], here: Mapping[str, Any]) -> str | None:

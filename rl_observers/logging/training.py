@@ -132,10 +132,7 @@ class TrainingMetrics:
                     fold = self._folds.get(name) or self._device_fold(name)
                     fold(value)
                 else:
-                    numbers = self._host.get(name)
-                    if numbers is None:
-                        numbers = self._host[name] = []
-                    numbers.append(float(value))
+                    self._host.setdefault(name, []).append(float(value))
             self._last_step = step
             if step >= self._due:
                 self._close_window(step)

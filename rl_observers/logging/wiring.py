@@ -21,6 +21,7 @@ from torchrl.record.loggers.monitoring import Every
 
 from rl_observers.logging.defaults import check_sets_fit, default_metrics, default_schedule
 from rl_observers.metrics import CollectorBatchMetrics, MetricSet, SampleMetrics, WriteMetrics
+from rl_observers.metrics.base import DATA_EVENTS
 from rl_observers.metrics.source import missing_source_counters
 
 __all__ = [
@@ -32,9 +33,6 @@ __all__ = [
     "observed_events",
     "schedule_counter_reader",
 ]
-
-#: The events whose payload the metric sets fold.
-DATA_EVENTS: tuple[str, ...] = ("post_collect", "post_add", "post_extend", "post_sample")
 
 
 def counter_key(schedule: Every | None) -> str | None:

@@ -283,8 +283,7 @@ class MetricSet:
             self._counters.drain()  # CUDA events do not pickle; pending amounts are applied first
             state = self.__dict__.copy()
         del state["_lock"]
-        for name in self._transient:
-            state[name] = None
+        state.update(dict.fromkeys(self._transient))
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -118,9 +118,5 @@ class Histogram(Metric):
         return {self.name: out}
 
     def metric_names(self) -> tuple[str, ...]:
-        return (
-            self.name,
-            f"{self.name}_count",
-            *(quantile_name(self.name, q) for q in self.quantiles),
-            f"{self.name}_nan_count",
-        )
+        quantiles = (quantile_name(self.name, q) for q in self.quantiles)
+        return (self.name, f"{self.name}_count", *quantiles, f"{self.name}_nan_count")

@@ -44,6 +44,19 @@ class MissingKeyError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+def public_error_name(error: BaseException) -> str:
+    """The name a message shows for ``error``: the builtin it stands for when its class is private.
+
+    Examples:
+        >>> public_error_name(MissingKeyError("reward"))
+        'KeyError'
+    """
+    cls = type(error)
+    if isinstance(error, MissingKeyError) or cls.__name__.startswith("_"):
+        cls = next(c for c in cls.__mro__ if c.__module__ == "builtins")
+    return cls.__name__
+
+
 def missing_key(
     owner: str, what: str, key: NestedKey, present: Iterable[NestedKey], *, fix: str | None = None
 ) -> KeyError:
@@ -70,8 +83,7 @@ class _FromSource:
     def __repr__(self) -> str:
         return "FROM_SOURCE"
 
-    def __reduce__(self) -> str:
-        return "FROM_SOURCE"
+    __reduce__ = __repr__  # pickled by name: the one instance
 
 
 #: Default of a key taken from the source's env specs when the set is bound to a collector.

@@ -70,13 +70,11 @@ class LatestReducer(_Reducer):
             values[start + c * size : start + (c + 1) * size]
             for c in range(_HEAD + len(self.names))
         ]
-        entries = []
-        for i, key in enumerate(columns[0]):
-            if key > 0:
-                entry_values = [column[i] for column in columns[_HEAD:]]
-                entries.append(
-                    ((int(columns[1][i]), self.source, int(columns[2][i])), entry_values)
-                )
+        entries = [
+            ((int(columns[1][i]), self.source, int(columns[2][i])), [c[i] for c in columns[_HEAD:]])
+            for i, key in enumerate(columns[0])
+            if key > 0
+        ]
         return LatestWindow(self.size, self.names, stats=self.stats, entries=entries)
 
     def _partials(self, values: Sequence[float]) -> dict[str, Partial]:

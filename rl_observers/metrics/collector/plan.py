@@ -97,8 +97,7 @@ class EpisodeCarry:
 
     def clear(self) -> None:
         """Drops the episodes in flight (the envs were reset)."""
-        self.neg = None
-        self.traj = None
+        self.neg = self.traj = None
 
     def state_dict(self) -> dict[str, torch.Tensor | None]:
         """``carry``: the ``[rows, 2]`` (return, length) in flight; ``carry_traj_ids``: their ids."""
