@@ -114,8 +114,13 @@ class MetricsHandle:
             channel.submit_window(window)
             return
         check_metrics(window.metrics, window.namespace, "MetricsHandle")
-        if self._copy_pid != os.getpid():
-            self._copy_pid, self._copy, self._seq = os.getpid(), _copy_identity(), 0
+        if self._copy_pid != os.getpid():  # who sends from this process: host/pid, and its Ray node
+            copy = f"{socket.gethostname()}/pid {os.getpid()}"
+            ray = sys.modules.get("ray")
+            with contextlib.suppress(Exception):  # a Ray that cannot say: the host and pid name the copy
+                if ray is not None and ray.is_initialized():
+                    copy += f"/node {ray.get_runtime_context().get_node_id()[:12]}"
+            self._copy_pid, self._copy, self._seq = os.getpid(), copy, 0
         self._seq += 1
         self._send_through().send(window.numbered(self._copy, self._seq))
 
@@ -194,16 +199,6 @@ class MetricsHandle:
         if transport == "local":
             return f"{type(self).__name__}(transport='local')"
         return f"{type(self).__name__}(transport={transport!r}, address={self.address!r})"
-
-
-def _copy_identity() -> str:
-    """Who sends from this process, in words: ``host/pid``, and the Ray node where there is one."""
-    where = f"{socket.gethostname()}/pid {os.getpid()}"
-    ray = sys.modules.get("ray")
-    with contextlib.suppress(Exception):  # a Ray that cannot say: the host and pid name the copy
-        if ray is not None and ray.is_initialized():
-            where += f"/node {ray.get_runtime_context().get_node_id()[:12]}"
-    return where
 
 
 def _rebuild_handle(token: str, addresses: Mapping[str, Any], transport: Any, owner: Any) -> MetricsHandle:

@@ -61,25 +61,19 @@ class Lockstep:
         return int(value // per_rollout[worker]) * self.total  # type: ignore[operator]
 
 
-def _rollout_frames(target: Any) -> tuple[int, ...] | None:
-    """Each worker's frames per rollout of a collector whose batches join its workers in lockstep."""
-    name = torchrl_class(type(target)).__name__
-    if name == "MultiSyncCollector":
-        return tuple(int(target.frames_per_batch_worker(worker_idx=i)) for i in range(target.num_workers))
-    if name == "RayCollector" and getattr(target, "_sync", False):
-        return (int(target._frames_per_batch_corrected),) * int(target.num_collectors)
-    return None
-
-
 def plan_for(target: Any, schedule: Every | None) -> Lockstep | None:
     """The :class:`Lockstep` of an observer's copies on ``target``, or ``None`` (rows observed)."""
     if schedule is None or schedule.kind != "counter":
         return None
-    key = schedule.key
-    if torchrl_class(type(target)).__name__ == "RayReplayBuffer":
+    key, name = schedule.key, torchrl_class(type(target)).__name__
+    if name == "RayReplayBuffer":
         return Lockstep(1, key)
-    frames = _rollout_frames(target)
-    if frames is None:
+    # each worker's frames per rollout, where the batches join the workers in lockstep
+    if name == "MultiSyncCollector":
+        frames = tuple(int(target.frames_per_batch_worker(worker_idx=i)) for i in range(target.num_workers))
+    elif name == "RayCollector" and getattr(target, "_sync", False):
+        frames = (int(target._frames_per_batch_corrected),) * int(target.num_collectors)
+    else:
         return None
     if len(frames) == 1:
         return Lockstep(1, key)

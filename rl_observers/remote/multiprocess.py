@@ -50,10 +50,6 @@ _EXIT_PID: int | None = None
 _REPORTED_DEAD = IdentityMap()
 
 
-class _WorkerDied(Exception):
-    """A worker died before it answered."""
-
-
 def _worker_death(collector: Any, idx: int) -> str | None:
     """How worker ``idx`` died (``"exit code -9"``), or ``None`` while it is alive."""
     procs = getattr(collector, "procs", None) or ()
@@ -64,22 +60,6 @@ def _worker_death(collector: Any, idx: int) -> str | None:
     except ValueError:  # torchrl closes the process objects of workers it terminated
         return "closed"
     return None if code is None else f"exit code {code}"
-
-
-def _receive(collector: Any, idx: int) -> Any:
-    """The next message from worker ``idx``; raises :class:`_WorkerDied` if it died first.
-
-    Checks only this worker's health: torchrl's ``_recv_and_check`` would
-    terminate every worker once one is dead.
-    """
-    pipe = collector.pipes[idx]
-    try:
-        while not pipe.poll(_HEALTH_INTERVAL):
-            if _worker_death(collector, idx) is not None and not pipe.poll(0):
-                raise _WorkerDied
-        return pipe.recv()
-    except (EOFError, OSError) as error:  # the worker's end of the pipe is closed
-        raise _WorkerDied from error
 
 
 def call_workers(collector: Any, calls: Mapping[int, tuple[Any, ...]]) -> tuple[dict[int, Any], dict[int, str]]:
@@ -103,9 +83,14 @@ def call_workers(collector: Any, calls: Mapping[int, tuple[Any, ...]]) -> tuple[
                 continue
         dead[idx] = death
     for idx in sent:
+        # this worker's health only: torchrl's _recv_and_check would terminate every worker
+        pipe = collector.pipes[idx]
         try:
-            result, msg = _receive(collector, idx)
-        except _WorkerDied:
+            while not pipe.poll(_HEALTH_INTERVAL):
+                if _worker_death(collector, idx) is not None and not pipe.poll(0):
+                    raise EOFError  # it died before it answered
+            result, msg = pipe.recv()
+        except (EOFError, OSError):  # dead, or its end of the pipe is closed
             dead[idx] = _worker_death(collector, idx) or "unreachable"
             continue
         if msg != "cascade_execute":
@@ -169,24 +154,23 @@ class MultiprocessCollectorKind(RemoteKind):
     def attach_remote(self, target: Any, payload: bytes, on_error: str, token: int) -> None:
         n = target.num_workers
         dead = {i: d for i in range(n) if (d := _worker_death(target, i)) is not None}
-        if dead:  # nothing is sent: an observer is attached to every worker or to none
-            raise RuntimeError(
-                f"cannot attach an observer to a {type(target).__name__}: {_describe_dead(dead)}; "
-                "nothing was attached."
-            )
-        taken = isinstance(target, MultiAsyncCollector)  # when the driver asks again
-        calls = {i: (attach_here, payload, on_error, token, i, n, None, taken) for i in range(n)}
-        answers, dead = call_workers(target, calls)
+        answers: dict[int, Any] = {}
+        during = ""
+        if not dead:  # else nothing is sent: an observer is attached to every worker or to none
+            taken = isinstance(target, MultiAsyncCollector)  # when the driver asks again
+            calls = {i: (attach_here, payload, on_error, token, i, n, None, taken) for i in range(n)}
+            answers, dead = call_workers(target, calls)
+            during = " (it died while the observer was being attached)"
         attached = [idx for idx, result in answers.items() if not isinstance(result, BaseException)]
         if len(attached) == n:
             return
-        # Undo the workers that attached it; those that failed or died have no copy.
-        with contextlib.suppress(Exception):
-            call_workers(target, {idx: (detach_here, token) for idx in attached})
+        if attached:  # undo the workers that attached it; those that failed or died have no copy
+            with contextlib.suppress(Exception):
+                call_workers(target, {idx: (detach_here, token) for idx in attached})
         if dead:
             raise RuntimeError(
-                f"cannot attach an observer to a {type(target).__name__}: {_describe_dead(dead)} "
-                "(it died while the observer was being attached); nothing was attached."
+                f"cannot attach an observer to a {type(target).__name__}: {_describe_dead(dead)}"
+                f"{during}; nothing was attached."
             )
         raise_first_error(target, answers, "attaching an observer to")
 

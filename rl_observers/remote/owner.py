@@ -130,13 +130,9 @@ class RemoteWing(Wing):
         for receiver in list(self._receivers.values()):
             receiver.poll(deadline)
 
-    def barrier(self, deadline: float | None) -> None:
-        """Brings in everything sent before the call, through every hop a receiver has."""
-        for receiver in list(self._receivers.values()):
-            (getattr(receiver, "barrier", None) or receiver.poll)(deadline)
-
     def flush(self, deadline: float | None) -> bool:
-        self.barrier(deadline)
+        for receiver in list(self._receivers.values()):  # through every hop a receiver has
+            (getattr(receiver, "barrier", None) or receiver.poll)(deadline)
         return self.settle_gone(deadline)
 
     def clean_since_last_check(self) -> bool:

@@ -91,8 +91,15 @@ def _collectors_writing_into(buffer: Any) -> list[Any]:
         return found  # no worker process, no copy
     with _WRITERS_LOCK:
         candidates = [ref() for ref in _WRITERS]
-    if _UNTRACKED_WORKERS:
-        candidates.extend(_referring_collectors(buffer))
+    if _UNTRACKED_WORKERS:  # those holding it as ``replay_buffer``, from a heap scan
+        for referrer in gc.get_referrers(buffer):
+            if isinstance(referrer, MultiCollector):
+                candidates.append(referrer)
+            elif isinstance(referrer, dict) and referrer.get("replay_buffer") is buffer:
+                candidates.extend(
+                    o for o in gc.get_referrers(referrer)
+                    if isinstance(o, MultiCollector) and getattr(o, "__dict__", None) is referrer
+                )
     for owner in candidates:
         if (
             owner is not None
@@ -102,20 +109,6 @@ def _collectors_writing_into(buffer: Any) -> list[Any]:
         ):
             found.append(owner)
     return found
-
-
-def _referring_collectors(buffer: Any) -> list[Any]:
-    """The multiprocessing collectors holding ``buffer`` as ``replay_buffer``, from a heap scan."""
-    owners: list[Any] = []
-    for referrer in gc.get_referrers(buffer):
-        if isinstance(referrer, MultiCollector):
-            owners.append(referrer)
-        elif isinstance(referrer, dict) and referrer.get("replay_buffer") is buffer:
-            owners.extend(
-                o for o in gc.get_referrers(referrer)
-                if isinstance(o, MultiCollector) and getattr(o, "__dict__", None) is referrer
-            )
-    return owners
 
 
 @contextlib.contextmanager

@@ -38,17 +38,6 @@ def _codes(code: CodeType) -> list[CodeType]:
     return found
 
 
-def _functions(value: Any) -> list[FunctionType]:
-    if isinstance(value, (staticmethod, classmethod)):
-        value = value.__func__
-    found = []
-    while value is not None and not isinstance(value, property):
-        if isinstance(value, FunctionType):
-            found.append(value)
-        value = getattr(value, "__wrapped__", None)
-    return found
-
-
 def _learn_readers(cls: type) -> None:
     """Adds the functions of ``cls``'s hierarchy that read a hook property to the known readers."""
     global _READERS
@@ -59,9 +48,12 @@ def _learn_readers(cls: type) -> None:
         if klass in _LEARNT or not klass.__module__.startswith("torchrl."):
             continue
         for value in vars(klass).values():
-            for fn in _functions(value):
-                codes = _codes(fn.__code__)
-                readers.update(c for c in codes if any(h in c.co_names for h in _HOOKS))
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            while value is not None and not isinstance(value, property):  # the wrapped ones too
+                if isinstance(value, FunctionType):
+                    readers.update(c for c in _codes(value.__code__) if any(h in c.co_names for h in _HOOKS))
+                value = getattr(value, "__wrapped__", None)
     _LEARNT.update(cls.__mro__)
     _READERS = frozenset(readers)
 

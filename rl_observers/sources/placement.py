@@ -125,31 +125,6 @@ def source_kind(source: Any) -> str | None:
     return None
 
 
-def _in_ray_worker() -> bool:
-    ray = sys.modules.get("ray")
-    if ray is None:
-        return False
-    try:
-        worker = ray._private.worker.global_worker
-        return worker.connected and worker.mode == ray.WORKER_MODE
-    except Exception:
-        return False
-
-
-def _torchrl_worker_index() -> int | None:
-    """The index of the torchrl collector worker whose loop is on this thread's stack, else ``None``."""
-    try:
-        frame = sys._getframe(2)
-    except ValueError:  # called from the top of a stack
-        return None
-    while frame is not None:
-        if frame.f_code.co_name == "_main_async_collector_impl":
-            idx = frame.f_locals.get("worker_idx", frame.f_locals.get("idx"))
-            return idx if isinstance(idx, int) else None
-        frame = frame.f_back
-    return None
-
-
 def source_info(source: Any) -> SourceInfo:
     """Returns where ``source`` runs: its kind, worker index and process.
 
@@ -177,7 +152,19 @@ def source_info(source: Any) -> SourceInfo:
     if _PROCESS_WORKER is not None:  # this process is a collector worker
         worker, num_workers = _PROCESS_WORKER
         return SourceInfo(kind, worker, num_workers, pid, True)
-    worker = _torchrl_worker_index()
-    if worker is not None:
+    try:  # a torchrl collector worker whose loop is on this thread's stack
+        frame = sys._getframe(1)
+    except ValueError:  # called from the top of a stack
+        frame = None
+    while frame is not None and frame.f_code.co_name != "_main_async_collector_impl":
+        frame = frame.f_back
+    worker = None if frame is None else frame.f_locals.get("worker_idx", frame.f_locals.get("idx"))
+    if isinstance(worker, int):
         return SourceInfo(kind, worker, None, pid, True)
-    return SourceInfo(kind, None, None, pid, _in_ray_worker())
+    ray = sys.modules.get("ray")
+    try:  # a Ray actor's process (None: Ray was never imported)
+        ray_worker = ray._private.worker.global_worker  # type: ignore[union-attr]
+        in_ray = ray_worker.connected and ray_worker.mode == ray.WORKER_MODE  # type: ignore[union-attr]
+    except Exception:
+        in_ray = False
+    return SourceInfo(kind, None, None, pid, in_ray)

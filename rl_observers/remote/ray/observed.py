@@ -58,16 +58,19 @@ _SHUTDOWN_TIMEOUT = 30.0
 _MIN_WAIT = 1.0
 
 
-def _gather(refs: list[Any], action: str, target: Any) -> None:
-    """``ray.get`` of every ref, raising the first error once all have finished."""
+def _gather(refs: list[Any], action: str, target: Any, received: Any = None) -> None:
+    """``ray.get`` of every ref (each result to ``received``), raising the first error once all have finished."""
     import ray  # an optional dependency: imported once a Ray source exists
 
     errors = []
     for idx, ref in enumerate(refs):
         try:
-            ray.get(ref)
+            result = ray.get(ref)
         except Exception as error:
             errors.append((idx, getattr(error, "cause", None) or error))
+            continue
+        if received is not None:
+            received(result)
     if errors:
         idx, cause = errors[0]
         raise RemoteAttachError(f"{action} {type(target).__name__} actor {idx} failed: {cause}") from None
@@ -112,15 +115,8 @@ class _RayKind(RemoteKind):
         _gather(refs, action, target)
 
     def detach_remote(self, target: Any, token: int) -> None:
-        import ray
-
-        refs = [a.__ray_call__.remote(_detach_and_drain, token) for a in self.actors(target)]
-        try:
-            _gather(refs, "detaching an observer from", target)
-        finally:
-            for ref in refs:
-                with contextlib.suppress(Exception):  # a failed call is raised by _gather
-                    _write_files(ray.get(ref))
+        refs = [a.__ray_call__.remote(_then_drain, detach_here, token) for a in self.actors(target)]
+        _gather(refs, "detaching an observer from", target, _write_files)
 
 
 def _copies_gone_with_ray() -> None:
@@ -250,10 +246,14 @@ def send_file_to_driver(path: str | Path) -> bool:
     return True
 
 
-def _drain() -> list[tuple[str, bytes]]:
-    with _OUTBOX_LOCK:
-        files = list(_OUTBOX)
-        _OUTBOX.clear()
+def _then_drain(source: Any, action: Any, *args: Any) -> list[tuple[str, bytes]]:
+    """Runs ``action(source, *args)`` in the actor, then hands over the files waiting for the driver."""
+    try:
+        action(source, *args)
+    finally:
+        with _OUTBOX_LOCK:
+            files = list(_OUTBOX)
+            _OUTBOX.clear()
     return files
 
 
@@ -268,14 +268,6 @@ def _taken_here(collector: Any) -> None:
     observers = observers_of(collector)
     if observers is not None:
         observers.delivered()
-
-
-def _detach_and_drain(source: Any, token: int) -> list[tuple[str, bytes]]:
-    try:
-        detach_here(source, token)
-    finally:
-        files = _drain()
-    return files
 
 
 def _write_files(files: list[tuple[str, bytes]]) -> None:
@@ -297,17 +289,13 @@ def _write_files(files: list[tuple[str, bytes]]) -> None:
             )
 
 
-def _shutdown_here(source: Any) -> list[tuple[str, bytes]]:
-    try:
-        observers = observers_of(source)
-        if observers is not None:
-            observers.shutdown()
-        elif kind_of(source) is not None:
-            # A multiprocessing collector in the actor: closing it makes its workers emit.
-            source.shutdown()
-    finally:
-        files = _drain()
-    return files
+def _shutdown_here(source: Any) -> None:
+    observers = observers_of(source)
+    if observers is not None:
+        observers.shutdown()
+    elif kind_of(source) is not None:
+        # A multiprocessing collector in the actor: closing it makes its workers emit.
+        source.shutdown()
 
 
 def _buffer_stats_here(buffer: Any) -> dict[str, Any]:
@@ -333,7 +321,7 @@ def _emit_shutdown(actors: list[Any]) -> None:
 
     if not actors or not ray.is_initialized():  # gone with Ray (a call would start a new Ray)
         return
-    refs = [actor.__ray_call__.remote(_shutdown_here) for actor in actors]
+    refs = [actor.__ray_call__.remote(_then_drain, _shutdown_here) for actor in actors]
     deadline = time.monotonic() + _SHUTDOWN_TIMEOUT
     failed = []
     for idx, ref in enumerate(refs):
