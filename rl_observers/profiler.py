@@ -94,12 +94,10 @@ class ProfilerObserver(Observer):
 
     Args:
         config (ProfileConfig, optional): a ready-made configuration; give
-            either it or the keywords that build one.
+            either it or the keywords that build one: ``with_stack`` below and
+            the other fields of torchrl's ``ProfileConfig``, with its defaults.
 
     Keyword Args:
-        workers, num_rollouts, warmup_rollouts, save_path, activities: as in
-            torchrl's ``enable_profile()``, with its defaults.
-        record_shapes, profile_memory, with_flops, on_trace_ready: likewise.
         with_stack (bool, optional): record Python stacks (traces about 8x
             larger). Defaults to ``False``, unlike torchrl.
         record_observers (bool, optional): time each other observer in a
