@@ -254,3 +254,4 @@ def test_ray_shut_down_under_an_open_channel_starts_no_new_ray_instance(told):
     assert len(said()) == 1 and "close the channel (channel.close()) before ray.shutdown()" in said()[0]
     assert len([m for m in told if "cannot reach its owner" in m and "Ray was shut down" in m]) == 1
     assert channel.health()["dropped"] == 0 and logger.calls  # the local path went on
+    assert not sender.close(timeout=0.1)  # its payload stays undelivered; its thread ends

@@ -160,16 +160,23 @@ class _Forwarder:
         self.merged_lost = 0  # of those, payloads counted as coalesced where they merged
         self.error: BaseException | None = None
         self.sent_calls = 0
+        self._ray_seen = self._ray_gone = False  # Ray was up here; then it was shut down
 
     @property
     def in_flight(self) -> int:
         return len(self._calls)
 
     def _ray_down(self) -> bool:
-        """Whether Ray was shut down in this process (then no call is made: it would start a new Ray)."""
+        """Whether Ray was shut down in this process (then no call is made: it would start a new Ray).
+
+        Once it was, a later ``ray.init()`` is another session: this thread never calls Ray again
+        (a call racing that session's start or shutdown could take the process down).
+        """
         ray = _ray()
-        if ray is not None and ray.is_initialized():
+        if not self._ray_gone and ray is not None and ray.is_initialized():
+            self._ray_seen = True
             return False
+        self._ray_gone = self._ray_seen
         for cost in self._calls.values():
             self._lose(cost)
         self._calls.clear()
