@@ -103,6 +103,7 @@ class RayReceiver:
         if background:
             self._thread = threading.Thread(target=self._run, name="rl_observers-ray-ingest", daemon=True)
             self._thread.start()
+            threading.Thread(target=self._watch, name="rl_observers-ray-watch", daemon=True).start()
 
     def _create_ingest(self) -> Any:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -124,6 +125,15 @@ class RayReceiver:
         while not self._stop:
             # bounded: a get under a ray.shutdown() may hang for a minute, unnoticed meanwhile
             self.drain(DRAIN_WAIT, timeout=DRAIN_WAIT + 1.0)
+
+    def _watch(self) -> None:
+        # calls no Ray: a ray.shutdown() is said at once, while the draining thread may still
+        # wait in a call that shutdown left hanging (seen for a minute, timeout or not)
+        ray = _ray()
+        while not self._stop:
+            time.sleep(DRAIN_WAIT)
+            if not self._stop and self._actor is not None and not ray.is_initialized():
+                self._ray_shut_down()
 
     def poll(self, deadline: float | None) -> None:
         """Accepts what the ingest holds now (flush, step), until ``deadline`` at most."""
