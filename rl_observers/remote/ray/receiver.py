@@ -123,7 +123,7 @@ class RayReceiver:
 
     def _run(self) -> None:
         while not self._stop:
-            # bounded: a get under a ray.shutdown() may hang for a minute, unnoticed meanwhile
+            # bounded: a get that a ray.shutdown() left hanging would hold this thread a minute
             self.drain(DRAIN_WAIT, timeout=DRAIN_WAIT + 1.0)
 
     def _watch(self) -> None:
