@@ -24,6 +24,7 @@ from tests.remote import multinode  # noqa: E402
 helpers.preloaded_forkserver()
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which names the groups from the markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Orders the run for ``pytest -n`` (``--dist loadgroup``): one worker per module fixture, slow work first.
 

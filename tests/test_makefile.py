@@ -43,3 +43,14 @@ def test_demo_reuses_an_environment_made_by_make_test(tmp_path):
     assert done.returncode != 0
     assert "bin/python" in done.stderr  # the install step ran (and found no Python)
     assert not (venv / ".demo").exists()
+
+
+@pytest.mark.xdist_group("one_worker")
+def test_make_test_keeps_a_group_on_one_worker(request):
+    """Under ``--dist loadgroup`` a module's shared set-up runs on one worker, not on each.
+
+    pytest-xdist 3.8 names a test's group in its node id, which pytest 9.2 ignores
+    (pytest-dev/pytest-xdist#1386): the test extras pin pytest below 9.2.
+    """
+    if getattr(request.config.option, "loadgroup", False):
+        assert request.node.nodeid.endswith("@one_worker"), "pytest-xdist did not group the tests"
