@@ -1,4 +1,4 @@
-"""``make demo`` and ``make test`` share one environment when it has what they need."""
+"""``make demo`` and ``make test`` share one environment; ``make test`` keeps a test group on one worker."""
 
 from __future__ import annotations
 
