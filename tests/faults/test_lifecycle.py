@@ -255,3 +255,37 @@ def test_ray_shut_down_under_an_open_channel_starts_no_new_ray_instance(told):
     assert len([m for m in told if "cannot reach its owner" in m and "Ray was shut down" in m]) == 1
     assert channel.health()["dropped"] == 0 and logger.calls  # the local path went on
     assert not sender.close(timeout=0.1)  # its payload stays undelivered; its thread ends
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_ray_transport_s_calls_after_ray_shutdown_raise_instead_of_starting_ray():
+    """The calls the Ray transport's threads make, made once Ray was shut down (as one racing
+    ``ray.shutdown()`` is): each raises, and no new Ray starts (Ray's own calls would start one)."""
+    from rl_observers.remote.ray.ingest import call_remote, no_start
+
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        pytest.skip("Ray is initialized in this process")
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        channel = MetricsChannel(RecordingLogger(), name="calls", health_interval=None)
+        address = pickle.loads(pickle.dumps(channel.handle()))._addresses["ray"]
+        ingest = ray.get_actor(address.ingest, namespace=address.namespace)
+        ref = call_remote(ingest.drain, 1, 0.0)
+        assert no_start(ray.get)(ref, timeout=30)[0] == []
+    finally:
+        ray.shutdown()
+    calls = {
+        "actor call": lambda: call_remote(ingest.drain, 1, 0.0),
+        "get": lambda: no_start(ray.get)(ref, timeout=0),
+        "wait": lambda: no_start(ray.wait)([ref], timeout=0),
+        "get_actor": lambda: no_start(ray.get_actor)(address.ingest, namespace=address.namespace),
+        "kill": lambda: no_start(ray.kill)(ingest),
+    }
+    for name, call in calls.items():
+        with pytest.raises((ray.exceptions.RayError, AttributeError)):  # not connected: no core worker
+            call()
+        assert not ray.is_initialized(), name
+    assert channel.close(timeout=10)  # nothing was submitted: nothing is lost
+    assert not ray.is_initialized()

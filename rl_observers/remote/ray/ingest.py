@@ -75,6 +75,20 @@ def _ray() -> Any:
     return sys.modules.get("ray")
 
 
+def no_start(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call`` (``ray.get``, ``ray.wait``, ``ray.get_actor``, ``ray.kill``) without Ray's start-on-call.
+
+    Ray's calls run ``ray.init()`` when Ray is not initialized: on a transport's thread, one
+    that raced a ``ray.shutdown()`` started a new local Ray. Unwrapped, it raises instead.
+    """
+    return getattr(call, "__wrapped__", call)
+
+
+def call_remote(method: Any, *args: Any) -> Any:
+    """``method.remote(*args)`` for an actor method, without Ray's start-on-call (:func:`no_start`)."""
+    return no_start(type(method)._remote)(method, args, {})
+
+
 def _is_address(address: Any) -> bool:
     return isinstance(address, tuple) and len(address) == 4 and all(isinstance(a, str) for a in address)
 
@@ -189,11 +203,16 @@ class _Forwarder:
             return
         ray = _ray()
         refs = list(self._calls)
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        try:
+            ready, _ = no_start(ray.wait)(refs, num_returns=len(refs), timeout=0)
+        except Exception:
+            if self._ray_down():  # shut down meanwhile: its calls are counted lost
+                return
+            raise
         for ref in ready:
             cost = self._calls.pop(ref)
             try:
-                ray.get(ref, timeout=0)
+                no_start(ray.get)(ref, timeout=0)
             except Exception as err:  # the target died: the batch is lost
                 self._fail(err)
                 self._lose(cost)
@@ -236,7 +255,7 @@ class _Forwarder:
         try:
             data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
             # what the target adds to its counts if it has to drop the batch whole
-            ref = self._target.push.remote(data, len(batch), payloads + dropped, coalesced - merged)
+            ref = call_remote(self._target.push, data, len(batch), payloads + dropped, coalesced - merged)
         except Exception as err:
             self._fail(err)
             self._lose(cost)
@@ -253,7 +272,11 @@ class _Forwarder:
             if (left is not None and left <= 0) or self._ray_down():
                 return False
             refs = list(self._calls)
-            ray.wait(refs, num_returns=len(refs), timeout=left)
+            try:
+                no_start(ray.wait)(refs, num_returns=len(refs), timeout=left)
+            except Exception:
+                if not self._ray_down():
+                    raise
             self.reap()
         return True
 

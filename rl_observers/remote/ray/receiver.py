@@ -25,7 +25,9 @@ from rl_observers.remote.ray.ingest import (
     Message,
     RayAddress,
     _ray,
+    call_remote,
     ingest_class,
+    no_start,
 )
 
 # torchrl's logger (the same object as torchrl._utils.logger)
@@ -161,10 +163,10 @@ class RayReceiver:
                 self._ray_shut_down()
                 return 0
             reply, self._in_flight = self._in_flight, None
-            if reply is None:
-                reply = actor.drain.remote(DRAIN_BATCH, wait)
             try:
-                batches, dropped, coalesced = ray.get(reply, timeout=timeout)
+                if reply is None:
+                    reply = call_remote(actor.drain, DRAIN_BATCH, wait)
+                batches, dropped, coalesced = no_start(ray.get)(reply, timeout=timeout)
             # the ingest died: start a new one, senders find it by name (SystemExit: Ray's
             # get when ray.shutdown() runs meanwhile)
             except (Exception, SystemExit) as err:
@@ -267,7 +269,7 @@ class RayReceiver:
         ray = _ray()
         if actor is not None and ray is not None and ray.is_initialized():
             with contextlib.suppress(Exception):
-                ray.kill(actor)
+                no_start(ray.kill)(actor)
 
     def forget_after_fork(self) -> None:
         """In a forked child: forgets the parent's actors (never kills them)."""

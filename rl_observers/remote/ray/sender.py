@@ -18,6 +18,7 @@ from rl_observers.remote.ray.ingest import (
     _Forwarder,
     _is_address,
     _ray,
+    no_start,
 )
 from rl_observers.remote.transport import Outbox
 
@@ -67,7 +68,7 @@ class RaySender(Outbox):
         self._wake_at = max(capacity // 2, 1)
         self._interval = interval
         self._forwarder = _Forwarder(
-            lambda: _ray().get_actor(self.address.ingest, namespace=self.address.namespace), in_flight
+            lambda: no_start(_ray().get_actor)(self.address.ingest, namespace=self.address.namespace), in_flight
         )
         self._wake = threading.Event()
         # (done, deadline, result) of each flush waiting for the sending thread
