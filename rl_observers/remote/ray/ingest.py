@@ -76,11 +76,7 @@ def _ray() -> Any:
 
 
 def no_start(call: Callable[..., Any]) -> Callable[..., Any]:
-    """``call`` (``ray.get``, ``ray.wait``, ``ray.get_actor``, ``ray.kill``) without Ray's start-on-call.
-
-    Ray's calls run ``ray.init()`` when Ray is not initialized: on a transport's thread, one
-    that raced a ``ray.shutdown()`` started a new local Ray. Unwrapped, it raises instead.
-    """
+    """Ray's ``call`` without its ``ray.init()`` when Ray is down: one racing a ``ray.shutdown()`` raises, starting no Ray."""
     return getattr(call, "__wrapped__", call)
 
 
@@ -197,22 +193,24 @@ class _Forwarder:
         self._fail(RuntimeError("Ray was shut down in this process"))
         return True
 
+    def _finished(self, timeout: float | None) -> list[Any]:
+        """The calls finished within ``timeout``; none once Ray was shut down (its calls are then counted lost)."""
+        calls = list(self._calls)
+        try:
+            return no_start(_ray().wait)(calls, num_returns=len(calls), timeout=timeout)[0]
+        except Exception:
+            if self._ray_down():
+                return []
+            raise
+
     def reap(self) -> None:
         """Accounts for the calls that finished (never waits)."""
         if not self._calls or self._ray_down():
             return
-        ray = _ray()
-        refs = list(self._calls)
-        try:
-            ready, _ = no_start(ray.wait)(refs, num_returns=len(refs), timeout=0)
-        except Exception:
-            if self._ray_down():  # shut down meanwhile: its calls are counted lost
-                return
-            raise
-        for ref in ready:
+        for ref in self._finished(0):
             cost = self._calls.pop(ref)
             try:
-                no_start(ray.get)(ref, timeout=0)
+                no_start(_ray().get)(ref, timeout=0)
             except Exception as err:  # the target died: the batch is lost
                 self._fail(err)
                 self._lose(cost)
@@ -255,7 +253,8 @@ class _Forwarder:
         try:
             data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
             # what the target adds to its counts if it has to drop the batch whole
-            ref = call_remote(self._target.push, data, len(batch), payloads + dropped, coalesced - merged)
+            lost = (payloads + dropped, coalesced - merged)
+            ref = call_remote(self._target.push, data, len(batch), *lost)
         except Exception as err:
             self._fail(err)
             self._lose(cost)
@@ -266,17 +265,11 @@ class _Forwarder:
 
     def wait(self, deadline: float | None) -> bool:
         """Waits for the calls in flight (flush/close only); whether none is left."""
-        ray = _ray()
         while self._calls:
             left = None if deadline is None else deadline - time.monotonic()
             if (left is not None and left <= 0) or self._ray_down():
                 return False
-            refs = list(self._calls)
-            try:
-                no_start(ray.wait)(refs, num_returns=len(refs), timeout=left)
-            except Exception:
-                if not self._ray_down():
-                    raise
+            self._finished(left)
             self.reap()
         return True
 

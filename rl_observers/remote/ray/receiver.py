@@ -111,12 +111,9 @@ class RayReceiver:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         address = self._address
-        return ingest_class().options(
-            name=address.ingest,
-            namespace=address.namespace,
-            get_if_exists=True,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=self._node, soft=False),
-        ).remote(self._capacity)
+        here = NodeAffinitySchedulingStrategy(node_id=self._node, soft=False)
+        named = dict(name=address.ingest, namespace=address.namespace, get_if_exists=True)
+        return ingest_class().options(**named, scheduling_strategy=here).remote(self._capacity)
 
     def address(self) -> RayAddress:
         if self._address is None:

@@ -61,14 +61,14 @@ class RaySender(Outbox):
         if not _is_address(address):
             raise TypeError(f"RaySender expected a RayAddress, got {address!r}.")
         super().__init__(None, capacity)
-        self.address = RayAddress(*address)
+        address = self.address = RayAddress(*address)
         self._capacity = capacity
         # a buffer half full wakes the sending thread early: at a high rate it would otherwise
         # fill before the next round and every further send would take the merging path
         self._wake_at = max(capacity // 2, 1)
         self._interval = interval
         self._forwarder = _Forwarder(
-            lambda: no_start(_ray().get_actor)(self.address.ingest, namespace=self.address.namespace), in_flight
+            lambda: no_start(_ray().get_actor)(address.ingest, namespace=address.namespace), in_flight
         )
         self._wake = threading.Event()
         # (done, deadline, result) of each flush waiting for the sending thread
