@@ -14,6 +14,9 @@ from torchrl._utils import logger as torchrl_logger
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RL_WARNINGS", "0")
+# Ray starts its workers at niceness 15: on a machine the suite keeps busy, they would wait
+# behind every other process (an actor's start, for tens of seconds) while a test waits on them.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 import rl_observers  # noqa: E402,F401  (installs add_observer on torchrl's classes)
 from tests import helpers  # noqa: E402

@@ -105,7 +105,6 @@ class RayReceiver:
         if background:
             self._thread = threading.Thread(target=self._run, name="rl_observers-ray-ingest", daemon=True)
             self._thread.start()
-            threading.Thread(target=self._watch, name="rl_observers-ray-watch", daemon=True).start()
 
     def _create_ingest(self) -> Any:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -122,17 +121,7 @@ class RayReceiver:
 
     def _run(self) -> None:
         while not self._stop:
-            # bounded: a get that a ray.shutdown() left hanging would hold this thread a minute
             self.drain(DRAIN_WAIT, timeout=DRAIN_WAIT + 1.0)
-
-    def _watch(self) -> None:
-        # calls no Ray: a ray.shutdown() is said at once, while the draining thread may still
-        # wait in a call that shutdown left hanging (seen for a minute, timeout or not)
-        ray = _ray()
-        while not self._stop:
-            time.sleep(DRAIN_WAIT)
-            if not self._stop and self._actor is not None and not ray.is_initialized():
-                self._ray_shut_down()
 
     def poll(self, deadline: float | None) -> None:
         """Accepts what the ingest holds now (flush, step), until ``deadline`` at most."""
@@ -163,13 +152,13 @@ class RayReceiver:
             try:
                 if reply is None:
                     reply = call_remote(actor.drain, DRAIN_BATCH, wait)
-                batches, dropped, coalesced = no_start(ray.get)(reply, timeout=timeout)
+                if not self._answered(reply, timeout):
+                    self._in_flight = reply  # what the ingest handed out is not lost
+                    return 0
+                batches, dropped, coalesced = no_start(ray.get)(reply, timeout=0)
             # the ingest died: start a new one, senders find it by name (SystemExit: Ray's
             # get when ray.shutdown() runs meanwhile)
             except (Exception, SystemExit) as err:
-                if isinstance(err, ray.exceptions.GetTimeoutError):
-                    self._in_flight = reply  # what the ingest handed out is not lost
-                    return 0
                 self.error = err
                 if not ray.is_initialized():  # ray.shutdown() meanwhile
                     self._ray_shut_down()
@@ -204,6 +193,19 @@ class RayReceiver:
             return len(messages)
         finally:
             self._lock.release()
+
+    @staticmethod
+    def _answered(reply: Any, timeout: float | None) -> bool:
+        """Whether ``reply`` is ready within ``timeout``; polled, as a call waiting in Ray can outlive ``ray.shutdown()``."""
+        ready = no_start(_ray().wait)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.001
+        while not ready([reply], timeout=0)[0]:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, 0.01)
+        return True
 
     def _ray_shut_down(self) -> None:
         """Ray was shut down in this process: the transport stops (a new actor would start a new Ray), said once."""
@@ -244,15 +246,13 @@ class RayReceiver:
         self.poll(deadline)
 
     def close(self, deadline: float | None = None) -> None:
-        """Accepts what the ingest holds, then kills it.
-
-        Waits until ``deadline`` (``time.monotonic()``) at most.
-        """
+        """Accepts what the ingest holds, then kills it; waits until ``deadline`` (monotonic) at most."""
         if self._address is None or os.getpid() != self._pid:
             return
         self._stop = True
         thread = self._thread
-        if thread is not None:
+        # with Ray shut down nothing is left to take, and the thread may hang in a call it left
+        if thread is not None and _ray().is_initialized():
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self.poll(deadline)
         self.release()
