@@ -85,6 +85,19 @@ def call_remote(method: Any, *args: Any) -> Any:
     return no_start(type(method)._remote)(method, args, {})
 
 
+def ready_within(refs: list[Any], timeout: float | None) -> list[Any]:
+    """The ``refs`` ready within ``timeout``, polled: a call waiting in Ray can outlive ``ray.shutdown()``."""
+    wait = no_start(_ray().wait)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pause = 0.001
+    while True:
+        ready = wait(refs, num_returns=len(refs), timeout=0)[0]
+        if len(ready) == len(refs) or (deadline is not None and time.monotonic() >= deadline):
+            return ready
+        time.sleep(pause)
+        pause = min(2 * pause, 0.01)
+
+
 def _is_address(address: Any) -> bool:
     return isinstance(address, tuple) and len(address) == 4 and all(isinstance(a, str) for a in address)
 
@@ -195,19 +208,18 @@ class _Forwarder:
 
     def _finished(self, timeout: float | None) -> list[Any]:
         """The calls finished within ``timeout``; none once Ray was shut down (its calls are then counted lost)."""
-        calls = list(self._calls)
         try:
-            return no_start(_ray().wait)(calls, num_returns=len(calls), timeout=timeout)[0]
+            return ready_within(list(self._calls), timeout)
         except Exception:
             if self._ray_down():
                 return []
             raise
 
-    def reap(self) -> None:
-        """Accounts for the calls that finished (never waits)."""
+    def reap(self, timeout: float | None = 0.0) -> None:
+        """Accounts for the calls that finished, waiting ``timeout`` at most for all of them."""
         if not self._calls or self._ray_down():
             return
-        for ref in self._finished(0):
+        for ref in self._finished(timeout):
             cost = self._calls.pop(ref)
             try:
                 no_start(_ray().get)(ref, timeout=0)
@@ -269,8 +281,7 @@ class _Forwarder:
             left = None if deadline is None else deadline - time.monotonic()
             if (left is not None and left <= 0) or self._ray_down():
                 return False
-            self._finished(left)
-            self.reap()
+            self.reap(left)
         return True
 
 

@@ -28,6 +28,7 @@ from rl_observers.remote.ray.ingest import (
     call_remote,
     ingest_class,
     no_start,
+    ready_within,
 )
 
 # torchrl's logger (the same object as torchrl._utils.logger)
@@ -152,7 +153,7 @@ class RayReceiver:
             try:
                 if reply is None:
                     reply = call_remote(actor.drain, DRAIN_BATCH, wait)
-                if not self._answered(reply, timeout):
+                if not ready_within([reply], timeout):
                     self._in_flight = reply  # what the ingest handed out is not lost
                     return 0
                 batches, dropped, coalesced = no_start(ray.get)(reply, timeout=0)
@@ -193,19 +194,6 @@ class RayReceiver:
             return len(messages)
         finally:
             self._lock.release()
-
-    @staticmethod
-    def _answered(reply: Any, timeout: float | None) -> bool:
-        """Whether ``reply`` is ready within ``timeout``; polled, as a call waiting in Ray can outlive ``ray.shutdown()``."""
-        ready = no_start(_ray().wait)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pause = 0.001
-        while not ready([reply], timeout=0)[0]:
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(pause)
-            pause = min(2 * pause, 0.01)
-        return True
 
     def _ray_shut_down(self) -> None:
         """Ray was shut down in this process: the transport stops (a new actor would start a new Ray), said once."""
